@@ -1,0 +1,386 @@
+//! What the worker does with each delivery, decided purely from values.
+//!
+//! The runtime asks three questions in a job's life and executes the [`Disposition`] it
+//! gets back; it never decides on its own whether a job is still worth running.
+//! 1. [`WorkerPolicy::on_receipt`] — the delivery has just arrived.
+//! 2. [`WorkerPolicy::on_slot`] — a model slot is free: the last admission check.
+//! 3. [`WorkerPolicy::on_call_result`] — the model call has returned or timed out.
+
+use crate::admission::{Admission, AdmissionPolicy, Stage};
+use crate::envelope::{Envelope, EnvelopeLimits, RejectError};
+use crate::outcome::State;
+use crate::retry::{RetryDecision, RetryPolicy};
+
+/// What to do with an expired job besides recording it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum ExpiredAction {
+    /// Record `expired_not_started`, then ack (default).
+    #[default]
+    Ack,
+    /// Record `expired_not_started`, then reject to the DLX for quarantine.
+    DeadLetter,
+}
+
+/// A terminal outcome chosen by the core, before the runtime adds timings and results.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Terminal {
+    pub state: State,
+    pub reason: Option<String>,
+}
+
+impl Terminal {
+    fn new(state: State, reason: impl Into<String>) -> Self {
+        Self {
+            state,
+            reason: Some(reason.into()),
+        }
+    }
+}
+
+/// Every case of what happens to a delivery. Terminal cases always record first and only
+/// then settle with the broker; no case requeues.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Disposition {
+    /// Durably record the outcome, then ack.
+    RecordThenAck(Terminal),
+    /// Durably record the outcome, then reject without requeue (to the DLX).
+    RecordThenDeadLetter(Terminal),
+    /// A redelivery of a job whose outcome is already recorded: ack without running it.
+    AckDuplicate,
+    /// Keep the job in the bounded local buffer until a model slot is free.
+    WaitForSlot,
+    /// Start the model call now; `budget_ms` bounds the call's local timeout.
+    Run { budget_ms: u64 },
+    /// Publish a retry with confirm, record the attempt, then ack this delivery.
+    Retry {
+        next_attempt: u32,
+        queue_index: usize,
+        delay_ms: u64,
+        ttl_ms: u64,
+    },
+}
+
+/// How a model call ended, as the runtime observed it.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CallResult {
+    Completed,
+    /// The call was still running at the deadline and was cancelled.
+    DeadlineExceeded,
+    /// The backend reported an error.
+    Failed {
+        retryable: bool,
+        reason: String,
+    },
+}
+
+/// What the runtime knows about a delivery besides its body.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReceiptFacts {
+    /// The ledger already holds a terminal outcome for this job id.
+    pub already_recorded: bool,
+    /// Model calls already started for this job (ledger attempt rows), over all deliveries.
+    pub prior_starts: u32,
+}
+
+/// The worker's whole decision policy.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WorkerPolicy {
+    pub admission: AdmissionPolicy,
+    pub limits: EnvelopeLimits,
+    pub expired_action: ExpiredAction,
+    pub retry: RetryPolicy,
+    /// Model calls started for one job after which another start is refused as poison
+    /// (the worker may have crashed inside each of them).
+    pub max_starts: u32,
+}
+
+impl Default for WorkerPolicy {
+    fn default() -> Self {
+        Self {
+            admission: AdmissionPolicy::default(),
+            limits: EnvelopeLimits::default(),
+            expired_action: ExpiredAction::Ack,
+            retry: RetryPolicy::default(),
+            max_starts: 5,
+        }
+    }
+}
+
+impl WorkerPolicy {
+    fn expired(&self, reason: String) -> Disposition {
+        let t = Terminal::new(State::ExpiredNotStarted, reason);
+        match self.expired_action {
+            ExpiredAction::Ack => Disposition::RecordThenAck(t),
+            ExpiredAction::DeadLetter => Disposition::RecordThenDeadLetter(t),
+        }
+    }
+
+    /// The delivery has just arrived.
+    pub fn on_receipt(
+        &self,
+        parsed: &Result<Envelope, RejectError>,
+        facts: ReceiptFacts,
+        now_ms: i64,
+    ) -> Disposition {
+        let env = match parsed {
+            Err(e) => {
+                return Disposition::RecordThenDeadLetter(Terminal::new(
+                    State::Rejected,
+                    e.reason.as_str(),
+                ));
+            }
+            Ok(env) => env,
+        };
+        if facts.already_recorded {
+            return Disposition::AckDuplicate;
+        }
+        if facts.prior_starts >= self.max_starts {
+            return Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "poison"));
+        }
+        match self
+            .admission
+            .check(env.deadline(), env.min_runtime_ms, now_ms)
+        {
+            Admission::Refuse { refusal, .. } => self.expired(refusal.reason(Stage::Receipt)),
+            Admission::Admit { .. } => Disposition::WaitForSlot,
+        }
+    }
+
+    /// A model slot is free: the last admission check, immediately before the call.
+    pub fn on_slot(&self, env: &Envelope, now_ms: i64) -> Disposition {
+        match self
+            .admission
+            .check(env.deadline(), env.min_runtime_ms, now_ms)
+        {
+            Admission::Refuse { refusal, .. } => self.expired(refusal.reason(Stage::Admission)),
+            Admission::Admit { budget_ms } => Disposition::Run { budget_ms },
+        }
+    }
+
+    /// The model call of `attempt` (0-based) has ended.
+    pub fn on_call_result(
+        &self,
+        env: &Envelope,
+        attempt: u32,
+        result: &CallResult,
+        now_ms: i64,
+        jitter: f64,
+    ) -> Disposition {
+        match result {
+            CallResult::Completed => Disposition::RecordThenAck(Terminal {
+                state: State::Completed,
+                reason: None,
+            }),
+            CallResult::DeadlineExceeded => Disposition::RecordThenAck(Terminal::new(
+                State::DeadlineExceeded,
+                "cancelled_at_deadline",
+            )),
+            CallResult::Failed {
+                retryable: false,
+                reason,
+            } => Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, reason.clone())),
+            CallResult::Failed {
+                retryable: true, ..
+            } => {
+                match self.retry.decide(
+                    attempt,
+                    env.deadline(),
+                    env.min_runtime_ms,
+                    &self.admission,
+                    now_ms,
+                    jitter,
+                ) {
+                    RetryDecision::Retry {
+                        next_attempt,
+                        queue_index,
+                        delay_ms,
+                        ttl_ms,
+                    } => Disposition::Retry {
+                        next_attempt,
+                        queue_index,
+                        delay_ms,
+                        ttl_ms,
+                    },
+                    RetryDecision::WouldOvershoot { .. } => {
+                        self.expired(format!("{}:would_overshoot", Stage::Retry.as_str()))
+                    }
+                    RetryDecision::Exhausted => Disposition::RecordThenDeadLetter(Terminal::new(
+                        State::Failed,
+                        "retries_exhausted",
+                    )),
+                }
+            }
+        }
+    }
+}
+
+/// The refusal reason used when the clock's sync state forbids admission.
+pub fn clock_unsynced_reason() -> String {
+    format!("{}:clock_unsynchronized", Stage::Admission.as_str())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::deadline::Deadline;
+    use crate::ids::{JobId, Kind};
+    use proptest::prelude::*;
+    use serde_json::Map;
+
+    fn env(expires: i64) -> Envelope {
+        Envelope::new(
+            JobId::parse("j").unwrap(),
+            Kind::parse("k").unwrap(),
+            Deadline::new(0, expires),
+            None,
+            None,
+            Map::new(),
+        )
+    }
+
+    fn policy() -> WorkerPolicy {
+        WorkerPolicy {
+            admission: AdmissionPolicy {
+                clock_uncertainty_ms: 100,
+                default_min_runtime_ms: 0,
+            },
+            ..WorkerPolicy::default()
+        }
+    }
+
+    #[test]
+    fn receipt_cases() {
+        let p = policy();
+        let ok = Ok(env(10_000));
+        assert_eq!(
+            p.on_receipt(&ok, ReceiptFacts::default(), 1_000),
+            Disposition::WaitForSlot
+        );
+        assert_eq!(
+            p.on_receipt(
+                &ok,
+                ReceiptFacts {
+                    already_recorded: true,
+                    prior_starts: 0
+                },
+                1_000
+            ),
+            Disposition::AckDuplicate
+        );
+        assert_eq!(
+            p.on_receipt(&ok, ReceiptFacts::default(), 9_950),
+            Disposition::RecordThenAck(Terminal::new(
+                State::ExpiredNotStarted,
+                "receipt:deadline_passed"
+            ))
+        );
+        assert_eq!(
+            p.on_receipt(
+                &ok,
+                ReceiptFacts {
+                    already_recorded: false,
+                    prior_starts: 5
+                },
+                0
+            ),
+            Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "poison"))
+        );
+        let bad = Envelope::parse(b"nope", &EnvelopeLimits::default(), 0);
+        assert_eq!(
+            p.on_receipt(&bad, ReceiptFacts::default(), 0),
+            Disposition::RecordThenDeadLetter(Terminal::new(State::Rejected, "invalid_json"))
+        );
+    }
+
+    #[test]
+    fn slot_and_expired_action() {
+        let mut p = policy();
+        assert_eq!(
+            p.on_slot(&env(10_080), 10_000),
+            p.expired("admission:deadline_passed".into())
+        );
+        assert_eq!(
+            p.on_slot(&env(10_200), 10_000),
+            Disposition::Run { budget_ms: 100 }
+        );
+        p.expired_action = ExpiredAction::DeadLetter;
+        assert!(matches!(
+            p.on_slot(&env(0), 10),
+            Disposition::RecordThenDeadLetter(_)
+        ));
+    }
+
+    #[test]
+    fn call_results() {
+        let p = policy();
+        let e = env(100_000);
+        assert!(matches!(
+            p.on_call_result(&e, 0, &CallResult::Completed, 0, 0.5),
+            Disposition::RecordThenAck(Terminal {
+                state: State::Completed,
+                ..
+            })
+        ));
+        assert!(matches!(
+            p.on_call_result(&e, 0, &CallResult::DeadlineExceeded, 0, 0.5),
+            Disposition::RecordThenAck(Terminal {
+                state: State::DeadlineExceeded,
+                ..
+            })
+        ));
+        let terminal = CallResult::Failed {
+            retryable: false,
+            reason: "http_400".into(),
+        };
+        assert_eq!(
+            p.on_call_result(&e, 0, &terminal, 0, 0.5),
+            Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "http_400"))
+        );
+        let retryable = CallResult::Failed {
+            retryable: true,
+            reason: "http_503".into(),
+        };
+        assert!(matches!(
+            p.on_call_result(&e, 0, &retryable, 0, 0.5),
+            Disposition::Retry {
+                next_attempt: 1,
+                ..
+            }
+        ));
+        assert_eq!(
+            p.on_call_result(&e, 2, &retryable, 0, 0.5),
+            Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "retries_exhausted"))
+        );
+        assert_eq!(
+            p.on_call_result(&env(1_500), 0, &retryable, 1_000, 0.5),
+            p.expired("retry:would_overshoot".into())
+        );
+    }
+
+    proptest! {
+        /// No path runs or retries a job that the admission rule would refuse, and nothing
+        /// returned carries a changed deadline: the envelope is only ever borrowed.
+        #[test]
+        fn no_transition_runs_stale_work(expires in 0i64..100_000, now in 0i64..100_000, unc in 0u64..1_000, min_rt in 0u64..1_000, attempt in 0u32..4, jitter in 0.0f64..1.0) {
+            let p = WorkerPolicy {
+                admission: AdmissionPolicy { clock_uncertainty_ms: unc, default_min_runtime_ms: min_rt },
+                ..WorkerPolicy::default()
+            };
+            let e = env(expires);
+            let before = e.clone();
+            if let Disposition::Run { budget_ms } = p.on_slot(&e, now) {
+                prop_assert!(now + unc as i64 + min_rt as i64 <= expires);
+                prop_assert!(now + budget_ms as i64 <= expires);
+            }
+            if p.on_receipt(&Ok(e.clone()), ReceiptFacts::default(), now) == Disposition::WaitForSlot {
+                prop_assert!(now + unc as i64 + (min_rt as i64) <= expires);
+            }
+            let r = CallResult::Failed { retryable: true, reason: "x".into() };
+            if let Disposition::Retry { delay_ms, ttl_ms, .. } = p.on_call_result(&e, attempt, &r, now, jitter) {
+                prop_assert!(now + delay_ms as i64 + unc as i64 + min_rt as i64 <= expires);
+                prop_assert!(ttl_ms as i64 <= expires - now);
+            }
+            prop_assert_eq!(e, before);
+        }
+    }
+}

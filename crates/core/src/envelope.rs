@@ -1,0 +1,529 @@
+//! The v1 job envelope (CONTRACT §1): parsing and validation.
+//!
+//! Validation reports a [`RejectError`] whose `reason` is a stable code for the ledger and
+//! whose `field` names the offending field, so a producer can fix its input.
+
+use crate::deadline::Deadline;
+use crate::ids::{JobId, Kind};
+use serde_json::{Map, Value};
+use std::fmt;
+
+/// The only schema version this build understands.
+pub const SCHEMA_VERSION: i64 = 1;
+
+/// Stable reason codes of a `rejected` outcome.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum RejectReason {
+    InvalidJson,
+    NotAnObject,
+    MissingField,
+    InvalidField,
+    UnsupportedSchema,
+    InvalidDeadline,
+    DeadlineBeyondHorizon,
+    MessageTooLarge,
+    BadSignature,
+}
+
+impl RejectReason {
+    pub const fn as_str(self) -> &'static str {
+        match self {
+            RejectReason::InvalidJson => "invalid_json",
+            RejectReason::NotAnObject => "not_an_object",
+            RejectReason::MissingField => "missing_field",
+            RejectReason::InvalidField => "invalid_field",
+            RejectReason::UnsupportedSchema => "unsupported_schema",
+            RejectReason::InvalidDeadline => "invalid_deadline",
+            RejectReason::DeadlineBeyondHorizon => "deadline_beyond_horizon",
+            RejectReason::MessageTooLarge => "message_too_large",
+            RejectReason::BadSignature => "bad_signature",
+        }
+    }
+}
+
+/// Why an envelope was refused: a reason code, the field it concerns, and a message.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RejectError {
+    pub reason: RejectReason,
+    /// The envelope field at fault, when there is one.
+    pub field: Option<&'static str>,
+    pub message: String,
+    /// The job id, when the body carried a valid one (so the ledger can key the rejection).
+    pub job_id: Option<JobId>,
+}
+
+impl RejectError {
+    fn new(reason: RejectReason, field: Option<&'static str>, message: impl Into<String>) -> Self {
+        Self {
+            reason,
+            field,
+            message: message.into(),
+            job_id: None,
+        }
+    }
+
+    /// A body larger than the worker's or ingress's limit.
+    pub fn too_large(size: usize, max: usize) -> Self {
+        Self::new(
+            RejectReason::MessageTooLarge,
+            None,
+            format!("message of {size} bytes exceeds the limit of {max} bytes"),
+        )
+    }
+}
+
+impl fmt::Display for RejectError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.field {
+            Some(field) => write!(f, "{} ({field}): {}", self.reason.as_str(), self.message),
+            None => write!(f, "{}: {}", self.reason.as_str(), self.message),
+        }
+    }
+}
+
+impl std::error::Error for RejectError {}
+
+/// Limits applied while parsing; the defaults match the contract.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct EnvelopeLimits {
+    /// The farthest `expires_at_ms` may lie after `created_at_ms` (and after `now`).
+    pub horizon_ms: i64,
+    /// The largest body accepted, in bytes.
+    pub max_body_bytes: usize,
+}
+
+impl Default for EnvelopeLimits {
+    fn default() -> Self {
+        Self {
+            horizon_ms: 24 * 60 * 60 * 1000,
+            max_body_bytes: 1024 * 1024,
+        }
+    }
+}
+
+/// A validated v1 envelope. Fields are private where they carry invariants.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Envelope {
+    job_id: JobId,
+    kind: Kind,
+    deadline: Deadline,
+    /// The producer's minimum useful runtime, if it set one.
+    pub min_runtime_ms: Option<u64>,
+    pub trace_id: Option<String>,
+    /// Kind-specific input, always a JSON object.
+    pub payload: Map<String, Value>,
+    /// Unknown fields, kept so a re-serialized envelope loses nothing.
+    pub extra: Map<String, Value>,
+}
+
+impl Envelope {
+    /// Build a fresh envelope at a trusted ingress.
+    pub fn new(
+        job_id: JobId,
+        kind: Kind,
+        deadline: Deadline,
+        min_runtime_ms: Option<u64>,
+        trace_id: Option<String>,
+        payload: Map<String, Value>,
+    ) -> Self {
+        Self {
+            job_id,
+            kind,
+            deadline,
+            min_runtime_ms,
+            trace_id,
+            payload,
+            extra: Map::new(),
+        }
+    }
+
+    pub fn job_id(&self) -> &JobId {
+        &self.job_id
+    }
+
+    pub fn kind(&self) -> &Kind {
+        &self.kind
+    }
+
+    pub fn deadline(&self) -> Deadline {
+        self.deadline
+    }
+
+    /// Parse and validate a message body. `now_ms` is used for the horizon rule only; the
+    /// "already expired" decision belongs to [`crate::admission`].
+    pub fn parse(body: &[u8], limits: &EnvelopeLimits, now_ms: i64) -> Result<Self, RejectError> {
+        if body.len() > limits.max_body_bytes {
+            return Err(RejectError::too_large(body.len(), limits.max_body_bytes));
+        }
+        let value: Value = serde_json::from_slice(body).map_err(|e| {
+            RejectError::new(
+                RejectReason::InvalidJson,
+                None,
+                format!("body is not valid JSON: {e}"),
+            )
+        })?;
+        let Value::Object(mut obj) = value else {
+            return Err(RejectError::new(
+                RejectReason::NotAnObject,
+                None,
+                "body must be a JSON object",
+            ));
+        };
+        // The job id first, so every later rejection can be keyed by it.
+        let job_id = match obj.remove("job_id") {
+            None => return Err(missing("job_id")),
+            Some(Value::String(s)) => JobId::parse(&s)
+                .map_err(|e| RejectError::new(RejectReason::InvalidField, Some("job_id"), e.0))?,
+            Some(_) => return Err(invalid("job_id", "must be a string")),
+        };
+        let with_id = |mut e: RejectError| {
+            e.job_id = Some(job_id.clone());
+            e
+        };
+        Self::parse_rest(job_id.clone(), obj, limits, now_ms).map_err(with_id)
+    }
+
+    fn parse_rest(
+        job_id: JobId,
+        mut obj: Map<String, Value>,
+        limits: &EnvelopeLimits,
+        now_ms: i64,
+    ) -> Result<Self, RejectError> {
+        match obj.remove("schema_version") {
+            None => return Err(missing("schema_version")),
+            Some(v) if v.as_i64() == Some(SCHEMA_VERSION) => {}
+            Some(v) => {
+                return Err(RejectError::new(
+                    RejectReason::UnsupportedSchema,
+                    Some("schema_version"),
+                    format!(
+                        "schema_version {v} is not supported; this build understands {SCHEMA_VERSION}"
+                    ),
+                ));
+            }
+        }
+        let kind = match obj.remove("kind") {
+            None => return Err(missing("kind")),
+            Some(Value::String(s)) => Kind::parse(&s)
+                .map_err(|e| RejectError::new(RejectReason::InvalidField, Some("kind"), e.0))?,
+            Some(_) => return Err(invalid("kind", "must be a string")),
+        };
+        let created_at_ms = match obj.remove("created_at_ms") {
+            None => return Err(missing("created_at_ms")),
+            Some(v) => v.as_i64().filter(|n| *n >= 0).ok_or_else(|| {
+                invalid(
+                    "created_at_ms",
+                    "must be a non-negative integer (ms since the Unix epoch)",
+                )
+            })?,
+        };
+        let expires_at_ms = match obj.remove("expires_at_ms") {
+            None => {
+                return Err(RejectError::new(
+                    RejectReason::InvalidDeadline,
+                    Some("expires_at_ms"),
+                    "missing required field",
+                ));
+            }
+            Some(v) => v.as_i64().filter(|n| *n >= 0).ok_or_else(|| {
+                RejectError::new(
+                    RejectReason::InvalidDeadline,
+                    Some("expires_at_ms"),
+                    "must be a non-negative integer (ms since the Unix epoch)",
+                )
+            })?,
+        };
+        if expires_at_ms < created_at_ms {
+            return Err(RejectError::new(
+                RejectReason::InvalidDeadline,
+                Some("expires_at_ms"),
+                format!("deadline {expires_at_ms} lies before created_at_ms {created_at_ms}"),
+            ));
+        }
+        let horizon = limits.horizon_ms;
+        if expires_at_ms - created_at_ms > horizon || expires_at_ms.saturating_sub(now_ms) > horizon
+        {
+            return Err(RejectError::new(
+                RejectReason::DeadlineBeyondHorizon,
+                Some("expires_at_ms"),
+                format!("deadline lies more than the horizon of {horizon} ms ahead"),
+            ));
+        }
+        let min_runtime_ms = match obj.remove("min_runtime_ms") {
+            None | Some(Value::Null) => None,
+            Some(v) => Some(v.as_u64().filter(|n| *n as i64 <= horizon).ok_or_else(|| {
+                invalid(
+                    "min_runtime_ms",
+                    "must be a non-negative integer no larger than the horizon",
+                )
+            })?),
+        };
+        let trace_id = match obj.remove("trace_id") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) if s.len() <= 256 => Some(s),
+            Some(_) => return Err(invalid("trace_id", "must be a string of at most 256 bytes")),
+        };
+        let payload = match obj.remove("payload") {
+            None => return Err(missing("payload")),
+            Some(Value::Object(p)) => p,
+            Some(_) => return Err(invalid("payload", "must be a JSON object")),
+        };
+        Ok(Self {
+            job_id,
+            kind,
+            deadline: Deadline::new(created_at_ms, expires_at_ms),
+            min_runtime_ms,
+            trace_id,
+            payload,
+            extra: obj,
+        })
+    }
+
+    /// Serialize to the wire format. Unknown fields are written back unchanged.
+    pub fn to_json(&self) -> Value {
+        let mut obj = self.extra.clone();
+        obj.insert("schema_version".into(), SCHEMA_VERSION.into());
+        obj.insert("job_id".into(), self.job_id.as_str().into());
+        obj.insert("kind".into(), self.kind.as_str().into());
+        obj.insert("created_at_ms".into(), self.deadline.created_at_ms().into());
+        obj.insert("expires_at_ms".into(), self.deadline.expires_at_ms().into());
+        if let Some(m) = self.min_runtime_ms {
+            obj.insert("min_runtime_ms".into(), m.into());
+        }
+        if let Some(t) = &self.trace_id {
+            obj.insert("trace_id".into(), t.clone().into());
+        }
+        obj.insert("payload".into(), Value::Object(self.payload.clone()));
+        Value::Object(obj)
+    }
+
+    pub fn to_bytes(&self) -> Vec<u8> {
+        serde_json::to_vec(&self.to_json()).expect("a JSON value always serializes")
+    }
+}
+
+fn missing(field: &'static str) -> RejectError {
+    RejectError::new(
+        RejectReason::MissingField,
+        Some(field),
+        "missing required field",
+    )
+}
+
+fn invalid(field: &'static str, msg: &str) -> RejectError {
+    RejectError::new(RejectReason::InvalidField, Some(field), msg)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+    use serde_json::json;
+
+    const NOW: i64 = 1_800_000_000_000;
+
+    fn good() -> Value {
+        json!({
+            "schema_version": 1,
+            "job_id": "job-1",
+            "kind": "incident.summary",
+            "created_at_ms": NOW,
+            "expires_at_ms": NOW + 5_000,
+            "payload": {"messages": [{"role": "user", "content": "hi"}]},
+            "extra_field": {"kept": true}
+        })
+    }
+
+    fn parse(v: &Value) -> Result<Envelope, RejectError> {
+        Envelope::parse(
+            &serde_json::to_vec(v).unwrap(),
+            &EnvelopeLimits::default(),
+            NOW,
+        )
+    }
+
+    fn with(field: &str, value: Value) -> Value {
+        let mut v = good();
+        v[field] = value;
+        v
+    }
+
+    fn without(field: &str) -> Value {
+        let mut v = good();
+        v.as_object_mut().unwrap().remove(field);
+        v
+    }
+
+    #[test]
+    fn parses_a_good_envelope_and_keeps_extra_fields() {
+        let e = parse(&good()).unwrap();
+        assert_eq!(e.job_id().as_str(), "job-1");
+        assert_eq!(e.deadline().expires_at_ms(), NOW + 5_000);
+        assert_eq!(e.extra["extra_field"], json!({"kept": true}));
+        let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), NOW).unwrap();
+        assert_eq!(again, e);
+    }
+
+    #[test]
+    fn every_reason_names_its_field() {
+        let cases: Vec<(Value, RejectReason, Option<&str>)> = vec![
+            (
+                without("job_id"),
+                RejectReason::MissingField,
+                Some("job_id"),
+            ),
+            (
+                with("job_id", json!("a b")),
+                RejectReason::InvalidField,
+                Some("job_id"),
+            ),
+            (
+                with("job_id", json!(7)),
+                RejectReason::InvalidField,
+                Some("job_id"),
+            ),
+            (
+                without("schema_version"),
+                RejectReason::MissingField,
+                Some("schema_version"),
+            ),
+            (
+                with("schema_version", json!(2)),
+                RejectReason::UnsupportedSchema,
+                Some("schema_version"),
+            ),
+            (without("kind"), RejectReason::MissingField, Some("kind")),
+            (
+                with("kind", json!("Upper")),
+                RejectReason::InvalidField,
+                Some("kind"),
+            ),
+            (
+                without("created_at_ms"),
+                RejectReason::MissingField,
+                Some("created_at_ms"),
+            ),
+            (
+                with("created_at_ms", json!("soon")),
+                RejectReason::InvalidField,
+                Some("created_at_ms"),
+            ),
+            (
+                without("expires_at_ms"),
+                RejectReason::InvalidDeadline,
+                Some("expires_at_ms"),
+            ),
+            (
+                with("expires_at_ms", json!(-5)),
+                RejectReason::InvalidDeadline,
+                Some("expires_at_ms"),
+            ),
+            (
+                with("expires_at_ms", json!(1.5)),
+                RejectReason::InvalidDeadline,
+                Some("expires_at_ms"),
+            ),
+            (
+                with("expires_at_ms", json!(NOW - 1)),
+                RejectReason::InvalidDeadline,
+                Some("expires_at_ms"),
+            ),
+            (
+                with("expires_at_ms", json!(NOW + 25 * 3_600_000)),
+                RejectReason::DeadlineBeyondHorizon,
+                Some("expires_at_ms"),
+            ),
+            (
+                with("min_runtime_ms", json!(-1)),
+                RejectReason::InvalidField,
+                Some("min_runtime_ms"),
+            ),
+            (
+                with("trace_id", json!(5)),
+                RejectReason::InvalidField,
+                Some("trace_id"),
+            ),
+            (
+                without("payload"),
+                RejectReason::MissingField,
+                Some("payload"),
+            ),
+            (
+                with("payload", json!("text")),
+                RejectReason::InvalidField,
+                Some("payload"),
+            ),
+        ];
+        for (v, reason, field) in cases {
+            let err = parse(&v).unwrap_err();
+            assert_eq!((err.reason, err.field), (reason, field), "{v}");
+            if let Some(f) = field {
+                assert!(err.to_string().contains(f), "{err}");
+            }
+        }
+    }
+
+    #[test]
+    fn rejections_after_the_id_carry_the_id() {
+        let err = parse(&without("payload")).unwrap_err();
+        assert_eq!(err.job_id.unwrap().as_str(), "job-1");
+        assert!(parse(&without("job_id")).unwrap_err().job_id.is_none());
+    }
+
+    #[test]
+    fn non_json_and_non_objects() {
+        let l = EnvelopeLimits::default();
+        assert_eq!(
+            Envelope::parse(b"{oops", &l, NOW).unwrap_err().reason,
+            RejectReason::InvalidJson
+        );
+        assert_eq!(
+            Envelope::parse(b"[1]", &l, NOW).unwrap_err().reason,
+            RejectReason::NotAnObject
+        );
+        let small = EnvelopeLimits {
+            max_body_bytes: 10,
+            ..l
+        };
+        assert_eq!(
+            Envelope::parse(&serde_json::to_vec(&good()).unwrap(), &small, NOW)
+                .unwrap_err()
+                .reason,
+            RejectReason::MessageTooLarge
+        );
+    }
+
+    #[test]
+    fn horizon_also_applies_against_now() {
+        // A producer cannot extend its horizon by lying about created_at_ms.
+        let v = json!({
+            "schema_version": 1, "job_id": "x", "kind": "k",
+            "created_at_ms": NOW + 30 * 3_600_000,
+            "expires_at_ms": NOW + 30 * 3_600_000 + 1_000,
+            "payload": {}
+        });
+        assert_eq!(
+            parse(&v).unwrap_err().reason,
+            RejectReason::DeadlineBeyondHorizon
+        );
+    }
+
+    proptest! {
+        #[test]
+        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
+            let _ = Envelope::parse(&bytes, &EnvelopeLimits::default(), NOW);
+        }
+
+        #[test]
+        fn round_trip_keeps_the_deadline(budget in 0i64..86_400_000, created in 0i64..NOW) {
+            let mut v = good();
+            v["created_at_ms"] = json!(created);
+            v["expires_at_ms"] = json!(created + budget);
+            if let Ok(e) = Envelope::parse(&serde_json::to_vec(&v).unwrap(), &EnvelopeLimits::default(), created) {
+                let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), created).unwrap();
+                prop_assert_eq!(again.deadline(), e.deadline());
+                prop_assert_eq!(again.deadline().expires_at_ms(), created + budget);
+            }
+        }
+    }
+}

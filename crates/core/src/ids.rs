@@ -1,0 +1,110 @@
+//! Identifier newtypes: a value of these types has passed the contract's character rules.
+
+use std::fmt;
+
+/// A job id: 1–128 chars of `[A-Za-z0-9._:-]`, stable for the job's whole life.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct JobId(String);
+
+/// A job kind: 1–64 chars of `[a-z0-9._-]`; selects the model route.
+#[derive(Debug, Clone, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct Kind(String);
+
+/// Why an identifier was refused; the message is shown to the caller as-is.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct IdError(pub &'static str);
+
+impl JobId {
+    /// The longest job id the contract allows.
+    pub const MAX_LEN: usize = 128;
+
+    pub fn parse(s: &str) -> Result<Self, IdError> {
+        if s.is_empty() || s.len() > Self::MAX_LEN {
+            return Err(IdError("must be 1-128 characters long"));
+        }
+        if !s
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || matches!(b, b'.' | b'_' | b':' | b'-'))
+        {
+            return Err(IdError("may only contain the characters [A-Za-z0-9._:-]"));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl Kind {
+    /// The longest kind the contract allows.
+    pub const MAX_LEN: usize = 64;
+
+    pub fn parse(s: &str) -> Result<Self, IdError> {
+        if s.is_empty() || s.len() > Self::MAX_LEN {
+            return Err(IdError("must be 1-64 characters long"));
+        }
+        if !s.bytes().all(|b| {
+            b.is_ascii_lowercase() || b.is_ascii_digit() || matches!(b, b'.' | b'_' | b'-')
+        }) {
+            return Err(IdError("may only contain the characters [a-z0-9._-]"));
+        }
+        Ok(Self(s.to_owned()))
+    }
+
+    pub fn as_str(&self) -> &str {
+        &self.0
+    }
+}
+
+impl fmt::Display for JobId {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+impl fmt::Display for Kind {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.0)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn job_id_rules() {
+        assert!(JobId::parse("a").is_ok());
+        assert!(JobId::parse("inc-2026:11.30_x").is_ok());
+        assert!(JobId::parse("").is_err());
+        assert!(JobId::parse(&"a".repeat(129)).is_err());
+        assert!(JobId::parse(&"a".repeat(128)).is_ok());
+        assert!(JobId::parse("a b").is_err());
+        assert!(JobId::parse("ä").is_err());
+    }
+
+    #[test]
+    fn kind_rules() {
+        assert!(Kind::parse("incident.summary").is_ok());
+        assert!(Kind::parse("Incident").is_err());
+        assert!(Kind::parse("a:b").is_err());
+        assert!(Kind::parse(&"k".repeat(65)).is_err());
+    }
+
+    proptest! {
+        #[test]
+        fn valid_job_ids_round_trip(s in "[A-Za-z0-9._:-]{1,128}") {
+            let id = JobId::parse(&s).unwrap();
+            prop_assert_eq!(id.as_str(), s.as_str());
+        }
+
+        #[test]
+        fn job_ids_with_other_chars_are_refused(a in "[A-Za-z0-9]{0,10}", c in "[^A-Za-z0-9._:-]", b in "[A-Za-z0-9]{0,10}") {
+            let s = format!("{a}{c}{b}");
+            prop_assert!(JobId::parse(&s).is_err());
+        }
+    }
+}

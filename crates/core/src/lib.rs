@@ -1,0 +1,33 @@
+//! The pure deadline core of lastcall.
+//!
+//! Nothing in this crate performs IO or reads a clock: every function that needs the
+//! current time takes `now_ms` as an argument. This is what makes the deadline rules
+//! property-testable, and what lets the worker, the publisher, the dead-letter processor
+//! and the benchmarks share exactly one definition of "too late".
+//!
+//! # Layout
+//! - [`ids`]: `JobId` and `Kind`, parsed once at the edge.
+//! - [`envelope`]: the v1 job envelope (CONTRACT §1) with validation reasons that name the field.
+//! - [`deadline`]: the immutable absolute deadline, the remaining budget and the broker TTL.
+//! - [`admission`]: the last admission check before a model call.
+//! - [`retry`]: exponential backoff with jitter, clipped to the deadline.
+//! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
+//! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
+
+pub mod admission;
+pub mod deadline;
+pub mod disposition;
+pub mod envelope;
+pub mod ids;
+pub mod outcome;
+pub mod retry;
+
+pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};
+pub use deadline::Deadline;
+pub use disposition::{
+    CallResult, Disposition, ExpiredAction, ReceiptFacts, Terminal, WorkerPolicy,
+};
+pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
+pub use ids::{JobId, Kind};
+pub use outcome::State;
+pub use retry::{RetryDecision, RetryPolicy};

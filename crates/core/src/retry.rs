@@ -1,0 +1,184 @@
+//! Retries inside the deadline: exponential backoff with jitter, mapped onto fixed-delay
+//! retry queues and clipped so that no retry is published that could not start in time.
+
+use crate::admission::AdmissionPolicy;
+use crate::deadline::Deadline;
+
+/// Retry settings. Validated by [`RetryPolicy::new`].
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RetryPolicy {
+    /// Total attempts allowed, counting the first one.
+    pub max_attempts: u32,
+    /// Backoff before the first retry; doubles per attempt.
+    pub base_delay_ms: u64,
+    /// The fixed delays of the retry queues, ascending (e.g. 1 s, 5 s, 30 s).
+    pub queue_delays_ms: Vec<u64>,
+}
+
+/// Why a policy could not be built.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RetryPolicyError {
+    #[error("max attempts must be at least 1")]
+    NoAttempts,
+    #[error("at least one retry queue delay is needed")]
+    NoQueues,
+    #[error("retry queue delays must be positive and strictly ascending, got {0:?}")]
+    NotAscending(Vec<u64>),
+}
+
+impl Default for RetryPolicy {
+    fn default() -> Self {
+        Self {
+            max_attempts: 3,
+            base_delay_ms: 1_000,
+            queue_delays_ms: vec![1_000, 5_000, 30_000],
+        }
+    }
+}
+
+/// What to do after a retryable failure of `attempt` (0-based).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum RetryDecision {
+    /// Publish to the retry queue with this index; `ttl_ms` is the remaining budget now.
+    Retry {
+        next_attempt: u32,
+        queue_index: usize,
+        delay_ms: u64,
+        ttl_ms: u64,
+    },
+    /// The backoff plus minimum runtime would overshoot the deadline: the retry is not made.
+    WouldOvershoot { delay_ms: u64 },
+    /// All attempts are used up.
+    Exhausted,
+}
+
+impl RetryPolicy {
+    pub fn new(
+        max_attempts: u32,
+        base_delay_ms: u64,
+        queue_delays_ms: Vec<u64>,
+    ) -> Result<Self, RetryPolicyError> {
+        if max_attempts == 0 {
+            return Err(RetryPolicyError::NoAttempts);
+        }
+        if queue_delays_ms.is_empty() {
+            return Err(RetryPolicyError::NoQueues);
+        }
+        if queue_delays_ms[0] == 0 || queue_delays_ms.windows(2).any(|w| w[0] >= w[1]) {
+            return Err(RetryPolicyError::NotAscending(queue_delays_ms));
+        }
+        Ok(Self {
+            max_attempts,
+            base_delay_ms,
+            queue_delays_ms,
+        })
+    }
+
+    /// The backoff wanted before retry number `attempt + 1`: `base · 2^attempt`, scaled by
+    /// `jitter` in `[0, 1)` to `[0.5, 1.5)` of that value ("equal jitter").
+    pub fn backoff_ms(&self, attempt: u32, jitter: f64) -> u64 {
+        let exp = self.base_delay_ms.saturating_mul(1u64 << attempt.min(30));
+        let j = jitter.clamp(0.0, 0.999_999);
+        (exp as f64 * (0.5 + j)) as u64
+    }
+
+    /// The retry queue for a wanted backoff: the shortest fixed delay at least as long,
+    /// else the longest queue.
+    pub fn queue_for(&self, backoff_ms: u64) -> usize {
+        self.queue_delays_ms
+            .iter()
+            .position(|d| *d >= backoff_ms)
+            .unwrap_or(self.queue_delays_ms.len() - 1)
+    }
+
+    /// Decide the retry after a retryable failure of attempt `attempt` at `now_ms`.
+    pub fn decide(
+        &self,
+        attempt: u32,
+        deadline: Deadline,
+        min_runtime_ms: Option<u64>,
+        admission: &AdmissionPolicy,
+        now_ms: i64,
+        jitter: f64,
+    ) -> RetryDecision {
+        if attempt + 1 >= self.max_attempts {
+            return RetryDecision::Exhausted;
+        }
+        let queue_index = self.queue_for(self.backoff_ms(attempt, jitter));
+        let delay_ms = self.queue_delays_ms[queue_index];
+        let start_at = now_ms.saturating_add(delay_ms as i64);
+        if !admission
+            .check(deadline, min_runtime_ms, start_at)
+            .is_admitted()
+        {
+            return RetryDecision::WouldOvershoot { delay_ms };
+        }
+        match deadline.broker_ttl_ms(now_ms) {
+            Some(ttl_ms) => RetryDecision::Retry {
+                next_attempt: attempt + 1,
+                queue_index,
+                delay_ms,
+                ttl_ms,
+            },
+            None => RetryDecision::WouldOvershoot { delay_ms },
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
+    #[test]
+    fn constructor_validates() {
+        assert!(RetryPolicy::new(0, 1, vec![1]).is_err());
+        assert!(RetryPolicy::new(1, 1, vec![]).is_err());
+        assert!(RetryPolicy::new(1, 1, vec![5, 5]).is_err());
+        assert!(RetryPolicy::new(1, 1, vec![0, 5]).is_err());
+        assert!(RetryPolicy::new(3, 1, vec![1, 5]).is_ok());
+    }
+
+    #[test]
+    fn picks_the_queue_and_clips_to_the_deadline() {
+        let p = RetryPolicy::default();
+        let a = AdmissionPolicy {
+            clock_uncertainty_ms: 0,
+            default_min_runtime_ms: 100,
+        };
+        let d = Deadline::new(0, 10_000);
+        // backoff 1000 · (0.5+0.5) = 1000 → the 1 s queue; ttl is what remains now.
+        assert_eq!(
+            p.decide(0, d, None, &a, 2_000, 0.5),
+            RetryDecision::Retry {
+                next_attempt: 1,
+                queue_index: 0,
+                delay_ms: 1_000,
+                ttl_ms: 8_000
+            }
+        );
+        // 2nd retry wants 2 s → 5 s queue; 5 s + 100 ms min runtime overshoots at t=5 s.
+        assert_eq!(
+            p.decide(1, d, None, &a, 5_000, 0.5),
+            RetryDecision::WouldOvershoot { delay_ms: 5_000 }
+        );
+        assert_eq!(p.decide(2, d, None, &a, 0, 0.5), RetryDecision::Exhausted);
+    }
+
+    proptest! {
+        #[test]
+        fn a_retry_always_fits_the_deadline(
+            attempt in 0u32..5, now in 0i64..100_000, expires in 0i64..100_000,
+            unc in 0u64..500, min_rt in 0u64..5_000, jitter in 0.0f64..1.0,
+        ) {
+            let p = RetryPolicy::new(6, 500, vec![1_000, 5_000, 30_000]).unwrap();
+            let a = AdmissionPolicy { clock_uncertainty_ms: unc, default_min_runtime_ms: min_rt };
+            let d = Deadline::new(0, expires);
+            if let RetryDecision::Retry { delay_ms, ttl_ms, next_attempt, .. } = p.decide(attempt, d, None, &a, now, jitter) {
+                prop_assert!(now + delay_ms as i64 + unc as i64 + min_rt as i64 <= expires);
+                prop_assert!(ttl_ms as i64 <= expires - now);
+                prop_assert_eq!(next_attempt, attempt + 1);
+            }
+        }
+    }
+}
