@@ -1,1 +1,102 @@
-//! placeholder
+//! The model backend interface of lastcall, and the simulated backend.
+//!
+//! A backend gets one job's input, a local timeout derived from the remaining budget and a
+//! cancellation token. It returns the generated output or a classified error. The worker
+//! owns the deadline: when it passes, the worker cancels the token and waits a short grace
+//! period for the backend to confirm that it stopped ([`BackendError::Cancelled`]).
+//!
+//! # Layout
+//! - this file: [`Backend`], [`CallRequest`], [`CallOutput`], [`BackendError`].
+//! - [`sim`]: the simulated backend, a load generator that counts every call it receives.
+
+pub mod sim;
+
+use serde::Serialize;
+use serde_json::{Map, Value};
+use std::future::Future;
+use std::pin::Pin;
+use std::time::Duration;
+pub use tokio_util::sync::CancellationToken;
+
+/// One model call.
+#[derive(Debug, Clone)]
+pub struct CallRequest {
+    pub job_id: String,
+    pub kind: String,
+    /// 0-based attempt number (`x-lastcall-attempt`).
+    pub attempt: u32,
+    /// The envelope's payload, e.g. `{"messages": [...]}` for chat kinds.
+    pub payload: Map<String, Value>,
+    /// The local timeout: the remaining budget at admission. The call must not outlive it.
+    pub timeout: Duration,
+}
+
+/// Token accounting reported by a backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+pub struct Usage {
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// A finished model call.
+#[derive(Debug, Clone, PartialEq, Default, Serialize)]
+pub struct CallOutput {
+    pub text: String,
+    pub usage: Option<Usage>,
+    /// The model that served the call, as the backend names it.
+    pub model: Option<String>,
+    /// Decode speed, where the backend measures it.
+    pub tokens_per_second: Option<f64>,
+}
+
+/// A failed model call, classified for the retry policy.
+#[derive(Debug, Clone, PartialEq, thiserror::Error)]
+pub enum BackendError {
+    /// Worth retrying inside the deadline (connection failure, 429, 5xx, backend timeout).
+    #[error("retryable backend error ({reason}): {message}")]
+    Retryable {
+        reason: String,
+        message: String,
+        /// A server's `Retry-After`, honoured only if it fits inside the deadline.
+        retry_after: Option<Duration>,
+    },
+    /// Retrying cannot help (400, 422, validation).
+    #[error("terminal backend error ({reason}): {message}")]
+    Terminal { reason: String, message: String },
+    /// The call stopped because its cancellation token fired.
+    #[error("call cancelled (stop confirmed: {confirmed})")]
+    Cancelled {
+        /// Whether the backend knows the work stopped (e.g. stream closed, decode loop left).
+        confirmed: bool,
+    },
+}
+
+impl BackendError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, BackendError::Retryable { .. })
+    }
+
+    /// The stable reason code stored in the ledger.
+    pub fn reason(&self) -> &str {
+        match self {
+            BackendError::Retryable { reason, .. } | BackendError::Terminal { reason, .. } => {
+                reason
+            }
+            BackendError::Cancelled { .. } => "cancelled",
+        }
+    }
+}
+
+/// The future a backend returns.
+pub type CallFuture<'a> =
+    Pin<Box<dyn Future<Output = Result<CallOutput, BackendError>> + Send + 'a>>;
+
+/// A model backend. Implementations are shared between the worker's slots.
+pub trait Backend: Send + Sync {
+    /// A short name for logs and metrics (`sim`, `openai`, `local`).
+    fn name(&self) -> &str;
+
+    /// Run one call. Must return promptly with [`BackendError::Cancelled`] once `cancel`
+    /// fires, and must not run past `req.timeout`.
+    fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_>;
+}

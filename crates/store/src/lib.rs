@@ -1,1 +1,157 @@
-//! placeholder
+//! The ledger of lastcall: SQLite (embedded default) and PostgreSQL through sqlx.
+//!
+//! **Invariant:** one terminal outcome per `job_id`, written once. A second terminal write
+//! for the same job never overwrites the first; it reports `false` instead.
+//! **Invariant:** the worker acks a delivery only after `record_outcome` returned `Ok`.
+//!
+//! Tables (see `migrations/`):
+//! - `jobs`: one row per job id: the inventory (`accepted`), the live state (`running`) and
+//!   the terminal outcome with its timings, result/error and counters.
+//! - `attempts`: one row per delivery that reached a decision (trace rows): received,
+//!   checked, started, finished and acked times, the broker's redelivered flag, the decision
+//!   and whether the model was called.
+
+use serde::Serialize;
+
+/// Errors of the store. `Unavailable` is worth retrying (connection refused, pool timeout,
+/// database locked); `Fatal` is not (bad URL, schema mismatch).
+#[derive(Debug, thiserror::Error)]
+pub enum StoreError {
+    #[error("store unavailable: {0}")]
+    Unavailable(String),
+    #[error("store error: {0}")]
+    Fatal(String),
+}
+
+impl StoreError {
+    pub fn is_retryable(&self) -> bool {
+        matches!(self, StoreError::Unavailable(_))
+    }
+}
+
+/// The producer's inventory entry, written after the broker confirmed the publish.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AcceptedJob {
+    pub job_id: String,
+    pub kind: String,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+    pub accepted_at_ms: i64,
+    pub trace_id: Option<String>,
+    /// SHA-less fingerprint of the payload (FNV of the body) to detect id reuse with a
+    /// different payload at the ingress (`409`).
+    pub payload_hash: String,
+}
+
+/// Written right before a model call starts (state `running`, one attempt row with
+/// `model_called = true`). Makes crash loops countable: see `ReceiptInfo::prior_starts`.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct AttemptStart {
+    /// Unique per delivery: `{worker}:{connection nonce}:{delivery tag}`.
+    pub attempt_key: String,
+    pub job_id: String,
+    pub kind: String,
+    pub attempt: u32,
+    pub created_at_ms: i64,
+    pub expires_at_ms: i64,
+    pub worker: String,
+    pub redelivered: bool,
+    pub received_at_ms: i64,
+    pub checked_at_ms: i64,
+    pub started_at_ms: i64,
+}
+
+/// One delivery's decision, and the terminal outcome when `state` is terminal.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct OutcomeRecord {
+    pub attempt_key: String,
+    pub job_id: String,
+    pub kind: String,
+    /// A `lastcall_core::State` name; terminal states are written once.
+    pub state: String,
+    pub reason: Option<String>,
+    /// The decision as a short word: `ack`, `dead_letter`, `retry`, `duplicate`.
+    pub decision: String,
+    pub attempt: u32,
+    pub created_at_ms: Option<i64>,
+    pub expires_at_ms: Option<i64>,
+    pub received_at_ms: Option<i64>,
+    pub checked_at_ms: Option<i64>,
+    pub started_at_ms: Option<i64>,
+    pub finished_at_ms: Option<i64>,
+    pub recorded_at_ms: i64,
+    pub worker: String,
+    pub redelivered: bool,
+    /// Whether this delivery made a model call (then an `AttemptStart` was written first).
+    pub model_called: bool,
+    pub result: Option<String>,
+    pub error: Option<String>,
+    pub prompt_tokens: Option<i64>,
+    pub completion_tokens: Option<i64>,
+    pub latency_ms: Option<i64>,
+    pub cancel_requested: bool,
+    pub cancel_confirmed: Option<bool>,
+}
+
+/// What the worker needs to know about a job when a delivery arrives.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct ReceiptInfo {
+    pub already_recorded: bool,
+    /// Attempt rows with `model_called = true` for this job, over all deliveries.
+    pub prior_starts: u32,
+}
+
+/// A job's record (CONTRACT §3), as `jobs show --json` prints it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct JobRecord {
+    pub job_id: String,
+    pub kind: String,
+    pub state: String,
+    pub reason: Option<String>,
+    pub attempts: i64,
+    pub backend_calls: i64,
+    pub created_at_ms: Option<i64>,
+    pub expires_at_ms: Option<i64>,
+    pub accepted_at_ms: Option<i64>,
+    pub received_at_ms: Option<i64>,
+    pub checked_at_ms: Option<i64>,
+    pub started_at_ms: Option<i64>,
+    pub finished_at_ms: Option<i64>,
+    pub recorded_at_ms: Option<i64>,
+    pub worker: Option<String>,
+    pub result: Option<String>,
+    pub error: Option<String>,
+    pub trace_id: Option<String>,
+    pub prompt_tokens: Option<i64>,
+    pub completion_tokens: Option<i64>,
+    pub latency_ms: Option<i64>,
+    pub cancel_requested: bool,
+    pub cancel_confirmed: Option<bool>,
+}
+
+/// One attempt (trace) row.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct AttemptRow {
+    pub attempt_key: String,
+    pub job_id: String,
+    pub attempt: i64,
+    pub worker: String,
+    pub redelivered: bool,
+    pub received_at_ms: Option<i64>,
+    pub checked_at_ms: Option<i64>,
+    pub started_at_ms: Option<i64>,
+    pub finished_at_ms: Option<i64>,
+    pub acked_at_ms: Option<i64>,
+    pub decision: Option<String>,
+    pub state: Option<String>,
+    pub reason: Option<String>,
+    pub model_called: bool,
+}
+
+/// Filter of `list`.
+#[derive(Debug, Clone, Default)]
+pub struct ListFilter {
+    pub state: Option<String>,
+    pub kind: Option<String>,
+    pub limit: Option<i64>,
+}
