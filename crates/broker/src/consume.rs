@@ -1,0 +1,239 @@
+//! Manual-ack consuming. Nothing here requeues: settling is ack, or reject without requeue
+//! (to the queue's dead-letter exchange).
+
+use crate::publish::{ATTEMPT_HEADER, SIGNATURE_HEADER};
+use crate::{Broker, BrokerError};
+use futures_util::StreamExt;
+use lapin::Acker;
+use lapin::options::{
+    BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
+};
+use lapin::types::{AMQPValue, FieldTable};
+use lapin::{Channel, Consumer};
+
+/// One entry of a message's `x-death` history.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct XDeath {
+    /// `expired`, `rejected`, `maxlen` or `delivery_limit`.
+    pub reason: String,
+    pub queue: String,
+    pub count: i64,
+    /// Seconds since the epoch.
+    pub time_s: Option<u64>,
+    pub exchange: Option<String>,
+    pub original_expiration: Option<String>,
+}
+
+/// A received delivery, with the fields lastcall uses.
+#[derive(Debug)]
+pub struct Incoming {
+    pub body: Vec<u8>,
+    pub delivery_tag: u64,
+    pub redelivered: bool,
+    pub routing_key: String,
+    /// `x-lastcall-attempt`, 0 when absent.
+    pub attempt: u32,
+    pub signature: Option<String>,
+    /// The `expiration` property as delivered (RabbitMQ strips it when dead-lettering).
+    pub expiration: Option<String>,
+    /// Publish time from the `timestamp` property, in seconds.
+    pub timestamp_s: Option<u64>,
+    /// `x-death`, most recent first, as RabbitMQ orders it.
+    pub x_death: Vec<XDeath>,
+    /// `x-delivery-count` (quorum queues).
+    pub delivery_count: Option<i64>,
+    pub settler: Settler,
+}
+
+/// Settles one delivery with the broker.
+#[derive(Debug)]
+pub struct Settler {
+    acker: Acker,
+}
+
+impl Settler {
+    /// Acknowledge: the broker forgets the message. Call only after the durable write.
+    pub async fn ack(&self) -> Result<(), BrokerError> {
+        self.acker
+            .ack(BasicAckOptions::default())
+            .await
+            .map(|_| ())
+            .map_err(|source| BrokerError::Amqp {
+                doing: "acking",
+                source,
+            })
+    }
+
+    /// Reject without requeue: the queue's dead-letter exchange takes it.
+    pub async fn dead_letter(&self) -> Result<(), BrokerError> {
+        self.acker
+            .reject(BasicRejectOptions { requeue: false })
+            .await
+            .map(|_| ())
+            .map_err(|source| BrokerError::Amqp {
+                doing: "rejecting to the dead-letter exchange",
+                source,
+            })
+    }
+
+    /// Hand the delivery back to the queue (graceful shutdown of a job that never started,
+    /// and test fixtures). The deadline in the body is unchanged; a stale redelivery is
+    /// refused by the next worker's checks.
+    pub async fn requeue(&self) -> Result<(), BrokerError> {
+        self.acker
+            .nack(BasicNackOptions {
+                multiple: false,
+                requeue: true,
+            })
+            .await
+            .map(|_| ())
+            .map_err(|source| BrokerError::Amqp {
+                doing: "requeueing",
+                source,
+            })
+    }
+}
+
+/// A stream of deliveries from one consumer.
+pub struct IncomingStream {
+    consumer: Consumer,
+    channel: Channel,
+}
+
+impl std::fmt::Debug for IncomingStream {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IncomingStream").finish_non_exhaustive()
+    }
+}
+
+impl IncomingStream {
+    /// Start consuming `queue` with manual acks and `prefetch` unacked deliveries at most.
+    pub async fn open(
+        broker: &Broker,
+        queue: &str,
+        prefetch: u16,
+        tag: &str,
+    ) -> Result<Self, BrokerError> {
+        let channel = broker.channel().await?;
+        channel
+            .basic_qos(prefetch, BasicQosOptions::default())
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "setting prefetch",
+                source,
+            })?;
+        let consumer = channel
+            .basic_consume(
+                queue.into(),
+                tag.into(),
+                BasicConsumeOptions::default(),
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "starting the consumer",
+                source,
+            })?;
+        Ok(Self { consumer, channel })
+    }
+
+    /// The next delivery; `None` when the consumer was cancelled or the channel closed.
+    pub async fn next(&mut self) -> Option<Result<Incoming, BrokerError>> {
+        let item = self.consumer.next().await?;
+        Some(item.map(convert).map_err(|source| BrokerError::Amqp {
+            doing: "consuming",
+            source,
+        }))
+    }
+
+    /// Stop receiving new deliveries; unsettled ones stay with this channel until settled
+    /// or until the channel closes (then the broker requeues them).
+    pub async fn cancel(&self) {
+        let _ = self
+            .channel
+            .basic_cancel(
+                self.consumer.tag(),
+                lapin::options::BasicCancelOptions::default(),
+            )
+            .await;
+    }
+
+    /// Close the channel; the broker requeues every unsettled delivery.
+    pub async fn close(&self) {
+        let _ = self.channel.close(200, "bye".into()).await;
+    }
+}
+
+fn convert(d: lapin::message::Delivery) -> Incoming {
+    let props = &d.properties;
+    let headers = props.headers().clone().unwrap_or_default();
+    let h = headers.inner();
+    let attempt = h
+        .get(ATTEMPT_HEADER)
+        .and_then(as_i64)
+        .map(|n| n.clamp(0, u32::MAX as i64) as u32)
+        .unwrap_or(0);
+    let signature = h.get(SIGNATURE_HEADER).and_then(as_string);
+    let delivery_count = h.get("x-delivery-count").and_then(as_i64);
+    let x_death = match h.get("x-death") {
+        Some(AMQPValue::FieldArray(arr)) => arr
+            .as_slice()
+            .iter()
+            .filter_map(|v| match v {
+                AMQPValue::FieldTable(t) => Some(parse_x_death(t)),
+                _ => None,
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    Incoming {
+        delivery_tag: d.delivery_tag,
+        redelivered: d.redelivered,
+        routing_key: d.routing_key.as_str().to_owned(),
+        attempt,
+        signature,
+        expiration: props.expiration().as_ref().map(|s| s.as_str().to_owned()),
+        timestamp_s: *props.timestamp(),
+        x_death,
+        delivery_count,
+        body: d.data,
+        settler: Settler { acker: d.acker },
+    }
+}
+
+fn parse_x_death(t: &FieldTable) -> XDeath {
+    let m = t.inner();
+    XDeath {
+        reason: m.get("reason").and_then(as_string).unwrap_or_default(),
+        queue: m.get("queue").and_then(as_string).unwrap_or_default(),
+        count: m.get("count").and_then(as_i64).unwrap_or(0),
+        time_s: match m.get("time") {
+            Some(AMQPValue::Timestamp(ts)) => Some(*ts),
+            _ => None,
+        },
+        exchange: m.get("exchange").and_then(as_string),
+        original_expiration: m.get("original-expiration").and_then(as_string),
+    }
+}
+
+fn as_i64(v: &AMQPValue) -> Option<i64> {
+    match v {
+        AMQPValue::ShortShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortInt(n) => Some(i64::from(*n)),
+        AMQPValue::ShortUInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongUInt(n) => Some(i64::from(*n)),
+        AMQPValue::LongLongInt(n) => Some(*n),
+        AMQPValue::Timestamp(n) => i64::try_from(*n).ok(),
+        _ => None,
+    }
+}
+
+fn as_string(v: &AMQPValue) -> Option<String> {
+    match v {
+        AMQPValue::LongString(s) => Some(String::from_utf8_lossy(s.as_bytes()).into_owned()),
+        AMQPValue::ShortString(s) => Some(s.as_str().to_owned()),
+        _ => None,
+    }
+}

@@ -1,0 +1,139 @@
+//! Confirmed publishing.
+
+use crate::{Broker, BrokerError};
+use lapin::Confirmation;
+use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString};
+use lapin::{BasicProperties, Channel};
+use std::time::Duration;
+
+/// Header carrying the 0-based attempt number.
+pub const ATTEMPT_HEADER: &str = "x-lastcall-attempt";
+/// Header carrying the ingress signature (CONTRACT §1).
+pub const SIGNATURE_HEADER: &str = "x-lastcall-signature";
+
+/// Per-message properties set by lastcall.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PublishProps {
+    pub job_id: String,
+    /// `expiration`: the remaining budget in ms at this publish.
+    pub ttl_ms: u64,
+    pub attempt: u32,
+    /// `timestamp`, in seconds since the epoch.
+    pub timestamp_s: u64,
+    pub signature: Option<String>,
+}
+
+/// Why a publish was not accepted. None of these may be reported as "accepted".
+#[derive(Debug, thiserror::Error)]
+pub enum PublishError {
+    #[error(
+        "the broker refused the message (publisher nack); the queue may be full (overflow = reject-publish) or unavailable"
+    )]
+    Nacked,
+    #[error("the broker did not confirm the publish within {0:?}")]
+    ConfirmTimeout(Duration),
+    #[error(
+        "the message was returned as unroutable: no queue is bound for routing key `{0}` (run `lastcall topology apply`)"
+    )]
+    Unroutable(String),
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+impl PublishError {
+    /// Whether the caller may try again (a confirm timeout or nack may be transient).
+    pub fn is_retryable(&self) -> bool {
+        !matches!(self, PublishError::Unroutable(_))
+    }
+}
+
+/// A channel in confirm mode. One publish awaits its own confirm.
+#[derive(Clone)]
+pub struct Publisher {
+    channel: Channel,
+    confirm_timeout: Duration,
+}
+
+impl std::fmt::Debug for Publisher {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Publisher")
+            .field("confirm_timeout", &self.confirm_timeout)
+            .finish()
+    }
+}
+
+impl Publisher {
+    pub async fn new(broker: &Broker, confirm_timeout: Duration) -> Result<Self, BrokerError> {
+        let channel = broker.channel().await?;
+        channel
+            .confirm_select(ConfirmSelectOptions::default())
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "enabling publisher confirms",
+                source,
+            })?;
+        Ok(Self {
+            channel,
+            confirm_timeout,
+        })
+    }
+
+    /// Publish a persistent message and wait for the broker's confirm.
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: &PublishProps,
+    ) -> Result<(), PublishError> {
+        let mut headers = FieldTable::default();
+        headers.insert(
+            ATTEMPT_HEADER.into(),
+            AMQPValue::LongLongInt(i64::from(props.attempt)),
+        );
+        if let Some(sig) = &props.signature {
+            headers.insert(
+                SIGNATURE_HEADER.into(),
+                AMQPValue::LongString(LongString::from(sig.as_bytes().to_vec())),
+            );
+        }
+        let properties = BasicProperties::default()
+            .with_delivery_mode(2)
+            .with_content_type("application/json".into())
+            .with_message_id(props.job_id.as_str().into())
+            .with_timestamp(props.timestamp_s)
+            .with_expiration(props.ttl_ms.to_string().into())
+            .with_headers(headers);
+        let confirm = self
+            .channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                properties,
+            )
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "publishing",
+                source,
+            })?;
+        let confirmation = tokio::time::timeout(self.confirm_timeout, confirm)
+            .await
+            .map_err(|_| PublishError::ConfirmTimeout(self.confirm_timeout))?
+            .map_err(|source| BrokerError::Amqp {
+                doing: "waiting for the publisher confirm",
+                source,
+            })?;
+        match confirmation {
+            Confirmation::Ack(None) => Ok(()),
+            Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(routing_key.to_owned())),
+            Confirmation::Nack(_) => Err(PublishError::Nacked),
+            Confirmation::NotRequested => unreachable!("confirm mode is enabled in Publisher::new"),
+        }
+    }
+}

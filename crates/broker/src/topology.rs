@@ -1,0 +1,287 @@
+//! Names and declarations of the broker topology (CONTRACT §2).
+
+use crate::{Broker, BrokerError};
+use lapin::ExchangeKind;
+use lapin::options::{ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions};
+use lapin::types::{AMQPValue, FieldTable, LongString, ShortString};
+
+/// The work queue's type.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum QueueType {
+    /// Classic queue. Dead-lettering is at-most-once: a dead letter can be lost if the
+    /// target cannot take it.
+    #[default]
+    Classic,
+    /// Quorum queue with `dead-letter-strategy = at-least-once`, `overflow = reject-publish`
+    /// and a delivery limit.
+    Quorum,
+}
+
+impl std::str::FromStr for QueueType {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        match s {
+            "classic" => Ok(Self::Classic),
+            "quorum" => Ok(Self::Quorum),
+            _ => Err(format!(
+                "unknown queue type `{s}`; expected `classic` or `quorum`"
+            )),
+        }
+    }
+}
+
+/// All broker names, derived from one prefix.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Names {
+    pub prefix: String,
+    /// Topic exchange producers publish to; routing key = kind.
+    pub jobs_exchange: String,
+    /// The queue workers consume.
+    pub work_queue: String,
+    /// Dead-letter exchange of the work and retry queues.
+    pub dlx: String,
+    /// Where every dead letter lands.
+    pub dead_queue: String,
+}
+
+impl Names {
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            prefix: prefix.to_owned(),
+            jobs_exchange: format!("{prefix}.jobs"),
+            work_queue: format!("{prefix}.work"),
+            dlx: format!("{prefix}.dlx"),
+            dead_queue: format!("{prefix}.dead"),
+        }
+    }
+
+    /// The fixed-delay retry queue for `delay_ms`, e.g. `lastcall.retry.5s`.
+    pub fn retry_queue(&self, delay_ms: u64) -> String {
+        let label = if delay_ms % 1000 == 0 {
+            format!("{}s", delay_ms / 1000)
+        } else {
+            format!("{delay_ms}ms")
+        };
+        format!("{}.retry.{label}", self.prefix)
+    }
+}
+
+/// What to declare.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Topology {
+    pub names: Names,
+    pub queue_type: QueueType,
+    /// Fixed retry delays; one queue each.
+    pub retry_delays_ms: Vec<u64>,
+    /// Quorum only: deliveries after which the broker dead-letters a message.
+    pub delivery_limit: u32,
+    /// Optional cap on the work queue length (`x-max-length`), dead-lettering on overflow.
+    pub max_length: Option<u32>,
+}
+
+impl Topology {
+    pub fn new(prefix: &str) -> Self {
+        Self {
+            names: Names::new(prefix),
+            queue_type: QueueType::Classic,
+            retry_delays_ms: vec![1_000, 5_000, 30_000],
+            delivery_limit: 5,
+            max_length: None,
+        }
+    }
+
+    fn work_args(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert("x-dead-letter-exchange".into(), long(&self.names.dlx));
+        if let Some(m) = self.max_length {
+            t.insert("x-max-length".into(), AMQPValue::LongLongInt(i64::from(m)));
+        }
+        if self.queue_type == QueueType::Quorum {
+            t.insert("x-queue-type".into(), long("quorum"));
+            t.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+            t.insert("x-overflow".into(), long("reject-publish"));
+            t.insert(
+                "x-delivery-limit".into(),
+                AMQPValue::LongLongInt(i64::from(self.delivery_limit)),
+            );
+        }
+        t
+    }
+
+    fn retry_args(&self, delay_ms: u64) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert(
+            "x-message-ttl".into(),
+            AMQPValue::LongLongInt(delay_ms as i64),
+        );
+        // When the delay is over, the message goes back to the jobs exchange with its
+        // original routing key (the kind). Its own per-message expiration still applies.
+        t.insert(
+            "x-dead-letter-exchange".into(),
+            long(&self.names.jobs_exchange),
+        );
+        t
+    }
+
+    /// Declare everything. Idempotent; a conflicting existing declaration fails with a
+    /// message that says what differs.
+    pub async fn apply(&self, broker: &Broker) -> Result<(), TopologyError> {
+        let n = &self.names;
+        self.exchange(broker, &n.jobs_exchange).await?;
+        self.exchange(broker, &n.dlx).await?;
+        self.queue(broker, &n.dead_queue, FieldTable::default())
+            .await?;
+        self.bind(broker, &n.dead_queue, &n.dlx, "#").await?;
+        self.queue(broker, &n.work_queue, self.work_args()).await?;
+        self.bind(broker, &n.work_queue, &n.jobs_exchange, "#")
+            .await?;
+        for d in &self.retry_delays_ms {
+            self.queue(broker, &n.retry_queue(*d), self.retry_args(*d))
+                .await?;
+        }
+        Ok(())
+    }
+
+    async fn exchange(&self, broker: &Broker, name: &str) -> Result<(), TopologyError> {
+        let ch = broker.channel().await?;
+        let r = ch
+            .exchange_declare(
+                name.into(),
+                ExchangeKind::Topic,
+                ExchangeDeclareOptions {
+                    durable: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await;
+        finish(ch, r, "exchange", name).await
+    }
+
+    async fn queue(
+        &self,
+        broker: &Broker,
+        name: &str,
+        args: FieldTable,
+    ) -> Result<(), TopologyError> {
+        let ch = broker.channel().await?;
+        let r = ch
+            .queue_declare(name.into(), QueueDeclareOptions::durable(), args)
+            .await
+            .map(|_| ());
+        finish(ch, r, "queue", name).await
+    }
+
+    async fn bind(
+        &self,
+        broker: &Broker,
+        queue: &str,
+        exchange: &str,
+        key: &str,
+    ) -> Result<(), TopologyError> {
+        let ch = broker.channel().await?;
+        let r = ch
+            .queue_bind(
+                queue.into(),
+                exchange.into(),
+                key.into(),
+                QueueBindOptions::default(),
+                FieldTable::default(),
+            )
+            .await;
+        finish(ch, r, "binding of", queue).await
+    }
+}
+
+async fn finish(
+    ch: lapin::Channel,
+    r: Result<(), lapin::Error>,
+    what: &'static str,
+    name: &str,
+) -> Result<(), TopologyError> {
+    match r {
+        Ok(()) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(())
+        }
+        Err(e) => {
+            let msg = e.to_string();
+            if msg.contains("PRECONDITION_FAILED") || msg.contains("inequivalent") {
+                Err(TopologyError::Conflict {
+                    what,
+                    name: name.to_owned(),
+                    detail: msg,
+                })
+            } else {
+                Err(TopologyError::Broker(BrokerError::Amqp {
+                    doing: "declaring the topology",
+                    source: e,
+                }))
+            }
+        }
+    }
+}
+
+fn long(s: &str) -> AMQPValue {
+    AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
+}
+
+/// Errors of [`Topology::apply`].
+#[derive(Debug, thiserror::Error)]
+pub enum TopologyError {
+    #[error(
+        "{what} `{name}` already exists with a different declaration: {detail}. Delete it (e.g. `rabbitmqctl delete_queue {name}`), or use another --prefix, or pass the matching --queue-type"
+    )]
+    Conflict {
+        what: &'static str,
+        name: String,
+        detail: String,
+    },
+    #[error(transparent)]
+    Broker(#[from] BrokerError),
+}
+
+/// Passive declare: (ready messages, consumers) of a queue, or None if it does not exist.
+pub async fn queue_depth(broker: &Broker, name: &str) -> Result<Option<(u32, u32)>, BrokerError> {
+    let ch = broker.channel().await?;
+    let r = ch
+        .queue_declare(
+            ShortString::from(name),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match r {
+        Ok(q) => {
+            let _ = ch.close(200, "ok".into()).await;
+            Ok(Some((q.message_count(), q.consumer_count())))
+        }
+        Err(e) if e.to_string().contains("NOT_FOUND") => Ok(None),
+        Err(source) => Err(BrokerError::Amqp {
+            doing: "inspecting a queue",
+            source,
+        }),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_follow_the_contract() {
+        let n = Names::new("lastcall");
+        assert_eq!(n.jobs_exchange, "lastcall.jobs");
+        assert_eq!(n.work_queue, "lastcall.work");
+        assert_eq!(n.dlx, "lastcall.dlx");
+        assert_eq!(n.dead_queue, "lastcall.dead");
+        assert_eq!(n.retry_queue(1_000), "lastcall.retry.1s");
+        assert_eq!(n.retry_queue(30_000), "lastcall.retry.30s");
+        assert_eq!(n.retry_queue(250), "lastcall.retry.250ms");
+        assert_eq!("quorum".parse::<QueueType>(), Ok(QueueType::Quorum));
+        assert!("fifo".parse::<QueueType>().unwrap_err().contains("classic"));
+    }
+}
