@@ -80,6 +80,20 @@ impl Broker {
         let _ = self.conn.close(200, "bye".into()).await;
     }
 
+    /// Remove every ready message from a queue (demo and test set-up); returns the count.
+    pub async fn purge(&self, queue: &str) -> Result<u32, BrokerError> {
+        let ch = self.channel().await?;
+        let n = ch
+            .queue_purge(queue.into(), lapin::options::QueuePurgeOptions::default())
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "purging a queue",
+                source,
+            })?;
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(n)
+    }
+
     /// Whether the connection is still usable.
     pub fn is_connected(&self) -> bool {
         self.conn.status().connected()

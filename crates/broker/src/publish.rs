@@ -16,8 +16,9 @@ pub const SIGNATURE_HEADER: &str = "x-lastcall-signature";
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct PublishProps {
     pub job_id: String,
-    /// `expiration`: the remaining budget in ms at this publish.
-    pub ttl_ms: u64,
+    /// `expiration`: the remaining budget in ms at this publish. `None` only for copies
+    /// kept for humans (the parked queue), never for work.
+    pub ttl_ms: Option<u64>,
     pub attempt: u32,
     /// `timestamp`, in seconds since the epoch.
     pub timestamp_s: u64,
@@ -98,13 +99,15 @@ impl Publisher {
                 AMQPValue::LongString(LongString::from(sig.as_bytes().to_vec())),
             );
         }
-        let properties = BasicProperties::default()
+        let mut properties = BasicProperties::default()
             .with_delivery_mode(2)
             .with_content_type("application/json".into())
             .with_message_id(props.job_id.as_str().into())
             .with_timestamp(props.timestamp_s)
-            .with_expiration(props.ttl_ms.to_string().into())
             .with_headers(headers);
+        if let Some(ttl) = props.ttl_ms {
+            properties = properties.with_expiration(ttl.to_string().into());
+        }
         let confirm = self
             .channel
             .basic_publish(

@@ -142,6 +142,31 @@ impl Topology {
         Ok(())
     }
 
+    /// Delete every queue and exchange of this topology (tests and demo clean-up).
+    pub async fn delete(&self, broker: &Broker) -> Result<(), BrokerError> {
+        let ch = broker.channel().await?;
+        let n = &self.names;
+        let mut queues = vec![n.work_queue.clone(), n.dead_queue.clone(), format!("{}.parked", n.prefix)];
+        queues.extend(self.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
+        for q in queues {
+            let _ = ch.queue_delete(q.as_str().into(), lapin::options::QueueDeleteOptions::default()).await;
+        }
+        for e in [&n.jobs_exchange, &n.dlx] {
+            let _ = ch.exchange_delete(e.as_str().into(), lapin::options::ExchangeDeleteOptions::default()).await;
+        }
+        let _ = ch.close(200, "ok".into()).await;
+        Ok(())
+    }
+
+    /// Declare a plain durable queue with no arguments (e.g. the parked queue).
+    pub async fn declare_plain_queue(
+        &self,
+        broker: &Broker,
+        name: &str,
+    ) -> Result<(), TopologyError> {
+        self.queue(broker, name, FieldTable::default()).await
+    }
+
     async fn exchange(&self, broker: &Broker, name: &str) -> Result<(), TopologyError> {
         let ch = broker.channel().await?;
         let r = ch

@@ -15,6 +15,7 @@
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
 
 pub mod admission;
+pub mod deadletter;
 pub mod deadline;
 pub mod disposition;
 pub mod envelope;

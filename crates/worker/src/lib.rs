@@ -1,1 +1,21 @@
-//! placeholder
+//! The lastcall worker runtime and the publisher library API.
+//!
+//! # Layout
+//! - [`clock`]: the one clock abstraction, with the kernel's sync state.
+//! - [`submit`]: validate, stamp and publish jobs with confirm; record `accepted`.
+//! - [`runtime`]: the worker: bounded local buffer, model slots, the last admission check
+//!   right before the model call, store-then-ack, graceful shutdown.
+//! - [`stats`]: live counters and gauges the CLI and metrics read.
+//! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
+
+pub mod clock;
+pub mod dlq;
+pub mod runtime;
+pub mod stats;
+pub mod store_retry;
+pub mod submit;
+
+pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
+pub use runtime::{Fault, Worker, WorkerConfig};
+pub use stats::WorkerStats;
+pub use submit::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};

@@ -1,0 +1,293 @@
+//! Command-line arguments.
+
+use clap::{Args, Parser, Subcommand, ValueEnum};
+use std::path::PathBuf;
+
+/// lastcall — a job dispatcher for AI inference on RabbitMQ that never starts work whose
+/// deadline has passed.
+///
+/// Every job carries an immutable absolute deadline. The broker TTL is recomputed from the
+/// remaining budget on every publish, and the worker checks the deadline one last time
+/// right before the model call. Jobs refused there end as `expired_not_started` with zero
+/// model calls. Every accepted job ends in exactly one recorded outcome in the ledger.
+///
+/// Quick start: `lastcall demo` runs the whole pipeline on the local defaults.
+#[derive(Debug, Parser)]
+#[command(
+    name = "lastcall",
+    version,
+    propagate_version = true,
+    max_term_width = 100
+)]
+pub struct Cli {
+    #[command(flatten)]
+    pub global: Global,
+    #[command(subcommand)]
+    pub command: Command,
+}
+
+/// Options every command shares.
+#[derive(Debug, Args)]
+pub struct Global {
+    /// RabbitMQ URL [default: amqp://guest:guest@127.0.0.1:5672/%2f]
+    #[arg(long, env = "LASTCALL_AMQP_URL", global = true, hide_env_values = true)]
+    pub amqp_url: Option<String>,
+    /// Ledger URL: `sqlite://FILE` or `postgres://…` [default: sqlite://lastcall.db]
+    #[arg(
+        long,
+        env = "LASTCALL_STORE_URL",
+        global = true,
+        hide_env_values = true
+    )]
+    pub store_url: Option<String>,
+    /// Prefix of every exchange and queue name [default: lastcall]
+    #[arg(long, env = "LASTCALL_PREFIX", global = true)]
+    pub prefix: Option<String>,
+    /// Config file with the same keys (amqp_url, store_url, prefix) [default: ./lastcall.toml if present]
+    #[arg(long, env = "LASTCALL_CONFIG", global = true)]
+    pub config: Option<PathBuf>,
+    /// Log format on stderr: `text` or `json`
+    #[arg(long, default_value = "text", global = true, value_parser = ["text", "json"])]
+    pub log_format: String,
+    /// Log at info level (set LASTCALL_LOG for finer control, e.g. `lastcall=debug`)
+    #[arg(long, short, global = true)]
+    pub verbose: bool,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum Command {
+    /// Validate, stamp and publish one job (waits for the broker's confirm); prints its id
+    Submit(SubmitArgs),
+    /// Run a worker: bounded buffer, model slots, last admission check, store-then-ack
+    Worker(WorkerArgs),
+    /// Look at job records in the ledger
+    #[command(subcommand)]
+    Jobs(JobsCommand),
+    /// Declare the exchanges, queues and bindings (idempotent)
+    #[command(subcommand)]
+    Topology(TopologyCommand),
+    /// Run the whole pipeline end to end on the local defaults and print the outcomes
+    Demo(DemoArgs),
+}
+
+/// Admission rule options shared by `submit`, `worker` and `demo`.
+#[derive(Debug, Args, Clone)]
+pub struct AdmissionArgs {
+    /// Allowance for clock differences between ingress and worker, in ms. A rule to set
+    /// from your measured clock sync, not a measured bound.
+    #[arg(long, default_value_t = 100)]
+    pub clock_uncertainty_ms: u64,
+    /// Minimum useful runtime when the job does not set one, in ms: work is not started
+    /// with less budget left than this.
+    #[arg(long, default_value_t = 0)]
+    pub min_runtime_ms: u64,
+    /// Farthest a deadline may lie ahead, in ms (default 24 h).
+    #[arg(long, default_value_t = 86_400_000)]
+    pub horizon_ms: i64,
+    /// Largest accepted message body, in bytes.
+    #[arg(long, default_value_t = 1_048_576)]
+    pub max_message_bytes: usize,
+}
+
+/// Topology options shared by the commands that declare it.
+#[derive(Debug, Args, Clone)]
+pub struct TopologyArgs {
+    /// Type of the work queue
+    #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
+    pub queue_type: String,
+    /// Fixed delays of the retry queues, in ms, ascending (one queue each)
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000,30000")]
+    pub retry_delays_ms: Vec<u64>,
+    /// Quorum queues: deliveries after which the broker dead-letters a message
+    #[arg(long, default_value_t = 5)]
+    pub delivery_limit: u32,
+}
+
+#[derive(Debug, Args)]
+pub struct SubmitArgs {
+    /// Job kind (routes the job to a model), e.g. `incident.summary`
+    #[arg(long)]
+    pub kind: String,
+    /// The job's payload as a JSON object, e.g. '{"messages":[{"role":"user","content":"…"}]}'
+    #[arg(long, conflicts_with = "prompt")]
+    pub payload: Option<String>,
+    /// Shorthand for a chat payload with one user message
+    #[arg(long)]
+    pub prompt: Option<String>,
+    /// Deadline relative to now, in ms
+    #[arg(
+        long,
+        conflicts_with = "expires_at_ms",
+        required_unless_present = "expires_at_ms"
+    )]
+    pub deadline_ms: Option<u64>,
+    /// Absolute deadline, ms since the Unix epoch
+    #[arg(long)]
+    pub expires_at_ms: Option<i64>,
+    /// Job id (default: generated). 1–128 chars of [A-Za-z0-9._:-]
+    #[arg(long)]
+    pub job_id: Option<String>,
+    /// Minimum useful runtime for this job, in ms
+    #[arg(long = "job-min-runtime-ms")]
+    pub job_min_runtime_ms: Option<u64>,
+    /// Correlation id for logs and traces
+    #[arg(long)]
+    pub trace_id: Option<String>,
+    /// How long to wait for the broker's publisher confirm, in ms
+    #[arg(long, default_value_t = 5_000)]
+    pub confirm_timeout_ms: u64,
+    /// Do not record `accepted` in the ledger (reconciliation will not see the job)
+    #[arg(long)]
+    pub no_ledger: bool,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BackendKind {
+    /// Simulated model: fixed latency, counts every call (tests and benchmarks)
+    Sim,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExpiredActionArg {
+    /// Record `expired_not_started`, then ack
+    Ack,
+    /// Record `expired_not_started`, then reject to the dead-letter exchange (quarantine)
+    DeadLetter,
+}
+
+#[derive(Debug, Args)]
+pub struct WorkerArgs {
+    /// Model slots: how many model calls run at once
+    #[arg(long, default_value_t = 2)]
+    pub slots: usize,
+    /// Unacked deliveries the broker may push to this worker [default: 2 × slots]
+    #[arg(long)]
+    pub prefetch: Option<u16>,
+    /// Cap on the bytes of message bodies held locally (prefetch only bounds the count)
+    #[arg(long, default_value_t = 64 * 1024 * 1024)]
+    pub max_buffer_bytes: usize,
+    /// What to do with a job found expired before its model call
+    #[arg(long, value_enum, default_value = "ack")]
+    pub expired_action: ExpiredActionArg,
+    /// `require` stops admission while the kernel does not report the clock as synchronised
+    #[arg(long, default_value = "ignore", value_parser = ["ignore", "require"])]
+    pub clock_sync: String,
+    /// How long shutdown (SIGINT/SIGTERM) waits for running model calls, in ms
+    #[arg(long, default_value_t = 10_000)]
+    pub shutdown_grace_ms: u64,
+    /// Model backend
+    #[arg(long, value_enum, default_value = "sim")]
+    pub backend: BackendKind,
+    #[command(flatten)]
+    pub sim: SimArgs,
+    /// Attempts per job, counting the first, for retryable backend errors
+    #[arg(long, default_value_t = 3)]
+    pub max_attempts: u32,
+    /// Model calls started for one job after which it is failed as poison
+    #[arg(long, default_value_t = 3)]
+    pub max_starts: u32,
+    /// Worker name recorded in the ledger [default: host:pid]
+    #[arg(long)]
+    pub name: Option<String>,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+    /// Test only: inject a fault (`crash-after-store` aborts after the durable write, before the ack)
+    #[arg(long, hide = true)]
+    pub fault: Option<String>,
+    /// Test only: wait this long between getting a slot and the admission check (reproduces
+    /// work that was delivered in time but waited locally)
+    #[arg(long, hide = true, default_value_t = 0)]
+    pub debug_hold_before_admission_ms: u64,
+    /// Test only: shift this worker's clock by this many ms (clock-skew drills)
+    #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
+    pub clock_offset_ms: i64,
+}
+
+/// The simulated backend's behaviour.
+#[derive(Debug, Args, Clone)]
+pub struct SimArgs {
+    /// Sim backend: latency of every call, in ms
+    #[arg(long, default_value_t = 200)]
+    pub sim_latency_ms: u64,
+    /// Sim backend: ± random jitter on the latency, in ms
+    #[arg(long, default_value_t = 0)]
+    pub sim_jitter_ms: u64,
+    /// Sim backend: probability (0–1) of a retryable failure
+    #[arg(long, default_value_t = 0.0)]
+    pub sim_fail_rate: f64,
+    /// Sim backend: append `job_id attempt` per call to this file (call counting across crashes)
+    #[arg(long)]
+    pub sim_call_log: Option<PathBuf>,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum JobsCommand {
+    /// Show one job's record (and its attempt rows with --attempts)
+    Show {
+        job_id: String,
+        /// Print JSON
+        #[arg(long)]
+        json: bool,
+        /// Also list the per-delivery attempt rows
+        #[arg(long)]
+        attempts: bool,
+    },
+    /// List job records
+    List {
+        /// Only this state (completed, failed, expired_not_started, expired_before_receive,
+        /// deadline_exceeded, rejected, unknown, accepted, running)
+        #[arg(long)]
+        state: Option<String>,
+        /// Only this kind
+        #[arg(long)]
+        kind: Option<String>,
+        /// At most this many records
+        #[arg(long, default_value_t = 1000)]
+        limit: i64,
+        /// Print one JSON array
+        #[arg(long)]
+        json: bool,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TopologyCommand {
+    /// Declare exchanges, queues and bindings; harmless to repeat
+    Apply(TopologyArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Jobs to submit
+    #[arg(long, default_value_t = 30)]
+    pub jobs: usize,
+    /// Each job's deadline, in ms from its submission
+    #[arg(long, default_value_t = 2_000)]
+    pub deadline_ms: u64,
+    /// Model slots of the demo worker
+    #[arg(long, default_value_t = 2)]
+    pub slots: usize,
+    /// Sim latency per call, in ms
+    #[arg(long, default_value_t = 600)]
+    pub sim_latency_ms: u64,
+    /// Submission rate, in jobs per second (the default is over twice the capacity)
+    #[arg(long, default_value_t = 8.0)]
+    pub rate: f64,
+    /// Minimum useful runtime per job, in ms: no call starts with less budget left
+    /// [default: the sim latency]
+    #[arg(long)]
+    pub min_runtime_ms: Option<u64>,
+    /// Start the worker this long after the first submission, in ms, as after a restart:
+    /// jobs whose deadline passes meanwhile expire at the broker
+    #[arg(long, default_value_t = 2_500)]
+    pub worker_delay_ms: u64,
+    /// Keep the demo's ledger here instead of a fresh file
+    #[arg(long)]
+    pub demo_store_url: Option<String>,
+}

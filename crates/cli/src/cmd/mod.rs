@@ -1,0 +1,106 @@
+//! One module per subcommand.
+
+mod demo;
+mod jobs;
+mod submit;
+mod worker;
+
+use crate::cli::{AdmissionArgs, Cli, Command, TopologyArgs, TopologyCommand};
+use crate::config::{self, Settings};
+use anyhow::{Context, Result, bail};
+use lastcall_broker::{Broker, QueueType, Topology};
+use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
+use lastcall_store::Ledger;
+use std::process::ExitCode;
+use std::sync::Arc;
+
+pub async fn run(cli: Cli) -> Result<ExitCode> {
+    let settings = config::settings(&cli.global)?;
+    match cli.command {
+        Command::Submit(a) => submit::run(&settings, a).await,
+        Command::Worker(a) => worker::run(&settings, a).await,
+        Command::Jobs(c) => jobs::run(&settings, c).await,
+        Command::Topology(TopologyCommand::Apply(t)) => {
+            let broker = connect_broker(&settings).await?;
+            let topo = topology(&settings.prefix, &t)?;
+            topo.apply(&broker).await?;
+            println!(
+                "topology applied: exchange {} → queue {} (dead letters: {} → {}; retry queues: {})",
+                topo.names.jobs_exchange,
+                topo.names.work_queue,
+                topo.names.dlx,
+                topo.names.dead_queue,
+                topo.retry_delays_ms
+                    .iter()
+                    .map(|d| topo.names.retry_queue(*d))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            );
+            broker.close().await;
+            Ok(ExitCode::SUCCESS)
+        }
+        Command::Demo(a) => demo::run(&settings, a).await,
+    }
+}
+
+pub async fn connect_broker(s: &Settings) -> Result<Broker> {
+    Ok(Broker::connect(&s.amqp_url).await?)
+}
+
+pub async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
+    let l = Ledger::connect(url).await.with_context(|| {
+        format!("cannot open the ledger at {url} (set --store-url or LASTCALL_STORE_URL)")
+    })?;
+    Ok(Arc::new(l))
+}
+
+pub fn topology(prefix: &str, t: &TopologyArgs) -> Result<Topology> {
+    let mut topo = Topology::new(prefix);
+    topo.queue_type = t
+        .queue_type
+        .parse::<QueueType>()
+        .map_err(anyhow::Error::msg)?;
+    if t.retry_delays_ms.is_empty()
+        || t.retry_delays_ms.windows(2).any(|w| w[0] >= w[1])
+        || t.retry_delays_ms[0] == 0
+    {
+        bail!(
+            "--retry-delays-ms must be positive and strictly ascending, got {:?}",
+            t.retry_delays_ms
+        );
+    }
+    topo.retry_delays_ms = t.retry_delays_ms.clone();
+    topo.delivery_limit = t.delivery_limit;
+    Ok(topo)
+}
+
+pub fn admission(a: &AdmissionArgs) -> (AdmissionPolicy, EnvelopeLimits) {
+    (
+        AdmissionPolicy {
+            clock_uncertainty_ms: a.clock_uncertainty_ms,
+            default_min_runtime_ms: a.min_runtime_ms,
+        },
+        EnvelopeLimits {
+            horizon_ms: a.horizon_ms,
+            max_body_bytes: a.max_message_bytes,
+        },
+    )
+}
+
+/// Resolve on the first SIGINT or SIGTERM.
+pub async fn shutdown_signal() {
+    let ctrl_c = tokio::signal::ctrl_c();
+    #[cfg(unix)]
+    {
+        let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())
+            .expect("install SIGTERM handler");
+        tokio::select! {
+            _ = ctrl_c => {}
+            _ = term.recv() => {}
+        }
+    }
+    #[cfg(not(unix))]
+    {
+        let _ = ctrl_c.await;
+    }
+}

@@ -1,0 +1,99 @@
+//! `lastcall worker`.
+
+use crate::cli::{BackendKind, ExpiredActionArg, SimArgs, WorkerArgs};
+use crate::config::Settings;
+use anyhow::{Result, bail};
+use lastcall_backend::Backend;
+use lastcall_backend::sim::{SimBackend, SimConfig};
+use lastcall_core::{ExpiredAction, RetryPolicy, WorkerPolicy};
+use lastcall_worker::{ClockSyncMode, Fault, SystemClock, Worker, WorkerConfig, WorkerStats};
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
+    let cfg = config(s, &a)?;
+    let backend: Arc<dyn Backend> = match a.backend {
+        BackendKind::Sim => Arc::new(sim(&a.sim)?),
+    };
+    let broker = super::connect_broker(s).await?;
+    let ledger = super::open_ledger(&s.store_url).await?;
+    let clock = Arc::new(SystemClock {
+        offset_ms: a.clock_offset_ms,
+    });
+    let stats = Arc::new(WorkerStats::default());
+    let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await?;
+    let stop = CancellationToken::new();
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        tracing::info!("shutdown signal received: draining");
+        eprintln!("lastcall worker: shutting down (in-flight work gets the grace period)");
+        stop2.cancel();
+    });
+    worker.run(stop).await?;
+    ledger.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+pub fn sim(a: &SimArgs) -> Result<SimBackend> {
+    if !(0.0..=1.0).contains(&a.sim_fail_rate) {
+        bail!(
+            "--sim-fail-rate must be between 0 and 1, got {}",
+            a.sim_fail_rate
+        );
+    }
+    Ok(SimBackend::new(SimConfig {
+        latency_ms: a.sim_latency_ms,
+        jitter_ms: a.sim_jitter_ms,
+        fail_rate: a.sim_fail_rate,
+        call_log: a.sim_call_log.clone(),
+    })?)
+}
+
+pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
+    if a.slots == 0 {
+        bail!("--slots must be at least 1");
+    }
+    let (admission, limits) = super::admission(&a.admission);
+    let mut cfg = WorkerConfig::new(&s.prefix, a.slots);
+    cfg.topology = super::topology(&s.prefix, &a.topology)?;
+    if let Some(p) = a.prefetch {
+        if p == 0 {
+            bail!("--prefetch must be at least 1 (0 would mean unlimited at the broker)");
+        }
+        cfg.prefetch = p;
+    }
+    if let Some(n) = &a.name {
+        cfg.name = n.clone();
+    }
+    cfg.max_buffer_bytes = a.max_buffer_bytes;
+    cfg.hold_before_admission = Duration::from_millis(a.debug_hold_before_admission_ms);
+    cfg.shutdown_grace = Duration::from_millis(a.shutdown_grace_ms);
+    cfg.clock_sync = a
+        .clock_sync
+        .parse::<ClockSyncMode>()
+        .map_err(anyhow::Error::msg)?;
+    cfg.fault = match a.fault.as_deref() {
+        None => None,
+        Some("crash-after-store") => Some(Fault::CrashAfterStore),
+        Some(other) => bail!("unknown --fault `{other}`"),
+    };
+    let retry = RetryPolicy::new(
+        a.max_attempts,
+        cfg.topology.retry_delays_ms[0],
+        cfg.topology.retry_delays_ms.clone(),
+    )?;
+    cfg.policy = WorkerPolicy {
+        admission,
+        limits,
+        expired_action: match a.expired_action {
+            ExpiredActionArg::Ack => ExpiredAction::Ack,
+            ExpiredActionArg::DeadLetter => ExpiredAction::DeadLetter,
+        },
+        retry,
+        max_starts: a.max_starts,
+    };
+    Ok(cfg)
+}

@@ -1,0 +1,223 @@
+//! The dead-letter processor: consumes `{prefix}.dead`, records an outcome for every dead
+//! letter (keeping the worker's outcome when one exists), and acks only after the write.
+//!
+//! **Invariant:** dead letters are never republished to the work queue; the deadline in
+//! the body is never touched. Malformed messages are recorded under a synthetic id and,
+//! with `park`, copied to `{prefix}.parked` for a human before the ack.
+
+use crate::clock::Clock;
+use crate::store_retry::{StoreHealth, until_stored};
+use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
+use lastcall_core::deadletter::{DeathReason, classify};
+use lastcall_core::{Envelope, EnvelopeLimits, synthetic_job_id};
+use lastcall_store::{Ledger, OutcomeRecord};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Counters of one processor run.
+#[derive(Debug, Default)]
+pub struct DlqStats {
+    pub processed: AtomicU64,
+    pub recorded: AtomicU64,
+    pub kept_existing: AtomicU64,
+    pub parked: AtomicU64,
+}
+
+/// The dead-letter processor.
+pub struct DeadLetterProcessor {
+    broker: Broker,
+    ledger: Arc<Ledger>,
+    topology: Topology,
+    clock: Arc<dyn Clock>,
+    publisher: Publisher,
+    /// Copy malformed dead letters to `{prefix}.parked` before acking them.
+    park: bool,
+    name: String,
+    pub stats: Arc<DlqStats>,
+}
+
+impl std::fmt::Debug for DeadLetterProcessor {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeadLetterProcessor")
+            .field("park", &self.park)
+            .finish_non_exhaustive()
+    }
+}
+
+/// The parked queue's name.
+pub fn parked_queue(prefix: &str) -> String {
+    format!("{prefix}.parked")
+}
+
+impl DeadLetterProcessor {
+    pub async fn build(
+        broker: Broker,
+        ledger: Arc<Ledger>,
+        topology: Topology,
+        clock: Arc<dyn Clock>,
+        park: bool,
+    ) -> Result<Self, String> {
+        topology.apply(&broker).await.map_err(|e| e.to_string())?;
+        if park {
+            topology
+                .declare_plain_queue(&broker, &parked_queue(&topology.names.prefix))
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        let publisher = Publisher::new(&broker, Duration::from_secs(5))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            broker,
+            ledger,
+            topology,
+            clock,
+            publisher,
+            park,
+            name: format!("dlq:{}", crate::runtime::default_worker_name()),
+            stats: Arc::new(DlqStats::default()),
+        })
+    }
+
+    /// Process dead letters until `stop` fires, or, with `idle_exit`, until no dead letter
+    /// arrived for that long.
+    pub async fn run(
+        self,
+        stop: CancellationToken,
+        idle_exit: Option<Duration>,
+    ) -> Result<(), String> {
+        let mut stream = IncomingStream::open(
+            &self.broker,
+            &self.topology.names.dead_queue,
+            32,
+            &format!("lastcall-dlq-{}", std::process::id()),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let health = StoreHealth::default();
+        loop {
+            let idle = idle_exit.unwrap_or(Duration::from_secs(u64::MAX / 4));
+            let next = tokio::select! {
+                _ = stop.cancelled() => break,
+                _ = tokio::time::sleep(idle) => break,
+                n = stream.next() => n,
+            };
+            let incoming = match next {
+                None => return Err("the dead-letter consumer was cancelled".into()),
+                Some(Err(e)) => return Err(e.to_string()),
+                Some(Ok(i)) => i,
+            };
+            if !self.handle(&incoming, &health, &stop).await {
+                break; // stopping before the write: leave it unacked
+            }
+        }
+        stream.cancel().await;
+        stream.close().await;
+        Ok(())
+    }
+
+    async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {
+        let now = self.clock.now_ms();
+        let limits = EnvelopeLimits {
+            horizon_ms: i64::MAX / 4,
+            max_body_bytes: usize::MAX,
+        };
+        let parsed = Envelope::parse(&m.body, &limits, now);
+        let job_id = match &parsed {
+            Ok(e) => e.job_id().clone(),
+            Err(e) => e
+                .job_id
+                .clone()
+                .unwrap_or_else(|| synthetic_job_id(&m.body)),
+        };
+        let death = m.x_death.first();
+        let reason = DeathReason::parse(death.map(|d| d.reason.as_str()).unwrap_or("none"));
+        let reject = parsed.as_ref().err().map(|e| e.reason.as_str());
+        let outcome = classify(&reason, parsed.is_ok(), reject);
+        let detail = match death {
+            Some(d) => format!(
+                "dead-lettered: reason={} queue={} count={} original-expiration={}",
+                d.reason,
+                d.queue,
+                d.count,
+                d.original_expiration.as_deref().unwrap_or("-")
+            ),
+            None => "dead letter without x-death".to_owned(),
+        };
+        let (kind, created, expires) = match &parsed {
+            Ok(e) => (
+                e.kind().to_string(),
+                Some(e.deadline().created_at_ms()),
+                Some(e.deadline().expires_at_ms()),
+            ),
+            Err(_) => ("invalid".into(), None, None),
+        };
+        let rec = OutcomeRecord {
+            attempt_key: format!(
+                "dlq:{}:{}:{}",
+                job_id,
+                death.map(|d| d.count).unwrap_or(0),
+                death.and_then(|d| d.time_s).unwrap_or(0)
+            ),
+            job_id: job_id.to_string(),
+            kind,
+            state: outcome.state.as_str().to_owned(),
+            reason: Some(outcome.reason),
+            decision: "dead_letter_processed".into(),
+            attempt: m.attempt,
+            created_at_ms: created,
+            expires_at_ms: expires,
+            received_at_ms: Some(now),
+            recorded_at_ms: now,
+            worker: self.name.clone(),
+            redelivered: m.redelivered,
+            error: Some(match &parsed {
+                Err(e) => format!("{detail}; {e}"),
+                Ok(_) => detail,
+            }),
+            ..OutcomeRecord::default()
+        };
+        let Some(written) =
+            until_stored(health, stop, || {}, || self.ledger.record_terminal(&rec)).await
+        else {
+            return false;
+        };
+        self.stats.processed.fetch_add(1, Ordering::Relaxed);
+        if written {
+            self.stats.recorded.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.kept_existing.fetch_add(1, Ordering::Relaxed);
+        }
+        if self.park && parsed.is_err() {
+            let props = PublishProps {
+                job_id: job_id.to_string(),
+                ttl_ms: None,
+                attempt: m.attempt,
+                timestamp_s: (now / 1000) as u64,
+                signature: None,
+            };
+            if let Err(e) = self
+                .publisher
+                .publish(
+                    "",
+                    &parked_queue(&self.topology.names.prefix),
+                    &m.body,
+                    &props,
+                )
+                .await
+            {
+                tracing::error!(error = %e, "parking a malformed dead letter failed; leaving it in the dead-letter queue");
+                let _ = m.settler.requeue().await;
+                return true;
+            }
+            self.stats.parked.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Err(e) = m.settler.ack().await {
+            tracing::warn!(error = %e, "ack of a dead letter failed after the write; it will be seen again and kept once");
+        }
+        tracing::info!(job_id = %job_id, reason = reason.label(), state = outcome.state.as_str(), written, "dead letter processed");
+        true
+    }
+}

@@ -1,0 +1,698 @@
+//! The worker: receive → validate → wait for a slot → last admission check → model call
+//! → durable outcome → ack.
+//!
+//! **Invariant:** the ack (or reject) of a delivery happens only after its outcome is in
+//! the ledger. **Invariant:** no model call starts unless [`WorkerPolicy::on_slot`]
+//! returned `Run` immediately before it. **Invariant:** local buffering is bounded: at
+//! most `prefetch` deliveries (broker-enforced) and at most `max_buffer_bytes` of bodies.
+
+use crate::clock::{Clock, ClockSyncMode};
+use crate::stats::WorkerStats;
+use crate::store_retry::{StoreHealth, until_stored};
+use lastcall_backend::{Backend, BackendError, CallOutput, CallRequest, CancellationToken};
+use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
+use lastcall_core::disposition::ReceiptFacts;
+use lastcall_core::{
+    CallResult, Disposition, Envelope, JobId, RejectError, Terminal, WorkerPolicy, synthetic_job_id,
+};
+use lastcall_store::{AttemptStart, Ledger, OutcomeRecord};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::task::JoinSet;
+use tracing::Instrument;
+
+/// Fault injection for crash tests. Never set in production.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Fault {
+    /// Abort the process right after an outcome is stored, before the ack.
+    CrashAfterStore,
+}
+
+/// Everything a worker needs besides its adapters.
+#[derive(Debug, Clone)]
+pub struct WorkerConfig {
+    pub topology: Topology,
+    /// Worker name recorded in the ledger.
+    pub name: String,
+    /// Model slots: concurrent model calls.
+    pub slots: usize,
+    /// Unacked deliveries the broker may push to this worker (default 2 × slots).
+    pub prefetch: u16,
+    /// Cap on the bytes of bodies held locally; prefetch only bounds the count.
+    pub max_buffer_bytes: usize,
+    pub policy: WorkerPolicy,
+    pub clock_sync: ClockSyncMode,
+    /// How long shutdown waits for in-flight work before handing it back.
+    pub shutdown_grace: Duration,
+    /// How long to wait for a backend to confirm a cancellation at the deadline.
+    pub cancel_grace: Duration,
+    pub fault: Option<Fault>,
+    /// Deliberate local wait between getting a slot and the admission check. Zero in
+    /// production; used to reproduce the seed's experiment (work delivered in time that
+    /// waits locally past its deadline).
+    pub hold_before_admission: Duration,
+}
+
+impl WorkerConfig {
+    pub fn new(prefix: &str, slots: usize) -> Self {
+        Self {
+            topology: Topology::new(prefix),
+            name: default_worker_name(),
+            slots,
+            prefetch: (slots * 2).clamp(1, u16::MAX as usize) as u16,
+            max_buffer_bytes: 64 * 1024 * 1024,
+            policy: WorkerPolicy::default(),
+            clock_sync: ClockSyncMode::Ignore,
+            shutdown_grace: Duration::from_secs(10),
+            cancel_grace: Duration::from_millis(500),
+            fault: None,
+            hold_before_admission: Duration::ZERO,
+        }
+    }
+}
+
+/// `host:pid`.
+pub fn default_worker_name() -> String {
+    let host = std::fs::read_to_string("/etc/hostname")
+        .map(|s| s.trim().to_owned())
+        .unwrap_or_else(|_| "host".into());
+    format!("{host}:{}", std::process::id())
+}
+
+/// Shared state of one running worker.
+struct Ctx {
+    cfg: WorkerConfig,
+    ledger: Arc<Ledger>,
+    backend: Arc<dyn Backend>,
+    clock: Arc<dyn Clock>,
+    stats: Arc<WorkerStats>,
+    slots: Arc<Semaphore>,
+    publisher: Publisher,
+    health: StoreHealth,
+    /// Fires on shutdown: waiting jobs are handed back, store retries stop.
+    shutdown: CancellationToken,
+    nonce: String,
+}
+
+/// A worker, built and ready to run.
+pub struct Worker {
+    ctx: Arc<Ctx>,
+    broker: Broker,
+}
+
+impl std::fmt::Debug for Worker {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Worker")
+            .field("name", &self.ctx.cfg.name)
+            .finish_non_exhaustive()
+    }
+}
+
+impl Worker {
+    /// Connect, apply the topology (idempotent) and prepare the retry publisher.
+    pub async fn build(
+        cfg: WorkerConfig,
+        broker: Broker,
+        ledger: Arc<Ledger>,
+        backend: Arc<dyn Backend>,
+        clock: Arc<dyn Clock>,
+        stats: Arc<WorkerStats>,
+    ) -> Result<Self, WorkerError> {
+        cfg.topology
+            .apply(&broker)
+            .await
+            .map_err(|e| WorkerError::Setup(e.to_string()))?;
+        let publisher = Publisher::new(&broker, Duration::from_secs(5))
+            .await
+            .map_err(|e| WorkerError::Setup(e.to_string()))?;
+        let nonce = format!(
+            "{:x}",
+            crate::clock::now_ms() ^ (std::process::id() as i64) << 20
+        );
+        let ctx = Ctx {
+            slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
+            cfg,
+            ledger,
+            backend,
+            clock,
+            stats,
+            publisher,
+            health: StoreHealth::default(),
+            shutdown: CancellationToken::new(),
+            nonce,
+        };
+        Ok(Self {
+            ctx: Arc::new(ctx),
+            broker,
+        })
+    }
+
+    /// Consume until `stop` fires; then stop consuming, let in-flight work finish within
+    /// the grace period, hand back what is left, and close.
+    pub async fn run(self, stop: CancellationToken) -> Result<(), WorkerError> {
+        let ctx = self.ctx;
+        let cfg = &ctx.cfg;
+        let mut stream = IncomingStream::open(
+            &self.broker,
+            &cfg.topology.names.work_queue,
+            cfg.prefetch,
+            &format!("lastcall-worker-{}", ctx.nonce),
+        )
+        .await
+        .map_err(|e| WorkerError::Setup(e.to_string()))?;
+        let bytes = Arc::new(Semaphore::new(cfg.max_buffer_bytes.max(1)));
+        let mut tasks = JoinSet::new();
+        tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, "worker started");
+        let mut result = Ok(());
+        loop {
+            // Stop taking new work while the ledger is failing.
+            if !ctx.health.is_healthy() {
+                tracing::warn!("ledger unavailable: pausing intake until it recovers");
+                tokio::select! {
+                    _ = ctx.health.wait_healthy(&stop) => {}
+                }
+                if stop.is_cancelled() {
+                    break;
+                }
+            }
+            while let Some(done) = tasks.try_join_next() {
+                log_task_end(done);
+            }
+            let next = tokio::select! {
+                _ = stop.cancelled() => break,
+                n = stream.next() => n,
+            };
+            let incoming = match next {
+                None => {
+                    result = Err(WorkerError::Broker(
+                        "the consumer was cancelled or the channel closed".into(),
+                    ));
+                    break;
+                }
+                Some(Err(e)) => {
+                    result = Err(WorkerError::Broker(e.to_string()));
+                    break;
+                }
+                Some(Ok(i)) => i,
+            };
+            let received_at_ms = ctx.clock.now_ms();
+            WorkerStats::inc(&ctx.stats.received);
+            // Bound local memory by bytes; a body over the limit is rejected without buffering.
+            let size = incoming.body.len();
+            let permit = if size > cfg.policy.limits.max_body_bytes {
+                None
+            } else {
+                let n = size.clamp(1, cfg.max_buffer_bytes.max(1)) as u32;
+                tokio::select! {
+                    p = bytes.clone().acquire_many_owned(n) => Some(p.expect("semaphore never closed")),
+                    _ = stop.cancelled() => {
+                        let _ = incoming.settler.requeue().await;
+                        break;
+                    }
+                }
+            };
+            WorkerStats::add(&ctx.stats.buffered_bytes, size as i64);
+            let ctx2 = ctx.clone();
+            tasks.spawn(async move {
+                let _permit = permit;
+                handle(ctx2.clone(), incoming, received_at_ms).await;
+                WorkerStats::add(&ctx2.stats.buffered_bytes, -(size as i64));
+            });
+        }
+        // Graceful shutdown: no new deliveries; waiting jobs go back; running ones get the grace period.
+        stream.cancel().await;
+        ctx.shutdown.cancel();
+        let grace = tokio::time::sleep(cfg.shutdown_grace);
+        tokio::pin!(grace);
+        loop {
+            tokio::select! {
+                r = tasks.join_next() => match r {
+                    Some(done) => log_task_end(done),
+                    None => break,
+                },
+                _ = &mut grace => {
+                    tracing::warn!(left = tasks.len(), "shutdown grace period over; handing unfinished deliveries back to the broker");
+                    tasks.abort_all();
+                    break;
+                }
+            }
+        }
+        stream.close().await;
+        self.broker.close().await;
+        tracing::info!(worker = %cfg.name, "worker stopped");
+        result
+    }
+}
+
+fn log_task_end(r: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = r
+        && e.is_panic()
+    {
+        tracing::error!(error = %e, "a job task panicked; its delivery stays unacked and will be redelivered");
+    }
+}
+
+/// Errors that stop a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("worker setup failed: {0}")]
+    Setup(String),
+    #[error("broker connection lost: {0}")]
+    Broker(String),
+}
+
+/// Facts gathered about one delivery, carried into the ledger record.
+struct Job {
+    incoming: Incoming,
+    parsed: Result<Envelope, RejectError>,
+    job_id: JobId,
+    received_at_ms: i64,
+    checked_at_ms: Option<i64>,
+    started_at_ms: Option<i64>,
+    finished_at_ms: Option<i64>,
+    attempt_key: String,
+}
+
+async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
+    let parsed = Envelope::parse(&incoming.body, &ctx.cfg.policy.limits, received_at_ms);
+    let job_id = match &parsed {
+        Ok(e) => e.job_id().clone(),
+        Err(e) => e
+            .job_id
+            .clone()
+            .unwrap_or_else(|| synthetic_job_id(&incoming.body)),
+    };
+    let span = tracing::info_span!(
+        "job",
+        job_id = %job_id,
+        attempt = incoming.attempt,
+        received_at_ms,
+        checked_at_ms = tracing::field::Empty,
+        expires_at_ms = tracing::field::Empty,
+        redelivered = incoming.redelivered,
+    );
+    if let Ok(e) = &parsed {
+        span.record("expires_at_ms", e.deadline().expires_at_ms());
+    }
+    let attempt_key = format!("{}:{}:{}", ctx.cfg.name, ctx.nonce, incoming.delivery_tag);
+    let job = Job {
+        incoming,
+        parsed,
+        job_id,
+        received_at_ms,
+        checked_at_ms: None,
+        started_at_ms: None,
+        finished_at_ms: None,
+        attempt_key,
+    };
+    process(ctx, job).instrument(span).await;
+}
+
+async fn process(ctx: Arc<Ctx>, mut job: Job) {
+    // Receipt: validation, a first deadline check, duplicate and poison detection.
+    let id = job.job_id.to_string();
+    let Some(info) = until_stored(
+        &ctx.health,
+        &ctx.shutdown,
+        || WorkerStats::inc(&ctx.stats.store_retries),
+        || ctx.ledger.receipt_info(&id),
+    )
+    .await
+    else {
+        return; // shutting down: leave unacked, the broker redelivers
+    };
+    let facts = ReceiptFacts {
+        already_recorded: info.already_recorded,
+        prior_starts: info.prior_starts,
+    };
+    let disposition = ctx
+        .cfg
+        .policy
+        .on_receipt(&job.parsed, facts, job.received_at_ms);
+    if disposition != Disposition::WaitForSlot {
+        if let Err(e) = &job.parsed {
+            tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
+        }
+        return settle(&ctx, job, disposition, None).await;
+    }
+    let env = job
+        .parsed
+        .clone()
+        .expect("WaitForSlot implies a valid envelope");
+
+    // Wait for a model slot, in the bounded local buffer.
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    let permit = tokio::select! {
+        p = ctx.slots.clone().acquire_owned() => p.expect("slots never closed"),
+        _ = ctx.shutdown.cancelled() => {
+            WorkerStats::add(&ctx.stats.waiting, -1);
+            tracing::info!("shutdown: handing a waiting job back to the broker");
+            let _ = job.incoming.settler.requeue().await;
+            return;
+        }
+    };
+    WorkerStats::add(&ctx.stats.waiting, -1);
+    if !ctx.cfg.hold_before_admission.is_zero() {
+        tokio::time::sleep(ctx.cfg.hold_before_admission).await;
+    }
+
+    // Fail closed while the clock's sync state forbids admission: the job keeps waiting
+    // (without holding a slot) until sync returns or its deadline passes.
+    let permit = match wait_for_clock(&ctx, &env, permit).await {
+        Some(p) => p,
+        None => {
+            return settle(
+                &ctx,
+                job,
+                ctx.cfg.policy.on_slot(&env, ctx.clock.now_ms()),
+                None,
+            )
+            .await;
+        }
+    };
+
+    // The last admission check, immediately before the model call.
+    let checked_at_ms = ctx.clock.now_ms();
+    job.checked_at_ms = Some(checked_at_ms);
+    tracing::Span::current().record("checked_at_ms", checked_at_ms);
+    let budget_ms = match ctx.cfg.policy.on_slot(&env, checked_at_ms) {
+        Disposition::Run { budget_ms } => budget_ms,
+        other => {
+            drop(permit);
+            return settle(&ctx, job, other, None).await;
+        }
+    };
+
+    // Durable "started" row first: makes crash loops countable (poison detection).
+    let start = AttemptStart {
+        attempt_key: job.attempt_key.clone(),
+        job_id: id.clone(),
+        kind: env.kind().to_string(),
+        attempt: job.incoming.attempt,
+        created_at_ms: env.deadline().created_at_ms(),
+        expires_at_ms: env.deadline().expires_at_ms(),
+        worker: ctx.cfg.name.clone(),
+        redelivered: job.incoming.redelivered,
+        received_at_ms: job.received_at_ms,
+        checked_at_ms,
+        started_at_ms: checked_at_ms,
+    };
+    if until_stored(
+        &ctx.health,
+        &ctx.shutdown,
+        || WorkerStats::inc(&ctx.stats.store_retries),
+        || ctx.ledger.record_start(&start),
+    )
+    .await
+    .is_none()
+    {
+        return;
+    }
+    // The store write took time: re-check so that the call truly starts in time.
+    let started_at_ms = ctx.clock.now_ms();
+    let budget_ms = match ctx.cfg.policy.on_slot(&env, started_at_ms) {
+        Disposition::Run { budget_ms: b } => b.min(budget_ms),
+        other => {
+            drop(permit);
+            return settle(&ctx, job, other, None).await;
+        }
+    };
+    job.started_at_ms = Some(started_at_ms);
+    WorkerStats::inc(&ctx.stats.backend_calls);
+    WorkerStats::add(&ctx.stats.running, 1);
+    let call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
+    WorkerStats::add(&ctx.stats.running, -1);
+    drop(permit);
+    let finished_at_ms = ctx.clock.now_ms();
+    job.finished_at_ms = Some(finished_at_ms);
+    let disposition = ctx.cfg.policy.on_call_result(
+        &env,
+        job.incoming.attempt,
+        &call.result,
+        finished_at_ms,
+        rand_jitter(),
+    );
+    settle(&ctx, job, disposition, Some(call)).await;
+}
+
+/// Hold the job until the clock may be trusted. `None`: the deadline passed meanwhile.
+async fn wait_for_clock(
+    ctx: &Ctx,
+    env: &Envelope,
+    permit: OwnedSemaphorePermit,
+) -> Option<OwnedSemaphorePermit> {
+    if ctx.cfg.clock_sync.allows(ctx.clock.sync_state()) {
+        return Some(permit);
+    }
+    drop(permit);
+    tracing::warn!(state = ?ctx.clock.sync_state(), "clock not known to be synchronised: admission stopped (--clock-sync require)");
+    loop {
+        if !ctx
+            .cfg
+            .policy
+            .admission
+            .check(env.deadline(), env.min_runtime_ms, ctx.clock.now_ms())
+            .is_admitted()
+        {
+            return None;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = ctx.shutdown.cancelled() => return None,
+        }
+        if ctx.cfg.clock_sync.allows(ctx.clock.sync_state()) {
+            return ctx.slots.clone().acquire_owned().await.ok();
+        }
+    }
+}
+
+/// What a model call produced, for the ledger.
+struct Call {
+    result: CallResult,
+    output: Option<CallOutput>,
+    error: Option<String>,
+    cancel_requested: bool,
+    cancel_confirmed: Option<bool>,
+    latency_ms: i64,
+}
+
+async fn call_backend(ctx: &Ctx, env: &Envelope, attempt: u32, budget_ms: u64) -> Call {
+    let cancel = CancellationToken::new();
+    let req = CallRequest {
+        job_id: env.job_id().to_string(),
+        kind: env.kind().to_string(),
+        attempt,
+        payload: env.payload.clone(),
+        timeout: Duration::from_millis(budget_ms),
+    };
+    let t0 = Instant::now();
+    let fut = ctx.backend.call(req, cancel.clone());
+    tokio::pin!(fut);
+    let deadline = tokio::time::sleep(Duration::from_millis(budget_ms));
+    let outcome = tokio::select! {
+        r = &mut fut => Some(r),
+        _ = deadline => None,
+    };
+    let mut call = Call {
+        result: CallResult::Completed,
+        output: None,
+        error: None,
+        cancel_requested: false,
+        cancel_confirmed: None,
+        latency_ms: 0,
+    };
+    match outcome {
+        Some(Ok(out)) => call.output = Some(out),
+        Some(Err(BackendError::Cancelled { confirmed })) => {
+            // The backend stopped at its own timeout (derived from the same budget).
+            call.result = CallResult::DeadlineExceeded;
+            call.cancel_requested = true;
+            call.cancel_confirmed = Some(confirmed);
+            call.error = Some("backend stopped at the deadline".into());
+        }
+        Some(Err(e)) => {
+            call.error = Some(e.to_string());
+            call.result = CallResult::Failed {
+                retryable: e.is_retryable(),
+                reason: e.reason().to_owned(),
+            };
+        }
+        None => {
+            // Still running at the deadline: request cancellation and wait briefly for
+            // the backend to confirm. Work that goes on remotely is not "not started".
+            cancel.cancel();
+            let confirmed = match tokio::time::timeout(ctx.cfg.cancel_grace, &mut fut).await {
+                Ok(Err(BackendError::Cancelled { confirmed })) => confirmed,
+                Ok(_) => true,
+                Err(_) => false,
+            };
+            call.result = CallResult::DeadlineExceeded;
+            call.cancel_requested = true;
+            call.cancel_confirmed = Some(confirmed);
+            call.error = Some(format!(
+                "still running at the deadline after {budget_ms} ms; cancellation requested"
+            ));
+        }
+    }
+    call.latency_ms = t0.elapsed().as_millis() as i64;
+    call
+}
+
+fn rand_jitter() -> f64 {
+    // Cheap jitter without a RNG dependency in this crate: sub-millisecond clock noise.
+    let n = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap_or_default()
+        .subsec_nanos();
+    f64::from(n % 1_000_000) / 1_000_000.0
+}
+
+/// Execute a terminal or retry disposition: durable write first, then the broker.
+async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call>) {
+    let (terminal, decision) = match &disposition {
+        Disposition::RecordThenAck(t) => (Some(t.clone()), "ack"),
+        Disposition::RecordThenDeadLetter(t) => (Some(t.clone()), "dead_letter"),
+        Disposition::AckDuplicate => (None, "duplicate"),
+        Disposition::Retry { .. } => (None, "retry"),
+        Disposition::WaitForSlot | Disposition::Run { .. } => {
+            unreachable!("not a settling disposition")
+        }
+    };
+    if let Disposition::Retry {
+        next_attempt,
+        queue_index,
+        delay_ms,
+        ttl_ms,
+    } = &disposition
+    {
+        let queue = ctx
+            .cfg
+            .topology
+            .names
+            .retry_queue(ctx.cfg.policy.retry.queue_delays_ms[*queue_index]);
+        let props = PublishProps {
+            job_id: job.job_id.to_string(),
+            ttl_ms: Some(*ttl_ms),
+            attempt: *next_attempt,
+            timestamp_s: (ctx.clock.now_ms() / 1000) as u64,
+            signature: job.incoming.signature.clone(),
+        };
+        // The body is republished byte for byte: the deadline cannot change.
+        if let Err(e) = ctx
+            .publisher
+            .publish("", &queue, &job.incoming.body, &props)
+            .await
+        {
+            tracing::error!(error = %e, "retry publish not confirmed; failing the job");
+            let t = Terminal {
+                state: lastcall_core::State::Failed,
+                reason: Some("retry_publish_failed".into()),
+            };
+            return Box::pin(settle(ctx, job, Disposition::RecordThenDeadLetter(t), call)).await;
+        }
+        tracing::info!(queue = %queue, delay_ms, next_attempt, "retry published");
+        WorkerStats::inc(&ctx.stats.retries);
+    }
+    let rec = outcome_record(ctx, &job, terminal.as_ref(), decision, call.as_ref());
+    if disposition != Disposition::AckDuplicate {
+        let stored = until_stored(
+            &ctx.health,
+            &ctx.shutdown,
+            || WorkerStats::inc(&ctx.stats.store_retries),
+            || ctx.ledger.record_outcome(&rec),
+        )
+        .await;
+        match stored {
+            None => return, // shutting down before the write succeeded: no ack
+            Some(true) => {
+                if let Some(t) = &terminal {
+                    ctx.stats.count_state(t.state.as_str());
+                    tracing::info!(
+                        state = t.state.as_str(),
+                        reason = t.reason.as_deref().unwrap_or(""),
+                        "outcome recorded"
+                    );
+                }
+            }
+            Some(false) => tracing::info!("outcome already recorded earlier; keeping the first"),
+        }
+        if ctx.cfg.fault == Some(Fault::CrashAfterStore) {
+            tracing::error!("fault injection: aborting after the durable write, before the ack");
+            std::process::abort();
+        }
+    } else {
+        WorkerStats::inc(&ctx.stats.duplicates);
+        tracing::info!("redelivery of a job with a recorded outcome: acking without running");
+    }
+    let settled = match &disposition {
+        Disposition::RecordThenDeadLetter(_) => job.incoming.settler.dead_letter().await,
+        _ => job.incoming.settler.ack().await,
+    };
+    match settled {
+        Ok(()) => {
+            WorkerStats::inc(&ctx.stats.settled);
+            let _ = ctx
+                .ledger
+                .mark_acked(&job.attempt_key, ctx.clock.now_ms())
+                .await;
+        }
+        Err(e) => {
+            tracing::warn!(error = %e, "settling failed after the durable write; the broker will redeliver and the duplicate is acked")
+        }
+    }
+}
+
+fn outcome_record(
+    ctx: &Ctx,
+    job: &Job,
+    terminal: Option<&Terminal>,
+    decision: &str,
+    call: Option<&Call>,
+) -> OutcomeRecord {
+    let env = job.parsed.as_ref().ok();
+    let (kind, created, expires) = match env {
+        Some(e) => (
+            e.kind().to_string(),
+            Some(e.deadline().created_at_ms()),
+            Some(e.deadline().expires_at_ms()),
+        ),
+        None => ("invalid".to_owned(), None, None),
+    };
+    let error = match (&job.parsed, call) {
+        (Err(e), _) => Some(e.to_string()),
+        (_, Some(c)) => c.error.clone(),
+        _ => None,
+    };
+    let output = call.and_then(|c| c.output.as_ref());
+    OutcomeRecord {
+        attempt_key: job.attempt_key.clone(),
+        job_id: job.job_id.to_string(),
+        kind,
+        state: terminal
+            .map(|t| t.state.as_str().to_owned())
+            .unwrap_or_else(|| "running".into()),
+        reason: terminal.and_then(|t| t.reason.clone()),
+        decision: decision.to_owned(),
+        attempt: job.incoming.attempt,
+        created_at_ms: created,
+        expires_at_ms: expires,
+        received_at_ms: Some(job.received_at_ms),
+        checked_at_ms: job.checked_at_ms,
+        started_at_ms: job.started_at_ms,
+        finished_at_ms: job.finished_at_ms,
+        recorded_at_ms: ctx.clock.now_ms(),
+        worker: ctx.cfg.name.clone(),
+        redelivered: job.incoming.redelivered,
+        model_called: job.started_at_ms.is_some(),
+        result: output.map(|o| o.text.clone()),
+        error,
+        prompt_tokens: output.and_then(|o| o.usage).map(|u| u.prompt_tokens as i64),
+        completion_tokens: output
+            .and_then(|o| o.usage)
+            .map(|u| u.completion_tokens as i64),
+        latency_ms: call.map(|c| c.latency_ms),
+        cancel_requested: call.is_some_and(|c| c.cancel_requested),
+        cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
+    }
+}
