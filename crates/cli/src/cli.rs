@@ -197,7 +197,7 @@ pub struct WorkerArgs {
     pub admission: AdmissionArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
-    /// Test only: inject a fault (`crash-after-store` aborts after the durable write, before the ack)
+    /// Test only: inject a fault (`pause-after-store` stops after the durable write, before the ack, for kill tests)
     #[arg(long, hide = true)]
     pub fault: Option<String>,
     /// Test only: wait this long between getting a slot and the admission check (reproduces

@@ -17,10 +17,9 @@ pub struct FileConfig {
     pub amqp_url: Option<String>,
     pub store_url: Option<String>,
     pub prefix: Option<String>,
-    /// Kind → backend routes; read by `worker --backend routed`.
+    /// Kind → backend routes (see the README's backend section).
+    #[allow(dead_code)]
     pub routes: Option<toml::Value>,
-    pub default_backend: Option<String>,
-    pub backends: Option<toml::Value>,
 }
 
 /// The resolved connection settings.

@@ -25,8 +25,9 @@ use tracing::Instrument;
 /// Fault injection for crash tests. Never set in production.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Fault {
-    /// Abort the process right after an outcome is stored, before the ack.
-    CrashAfterStore,
+    /// Stop forever right after an outcome is stored, before the ack, logging
+    /// `fault: paused after store`, so a test can SIGKILL the process at exactly that point.
+    PauseAfterStore,
 }
 
 /// Everything a worker needs besides its adapters.
@@ -617,9 +618,9 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
             }
             Some(false) => tracing::info!("outcome already recorded earlier; keeping the first"),
         }
-        if ctx.cfg.fault == Some(Fault::CrashAfterStore) {
-            tracing::error!("fault injection: aborting after the durable write, before the ack");
-            std::process::abort();
+        if ctx.cfg.fault == Some(Fault::PauseAfterStore) {
+            tracing::error!("fault: paused after store (outcome is durable, ack withheld)");
+            std::future::pending::<()>().await;
         }
     } else {
         WorkerStats::inc(&ctx.stats.duplicates);

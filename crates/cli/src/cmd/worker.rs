@@ -77,7 +77,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         .map_err(anyhow::Error::msg)?;
     cfg.fault = match a.fault.as_deref() {
         None => None,
-        Some("crash-after-store") => Some(Fault::CrashAfterStore),
+        Some("pause-after-store") => Some(Fault::PauseAfterStore),
         Some(other) => bail!("unknown --fault `{other}`"),
     };
     let retry = RetryPolicy::new(
