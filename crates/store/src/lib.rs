@@ -10,6 +10,19 @@
 //! - `attempts`: one row per delivery that reached a decision (trace rows): received,
 //!   checked, started, finished and acked times, the broker's redelivered flag, the decision
 //!   and whether the model was called.
+//!
+//! # Layout
+//! - [`Ledger`] (`ledger.rs`): connect, migrate, and every read and write of the ledger.
+//! - `migrate.rs`: embedded, versioned migrations (`migrations/{sqlite,postgres}/`) and the
+//!   `schema_migrations` table.
+//! - `error.rs`: which database errors are worth retrying ([`StoreError::Unavailable`]).
+//! - this file: the data types that cross the crate boundary.
+
+mod error;
+mod ledger;
+mod migrate;
+
+pub use ledger::Ledger;
 
 use serde::Serialize;
 

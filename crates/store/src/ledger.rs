@@ -1,0 +1,787 @@
+//! [`Ledger`]: the one handle to the outcome store, over SQLite or PostgreSQL.
+//!
+//! Every statement is written once, in SQL both backends understand (`$n` placeholders,
+//! `INSERT … ON CONFLICT … DO UPDATE … WHERE`, `RETURNING`, `COUNT(*) FILTER`), and run on
+//! the backend's own pool type; the small `write_tx!`/`on_pool!` macros expand each body
+//! once per backend.
+//!
+//! **Invariant (write-once):** a terminal outcome is written by
+//! `INSERT … ON CONFLICT (job_id) DO UPDATE … WHERE jobs.state IN ('accepted', 'running')`.
+//! Under concurrency the conflicting row is locked (PostgreSQL) or the database is
+//! write-locked (SQLite), so exactly one writer sees one affected row; everyone else sees
+//! zero and gets `false`.
+//!
+//! **Invariant (counters):** `jobs.attempts` and `jobs.backend_calls` are recomputed from the
+//! `attempts` table in the same transaction that touches an attempt row, *after* the job row
+//! was locked by the upsert, so concurrent deliveries of one job cannot lose a count.
+
+use std::str::FromStr;
+use std::time::Duration;
+
+use lastcall_core::State;
+use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
+use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
+use sqlx::{AssertSqlSafe, ColumnIndex, Decode, PgPool, Row, SqlitePool, Type};
+
+use crate::error::db;
+use crate::migrate;
+use crate::{
+    AcceptedJob, AttemptRow, AttemptStart, JobRecord, ListFilter, OutcomeRecord, ReceiptInfo,
+    StoreError,
+};
+
+/// How long a caller waits for a pooled connection before `Unavailable`: short, so an
+/// outage surfaces quickly; the worker retries with its own backoff.
+const ACQUIRE_TIMEOUT: Duration = Duration::from_secs(3);
+/// How long SQLite waits for another process's write lock before `SQLITE_BUSY`.
+const SQLITE_BUSY_TIMEOUT: Duration = Duration::from_secs(5);
+/// SQLite read connections (WAL lets readers run beside the single writer).
+const SQLITE_READERS: u32 = 4;
+/// PostgreSQL connections; the server does group commit, so a few help throughput.
+const PG_MAX_CONNECTIONS: u32 = 8;
+
+/// The SQL spelling of "not terminal", as it appears in the statements below; a test keeps
+/// it in sync with `State::is_terminal`.
+#[cfg(test)]
+const NON_TERMINAL_SQL: &str = "('accepted', 'running')";
+
+/// Column list of [`JobRecord`], in a macro so that statements stay `&'static str`.
+macro_rules! job_columns {
+    () => {
+        "job_id, kind, state, reason, attempts, backend_calls, created_at_ms, expires_at_ms, \
+         accepted_at_ms, received_at_ms, checked_at_ms, started_at_ms, finished_at_ms, \
+         recorded_at_ms, worker, result, error, trace_id, prompt_tokens, completion_tokens, \
+         latency_ms, cancel_requested, cancel_confirmed"
+    };
+}
+
+/// Column list of [`AttemptRow`].
+macro_rules! attempt_columns {
+    () => {
+        "attempt_key, job_id, attempt, worker, redelivered, received_at_ms, checked_at_ms, \
+         started_at_ms, finished_at_ms, acked_at_ms, decision, state, reason, model_called"
+    };
+}
+
+const INSERT_ACCEPTED: &str = "INSERT INTO jobs \
+     (job_id, kind, state, created_at_ms, expires_at_ms, accepted_at_ms, trace_id, payload_hash) \
+     VALUES ($1, $2, 'accepted', $3, $4, $5, $6, $7) \
+     ON CONFLICT (job_id) DO NOTHING";
+
+/// The worker may have written the row before the producer's inventory write landed:
+/// fill in what only the producer knows, once.
+const BACKFILL_ACCEPTED: &str = "UPDATE jobs SET accepted_at_ms = $2, \
+     trace_id = COALESCE(trace_id, $3), payload_hash = COALESCE(payload_hash, $4), \
+     created_at_ms = COALESCE(created_at_ms, $5), expires_at_ms = COALESCE(expires_at_ms, $6) \
+     WHERE job_id = $1 AND accepted_at_ms IS NULL";
+
+const UPSERT_JOB_RUNNING: &str = "INSERT INTO jobs \
+     (job_id, kind, state, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
+      started_at_ms, worker) \
+     VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8) \
+     ON CONFLICT (job_id) DO UPDATE SET state = 'running', \
+     kind = CASE WHEN jobs.kind = '' THEN excluded.kind ELSE jobs.kind END, \
+     created_at_ms = COALESCE(jobs.created_at_ms, excluded.created_at_ms), \
+     expires_at_ms = COALESCE(jobs.expires_at_ms, excluded.expires_at_ms), \
+     received_at_ms = excluded.received_at_ms, checked_at_ms = excluded.checked_at_ms, \
+     started_at_ms = excluded.started_at_ms, worker = excluded.worker \
+     WHERE jobs.state IN ('accepted', 'running')";
+
+const UPSERT_ATTEMPT_START: &str = "INSERT INTO attempts \
+     (attempt_key, job_id, attempt, worker, redelivered, received_at_ms, checked_at_ms, \
+      started_at_ms, state, model_called) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, 'running', TRUE) \
+     ON CONFLICT (attempt_key) DO UPDATE SET \
+     received_at_ms = excluded.received_at_ms, checked_at_ms = excluded.checked_at_ms, \
+     started_at_ms = excluded.started_at_ms, state = 'running', model_called = TRUE";
+
+/// The write-once terminal outcome. One affected row means this call wrote it.
+const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
+     (job_id, kind, state, reason, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
+      started_at_ms, finished_at_ms, recorded_at_ms, worker, result, error, prompt_tokens, \
+      completion_tokens, latency_ms, cancel_requested, cancel_confirmed) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
+     ON CONFLICT (job_id) DO UPDATE SET \
+     kind = CASE WHEN jobs.kind = '' THEN excluded.kind ELSE jobs.kind END, \
+     state = excluded.state, reason = excluded.reason, \
+     created_at_ms = COALESCE(excluded.created_at_ms, jobs.created_at_ms), \
+     expires_at_ms = COALESCE(excluded.expires_at_ms, jobs.expires_at_ms), \
+     received_at_ms = excluded.received_at_ms, checked_at_ms = excluded.checked_at_ms, \
+     started_at_ms = excluded.started_at_ms, finished_at_ms = excluded.finished_at_ms, \
+     recorded_at_ms = excluded.recorded_at_ms, worker = excluded.worker, \
+     result = excluded.result, error = excluded.error, \
+     prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens, \
+     latency_ms = excluded.latency_ms, cancel_requested = excluded.cancel_requested, \
+     cancel_confirmed = excluded.cancel_confirmed \
+     WHERE jobs.state IN ('accepted', 'running')";
+
+/// A non-terminal decision (e.g. a retry): moves the live state, never a terminal one.
+const UPSERT_JOB_LIVE: &str = "INSERT INTO jobs \
+     (job_id, kind, state, created_at_ms, expires_at_ms, worker) \
+     VALUES ($1, $2, $3, $4, $5, $6) \
+     ON CONFLICT (job_id) DO UPDATE SET state = excluded.state \
+     WHERE jobs.state IN ('accepted', 'running')";
+
+/// An attempt row keeps its first receipt/check/start times (set by `record_start`, or by
+/// the first write of a replayed outcome); the decision fields take the latest write.
+const UPSERT_ATTEMPT_OUTCOME: &str = "INSERT INTO attempts \
+     (attempt_key, job_id, attempt, worker, redelivered, received_at_ms, checked_at_ms, \
+      started_at_ms, finished_at_ms, decision, state, reason, model_called) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13) \
+     ON CONFLICT (attempt_key) DO UPDATE SET \
+     received_at_ms = COALESCE(attempts.received_at_ms, excluded.received_at_ms), \
+     checked_at_ms = COALESCE(attempts.checked_at_ms, excluded.checked_at_ms), \
+     started_at_ms = COALESCE(attempts.started_at_ms, excluded.started_at_ms), \
+     finished_at_ms = COALESCE(excluded.finished_at_ms, attempts.finished_at_ms), \
+     decision = excluded.decision, state = excluded.state, reason = excluded.reason, \
+     model_called = (attempts.model_called OR excluded.model_called)";
+
+const UPDATE_COUNTERS: &str = "UPDATE jobs SET (attempts, backend_calls) = \
+     (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts WHERE job_id = $1) \
+     WHERE job_id = $1";
+
+const MARK_ACKED: &str = "UPDATE attempts SET acked_at_ms = $2 WHERE attempt_key = $1";
+
+const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
+     reason = 'no_outcome_after_deadline', recorded_at_ms = $1 \
+     WHERE state IN ('accepted', 'running') AND expires_at_ms < $2 \
+     RETURNING job_id";
+
+const SELECT_PAYLOAD_HASH: &str = "SELECT payload_hash FROM jobs WHERE job_id = $1";
+const SELECT_RECEIPT: &str = "SELECT state, backend_calls FROM jobs WHERE job_id = $1";
+const SELECT_JOB: &str = concat!("SELECT ", job_columns!(), " FROM jobs WHERE job_id = $1");
+const SELECT_ATTEMPTS: &str = concat!(
+    "SELECT ",
+    attempt_columns!(),
+    " FROM attempts WHERE job_id = $1 \
+     ORDER BY attempt, COALESCE(received_at_ms, started_at_ms, finished_at_ms, 0), attempt_key"
+);
+const SELECT_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state";
+const SELECT_SINCE: &str = concat!(
+    "SELECT ",
+    job_columns!(),
+    " FROM jobs WHERE recorded_at_ms >= $1 ORDER BY recorded_at_ms, job_id"
+);
+
+/// The outcome ledger. Cheap to clone (the pools are shared).
+#[derive(Clone, Debug)]
+pub struct Ledger {
+    backend: Backend,
+}
+
+#[derive(Clone, Debug)]
+enum Backend {
+    /// SQLite allows one writer at a time; funnelling writes through a one-connection pool
+    /// queues them in-process (fair, no busy-wait sleeps) instead of in SQLite's busy
+    /// handler, which then only arbitrates between processes. Reads use their own pool.
+    Sqlite {
+        writer: SqlitePool,
+        reader: SqlitePool,
+    },
+    Postgres(PgPool),
+}
+
+/// Runs `$body` inside a write transaction: SQLite's single writer with `BEGIN IMMEDIATE`
+/// (the write lock is taken up front, so a transaction never fails half-way on lock
+/// upgrade), or a PostgreSQL pooled connection. An early `?` drops the transaction, which
+/// rolls it back.
+macro_rules! write_tx {
+    ($self:ident, $ctx:literal, |$tx:ident| $body:block) => {
+        match &$self.backend {
+            Backend::Sqlite { writer, .. } => {
+                let mut $tx = writer
+                    .begin_with("BEGIN IMMEDIATE")
+                    .await
+                    .map_err(db($ctx))?;
+                let out = $body;
+                $tx.commit().await.map_err(db($ctx))?;
+                out
+            }
+            Backend::Postgres(pool) => {
+                let mut $tx = pool.begin().await.map_err(db($ctx))?;
+                let out = $body;
+                $tx.commit().await.map_err(db($ctx))?;
+                out
+            }
+        }
+    };
+}
+
+/// Runs `$body` with `$pool` bound to the backend's read or write pool.
+macro_rules! on_pool {
+    ($self:ident, read, |$pool:ident| $body:expr) => {
+        match &$self.backend {
+            Backend::Sqlite { reader: $pool, .. } => $body,
+            Backend::Postgres($pool) => $body,
+        }
+    };
+    ($self:ident, write, |$pool:ident| $body:expr) => {
+        match &$self.backend {
+            Backend::Sqlite { writer: $pool, .. } => $body,
+            Backend::Postgres($pool) => $body,
+        }
+    };
+}
+
+impl Ledger {
+    /// Opens the ledger and applies the embedded migrations.
+    ///
+    /// `sqlite://PATH` (created if missing; WAL, `synchronous=FULL`, 5 s busy timeout) or
+    /// `postgres://…` / `postgresql://…`. Any other scheme is `Fatal`.
+    pub async fn connect(url: &str) -> Result<Self, StoreError> {
+        let scheme = url.split_once("://").map(|(s, _)| s).or_else(|| {
+            // `sqlite:path` and `sqlite::memory:` have no `//`.
+            url.starts_with("sqlite:").then_some("sqlite")
+        });
+        let ledger = match scheme {
+            Some("sqlite") => Self::connect_sqlite(url).await?,
+            Some("postgres" | "postgresql") => Self::connect_postgres(url).await?,
+            other => {
+                let what = match other {
+                    Some(s) => format!("unsupported database url scheme `{s}`"),
+                    None => "database url has no scheme".to_owned(),
+                };
+                return Err(StoreError::Fatal(format!(
+                    "{what}; accepted schemes: sqlite://PATH, postgres://… (or postgresql://…)"
+                )));
+            }
+        };
+        let applied = match &ledger.backend {
+            Backend::Sqlite { writer, .. } => migrate::migrate_sqlite(writer).await?,
+            Backend::Postgres(pool) => migrate::migrate_postgres(pool).await?,
+        };
+        tracing::info!(
+            backend = ledger.backend_name(),
+            migrations_applied = ?applied,
+            "ledger ready"
+        );
+        Ok(ledger)
+    }
+
+    async fn connect_sqlite(url: &str) -> Result<Self, StoreError> {
+        let options = SqliteConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Fatal(format!("invalid sqlite url: {e}")))?
+            .create_if_missing(true)
+            .journal_mode(SqliteJournalMode::Wal)
+            .synchronous(SqliteSynchronous::Full)
+            .busy_timeout(SQLITE_BUSY_TIMEOUT);
+        let in_memory = url.contains(":memory:") || url.contains("mode=memory");
+        let writer_options = SqlitePoolOptions::new()
+            .max_connections(1)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .test_before_acquire(false);
+        if in_memory {
+            // An in-memory database lives as long as its one connection: never recycle it,
+            // and read through the same connection.
+            let writer = writer_options
+                .min_connections(1)
+                .idle_timeout(None)
+                .max_lifetime(None)
+                .connect_with(options)
+                .await
+                .map_err(db("opening sqlite"))?;
+            let reader = writer.clone();
+            return Ok(Self {
+                backend: Backend::Sqlite { writer, reader },
+            });
+        }
+        let writer = writer_options
+            .connect_with(options.clone())
+            .await
+            .map_err(db("opening sqlite"))?;
+        let reader = SqlitePoolOptions::new()
+            .max_connections(SQLITE_READERS)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .test_before_acquire(false)
+            .connect_lazy_with(options);
+        Ok(Self {
+            backend: Backend::Sqlite { writer, reader },
+        })
+    }
+
+    async fn connect_postgres(url: &str) -> Result<Self, StoreError> {
+        let options = PgConnectOptions::from_str(url)
+            .map_err(|e| StoreError::Fatal(format!("invalid postgres url: {e}")))?;
+        // No ping before each acquire: it would cost a round trip per write. A connection
+        // broken by a server restart fails once with `Unavailable` and the caller retries.
+        let pool = PgPoolOptions::new()
+            .max_connections(PG_MAX_CONNECTIONS)
+            .acquire_timeout(ACQUIRE_TIMEOUT)
+            .test_before_acquire(false)
+            .connect_with(options)
+            .await
+            .map_err(db("connecting to postgres"))?;
+        Ok(Self {
+            backend: Backend::Postgres(pool),
+        })
+    }
+
+    /// `"sqlite"` or `"postgres"`.
+    pub fn backend_name(&self) -> &'static str {
+        match self.backend {
+            Backend::Sqlite { .. } => "sqlite",
+            Backend::Postgres(_) => "postgres",
+        }
+    }
+
+    /// Inserts the `accepted` inventory row if the job id is new: `Ok(true)` if inserted,
+    /// `Ok(false)` if the id existed in any state. If a worker got there first, the
+    /// producer-only fields (`accepted_at_ms`, `trace_id`, `payload_hash`) are filled in.
+    pub async fn record_accepted(&self, job: &AcceptedJob) -> Result<bool, StoreError> {
+        let inserted = on_pool!(self, write, |pool| {
+            let done = sqlx::query(INSERT_ACCEPTED)
+                .bind(&job.job_id)
+                .bind(&job.kind)
+                .bind(job.created_at_ms)
+                .bind(job.expires_at_ms)
+                .bind(job.accepted_at_ms)
+                .bind(&job.trace_id)
+                .bind(&job.payload_hash)
+                .execute(pool)
+                .await
+                .map_err(db("recording an accepted job"))?;
+            if done.rows_affected() == 0 {
+                sqlx::query(BACKFILL_ACCEPTED)
+                    .bind(&job.job_id)
+                    .bind(job.accepted_at_ms)
+                    .bind(&job.trace_id)
+                    .bind(&job.payload_hash)
+                    .bind(job.created_at_ms)
+                    .bind(job.expires_at_ms)
+                    .execute(pool)
+                    .await
+                    .map_err(db("recording an accepted job"))?;
+            }
+            done.rows_affected() > 0
+        });
+        Ok(inserted)
+    }
+
+    /// The payload hash stored for an id (for the ingress's `409` check); `None` for an
+    /// unknown id or a row written without one.
+    pub async fn payload_hash(&self, job_id: &str) -> Result<Option<String>, StoreError> {
+        let hash: Option<Option<String>> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_PAYLOAD_HASH)
+                .bind(job_id)
+                .fetch_optional(pool)
+                .await
+                .and_then(|row| row.map(|r| r.try_get(0)).transpose())
+                .map_err(db("reading a payload hash"))?
+        });
+        Ok(hash.flatten())
+    }
+
+    /// Whether the job already has a terminal outcome, and how many model calls were started
+    /// for it so far.
+    pub async fn receipt_info(&self, job_id: &str) -> Result<ReceiptInfo, StoreError> {
+        let found: Option<(String, i64)> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_RECEIPT)
+                .bind(job_id)
+                .fetch_optional(pool)
+                .await
+                .and_then(|row| row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).transpose())
+                .map_err(db("reading receipt info"))?
+        });
+        Ok(match found {
+            None => ReceiptInfo::default(),
+            Some((state, calls)) => ReceiptInfo {
+                already_recorded: state.parse::<State>().is_ok_and(State::is_terminal),
+                prior_starts: u32::try_from(calls.max(0)).unwrap_or(u32::MAX),
+            },
+        })
+    }
+
+    /// Right before a model call: inserts the attempt row (`model_called`, `started_at_ms`)
+    /// and moves the job to `running` unless it is terminal (creating the job row if
+    /// missing). One transaction.
+    pub async fn record_start(&self, start: &AttemptStart) -> Result<(), StoreError> {
+        tracing::debug!(job_id = %start.job_id, attempt_key = %start.attempt_key, "record start");
+        write_tx!(self, "recording an attempt start", |tx| {
+            sqlx::query(UPSERT_JOB_RUNNING)
+                .bind(&start.job_id)
+                .bind(&start.kind)
+                .bind(start.created_at_ms)
+                .bind(start.expires_at_ms)
+                .bind(start.received_at_ms)
+                .bind(start.checked_at_ms)
+                .bind(start.started_at_ms)
+                .bind(&start.worker)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("recording an attempt start"))?;
+            sqlx::query(UPSERT_ATTEMPT_START)
+                .bind(&start.attempt_key)
+                .bind(&start.job_id)
+                .bind(i64::from(start.attempt))
+                .bind(&start.worker)
+                .bind(start.redelivered)
+                .bind(start.received_at_ms)
+                .bind(start.checked_at_ms)
+                .bind(start.started_at_ms)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("recording an attempt start"))?;
+            sqlx::query(UPDATE_COUNTERS)
+                .bind(&start.job_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("recording an attempt start"))?;
+        });
+        Ok(())
+    }
+
+    /// One delivery's decision, in one transaction: upserts the attempt row by
+    /// `attempt_key`, and if `rec.state` is terminal writes the job's terminal outcome
+    /// unless it already has one. Maintains `attempts` and `backend_calls`.
+    ///
+    /// `Ok(true)` if this call wrote the terminal outcome; `Ok(false)` if one existed (it is
+    /// kept unchanged) or `rec.state` is not terminal. An unknown state name or an empty
+    /// `attempt_key` is `Fatal`.
+    pub async fn record_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
+        if rec.attempt_key.is_empty() {
+            return Err(StoreError::Fatal(format!(
+                "outcome for job `{}` has an empty attempt_key",
+                rec.job_id
+            )));
+        }
+        self.write_outcome(rec).await
+    }
+
+    /// A terminal outcome for a job that may have no accepted row and no attempt (the
+    /// dead-letter processor's `expired_before_receive`, a rejected body). Same write-once
+    /// rule as [`record_outcome`](Self::record_outcome); an attempt row is written only when
+    /// `rec.attempt_key` is not empty. A non-terminal `rec.state` is `Fatal`.
+    pub async fn record_terminal(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
+        if !parse_state(&rec.state)?.is_terminal() {
+            return Err(StoreError::Fatal(format!(
+                "record_terminal needs a terminal state, got `{}`",
+                rec.state
+            )));
+        }
+        self.write_outcome(rec).await
+    }
+
+    async fn write_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
+        let terminal = parse_state(&rec.state)?.is_terminal();
+        let with_attempt = !rec.attempt_key.is_empty();
+        tracing::debug!(job_id = %rec.job_id, state = %rec.state, "record outcome");
+        let wrote = write_tx!(self, "recording an outcome", |tx| {
+            // The job row first: this locks it (PostgreSQL locks the conflicting row even
+            // when the WHERE rejects the update), which serialises the counters below.
+            let wrote = if terminal {
+                sqlx::query(UPSERT_JOB_TERMINAL)
+                    .bind(&rec.job_id)
+                    .bind(&rec.kind)
+                    .bind(&rec.state)
+                    .bind(&rec.reason)
+                    .bind(rec.created_at_ms)
+                    .bind(rec.expires_at_ms)
+                    .bind(rec.received_at_ms)
+                    .bind(rec.checked_at_ms)
+                    .bind(rec.started_at_ms)
+                    .bind(rec.finished_at_ms)
+                    .bind(rec.recorded_at_ms)
+                    .bind(non_empty(&rec.worker))
+                    .bind(&rec.result)
+                    .bind(&rec.error)
+                    .bind(rec.prompt_tokens)
+                    .bind(rec.completion_tokens)
+                    .bind(rec.latency_ms)
+                    .bind(rec.cancel_requested)
+                    .bind(rec.cancel_confirmed)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("recording an outcome"))?
+                    .rows_affected()
+                    > 0
+            } else {
+                sqlx::query(UPSERT_JOB_LIVE)
+                    .bind(&rec.job_id)
+                    .bind(&rec.kind)
+                    .bind(&rec.state)
+                    .bind(rec.created_at_ms)
+                    .bind(rec.expires_at_ms)
+                    .bind(non_empty(&rec.worker))
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("recording an outcome"))?;
+                false
+            };
+            if with_attempt {
+                sqlx::query(UPSERT_ATTEMPT_OUTCOME)
+                    .bind(&rec.attempt_key)
+                    .bind(&rec.job_id)
+                    .bind(i64::from(rec.attempt))
+                    .bind(&rec.worker)
+                    .bind(rec.redelivered)
+                    .bind(rec.received_at_ms)
+                    .bind(rec.checked_at_ms)
+                    .bind(rec.started_at_ms)
+                    .bind(rec.finished_at_ms)
+                    .bind(non_empty(&rec.decision))
+                    .bind(&rec.state)
+                    .bind(&rec.reason)
+                    .bind(rec.model_called)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("recording an outcome"))?;
+                sqlx::query(UPDATE_COUNTERS)
+                    .bind(&rec.job_id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("recording an outcome"))?;
+            }
+            wrote
+        });
+        if terminal && !wrote {
+            tracing::debug!(job_id = %rec.job_id, "terminal outcome already recorded; kept the first");
+        }
+        Ok(wrote)
+    }
+
+    /// Best effort after the broker ack: sets `acked_at_ms` on the attempt row.
+    pub async fn mark_acked(&self, attempt_key: &str, acked_at_ms: i64) -> Result<(), StoreError> {
+        on_pool!(self, write, |pool| {
+            sqlx::query(MARK_ACKED)
+                .bind(attempt_key)
+                .bind(acked_at_ms)
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(db("marking an attempt acked"))
+        })
+    }
+
+    /// The job's record, `None` for an unknown id.
+    pub async fn get(&self, job_id: &str) -> Result<Option<JobRecord>, StoreError> {
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_JOB)
+                .bind(job_id)
+                .fetch_optional(pool)
+                .await
+                .and_then(|row| row.as_ref().map(job_from_row).transpose())
+                .map_err(db("reading a job"))
+        })
+    }
+
+    /// Jobs matching `filter`, ordered by recorded time (accepted or created time while not
+    /// terminal), then job id.
+    pub async fn list(&self, filter: &ListFilter) -> Result<Vec<JobRecord>, StoreError> {
+        let mut sql = String::from(concat!("SELECT ", job_columns!(), " FROM jobs"));
+        let mut n = 0;
+        let mut clause = |sql: &mut String, column: &str| {
+            n += 1;
+            sql.push_str(if n == 1 { " WHERE " } else { " AND " });
+            sql.push_str(&format!("{column} = ${n}"));
+        };
+        if filter.state.is_some() {
+            clause(&mut sql, "state");
+        }
+        if filter.kind.is_some() {
+            clause(&mut sql, "kind");
+        }
+        sql.push_str(
+            " ORDER BY COALESCE(recorded_at_ms, accepted_at_ms, created_at_ms, 0), job_id",
+        );
+        if filter.limit.is_some() {
+            sql.push_str(&format!(" LIMIT ${}", n + 1));
+        }
+        on_pool!(self, read, |pool| {
+            let mut query = sqlx::query(AssertSqlSafe(sql.as_str()));
+            if let Some(state) = &filter.state {
+                query = query.bind(state);
+            }
+            if let Some(kind) = &filter.kind {
+                query = query.bind(kind);
+            }
+            if let Some(limit) = filter.limit {
+                query = query.bind(limit.max(0));
+            }
+            query
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| rows.iter().map(job_from_row).collect())
+                .map_err(db("listing jobs"))
+        })
+    }
+
+    /// The job's attempt rows, by attempt number then time.
+    pub async fn attempts(&self, job_id: &str) -> Result<Vec<AttemptRow>, StoreError> {
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_ATTEMPTS)
+                .bind(job_id)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| rows.iter().map(attempt_from_row).collect())
+                .map_err(db("reading attempts"))
+        })
+    }
+
+    /// How many jobs are in each state, in `State::ALL` order (states with no job omitted).
+    pub async fn counts_by_state(&self) -> Result<Vec<(String, i64)>, StoreError> {
+        let mut counts: Vec<(String, i64)> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_COUNTS)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?)))
+                        .collect()
+                })
+                .map_err(db("counting jobs"))?
+        });
+        counts.sort_by_key(|(state, _)| {
+            let rank = State::ALL.iter().position(|s| s.as_str() == state);
+            (rank.unwrap_or(usize::MAX), state.clone())
+        });
+        Ok(counts)
+    }
+
+    /// Reconciliation: every non-terminal job whose `expires_at_ms + grace_ms < now_ms` gets
+    /// the terminal state `unknown` (reason `no_outcome_after_deadline`, recorded at
+    /// `now_ms`). Returns the ids marked, sorted. Idempotent.
+    pub async fn mark_unknown(
+        &self,
+        now_ms: i64,
+        grace_ms: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        // `expires + grace < now` rewritten as `expires < now - grace` so the arithmetic
+        // happens here, saturating, and never overflows inside the database.
+        let cutoff = now_ms.saturating_sub(grace_ms);
+        let mut ids: Vec<String> = on_pool!(self, write, |pool| {
+            sqlx::query(MARK_UNKNOWN)
+                .bind(now_ms)
+                .bind(cutoff)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| rows.iter().map(|r| r.try_get(0)).collect())
+                .map_err(db("marking jobs unknown"))?
+        });
+        ids.sort();
+        if !ids.is_empty() {
+            tracing::info!(
+                count = ids.len(),
+                "jobs marked unknown after deadline + grace"
+            );
+        }
+        Ok(ids)
+    }
+
+    /// Records with `recorded_at_ms >= since_ms`, by recorded time then job id.
+    pub async fn records_since(&self, since_ms: i64) -> Result<Vec<JobRecord>, StoreError> {
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_SINCE)
+                .bind(since_ms)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| rows.iter().map(job_from_row).collect())
+                .map_err(db("reading records"))
+        })
+    }
+
+    /// Closes the pools, waiting for checked-out connections to come back.
+    pub async fn close(&self) {
+        match &self.backend {
+            Backend::Sqlite { writer, reader } => {
+                reader.close().await;
+                writer.close().await;
+            }
+            Backend::Postgres(pool) => pool.close().await,
+        }
+    }
+}
+
+fn parse_state(name: &str) -> Result<State, StoreError> {
+    name.parse::<State>()
+        .map_err(|e| StoreError::Fatal(e.to_string()))
+}
+
+/// Empty strings are stored as NULL in optional columns.
+fn non_empty(s: &str) -> Option<&str> {
+    (!s.is_empty()).then_some(s)
+}
+
+fn job_from_row<R>(row: &R) -> Result<JobRecord, sqlx::Error>
+where
+    R: Row,
+    for<'a> &'a str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(JobRecord {
+        job_id: row.try_get("job_id")?,
+        kind: row.try_get("kind")?,
+        state: row.try_get("state")?,
+        reason: row.try_get("reason")?,
+        attempts: row.try_get("attempts")?,
+        backend_calls: row.try_get("backend_calls")?,
+        created_at_ms: row.try_get("created_at_ms")?,
+        expires_at_ms: row.try_get("expires_at_ms")?,
+        accepted_at_ms: row.try_get("accepted_at_ms")?,
+        received_at_ms: row.try_get("received_at_ms")?,
+        checked_at_ms: row.try_get("checked_at_ms")?,
+        started_at_ms: row.try_get("started_at_ms")?,
+        finished_at_ms: row.try_get("finished_at_ms")?,
+        recorded_at_ms: row.try_get("recorded_at_ms")?,
+        worker: row.try_get("worker")?,
+        result: row.try_get("result")?,
+        error: row.try_get("error")?,
+        trace_id: row.try_get("trace_id")?,
+        prompt_tokens: row.try_get("prompt_tokens")?,
+        completion_tokens: row.try_get("completion_tokens")?,
+        latency_ms: row.try_get("latency_ms")?,
+        cancel_requested: row.try_get("cancel_requested")?,
+        cancel_confirmed: row.try_get("cancel_confirmed")?,
+    })
+}
+
+fn attempt_from_row<R>(row: &R) -> Result<AttemptRow, sqlx::Error>
+where
+    R: Row,
+    for<'a> &'a str: ColumnIndex<R>,
+    for<'r> String: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> i64: Decode<'r, R::Database> + Type<R::Database>,
+    for<'r> bool: Decode<'r, R::Database> + Type<R::Database>,
+{
+    Ok(AttemptRow {
+        attempt_key: row.try_get("attempt_key")?,
+        job_id: row.try_get("job_id")?,
+        attempt: row.try_get("attempt")?,
+        worker: row.try_get("worker")?,
+        redelivered: row.try_get("redelivered")?,
+        received_at_ms: row.try_get("received_at_ms")?,
+        checked_at_ms: row.try_get("checked_at_ms")?,
+        started_at_ms: row.try_get("started_at_ms")?,
+        finished_at_ms: row.try_get("finished_at_ms")?,
+        acked_at_ms: row.try_get("acked_at_ms")?,
+        decision: row.try_get("decision")?,
+        state: row.try_get("state")?,
+        reason: row.try_get("reason")?,
+        model_called: row.try_get("model_called")?,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn non_terminal_sql_matches_the_core() {
+        let non_terminal: Vec<String> = State::ALL
+            .iter()
+            .filter(|s| !s.is_terminal())
+            .map(|s| format!("'{}'", s.as_str()))
+            .collect();
+        let expected = format!("({})", non_terminal.join(", "));
+        assert_eq!(NON_TERMINAL_SQL, expected);
+        for sql in [
+            UPSERT_JOB_RUNNING,
+            UPSERT_JOB_TERMINAL,
+            UPSERT_JOB_LIVE,
+            MARK_UNKNOWN,
+        ] {
+            assert!(sql.contains(NON_TERMINAL_SQL), "{sql}");
+        }
+    }
+}

@@ -1,0 +1,133 @@
+//! Embedded, versioned migrations with a `schema_migrations` table.
+//!
+//! Each migration has one SQL file per backend (`migrations/{sqlite,postgres}/NNNN_*.sql`),
+//! embedded with `include_str!`. Applying is idempotent: versions already listed in
+//! `schema_migrations` are skipped. The whole run is one transaction that first takes the
+//! database's writer lock (SQLite `BEGIN IMMEDIATE`, PostgreSQL advisory lock), so two
+//! processes starting at once do not race.
+
+use sqlx::{PgPool, Row, SqlitePool};
+
+use crate::StoreError;
+use crate::error::db;
+
+/// One schema version.
+pub(crate) struct Migration {
+    pub version: i64,
+    pub name: &'static str,
+    pub sqlite: &'static str,
+    pub postgres: &'static str,
+}
+
+/// All migrations, in version order.
+pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
+    version: 1,
+    name: "init",
+    sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+    postgres: include_str!("../migrations/postgres/0001_init.sql"),
+}];
+
+const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\
+     version BIGINT NOT NULL PRIMARY KEY, \
+     name TEXT NOT NULL, \
+     applied_at_ms BIGINT NOT NULL)";
+
+/// Arbitrary but fixed key of the PostgreSQL advisory lock held while migrating.
+const PG_LOCK_KEY: i64 = 0x6c61_7374_6361_6c6c; // "lastcall"
+
+fn now_ms() -> i64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
+        .unwrap_or(0)
+}
+
+/// Refuses a database that a newer binary already migrated further than we know.
+fn check_not_newer(applied: &[i64]) -> Result<(), StoreError> {
+    let known = MIGRATIONS.last().map_or(0, |m| m.version);
+    match applied.iter().max() {
+        Some(&max) if max > known => Err(StoreError::Fatal(format!(
+            "database schema version {max} is newer than this binary knows ({known}); upgrade lastcall"
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Applies the pending migrations; returns the versions applied now.
+macro_rules! run_migrations {
+    ($tx:ident, $sql:ident) => {{
+        sqlx::query(CREATE_TABLE)
+            .execute(&mut *$tx)
+            .await
+            .map_err(db("creating schema_migrations"))?;
+        let applied: Vec<i64> = sqlx::query("SELECT version FROM schema_migrations")
+            .fetch_all(&mut *$tx)
+            .await
+            .map_err(db("reading schema_migrations"))?
+            .iter()
+            .map(|row| row.try_get::<i64, _>(0))
+            .collect::<Result<_, _>>()
+            .map_err(db("reading schema_migrations"))?;
+        check_not_newer(&applied)?;
+        let mut now = Vec::new();
+        for m in MIGRATIONS.iter().filter(|m| !applied.contains(&m.version)) {
+            sqlx::raw_sql(m.$sql)
+                .execute(&mut *$tx)
+                .await
+                .map_err(|e| {
+                    crate::error::classify(&format!("migration {} ({})", m.version, m.name), e)
+                })?;
+            sqlx::query(
+                "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)",
+            )
+            .bind(m.version)
+            .bind(m.name)
+            .bind(now_ms())
+            .execute(&mut *$tx)
+            .await
+            .map_err(db("recording a migration"))?;
+            now.push(m.version);
+        }
+        $tx.commit().await.map_err(db("committing migrations"))?;
+        Ok(now)
+    }};
+}
+
+pub(crate) async fn migrate_sqlite(pool: &SqlitePool) -> Result<Vec<i64>, StoreError> {
+    let mut tx = pool
+        .begin_with("BEGIN IMMEDIATE")
+        .await
+        .map_err(db("starting the migration transaction"))?;
+    run_migrations!(tx, sqlite)
+}
+
+pub(crate) async fn migrate_postgres(pool: &PgPool) -> Result<Vec<i64>, StoreError> {
+    let mut tx = pool
+        .begin()
+        .await
+        .map_err(db("starting the migration transaction"))?;
+    sqlx::query("SELECT pg_advisory_xact_lock($1)")
+        .bind(PG_LOCK_KEY)
+        .execute(&mut *tx)
+        .await
+        .map_err(db("taking the migration lock"))?;
+    run_migrations!(tx, postgres)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions_are_increasing() {
+        assert!(MIGRATIONS.windows(2).all(|w| w[0].version < w[1].version));
+    }
+
+    #[test]
+    fn newer_schema_is_fatal() {
+        assert!(check_not_newer(&[1]).is_ok());
+        assert!(check_not_newer(&[]).is_ok());
+        let err = check_not_newer(&[1, 99]).unwrap_err();
+        assert!(err.to_string().contains("newer"), "{err}");
+    }
+}

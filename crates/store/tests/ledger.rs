@@ -1,0 +1,1041 @@
+//! The ledger's test suite, run against real databases: every case runs once on SQLite (a
+//! fresh file per test) and once on PostgreSQL (a fresh database per test, created through
+//! `LASTCALL_TEST_PG_URL`, default `postgres://postgres@127.0.0.1:5432/test`).
+//!
+//! If PostgreSQL is unreachable the `postgres` variants fail; they never skip.
+
+use std::hash::{BuildHasher, Hasher};
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+
+use lastcall_core::State;
+use lastcall_store::{
+    AcceptedJob, AttemptStart, JobRecord, Ledger, ListFilter, OutcomeRecord, ReceiptInfo,
+    StoreError,
+};
+use sqlx::{AssertSqlSafe, Connection, Row};
+
+const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Backend {
+    Sqlite,
+    Postgres,
+}
+
+/// A fresh database and a ledger connected to it; the database is removed on drop (best
+/// effort, also when the test panicked).
+struct TestDb {
+    backend: Backend,
+    url: String,
+    ledger: Ledger,
+    cleanup: Cleanup,
+}
+
+enum Cleanup {
+    /// The temporary directory holding the SQLite file and its WAL.
+    Dir(PathBuf),
+    /// The PostgreSQL database to drop through the admin URL.
+    PgDatabase { admin_url: String, name: String },
+}
+
+fn unique_suffix() -> String {
+    static COUNTER: AtomicU64 = AtomicU64::new(0);
+    let mut h = std::hash::RandomState::new().build_hasher();
+    h.write_u32(std::process::id());
+    h.write_u64(COUNTER.fetch_add(1, Ordering::Relaxed));
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .unwrap()
+            .as_nanos(),
+    );
+    format!("{:016x}", h.finish())
+}
+
+fn pg_admin_url() -> String {
+    std::env::var("LASTCALL_TEST_PG_URL").unwrap_or_else(|_| DEFAULT_PG_ADMIN_URL.to_owned())
+}
+
+/// The admin URL with its database name replaced by `name` (query string kept).
+fn with_database(admin_url: &str, name: &str) -> String {
+    let (base, query) = match admin_url.split_once('?') {
+        Some((b, q)) => (b, Some(q)),
+        None => (admin_url, None),
+    };
+    let authority_end = base.find("://").map_or(0, |i| i + 3);
+    let base = match base[authority_end..].find('/') {
+        Some(i) => &base[..authority_end + i],
+        None => base,
+    };
+    match query {
+        Some(q) => format!("{base}/{name}?{q}"),
+        None => format!("{base}/{name}"),
+    }
+}
+
+impl TestDb {
+    async fn new(backend: Backend) -> TestDb {
+        match backend {
+            Backend::Sqlite => {
+                let dir = std::env::temp_dir().join(format!("lastcall-store-{}", unique_suffix()));
+                std::fs::create_dir_all(&dir).unwrap();
+                let url = format!("sqlite://{}", dir.join("ledger.db").display());
+                let ledger = Ledger::connect(&url).await.expect("connect sqlite");
+                TestDb {
+                    backend,
+                    url,
+                    ledger,
+                    cleanup: Cleanup::Dir(dir),
+                }
+            }
+            Backend::Postgres => {
+                let admin_url = pg_admin_url();
+                let name = format!("lastcall_t_{}", unique_suffix());
+                let mut admin = sqlx::PgConnection::connect(&admin_url)
+                    .await
+                    .unwrap_or_else(|e| {
+                        panic!("PostgreSQL is required for this test ({admin_url}): {e}")
+                    });
+                sqlx::query(AssertSqlSafe(format!("CREATE DATABASE {name}")))
+                    .execute(&mut admin)
+                    .await
+                    .expect("create test database");
+                admin.close().await.ok();
+                let url = with_database(&admin_url, &name);
+                let cleanup = Cleanup::PgDatabase { admin_url, name };
+                let ledger = Ledger::connect(&url).await.expect("connect postgres");
+                TestDb {
+                    backend,
+                    url,
+                    ledger,
+                    cleanup,
+                }
+            }
+        }
+    }
+
+    /// One integer from a raw query, outside the ledger (to look at the schema itself).
+    async fn scalar(&self, sql: &'static str) -> i64 {
+        match self.backend {
+            Backend::Sqlite => {
+                let mut conn = sqlx::SqliteConnection::connect(&self.url).await.unwrap();
+                let row = sqlx::query(sql).fetch_one(&mut conn).await.unwrap();
+                row.try_get(0).unwrap()
+            }
+            Backend::Postgres => {
+                let mut conn = sqlx::PgConnection::connect(&self.url).await.unwrap();
+                let row = sqlx::query(sql).fetch_one(&mut conn).await.unwrap();
+                row.try_get(0).unwrap()
+            }
+        }
+    }
+}
+
+impl Drop for TestDb {
+    fn drop(&mut self) {
+        match &self.cleanup {
+            Cleanup::Dir(dir) => {
+                let _ = std::fs::remove_dir_all(dir);
+            }
+            Cleanup::PgDatabase { admin_url, name } => {
+                let (admin_url, name) = (admin_url.clone(), name.clone());
+                // Drop may run inside the test's runtime: use a thread with its own.
+                let _ = std::thread::spawn(move || {
+                    let rt = tokio::runtime::Builder::new_current_thread()
+                        .enable_all()
+                        .build()
+                        .unwrap();
+                    rt.block_on(async {
+                        if let Ok(mut admin) = sqlx::PgConnection::connect(&admin_url).await {
+                            let sql = format!("DROP DATABASE IF EXISTS {name} WITH (FORCE)");
+                            let _ = sqlx::query(AssertSqlSafe(sql)).execute(&mut admin).await;
+                            let _ = admin.close().await;
+                        }
+                    });
+                })
+                .join();
+            }
+        }
+    }
+}
+
+/// Generates `mod $case { sqlite(); postgres(); }` running `$case(&TestDb)` on each backend.
+macro_rules! both_backends {
+    ($($case:ident),* $(,)?) => {
+        $(
+            mod $case {
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn sqlite() {
+                    let db = super::TestDb::new(super::Backend::Sqlite).await;
+                    super::$case(&db).await;
+                    db.ledger.close().await;
+                }
+
+                #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+                async fn postgres() {
+                    let db = super::TestDb::new(super::Backend::Postgres).await;
+                    super::$case(&db).await;
+                    db.ledger.close().await;
+                }
+            }
+        )*
+    };
+}
+
+both_backends!(
+    migrations_are_idempotent,
+    accepted_then_outcome,
+    terminal_outcome_is_written_once,
+    start_then_outcome_counts_one_call,
+    redelivery_after_a_stored_outcome,
+    prior_starts_count_every_started_call,
+    non_terminal_outcome_moves_the_live_state_only,
+    record_terminal_without_accepted_row,
+    worker_before_producer_backfills_the_inventory,
+    list_filters_by_state_and_kind,
+    counts_by_state_in_state_order,
+    mark_unknown_only_after_deadline_plus_grace,
+    records_since_filters_by_recorded_time,
+    concurrent_terminal_writes_have_one_winner,
+    invalid_input_is_fatal,
+);
+
+// ---------------------------------------------------------------------------------------
+// Builders
+
+fn accepted(job_id: &str, kind: &str, accepted_at_ms: i64, expires_at_ms: i64) -> AcceptedJob {
+    AcceptedJob {
+        job_id: job_id.to_owned(),
+        kind: kind.to_owned(),
+        created_at_ms: accepted_at_ms - 5,
+        expires_at_ms,
+        accepted_at_ms,
+        trace_id: Some(format!("trace-{job_id}")),
+        payload_hash: format!("hash-{job_id}"),
+    }
+}
+
+fn start(job_id: &str, attempt_key: &str, attempt: u32, at_ms: i64) -> AttemptStart {
+    AttemptStart {
+        attempt_key: attempt_key.to_owned(),
+        job_id: job_id.to_owned(),
+        kind: "chat".to_owned(),
+        attempt,
+        created_at_ms: 1_000,
+        expires_at_ms: 60_000,
+        worker: "w1".to_owned(),
+        redelivered: attempt > 1,
+        received_at_ms: at_ms,
+        checked_at_ms: at_ms + 1,
+        started_at_ms: at_ms + 2,
+    }
+}
+
+fn outcome(job_id: &str, attempt_key: &str, state: State, recorded_at_ms: i64) -> OutcomeRecord {
+    OutcomeRecord {
+        attempt_key: attempt_key.to_owned(),
+        job_id: job_id.to_owned(),
+        kind: "chat".to_owned(),
+        state: state.as_str().to_owned(),
+        reason: None,
+        decision: "ack".to_owned(),
+        attempt: 1,
+        created_at_ms: Some(1_000),
+        expires_at_ms: Some(60_000),
+        received_at_ms: Some(recorded_at_ms - 30),
+        checked_at_ms: Some(recorded_at_ms - 29),
+        started_at_ms: None,
+        finished_at_ms: Some(recorded_at_ms - 1),
+        recorded_at_ms,
+        worker: "w1".to_owned(),
+        redelivered: false,
+        model_called: false,
+        result: None,
+        error: None,
+        prompt_tokens: None,
+        completion_tokens: None,
+        latency_ms: None,
+        cancel_requested: false,
+        cancel_confirmed: None,
+    }
+}
+
+fn completed(job_id: &str, attempt_key: &str, recorded_at_ms: i64, text: &str) -> OutcomeRecord {
+    OutcomeRecord {
+        started_at_ms: Some(recorded_at_ms - 20),
+        model_called: true,
+        result: Some(text.to_owned()),
+        prompt_tokens: Some(12),
+        completion_tokens: Some(34),
+        latency_ms: Some(19),
+        ..outcome(job_id, attempt_key, State::Completed, recorded_at_ms)
+    }
+}
+
+async fn must_get(ledger: &Ledger, job_id: &str) -> JobRecord {
+    ledger
+        .get(job_id)
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("job {job_id} not found"))
+}
+
+// ---------------------------------------------------------------------------------------
+// Cases (each runs on both backends)
+
+async fn migrations_are_idempotent(db: &TestDb) {
+    assert!(
+        db.ledger
+            .record_accepted(&accepted("j1", "chat", 10, 1_000))
+            .await
+            .unwrap()
+    );
+    // A second and third process connecting to the same database: nothing re-applied,
+    // nothing lost.
+    for _ in 0..2 {
+        let again = Ledger::connect(&db.url).await.expect("reconnect");
+        assert_eq!(
+            again.backend_name(),
+            match db.backend {
+                Backend::Sqlite => "sqlite",
+                Backend::Postgres => "postgres",
+            }
+        );
+        assert_eq!(must_get(&again, "j1").await.state, "accepted");
+        again.close().await;
+    }
+    assert_eq!(db.scalar("SELECT COUNT(*) FROM schema_migrations").await, 1);
+    assert_eq!(
+        db.scalar("SELECT MAX(version) FROM schema_migrations")
+            .await,
+        1
+    );
+}
+
+async fn accepted_then_outcome(db: &TestDb) {
+    let l = &db.ledger;
+    let job = accepted("j1", "chat", 100, 10_000);
+    assert!(l.record_accepted(&job).await.unwrap());
+    assert!(!l.record_accepted(&job).await.unwrap(), "second insert");
+    assert_eq!(
+        l.payload_hash("j1").await.unwrap().as_deref(),
+        Some("hash-j1")
+    );
+    assert_eq!(l.payload_hash("nope").await.unwrap(), None);
+    assert_eq!(l.get("nope").await.unwrap(), None);
+    assert_eq!(
+        l.receipt_info("nope").await.unwrap(),
+        ReceiptInfo::default()
+    );
+
+    let before = must_get(l, "j1").await;
+    assert_eq!(before.state, "accepted");
+    assert_eq!(before.kind, "chat");
+    assert_eq!(before.accepted_at_ms, Some(100));
+    assert_eq!(before.created_at_ms, Some(95));
+    assert_eq!(before.expires_at_ms, Some(10_000));
+    assert_eq!(before.trace_id.as_deref(), Some("trace-j1"));
+    assert_eq!(before.recorded_at_ms, None);
+    assert_eq!((before.attempts, before.backend_calls), (0, 0));
+    assert!(!l.receipt_info("j1").await.unwrap().already_recorded);
+
+    let rec = OutcomeRecord {
+        cancel_confirmed: Some(false),
+        ..completed("j1", "w1:c1:1", 500, "hello")
+    };
+    assert!(l.record_outcome(&rec).await.unwrap());
+
+    let after = must_get(l, "j1").await;
+    assert_eq!(after.state, "completed");
+    assert_eq!(after.result.as_deref(), Some("hello"));
+    assert_eq!(after.recorded_at_ms, Some(500));
+    assert_eq!(after.finished_at_ms, Some(499));
+    assert_eq!(after.started_at_ms, Some(480));
+    assert_eq!(after.worker.as_deref(), Some("w1"));
+    assert_eq!(after.prompt_tokens, Some(12));
+    assert_eq!(after.completion_tokens, Some(34));
+    assert_eq!(after.latency_ms, Some(19));
+    assert!(!after.cancel_requested);
+    assert_eq!(after.cancel_confirmed, Some(false));
+    assert_eq!((after.attempts, after.backend_calls), (1, 1));
+    // What only the producer knew is kept.
+    assert_eq!(after.accepted_at_ms, Some(100));
+    assert_eq!(after.trace_id.as_deref(), Some("trace-j1"));
+    assert_eq!(
+        l.payload_hash("j1").await.unwrap().as_deref(),
+        Some("hash-j1")
+    );
+    assert_eq!(
+        l.receipt_info("j1").await.unwrap(),
+        ReceiptInfo {
+            already_recorded: true,
+            prior_starts: 1
+        }
+    );
+    assert!(!l.record_accepted(&job).await.unwrap());
+    assert_eq!(must_get(l, "j1").await.state, "completed");
+}
+
+async fn terminal_outcome_is_written_once(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 100, 10_000))
+        .await
+        .unwrap();
+    assert!(
+        l.record_outcome(&completed("j1", "a1", 500, "first"))
+            .await
+            .unwrap()
+    );
+    let first = must_get(l, "j1").await;
+
+    let second = OutcomeRecord {
+        reason: Some("backend_error".to_owned()),
+        error: Some("boom".to_owned()),
+        ..outcome("j1", "a2", State::Failed, 900)
+    };
+    assert!(!l.record_outcome(&second).await.unwrap());
+    // Same attempt key replayed: still not a second write.
+    assert!(
+        !l.record_outcome(&completed("j1", "a1", 950, "replayed"))
+            .await
+            .unwrap()
+    );
+    let third = OutcomeRecord {
+        reason: Some("expired".to_owned()),
+        ..outcome("j1", "", State::ExpiredBeforeReceive, 1_000)
+    };
+    assert!(!l.record_terminal(&third).await.unwrap());
+    assert!(l.mark_unknown(i64::MAX, 0).await.unwrap().is_empty());
+
+    let now = must_get(l, "j1").await;
+    assert_eq!(now.state, "completed");
+    assert_eq!(now.reason, None);
+    assert_eq!(now.result.as_deref(), Some("first"));
+    assert_eq!(now.error, None);
+    assert_eq!(now.recorded_at_ms, Some(500));
+    assert_eq!(now.finished_at_ms, first.finished_at_ms);
+    // The later deliveries are still traced and counted.
+    assert_eq!(now.attempts, 2);
+    let rows = l.attempts("j1").await.unwrap();
+    assert_eq!(rows.len(), 2);
+    assert_eq!(rows[1].attempt_key, "a2");
+    assert_eq!(rows[1].state.as_deref(), Some("failed"));
+}
+
+async fn start_then_outcome_counts_one_call(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 100, 60_000))
+        .await
+        .unwrap();
+    l.record_start(&start("j1", "w1:c1:7", 1, 200))
+        .await
+        .unwrap();
+
+    let running = must_get(l, "j1").await;
+    assert_eq!(running.state, "running");
+    assert_eq!(running.started_at_ms, Some(202));
+    assert_eq!((running.attempts, running.backend_calls), (1, 1));
+    assert_eq!(
+        l.receipt_info("j1").await.unwrap(),
+        ReceiptInfo {
+            already_recorded: false,
+            prior_starts: 1
+        }
+    );
+
+    let rec = OutcomeRecord {
+        received_at_ms: Some(200),
+        checked_at_ms: Some(201),
+        started_at_ms: Some(202),
+        ..completed("j1", "w1:c1:7", 400, "ok")
+    };
+    assert!(l.record_outcome(&rec).await.unwrap());
+    let done = must_get(l, "j1").await;
+    assert_eq!(done.state, "completed");
+    assert_eq!((done.attempts, done.backend_calls), (1, 1));
+
+    l.mark_acked("w1:c1:7", 401).await.unwrap();
+    // Unknown keys are fine: best effort.
+    l.mark_acked("nope", 401).await.unwrap();
+    let rows = l.attempts("j1").await.unwrap();
+    assert_eq!(rows.len(), 1);
+    let row = &rows[0];
+    assert_eq!(row.attempt_key, "w1:c1:7");
+    assert_eq!(row.job_id, "j1");
+    assert_eq!(row.attempt, 1);
+    assert_eq!(row.worker, "w1");
+    assert!(!row.redelivered);
+    assert!(row.model_called);
+    assert_eq!(row.received_at_ms, Some(200));
+    assert_eq!(row.checked_at_ms, Some(201));
+    assert_eq!(row.started_at_ms, Some(202));
+    assert_eq!(row.finished_at_ms, Some(399));
+    assert_eq!(row.acked_at_ms, Some(401));
+    assert_eq!(row.decision.as_deref(), Some("ack"));
+    assert_eq!(row.state.as_deref(), Some("completed"));
+}
+
+async fn redelivery_after_a_stored_outcome(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 100, 60_000))
+        .await
+        .unwrap();
+    l.record_start(&start("j1", "w1:c1:1", 1, 200))
+        .await
+        .unwrap();
+    assert!(
+        l.record_outcome(&completed("j1", "w1:c1:1", 400, "ok"))
+            .await
+            .unwrap()
+    );
+    // The ack was lost (connection closed): the broker redelivers to another worker.
+    let info = l.receipt_info("j1").await.unwrap();
+    assert!(info.already_recorded);
+    assert_eq!(info.prior_starts, 1);
+    let dup = OutcomeRecord {
+        decision: "duplicate".to_owned(),
+        redelivered: true,
+        attempt: 2,
+        worker: "w2".to_owned(),
+        ..outcome("j1", "w2:c9:1", State::Completed, 600)
+    };
+    assert!(!l.record_outcome(&dup).await.unwrap());
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "completed");
+    assert_eq!(job.worker.as_deref(), Some("w1"));
+    assert_eq!(job.recorded_at_ms, Some(400));
+    assert_eq!((job.attempts, job.backend_calls), (2, 1));
+    let rows = l.attempts("j1").await.unwrap();
+    assert_eq!(rows[1].decision.as_deref(), Some("duplicate"));
+    assert!(rows[1].redelivered);
+    assert!(!rows[1].model_called);
+}
+
+async fn prior_starts_count_every_started_call(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 100, 60_000))
+        .await
+        .unwrap();
+    // Two deliveries that started a model call and then crashed before any outcome.
+    l.record_start(&start("j1", "w1:c1:1", 1, 200))
+        .await
+        .unwrap();
+    l.record_start(&start("j1", "w2:c2:1", 2, 300))
+        .await
+        .unwrap();
+    // record_start replayed for the same delivery does not count twice.
+    l.record_start(&start("j1", "w2:c2:1", 2, 300))
+        .await
+        .unwrap();
+    let info = l.receipt_info("j1").await.unwrap();
+    assert_eq!(
+        info,
+        ReceiptInfo {
+            already_recorded: false,
+            prior_starts: 2
+        }
+    );
+    let job = must_get(l, "j1").await;
+    assert_eq!((job.attempts, job.backend_calls), (2, 2));
+    assert_eq!(job.state, "running");
+
+    // The third delivery gives up without calling the model.
+    let rec = OutcomeRecord {
+        reason: Some("crash_loop".to_owned()),
+        attempt: 3,
+        decision: "dead_letter".to_owned(),
+        ..outcome("j1", "w1:c3:1", State::Failed, 500)
+    };
+    assert!(l.record_outcome(&rec).await.unwrap());
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "failed");
+    assert_eq!(job.reason.as_deref(), Some("crash_loop"));
+    assert_eq!((job.attempts, job.backend_calls), (3, 2));
+    assert_eq!(l.receipt_info("j1").await.unwrap().prior_starts, 2);
+
+    // A late record_start never moves a terminal job back to running.
+    l.record_start(&start("j1", "w3:c4:1", 4, 700))
+        .await
+        .unwrap();
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "failed");
+    assert_eq!(job.started_at_ms, None);
+    assert_eq!((job.attempts, job.backend_calls), (4, 3));
+
+    let keys: Vec<_> = l
+        .attempts("j1")
+        .await
+        .unwrap()
+        .into_iter()
+        .map(|a| (a.attempt, a.attempt_key))
+        .collect();
+    assert_eq!(
+        keys,
+        vec![
+            (1, "w1:c1:1".to_owned()),
+            (2, "w2:c2:1".to_owned()),
+            (3, "w1:c3:1".to_owned()),
+            (4, "w3:c4:1".to_owned()),
+        ]
+    );
+}
+
+async fn non_terminal_outcome_moves_the_live_state_only(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 100, 60_000))
+        .await
+        .unwrap();
+    l.record_start(&start("j1", "a1", 1, 200)).await.unwrap();
+    // A retryable failure: back to the queue, the job is `accepted` again.
+    let retry = OutcomeRecord {
+        decision: "retry".to_owned(),
+        reason: Some("backend_unavailable".to_owned()),
+        model_called: true,
+        ..outcome("j1", "a1", State::Accepted, 300)
+    };
+    assert!(!l.record_outcome(&retry).await.unwrap());
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "accepted");
+    assert_eq!(job.recorded_at_ms, None);
+    assert_eq!((job.attempts, job.backend_calls), (1, 1));
+    assert!(!l.receipt_info("j1").await.unwrap().already_recorded);
+    let rows = l.attempts("j1").await.unwrap();
+    assert_eq!(rows[0].decision.as_deref(), Some("retry"));
+    assert_eq!(rows[0].started_at_ms, Some(202), "kept from record_start");
+
+    assert!(
+        l.record_outcome(&completed("j1", "a2", 900, "ok"))
+            .await
+            .unwrap()
+    );
+    // A non-terminal write after the terminal one changes nothing.
+    assert!(
+        !l.record_outcome(&outcome("j1", "a3", State::Running, 950))
+            .await
+            .unwrap()
+    );
+    assert_eq!(must_get(l, "j1").await.state, "completed");
+}
+
+async fn record_terminal_without_accepted_row(db: &TestDb) {
+    let l = &db.ledger;
+    let rec = OutcomeRecord {
+        reason: Some("expired".to_owned()),
+        decision: "ack".to_owned(),
+        worker: String::new(),
+        ..outcome("j1", "", State::ExpiredBeforeReceive, 700)
+    };
+    assert!(l.record_terminal(&rec).await.unwrap());
+    assert!(!l.record_terminal(&rec).await.unwrap());
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "expired_before_receive");
+    assert_eq!(job.reason.as_deref(), Some("expired"));
+    assert_eq!(job.worker, None);
+    assert_eq!(job.accepted_at_ms, None);
+    assert_eq!((job.attempts, job.backend_calls), (0, 0));
+    assert!(l.attempts("j1").await.unwrap().is_empty());
+    assert!(l.receipt_info("j1").await.unwrap().already_recorded);
+
+    // A rejected body, traced with its delivery.
+    let rejected = OutcomeRecord {
+        kind: String::new(),
+        reason: Some("invalid_json".to_owned()),
+        decision: "dead_letter".to_owned(),
+        ..outcome("synthetic-1", "w1:c1:5", State::Rejected, 800)
+    };
+    assert!(l.record_terminal(&rejected).await.unwrap());
+    let job = must_get(l, "synthetic-1").await;
+    assert_eq!(job.state, "rejected");
+    assert_eq!(job.kind, "");
+    assert_eq!(job.attempts, 1);
+}
+
+async fn worker_before_producer_backfills_the_inventory(db: &TestDb) {
+    let l = &db.ledger;
+    // The worker finished before the producer's inventory write landed.
+    l.record_start(&start("j1", "a1", 1, 200)).await.unwrap();
+    assert!(
+        l.record_outcome(&completed("j1", "a1", 400, "ok"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(l.payload_hash("j1").await.unwrap(), None);
+    assert!(
+        !l.record_accepted(&accepted("j1", "chat", 150, 60_000))
+            .await
+            .unwrap()
+    );
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "completed");
+    assert_eq!(job.accepted_at_ms, Some(150));
+    assert_eq!(job.trace_id.as_deref(), Some("trace-j1"));
+    assert_eq!(
+        l.payload_hash("j1").await.unwrap().as_deref(),
+        Some("hash-j1")
+    );
+    // Only once: a second producer write (id reuse) changes nothing.
+    let reuse = AcceptedJob {
+        payload_hash: "other".to_owned(),
+        ..accepted("j1", "chat", 999, 60_000)
+    };
+    assert!(!l.record_accepted(&reuse).await.unwrap());
+    assert_eq!(must_get(l, "j1").await.accepted_at_ms, Some(150));
+    assert_eq!(
+        l.payload_hash("j1").await.unwrap().as_deref(),
+        Some("hash-j1")
+    );
+}
+
+async fn list_filters_by_state_and_kind(db: &TestDb) {
+    let l = &db.ledger;
+    for (id, kind, at) in [
+        ("a", "chat", 10),
+        ("b", "embed", 20),
+        ("c", "chat", 30),
+        ("d", "chat", 40),
+    ] {
+        l.record_accepted(&accepted(id, kind, at, 60_000))
+            .await
+            .unwrap();
+    }
+    // d completes first (recorded 50), b later (recorded 60).
+    l.record_outcome(&completed("d", "kd", 50, "x"))
+        .await
+        .unwrap();
+    l.record_outcome(&OutcomeRecord {
+        kind: "embed".to_owned(),
+        ..completed("b", "kb", 60, "y")
+    })
+    .await
+    .unwrap();
+
+    let ids = |jobs: Vec<JobRecord>| jobs.into_iter().map(|j| j.job_id).collect::<Vec<_>>();
+    let all = l.list(&ListFilter::default()).await.unwrap();
+    assert_eq!(ids(all), ["a", "c", "d", "b"]);
+    let chat = ListFilter {
+        kind: Some("chat".to_owned()),
+        ..ListFilter::default()
+    };
+    assert_eq!(ids(l.list(&chat).await.unwrap()), ["a", "c", "d"]);
+    let completed = ListFilter {
+        state: Some("completed".to_owned()),
+        ..ListFilter::default()
+    };
+    assert_eq!(ids(l.list(&completed).await.unwrap()), ["d", "b"]);
+    let both = ListFilter {
+        state: Some("completed".to_owned()),
+        kind: Some("embed".to_owned()),
+        limit: None,
+    };
+    assert_eq!(ids(l.list(&both).await.unwrap()), ["b"]);
+    let limited = ListFilter {
+        state: Some("accepted".to_owned()),
+        limit: Some(1),
+        ..ListFilter::default()
+    };
+    assert_eq!(ids(l.list(&limited).await.unwrap()), ["a"]);
+    let only_limit = ListFilter {
+        limit: Some(2),
+        ..ListFilter::default()
+    };
+    assert_eq!(ids(l.list(&only_limit).await.unwrap()), ["a", "c"]);
+    let zero = ListFilter {
+        limit: Some(-1),
+        ..ListFilter::default()
+    };
+    assert!(l.list(&zero).await.unwrap().is_empty());
+    let none = ListFilter {
+        state: Some("unknown".to_owned()),
+        ..ListFilter::default()
+    };
+    assert!(l.list(&none).await.unwrap().is_empty());
+}
+
+async fn counts_by_state_in_state_order(db: &TestDb) {
+    let l = &db.ledger;
+    assert!(l.counts_by_state().await.unwrap().is_empty());
+    for id in ["a", "b", "c", "d", "e"] {
+        l.record_accepted(&accepted(id, "chat", 10, 60_000))
+            .await
+            .unwrap();
+    }
+    l.record_start(&start("a", "ka", 1, 20)).await.unwrap();
+    l.record_outcome(&completed("b", "kb", 30, "x"))
+        .await
+        .unwrap();
+    l.record_outcome(&completed("c", "kc", 30, "x"))
+        .await
+        .unwrap();
+    l.record_outcome(&outcome("d", "kd", State::Failed, 30))
+        .await
+        .unwrap();
+    l.record_terminal(&outcome("z", "", State::Rejected, 30))
+        .await
+        .unwrap();
+    let counts = l.counts_by_state().await.unwrap();
+    let expected: Vec<(String, i64)> = [
+        ("accepted", 1),
+        ("running", 1),
+        ("completed", 2),
+        ("failed", 1),
+        ("rejected", 1),
+    ]
+    .into_iter()
+    .map(|(s, n)| (s.to_owned(), n))
+    .collect();
+    assert_eq!(counts, expected);
+}
+
+async fn mark_unknown_only_after_deadline_plus_grace(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("a", "chat", 10, 1_000))
+        .await
+        .unwrap();
+    l.record_accepted(&accepted("b", "chat", 10, 1_000))
+        .await
+        .unwrap();
+    l.record_start(&AttemptStart {
+        expires_at_ms: 1_000,
+        ..start("b", "kb", 1, 500)
+    })
+    .await
+    .unwrap();
+    l.record_accepted(&accepted("c", "chat", 10, 5_000))
+        .await
+        .unwrap();
+    l.record_accepted(&accepted("d", "chat", 10, 100))
+        .await
+        .unwrap();
+    l.record_outcome(&OutcomeRecord {
+        expires_at_ms: Some(100),
+        ..completed("d", "kd", 90, "x")
+    })
+    .await
+    .unwrap();
+
+    // Deadline passed but not deadline + grace (and `==` is not past).
+    assert!(l.mark_unknown(1_500, 1_000).await.unwrap().is_empty());
+    assert!(l.mark_unknown(2_000, 1_000).await.unwrap().is_empty());
+    assert_eq!(l.mark_unknown(2_001, 1_000).await.unwrap(), ["a", "b"]);
+    assert!(l.mark_unknown(2_001, 1_000).await.unwrap().is_empty());
+    assert!(l.mark_unknown(3_000, 1_000).await.unwrap().is_empty());
+
+    let a = must_get(l, "a").await;
+    assert_eq!(a.state, "unknown");
+    assert_eq!(a.reason.as_deref(), Some("no_outcome_after_deadline"));
+    assert_eq!(a.recorded_at_ms, Some(2_001));
+    assert_eq!(must_get(l, "b").await.state, "unknown");
+    assert_eq!(must_get(l, "c").await.state, "accepted");
+    assert_eq!(must_get(l, "d").await.state, "completed");
+    assert!(l.receipt_info("a").await.unwrap().already_recorded);
+    // Unknown is terminal: a late outcome does not replace it.
+    assert!(
+        !l.record_outcome(&completed("a", "late", 2_500, "x"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(must_get(l, "a").await.state, "unknown");
+
+    assert_eq!(l.mark_unknown(6_001, 1_000).await.unwrap(), ["c"]);
+    // Huge grace never overflows.
+    assert!(l.mark_unknown(i64::MIN, i64::MAX).await.unwrap().is_empty());
+}
+
+async fn records_since_filters_by_recorded_time(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("pending", "chat", 10, 60_000))
+        .await
+        .unwrap();
+    for (id, at) in [("c", 300), ("a", 100), ("b", 200), ("b2", 200)] {
+        l.record_outcome(&completed(id, &format!("k{id}"), at, "x"))
+            .await
+            .unwrap();
+    }
+    let ids = |jobs: Vec<JobRecord>| jobs.into_iter().map(|j| j.job_id).collect::<Vec<_>>();
+    assert_eq!(
+        ids(l.records_since(0).await.unwrap()),
+        ["a", "b", "b2", "c"]
+    );
+    assert_eq!(ids(l.records_since(200).await.unwrap()), ["b", "b2", "c"]);
+    assert_eq!(ids(l.records_since(201).await.unwrap()), ["c"]);
+    assert!(l.records_since(301).await.unwrap().is_empty());
+}
+
+async fn concurrent_terminal_writes_have_one_winner(db: &TestDb) {
+    let ledger = Arc::new(db.ledger.clone());
+    ledger
+        .record_accepted(&accepted("j1", "chat", 10, 60_000))
+        .await
+        .unwrap();
+    let mut tasks = Vec::new();
+    for i in 0..50u32 {
+        let ledger = ledger.clone();
+        tasks.push(tokio::spawn(async move {
+            let rec = if i % 2 == 0 {
+                completed(
+                    "j1",
+                    &format!("w{i}:c:1"),
+                    1_000 + i64::from(i),
+                    &format!("r{i}"),
+                )
+            } else {
+                OutcomeRecord {
+                    reason: Some(format!("r{i}")),
+                    ..outcome(
+                        "j1",
+                        &format!("w{i}:c:1"),
+                        State::Failed,
+                        1_000 + i64::from(i),
+                    )
+                }
+            };
+            (i, ledger.record_outcome(&rec).await.unwrap())
+        }));
+    }
+    let mut winners = Vec::new();
+    for task in tasks {
+        let (i, wrote) = task.await.unwrap();
+        if wrote {
+            winners.push(i);
+        }
+    }
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    let i = winners[0];
+    let job = must_get(&ledger, "j1").await;
+    assert_eq!(job.recorded_at_ms, Some(1_000 + i64::from(i)));
+    if i % 2 == 0 {
+        assert_eq!(job.state, "completed");
+        assert_eq!(job.result, Some(format!("r{i}")));
+    } else {
+        assert_eq!(job.state, "failed");
+        assert_eq!(job.reason, Some(format!("r{i}")));
+    }
+    assert_eq!(job.attempts, 50);
+    assert_eq!(job.backend_calls, 25);
+    assert_eq!(ledger.attempts("j1").await.unwrap().len(), 50);
+}
+
+async fn invalid_input_is_fatal(db: &TestDb) {
+    let l = &db.ledger;
+    let bad_state = OutcomeRecord {
+        state: "done".to_owned(),
+        ..outcome("j1", "a1", State::Completed, 10)
+    };
+    let err = l.record_outcome(&bad_state).await.unwrap_err();
+    assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
+    assert!(err.to_string().contains("done"), "{err}");
+
+    let no_key = outcome("j1", "", State::Completed, 10);
+    assert!(matches!(
+        l.record_outcome(&no_key).await,
+        Err(StoreError::Fatal(_))
+    ));
+    let live = outcome("j1", "a1", State::Running, 10);
+    assert!(matches!(
+        l.record_terminal(&live).await,
+        Err(StoreError::Fatal(_))
+    ));
+    assert_eq!(l.get("j1").await.unwrap(), None, "nothing written");
+}
+
+// ---------------------------------------------------------------------------------------
+// Backend-specific cases
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_locked_by_another_connection_is_unavailable() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 10, 60_000))
+        .await
+        .unwrap();
+
+    let mut other = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+    sqlx::query("BEGIN EXCLUSIVE")
+        .execute(&mut other)
+        .await
+        .unwrap();
+
+    let started = Instant::now();
+    let err = l
+        .record_outcome(&completed("j1", "a1", 100, "x"))
+        .await
+        .unwrap_err();
+    let waited = started.elapsed();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(err.is_retryable());
+    assert!(waited < Duration::from_secs(10), "waited {waited:?}");
+    // Reads still work under WAL while the writer is locked out.
+    assert_eq!(must_get(l, "j1").await.state, "accepted");
+
+    sqlx::query("ROLLBACK").execute(&mut other).await.unwrap();
+    other.close().await.unwrap();
+    assert!(
+        l.record_outcome(&completed("j1", "a1", 100, "x"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(must_get(l, "j1").await.state, "completed");
+    l.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sqlite_creates_the_file_and_uses_wal() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let Cleanup::Dir(dir) = &db.cleanup else {
+        unreachable!()
+    };
+    assert!(dir.join("ledger.db").exists());
+    let mut conn = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+    let mode: String = sqlx::query("PRAGMA journal_mode")
+        .fetch_one(&mut conn)
+        .await
+        .unwrap()
+        .try_get(0)
+        .unwrap();
+    assert_eq!(mode, "wal");
+    conn.close().await.unwrap();
+    db.ledger.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_unreachable_is_unavailable() {
+    let started = Instant::now();
+    let err = Ledger::connect("postgres://postgres@127.0.0.1:1/test")
+        .await
+        .unwrap_err();
+    assert!(matches!(err, StoreError::Unavailable(_)), "{err:?}");
+    assert!(started.elapsed() < Duration::from_secs(10));
+}
+
+#[tokio::test]
+async fn unknown_url_scheme_is_fatal_and_names_the_accepted_ones() {
+    for url in ["mysql://root@localhost/db", "ledger.db", "http://x"] {
+        let err = Ledger::connect(url).await.unwrap_err();
+        let StoreError::Fatal(message) = &err else {
+            panic!("{url}: {err:?}")
+        };
+        assert!(message.contains("sqlite://"), "{message}");
+        assert!(message.contains("postgres://"), "{message}");
+        assert!(!message.contains("root@"), "url leaked: {message}");
+    }
+    let err = Ledger::connect("mysql://root@localhost/db")
+        .await
+        .unwrap_err();
+    assert!(err.to_string().contains("`mysql`"), "{err}");
+}
+
+#[test]
+fn admin_url_rewriting() {
+    assert_eq!(
+        with_database("postgres://postgres@127.0.0.1:5432/test", "x"),
+        "postgres://postgres@127.0.0.1:5432/x"
+    );
+    assert_eq!(
+        with_database("postgres://u:p@h/test?sslmode=disable", "x"),
+        "postgres://u:p@h/x?sslmode=disable"
+    );
+    assert_eq!(with_database("postgres://h", "x"), "postgres://h/x");
+}
