@@ -11,8 +11,17 @@ use std::time::Duration;
 
 fn assert_no_calls(sim: &lastcall_backend::sim::SimBackend, recs: &[lastcall_store::JobRecord]) {
     for r in recs {
-        assert_eq!(r.backend_calls, 0, "{} has model calls in the ledger", r.job_id);
-        assert_eq!(sim.calls_for(&r.job_id), 0, "{} reached the backend", r.job_id);
+        assert_eq!(
+            r.backend_calls, 0,
+            "{} has model calls in the ledger",
+            r.job_id
+        );
+        assert_eq!(
+            sim.calls_for(&r.job_id),
+            0,
+            "{} reached the backend",
+            r.job_id
+        );
     }
 }
 
@@ -21,27 +30,58 @@ fn assert_no_calls(sim: &lastcall_backend::sim::SimBackend, recs: &[lastcall_sto
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn case1_queue_dwell_past_ttl_is_dead_lettered_as_expired() {
     let env = Env::sqlite("case1").await;
-    let sub = env.submitter(0, true).await.submit(&job("c1", 600), now_ms()).await.unwrap();
-    assert!(sub.ttl_ms <= 600 && sub.ttl_ms > 500, "published with the remaining budget, got {}", sub.ttl_ms);
+    let sub = env
+        .submitter(0, true)
+        .await
+        .submit(&job("c1", 600), now_ms())
+        .await
+        .unwrap();
+    assert!(
+        sub.ttl_ms <= 600 && sub.ttl_ms > 500,
+        "published with the remaining budget, got {}",
+        sub.ttl_ms
+    );
     tokio::time::sleep(Duration::from_millis(1_000)).await;
-    assert_eq!(env.ready(&env.topo.names.work_queue).await, 0, "the work queue no longer holds the job");
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        0,
+        "the work queue no longer holds the job"
+    );
 
-    let mut dead = IncomingStream::open(&env.broker, &env.topo.names.dead_queue, 1, "inspect").await.unwrap();
-    let m = tokio::time::timeout(Duration::from_secs(5), dead.next()).await.unwrap().unwrap().unwrap();
-    assert_eq!(m.expiration, None, "RabbitMQ strips the expiration when dead-lettering");
+    let mut dead = IncomingStream::open(&env.broker, &env.topo.names.dead_queue, 1, "inspect")
+        .await
+        .unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(5), dead.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        m.expiration, None,
+        "RabbitMQ strips the expiration when dead-lettering"
+    );
     let death = &m.x_death[0];
     assert_eq!(death.reason, "expired");
     assert_eq!(death.queue, env.topo.names.work_queue);
-    assert_eq!(death.original_expiration.as_deref(), Some(sub.ttl_ms.to_string().as_str()));
+    assert_eq!(
+        death.original_expiration.as_deref(),
+        Some(sub.ttl_ms.to_string().as_str())
+    );
     let body = Envelope::parse(&m.body, &EnvelopeLimits::default(), sub.created_at_ms).unwrap();
-    assert_eq!(body.deadline().expires_at_ms(), sub.expires_at_ms, "deadline unchanged");
+    assert_eq!(
+        body.deadline().expires_at_ms(),
+        sub.expires_at_ms,
+        "deadline unchanged"
+    );
     m.settler.requeue().await.unwrap();
     dead.close().await;
 
     let sim = sim(0);
     let dlq = env.drain_dead_letters(false).await;
     assert_eq!(dlq.recorded.load(std::sync::atomic::Ordering::Relaxed), 1);
-    let recs = env.wait_terminal(&["c1".into()], Duration::from_secs(5)).await;
+    let recs = env
+        .wait_terminal(&["c1".into()], Duration::from_secs(5))
+        .await;
     assert_eq!(recs[0].state, "expired_before_receive");
     assert_eq!(recs[0].expires_at_ms, Some(sub.expires_at_ms));
     assert_no_calls(&sim, &recs);
@@ -64,11 +104,24 @@ async fn case2_prefetch_one_holds_one_and_two_expire_at_the_broker() {
     }
     let first = env.wait_terminal(&ids[..1], Duration::from_secs(10)).await;
     assert_eq!(first[0].state, "expired_not_started");
-    assert_eq!(first[0].reason.as_deref(), Some("admission:deadline_passed"));
+    assert_eq!(
+        first[0].reason.as_deref(),
+        Some("admission:deadline_passed")
+    );
     let received = first[0].received_at_ms.unwrap();
-    assert!(received < first[0].expires_at_ms.unwrap(), "delivered in time");
-    assert!(first[0].checked_at_ms.unwrap() >= first[0].expires_at_ms.unwrap() - 100, "refused at the last check");
-    assert_eq!(w.stats.received.load(std::sync::atomic::Ordering::Relaxed), 1, "prefetch 1: only one delivery");
+    assert!(
+        received < first[0].expires_at_ms.unwrap(),
+        "delivered in time"
+    );
+    assert!(
+        first[0].checked_at_ms.unwrap() >= first[0].expires_at_ms.unwrap() - 100,
+        "refused at the last check"
+    );
+    assert_eq!(
+        w.stats.received.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "prefetch 1: only one delivery"
+    );
     w.stop().await;
     // The other two expired at the broker and were dead-lettered.
     tokio::time::sleep(Duration::from_millis(300)).await;
@@ -76,7 +129,14 @@ async fn case2_prefetch_one_holds_one_and_two_expire_at_the_broker() {
     env.drain_dead_letters(false).await;
     let recs = env.wait_terminal(&ids, Duration::from_secs(5)).await;
     let states: Vec<&str> = recs.iter().map(|r| r.state.as_str()).collect();
-    assert_eq!(states, ["expired_not_started", "expired_before_receive", "expired_before_receive"]);
+    assert_eq!(
+        states,
+        [
+            "expired_not_started",
+            "expired_before_receive",
+            "expired_before_receive"
+        ]
+    );
     assert_no_calls(&sim, &recs);
     assert_eq!(sim.calls(), 0);
     env.cleanup().await;
@@ -97,13 +157,25 @@ async fn case3(env: Env) {
     let recs = env.wait_terminal(&ids, Duration::from_secs(10)).await;
     for r in &recs {
         assert_eq!(r.state, "expired_not_started", "{r:?}");
-        assert!(r.received_at_ms.unwrap() < r.expires_at_ms.unwrap(), "delivered before the deadline");
+        assert!(
+            r.received_at_ms.unwrap() < r.expires_at_ms.unwrap(),
+            "delivered before the deadline"
+        );
         assert!(r.checked_at_ms.unwrap() > r.received_at_ms.unwrap());
     }
     assert_no_calls(&sim, &recs);
-    assert_eq!(w.stats.backend_calls.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        w.stats
+            .backend_calls
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     w.stop().await;
-    assert_eq!(env.ready(&env.topo.names.dead_queue).await, 0, "acked, not dead-lettered (default expired action)");
+    assert_eq!(
+        env.ready(&env.topo.names.dead_queue).await,
+        0,
+        "acked, not dead-lettered (default expired action)"
+    );
     env.cleanup().await;
 }
 
@@ -123,27 +195,53 @@ async fn case3_prefetch_three_all_delivered_then_refused_postgres() {
 async fn case4_requeue_after_expiry_ends_in_the_dlx() {
     let env = Env::sqlite("case4").await;
     let sim = sim(0);
-    let sub = env.submitter(0, true).await.submit(&job("c4", 600), now_ms()).await.unwrap();
+    let sub = env
+        .submitter(0, true)
+        .await
+        .submit(&job("c4", 600), now_ms())
+        .await
+        .unwrap();
     // A consumer (not lastcall's worker, which never requeues stale work) holds the job.
-    let mut raw = IncomingStream::open(&env.broker, &env.topo.names.work_queue, 1, "holder").await.unwrap();
-    let m = tokio::time::timeout(Duration::from_secs(5), raw.next()).await.unwrap().unwrap().unwrap();
+    let mut raw = IncomingStream::open(&env.broker, &env.topo.names.work_queue, 1, "holder")
+        .await
+        .unwrap();
+    let m = tokio::time::timeout(Duration::from_secs(5), raw.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     tokio::time::sleep(Duration::from_millis(800)).await;
     m.settler.requeue().await.unwrap();
     let again = tokio::time::timeout(Duration::from_millis(800), raw.next()).await;
-    assert!(again.is_err(), "the stale job must not come back from the work queue");
+    assert!(
+        again.is_err(),
+        "the stale job must not come back from the work queue"
+    );
     raw.close().await;
     assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
 
-    let mut dead = IncomingStream::open(&env.broker, &env.topo.names.dead_queue, 1, "inspect").await.unwrap();
-    let d = tokio::time::timeout(Duration::from_secs(5), dead.next()).await.unwrap().unwrap().unwrap();
+    let mut dead = IncomingStream::open(&env.broker, &env.topo.names.dead_queue, 1, "inspect")
+        .await
+        .unwrap();
+    let d = tokio::time::timeout(Duration::from_secs(5), dead.next())
+        .await
+        .unwrap()
+        .unwrap()
+        .unwrap();
     assert_eq!(d.x_death[0].reason, "expired");
     let body = Envelope::parse(&d.body, &EnvelopeLimits::default(), sub.created_at_ms).unwrap();
-    assert_eq!(body.deadline().expires_at_ms(), sub.expires_at_ms, "deadline unchanged");
+    assert_eq!(
+        body.deadline().expires_at_ms(),
+        sub.expires_at_ms,
+        "deadline unchanged"
+    );
     d.settler.requeue().await.unwrap();
     dead.close().await;
 
     env.drain_dead_letters(false).await;
-    let recs = env.wait_terminal(&["c4".into()], Duration::from_secs(5)).await;
+    let recs = env
+        .wait_terminal(&["c4".into()], Duration::from_secs(5))
+        .await;
     assert_eq!(recs[0].state, "expired_before_receive");
     assert_eq!(recs[0].expires_at_ms, Some(sub.expires_at_ms));
     assert_no_calls(&sim, &recs);

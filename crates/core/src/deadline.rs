@@ -44,7 +44,7 @@ impl Deadline {
     /// published at all (RabbitMQ treats `expiration = 0` as "deliver now or drop").
     pub fn broker_ttl_ms(&self, now_ms: i64) -> Option<u64> {
         let remaining = self.remaining_ms(now_ms);
-        (remaining > 0).then(|| remaining as u64)
+        (remaining > 0).then_some(remaining as u64)
     }
 }
 

@@ -123,7 +123,9 @@ const UPSERT_JOB_LIVE: &str = "INSERT INTO jobs \
      WHERE jobs.state IN ('accepted', 'running')";
 
 /// An attempt row keeps its first receipt/check/start times (set by `record_start`, or by
-/// the first write of a replayed outcome); the decision fields take the latest write.
+/// the first write of a replayed outcome); the decision fields take the latest write, and
+/// `model_called` is the outcome's word: a start row whose call was refused at the final
+/// re-check must not count as a model call.
 const UPSERT_ATTEMPT_OUTCOME: &str = "INSERT INTO attempts \
      (attempt_key, job_id, attempt, worker, redelivered, received_at_ms, checked_at_ms, \
       started_at_ms, finished_at_ms, decision, state, reason, model_called) \
@@ -134,7 +136,7 @@ const UPSERT_ATTEMPT_OUTCOME: &str = "INSERT INTO attempts \
      started_at_ms = COALESCE(attempts.started_at_ms, excluded.started_at_ms), \
      finished_at_ms = COALESCE(excluded.finished_at_ms, attempts.finished_at_ms), \
      decision = excluded.decision, state = excluded.state, reason = excluded.reason, \
-     model_called = (attempts.model_called OR excluded.model_called)";
+     model_called = excluded.model_called";
 
 const UPDATE_COUNTERS: &str = "UPDATE jobs SET (attempts, backend_calls) = \
      (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts WHERE job_id = $1) \

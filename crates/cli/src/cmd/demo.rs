@@ -82,7 +82,10 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         a.slots as f64 * 1000.0 / a.sim_latency_ms.max(1) as f64,
         cfg.prefetch
     );
-    println!("the worker starts {} ms after the first job (as after a restart)", a.worker_delay_ms);
+    println!(
+        "the worker starts {} ms after the first job (as after a restart)",
+        a.worker_delay_ms
+    );
     println!(
         "broker {} · ledger {} · queues {}.*",
         lastcall_broker::redact(&s.amqp_url),

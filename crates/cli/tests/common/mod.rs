@@ -10,7 +10,9 @@ use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_store::{JobRecord, Ledger};
 use lastcall_worker::clock::now_ms;
 use lastcall_worker::dlq::DeadLetterProcessor;
-use lastcall_worker::{Clock, DeadlineSpec, NewJob, Submitter, SystemClock, Worker, WorkerConfig, WorkerStats};
+use lastcall_worker::{
+    Clock, DeadlineSpec, NewJob, Submitter, SystemClock, Worker, WorkerConfig, WorkerStats,
+};
 use serde_json::json;
 use sqlx::Connection;
 use std::path::PathBuf;
@@ -22,13 +24,18 @@ use tokio_util::sync::CancellationToken;
 pub const AMQP: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 
 pub fn pg_admin_url() -> String {
-    std::env::var("LASTCALL_TEST_PG_URL").unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
+    std::env::var("LASTCALL_TEST_PG_URL")
+        .unwrap_or_else(|_| "postgres://postgres@127.0.0.1:5432/test".into())
 }
 
 pub fn unique(name: &str) -> String {
     static N: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
     let n = N.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("t-{name}-{}-{}-{n}", std::process::id(), now_ms() % 1_000_000)
+    format!(
+        "t-{name}-{}-{}-{n}",
+        std::process::id(),
+        now_ms() % 1_000_000
+    )
 }
 
 pub struct Env {
@@ -56,7 +63,10 @@ impl Env {
         let mut admin = sqlx::PgConnection::connect(&pg_admin_url())
             .await
             .expect("PostgreSQL must be reachable at LASTCALL_TEST_PG_URL (default postgres://postgres@127.0.0.1:5432/test)");
-        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}"))).execute(&mut admin).await.unwrap();
+        sqlx::query(sqlx::AssertSqlSafe(format!("CREATE DATABASE {db}")))
+            .execute(&mut admin)
+            .await
+            .unwrap();
         let base = pg_admin_url();
         let store_url = format!("{}/{db}", &base[..base.rfind('/').unwrap()]);
         let dir = std::env::temp_dir().join(&prefix);
@@ -64,8 +74,15 @@ impl Env {
         Self::with_store(prefix, dir, store_url, Some(db)).await
     }
 
-    async fn with_store(prefix: String, dir: PathBuf, store_url: String, pg_db: Option<String>) -> Env {
-        let broker = Broker::connect(AMQP).await.expect("RabbitMQ must be running on 127.0.0.1:5672 (guest/guest)");
+    async fn with_store(
+        prefix: String,
+        dir: PathBuf,
+        store_url: String,
+        pg_db: Option<String>,
+    ) -> Env {
+        let broker = Broker::connect(AMQP)
+            .await
+            .expect("RabbitMQ must be running on 127.0.0.1:5672 (guest/guest)");
         let mut topo = Topology::new(&prefix);
         topo.retry_delays_ms = vec![1_000, 5_000];
         topo.apply(&broker).await.unwrap();
@@ -82,7 +99,9 @@ impl Env {
     }
 
     pub async fn submitter(&self, uncertainty_ms: u64, with_ledger: bool) -> Submitter {
-        let publisher = Publisher::new(&self.broker, Duration::from_secs(5)).await.unwrap();
+        let publisher = Publisher::new(&self.broker, Duration::from_secs(5))
+            .await
+            .unwrap();
         let admission = AdmissionPolicy {
             clock_uncertainty_ms: uncertainty_ms,
             default_min_runtime_ms: 0,
@@ -105,10 +124,24 @@ impl Env {
         cfg
     }
 
-    pub async fn start_worker(&self, cfg: WorkerConfig, backend: Arc<dyn Backend>, clock: Arc<dyn Clock>) -> Running {
+    pub async fn start_worker(
+        &self,
+        cfg: WorkerConfig,
+        backend: Arc<dyn Backend>,
+        clock: Arc<dyn Clock>,
+    ) -> Running {
         let stats = Arc::new(WorkerStats::default());
         let broker = Broker::connect(AMQP).await.unwrap();
-        let w = Worker::build(cfg, broker, self.ledger.clone(), backend, clock, stats.clone()).await.unwrap();
+        let w = Worker::build(
+            cfg,
+            broker,
+            self.ledger.clone(),
+            backend,
+            clock,
+            stats.clone(),
+        )
+        .await
+        .unwrap();
         let stop = CancellationToken::new();
         let handle = tokio::spawn({
             let stop = stop.clone();
@@ -116,23 +149,39 @@ impl Env {
                 w.run(stop).await.unwrap();
             }
         });
-        Running { stop, handle, stats }
+        Running {
+            stop,
+            handle,
+            stats,
+        }
     }
 
     /// Run the dead-letter processor until the dead queue has been idle for 1.5 s.
     pub async fn drain_dead_letters(&self, park: bool) -> Arc<lastcall_worker::dlq::DlqStats> {
         let broker = Broker::connect(AMQP).await.unwrap();
-        let dlq = DeadLetterProcessor::build(broker.clone(), self.ledger.clone(), self.topo.clone(), Arc::new(SystemClock::default()), park)
+        let dlq = DeadLetterProcessor::build(
+            broker.clone(),
+            self.ledger.clone(),
+            self.topo.clone(),
+            Arc::new(SystemClock::default()),
+            park,
+        )
+        .await
+        .unwrap();
+        let stats = dlq.stats.clone();
+        dlq.run(CancellationToken::new(), Some(Duration::from_millis(1_500)))
             .await
             .unwrap();
-        let stats = dlq.stats.clone();
-        dlq.run(CancellationToken::new(), Some(Duration::from_millis(1_500))).await.unwrap();
         broker.close().await;
         stats
     }
 
     pub async fn ready(&self, queue: &str) -> u32 {
-        queue_depth(&self.broker, queue).await.unwrap().map(|(m, _)| m).unwrap_or(0)
+        queue_depth(&self.broker, queue)
+            .await
+            .unwrap()
+            .map(|(m, _)| m)
+            .unwrap_or(0)
     }
 
     /// Wait until every id has a terminal outcome; panics with the states seen otherwise.
@@ -145,14 +194,23 @@ impl Env {
                     recs.push(r);
                 }
             }
-            let done = recs.iter().filter(|r| r.state.parse::<lastcall_core::State>().is_ok_and(|s| s.is_terminal())).count();
+            let done = recs
+                .iter()
+                .filter(|r| {
+                    r.state
+                        .parse::<lastcall_core::State>()
+                        .is_ok_and(|s| s.is_terminal())
+                })
+                .count();
             if done == ids.len() {
                 return recs;
             }
             if std::time::Instant::now() > until {
                 panic!(
                     "timed out waiting for outcomes: {:?}",
-                    recs.iter().map(|r| (&r.job_id, &r.state)).collect::<Vec<_>>()
+                    recs.iter()
+                        .map(|r| (&r.job_id, &r.state))
+                        .collect::<Vec<_>>()
                 );
             }
             tokio::time::sleep(Duration::from_millis(50)).await;
@@ -165,7 +223,11 @@ impl Env {
         self.ledger.close().await;
         if let Some(db) = self.pg_db {
             if let Ok(mut admin) = sqlx::PgConnection::connect(&pg_admin_url()).await {
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!("DROP DATABASE IF EXISTS {db} WITH (FORCE)"))).execute(&mut admin).await;
+                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                    "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+                )))
+                .execute(&mut admin)
+                .await;
             }
         }
         let _ = std::fs::remove_dir_all(&self.dir);
@@ -187,7 +249,13 @@ impl Running {
 }
 
 pub fn sim(latency_ms: u64) -> Arc<SimBackend> {
-    Arc::new(SimBackend::new(SimConfig { latency_ms, ..SimConfig::default() }).unwrap())
+    Arc::new(
+        SimBackend::new(SimConfig {
+            latency_ms,
+            ..SimConfig::default()
+        })
+        .unwrap(),
+    )
 }
 
 pub fn system_clock() -> Arc<dyn Clock> {
@@ -198,7 +266,10 @@ pub fn job(id: &str, budget_ms: u64) -> NewJob {
     NewJob {
         job_id: Some(id.into()),
         kind: "incident.summary".into(),
-        payload: json!({"messages": [{"role": "user", "content": "summarize"}]}).as_object().cloned().unwrap(),
+        payload: json!({"messages": [{"role": "user", "content": "summarize"}]})
+            .as_object()
+            .cloned()
+            .unwrap(),
         deadline: DeadlineSpec::RelativeMs(budget_ms),
         min_runtime_ms: None,
         trace_id: None,

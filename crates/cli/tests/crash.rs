@@ -1,0 +1,160 @@
+//! Kill the worker process (SIGKILL) after the outcome is stored but before the ack: the
+//! job is redelivered, and the ledger still holds exactly one outcome with one model call.
+//! Also: SIGTERM drains gracefully and hands waiting work back.
+
+mod common;
+
+use common::*;
+use lastcall_worker::clock::now_ms;
+use serde_json::json;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
+    Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args([
+            "--amqp-url",
+            AMQP,
+            "--store-url",
+            &env.store_url,
+            "--prefix",
+            &env.prefix,
+        ])
+        .args([
+            "worker",
+            "--slots",
+            "1",
+            "--sim-latency-ms",
+            "50",
+            "--retry-delays-ms",
+            "1000,5000",
+        ])
+        .arg("--sim-call-log")
+        .arg(call_log)
+        .args(extra)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the lastcall binary")
+}
+
+fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
+    let until = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        assert!(Instant::now() < until, "process did not exit in time");
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn calls_in(log: &std::path::Path, id: &str) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split(' ').next() == Some(id))
+        .count()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
+    let env = Env::sqlite("sigkill").await;
+    let log = env.dir.join("calls.log");
+    let mut first = worker(&env, &["--fault", "pause-after-store"], &log);
+    env.submitter(0, true)
+        .await
+        .submit(&job("k1", 60_000), now_ms())
+        .await
+        .unwrap();
+    let recs = env
+        .wait_terminal(&["k1".into()], Duration::from_secs(20))
+        .await;
+    assert_eq!(recs[0].state, "completed");
+    // The outcome is durable and the worker is paused before its ack: kill it hard.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(
+        first.try_wait().unwrap().is_none(),
+        "the worker must still be paused before the ack"
+    );
+    first.kill().unwrap(); // SIGKILL
+    wait_exit(&mut first, Duration::from_secs(5));
+    // The unacked delivery goes back to the queue.
+    let until = Instant::now() + Duration::from_secs(5);
+    while env.ready(&env.topo.names.work_queue).await != 1 {
+        assert!(
+            Instant::now() < until,
+            "the job was not returned to the queue"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    // A fresh worker gets the redelivery and acks it without running it again.
+    let mut second = worker(&env, &[], &log);
+    let until = Instant::now() + Duration::from_secs(20);
+    while env.ready(&env.topo.names.work_queue).await != 0 {
+        assert!(Instant::now() < until, "the redelivery was not consumed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    nix_term(&second);
+    let status = wait_exit(&mut second, Duration::from_secs(15));
+    assert!(status.success(), "graceful shutdown exits 0: {status:?}");
+    // Had the second worker not acked, closing its channel would have requeued the job.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        0,
+        "the redelivery was acked"
+    );
+    let rec = env.ledger.get("k1").await.unwrap().unwrap();
+    assert_eq!(rec.state, "completed");
+    assert_eq!(rec.backend_calls, 1);
+    assert_eq!(calls_in(&log, "k1"), 1, "the model was called exactly once");
+    env.cleanup().await;
+}
+
+/// SIGTERM: stop consuming, let the running call finish within the grace period, hand
+/// the waiting jobs back to the broker, exit 0.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sigterm_drains_running_work_and_hands_back_waiting_work() {
+    let env = Env::sqlite("sigterm").await;
+    let log = env.dir.join("calls.log");
+    let mut w = worker(&env, &["--prefetch", "3"], &log);
+    let s = env.submitter(0, true).await;
+    s.submit(
+        &job_with("run", 60_000, json!({"sim_latency_ms": 1_500})),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    s.submit(&job("wait-1", 60_000), now_ms()).await.unwrap();
+    s.submit(&job("wait-2", 60_000), now_ms()).await.unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    while calls_in(&log, "run") == 0 {
+        assert!(Instant::now() < until, "the first call did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    nix_term(&w);
+    let status = wait_exit(&mut w, Duration::from_secs(15));
+    assert!(status.success(), "{status:?}");
+    assert_eq!(
+        env.ledger.get("run").await.unwrap().unwrap().state,
+        "completed",
+        "the running call finished"
+    );
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        2,
+        "the waiting jobs went back to the broker"
+    );
+    assert_eq!(calls_in(&log, "wait-1") + calls_in(&log, "wait-2"), 0);
+    env.cleanup().await;
+}
+
+fn nix_term(child: &Child) {
+    let ok = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status()
+        .unwrap();
+    assert!(ok.success());
+}
