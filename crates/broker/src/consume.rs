@@ -31,6 +31,8 @@ pub struct Incoming {
     pub delivery_tag: u64,
     pub redelivered: bool,
     pub routing_key: String,
+    /// The `message_id` property (lastcall sets it to the job id).
+    pub message_id: Option<String>,
     /// `x-lastcall-attempt`, 0 when absent.
     pub attempt: u32,
     pub signature: Option<String>,
@@ -190,6 +192,7 @@ fn convert(d: lapin::message::Delivery) -> Incoming {
         delivery_tag: d.delivery_tag,
         redelivered: d.redelivered,
         routing_key: d.routing_key.as_str().to_owned(),
+        message_id: props.message_id().as_ref().map(|s| s.as_str().to_owned()),
         attempt,
         signature,
         expiration: props.expiration().as_ref().map(|s| s.as_str().to_owned()),

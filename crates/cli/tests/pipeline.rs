@@ -46,7 +46,8 @@ async fn invalid_envelopes_are_rejected_to_the_dlx_once_and_never_loop() {
     publish_raw(&env, &serde_json::to_vec(&missing).unwrap(), "bad-payload").await;
     let v2 = json!({"schema_version": 2, "job_id": "bad-schema", "kind": "k", "created_at_ms": now, "expires_at_ms": now + 60_000, "payload": {}});
     publish_raw(&env, &serde_json::to_vec(&v2).unwrap(), "bad-schema").await;
-    let synthetic = lastcall_core::synthetic_job_id(b"{not json").to_string();
+    // No job id in the body: the message_id property names it.
+    let synthetic = "x".to_string();
     let ids = vec![
         synthetic.clone(),
         "bad-payload".to_string(),
@@ -341,5 +342,31 @@ async fn store_outage_withholds_acks_and_loses_nothing() {
     assert!(received_during_outage <= 5);
     w.stop().await;
     assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn oversized_bodies_are_rejected_without_buffering() {
+    let env = Env::sqlite("oversize").await;
+    let sim = sim(0);
+    let mut cfg = env.worker_config(1, 2);
+    cfg.policy.limits.max_body_bytes = 1_000;
+    let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
+    let big = "x".repeat(5_000);
+    env.submitter(0, true)
+        .await
+        .submit(&job_with("big", 30_000, json!({"prompt": big})), now_ms())
+        .await
+        .unwrap();
+    // Too large to parse: the id comes from the message_id property the publisher set.
+    let recs = env
+        .wait_terminal(&["big".into()], Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        (recs[0].state.as_str(), recs[0].reason.as_deref()),
+        ("rejected", Some("message_too_large"))
+    );
+    w.stop().await;
+    assert_eq!(sim.calls(), 0);
     env.cleanup().await;
 }

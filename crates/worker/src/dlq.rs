@@ -9,7 +9,7 @@ use crate::clock::Clock;
 use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
 use lastcall_core::deadletter::{DeathReason, classify};
-use lastcall_core::{Envelope, EnvelopeLimits, synthetic_job_id};
+use lastcall_core::{Envelope, EnvelopeLimits};
 use lastcall_store::{Ledger, OutcomeRecord};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -125,13 +125,7 @@ impl DeadLetterProcessor {
             max_body_bytes: usize::MAX,
         };
         let parsed = Envelope::parse(&m.body, &limits, now);
-        let job_id = match &parsed {
-            Ok(e) => e.job_id().clone(),
-            Err(e) => e
-                .job_id
-                .clone()
-                .unwrap_or_else(|| synthetic_job_id(&m.body)),
-        };
+        let job_id = crate::runtime::job_id_for(&parsed, m.message_id.as_deref(), &m.body);
         let death = m.x_death.first();
         let reason = DeathReason::parse(death.map(|d| d.reason.as_str()).unwrap_or("none"));
         let reject = parsed.as_ref().err().map(|e| e.reason.as_str());

@@ -275,15 +275,26 @@ struct Job {
     attempt_key: String,
 }
 
-async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
-    let parsed = Envelope::parse(&incoming.body, &ctx.cfg.policy.limits, received_at_ms);
-    let job_id = match &parsed {
+/// The ledger key of a delivery: the envelope's id; else the `message_id` property the
+/// publisher set; else a synthetic id derived from the body, so nothing goes unrecorded.
+pub(crate) fn job_id_for(
+    parsed: &Result<Envelope, RejectError>,
+    message_id: Option<&str>,
+    body: &[u8],
+) -> JobId {
+    match parsed {
         Ok(e) => e.job_id().clone(),
         Err(e) => e
             .job_id
             .clone()
-            .unwrap_or_else(|| synthetic_job_id(&incoming.body)),
-    };
+            .or_else(|| message_id.and_then(|m| JobId::parse(m).ok()))
+            .unwrap_or_else(|| synthetic_job_id(body)),
+    }
+}
+
+async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
+    let parsed = Envelope::parse(&incoming.body, &ctx.cfg.policy.limits, received_at_ms);
+    let job_id = job_id_for(&parsed, incoming.message_id.as_deref(), &incoming.body);
     let span = tracing::info_span!(
         "job",
         job_id = %job_id,

@@ -1,0 +1,174 @@
+//! The `lastcall` binary's commands as a user runs them.
+
+mod common;
+
+use common::*;
+use std::process::{Command, Output};
+
+fn lastcall(env: &Env, args: &[&str]) -> Output {
+    Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args([
+            "--amqp-url",
+            AMQP,
+            "--store-url",
+            &env.store_url,
+            "--prefix",
+            &env.prefix,
+        ])
+        .args(args)
+        .output()
+        .expect("run lastcall")
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_then_inspect_with_jobs_show_and_list() {
+    let env = Env::sqlite("cli").await;
+    let out = lastcall(
+        &env,
+        &[
+            "submit",
+            "--kind",
+            "incident.summary",
+            "--deadline-ms",
+            "60000",
+            "--job-id",
+            "cli-1",
+            "--prompt",
+            "summarize",
+        ],
+    );
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    assert_eq!(text(&out.stdout).trim(), "cli-1");
+    let show = lastcall(&env, &["jobs", "show", "cli-1", "--json"]);
+    assert!(show.status.success(), "{}", text(&show.stderr));
+    let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
+    assert_eq!(v["state"], "accepted");
+    assert_eq!(v["kind"], "incident.summary");
+    assert!(v["expires_at_ms"].as_i64().unwrap() > v["created_at_ms"].as_i64().unwrap());
+    let list = lastcall(&env, &["jobs", "list", "--state", "accepted", "--json"]);
+    let arr: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
+    assert_eq!(arr.as_array().unwrap().len(), 1);
+    let none = lastcall(&env, &["jobs", "list", "--state", "completed", "--json"]);
+    assert_eq!(
+        serde_json::from_slice::<serde_json::Value>(&none.stdout).unwrap(),
+        serde_json::json!([])
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bad_input_gets_errors_that_name_the_field() {
+    let env = Env::sqlite("clierr").await;
+    let cases: &[(&[&str], &str)] = &[
+        (
+            &[
+                "submit",
+                "--kind",
+                "Bad Kind",
+                "--deadline-ms",
+                "1000",
+                "--prompt",
+                "x",
+            ],
+            "kind",
+        ),
+        (
+            &[
+                "submit",
+                "--kind",
+                "k",
+                "--deadline-ms",
+                "1000",
+                "--payload",
+                "[1]",
+            ],
+            "--payload must be a JSON object",
+        ),
+        (
+            &[
+                "submit",
+                "--kind",
+                "k",
+                "--deadline-ms",
+                "1000",
+                "--payload",
+                "{oops",
+            ],
+            "--payload is not valid JSON",
+        ),
+        (
+            &[
+                "submit",
+                "--kind",
+                "k",
+                "--deadline-ms",
+                "1000",
+                "--job-id",
+                "a b",
+                "--prompt",
+                "x",
+            ],
+            "job_id",
+        ),
+        (
+            &[
+                "submit",
+                "--kind",
+                "k",
+                "--deadline-ms",
+                "50",
+                "--prompt",
+                "x",
+            ],
+            "refused before publishing",
+        ),
+        (&["jobs", "list", "--state", "done"], "expected one of"),
+        (&["jobs", "show", "nope"], "no job `nope`"),
+        (&["worker", "--slots", "0"], "--slots must be at least 1"),
+    ];
+    for (args, needle) in cases {
+        let out = lastcall(&env, args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let err = text(&out.stderr);
+        assert!(err.contains(needle), "{args:?}: stderr was {err}");
+    }
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        0,
+        "nothing was published"
+    );
+    env.cleanup().await;
+}
+
+#[test]
+fn every_command_has_help() {
+    for cmd in [
+        vec!["--help"],
+        vec!["submit", "--help"],
+        vec!["worker", "--help"],
+        vec!["jobs", "list", "--help"],
+        vec!["topology", "apply", "--help"],
+        vec!["demo", "--help"],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+            .args(&cmd)
+            .output()
+            .unwrap();
+        assert!(out.status.success(), "{cmd:?}");
+        assert!(text(&out.stdout).len() > 200, "{cmd:?} help is too thin");
+    }
+    let worker = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args(["worker", "--help"])
+        .output()
+        .unwrap();
+    let h = text(&worker.stdout);
+    assert!(
+        h.contains("--clock-uncertainty-ms") && h.contains("measured"),
+        "the uncertainty rule is documented"
+    );
+    assert!(!h.contains("--fault"), "test hooks stay hidden");
+}
