@@ -57,7 +57,7 @@ impl Names {
 
     /// The fixed-delay retry queue for `delay_ms`, e.g. `lastcall.retry.5s`.
     pub fn retry_queue(&self, delay_ms: u64) -> String {
-        let label = if delay_ms % 1000 == 0 {
+        let label = if delay_ms.is_multiple_of(1000) {
             format!("{}s", delay_ms / 1000)
         } else {
             format!("{delay_ms}ms")
@@ -146,13 +146,27 @@ impl Topology {
     pub async fn delete(&self, broker: &Broker) -> Result<(), BrokerError> {
         let ch = broker.channel().await?;
         let n = &self.names;
-        let mut queues = vec![n.work_queue.clone(), n.dead_queue.clone(), format!("{}.parked", n.prefix)];
+        let mut queues = vec![
+            n.work_queue.clone(),
+            n.dead_queue.clone(),
+            format!("{}.parked", n.prefix),
+        ];
         queues.extend(self.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
         for q in queues {
-            let _ = ch.queue_delete(q.as_str().into(), lapin::options::QueueDeleteOptions::default()).await;
+            let _ = ch
+                .queue_delete(
+                    q.as_str().into(),
+                    lapin::options::QueueDeleteOptions::default(),
+                )
+                .await;
         }
         for e in [&n.jobs_exchange, &n.dlx] {
-            let _ = ch.exchange_delete(e.as_str().into(), lapin::options::ExchangeDeleteOptions::default()).await;
+            let _ = ch
+                .exchange_delete(
+                    e.as_str().into(),
+                    lapin::options::ExchangeDeleteOptions::default(),
+                )
+                .await;
         }
         let _ = ch.close(200, "ok".into()).await;
         Ok(())

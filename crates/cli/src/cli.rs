@@ -68,6 +68,12 @@ pub enum Command {
     Topology(TopologyCommand),
     /// Run the whole pipeline end to end on the local defaults and print the outcomes
     Demo(DemoArgs),
+    /// Run the dead-letter processor: record an outcome for every dead letter, then ack
+    Dlq(DlqArgs),
+    /// Compare accepted jobs with recorded outcomes; mark the overdue ones `unknown`
+    Reconcile(ReconcileArgs),
+    /// Outcome and failure statistics over a time window (the daily export)
+    Report(ReportArgs),
 }
 
 /// Admission rule options shared by `submit`, `worker` and `demo`.
@@ -290,4 +296,74 @@ pub struct DemoArgs {
     /// Keep the demo's ledger here instead of a fresh file
     #[arg(long)]
     pub demo_store_url: Option<String>,
+}
+
+/// `lastcall dlq`.
+///
+/// Consumes `{prefix}.dead` with manual acks and records one outcome per dead letter,
+/// classified by its `x-death` reason: `expired` → `expired_before_receive`; `maxlen` and
+/// `delivery_limit` → `failed` with that reason; `rejected` keeps the worker's recorded
+/// outcome. A job that already has an outcome keeps it. The ack follows the ledger write.
+/// Dead letters are never republished to the work queue, and their deadline is not touched.
+#[derive(Debug, Args)]
+pub struct DlqArgs {
+    /// Copy malformed dead letters (no valid envelope) to `{prefix}.parked` for a human
+    /// before acking them; they are recorded under a synthetic id either way
+    #[arg(long)]
+    pub park: bool,
+    /// Exit after no dead letter arrived for this many ms (default: run until SIGINT/SIGTERM)
+    #[arg(long, value_name = "N")]
+    pub idle_exit_ms: Option<u64>,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+}
+
+/// `lastcall reconcile`.
+///
+/// Every job the ingress recorded as accepted must end in exactly one terminal outcome. A
+/// job still `accepted` or `running` after `expires_at_ms + grace` is marked `unknown`
+/// (reason `no_outcome_after_deadline`): named, not guessed. Outcomes written later never
+/// overwrite it. Running it again changes nothing.
+///
+/// Exit codes: 0 when the ledger holds no `unknown` job (or with --allow-unknown); 3 when
+/// it holds any (found now or earlier); 1 on errors.
+#[derive(Debug, Args)]
+pub struct ReconcileArgs {
+    /// Time after a job's deadline during which a missing outcome is still expected, in ms
+    /// (the dead-letter processor and in-flight writes need a moment)
+    #[arg(long, default_value_t = 5_000, value_name = "N")]
+    pub grace_ms: u64,
+    /// Exit 0 even when `unknown` jobs exist
+    #[arg(long)]
+    pub allow_unknown: bool,
+    /// Print one JSON object: {"marked_unknown": [ids], "counts": {state: n}, "unknown": n,
+    /// "pending": n, "total": n}
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ReportFormat {
+    /// Aligned text tables
+    Table,
+    /// One JSON object
+    Json,
+    /// `section,key,count,p50_ms,p90_ms,p99_ms,max_ms` rows
+    Csv,
+}
+
+/// `lastcall report`.
+///
+/// Over the outcomes recorded in the window: counts by state, kind, `state/reason` and
+/// error class (deadline, invalid_input, poison, retries_exhausted, overflow, broker,
+/// backend_terminal, unaccounted), the most frequent error messages, and the time from
+/// `created_at` to the recorded outcome per state as p50/p90/p99/max.
+#[derive(Debug, Args)]
+pub struct ReportArgs {
+    /// Window ending now: a number with a unit, `ms`, `s`, `m`, `h` or `d` (e.g. 24h, 90m, 3600s)
+    #[arg(long, default_value = "24h", value_name = "DURATION")]
+    pub since: String,
+    /// Output format
+    #[arg(long, value_enum, default_value = "table")]
+    pub format: ReportFormat,
 }

@@ -13,6 +13,8 @@
 //! - [`retry`]: exponential backoff with jitter, clipped to the deadline.
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
+//! - [`deadletter`]: classifying dead letters by their `x-death` reason.
+//! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
 
 pub mod admission;
 pub mod deadletter;
@@ -21,6 +23,7 @@ pub mod disposition;
 pub mod envelope;
 pub mod ids;
 pub mod outcome;
+pub mod report;
 pub mod retry;
 
 pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};

@@ -1,7 +1,10 @@
 //! One module per subcommand.
 
 mod demo;
+mod dlq;
 mod jobs;
+mod reconcile;
+mod report;
 mod submit;
 mod worker;
 
@@ -40,6 +43,9 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             Ok(ExitCode::SUCCESS)
         }
         Command::Demo(a) => demo::run(&settings, a).await,
+        Command::Dlq(a) => dlq::run(&settings, a).await,
+        Command::Reconcile(a) => reconcile::run(&settings, a).await,
+        Command::Report(a) => report::run(&settings, a).await,
     }
 }
 

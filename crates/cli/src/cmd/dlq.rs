@@ -1,0 +1,54 @@
+//! `lastcall dlq`: run the dead-letter processor.
+
+use crate::cli::DlqArgs;
+use crate::config::Settings;
+use anyhow::{Context, Result, anyhow};
+use lastcall_worker::SystemClock;
+use lastcall_worker::dlq::DeadLetterProcessor;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+pub async fn run(s: &Settings, a: DlqArgs) -> Result<ExitCode> {
+    let topology = super::topology(&s.prefix, &a.topology)?;
+    let dead_queue = topology.names.dead_queue.clone();
+    let broker = super::connect_broker(s).await?;
+    let ledger = super::open_ledger(&s.store_url).await?;
+    let dlq = DeadLetterProcessor::build(
+        broker.clone(),
+        ledger.clone(),
+        topology,
+        Arc::new(SystemClock::default()),
+        a.park,
+    )
+    .await
+    .map_err(|e| anyhow!(e))
+    .context("cannot start the dead-letter processor")?;
+    let stats = dlq.stats.clone();
+    let stop = CancellationToken::new();
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        tracing::info!("shutdown signal received: stopping the dead-letter processor");
+        stop2.cancel();
+    });
+    tracing::info!(queue = %dead_queue, park = a.park, "dead-letter processor started");
+    let result = dlq
+        .run(stop, a.idle_exit_ms.map(Duration::from_millis))
+        .await
+        .map_err(|e| anyhow!(e))
+        .with_context(|| format!("dead-letter processing of {dead_queue} stopped"));
+    broker.close().await;
+    ledger.close().await;
+    result?;
+    println!(
+        "dead letters processed: {} (recorded: {}, outcome already present: {}, parked: {})",
+        stats.processed.load(Ordering::Relaxed),
+        stats.recorded.load(Ordering::Relaxed),
+        stats.kept_existing.load(Ordering::Relaxed),
+        stats.parked.load(Ordering::Relaxed),
+    );
+    Ok(ExitCode::SUCCESS)
+}

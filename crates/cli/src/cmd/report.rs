@@ -1,0 +1,168 @@
+//! `lastcall report`: outcome and failure statistics over a time window. The aggregation
+//! is `lastcall_core::report::build`; this module reads the ledger and formats.
+
+use crate::cli::{ReportArgs, ReportFormat};
+use crate::config::Settings;
+use crate::table;
+use anyhow::{Result, bail};
+use lastcall_core::report::{self, Count, Report, ReportRow};
+use lastcall_worker::clock::now_ms;
+use std::process::ExitCode;
+
+/// Parse a window length like `24h`, `90m`, `3600s`, `500ms` or `7d` into ms.
+pub fn parse_window(s: &str) -> Result<i64> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let Ok(n) = num.parse::<i64>() else {
+        bail!("--since must be a number with a unit (ms, s, m, h, d), e.g. 24h; got `{s}`");
+    };
+    let factor = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        "" => bail!("--since needs a unit (ms, s, m, h, d), e.g. `{n}s`; got `{s}`"),
+        other => bail!("--since has an unknown unit `{other}`; use ms, s, m, h or d"),
+    };
+    match n.checked_mul(factor) {
+        Some(ms) => Ok(ms),
+        None => bail!("--since is too large: `{s}`"),
+    }
+}
+
+pub async fn run(s: &Settings, a: ReportArgs) -> Result<ExitCode> {
+    let window = parse_window(&a.since)?;
+    let until = now_ms();
+    let since = until.saturating_sub(window);
+    let ledger = super::open_ledger(&s.store_url).await?;
+    let recs = ledger.records_since(since).await?;
+    ledger.close().await;
+    let rows: Vec<ReportRow> = recs
+        .into_iter()
+        .map(|r| ReportRow {
+            state: r.state,
+            kind: r.kind,
+            reason: r.reason,
+            error: r.error,
+            created_at_ms: r.created_at_ms,
+            recorded_at_ms: r.recorded_at_ms,
+        })
+        .collect();
+    let rep = report::build(&rows, since, until);
+    match a.format {
+        ReportFormat::Json => println!("{}", serde_json::to_string_pretty(&rep)?),
+        ReportFormat::Csv => print!("{}", csv(&rep)),
+        ReportFormat::Table => print!("{}", text(&rep, &a.since)),
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+fn csv_field(s: &str) -> String {
+    if s.contains([',', '"', '\n', '\r']) {
+        format!("\"{}\"", s.replace('"', "\"\""))
+    } else {
+        s.to_owned()
+    }
+}
+
+/// One row per counted key and per latency state.
+pub fn csv(r: &Report) -> String {
+    let mut out = String::from("section,key,count,p50_ms,p90_ms,p99_ms,max_ms\n");
+    let sections: [(&str, &[Count]); 5] = [
+        ("state", &r.by_state),
+        ("kind", &r.by_kind),
+        ("reason", &r.by_reason),
+        ("error_class", &r.by_error_class),
+        ("error", &r.top_errors),
+    ];
+    for (name, counts) in sections {
+        for c in counts {
+            out.push_str(&format!("{name},{},{},,,,\n", csv_field(&c.key), c.count));
+        }
+    }
+    for l in &r.latency {
+        out.push_str(&format!(
+            "latency,{},{},{},{},{},{}\n",
+            csv_field(&l.state),
+            l.count,
+            l.p50_ms,
+            l.p90_ms,
+            l.p99_ms,
+            l.max_ms
+        ));
+    }
+    out
+}
+
+fn counts_table(title: &str, counts: &[Count]) -> String {
+    let rows: Vec<Vec<String>> = counts
+        .iter()
+        .map(|c| vec![table::clip(&c.key, 100), c.count.to_string()])
+        .collect();
+    format!("{}\n", table::render(&[title, "jobs"], &rows))
+}
+
+fn text(r: &Report, since: &str) -> String {
+    let mut out = format!("outcomes recorded in the last {since}: {}\n\n", r.total);
+    out += &counts_table("state", &r.by_state);
+    out += &counts_table("kind", &r.by_kind);
+    out += &counts_table("state/reason", &r.by_reason);
+    out += &counts_table("error class", &r.by_error_class);
+    out += &counts_table("top error messages", &r.top_errors);
+    let rows: Vec<Vec<String>> = r
+        .latency
+        .iter()
+        .map(|l| {
+            vec![
+                l.state.clone(),
+                l.count.to_string(),
+                l.p50_ms.to_string(),
+                l.p90_ms.to_string(),
+                l.p99_ms.to_string(),
+                l.max_ms.to_string(),
+            ]
+        })
+        .collect();
+    out += "created → outcome, ms\n";
+    out += &table::render(&["state", "jobs", "p50", "p90", "p99", "max"], &rows);
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn windows_parse_with_units_and_errors_name_the_flag() {
+        assert_eq!(parse_window("24h").unwrap(), 86_400_000);
+        assert_eq!(parse_window("90m").unwrap(), 5_400_000);
+        assert_eq!(parse_window("3600s").unwrap(), 3_600_000);
+        assert_eq!(parse_window("250ms").unwrap(), 250);
+        assert_eq!(parse_window("7d").unwrap(), 604_800_000);
+        for bad in ["", "h", "10", "10y", "-5m", "99999999999999999999d"] {
+            let e = parse_window(bad).unwrap_err().to_string();
+            assert!(e.contains("--since"), "{bad}: {e}");
+        }
+    }
+
+    #[test]
+    fn csv_quotes_and_lists_every_section() {
+        let rows = vec![ReportRow {
+            state: "failed".into(),
+            kind: "k".into(),
+            reason: Some("sim_400".into()),
+            error: Some("bad, \"very\" bad".into()),
+            created_at_ms: Some(0),
+            recorded_at_ms: Some(10),
+        }];
+        let out = csv(&report::build(&rows, 0, 1));
+        assert!(out.starts_with("section,key,count,p50_ms"));
+        assert!(out.contains("state,failed,1,,,,\n"));
+        assert!(out.contains("reason,failed/sim_400,1,,,,\n"));
+        assert!(out.contains("error_class,backend_terminal,1,,,,\n"));
+        assert!(out.contains("error,\"bad, \"\"very\"\" bad\",1,,,,\n"));
+        assert!(out.contains("latency,failed,1,10,10,10,10\n"));
+    }
+}
