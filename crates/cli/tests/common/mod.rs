@@ -221,14 +221,14 @@ impl Env {
         self.topo.delete(&self.broker).await.unwrap();
         self.broker.close().await;
         self.ledger.close().await;
-        if let Some(db) = self.pg_db {
-            if let Ok(mut admin) = sqlx::PgConnection::connect(&pg_admin_url()).await {
-                let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
-                    "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
-                )))
-                .execute(&mut admin)
-                .await;
-            }
+        if let Some(db) = self.pg_db
+            && let Ok(mut admin) = sqlx::PgConnection::connect(&pg_admin_url()).await
+        {
+            let _ = sqlx::query(sqlx::AssertSqlSafe(format!(
+                "DROP DATABASE IF EXISTS {db} WITH (FORCE)"
+            )))
+            .execute(&mut admin)
+            .await;
         }
         let _ = std::fs::remove_dir_all(&self.dir);
     }
