@@ -9,6 +9,7 @@
 //! - this file: [`Backend`], [`CallRequest`], [`CallOutput`], [`BackendError`].
 //! - [`sim`]: the simulated backend, a load generator that counts every call it receives.
 
+pub mod route;
 pub mod sim;
 
 use serde::Serialize;

@@ -1,0 +1,491 @@
+//! Routing jobs to backends by kind.
+//!
+//! A [`RouteTable`] is configuration (it deserializes from the `lastcall.toml` shape
+//! below); a [`RoutedBackend`] is a [`Backend`] that sends each call to the backend its
+//! kind routes to.
+//!
+//! ```toml
+//! default = "sim"                # kinds no route matches; leave out to refuse them
+//!
+//! [[routes]]
+//! kind = "incident.summary"      # exact kind
+//! backend = "openai"
+//! model = "smollm2"              # optional: the model this route asks the backend for
+//!
+//! [[routes]]
+//! kind = "code.*"                # every kind that starts with `code.`
+//! backend = "openai"
+//! ```
+//!
+//! Lookup order: the exact kind, then the longest matching `prefix.*` pattern, then
+//! `default`. A kind that matches nothing without a default fails the call with the
+//! terminal reason `no_route` (retrying cannot help; the configuration must change).
+
+use crate::{Backend, BackendError, CallFuture, CallRequest, CancellationToken};
+use serde::Deserialize;
+use serde_json::Value;
+use std::collections::HashMap;
+use std::sync::Arc;
+
+/// Which backend (and model) serves which job kinds.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Deserialize)]
+pub struct RouteTable {
+    /// The backend for kinds that no route matches. `None`: such kinds fail with
+    /// `no_route`.
+    #[serde(default)]
+    pub default: Option<String>,
+    #[serde(default)]
+    pub routes: Vec<Route>,
+}
+
+/// One `[[routes]]` entry.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Route {
+    /// An exact kind (`incident.summary`) or a prefix pattern (`code.*`, matching every
+    /// kind that starts with `code.`).
+    pub kind: String,
+    /// The name a backend is registered under in the [`RoutedBackend`].
+    pub backend: String,
+    /// The model to ask for. It replaces the payload's `model`: which model serves a kind
+    /// is the operator's choice, not the producer's.
+    #[serde(default)]
+    pub model: Option<String>,
+}
+
+impl Route {
+    fn resolved(&self) -> Resolved<'_> {
+        Resolved {
+            backend: &self.backend,
+            model: self.model.as_deref(),
+            pattern: Some(&self.kind),
+        }
+    }
+}
+
+/// Where a kind goes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Resolved<'a> {
+    pub backend: &'a str,
+    pub model: Option<&'a str>,
+    /// The pattern that matched (`code.*`), or `None` for the default.
+    pub pattern: Option<&'a str>,
+}
+
+/// A route table that cannot be used.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum RouteError {
+    #[error("route pattern {0:?} is invalid: use an exact kind or `prefix.*`")]
+    BadPattern(String),
+    #[error("kind pattern {0:?} is routed twice")]
+    Duplicate(String),
+    #[error("route for {kind:?} names backend {backend:?}, which is not configured")]
+    UnknownBackend { kind: String, backend: String },
+    #[error("the default backend {0:?} is not configured")]
+    UnknownDefault(String),
+}
+
+impl RouteTable {
+    /// Checks the patterns: an exact kind, or a non-empty prefix followed by `.*`; `*`
+    /// nowhere else (`default` is the catch-all); each pattern once.
+    pub fn validate(&self) -> Result<(), RouteError> {
+        let mut seen = std::collections::HashSet::new();
+        for r in &self.routes {
+            let body = r.kind.strip_suffix(".*").unwrap_or(&r.kind);
+            if body.is_empty() || body.contains('*') || r.backend.is_empty() {
+                return Err(RouteError::BadPattern(r.kind.clone()));
+            }
+            if !seen.insert(r.kind.as_str()) {
+                return Err(RouteError::Duplicate(r.kind.clone()));
+            }
+        }
+        Ok(())
+    }
+
+    /// The route of `kind`: exact match, else the longest `prefix.*` match, else the
+    /// default; `None` when nothing matches and there is no default.
+    pub fn resolve(&self, kind: &str) -> Option<Resolved<'_>> {
+        if let Some(r) = self.routes.iter().find(|r| r.kind == kind) {
+            return Some(r.resolved());
+        }
+        let prefix_match = self
+            .routes
+            .iter()
+            .filter_map(|r| {
+                // `code.*` matches `code.review`: the prefix keeps its dot.
+                let prefix = r.kind.strip_suffix('*')?;
+                (prefix.ends_with('.') && kind.starts_with(prefix) && kind.len() > prefix.len())
+                    .then_some((prefix.len(), r))
+            })
+            .max_by_key(|(len, _)| *len);
+        if let Some((_, r)) = prefix_match {
+            return Some(r.resolved());
+        }
+        self.default.as_deref().map(|backend| Resolved {
+            backend,
+            model: None,
+            pattern: None,
+        })
+    }
+
+    /// Every backend name the table refers to, with the pattern that refers to it.
+    fn references(&self) -> impl Iterator<Item = (&str, &str)> {
+        self.routes
+            .iter()
+            .map(|r| (r.kind.as_str(), r.backend.as_str()))
+    }
+}
+
+/// A [`Backend`] that dispatches each call by its kind to a registered backend.
+pub struct RoutedBackend {
+    table: RouteTable,
+    backends: HashMap<String, Arc<dyn Backend>>,
+}
+
+impl std::fmt::Debug for RoutedBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let mut names: Vec<_> = self.backends.keys().collect();
+        names.sort();
+        f.debug_struct("RoutedBackend")
+            .field("table", &self.table)
+            .field("backends", &names)
+            .finish()
+    }
+}
+
+impl RoutedBackend {
+    /// Builds the router from a validated table and the backends by name. Every backend
+    /// the table names must be among them (a typo fails at startup, not on the first job
+    /// of that kind); backends the table never names are allowed.
+    pub fn new(
+        table: RouteTable,
+        backends: impl IntoIterator<Item = (String, Arc<dyn Backend>)>,
+    ) -> Result<Self, RouteError> {
+        table.validate()?;
+        let backends: HashMap<_, _> = backends.into_iter().collect();
+        if let Some((kind, backend)) = table.references().find(|(_, b)| !backends.contains_key(*b))
+        {
+            return Err(RouteError::UnknownBackend {
+                kind: kind.to_string(),
+                backend: backend.to_string(),
+            });
+        }
+        if let Some(d) = &table.default
+            && !backends.contains_key(d)
+        {
+            return Err(RouteError::UnknownDefault(d.clone()));
+        }
+        Ok(Self { table, backends })
+    }
+
+    pub fn table(&self) -> &RouteTable {
+        &self.table
+    }
+
+    /// The backend that calls of `kind` go to, by its registered name.
+    pub fn backend_for(&self, kind: &str) -> Option<&str> {
+        self.table.resolve(kind).map(|r| r.backend)
+    }
+}
+
+impl Backend for RoutedBackend {
+    fn name(&self) -> &str {
+        "routed"
+    }
+
+    fn call(&self, mut req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+        let Some(route) = self.table.resolve(&req.kind) else {
+            let kind = req.kind.clone();
+            return Box::pin(async move {
+                Err(BackendError::Terminal {
+                    reason: "no_route".into(),
+                    message: format!("no route for kind {kind:?} and no default backend"),
+                })
+            });
+        };
+        // `new` checked that every routed name is registered.
+        let backend = &self.backends[route.backend];
+        tracing::debug!(
+            job_id = %req.job_id,
+            kind = %req.kind,
+            backend = route.backend,
+            pattern = route.pattern,
+            model = route.model,
+            "routing call"
+        );
+        if let Some(model) = route.model {
+            req.payload
+                .insert("model".into(), Value::String(model.to_string()));
+        }
+        backend.call(req, cancel)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::sim::{SimBackend, SimConfig};
+    use serde_json::{Map, json};
+    use std::time::Duration;
+
+    const TOML: &str = r#"
+        default = "general"
+
+        [[routes]]
+        kind = "incident.summary"
+        backend = "openai"
+        model = "smollm2"
+
+        [[routes]]
+        kind = "code.*"
+        backend = "code"
+
+        [[routes]]
+        kind = "code.review"
+        backend = "openai"
+
+        [[routes]]
+        kind = "code.gen.*"
+        backend = "openai"
+        model = "coder"
+    "#;
+
+    fn table() -> RouteTable {
+        toml::from_str(TOML).expect("the documented shape parses")
+    }
+
+    fn req(kind: &str, job_id: &str) -> CallRequest {
+        CallRequest {
+            job_id: job_id.into(),
+            kind: kind.into(),
+            attempt: 0,
+            payload: Map::new(),
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// A backend that records the model each call asked for.
+    struct Recorder {
+        models: std::sync::Mutex<Vec<Option<String>>>,
+    }
+
+    impl Backend for Recorder {
+        fn name(&self) -> &str {
+            "recorder"
+        }
+        fn call(&self, req: CallRequest, _cancel: CancellationToken) -> CallFuture<'_> {
+            let model = req
+                .payload
+                .get("model")
+                .and_then(Value::as_str)
+                .map(str::to_string);
+            self.models.lock().unwrap().push(model);
+            Box::pin(async { Ok(crate::CallOutput::default()) })
+        }
+    }
+
+    #[test]
+    fn resolution_order_is_exact_then_longest_prefix_then_default() {
+        let t = table();
+        let backend = |k: &str| t.resolve(k).map(|r| r.backend);
+        assert_eq!(backend("incident.summary"), Some("openai"));
+        assert_eq!(backend("code.review"), Some("openai"), "exact beats prefix");
+        assert_eq!(backend("code.lint"), Some("code"));
+        assert_eq!(
+            backend("code.gen.fast"),
+            Some("openai"),
+            "longest prefix wins"
+        );
+        assert_eq!(t.resolve("code.gen.fast").unwrap().model, Some("coder"));
+        assert_eq!(
+            backend("code"),
+            Some("general"),
+            "`code.*` needs something after the dot"
+        );
+        assert_eq!(backend("codex.run"), Some("general"));
+        assert_eq!(backend("incident.summary.v2"), Some("general"));
+        let no_default = RouteTable {
+            default: None,
+            ..t.clone()
+        };
+        assert_eq!(no_default.resolve("other"), None);
+    }
+
+    #[test]
+    fn bad_tables_are_refused() {
+        for kind in ["", "*", ".*", "code*", "co*de.x", "a.*.*"] {
+            let t = RouteTable {
+                default: None,
+                routes: vec![Route {
+                    kind: kind.into(),
+                    backend: "b".into(),
+                    model: None,
+                }],
+            };
+            assert_eq!(
+                t.validate(),
+                Err(RouteError::BadPattern(kind.into())),
+                "{kind}"
+            );
+        }
+        let mut t = table();
+        t.routes.push(t.routes[0].clone());
+        assert!(matches!(t.validate(), Err(RouteError::Duplicate(_))));
+        assert!(
+            toml::from_str::<RouteTable>(
+                "[[routes]]\nkind = \"a\"\nbackend = \"b\"\nmodle = \"x\""
+            )
+            .is_err(),
+            "a misspelt route field is an error"
+        );
+    }
+
+    #[test]
+    fn unknown_backend_names_fail_at_build_time() {
+        let sim: Arc<dyn Backend> = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let err = RoutedBackend::new(
+            table(),
+            [
+                ("general".to_string(), sim.clone()),
+                ("code".into(), sim.clone()),
+            ],
+        )
+        .unwrap_err();
+        assert!(
+            matches!(err, RouteError::UnknownBackend { ref backend, .. } if backend == "openai")
+        );
+        let err = RoutedBackend::new(
+            RouteTable {
+                default: Some("nope".into()),
+                routes: vec![],
+            },
+            [("general".to_string(), sim)],
+        )
+        .unwrap_err();
+        assert_eq!(err, RouteError::UnknownDefault("nope".into()));
+    }
+
+    #[tokio::test]
+    async fn calls_reach_the_routed_backend_only() {
+        let openai = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let code = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let general = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let router = RoutedBackend::new(
+            table(),
+            [
+                ("openai".to_string(), openai.clone() as Arc<dyn Backend>),
+                ("code".into(), code.clone() as Arc<dyn Backend>),
+                ("general".into(), general.clone() as Arc<dyn Backend>),
+            ],
+        )
+        .unwrap();
+
+        let calls = [
+            ("incident.summary", "j1"),
+            ("code.review", "j2"),
+            ("code.gen.fast", "j3"),
+            ("code.lint", "j4"),
+            ("code.fmt", "j5"),
+            ("chat", "j6"),
+        ];
+        for (kind, job) in calls {
+            router
+                .call(req(kind, job), CancellationToken::new())
+                .await
+                .unwrap_or_else(|e| panic!("{kind}: {e}"));
+        }
+        assert_eq!(openai.calls(), 3);
+        assert_eq!(["j1", "j2", "j3"].map(|j| openai.calls_for(j)), [1, 1, 1]);
+        assert_eq!(code.calls(), 2);
+        assert_eq!(["j4", "j5"].map(|j| code.calls_for(j)), [1, 1]);
+        assert_eq!(general.calls(), 1);
+        assert_eq!(general.calls_for("j6"), 1);
+        assert_eq!(router.backend_for("code.lint"), Some("code"));
+    }
+
+    #[tokio::test]
+    async fn no_route_is_terminal_and_calls_nothing() {
+        let sim = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let router = RoutedBackend::new(
+            RouteTable {
+                default: None,
+                routes: vec![Route {
+                    kind: "chat".into(),
+                    backend: "sim".into(),
+                    model: None,
+                }],
+            },
+            [("sim".to_string(), sim.clone() as Arc<dyn Backend>)],
+        )
+        .unwrap();
+        let e = router
+            .call(req("other.kind", "j1"), CancellationToken::new())
+            .await
+            .unwrap_err();
+        assert_eq!(e.reason(), "no_route");
+        assert!(!e.is_retryable());
+        assert!(e.to_string().contains("other.kind"));
+        assert_eq!(sim.calls(), 0);
+    }
+
+    #[tokio::test]
+    async fn the_routes_model_replaces_the_payloads() {
+        let rec = Arc::new(Recorder {
+            models: Default::default(),
+        });
+        let r: Arc<dyn Backend> = rec.clone();
+        let router = RoutedBackend::new(
+            table(),
+            [
+                ("openai".to_string(), r.clone()),
+                ("code".into(), r.clone()),
+                ("general".into(), r),
+            ],
+        )
+        .unwrap();
+        let mut with_model = req("incident.summary", "j1");
+        with_model
+            .payload
+            .insert("model".into(), json!("producer-choice"));
+        router
+            .call(with_model, CancellationToken::new())
+            .await
+            .unwrap();
+        let mut unrouted_model = req("code.lint", "j2");
+        unrouted_model
+            .payload
+            .insert("model".into(), json!("producer-choice"));
+        router
+            .call(unrouted_model, CancellationToken::new())
+            .await
+            .unwrap();
+        assert_eq!(
+            *rec.models.lock().unwrap(),
+            vec![Some("smollm2".into()), Some("producer-choice".into())]
+        );
+    }
+
+    #[tokio::test]
+    async fn cancellation_reaches_the_routed_backend() {
+        let sim = Arc::new(
+            SimBackend::new(SimConfig {
+                latency_ms: 10_000,
+                ..SimConfig::default()
+            })
+            .unwrap(),
+        );
+        let router = RoutedBackend::new(
+            RouteTable {
+                default: Some("sim".into()),
+                routes: vec![],
+            },
+            [("sim".to_string(), sim.clone() as Arc<dyn Backend>)],
+        )
+        .unwrap();
+        let cancel = CancellationToken::new();
+        cancel.cancel();
+        let r = router.call(req("anything", "j1"), cancel).await;
+        assert_eq!(r, Err(BackendError::Cancelled { confirmed: true }));
+        assert_eq!(sim.calls(), 1);
+    }
+}

@@ -1,0 +1,339 @@
+//! [`OpenAiBackend`]: the IO shell. Sends the request, decodes the stream, and races both
+//! against the call's timeout and cancellation token.
+
+use crate::classify;
+use crate::config::{ConfigError, OpenAiConfig};
+use crate::request::chat_body;
+use crate::sse::SseDecoder;
+use crate::stream::{Assembly, Step};
+use futures_util::StreamExt;
+use lastcall_backend::{
+    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken,
+};
+use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderValue, RETRY_AFTER};
+use std::time::Instant;
+use tracing::Instrument;
+
+/// How long to wait for the end of the body after `[DONE]`.
+const DRAIN_AFTER_DONE: std::time::Duration = std::time::Duration::from_millis(200);
+
+/// Longest error body read from a failed response.
+const MAX_ERROR_BODY: usize = 16 * 1024;
+
+/// A backend for any server that speaks OpenAI's streaming chat-completions API.
+///
+/// One instance is shared by all of a worker's slots; the HTTP client inside pools
+/// connections of calls that finished normally.
+///
+/// **Invariant**: an abandoned call never leaves its connection open. When the timeout
+/// passes or the token fires, the in-flight future is dropped, and with it the request or
+/// the response body. hyper closes an HTTP/1 connection whose body was dropped before its
+/// end instead of returning it to the pool (it could not be reused anyway), so the server
+/// sees the disconnect and can stop generating. The integration test checks this against
+/// a real llama.cpp server: a request sent right after an abandoned one is not stuck
+/// behind it.
+pub struct OpenAiBackend {
+    cfg: OpenAiConfig,
+    client: reqwest::Client,
+    /// `{base_url}/chat/completions`, built once.
+    url: reqwest::Url,
+    /// `Bearer …`, marked sensitive so that hyper never logs it.
+    auth: Option<HeaderValue>,
+}
+
+impl std::fmt::Debug for OpenAiBackend {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OpenAiBackend")
+            .field("cfg", &self.cfg)
+            .finish_non_exhaustive()
+    }
+}
+
+impl OpenAiBackend {
+    pub fn new(cfg: OpenAiConfig) -> Result<Self, ConfigError> {
+        let raw = cfg.chat_completions_url();
+        let url = reqwest::Url::parse(&raw).map_err(|e| ConfigError::BaseUrl {
+            url: cfg.base_url.clone(),
+            message: e.to_string(),
+        })?;
+        match url.scheme() {
+            "http" => {}
+            "https" if cfg!(feature = "rustls") => {}
+            "https" => {
+                return Err(ConfigError::BaseUrl {
+                    url: cfg.base_url.clone(),
+                    message: "https needs lastcall-openai's `rustls` feature".into(),
+                });
+            }
+            other => {
+                return Err(ConfigError::BaseUrl {
+                    url: cfg.base_url.clone(),
+                    message: format!("unsupported scheme {other}"),
+                });
+            }
+        }
+        let auth = match cfg.api_key() {
+            Some(key) => {
+                let mut v =
+                    HeaderValue::from_str(&format!("Bearer {}", key.expose())).map_err(|_| {
+                        ConfigError::Client("the API key is not a valid header value".into())
+                    })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+            None => None,
+        };
+        let client = reqwest::Client::builder()
+            .connect_timeout(cfg.connect_timeout)
+            .tcp_nodelay(true)
+            .user_agent(concat!("lastcall/", env!("CARGO_PKG_VERSION")))
+            .build()
+            .map_err(|e| ConfigError::Client(e.to_string()))?;
+        Ok(Self {
+            cfg,
+            client,
+            url,
+            auth,
+        })
+    }
+
+    pub fn config(&self) -> &OpenAiConfig {
+        &self.cfg
+    }
+
+    /// The whole exchange, without the deadline: the caller races it against the timeout
+    /// and the token and drops it when either wins.
+    async fn exchange(
+        &self,
+        body: serde_json::Value,
+        started: Instant,
+    ) -> Result<CallOutput, BackendError> {
+        let mut request = self
+            .client
+            .post(self.url.clone())
+            .header(ACCEPT, "text/event-stream")
+            .json(&body);
+        if let Some(auth) = &self.auth {
+            request = request.header(AUTHORIZATION, auth.clone());
+        }
+        let response = request.send().await.map_err(send_error)?;
+        let status = response.status();
+        if !status.is_success() {
+            let retry_after = response
+                .headers()
+                .get(RETRY_AFTER)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_string);
+            let body = read_capped(response, MAX_ERROR_BODY).await;
+            return Err(classify::status_error(
+                status.as_u16(),
+                retry_after.as_deref(),
+                &body,
+            ));
+        }
+
+        let mut decoder = SseDecoder::new();
+        let mut assembly = Assembly::default();
+        let mut first_token: Option<Instant> = None;
+        let mut stream = response.bytes_stream();
+        'read: while let Some(bytes) = stream.next().await {
+            let bytes = bytes.map_err(|e| stream_error(&e))?;
+            let events = decoder.push(&bytes).map_err(|_| BackendError::Retryable {
+                reason: "bad_stream".into(),
+                message: "an event-stream line is longer than 4 MiB".into(),
+                retry_after: None,
+            })?;
+            for data in events {
+                match assembly.on_event(&data)? {
+                    Step::Content => {
+                        first_token.get_or_insert_with(Instant::now);
+                    }
+                    Step::Quiet => {}
+                    Step::Done => break 'read,
+                }
+            }
+        }
+        if !assembly.done
+            && let Some(data) = decoder.finish()
+        {
+            assembly.on_event(&data)?;
+        }
+        if assembly.done {
+            // Read the (empty) rest of the body so that the connection goes back to the
+            // pool; a server that keeps it open after [DONE] just loses it.
+            let _ = tokio::time::timeout(DRAIN_AFTER_DONE, async {
+                while let Some(Ok(_)) = stream.next().await {}
+            })
+            .await;
+        }
+        drop(stream);
+        assembly.finish()?;
+
+        let elapsed = started.elapsed();
+        let (usage, estimated) = assembly.usage();
+        let tokens_per_second = decode_speed(usage.completion_tokens, first_token, started);
+        tracing::info!(
+            latency_ms = elapsed.as_millis() as u64,
+            ttft_ms = first_token.map(|t| (t - started).as_millis() as u64),
+            prompt_tokens = usage.prompt_tokens,
+            completion_tokens = usage.completion_tokens,
+            usage_estimated = estimated,
+            tokens_per_second,
+            finish_reason = assembly.finish_reason.as_deref(),
+            "model call finished"
+        );
+        Ok(CallOutput {
+            text: assembly.text,
+            usage: Some(usage),
+            model: assembly.model.or_else(|| {
+                body.get("model")
+                    .and_then(|m| m.as_str())
+                    .map(str::to_string)
+            }),
+            tokens_per_second,
+        })
+    }
+}
+
+impl Backend for OpenAiBackend {
+    fn name(&self) -> &str {
+        "openai"
+    }
+
+    /// Streams one chat completion. See [`chat_body`] for how the payload becomes the
+    /// request, and [`Assembly::usage`](crate::stream::Assembly::usage) for how usage is
+    /// estimated when the server reports none (llama-cpp-python's server, for one).
+    /// Latency, time to first token and tokens/s are logged with the call's span.
+    fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+        let span = tracing::info_span!(
+            "openai_call",
+            job_id = %req.job_id,
+            kind = %req.kind,
+            attempt = req.attempt,
+        );
+        Box::pin(
+            async move {
+                let body = chat_body(&req.payload, &self.cfg.model, self.cfg.max_tokens)?;
+                let started = Instant::now();
+                let why = tokio::select! {
+                    biased;
+                    _ = cancel.cancelled() => "cancelled",
+                    _ = tokio::time::sleep(req.timeout) => "timeout",
+                    result = self.exchange(body, started) => {
+                        if let Err(e) = &result {
+                            tracing::warn!(
+                                reason = e.reason(),
+                                latency_ms = started.elapsed().as_millis() as u64,
+                                error = %e,
+                                "model call failed"
+                            );
+                        }
+                        return result;
+                    }
+                };
+                // The exchange future is dropped by now: the request or the response stream
+                // is gone and its connection closed, so the stop is confirmed on our side.
+                tracing::info!(
+                    why,
+                    after_ms = started.elapsed().as_millis() as u64,
+                    "model call abandoned, connection closed"
+                );
+                Err(BackendError::Cancelled { confirmed: true })
+            }
+            .instrument(span),
+        )
+    }
+}
+
+/// Completion tokens per second of decoding: from the first content chunk to the end, so
+/// that queueing and prompt processing do not count; over the whole call when there was
+/// only one token.
+fn decode_speed(tokens: u64, first_token: Option<Instant>, started: Instant) -> Option<f64> {
+    if tokens == 0 {
+        return None;
+    }
+    let (n, since) = match first_token {
+        Some(t) if tokens > 1 => (tokens - 1, t),
+        _ => (tokens, started),
+    };
+    let secs = since.elapsed().as_secs_f64();
+    (secs > 0.0).then(|| n as f64 / secs)
+}
+
+/// Reads at most `cap` bytes of a body (an error body may be anything).
+async fn read_capped(response: reqwest::Response, cap: usize) -> Vec<u8> {
+    let mut out = Vec::new();
+    let mut stream = response.bytes_stream();
+    while let Some(Ok(bytes)) = stream.next().await {
+        let room = cap - out.len();
+        out.extend_from_slice(&bytes[..bytes.len().min(room)]);
+        if out.len() >= cap {
+            break;
+        }
+    }
+    out
+}
+
+/// A failure before the response head: all retryable, the next attempt may find the
+/// server up (or another replica behind the same address).
+fn send_error(e: reqwest::Error) -> BackendError {
+    let reason = if e.is_connect() {
+        "connect_error"
+    } else if e.is_timeout() {
+        "timeout"
+    } else {
+        "http_error"
+    };
+    BackendError::Retryable {
+        reason: reason.into(),
+        message: error_chain(&e),
+        retry_after: None,
+    }
+}
+
+/// The connection broke in the middle of the stream.
+fn stream_error(e: &reqwest::Error) -> BackendError {
+    BackendError::Retryable {
+        reason: "stream_broken".into(),
+        message: error_chain(e),
+        retry_after: None,
+    }
+}
+
+/// `reqwest`'s message with its causes ("error sending request: … : connection refused").
+fn error_chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut msg = e.to_string();
+    let mut source = e.source();
+    while let Some(s) = source {
+        msg.push_str(": ");
+        msg.push_str(&s.to_string());
+        source = s.source();
+    }
+    classify::truncate(&msg, 500)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn https_without_tls_is_refused_at_build_time() {
+        let r = OpenAiBackend::new(OpenAiConfig::new("https://api.example.invalid/v1", "m"));
+        if cfg!(feature = "rustls") {
+            assert!(r.is_ok());
+        } else {
+            assert!(matches!(r, Err(ConfigError::BaseUrl { .. })));
+        }
+        assert!(OpenAiBackend::new(OpenAiConfig::new("not a url", "m")).is_err());
+    }
+
+    #[test]
+    fn decode_speed_skips_the_first_token() {
+        let started = Instant::now() - Duration::from_secs(2);
+        let first = Instant::now() - Duration::from_secs(1);
+        let tps = decode_speed(11, Some(first), started).unwrap();
+        assert!((9.0..=10.5).contains(&tps), "{tps}");
+        assert_eq!(decode_speed(0, None, started), None);
+    }
+}
