@@ -155,6 +155,10 @@ pub struct SubmitArgs {
 pub enum BackendKind {
     /// Simulated model: fixed latency, counts every call (tests and benchmarks)
     Sim,
+    /// An OpenAI-compatible chat-completions server (vLLM, llama.cpp, Ollama, hosted APIs), streamed
+    Openai,
+    /// Route each job kind to a backend by the `[routing]` table of lastcall.toml
+    Routed,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -190,6 +194,8 @@ pub struct WorkerArgs {
     pub backend: BackendKind,
     #[command(flatten)]
     pub sim: SimArgs,
+    #[command(flatten)]
+    pub openai: OpenAiArgs,
     /// Attempts per job, counting the first, for retryable backend errors
     #[arg(long, default_value_t = 3)]
     pub max_attempts: u32,
@@ -213,6 +219,32 @@ pub struct WorkerArgs {
     /// Test only: shift this worker's clock by this many ms (clock-skew drills)
     #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
     pub clock_offset_ms: i64,
+}
+
+/// The OpenAI-compatible backend. The API key is read from an environment variable or a
+/// file, never from a flag, and never logged.
+#[derive(Debug, Args, Clone)]
+pub struct OpenAiArgs {
+    /// OpenAI backend: base URL of the API, e.g. http://127.0.0.1:8080/v1 (llama.cpp),
+    /// http://127.0.0.1:11434/v1 (Ollama), http://127.0.0.1:8000/v1 (vLLM)
+    #[arg(
+        long,
+        env = "LASTCALL_OPENAI_BASE_URL",
+        default_value = "http://127.0.0.1:8080/v1"
+    )]
+    pub base_url: String,
+    /// OpenAI backend: model name sent with each request (a route's model overrides it)
+    #[arg(long, env = "LASTCALL_OPENAI_MODEL", default_value = "default")]
+    pub model: String,
+    /// OpenAI backend: name of the environment variable holding the API key (used if set)
+    #[arg(long, default_value = "LASTCALL_API_KEY")]
+    pub api_key_env: String,
+    /// OpenAI backend: file holding the API key (e.g. a mounted secret)
+    #[arg(long)]
+    pub api_key_file: Option<PathBuf>,
+    /// OpenAI backend: default max_tokens when the job does not set one
+    #[arg(long, default_value_t = 256)]
+    pub max_tokens: u32,
 }
 
 /// The simulated backend's behaviour.

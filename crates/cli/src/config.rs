@@ -17,9 +17,8 @@ pub struct FileConfig {
     pub amqp_url: Option<String>,
     pub store_url: Option<String>,
     pub prefix: Option<String>,
-    /// Kind → backend routes (see the README's backend section).
-    #[allow(dead_code)]
-    pub routes: Option<toml::Value>,
+    /// Kind → backend routes for `worker --backend routed` (see the README).
+    pub routing: Option<lastcall_backend::route::RouteTable>,
 }
 
 /// The resolved connection settings.
@@ -28,6 +27,8 @@ pub struct Settings {
     pub amqp_url: String,
     pub store_url: String,
     pub prefix: String,
+    /// The `[routing]` table of the config file, if any.
+    pub routing: Option<lastcall_backend::route::RouteTable>,
 }
 
 pub fn load_file(g: &Global) -> Result<FileConfig> {
@@ -59,6 +60,7 @@ pub fn settings(g: &Global) -> Result<Settings> {
             .clone()
             .or(f.prefix)
             .unwrap_or_else(|| DEFAULT_PREFIX.into()),
+        routing: f.routing,
     })
 }
 

@@ -1,11 +1,13 @@
 //! `lastcall worker`.
 
-use crate::cli::{BackendKind, ExpiredActionArg, SimArgs, WorkerArgs};
+use crate::cli::{BackendKind, ExpiredActionArg, OpenAiArgs, SimArgs, WorkerArgs};
 use crate::config::Settings;
-use anyhow::{Result, bail};
+use anyhow::{Context, Result, bail};
 use lastcall_backend::Backend;
+use lastcall_backend::route::RoutedBackend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_core::{ExpiredAction, RetryPolicy, WorkerPolicy};
+use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::{ClockSyncMode, Fault, SystemClock, Worker, WorkerConfig, WorkerStats};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -14,9 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
     let cfg = config(s, &a)?;
-    let backend: Arc<dyn Backend> = match a.backend {
-        BackendKind::Sim => Arc::new(sim(&a.sim)?),
-    };
+    let backend = backend(s, &a).await?;
     let broker = super::connect_broker(s).await?;
     let ledger = super::open_ledger(&s.store_url).await?;
     let clock = Arc::new(SystemClock {
@@ -35,6 +35,41 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
     worker.run(stop).await?;
     ledger.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Build the backend the flags ask for.
+pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
+    Ok(match a.backend {
+        BackendKind::Sim => Arc::new(sim(&a.sim)?),
+        BackendKind::Openai => Arc::new(openai(&a.openai)?),
+        BackendKind::Routed => {
+            let Some(table) = s.routing.clone() else {
+                bail!(
+                    "--backend routed needs a [routing] table in lastcall.toml (see the README's backend section)"
+                );
+            };
+            let backends: Vec<(String, Arc<dyn Backend>)> = vec![
+                ("sim".into(), Arc::new(sim(&a.sim)?)),
+                ("openai".into(), Arc::new(openai(&a.openai)?)),
+            ];
+            Arc::new(
+                RoutedBackend::new(table, backends)
+                    .context("invalid [routing] table in lastcall.toml")?,
+            )
+        }
+    })
+}
+
+/// The OpenAI-compatible backend from its flags; the key comes from the environment or a file.
+pub fn openai(a: &OpenAiArgs) -> Result<OpenAiBackend> {
+    let mut cfg =
+        OpenAiConfig::new(a.base_url.clone(), a.model.clone()).with_max_tokens(a.max_tokens);
+    if let Some(path) = &a.api_key_file {
+        cfg = cfg.api_key_from_file(path)?;
+    } else if std::env::var_os(&a.api_key_env).is_some() {
+        cfg = cfg.api_key_from_env(&a.api_key_env)?;
+    }
+    Ok(OpenAiBackend::new(cfg)?)
 }
 
 pub fn sim(a: &SimArgs) -> Result<SimBackend> {
