@@ -69,10 +69,30 @@ pub enum Command {
     /// Run the whole pipeline end to end on the local defaults and print the outcomes
     Demo(DemoArgs),
     /// Run the dead-letter processor: record an outcome for every dead letter, then ack
+    ///
+    /// Consumes `{prefix}.dead` with manual acks and records one outcome per dead letter,
+    /// classified by its `x-death` reason: `expired` → `expired_before_receive`; `maxlen` and
+    /// `delivery_limit` → `failed` with that reason; `rejected` keeps the worker's recorded
+    /// outcome. A job that already has an outcome keeps it; the ack follows the ledger
+    /// write. Malformed dead letters are recorded under a synthetic id. Dead letters are
+    /// never republished to the work queue, and their deadline is not touched.
     Dlq(DlqArgs),
     /// Compare accepted jobs with recorded outcomes; mark the overdue ones `unknown`
+    ///
+    /// Every job the ingress recorded as accepted must end in exactly one terminal outcome.
+    /// A job still `accepted` or `running` after `expires_at_ms + grace` is marked `unknown`
+    /// (reason `no_outcome_after_deadline`): named, not guessed. Outcomes that arrive later
+    /// never overwrite it. Running it again changes nothing.
+    ///
+    /// Exit codes: 0 when the ledger holds no `unknown` job (or with --allow-unknown); 3 when
+    /// it holds any, found now or earlier; 1 on errors.
     Reconcile(ReconcileArgs),
     /// Outcome and failure statistics over a time window (the daily export)
+    ///
+    /// Over the outcomes recorded in the window: counts by state, kind, `state/reason` and
+    /// error class (deadline, invalid_input, poison, retries_exhausted, overflow, broker,
+    /// backend_terminal, unaccounted), the most frequent error messages, and the time from
+    /// `created_at` to the recorded outcome per state as p50/p90/p99/max (nearest rank).
     Report(ReportArgs),
 }
 
@@ -330,13 +350,7 @@ pub struct DemoArgs {
     pub demo_store_url: Option<String>,
 }
 
-/// `lastcall dlq`.
-///
-/// Consumes `{prefix}.dead` with manual acks and records one outcome per dead letter,
-/// classified by its `x-death` reason: `expired` → `expired_before_receive`; `maxlen` and
-/// `delivery_limit` → `failed` with that reason; `rejected` keeps the worker's recorded
-/// outcome. A job that already has an outcome keeps it. The ack follows the ledger write.
-/// Dead letters are never republished to the work queue, and their deadline is not touched.
+/// `lastcall dlq` (see the subcommand's help).
 #[derive(Debug, Args)]
 pub struct DlqArgs {
     /// Copy malformed dead letters (no valid envelope) to `{prefix}.parked` for a human
@@ -350,15 +364,7 @@ pub struct DlqArgs {
     pub topology: TopologyArgs,
 }
 
-/// `lastcall reconcile`.
-///
-/// Every job the ingress recorded as accepted must end in exactly one terminal outcome. A
-/// job still `accepted` or `running` after `expires_at_ms + grace` is marked `unknown`
-/// (reason `no_outcome_after_deadline`): named, not guessed. Outcomes written later never
-/// overwrite it. Running it again changes nothing.
-///
-/// Exit codes: 0 when the ledger holds no `unknown` job (or with --allow-unknown); 3 when
-/// it holds any (found now or earlier); 1 on errors.
+/// `lastcall reconcile` (see the subcommand's help).
 #[derive(Debug, Args)]
 pub struct ReconcileArgs {
     /// Time after a job's deadline during which a missing outcome is still expected, in ms
@@ -384,12 +390,7 @@ pub enum ReportFormat {
     Csv,
 }
 
-/// `lastcall report`.
-///
-/// Over the outcomes recorded in the window: counts by state, kind, `state/reason` and
-/// error class (deadline, invalid_input, poison, retries_exhausted, overflow, broker,
-/// backend_terminal, unaccounted), the most frequent error messages, and the time from
-/// `created_at` to the recorded outcome per state as p50/p90/p99/max.
+/// `lastcall report` (see the subcommand's help).
 #[derive(Debug, Args)]
 pub struct ReportArgs {
     /// Window ending now: a number with a unit, `ms`, `s`, `m`, `h` or `d` (e.g. 24h, 90m, 3600s)
