@@ -93,7 +93,11 @@ async fn a_retry_that_cannot_fit_the_budget_is_never_published() {
     assert_eq!(r.state, "expired_not_started");
     assert_eq!(r.reason.as_deref(), Some("retry:would_overshoot"));
     assert_eq!(r.backend_calls, 1);
-    assert_eq!(r.expires_at_ms, Some(sub.expires_at_ms), "deadline unchanged");
+    assert_eq!(
+        r.expires_at_ms,
+        Some(sub.expires_at_ms),
+        "deadline unchanged"
+    );
     assert_eq!(sim.calls_for("o1"), 1);
     let rows = env.ledger.attempts("o1").await.unwrap();
     assert!(
@@ -105,7 +109,10 @@ async fn a_retry_that_cannot_fit_the_budget_is_never_published() {
         assert_eq!(env.ready(&env.topo.names.retry_queue(*d)).await, 0);
     }
     assert_eq!(sim.calls_for("o1"), 1, "no retry reached the backend");
-    assert_eq!(w.stats.retries.load(std::sync::atomic::Ordering::Relaxed), 0);
+    assert_eq!(
+        w.stats.retries.load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
     w.stop().await;
     env.cleanup().await;
 }
@@ -138,7 +145,11 @@ async fn max_attempts(postgres: bool) {
         ("failed", Some("retries_exhausted"))
     );
     assert_eq!(r.backend_calls, 3);
-    assert_eq!(r.expires_at_ms, Some(sub.expires_at_ms), "deadline unchanged");
+    assert_eq!(
+        r.expires_at_ms,
+        Some(sub.expires_at_ms),
+        "deadline unchanged"
+    );
     assert_eq!(sim.calls_for("m1"), 3);
     let rows = env.ledger.attempts("m1").await.unwrap();
     let called: Vec<i64> = rows
@@ -146,7 +157,11 @@ async fn max_attempts(postgres: bool) {
         .filter(|a| a.model_called)
         .map(|a| a.attempt)
         .collect();
-    assert_eq!(called, [0, 1, 2], "every attempt is in the ledger: {rows:?}");
+    assert_eq!(
+        called,
+        [0, 1, 2],
+        "every attempt is in the ledger: {rows:?}"
+    );
     let decisions: Vec<&str> = rows.iter().filter_map(|a| a.decision.as_deref()).collect();
     assert_eq!(decisions, ["retry", "retry", "dead_letter"], "{rows:?}");
     w.stop().await;

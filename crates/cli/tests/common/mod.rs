@@ -286,7 +286,11 @@ pub fn job_with(id: &str, budget_ms: u64, payload: serde_json::Value) -> NewJob 
 impl Env {
     /// A fresh environment whose topology is changed by `edit` (queue type, retry delays,
     /// length limit) before it is declared: the default one is deleted and re-applied.
-    pub async fn with_topology(name: &str, postgres: bool, edit: impl FnOnce(&mut Topology)) -> Env {
+    pub async fn with_topology(
+        name: &str,
+        postgres: bool,
+        edit: impl FnOnce(&mut Topology),
+    ) -> Env {
         let mut env = if postgres {
             Self::postgres(name).await
         } else {
@@ -301,7 +305,14 @@ impl Env {
     /// Run the `lastcall` binary against this environment's broker, ledger and prefix.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"))
-            .args(["--amqp-url", AMQP, "--store-url", &self.store_url, "--prefix", &self.prefix])
+            .args([
+                "--amqp-url",
+                AMQP,
+                "--store-url",
+                &self.store_url,
+                "--prefix",
+                &self.prefix,
+            ])
             .args(args)
             .output()
             .expect("run the lastcall binary")
