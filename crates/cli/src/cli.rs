@@ -127,6 +127,11 @@ pub struct TopologyArgs {
     /// Quorum queues: deliveries after which the broker dead-letters a message
     #[arg(long, default_value_t = 5)]
     pub delivery_limit: u32,
+    /// Cap on the work queue's length (`x-max-length`). Classic queues then dead-letter
+    /// the oldest job (recorded `failed`/`maxlen`); quorum queues refuse new publishes
+    /// (the submitter reports the publisher nack)
+    #[arg(long)]
+    pub max_length: Option<u32>,
 }
 
 #[derive(Debug, Args)]

@@ -77,6 +77,7 @@ pub fn topology(prefix: &str, t: &TopologyArgs) -> Result<Topology> {
     }
     topo.retry_delays_ms = t.retry_delays_ms.clone();
     topo.delivery_limit = t.delivery_limit;
+    topo.max_length = t.max_length;
     Ok(topo)
 }
 

@@ -1,0 +1,68 @@
+//! `lastcall dlq` as a user runs it: a classic work queue with a length limit drops its
+//! head to the DLX (`maxlen`), and the dead-letter processor records `failed`/`maxlen`
+//! with the deadline unchanged, then exits when idle.
+
+mod common;
+
+use common::*;
+use lastcall_worker::clock::now_ms;
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_command_records_maxlen_overflow_and_exits_when_idle() {
+    let env = Env::with_topology("maxlen", false, |t| {
+        t.max_length = Some(1);
+    })
+    .await;
+    let s = env.submitter(0, true).await;
+    let first = s.submit(&job("ml-1", 60_000), now_ms()).await.unwrap();
+    s.submit(&job("ml-2", 60_000), now_ms()).await.unwrap();
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while env.ready(&env.topo.names.dead_queue).await != 1 {
+        assert!(std::time::Instant::now() < until, "no maxlen dead letter");
+        tokio::time::sleep(std::time::Duration::from_millis(50)).await;
+    }
+    let out = env.cli(&[
+        "dlq",
+        "--idle-exit-ms",
+        "800",
+        "--retry-delays-ms",
+        "1000,5000",
+        "--max-length",
+        "1",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(
+        stdout.contains("dead letters processed: 1 (recorded: 1"),
+        "{stdout}"
+    );
+    let rec = env.ledger.get("ml-1").await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state.as_str(), rec.reason.as_deref()),
+        ("failed", Some("maxlen"))
+    );
+    assert_eq!(
+        rec.expires_at_ms,
+        Some(first.expires_at_ms),
+        "deadline unchanged"
+    );
+    assert_eq!(
+        env.ledger.get("ml-2").await.unwrap().unwrap().state,
+        "accepted"
+    );
+    assert_eq!(
+        env.ready(&env.topo.names.dead_queue).await,
+        0,
+        "acked after the write"
+    );
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        1,
+        "never republished to work"
+    );
+    env.cleanup().await;
+}
