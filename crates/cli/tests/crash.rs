@@ -5,6 +5,7 @@
 mod common;
 
 use common::*;
+use lastcall_broker::topology::queue_depth;
 use lastcall_worker::clock::now_ms;
 use serde_json::json;
 use std::process::{Child, Command, Stdio};
@@ -120,6 +121,17 @@ async fn sigterm_drains_running_work_and_hands_back_waiting_work() {
     let env = Env::sqlite("sigterm").await;
     let log = env.dir.join("calls.log");
     let mut w = worker(&env, &["--prefetch", "3"], &log);
+    // Submit only once the worker consumes: otherwise all three jobs arrive at once and
+    // any of them may take the slot first.
+    let until = Instant::now() + Duration::from_secs(20);
+    while queue_depth(&env.broker, &env.topo.names.work_queue)
+        .await
+        .unwrap()
+        .is_none_or(|(_, consumers)| consumers == 0)
+    {
+        assert!(Instant::now() < until, "the worker did not start consuming");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     let s = env.submitter(0, true).await;
     s.submit(
         &job_with("run", 60_000, json!({"sim_latency_ms": 1_500})),
@@ -127,13 +139,20 @@ async fn sigterm_drains_running_work_and_hands_back_waiting_work() {
     )
     .await
     .unwrap();
-    s.submit(&job("wait-1", 60_000), now_ms()).await.unwrap();
-    s.submit(&job("wait-2", 60_000), now_ms()).await.unwrap();
     let until = Instant::now() + Duration::from_secs(20);
     while calls_in(&log, "run") == 0 {
         assert!(Instant::now() < until, "the first call did not start");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+    // The slot is busy for 1.5 s: these two are delivered and wait locally for it.
+    s.submit(&job("wait-1", 60_000), now_ms()).await.unwrap();
+    s.submit(&job("wait-2", 60_000), now_ms()).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        0,
+        "both were delivered to the worker"
+    );
     nix_term(&w);
     let status = wait_exit(&mut w, Duration::from_secs(15));
     assert!(status.success(), "{status:?}");
@@ -142,11 +161,21 @@ async fn sigterm_drains_running_work_and_hands_back_waiting_work() {
         "completed",
         "the running call finished"
     );
-    assert_eq!(
-        env.ready(&env.topo.names.work_queue).await,
-        2,
-        "the waiting jobs went back to the broker"
-    );
+    // The broker applies the requeue and the channel close asynchronously: poll briefly.
+    let until = Instant::now() + Duration::from_secs(5);
+    let mut ready = 0;
+    while Instant::now() < until {
+        ready = env.ready(&env.topo.names.work_queue).await;
+        if ready == 2 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    for id in ["wait-1", "wait-2"] {
+        let st = env.ledger.get(id).await.unwrap().unwrap().state;
+        assert_eq!(st, "accepted", "{id} was neither run nor settled");
+    }
+    assert_eq!(ready, 2, "the waiting jobs went back to the broker");
     assert_eq!(calls_in(&log, "wait-1") + calls_in(&log, "wait-2"), 0);
     env.cleanup().await;
 }
