@@ -1,0 +1,143 @@
+//! The local backend with the real model. Needs the model file: run
+//! `scripts/setup-model.sh`. Meant for `cargo test --release`: unoptimised candle decodes
+//! ~17x slower, which the time bounds here allow for but which makes the run long.
+
+mod common;
+
+use lastcall_backend::{Backend, BackendError, CallRequest, CancellationToken};
+use lastcall_local::LocalBackend;
+use serde_json::{Value, json};
+use std::time::{Duration, Instant};
+
+fn request(payload: Value, timeout: Duration) -> CallRequest {
+    CallRequest {
+        job_id: "local-test".into(),
+        kind: "chat".into(),
+        attempt: 0,
+        payload: payload.as_object().unwrap().clone(),
+        timeout,
+    }
+}
+
+fn backend() -> LocalBackend {
+    let t0 = Instant::now();
+    let b = LocalBackend::load(common::model_path()).expect("model loads");
+    eprintln!("model loaded in {:?}", t0.elapsed());
+    b
+}
+
+/// How late a call may return after it should stop: the loop checks before every generated
+/// token and between prefill chunks of 4 prompt tokens, so at most ~4 token times, plus
+/// slack for a loaded 2-core machine.
+fn stop_bound(tokens_per_second: f64) -> Duration {
+    Duration::from_secs_f64(4.0 / tokens_per_second) + Duration::from_millis(250)
+}
+
+/// Generation, then the two ways a call is stopped (cancellation, timeout), measured against
+/// the decode speed of the same run. One test so that the timings are not skewed by the other
+/// tests of this file decoding at the same time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn generates_text_and_stops_at_cancel_and_timeout() {
+    let b = backend();
+
+    // Generates text.
+    let t0 = Instant::now();
+    let out = b
+        .call(
+            request(
+                json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                       "max_tokens": 48}),
+                Duration::from_secs(600),
+            ),
+            CancellationToken::new(),
+        )
+        .await
+        .expect("generation succeeds");
+    let elapsed = t0.elapsed();
+    let usage = out.usage.unwrap();
+    let tps = out.tokens_per_second.expect("tokens per second");
+    eprintln!(
+        "generated {} tokens (prompt {}) in {elapsed:?}, decode {tps:.1} tok/s: {:?}",
+        usage.completion_tokens, usage.prompt_tokens, out.text
+    );
+    assert!(!out.text.trim().is_empty(), "empty answer");
+    assert!(usage.completion_tokens > 0 && usage.completion_tokens <= 48);
+    assert!(usage.prompt_tokens > 10);
+    assert_eq!(out.model.as_deref(), Some("SmolLM2-135M-Instruct-Q4_1"));
+    assert!(
+        out.text.contains("Paris"),
+        "a 135M model should still know this: {:?}",
+        out.text
+    );
+
+    // Stops when the cancellation token fires mid-decode.
+    let cancel = CancellationToken::new();
+    let long =
+        json!({"prompt": "Write a long story about a dragon and a knight.", "max_tokens": 4000});
+    let fire_after = Duration::from_millis(300);
+    let canceller = {
+        let cancel = cancel.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(fire_after).await;
+            cancel.cancel();
+            Instant::now()
+        })
+    };
+    let r = b
+        .call(request(long.clone(), Duration::from_secs(600)), cancel)
+        .await;
+    let returned = Instant::now();
+    let fired = canceller.await.unwrap();
+    let lag = returned.saturating_duration_since(fired);
+    eprintln!("cancel: returned {lag:?} after the token fired");
+    assert_eq!(r, Err(BackendError::Cancelled { confirmed: true }));
+    assert!(
+        lag <= stop_bound(tps),
+        "stopped {lag:?} after cancel at {tps:.1} tok/s"
+    );
+
+    // Stops at the request's timeout without any cancellation.
+    let timeout = Duration::from_millis(300);
+    let t0 = Instant::now();
+    let r = b
+        .call(request(long, timeout), CancellationToken::new())
+        .await;
+    let took = t0.elapsed();
+    eprintln!("timeout {timeout:?}: returned after {took:?}");
+    assert_eq!(r, Err(BackendError::Cancelled { confirmed: true }));
+    assert!(
+        took <= timeout + stop_bound(tps),
+        "took {took:?} with timeout {timeout:?}"
+    );
+}
+
+#[tokio::test]
+async fn rejects_a_bad_payload_as_terminal() {
+    let b = backend();
+    let r = b
+        .call(
+            request(json!({"messages": "hi"}), Duration::from_secs(5)),
+            CancellationToken::new(),
+        )
+        .await;
+    assert!(
+        matches!(r, Err(BackendError::Terminal { ref reason, .. }) if reason == "invalid_payload"),
+        "{r:?}"
+    );
+}
+
+#[tokio::test]
+async fn an_already_cancelled_call_does_not_start() {
+    let b = backend();
+    let cancel = CancellationToken::new();
+    cancel.cancel();
+    let t0 = Instant::now();
+    let r = b
+        .call(
+            request(json!({"prompt": "hi"}), Duration::from_secs(5)),
+            cancel,
+        )
+        .await;
+    assert_eq!(r, Err(BackendError::Cancelled { confirmed: true }));
+    assert!(t0.elapsed() < Duration::from_millis(500));
+}
