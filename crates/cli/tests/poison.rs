@@ -70,7 +70,13 @@ fn terminate(child: &mut Child) {
 
 /// Restart the worker after every crash until `done` holds; returns the number of
 /// crashes. Panics after `max_runs` runs: the job must not loop forever.
-async fn crash_loop<F, Fut>(env: &Env, extra: &[&str], log: &std::path::Path, max_runs: usize, done: F) -> usize
+async fn crash_loop<F, Fut>(
+    env: &Env,
+    extra: &[&str],
+    log: &std::path::Path,
+    max_runs: usize,
+    done: F,
+) -> usize
 where
     F: Fn() -> Fut,
     Fut: std::future::Future<Output = bool>,
@@ -190,7 +196,11 @@ async fn quorum_delivery_limit_dead_letters_a_crash_looping_job() {
         (rec.state.as_str(), rec.reason.as_deref()),
         ("failed", Some("delivery_limit"))
     );
-    assert_eq!(rec.expires_at_ms, Some(sub.expires_at_ms), "deadline unchanged");
+    assert_eq!(
+        rec.expires_at_ms,
+        Some(sub.expires_at_ms),
+        "deadline unchanged"
+    );
     assert_eq!(calls_in(&log, "crash-q"), crashes);
     env.cleanup().await;
 }
