@@ -3,22 +3,7 @@
 mod common;
 
 use common::*;
-use std::process::{Command, Output};
-
-fn lastcall(env: &Env, args: &[&str]) -> Output {
-    Command::new(env!("CARGO_BIN_EXE_lastcall"))
-        .args([
-            "--amqp-url",
-            AMQP,
-            "--store-url",
-            &env.store_url,
-            "--prefix",
-            &env.prefix,
-        ])
-        .args(args)
-        .output()
-        .expect("run lastcall")
-}
+use std::process::Command;
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -27,32 +12,29 @@ fn text(b: &[u8]) -> String {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submit_then_inspect_with_jobs_show_and_list() {
     let env = Env::sqlite("cli").await;
-    let out = lastcall(
-        &env,
-        &[
-            "submit",
-            "--kind",
-            "incident.summary",
-            "--deadline-ms",
-            "60000",
-            "--job-id",
-            "cli-1",
-            "--prompt",
-            "summarize",
-        ],
-    );
+    let out = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--deadline-ms",
+        "60000",
+        "--job-id",
+        "cli-1",
+        "--prompt",
+        "summarize",
+    ]);
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(text(&out.stdout).trim(), "cli-1");
-    let show = lastcall(&env, &["jobs", "show", "cli-1", "--json"]);
+    let show = env.cli(&["jobs", "show", "cli-1", "--json"]);
     assert!(show.status.success(), "{}", text(&show.stderr));
     let v: serde_json::Value = serde_json::from_slice(&show.stdout).unwrap();
     assert_eq!(v["state"], "accepted");
     assert_eq!(v["kind"], "incident.summary");
     assert!(v["expires_at_ms"].as_i64().unwrap() > v["created_at_ms"].as_i64().unwrap());
-    let list = lastcall(&env, &["jobs", "list", "--state", "accepted", "--json"]);
+    let list = env.cli(&["jobs", "list", "--state", "accepted", "--json"]);
     let arr: serde_json::Value = serde_json::from_slice(&list.stdout).unwrap();
     assert_eq!(arr.as_array().unwrap().len(), 1);
-    let none = lastcall(&env, &["jobs", "list", "--state", "completed", "--json"]);
+    let none = env.cli(&["jobs", "list", "--state", "completed", "--json"]);
     assert_eq!(
         serde_json::from_slice::<serde_json::Value>(&none.stdout).unwrap(),
         serde_json::json!([])
@@ -131,7 +113,7 @@ async fn bad_input_gets_errors_that_name_the_field() {
         (&["worker", "--slots", "0"], "--slots must be at least 1"),
     ];
     for (args, needle) in cases {
-        let out = lastcall(&env, args);
+        let out = env.cli(args);
         assert!(!out.status.success(), "{args:?} should fail");
         let err = text(&out.stderr);
         assert!(err.contains(needle), "{args:?}: stderr was {err}");

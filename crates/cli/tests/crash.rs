@@ -12,15 +12,7 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_lastcall"))
-        .args([
-            "--amqp-url",
-            AMQP,
-            "--store-url",
-            &env.store_url,
-            "--prefix",
-            &env.prefix,
-        ])
+    env.command()
         .args([
             "worker",
             "--slots",
@@ -48,14 +40,6 @@ fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
         assert!(Instant::now() < until, "process did not exit in time");
         std::thread::sleep(Duration::from_millis(50));
     }
-}
-
-fn calls_in(log: &std::path::Path, id: &str) -> usize {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.split(' ').next() == Some(id))
-        .count()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,7 +7,6 @@
 mod common;
 
 use common::*;
-use lastcall_broker::IncomingStream;
 use lastcall_broker::topology::QueueType;
 use lastcall_core::State;
 use lastcall_worker::clock::now_ms;
@@ -15,20 +14,8 @@ use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
-    Command::new(env!("CARGO_BIN_EXE_lastcall"))
-        .args([
-            "--amqp-url",
-            AMQP,
-            "--store-url",
-            &env.store_url,
-            "--prefix",
-            &env.prefix,
-            "worker",
-            "--slots",
-            "1",
-            "--sim-latency-ms",
-            "10",
-        ])
+    env.command()
+        .args(["worker", "--slots", "1", "--sim-latency-ms", "10"])
         .arg("--retry-delays-ms")
         .arg(
             env.topo
@@ -45,14 +32,6 @@ fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn the lastcall binary")
-}
-
-fn calls_in(log: &std::path::Path, id: &str) -> usize {
-    std::fs::read_to_string(log)
-        .unwrap_or_default()
-        .lines()
-        .filter(|l| l.split(' ').next() == Some(id))
-        .count()
 }
 
 fn terminate(child: &mut Child) {
@@ -138,17 +117,8 @@ async fn classic_queue_poison_job_is_failed_after_max_starts_and_dead_lettered()
     assert!(rows.iter().skip(1).all(|a| a.redelivered), "{rows:?}");
     assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
     // It went to the dead queue, rejected by the worker.
-    let mut dead = IncomingStream::open(&env.broker, &env.topo.names.dead_queue, 1, "inspect")
-        .await
-        .unwrap();
-    let d = tokio::time::timeout(Duration::from_secs(5), dead.next())
-        .await
-        .unwrap()
-        .unwrap()
-        .unwrap();
+    let d = env.peek_dead_letter().await;
     assert_eq!(d.x_death[0].reason, "rejected");
-    d.settler.requeue().await.unwrap();
-    dead.close().await;
     let dlq = env.drain_dead_letters(false).await;
     assert_eq!(
         dlq.kept_existing.load(std::sync::atomic::Ordering::Relaxed),

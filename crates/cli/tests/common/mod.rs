@@ -302,21 +302,56 @@ impl Env {
         env
     }
 
+    /// The `lastcall` binary with this environment's broker, ledger and prefix set.
+    pub fn command(&self) -> std::process::Command {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"));
+        c.args([
+            "--amqp-url",
+            AMQP,
+            "--store-url",
+            &self.store_url,
+            "--prefix",
+            &self.prefix,
+        ]);
+        c
+    }
+
     /// Run the `lastcall` binary against this environment's broker, ledger and prefix.
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
-        std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"))
-            .args([
-                "--amqp-url",
-                AMQP,
-                "--store-url",
-                &self.store_url,
-                "--prefix",
-                &self.prefix,
-            ])
+        self.command()
             .args(args)
             .output()
             .expect("run the lastcall binary")
     }
+
+    /// The next dead letter, handed straight back to the dead queue (for inspection only).
+    pub async fn peek_dead_letter(&self) -> lastcall_broker::Incoming {
+        let mut dead = lastcall_broker::IncomingStream::open(
+            &self.broker,
+            &self.topo.names.dead_queue,
+            1,
+            "inspect",
+        )
+        .await
+        .unwrap();
+        let d = tokio::time::timeout(Duration::from_secs(5), dead.next())
+            .await
+            .expect("a dead letter within 5 s")
+            .unwrap()
+            .unwrap();
+        d.settler.requeue().await.unwrap();
+        dead.close().await;
+        d
+    }
+}
+
+/// Model calls the sim backend logged for `id` (`--sim-call-log`), across processes.
+pub fn calls_in(log: &std::path::Path, id: &str) -> usize {
+    std::fs::read_to_string(log)
+        .unwrap_or_default()
+        .lines()
+        .filter(|l| l.split(' ').next() == Some(id))
+        .count()
 }
 
 /// A job of `kind` with a relative deadline.
