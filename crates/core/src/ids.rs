@@ -109,16 +109,21 @@ mod tests {
     }
 }
 
-/// A stable id for a message that carries no valid `job_id` (broken JSON, no envelope):
-/// `invalid-` + FNV-1a-64 of the body, so the same bytes always map to the same record
-/// and redeliveries of a malformed message are recorded once.
-pub fn synthetic_job_id(body: &[u8]) -> JobId {
+/// FNV-1a-64 of `bytes` as 16 hex digits: a stable, cheap fingerprint (not a security hash).
+pub fn fingerprint(bytes: &[u8]) -> String {
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in body {
+    for b in bytes {
         h ^= u64::from(*b);
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
-    JobId(format!("invalid-{h:016x}-{}", body.len()))
+    format!("{h:016x}")
+}
+
+/// A stable id for a message that carries no valid `job_id` (broken JSON, no envelope):
+/// `invalid-` + [`fingerprint`] of the body + its length, so the same bytes always map to
+/// the same record and redeliveries of a malformed message are recorded once.
+pub fn synthetic_job_id(body: &[u8]) -> JobId {
+    JobId(format!("invalid-{}-{}", fingerprint(body), body.len()))
 }
 
 #[cfg(test)]

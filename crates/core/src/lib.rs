@@ -32,6 +32,6 @@ pub use disposition::{
     CallResult, Disposition, ExpiredAction, ReceiptFacts, Terminal, WorkerPolicy,
 };
 pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
-pub use ids::{JobId, Kind, synthetic_job_id};
+pub use ids::{JobId, Kind, fingerprint, synthetic_job_id};
 pub use outcome::State;
 pub use retry::{RetryDecision, RetryPolicy};

@@ -192,11 +192,7 @@ impl Submitter {
 
 /// A stable fingerprint of a payload (FNV-1a of its canonical JSON).
 pub fn payload_hash(payload: &Map<String, Value>) -> String {
-    let bytes = serde_json::to_vec(payload).unwrap_or_default();
-    lastcall_core::synthetic_job_id(&bytes)
-        .as_str()
-        .trim_start_matches("invalid-")
-        .to_owned()
+    lastcall_core::fingerprint(&serde_json::to_vec(payload).unwrap_or_default())
 }
 
 fn invalid_field(field: &'static str, msg: &str) -> SubmitError {
