@@ -16,6 +16,6 @@ pub mod store_retry;
 pub mod submit;
 
 pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
-pub use runtime::{Fault, Worker, WorkerConfig};
+pub use runtime::{DispatchPolicy, Fault, Worker, WorkerConfig};
 pub use stats::WorkerStats;
 pub use submit::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};

@@ -30,6 +30,24 @@ pub enum Fault {
     PauseAfterStore,
 }
 
+/// Which deadline checks the worker runs. **A benchmark reference only** (`lastcall bench
+/// goodput` compares the policies): production workers always use [`DispatchPolicy::Deadline`],
+/// and the CLI's `worker` command has no flag for the others.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DispatchPolicy {
+    /// lastcall's rule: check at receipt and again immediately before the model call.
+    #[default]
+    Deadline,
+    /// Check at receipt only, as Celery does with `expires`; a job that waited for a slot
+    /// past its deadline still runs, and its call runs to the end (no deadline timeout).
+    ReceiptOnly,
+    /// No deadline check at all: every valid job runs to the end.
+    Naive,
+}
+
+/// The call budget of the reference policies, which have no deadline timeout.
+const UNBOUNDED_BUDGET_MS: u64 = 3_600_000;
+
 /// Everything a worker needs besides its adapters.
 #[derive(Debug, Clone)]
 pub struct WorkerConfig {
@@ -53,6 +71,8 @@ pub struct WorkerConfig {
     /// production; used to reproduce the seed's experiment (work delivered in time that
     /// waits locally past its deadline).
     pub hold_before_admission: Duration,
+    /// Benchmark reference only: which deadline checks run (default: all of them).
+    pub dispatch_policy: DispatchPolicy,
 }
 
 impl WorkerConfig {
@@ -69,6 +89,7 @@ impl WorkerConfig {
             cancel_grace: Duration::from_millis(500),
             fault: None,
             hold_before_admission: Duration::ZERO,
+            dispatch_policy: DispatchPolicy::Deadline,
         }
     }
 }
@@ -338,10 +359,13 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
     };
-    let disposition = ctx
+    let mut disposition = ctx
         .cfg
         .policy
         .on_receipt(&job.parsed, facts, job.received_at_ms);
+    if ctx.cfg.dispatch_policy == DispatchPolicy::Naive && is_expiry(&disposition) {
+        disposition = Disposition::WaitForSlot; // benchmark reference: no receipt check
+    }
     if disposition != Disposition::WaitForSlot {
         if let Err(e) = &job.parsed {
             tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
@@ -388,7 +412,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let checked_at_ms = ctx.clock.now_ms();
     job.checked_at_ms = Some(checked_at_ms);
     tracing::Span::current().record("checked_at_ms", checked_at_ms);
-    let budget_ms = match ctx.cfg.policy.on_slot(&env, checked_at_ms) {
+    let budget_ms = match last_check(&ctx, &env, checked_at_ms) {
         Disposition::Run { budget_ms } => budget_ms,
         other => {
             drop(permit);
@@ -423,7 +447,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     }
     // The store write took time: re-check so that the call truly starts in time.
     let started_at_ms = ctx.clock.now_ms();
-    let budget_ms = match ctx.cfg.policy.on_slot(&env, started_at_ms) {
+    let budget_ms = match last_check(&ctx, &env, started_at_ms) {
         Disposition::Run { budget_ms: b } => b.min(budget_ms),
         other => {
             drop(permit);
@@ -446,6 +470,22 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         rand_jitter(),
     );
     settle(&ctx, job, disposition, Some(call)).await;
+}
+
+/// The admission check before the call; the benchmark reference policies skip it.
+fn last_check(ctx: &Ctx, env: &Envelope, now_ms: i64) -> Disposition {
+    match ctx.cfg.dispatch_policy {
+        DispatchPolicy::Deadline => ctx.cfg.policy.on_slot(env, now_ms),
+        DispatchPolicy::ReceiptOnly | DispatchPolicy::Naive => Disposition::Run {
+            budget_ms: UNBOUNDED_BUDGET_MS,
+        },
+    }
+}
+
+/// Whether the core refused a job as expired (what the naive reference policy ignores).
+fn is_expiry(d: &Disposition) -> bool {
+    matches!(d, Disposition::RecordThenAck(t) | Disposition::RecordThenDeadLetter(t)
+        if t.state == lastcall_core::State::ExpiredNotStarted)
 }
 
 /// Hold the job until the clock may be trusted. `None`: the deadline passed meanwhile.
