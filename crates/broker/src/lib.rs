@@ -9,7 +9,10 @@
 //! - [`consume`]: a manual-ack consumer yielding [`consume::Incoming`] deliveries with the
 //!   attempt header and the parsed `x-death` history, and settle operations that never
 //!   requeue.
+//! - [`bench`]: raw publisher and bare consumers for `lastcall bench ack-modes` (auto-ack,
+//!   manual, `multiple` acks, consumer crashes); never used by the worker.
 
+pub mod bench;
 pub mod consume;
 pub mod publish;
 pub mod topology;

@@ -94,6 +94,15 @@ pub enum Command {
     /// backend_terminal, unaccounted), the most frequent error messages, and the time from
     /// `created_at` to the recorded outcome per state as p50/p90/p99/max (nearest rank).
     Report(ReportArgs),
+    /// Benchmarks on the real broker and ledgers: goodput under overload, ack modes, ledger writes
+    ///
+    /// `bench goodput` (the headline: useful work at 5× overload for lastcall's deadline
+    /// policy vs naive vs receipt-only), `bench ack-modes` (auto-ack vs manual ack and
+    /// prefetch, a consumer crash, the worker pipeline as a share of a bare consumer),
+    /// `bench ledger` (outcome writes per second). Each prints a table, `--json` prints JSON,
+    /// `--smoke` runs a few seconds. Build with `--release` for numbers worth quoting.
+    #[command(subcommand)]
+    Bench(crate::cmd::bench::BenchCommand),
 }
 
 /// Admission rule options shared by `submit`, `worker` and `demo`.

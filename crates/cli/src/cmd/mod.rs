@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+pub(crate) mod bench;
 mod demo;
 mod dlq;
 mod jobs;
@@ -46,6 +47,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Dlq(a) => dlq::run(&settings, a).await,
         Command::Reconcile(a) => reconcile::run(&settings, a).await,
         Command::Report(a) => report::run(&settings, a).await,
+        Command::Bench(c) => bench::run(&settings, c).await,
     }
 }
 

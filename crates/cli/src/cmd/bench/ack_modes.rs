@@ -1,0 +1,554 @@
+//! `lastcall bench ack-modes`: the seed's comparison table, measured.
+//!
+//! All lapin work happens in `lastcall_broker::bench`; this module only orchestrates runs
+//! and turns the numbers into a table, JSON and percentiles.
+
+use super::{Percentiles, f1};
+use crate::config::Settings;
+use anyhow::{Result, bail};
+use clap::Args;
+use lastcall_backend::Backend;
+use lastcall_backend::sim::{SimBackend, SimConfig};
+use lastcall_broker::bench::{self as raw, AckMode, ConsumeSpec, RunConfig};
+use lastcall_broker::{Broker, Publisher, QueueType};
+use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
+use lastcall_worker::clock::now_ms;
+use lastcall_worker::{
+    Clock, DeadlineSpec, NewJob, Submitter, SystemClock, Worker, WorkerConfig, WorkerStats,
+};
+use serde::Serialize;
+use serde_json::json;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant};
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// `lastcall bench ack-modes` options.
+#[derive(Debug, Args)]
+pub struct AckModesArgs {
+    /// Messages per mode
+    #[arg(long, default_value_t = 20_000)]
+    pub messages: u64,
+    /// Body size in bytes (the first 8 carry the publish time)
+    #[arg(long, default_value_t = 1024)]
+    pub message_bytes: usize,
+    /// Queue type
+    #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
+    pub queue_type: String,
+    /// Non-durable queue and transient messages (default: durable and persistent)
+    #[arg(long)]
+    pub transient: bool,
+    /// Unconfirmed publishes in flight at most
+    #[arg(long, default_value_t = 128)]
+    pub confirm_window: usize,
+    /// Consumers on the queue
+    #[arg(long, default_value_t = 1)]
+    pub consumers: usize,
+    /// Prefetch values of the manual-ack modes
+    #[arg(long, value_delimiter = ',', default_value = "1,4,16,64,256,1024")]
+    pub prefetch: Vec<u16>,
+    /// Prefetch N of the `multiple` mode
+    #[arg(long, default_value_t = 256)]
+    pub multiple_prefetch: u16,
+    /// One `multiple` ack every k deliveries (k < N, or the consumer would stall)
+    #[arg(long, default_value_t = 32)]
+    pub multiple_every: u16,
+    /// Crash variant: messages in the queue, and deliveries processed before the kill
+    #[arg(long, default_value_t = 2_000)]
+    pub crash_messages: u64,
+    #[arg(long, default_value_t = 200)]
+    pub crash_after: u64,
+    /// Crash variant: prefetch of the manual-ack consumer
+    #[arg(long, default_value_t = 64)]
+    pub crash_prefetch: u16,
+    /// Baseline vs pipeline: lastcall envelopes drained by each
+    #[arg(long, default_value_t = 3_000)]
+    pub pipeline_messages: u64,
+    /// Baseline vs pipeline: the worker's model slots (prefetch = 2 × slots for both)
+    #[arg(long, default_value_t = 8)]
+    pub pipeline_slots: usize,
+    /// Baseline vs pipeline: the worker's ledger [default: a fresh SQLite file]
+    #[arg(long)]
+    pub pipeline_ledger_url: Option<String>,
+    /// Skip the mode table (run only the crash variant and the pipeline comparison)
+    #[arg(long)]
+    pub skip_modes: bool,
+    /// Print one JSON object instead of the tables
+    #[arg(long)]
+    pub json: bool,
+    /// Small N for a CI smoke test (numbers from it mean nothing)
+    #[arg(long)]
+    pub smoke: bool,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct ModeRow {
+    mode: String,
+    messages: u64,
+    consumed: u64,
+    /// Messages per second consumed, over the wall time of the run.
+    consume_per_s: f64,
+    publish_per_s: f64,
+    nacked: u64,
+    latency: Percentiles,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct CrashRow {
+    mode: String,
+    messages: u64,
+    /// Processed (and settled) before the kill.
+    processed_before_kill: u64,
+    /// Delivered to the killed consumer beyond what it processed.
+    left_in_queue_after_kill: u64,
+    /// Neither processed nor left in the queue: gone.
+    lost: u64,
+    /// Left in the queue with the `redelivered` flag (handed back by the broker).
+    redelivered: u64,
+}
+
+#[derive(Debug, Clone, Serialize)]
+struct PipelineRow {
+    messages: u64,
+    prefetch: u16,
+    slots: usize,
+    ledger: String,
+    baseline_per_s: f64,
+    pipeline_per_s: f64,
+    /// pipeline / baseline.
+    fraction: f64,
+    pipeline_completed: u64,
+}
+
+pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
+    if a.smoke {
+        a.messages = a.messages.min(300);
+        a.prefetch = vec![1, 64];
+        a.crash_messages = a.crash_messages.min(200);
+        a.crash_after = a.crash_after.min(20);
+        a.pipeline_messages = a.pipeline_messages.min(100);
+    }
+    if a.multiple_every == 0 || a.multiple_every >= a.multiple_prefetch {
+        bail!("--multiple-every must be at least 1 and below --multiple-prefetch");
+    }
+    if a.consumers == 0 || a.messages == 0 || a.crash_after >= a.crash_messages {
+        bail!("--consumers and --messages must be positive, --crash-after below --crash-messages");
+    }
+    let queue_type: QueueType = a.queue_type.parse().map_err(anyhow::Error::msg)?;
+    let broker = Broker::connect(&s.amqp_url).await?;
+    let base = RunConfig {
+        queue: format!("{}-bench-ack-{:x}", s.prefix, now_ms()),
+        queue_type,
+        durable: !a.transient,
+        message_bytes: a.message_bytes.max(8),
+        confirm_window: a.confirm_window.max(1),
+        consumers: a.consumers,
+        messages: a.messages,
+    };
+    let fixed = json!({
+        "message_bytes": base.message_bytes,
+        "queue_type": a.queue_type,
+        "durable_persistent": base.durable,
+        "confirm_window": base.confirm_window,
+        "consumers": base.consumers,
+        "messages_per_mode": base.messages,
+        "publisher": "one, concurrent with the consumers",
+    });
+    if !a.json {
+        println!(
+            "bench ack-modes: {} B messages, {} queue, {}, confirm window {}, {} consumer(s), {} messages per mode",
+            base.message_bytes,
+            a.queue_type,
+            if base.durable {
+                "durable + persistent"
+            } else {
+                "transient"
+            },
+            base.confirm_window,
+            base.consumers,
+            base.messages
+        );
+    }
+    let mut modes = vec![AckMode::Auto];
+    modes.extend(a.prefetch.iter().map(|p| AckMode::Manual { prefetch: *p }));
+    modes.push(AckMode::Multiple {
+        prefetch: a.multiple_prefetch,
+        every: a.multiple_every,
+    });
+    let mut rows = Vec::new();
+    if !a.skip_modes {
+        for m in modes {
+            rows.push(run_mode(s, &broker, &base, m, a.json).await?);
+        }
+    }
+    let mut crash = Vec::new();
+    for m in [
+        AckMode::Auto,
+        AckMode::Manual {
+            prefetch: a.crash_prefetch,
+        },
+    ] {
+        crash.push(run_crash(s, &broker, &base, m, &a).await?);
+    }
+    let pipeline = run_pipeline(s, &broker, &base, &a).await?;
+    raw::delete_queue(&broker, &base.queue).await?;
+    broker.close().await;
+
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "bench": "ack-modes",
+                "smoke": a.smoke,
+                "fixed": fixed,
+                "machine": super::machine(),
+                "modes": rows,
+                "crash": crash,
+                "pipeline": pipeline,
+            }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !rows.is_empty() {
+        println!();
+        let t: Vec<Vec<String>> = rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.mode.clone(),
+                    format!("{}/{}", r.consumed, r.messages),
+                    format!("{:.0}", r.consume_per_s),
+                    format!("{:.0}", r.publish_per_s),
+                    f1(r.latency.p50_ms),
+                    f1(r.latency.p90_ms),
+                    f1(r.latency.p99_ms),
+                    f1(r.latency.max_ms),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            crate::table::render(
+                &[
+                    "mode",
+                    "consumed",
+                    "consume_msg_s",
+                    "publish_msg_s",
+                    "lat_p50_ms",
+                    "lat_p90_ms",
+                    "lat_p99_ms",
+                    "lat_max_ms",
+                ],
+                &t
+            )
+        );
+    }
+    println!();
+    let t: Vec<Vec<String>> = crash
+        .iter()
+        .map(|r| {
+            vec![
+                r.mode.clone(),
+                r.messages.to_string(),
+                r.processed_before_kill.to_string(),
+                r.left_in_queue_after_kill.to_string(),
+                r.lost.to_string(),
+                r.redelivered.to_string(),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        crate::table::render(
+            &[
+                "crash: mode",
+                "messages",
+                "processed",
+                "left_in_queue",
+                "lost",
+                "redelivered"
+            ],
+            &t
+        )
+    );
+    println!();
+    println!(
+        "pipeline: bare consumer (manual ack, prefetch {}) {:.0} msg/s; lastcall worker ({} slots, sim 0 ms, ledger {}) {:.0} jobs/s = {:.1}% of the baseline",
+        pipeline.prefetch,
+        pipeline.baseline_per_s,
+        pipeline.slots,
+        pipeline.ledger,
+        pipeline.pipeline_per_s,
+        pipeline.fraction * 100.0
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_mode(
+    s: &Settings,
+    broker: &Broker,
+    base: &RunConfig,
+    mode: AckMode,
+    quiet: bool,
+) -> Result<ModeRow> {
+    raw::declare_queue(broker, base).await?;
+    let bar = super::bar(base.messages, &mode.to_string());
+    if quiet {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let shared = Arc::new(AtomicU64::new(0));
+    let t0 = Instant::now();
+    let mut consumers = JoinSet::new();
+    for _ in 0..base.consumers {
+        let (url, q, shared) = (s.amqp_url.clone(), base.queue.clone(), shared.clone());
+        let spec = ConsumeSpec {
+            mode,
+            stop_after: base.messages,
+            crash_after: None,
+            work: Duration::ZERO,
+            record_latency: true,
+        };
+        consumers.spawn(async move { raw::consume(&url, &q, spec, shared).await });
+    }
+    let published = Arc::new(AtomicU64::new(0));
+    let (b2, cfg2, p2) = (broker.clone(), base.clone(), published.clone());
+    let publisher = tokio::spawn(async move { raw::publish(&b2, &cfg2, None, p2).await });
+    while !publisher.is_finished() || shared.load(Ordering::Relaxed) < base.messages {
+        bar.set_position(shared.load(Ordering::Relaxed));
+        if consumers.is_empty() {
+            break;
+        }
+        if let Some(Ok(Err(e))) = consumers.try_join_next() {
+            return Err(e.into());
+        }
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let pubd = publisher.await??;
+    let mut lat = Vec::new();
+    while let Some(r) = consumers.join_next().await {
+        lat.extend(r??.latencies_us);
+    }
+    let wall = t0.elapsed().as_secs_f64();
+    bar.finish_and_clear();
+    let consumed = shared.load(Ordering::Relaxed);
+    Ok(ModeRow {
+        mode: mode.to_string(),
+        messages: base.messages,
+        consumed,
+        consume_per_s: consumed as f64 / wall.max(1e-9),
+        publish_per_s: base.messages as f64 / pubd.elapsed.as_secs_f64().max(1e-9),
+        nacked: pubd.nacked,
+        latency: Percentiles::from_us(lat),
+    })
+}
+
+async fn run_crash(
+    s: &Settings,
+    broker: &Broker,
+    base: &RunConfig,
+    mode: AckMode,
+    a: &AckModesArgs,
+) -> Result<CrashRow> {
+    let cfg = RunConfig {
+        messages: a.crash_messages,
+        ..base.clone()
+    };
+    raw::declare_queue(broker, &cfg).await?;
+    raw::publish(broker, &cfg, None, Arc::new(AtomicU64::new(0))).await?;
+    // A slow consumer (1 ms per delivery) killed after `crash_after` deliveries.
+    let killed = raw::consume(
+        &s.amqp_url,
+        &cfg.queue,
+        ConsumeSpec {
+            mode,
+            stop_after: u64::MAX,
+            crash_after: Some(a.crash_after),
+            work: Duration::from_millis(1),
+            record_latency: false,
+        },
+        Arc::new(AtomicU64::new(0)),
+    )
+    .await?;
+    // Let the broker notice the closed connection and requeue.
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    let left = raw::ready(broker, &cfg.queue).await?;
+    let drain = if left > 0 {
+        raw::consume(
+            &s.amqp_url,
+            &cfg.queue,
+            ConsumeSpec {
+                mode: AckMode::Manual { prefetch: 256 },
+                stop_after: left,
+                crash_after: None,
+                work: Duration::ZERO,
+                record_latency: false,
+            },
+            Arc::new(AtomicU64::new(0)),
+        )
+        .await?
+    } else {
+        raw::ConsumeResult::default()
+    };
+    Ok(CrashRow {
+        mode: mode.to_string(),
+        messages: cfg.messages,
+        processed_before_kill: killed.processed,
+        left_in_queue_after_kill: left,
+        lost: cfg.messages.saturating_sub(killed.processed + left),
+        redelivered: drain.redelivered,
+    })
+}
+
+async fn run_pipeline(
+    s: &Settings,
+    broker: &Broker,
+    base: &RunConfig,
+    a: &AckModesArgs,
+) -> Result<PipelineRow> {
+    let n = a.pipeline_messages.max(1);
+    let slots = a.pipeline_slots.max(1);
+    let prefetch = (slots * 2).clamp(1, u16::MAX as usize) as u16;
+    let prefix = format!("{}-bench-pipe-{:x}", s.prefix, now_ms());
+    let mut cfg = WorkerConfig::new(&prefix, slots);
+    cfg.name = "bench-pipeline".into();
+    cfg.prefetch = prefetch;
+    cfg.shutdown_grace = Duration::from_secs(5);
+    cfg.topology.queue_type = base.queue_type;
+    cfg.topology.apply(broker).await?;
+    let topo = cfg.topology.clone();
+    let submitter = Submitter::new(
+        Publisher::new(broker, Duration::from_secs(10)).await?,
+        topo.names.clone(),
+        None,
+        AdmissionPolicy::default(),
+        EnvelopeLimits::default(),
+    );
+    let job = |i: u64| NewJob {
+        job_id: Some(format!("pipe-{i}")),
+        kind: "bench.pipeline".into(),
+        payload: json!({"messages": [{"role": "user", "content": "x".repeat(base.message_bytes.saturating_sub(200).max(1))}]})
+            .as_object()
+            .cloned()
+            .expect("object"),
+        deadline: DeadlineSpec::RelativeMs(600_000),
+        min_runtime_ms: None,
+        trace_id: None,
+    };
+
+    // Baseline: the same envelopes in a plain queue, drained by a bare consumer.
+    let sample = submitter.envelope(&job(0), now_ms())?.to_bytes();
+    let plain = RunConfig {
+        queue: format!("{prefix}.baseline"),
+        messages: n,
+        ..base.clone()
+    };
+    raw::declare_queue(broker, &plain).await?;
+    raw::publish(broker, &plain, Some(&sample), Arc::new(AtomicU64::new(0))).await?;
+    let baseline = raw::consume(
+        &s.amqp_url,
+        &plain.queue,
+        ConsumeSpec {
+            mode: AckMode::Manual { prefetch },
+            stop_after: n,
+            crash_after: None,
+            work: Duration::ZERO,
+            record_latency: false,
+        },
+        Arc::new(AtomicU64::new(0)),
+    )
+    .await?;
+    raw::delete_queue(broker, &plain.queue).await?;
+
+    // Pipeline: prefill the work queue, then time the worker from its first receipt to
+    // its last settle.
+    let bar = super::bar(n, "pipeline: filling");
+    if a.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let mut set = JoinSet::new();
+    for i in 0..n {
+        let (sub, j) = (submitter.clone(), job(i));
+        set.spawn(async move { sub.submit(&j, now_ms()).await });
+        if set.len() >= 64
+            && let Some(r) = set.join_next().await
+        {
+            r??;
+        }
+        bar.inc(1);
+    }
+    while let Some(r) = set.join_next().await {
+        r??;
+    }
+    let (ledger_url, dir) = match &a.pipeline_ledger_url {
+        Some(u) => (u.clone(), None),
+        None => {
+            let d = super::temp_dir("pipeline")?;
+            (format!("sqlite://{}", d.join("ledger.db").display()), Some(d))
+        }
+    };
+    let ledger = super::super::open_ledger(&ledger_url).await?;
+    let sim = Arc::new(SimBackend::new(SimConfig::default())?);
+    let backend: Arc<dyn Backend> = sim.clone();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let stats = Arc::new(WorkerStats::default());
+    let worker = Worker::build(
+        cfg,
+        Broker::connect(&s.amqp_url).await?,
+        ledger.clone(),
+        backend,
+        clock,
+        stats.clone(),
+    )
+    .await?;
+    let stop = CancellationToken::new();
+    bar.set_message("pipeline: worker");
+    bar.set_position(0);
+    let task = tokio::spawn(worker.run(stop.clone()));
+    let mut first: Option<Instant> = None;
+    let give_up = Instant::now() + Duration::from_secs(600);
+    loop {
+        let settled = stats.settled.load(Ordering::Relaxed);
+        if first.is_none() && stats.received.load(Ordering::Relaxed) > 0 {
+            first = Some(Instant::now());
+        }
+        bar.set_position(settled);
+        if settled >= n || Instant::now() > give_up || task.is_finished() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    let secs = first.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    bar.finish_and_clear();
+    stop.cancel();
+    let _ = task.await;
+    let completed = ledger
+        .counts_by_state()
+        .await?
+        .iter()
+        .filter(|(s, _)| s == "completed")
+        .map(|(_, n)| *n as u64)
+        .sum();
+    ledger.close().await;
+    let _ = topo.delete(broker).await;
+    if let Some(d) = dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+    let baseline_per_s = baseline.processed as f64 / baseline.elapsed.as_secs_f64().max(1e-9);
+    let pipeline_per_s = stats.settled.load(Ordering::Relaxed) as f64 / secs.max(1e-9);
+    Ok(PipelineRow {
+        messages: n,
+        prefetch,
+        slots,
+        ledger: if a.pipeline_ledger_url.is_some() {
+            ledger_url
+        } else {
+            "fresh SQLite".into()
+        },
+        baseline_per_s,
+        pipeline_per_s,
+        fraction: pipeline_per_s / baseline_per_s.max(1e-9),
+        pipeline_completed: completed,
+    })
+}

@@ -1,0 +1,474 @@
+//! `lastcall bench goodput`: useful work under overload, per dispatch policy.
+//!
+//! Everything is measured from the ledger: a job counts as on time when its state is
+//! `completed` and its `finished_at_ms` is not after `expires_at_ms`; a model call started
+//! after the deadline is one whose `started_at_ms` is after `expires_at_ms`. The sim
+//! backend's own call counter cross-checks the ledger's `backend_calls`.
+
+use super::{GoodputArgs, Percentiles, PolicyArg, f1, svg};
+use crate::config::Settings;
+use anyhow::{Context, Result, bail};
+use lastcall_backend::Backend;
+use lastcall_backend::sim::{SimBackend, SimConfig};
+use lastcall_broker::{Broker, Publisher};
+use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
+use lastcall_store::{JobRecord, ListFilter};
+use lastcall_worker::clock::now_ms;
+use lastcall_worker::dlq::DeadLetterProcessor;
+use lastcall_worker::{
+    Clock, DeadlineSpec, DispatchPolicy, NewJob, Submitter, SystemClock, Worker, WorkerConfig,
+    WorkerStats,
+};
+use serde::Serialize;
+use serde_json::json;
+use std::collections::BTreeMap;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio::task::JoinSet;
+use tokio_util::sync::CancellationToken;
+
+/// The run's fixed settings, printed and serialised with the results.
+#[derive(Debug, Clone, Serialize)]
+struct Setup {
+    slots: usize,
+    service_ms: u64,
+    capacity_per_s: f64,
+    overload: f64,
+    arrival_per_s: f64,
+    deadline_ms: u64,
+    duration_s: f64,
+    min_runtime_ms: u64,
+    clock_uncertainty_ms: u64,
+    prefetch: u16,
+    ledger: String,
+}
+
+/// One policy's results.
+#[derive(Debug, Clone, Serialize)]
+struct PolicyResult {
+    policy: &'static str,
+    submitted: u64,
+    /// Submissions the publisher refused (nack, timeout); not counted as submitted.
+    submit_errors: u64,
+    /// Terminal outcomes by state.
+    outcomes: BTreeMap<String, u64>,
+    /// Submitted jobs without a terminal outcome when the run ended.
+    no_outcome: u64,
+    /// `completed` with `finished_at_ms <= expires_at_ms`.
+    on_time: u64,
+    /// `completed`, but finished after the deadline (a useless answer).
+    completed_late: u64,
+    /// Capacity × window: the most on-time completions any policy could reach.
+    capacity_bound: f64,
+    /// From the first submission to the last deadline, in s.
+    window_s: f64,
+    /// `on_time / capacity_bound`.
+    goodput: f64,
+    /// Model calls the sim backend received.
+    model_calls: u64,
+    /// Model calls recorded in the ledger (`backend_calls`), must equal `model_calls`.
+    model_calls_ledger: u64,
+    /// Model calls whose `started_at_ms` is after the job's `expires_at_ms`.
+    started_after_deadline: u64,
+    /// Model calls whose `finished_at_ms` is after the job's `expires_at_ms`.
+    finished_after_deadline: u64,
+    /// Model calls that produced no on-time result (late, cancelled or failed).
+    wasted_calls: u64,
+    /// Receive → model call start, in ms (ledger timestamps, ms resolution; includes the
+    /// wait for a slot).
+    dispatch: Percentiles,
+    /// On-time completions per second of the run (by `finished_at_ms`).
+    on_time_per_s: Vec<u64>,
+}
+
+pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
+    if a.smoke {
+        a.duration_s = a.duration_s.min(2.0);
+        a.deadline_ms = a.deadline_ms.min(1_000);
+        a.service_ms = a.service_ms.min(100);
+    }
+    if a.slots == 0 || a.service_ms == 0 || a.overload <= 0.0 || a.duration_s <= 0.0 {
+        bail!("--slots, --service-ms, --overload and --duration-s must be positive");
+    }
+    let capacity = a.slots as f64 * 1000.0 / a.service_ms as f64;
+    let setup = Setup {
+        slots: a.slots,
+        service_ms: a.service_ms,
+        capacity_per_s: capacity,
+        overload: a.overload,
+        arrival_per_s: capacity * a.overload,
+        deadline_ms: a.deadline_ms,
+        duration_s: a.duration_s,
+        min_runtime_ms: a.min_runtime_ms.unwrap_or(a.service_ms + 20),
+        clock_uncertainty_ms: a.clock_uncertainty_ms,
+        prefetch: a
+            .prefetch
+            .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16),
+        ledger: a
+            .ledger_url
+            .clone()
+            .unwrap_or_else(|| "fresh SQLite file per policy".into()),
+    };
+    let policies: Vec<(&'static str, DispatchPolicy)> = match a.policy {
+        PolicyArg::All => vec![
+            ("deadline", DispatchPolicy::Deadline),
+            ("receipt-only", DispatchPolicy::ReceiptOnly),
+            ("naive", DispatchPolicy::Naive),
+        ],
+        PolicyArg::Deadline => vec![("deadline", DispatchPolicy::Deadline)],
+        PolicyArg::ReceiptOnly => vec![("receipt-only", DispatchPolicy::ReceiptOnly)],
+        PolicyArg::Naive => vec![("naive", DispatchPolicy::Naive)],
+    };
+    if !a.json {
+        println!(
+            "bench goodput: {} slots × {} ms calls = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; min runtime {} ms; clock margin {} ms; prefetch {}",
+            setup.slots,
+            setup.service_ms,
+            capacity,
+            setup.arrival_per_s,
+            setup.overload,
+            setup.duration_s,
+            setup.deadline_ms,
+            setup.min_runtime_ms,
+            setup.clock_uncertainty_ms,
+            setup.prefetch
+        );
+    }
+    let mut results = Vec::new();
+    for (name, policy) in policies {
+        results.push(run_policy(s, &a, &setup, name, policy).await?);
+    }
+
+    let mut chart = None;
+    if !a.no_svg {
+        let series: Vec<(String, Vec<f64>)> = results
+            .iter()
+            .map(|r| {
+                (
+                    format!("{} ({:.0}% goodput)", r.policy, r.goodput * 100.0),
+                    r.on_time_per_s.iter().map(|n| *n as f64).collect(),
+                )
+            })
+            .collect();
+        let doc = svg::line_chart(&svg::Chart {
+            title: format!(
+                "On-time completions per second: {} slots × {} ms, {}× overload, {} ms deadlines",
+                setup.slots, setup.service_ms, setup.overload, setup.deadline_ms
+            ),
+            x_label: "seconds since the first submission".into(),
+            y_label: "jobs completed before their deadline / s".into(),
+            series,
+            reference: Some(("capacity".into(), capacity)),
+        });
+        std::fs::write(&a.svg, doc)
+            .with_context(|| format!("writing the chart to {}", a.svg.display()))?;
+        chart = Some(a.svg.display().to_string());
+    }
+
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "bench": "goodput",
+                "smoke": a.smoke,
+                "setup": setup,
+                "machine": super::machine(),
+                "policies": results,
+                "chart": chart,
+            }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    println!();
+    let rows: Vec<Vec<String>> = results
+        .iter()
+        .map(|r| {
+            let n = |k: &str| r.outcomes.get(k).copied().unwrap_or(0).to_string();
+            vec![
+                r.policy.to_owned(),
+                r.submitted.to_string(),
+                r.on_time.to_string(),
+                format!("{:.1}%", r.goodput * 100.0),
+                r.completed_late.to_string(),
+                r.started_after_deadline.to_string(),
+                r.finished_after_deadline.to_string(),
+                r.wasted_calls.to_string(),
+                n("expired_not_started"),
+                n("expired_before_receive"),
+                n("deadline_exceeded"),
+                (r.outcomes.values().sum::<u64>() - r.outcomes.get("completed").copied().unwrap_or(0)
+                    - r.outcomes.get("expired_not_started").copied().unwrap_or(0)
+                    - r.outcomes.get("expired_before_receive").copied().unwrap_or(0)
+                    - r.outcomes.get("deadline_exceeded").copied().unwrap_or(0))
+                .to_string(),
+                r.no_outcome.to_string(),
+                f1(r.dispatch.p99_ms),
+            ]
+        })
+        .collect();
+    print!(
+        "{}",
+        crate::table::render(
+            &[
+                "policy",
+                "submitted",
+                "on_time",
+                "goodput",
+                "late_done",
+                "started_late",
+                "finished_late",
+                "wasted_calls",
+                "exp_not_started",
+                "exp_before_recv",
+                "deadline_exc",
+                "other",
+                "no_outcome",
+                "dispatch_p99_ms",
+            ],
+            &rows
+        )
+    );
+    println!();
+    for r in &results {
+        println!(
+            "{}: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}); outcomes {}",
+            r.policy,
+            r.capacity_bound,
+            r.window_s,
+            r.model_calls,
+            r.model_calls_ledger,
+            r.outcomes
+                .iter()
+                .map(|(k, v)| format!("{k}={v}"))
+                .collect::<Vec<_>>()
+                .join(" ")
+        );
+    }
+    if let Some(c) = chart {
+        println!("chart: {c}");
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+async fn run_policy(
+    s: &Settings,
+    a: &GoodputArgs,
+    setup: &Setup,
+    name: &'static str,
+    policy: DispatchPolicy,
+) -> Result<PolicyResult> {
+    let nonce = format!("{:x}", now_ms());
+    let prefix = format!("{}-bench-{name}-{nonce}", s.prefix);
+    let broker = Broker::connect(&s.amqp_url).await?;
+    let (ledger_url, dir) = match &a.ledger_url {
+        Some(u) => (u.clone(), None),
+        None => {
+            let d = super::temp_dir(name)?;
+            (format!("sqlite://{}", d.join("ledger.db").display()), Some(d))
+        }
+    };
+    let ledger = super::super::open_ledger(&ledger_url).await?;
+    let mut cfg = WorkerConfig::new(&prefix, setup.slots);
+    cfg.name = format!("bench-{name}");
+    cfg.prefetch = setup.prefetch;
+    cfg.shutdown_grace = Duration::from_secs(5);
+    cfg.dispatch_policy = policy;
+    cfg.policy.admission = AdmissionPolicy {
+        clock_uncertainty_ms: setup.clock_uncertainty_ms,
+        default_min_runtime_ms: 0,
+    };
+    let topo = cfg.topology.clone();
+    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let sim = Arc::new(SimBackend::new(SimConfig {
+        latency_ms: setup.service_ms,
+        ..SimConfig::default()
+    })?);
+    let backend: Arc<dyn Backend> = sim.clone();
+    let worker = Worker::build(
+        cfg,
+        Broker::connect(&s.amqp_url).await?,
+        ledger.clone(),
+        backend,
+        clock.clone(),
+        Arc::new(WorkerStats::default()),
+    )
+    .await?;
+    let stop = CancellationToken::new();
+    let worker_task = tokio::spawn(worker.run(stop.clone()));
+    let dlq = DeadLetterProcessor::build(
+        Broker::connect(&s.amqp_url).await?,
+        ledger.clone(),
+        topo.clone(),
+        clock.clone(),
+        false,
+    )
+    .await
+    .map_err(anyhow::Error::msg)?;
+    let dlq_task = tokio::spawn(dlq.run(stop.clone(), None));
+
+    // The submitter records nothing in the ledger: the ledger load is the worker's (and
+    // the dead-letter processor's) alone; the submitted count comes from the confirms.
+    let submitter = Submitter::new(
+        Publisher::new(&broker, Duration::from_secs(5)).await?,
+        topo.names.clone(),
+        None,
+        AdmissionPolicy {
+            clock_uncertainty_ms: setup.clock_uncertainty_ms,
+            default_min_runtime_ms: 0,
+        },
+        EnvelopeLimits::default(),
+    );
+    let total = (setup.arrival_per_s * setup.duration_s).round().max(1.0) as u64;
+    let bar = super::bar(total, &format!("{name}: submitting"));
+    if a.json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let gap = Duration::from_secs_f64(1.0 / setup.arrival_per_s);
+    let mut tick = tokio::time::interval(gap);
+    let mut pubs = JoinSet::new();
+    let first_ms = now_ms();
+    for i in 0..total {
+        tick.tick().await;
+        let job = NewJob {
+            job_id: Some(format!("b-{name}-{nonce}-{i}")),
+            kind: "bench.goodput".into(),
+            payload: json!({"messages": [{"role": "user", "content": "bench"}]})
+                .as_object()
+                .cloned()
+                .expect("object"),
+            deadline: DeadlineSpec::RelativeMs(setup.deadline_ms),
+            min_runtime_ms: Some(setup.min_runtime_ms),
+            trace_id: None,
+        };
+        let sub = submitter.clone();
+        pubs.spawn(async move { (i, sub.submit(&job, now_ms()).await.is_ok()) });
+        bar.inc(1);
+    }
+    // Wait for every confirm; a refused publish is an error of the run, not a job.
+    let mut failed = std::collections::HashSet::new();
+    while let Some(r) = pubs.join_next().await {
+        let (i, ok) = r?;
+        if !ok {
+            failed.insert(i);
+        }
+    }
+    let submit_errors = failed.len() as u64;
+    let submitted: Vec<String> = (0..total)
+        .filter(|i| !failed.contains(i))
+        .map(|i| format!("b-{name}-{nonce}-{i}"))
+        .collect();
+    let last_deadline = now_ms() + setup.deadline_ms as i64;
+
+    bar.set_message(format!("{name}: outcomes"));
+    bar.set_position(0);
+    let give_up = last_deadline + 3_000 + setup.service_ms as i64;
+    let mut recs: Vec<JobRecord>;
+    loop {
+        recs = ledger
+            .list(&ListFilter {
+                limit: Some(total as i64 * 2 + 1_000),
+                ..ListFilter::default()
+            })
+            .await?
+            .into_iter()
+            .filter(|r| r.job_id.starts_with(&format!("b-{name}-{nonce}-")))
+            .collect();
+        let done = recs.iter().filter(|r| is_terminal(&r.state)).count() as u64;
+        bar.set_position(done);
+        if done >= submitted.len() as u64 || now_ms() > give_up {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+    bar.finish_and_clear();
+    stop.cancel();
+    let _ = worker_task.await;
+    let _ = dlq_task.await;
+    let _ = topo.delete(&broker).await;
+    broker.close().await;
+    ledger.close().await;
+    if let Some(d) = dir {
+        let _ = std::fs::remove_dir_all(d);
+    }
+
+    // Jobs whose publish failed have no record at all and were never in the queue.
+    let recorded: std::collections::HashSet<&str> =
+        recs.iter().map(|r| r.job_id.as_str()).collect();
+    let missing = submitted
+        .iter()
+        .filter(|id| !recorded.contains(id.as_str()))
+        .count() as u64;
+    let mut outcomes = BTreeMap::new();
+    let (mut on_time, mut late, mut started_late, mut finished_late, mut wasted) = (0, 0, 0, 0, 0);
+    let mut calls_ledger = 0u64;
+    let mut dispatch_us = Vec::new();
+    let window_end = recs
+        .iter()
+        .filter_map(|r| r.expires_at_ms)
+        .max()
+        .unwrap_or(last_deadline);
+    let window_s = ((window_end - first_ms) as f64 / 1000.0).max(0.001);
+    let mut per_s = vec![0u64; window_s.ceil() as usize + 1];
+    let mut no_outcome = missing;
+    for r in &recs {
+        if !is_terminal(&r.state) {
+            no_outcome += 1;
+            continue;
+        }
+        *outcomes.entry(r.state.clone()).or_insert(0u64) += 1;
+        calls_ledger += r.backend_calls.max(0) as u64;
+        let exp = r.expires_at_ms.unwrap_or(i64::MAX);
+        let in_time = r.finished_at_ms.is_some_and(|f| f <= exp);
+        if r.state == "completed" {
+            if in_time {
+                on_time += 1;
+                let f = r.finished_at_ms.unwrap_or(first_ms);
+                let b = (((f - first_ms).max(0)) / 1000) as usize;
+                if b < per_s.len() {
+                    per_s[b] += 1;
+                }
+            } else {
+                late += 1;
+            }
+        }
+        if r.backend_calls > 0 {
+            if r.started_at_ms.is_some_and(|st| st > exp) {
+                started_late += 1;
+            }
+            if r.finished_at_ms.is_some_and(|f| f > exp) {
+                finished_late += 1;
+            }
+            if !(r.state == "completed" && in_time) {
+                wasted += r.backend_calls.max(0) as u64;
+            }
+            if let (Some(rc), Some(st)) = (r.received_at_ms, r.started_at_ms) {
+                dispatch_us.push(((st - rc).max(0) as u64) * 1000);
+            }
+        }
+    }
+    let bound = (setup.capacity_per_s * window_s).min(submitted.len() as f64);
+    Ok(PolicyResult {
+        policy: name,
+        submitted: submitted.len() as u64,
+        submit_errors,
+        outcomes,
+        no_outcome,
+        on_time,
+        completed_late: late,
+        capacity_bound: bound,
+        window_s,
+        goodput: on_time as f64 / bound.max(1.0),
+        model_calls: sim.calls(),
+        model_calls_ledger: calls_ledger,
+        started_after_deadline: started_late,
+        finished_after_deadline: finished_late,
+        wasted_calls: wasted,
+        dispatch: Percentiles::from_us(dispatch_us),
+        on_time_per_s: per_s,
+    })
+}
+
+fn is_terminal(state: &str) -> bool {
+    state.parse::<State>().is_ok_and(State::is_terminal)
+}

@@ -1,0 +1,225 @@
+//! `lastcall bench …`: measured numbers against the real broker and ledgers.
+//!
+//! # Layout
+//! - [`goodput`]: the headline: useful work under overload for the deadline policy and
+//!   two reference policies (naive, receipt-only), with an SVG chart.
+//! - [`ack_modes`]: PerfTest-style runs of acknowledgement modes and prefetch, a consumer
+//!   crash, and the worker pipeline as a fraction of a bare consumer. The lapin loops
+//!   live in `lastcall_broker::bench`.
+//! - [`ledger`]: outcome writes per second on SQLite and PostgreSQL.
+//! - [`svg`]: a small hand-written SVG line chart (no plotting dependency).
+//!
+//! Every command prints a table at the end, `--json` prints one JSON object instead, and
+//! `--smoke` shrinks the run to a few seconds (for CI; numbers from it mean nothing).
+
+mod ack_modes;
+mod goodput;
+mod ledger;
+mod svg;
+
+use crate::config::Settings;
+use anyhow::Result;
+use clap::{Args, Subcommand, ValueEnum};
+use hdrhistogram::Histogram;
+use indicatif::{ProgressBar, ProgressStyle};
+use serde::Serialize;
+use std::path::PathBuf;
+use std::process::ExitCode;
+
+/// `lastcall bench` subcommands.
+#[derive(Debug, Subcommand)]
+pub enum BenchCommand {
+    /// Useful work under overload: deadline policy vs naive vs receipt-only (the headline)
+    ///
+    /// An in-process worker with S model slots and the simulated backend at a fixed
+    /// service time (capacity = S × 1000 / service_ms jobs/s) receives jobs at a multiple of
+    /// that capacity, each with a deadline of D ms, for T seconds. For each policy it
+    /// reports, from the ledger's timestamps:
+    ///
+    /// - goodput: jobs completed before their deadline, as a fraction of the capacity bound
+    ///   (capacity × the run window, from the first submission to the last deadline);
+    /// - model calls started after the job's deadline (lastcall's rule: always 0);
+    /// - model calls that finished after the deadline (wasted work);
+    /// - counts per outcome, which must add up to the jobs submitted.
+    ///
+    /// Policies: `deadline` (lastcall: check at receipt and right before the call),
+    /// `receipt-only` (check at receipt only, as Celery does with `expires`), `naive` (no
+    /// check). All publish the same way (broker TTL = remaining budget, a dead-letter
+    /// processor records broker expiries); they differ only inside the worker. The
+    /// reference policies exist for this benchmark only.
+    ///
+    /// Example: `lastcall bench goodput` (all three, about 45 s) writes bench-goodput.svg.
+    Goodput(GoodputArgs),
+    /// Acknowledgement modes and prefetch, a consumer crash, and the pipeline's share of the broker ceiling
+    ///
+    /// PerfTest-style runs against the real broker: one publisher with a confirm window and
+    /// C bare consumers on one fresh queue; message size, queue type, durability, confirm
+    /// window and consumer count are fixed and printed with the results. Modes: auto-ack;
+    /// manual ack with prefetch 1, 4, 16, 64, 256, 1024; manual ack with prefetch N and one
+    /// `multiple` ack every k deliveries. Reports consume throughput and publish→consume
+    /// latency percentiles (HDR histogram).
+    ///
+    /// Crash variant: a slow consumer is killed mid-run (its connection drops without
+    /// settling); with auto-ack the deliveries it held are lost, with manual ack the broker
+    /// redelivers them. Baseline: a bare consumer that only acks drains N lastcall
+    /// envelopes; then lastcall's worker (sim backend at 0 ms, ledger writes included)
+    /// drains the same N, and its throughput is reported as a fraction of the baseline.
+    AckModes(ack_modes::AckModesArgs),
+    /// Ledger throughput: outcome writes per second on SQLite and PostgreSQL
+    ///
+    /// Writes N terminal outcomes (the worker's last durable write before an ack) with W
+    /// concurrent writers, and separately N full worker sequences (receipt lookup, the
+    /// `running` row, the outcome, the ack mark). Every write is its own committed
+    /// transaction, as "durable before ack" requires. SQLite uses a fresh file;
+    /// PostgreSQL runs when --postgres-url is given (rows go to fresh job ids there).
+    Ledger(ledger::LedgerArgs),
+}
+
+/// `lastcall bench goodput` options.
+#[derive(Debug, Args)]
+pub struct GoodputArgs {
+    /// Model slots of the worker
+    #[arg(long, default_value_t = 4)]
+    pub slots: usize,
+    /// Fixed service time of every model call (sim backend), in ms
+    #[arg(long, default_value_t = 200)]
+    pub service_ms: u64,
+    /// Arrival rate as a multiple of capacity (slots × 1000 / service_ms jobs/s)
+    #[arg(long, default_value_t = 5.0)]
+    pub overload: f64,
+    /// Each job's deadline, in ms after its submission
+    #[arg(long, default_value_t = 2_000)]
+    pub deadline_ms: u64,
+    /// How long jobs arrive, in seconds
+    #[arg(long, default_value_t = 10.0)]
+    pub duration_s: f64,
+    /// Which policy to run; `all` runs the three one after another
+    #[arg(long, value_enum, default_value = "all")]
+    pub policy: PolicyArg,
+    /// Minimum useful runtime of each job, in ms [default: service time + 20]
+    #[arg(long)]
+    pub min_runtime_ms: Option<u64>,
+    /// Clock uncertainty margin of the admission rule, in ms
+    #[arg(long, default_value_t = 100)]
+    pub clock_uncertainty_ms: u64,
+    /// Unacked deliveries the broker may push to the worker [default: 2 × slots]
+    #[arg(long)]
+    pub prefetch: Option<u16>,
+    /// Ledger for the runs [default: a fresh SQLite file per policy in a temp directory]
+    #[arg(long)]
+    pub ledger_url: Option<String>,
+    /// Where to write the SVG chart (all policies on one chart)
+    #[arg(long, default_value = "bench-goodput.svg")]
+    pub svg: PathBuf,
+    /// Do not write the SVG chart
+    #[arg(long)]
+    pub no_svg: bool,
+    /// Print one JSON object instead of the table
+    #[arg(long)]
+    pub json: bool,
+    /// A few seconds per policy (CI smoke test: 2 s of arrivals, 1 s deadlines, 100 ms calls)
+    #[arg(long)]
+    pub smoke: bool,
+}
+
+/// Worker dispatch policy to benchmark.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum PolicyArg {
+    /// Deadline, receipt-only and naive, one after another
+    All,
+    /// lastcall: deadline checked at receipt and immediately before the model call
+    Deadline,
+    /// Checked at receipt only (as Celery's `expires`); calls run to the end
+    ReceiptOnly,
+    /// No deadline check at all; calls run to the end
+    Naive,
+}
+
+pub async fn run(s: &Settings, c: BenchCommand) -> Result<ExitCode> {
+    match c {
+        BenchCommand::Goodput(a) => goodput::run(s, a).await,
+        BenchCommand::AckModes(a) => ack_modes::run(s, a).await,
+        BenchCommand::Ledger(a) => ledger::run(s, a).await,
+    }
+}
+
+/// A progress bar on stderr (hidden when stderr is not a terminal, e.g. under `--json`
+/// in a pipe).
+pub(crate) fn bar(len: u64, msg: &str) -> ProgressBar {
+    let b = ProgressBar::new(len);
+    b.set_style(
+        ProgressStyle::with_template("{msg:>28} [{bar:40}] {pos}/{len} {elapsed}")
+            .expect("valid template")
+            .progress_chars("=> "),
+    );
+    b.set_message(msg.to_owned());
+    b
+}
+
+/// Latency percentiles in ms from an HDR histogram of µs values.
+#[derive(Debug, Clone, Copy, Default, Serialize)]
+pub(crate) struct Percentiles {
+    pub count: u64,
+    pub p50_ms: f64,
+    pub p90_ms: f64,
+    pub p99_ms: f64,
+    pub p999_ms: f64,
+    pub max_ms: f64,
+}
+
+impl Percentiles {
+    pub fn from_us(values: impl IntoIterator<Item = u64>) -> Self {
+        let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)
+            .expect("valid histogram bounds");
+        for v in values {
+            h.saturating_record(v.max(1));
+        }
+        if h.is_empty() {
+            return Self::default();
+        }
+        let ms = |q: f64| h.value_at_quantile(q) as f64 / 1000.0;
+        Self {
+            count: h.len(),
+            p50_ms: ms(0.5),
+            p90_ms: ms(0.9),
+            p99_ms: ms(0.99),
+            p999_ms: ms(0.999),
+            max_ms: h.max() as f64 / 1000.0,
+        }
+    }
+}
+
+/// The machine and broker a run was measured on.
+#[derive(Debug, Clone, Serialize)]
+pub(crate) struct Machine {
+    pub cores: usize,
+    pub build: &'static str,
+}
+
+pub(crate) fn machine() -> Machine {
+    Machine {
+        cores: std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1),
+        build: if cfg!(debug_assertions) {
+            "debug (numbers are not representative; use --release)"
+        } else {
+            "release"
+        },
+    }
+}
+
+/// A fresh temporary directory for bench ledgers.
+pub(crate) fn temp_dir(tag: &str) -> Result<PathBuf> {
+    let d = std::env::temp_dir().join(format!(
+        "lastcall-bench-{tag}-{}-{}",
+        std::process::id(),
+        lastcall_worker::clock::now_ms()
+    ));
+    std::fs::create_dir_all(&d)?;
+    Ok(d)
+}
+
+pub(crate) fn f1(x: f64) -> String {
+    format!("{x:.1}")
+}
