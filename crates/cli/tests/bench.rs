@@ -1,0 +1,171 @@
+//! `lastcall bench …` in smoke mode via the binary: the output is well-formed and the
+//! counts add up. No timing assertions: the numbers of a smoke run mean nothing.
+
+mod common;
+
+use common::Env;
+use serde_json::Value;
+
+fn json_of(out: &std::process::Output) -> Value {
+    assert!(
+        out.status.success(),
+        "bench failed: {}\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    serde_json::from_slice(&out.stdout)
+        .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
+}
+
+fn u(v: &Value, k: &str) -> u64 {
+    v[k].as_u64()
+        .unwrap_or_else(|| panic!("`{k}` missing or not a count in {v}"))
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn goodput_smoke_counts_add_up_for_every_policy() {
+    let env = Env::sqlite("bench-goodput").await;
+    let svg = env.dir.join("chart.svg");
+    let out = env.cli(&[
+        "bench",
+        "goodput",
+        "--smoke",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let j = json_of(&out);
+    assert_eq!(j["bench"], "goodput");
+    let policies = j["policies"].as_array().unwrap();
+    let names: Vec<&str> = policies
+        .iter()
+        .map(|p| p["policy"].as_str().unwrap())
+        .collect();
+    assert_eq!(names, ["deadline", "receipt-only", "naive"]);
+    for p in policies {
+        let submitted = u(p, "submitted");
+        assert!(submitted > 0, "{p}");
+        let outcomes: u64 = p["outcomes"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert_eq!(outcomes + u(p, "no_outcome"), submitted, "{p}");
+        let completed = p["outcomes"]["completed"].as_u64().unwrap_or(0);
+        assert_eq!(u(p, "on_time") + u(p, "completed_late"), completed, "{p}");
+        // The ledger and the sim backend agree on the number of model calls.
+        assert_eq!(u(p, "model_calls"), u(p, "model_calls_ledger"), "{p}");
+        assert!(u(p, "started_after_deadline") <= u(p, "model_calls"), "{p}");
+        assert!(u(p, "wasted_calls") <= u(p, "model_calls"), "{p}");
+        let g = p["goodput"].as_f64().unwrap();
+        assert!((0.0..=1.0 + 1e-9).contains(&g), "{p}");
+    }
+    // lastcall's rule holds under overload: no model call starts after the deadline.
+    assert_eq!(u(&policies[0], "started_after_deadline"), 0);
+    let doc = std::fs::read_to_string(&svg).unwrap();
+    assert!(doc.starts_with("<svg") && doc.trim_end().ends_with("</svg>"));
+    assert_eq!(doc.matches("<polyline").count(), 3);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn goodput_table_output_names_each_policy() {
+    let env = Env::sqlite("bench-goodput-table").await;
+    let out = env.cli(&[
+        "bench",
+        "goodput",
+        "--smoke",
+        "--policy",
+        "deadline",
+        "--no-svg",
+        "--duration-s",
+        "1",
+    ]);
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("policy") && text.contains("goodput"),
+        "{text}"
+    );
+    assert!(text.lines().any(|l| l.starts_with("deadline ")), "{text}");
+    assert!(!text.contains("naive"), "{text}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ack_modes_smoke_counts_add_up() {
+    let env = Env::sqlite("bench-ack").await;
+    let j = json_of(&env.cli(&["bench", "ack-modes", "--smoke", "--json"]));
+    assert_eq!(j["bench"], "ack-modes");
+    for k in [
+        "message_bytes",
+        "queue_type",
+        "durable_persistent",
+        "confirm_window",
+        "consumers",
+    ] {
+        assert!(!j["fixed"][k].is_null(), "fixed lever {k} missing: {j}");
+    }
+    let modes = j["modes"].as_array().unwrap();
+    assert!(modes.len() >= 3, "{j}");
+    assert_eq!(modes[0]["mode"], "auto-ack");
+    for m in modes {
+        assert_eq!(u(m, "consumed"), u(m, "messages"), "{m}");
+        assert_eq!(u(m, "nacked"), 0, "{m}");
+        assert_eq!(u(&m["latency"], "count"), u(m, "messages"), "{m}");
+    }
+    let crash = j["crash"].as_array().unwrap();
+    assert_eq!(crash.len(), 2);
+    for c in crash {
+        assert_eq!(
+            u(c, "processed_before_kill") + u(c, "left_in_queue_after_kill") + u(c, "lost"),
+            u(c, "messages"),
+            "{c}"
+        );
+    }
+    // Manual ack loses nothing when the consumer dies; what it held comes back.
+    assert_eq!(u(&crash[1], "lost"), 0, "{}", crash[1]);
+    assert!(u(&crash[1], "redelivered") > 0, "{}", crash[1]);
+    let p = &j["pipeline"];
+    assert_eq!(u(p, "pipeline_completed"), u(p, "messages"), "{p}");
+    assert!(p["fraction"].as_f64().unwrap() > 0.0, "{p}");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread")]
+async fn ledger_smoke_on_sqlite_and_postgres() {
+    let env = Env::postgres("bench-ledger").await;
+    let j = json_of(&env.cli(&[
+        "bench",
+        "ledger",
+        "--smoke",
+        "--json",
+        "--postgres-url",
+        &env.store_url,
+    ]));
+    let rows = j["results"].as_array().unwrap();
+    let backends: Vec<&str> = rows
+        .iter()
+        .map(|r| r["backend"].as_str().unwrap())
+        .collect();
+    assert_eq!(backends, ["sqlite", "sqlite", "postgres", "postgres"]);
+    for r in rows {
+        assert_eq!(u(r, "ok") + u(r, "errors"), u(r, "writes"), "{r}");
+        assert_eq!(u(r, "errors"), 0, "{r}");
+    }
+    env.cleanup().await;
+}
+
+#[test]
+fn bench_help_teaches() {
+    let out = std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args(["bench", "goodput", "--help"])
+        .output()
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(out.status.success());
+    for word in ["capacity", "receipt-only", "naive", "--smoke", "--json"] {
+        assert!(text.contains(word), "help lacks {word}: {text}");
+    }
+}
