@@ -173,10 +173,7 @@ pub async fn publish(
     Ok(Published { elapsed, nacked })
 }
 
-async fn wait_confirm(
-    c: lapin::PublisherConfirm,
-    nacked: &mut u64,
-) -> Result<(), BrokerError> {
+async fn wait_confirm(c: lapin::PublisherConfirm, nacked: &mut u64) -> Result<(), BrokerError> {
     if let Confirmation::Nack(_) = c.await.map_err(amqp("waiting for a confirm"))? {
         *nacked += 1;
     }

@@ -425,7 +425,8 @@ async fn run_pipeline(
         AdmissionPolicy::default(),
         EnvelopeLimits::default(),
     );
-    let job = |i: u64| NewJob {
+    let job = |i: u64| {
+        NewJob {
         job_id: Some(format!("pipe-{i}")),
         kind: "bench.pipeline".into(),
         payload: json!({"messages": [{"role": "user", "content": "x".repeat(base.message_bytes.saturating_sub(200).max(1))}]})
@@ -435,6 +436,7 @@ async fn run_pipeline(
         deadline: DeadlineSpec::RelativeMs(600_000),
         min_runtime_ms: None,
         trace_id: None,
+    }
     };
 
     // Baseline: the same envelopes in a plain queue, drained by a bare consumer.
@@ -485,7 +487,10 @@ async fn run_pipeline(
         Some(u) => (u.clone(), None),
         None => {
             let d = super::temp_dir("pipeline")?;
-            (format!("sqlite://{}", d.join("ledger.db").display()), Some(d))
+            (
+                format!("sqlite://{}", d.join("ledger.db").display()),
+                Some(d),
+            )
         }
     };
     let ledger = super::super::open_ledger(&ledger_url).await?;

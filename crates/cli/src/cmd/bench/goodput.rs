@@ -197,9 +197,13 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 n("expired_not_started"),
                 n("expired_before_receive"),
                 n("deadline_exceeded"),
-                (r.outcomes.values().sum::<u64>() - r.outcomes.get("completed").copied().unwrap_or(0)
+                (r.outcomes.values().sum::<u64>()
+                    - r.outcomes.get("completed").copied().unwrap_or(0)
                     - r.outcomes.get("expired_not_started").copied().unwrap_or(0)
-                    - r.outcomes.get("expired_before_receive").copied().unwrap_or(0)
+                    - r.outcomes
+                        .get("expired_before_receive")
+                        .copied()
+                        .unwrap_or(0)
                     - r.outcomes.get("deadline_exceeded").copied().unwrap_or(0))
                 .to_string(),
                 r.no_outcome.to_string(),
@@ -265,7 +269,10 @@ async fn run_policy(
         Some(u) => (u.clone(), None),
         None => {
             let d = super::temp_dir(name)?;
-            (format!("sqlite://{}", d.join("ledger.db").display()), Some(d))
+            (
+                format!("sqlite://{}", d.join("ledger.db").display()),
+                Some(d),
+            )
         }
     };
     let ledger = super::super::open_ledger(&ledger_url).await?;

@@ -169,8 +169,8 @@ pub(crate) struct Percentiles {
 
 impl Percentiles {
     pub fn from_us(values: impl IntoIterator<Item = u64>) -> Self {
-        let mut h = Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3)
-            .expect("valid histogram bounds");
+        let mut h =
+            Histogram::<u64>::new_with_bounds(1, 3_600_000_000, 3).expect("valid histogram bounds");
         for v in values {
             h.saturating_record(v.max(1));
         }

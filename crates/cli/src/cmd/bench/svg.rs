@@ -29,7 +29,13 @@ pub fn line_chart(c: &Chart) -> String {
     let (w, h) = (900.0, 480.0);
     let (left, right, top, bottom) = (70.0, 230.0, 50.0, 60.0);
     let (pw, ph) = (w - left - right, h - top - bottom);
-    let n = c.series.iter().map(|(_, v)| v.len()).max().unwrap_or(0).max(2);
+    let n = c
+        .series
+        .iter()
+        .map(|(_, v)| v.len())
+        .max()
+        .unwrap_or(0)
+        .max(2);
     let y_max_data = c
         .series
         .iter()
