@@ -10,6 +10,7 @@
 //! - this file: [`find_model`], [`LocalError`].
 //! - [`backend`]: [`LocalBackend`], the [`lastcall_backend::Backend`] and its decode loop.
 //! - [`tokenizer`]: byte-level BPE with the `smollm` pre-tokenizer, from GGUF metadata.
+//! - [`pool`]: [`LocalPool`], one instance per worker slot so no call queues after admission.
 //! - [`chat`]: payload parsing and the ChatML layout (pure).
 //!
 //! **Boundary**: only this crate knows candle and the GGUF format.
@@ -19,9 +20,11 @@
 
 pub mod backend;
 pub mod chat;
+pub mod pool;
 pub mod tokenizer;
 
 pub use backend::LocalBackend;
+pub use pool::LocalPool;
 pub use tokenizer::Tokenizer;
 
 use std::path::{Path, PathBuf};

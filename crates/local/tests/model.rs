@@ -141,3 +141,51 @@ async fn an_already_cancelled_call_does_not_start() {
     assert_eq!(r, Err(BackendError::Cancelled { confirmed: true }));
     assert!(t0.elapsed() < Duration::from_millis(500));
 }
+
+/// A pool of two instances serves two calls at once, and refuses a third instead of
+/// queueing it behind the others (queueing after admission would defeat the last check).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pool_gives_each_slot_its_own_instance_and_never_queues() {
+    let pool = std::sync::Arc::new(
+        lastcall_local::LocalPool::load(common::model_path(), 2).expect("model loads"),
+    );
+    assert_eq!(pool.size(), 2);
+    let long = || {
+        request(
+            json!({"prompt": "Count from one to fifty.", "max_tokens": 400}),
+            Duration::from_secs(30),
+        )
+    };
+    let (c1, c2) = (CancellationToken::new(), CancellationToken::new());
+    let (p1, p2) = (pool.clone(), pool.clone());
+    let (k1, k2) = (c1.clone(), c2.clone());
+    let a = tokio::spawn(async move { p1.call(long(), k1).await });
+    let b = tokio::spawn(async move { p2.call(long(), k2).await });
+    tokio::time::sleep(Duration::from_millis(200)).await;
+    let third = pool.call(long(), CancellationToken::new()).await;
+    assert!(
+        matches!(&third, Err(BackendError::Retryable { reason, .. }) if reason == "local_pool_busy"),
+        "{third:?}"
+    );
+    c1.cancel();
+    c2.cancel();
+    assert!(matches!(
+        a.await.unwrap(),
+        Err(BackendError::Cancelled { confirmed: true })
+    ));
+    assert!(matches!(
+        b.await.unwrap(),
+        Err(BackendError::Cancelled { confirmed: true })
+    ));
+    // Both instances are free again.
+    let again = pool
+        .call(
+            request(
+                json!({"prompt": "Hi", "max_tokens": 2}),
+                Duration::from_secs(30),
+            ),
+            CancellationToken::new(),
+        )
+        .await;
+    assert!(again.is_ok(), "{again:?}");
+}

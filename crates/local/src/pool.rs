@@ -1,0 +1,74 @@
+//! One model instance per worker slot.
+//!
+//! The worker's last admission check happens right before the model call, so a call must
+//! not then queue behind another one inside the backend: that would be waiting for a slot
+//! after admission. A [`LocalPool`] holds one [`LocalBackend`] per slot and hands each
+//! call a free instance; with as many instances as slots a call never waits.
+
+use crate::{LocalBackend, LocalError};
+use lastcall_backend::{Backend, BackendError, CallFuture, CallRequest, CancellationToken};
+use std::path::Path;
+use std::sync::Mutex;
+
+/// Model instances shared by the worker's slots.
+#[derive(Debug)]
+pub struct LocalPool {
+    instances: Vec<LocalBackend>,
+    /// Indices of the instances not serving a call right now.
+    free: Mutex<Vec<usize>>,
+}
+
+/// Puts the instance back when the call ends, however it ends.
+struct Lease<'a> {
+    pool: &'a LocalPool,
+    index: usize,
+}
+
+impl Drop for Lease<'_> {
+    fn drop(&mut self) {
+        self.pool.free.lock().expect("pool lock").push(self.index);
+    }
+}
+
+impl LocalPool {
+    /// Load `n` (at least 1) instances of the model at `path`.
+    pub fn load(path: impl AsRef<Path>, n: usize) -> Result<Self, LocalError> {
+        let instances = (0..n.max(1))
+            .map(|_| LocalBackend::load(path.as_ref()))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(Self {
+            free: Mutex::new((0..instances.len()).rev().collect()),
+            instances,
+        })
+    }
+
+    /// How many calls can run at once.
+    pub fn size(&self) -> usize {
+        self.instances.len()
+    }
+}
+
+impl Backend for LocalPool {
+    fn name(&self) -> &str {
+        "local"
+    }
+
+    fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+        let index = self.free.lock().expect("pool lock").pop();
+        Box::pin(async move {
+            let Some(index) = index else {
+                // Only when the worker runs more slots than instances: refuse rather than queue.
+                return Err(BackendError::Retryable {
+                    reason: "local_pool_busy".into(),
+                    message: format!(
+                        "all {} local model instances are busy; run the worker with --slots <= instances",
+                        self.size()
+                    ),
+                    retry_after: None,
+                });
+            };
+            let _lease = Lease { pool: self, index };
+            self.instances[index].call(req, cancel).await
+        })
+    }
+}
