@@ -154,3 +154,64 @@ fn every_command_has_help() {
     );
     assert!(!h.contains("--fault"), "test hooks stay hidden");
 }
+
+/// The README's demo, shortened, on both backends: it prints the outcome table and never
+/// makes a model call for an expired job (the demo itself exits non-zero if it did).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn demo_runs_end_to_end_on_both_backends() {
+    let env = Env::sqlite("demo").await;
+    for backend in ["sim", "local"] {
+        let store = format!(
+            "sqlite://{}",
+            env.dir.join(format!("demo-{backend}.db")).display()
+        );
+        let out = env.cli(&[
+            "demo",
+            "--backend",
+            backend,
+            "--jobs",
+            "6",
+            "--rate",
+            "4",
+            "--deadline-ms",
+            "4000",
+            "--worker-delay-ms",
+            "2000",
+            "--demo-store-url",
+            &store,
+        ]);
+        let stdout = String::from_utf8_lossy(&out.stdout);
+        assert!(
+            out.status.success(),
+            "{backend}: {}\n{stdout}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(
+            stdout.contains("job_id") && stdout.contains("demo-006"),
+            "{backend}: {stdout}"
+        );
+        assert!(stdout.contains("0 for expired jobs"), "{backend}: {stdout}");
+        assert!(
+            stdout.contains("expired_before_receive"),
+            "{backend}: the early pages expire at the broker: {stdout}"
+        );
+        let ledger = lastcall_store::Ledger::connect(&store).await.unwrap();
+        let all = ledger
+            .list(&lastcall_store::ListFilter::default())
+            .await
+            .unwrap();
+        assert_eq!(all.len(), 6, "{backend}: every job has a record");
+        assert!(
+            all.iter().all(|r| r
+                .state
+                .parse::<lastcall_core::State>()
+                .unwrap()
+                .is_terminal()),
+            "{backend}: {all:?}"
+        );
+        ledger.close().await;
+    }
+    let demo = lastcall_broker::Topology::new(&format!("{}-demo", env.prefix));
+    demo.delete(&env.broker).await.unwrap();
+    env.cleanup().await;
+}

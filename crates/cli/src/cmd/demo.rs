@@ -5,7 +5,7 @@
 //! refused at the last admission check (`expired_not_started`, zero model calls) and which
 //! expired at the broker before any worker received them (`expired_before_receive`).
 
-use crate::cli::DemoArgs;
+use crate::cli::{DemoArgs, DemoBackend};
 use crate::config::Settings;
 use anyhow::{Context, Result, bail};
 use indicatif::{ProgressBar, ProgressStyle};
@@ -35,10 +35,34 @@ const INCIDENTS: &[&str] = &[
     "memory leak suspected in search-indexer, RSS +200MB/h",
 ];
 
-pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
-    if a.jobs == 0 || a.slots == 0 || a.rate <= 0.0 {
+/// The demo's settings after applying the per-backend defaults.
+struct Plan {
+    jobs: usize,
+    deadline_ms: u64,
+    slots: usize,
+    rate: f64,
+    min_runtime_ms: u64,
+}
+
+fn plan(a: &DemoArgs) -> Result<Plan> {
+    let local = a.backend == DemoBackend::Local;
+    let p = Plan {
+        jobs: a.jobs.unwrap_or(if local { 10 } else { 30 }),
+        deadline_ms: a.deadline_ms.unwrap_or(if local { 10_000 } else { 2_000 }),
+        slots: a.slots.unwrap_or(if local { 1 } else { 2 }),
+        rate: a.rate.unwrap_or(if local { 1.0 } else { 8.0 }),
+        min_runtime_ms: a
+            .min_runtime_ms
+            .unwrap_or(if local { 3_000 } else { a.sim_latency_ms }),
+    };
+    if p.jobs == 0 || p.slots == 0 || !(p.rate > 0.0) {
         bail!("--jobs and --slots must be at least 1, and --rate positive");
     }
+    Ok(p)
+}
+
+pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
+    let p = plan(&a)?;
     let broker = ensure_broker(&s.amqp_url).await?;
     let prefix = format!("{}-demo", s.prefix);
     let store_url = match &a.demo_store_url {
@@ -55,7 +79,7 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         }
     };
     let ledger = super::open_ledger(&store_url).await?;
-    let mut cfg = WorkerConfig::new(&prefix, a.slots);
+    let mut cfg = WorkerConfig::new(&prefix, p.slots);
     cfg.name = "demo-worker".into();
     cfg.shutdown_grace = Duration::from_secs(2);
     cfg.topology.apply(&broker).await?;
@@ -70,17 +94,31 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         latency_ms: a.sim_latency_ms,
         ..SimConfig::default()
     })?);
-    let backend: Arc<dyn Backend> = sim.clone();
+    let (backend, model_desc): (Arc<dyn Backend>, String) = match a.backend {
+        DemoBackend::Sim => (
+            sim.clone(),
+            format!("simulated model at {} ms per call", a.sim_latency_ms),
+        ),
+        DemoBackend::Local => {
+            eprintln!("loading the local model …");
+            (
+                super::worker::local(a.model_path.as_deref(), p.slots)?,
+                "SmolLM2-135M-Instruct (local, CPU)".to_owned(),
+            )
+        }
+    };
     let stats = Arc::new(WorkerStats::default());
     println!(
-        "lastcall demo: {} jobs at {}/s, deadline {} ms each, {} model slot(s) at {} ms per call (capacity ≈ {:.1} jobs/s), prefetch {}",
-        a.jobs,
-        a.rate,
-        a.deadline_ms,
-        a.slots,
-        a.sim_latency_ms,
-        a.slots as f64 * 1000.0 / a.sim_latency_ms.max(1) as f64,
-        cfg.prefetch
+        "lastcall demo: {} incident-summary jobs at {}/s, deadline {} ms ({} early pages with {} ms), {} slot(s) of {}, prefetch {}, min runtime {} ms",
+        p.jobs,
+        p.rate,
+        p.deadline_ms,
+        a.early_jobs.min(p.jobs),
+        a.early_deadline_ms,
+        p.slots,
+        model_desc,
+        cfg.prefetch,
+        p.min_runtime_ms
     );
     println!(
         "the worker starts {} ms after the first job (as after a restart)",
@@ -131,7 +169,7 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         admission,
         limits,
     );
-    let bar = ProgressBar::new(a.jobs as u64);
+    let bar = ProgressBar::new(p.jobs as u64);
     bar.set_style(
         ProgressStyle::with_template("{msg:>12} [{bar:40}] {pos}/{len}")
             .expect("valid template")
@@ -139,30 +177,41 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
     );
     bar.set_message("submitting");
     let mut last_expiry = 0;
-    let gap = Duration::from_secs_f64(1.0 / a.rate.max(0.1));
-    let mut tick = tokio::time::interval(gap);
-    for i in 0..a.jobs {
-        tick.tick().await;
+    let mut tick = tokio::time::interval(Duration::from_secs_f64(1.0 / p.rate));
+    for i in 0..p.jobs {
+        let early = i < a.early_jobs;
+        if !early {
+            tick.tick().await; // the early pages go out at once, the rest at the rate
+        }
         let incident = INCIDENTS[i % INCIDENTS.len()];
+        let deadline_ms = if early {
+            a.early_deadline_ms
+        } else {
+            p.deadline_ms
+        };
         let job = NewJob {
             job_id: Some(format!("demo-{:03}", i + 1)),
             kind: "incident.summary".into(),
-            payload: json!({"messages": [
-                {"role": "system", "content": "Summarize the incident for the on-call operator in one sentence."},
-                {"role": "user", "content": incident}
-            ]})
+            payload: json!({
+                "messages": [
+                    {"role": "system", "content": "Summarize the incident for the on-call operator in one short sentence."},
+                    {"role": "user", "content": incident}
+                ],
+                "max_tokens": a.max_tokens
+            })
             .as_object()
             .cloned()
             .expect("object"),
-            deadline: DeadlineSpec::RelativeMs(a.deadline_ms),
-            min_runtime_ms: Some(a.min_runtime_ms.unwrap_or(a.sim_latency_ms)),
+            deadline: DeadlineSpec::RelativeMs(deadline_ms),
+            // An urgent page only needs some budget left; the others need a whole call.
+            min_runtime_ms: (!early).then_some(p.min_runtime_ms),
             trace_id: None,
         };
         let sub = submitter
             .submit(&job, now_ms())
             .await
             .context("submitting a demo job")?;
-        last_expiry = sub.expires_at_ms;
+        last_expiry = last_expiry.max(sub.expires_at_ms);
         bar.inc(1);
     }
     bar.set_position(0);
@@ -177,7 +226,7 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
             .map(|(_, n)| *n)
             .sum();
         bar.set_position(done as u64);
-        if done as usize >= a.jobs || now_ms() > give_up_at {
+        if done as usize >= p.jobs || now_ms() > give_up_at {
             break;
         }
         tokio::time::sleep(Duration::from_millis(100)).await;
@@ -191,7 +240,7 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
 
     let recs = ledger
         .list(&ListFilter {
-            limit: Some(a.jobs as i64 + 10),
+            limit: Some(p.jobs as i64 + 10),
             ..ListFilter::default()
         })
         .await?;
@@ -219,19 +268,17 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         .map(|r| r.backend_calls)
         .sum();
     println!(
-        "model calls: {} in total (backend counter), {} for expired jobs · jobs never received by a worker: {} · unknown: {}",
-        sim.calls(),
+        "model calls: {} in total, {} for expired jobs · jobs never received by a worker: {} · unknown: {}",
+        stats.backend_calls.load(Ordering::Relaxed),
         expired_calls,
         recs.iter()
             .filter(|r| r.state == "expired_before_receive")
             .count(),
         unknown.len()
     );
-    println!(
-        "worker: received {} deliveries, {} model calls started",
-        stats.received.load(Ordering::Relaxed),
-        stats.backend_calls.load(Ordering::Relaxed)
-    );
+    if let Some(tps) = tokens_per_second(&recs) {
+        println!("decode speed: {tps:.1} tokens/s over the completed calls");
+    }
     println!("inspect: lastcall --store-url {store_url} jobs list --state expired_not_started");
     broker.close().await;
     ledger.close().await;
@@ -239,6 +286,16 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         bail!("invariant violated: {expired_calls} model call(s) were made for expired jobs");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Generated tokens per second of call time, over the completed jobs that report usage.
+fn tokens_per_second(recs: &[lastcall_store::JobRecord]) -> Option<f64> {
+    let (tokens, ms) = recs
+        .iter()
+        .filter(|r| r.state == "completed")
+        .filter_map(|r| Some((r.completion_tokens?, r.latency_ms?)))
+        .fold((0i64, 0i64), |(t, m), (a, b)| (t + a, m + b));
+    (tokens > 0 && ms > 0).then(|| tokens as f64 * 1000.0 / ms as f64)
 }
 
 /// Connect to the local broker, starting it where possible.

