@@ -23,6 +23,9 @@ pub struct DlqStats {
     pub recorded: AtomicU64,
     pub kept_existing: AtomicU64,
     pub parked: AtomicU64,
+    /// Dead letters by their broker reason (`expired`, `rejected`, `maxlen`,
+    /// `delivery_limit`, `other`): labels `[reason]`.
+    pub by_reason: crate::stats::LabeledCounter,
 }
 
 /// The dead-letter processor.
@@ -179,6 +182,7 @@ impl DeadLetterProcessor {
             return false;
         };
         self.stats.processed.fetch_add(1, Ordering::Relaxed);
+        (self.stats.by_reason).inc(vec![reason.label().to_owned()]);
         if written {
             self.stats.recorded.fetch_add(1, Ordering::Relaxed);
         } else {

@@ -164,6 +164,9 @@ impl Worker {
             shutdown: CancellationToken::new(),
             nonce,
         };
+        ctx.stats
+            .metrics
+            .attach(ctx.slots.clone(), ctx.cfg.slots.max(1), ctx.cfg.prefetch);
         Ok(Self {
             ctx: Arc::new(ctx),
             broker,
@@ -328,6 +331,12 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
     if let Ok(e) = &parsed {
         span.record("expires_at_ms", e.deadline().expires_at_ms());
     }
+    ctx.stats.metrics.observe_receipt(
+        parsed.as_ref().ok().map(|e| e.deadline().created_at_ms()),
+        incoming.attempt,
+        incoming.timestamp_s,
+        received_at_ms,
+    );
     let attempt_key = format!("{}:{}:{}", ctx.cfg.name, ctx.nonce, incoming.delivery_tag);
     let job = Job {
         incoming,
@@ -412,6 +421,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let checked_at_ms = ctx.clock.now_ms();
     job.checked_at_ms = Some(checked_at_ms);
     tracing::Span::current().record("checked_at_ms", checked_at_ms);
+    (ctx.stats.metrics.consumer_dwell).observe_ms(checked_at_ms - job.received_at_ms);
     let budget_ms = match last_check(&ctx, &env, checked_at_ms) {
         Disposition::Run { budget_ms } => budget_ms,
         other => {
@@ -419,6 +429,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             return settle(&ctx, job, other, None).await;
         }
     };
+    (ctx.stats.metrics.remaining_budget).observe_ms(budget_ms as i64);
 
     // Durable "started" row first: makes crash loops countable (poison detection).
     let start = AttemptStart {
@@ -459,6 +470,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     WorkerStats::add(&ctx.stats.running, 1);
     let call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
     WorkerStats::add(&ctx.stats.running, -1);
+    (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
     drop(permit);
     let finished_at_ms = ctx.clock.now_ms();
     job.finished_at_ms = Some(finished_at_ms);
@@ -660,6 +672,11 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
             Some(true) => {
                 if let Some(t) = &terminal {
                     ctx.stats.count_state(t.state.as_str());
+                    (ctx.stats.metrics).count_outcome(
+                        t.state.as_str(),
+                        &rec.kind,
+                        t.reason.as_deref(),
+                    );
                     tracing::info!(
                         state = t.state.as_str(),
                         reason = t.reason.as_deref().unwrap_or(""),

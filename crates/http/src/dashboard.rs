@@ -1,0 +1,183 @@
+//! The live dashboard: a static page (`assets/dashboard.html`, no CDN, no data in it)
+//! and the JSON it polls, `GET /v1/dashboard`: where work waits right now, outcomes per
+//! minute, dwell histograms and dead letters by reason.
+
+use crate::AppState;
+use crate::error::ApiError;
+use crate::metrics::sample_value;
+use axum::Json;
+use axum::extract::{Query, State};
+use axum::response::Html;
+use lastcall_core::State as JobState;
+use lastcall_store::JobRecord;
+use lastcall_worker::stats::DWELL_BUCKETS_MS;
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use std::collections::BTreeMap;
+use std::sync::Arc;
+
+/// The page. It holds no data: it reads the bearer token from the URL fragment
+/// (`/#token=…`, never sent to the server) or asks for it, then polls the JSON.
+pub async fn page() -> Html<&'static str> {
+    Html(include_str!("../assets/dashboard.html"))
+}
+
+#[derive(Debug, Deserialize)]
+pub struct DashQuery {
+    minutes: Option<i64>,
+}
+
+/// `GET /v1/dashboard?minutes=15`.
+pub async fn data(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<DashQuery>,
+) -> Result<Json<Value>, ApiError> {
+    let minutes = q.minutes.unwrap_or(15);
+    if !(1..=1440).contains(&minutes) {
+        return Err(ApiError::bad(
+            "minutes",
+            "invalid_field",
+            "`minutes` must be from 1 to 1440",
+        ));
+    }
+    let now = state.clock.now_ms();
+    let since = now - minutes * 60_000;
+    let records = state
+        .ledger
+        .records_since(since)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let counts = state
+        .ledger
+        .counts_by_state()
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    let depths = match &state.depth {
+        Some(p) => p.depths().await,
+        None => Vec::new(),
+    };
+    let work = depths.iter().find(|d| d.queue == state.names.work_queue);
+    let dead = depths.iter().find(|d| d.queue == state.names.dead_queue);
+    let (waiting, running) = scrape_workers(&state).await;
+    let ledger_count = |s: &str| {
+        counts
+            .iter()
+            .find(|(st, _)| st == s)
+            .map(|(_, n)| *n)
+            .unwrap_or(0)
+    };
+    let mut summary = summarize(&records, since, now);
+    summary.insert(
+        "waiting".into(),
+        json!({
+            "broker_ready": work.and_then(|d| d.ready),
+            "broker_unacked": work.and_then(|d| d.unacked),
+            "waiting_for_slot": waiting,
+            "running": running,
+            "running_in_ledger": ledger_count("running"),
+            "accepted_in_ledger": ledger_count("accepted"),
+            "dead_queue_ready": dead.and_then(|d| d.ready),
+            "depth_source": work.map(|d| d.source),
+            "workers_scraped": state.worker_metrics.len(),
+        }),
+    );
+    summary.insert("queues".into(), json!(depths));
+    summary.insert(
+        "ledger_totals".into(),
+        Value::Object(counts.iter().map(|(s, n)| (s.clone(), json!(n))).collect()),
+    );
+    summary.insert("now_ms".into(), json!(now));
+    summary.insert("window_minutes".into(), json!(minutes));
+    Ok(Json(Value::Object(summary)))
+}
+
+/// Sum the waiting and running gauges of the worker metrics endpoints; `None` when no
+/// endpoint is configured or none answered.
+async fn scrape_workers(state: &AppState) -> (Option<i64>, Option<i64>) {
+    let mut answered = false;
+    let (mut waiting, mut running) = (0i64, 0i64);
+    for url in &state.worker_metrics {
+        let Ok(resp) = state.http_client.get(url).send().await else {
+            continue;
+        };
+        let Ok(text) = resp.text().await else {
+            continue;
+        };
+        answered = true;
+        waiting += sample_value(&text, "lastcall_worker_jobs_waiting").unwrap_or(0.0) as i64;
+        running += sample_value(&text, "lastcall_worker_jobs_running").unwrap_or(0.0) as i64;
+    }
+    if answered {
+        (Some(waiting), Some(running))
+    } else {
+        (None, None)
+    }
+}
+
+/// Outcomes in the window (totals and per minute, by state), dwell histograms from the
+/// ledger's timestamps, and dead letters by reason (outcomes the dead-letter processor
+/// recorded). Pure: the records and the window are arguments.
+pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<String, Value> {
+    let terminal: Vec<&'static str> = JobState::ALL
+        .iter()
+        .filter(|s| s.is_terminal())
+        .map(|s| s.as_str())
+        .collect();
+    let mut totals: BTreeMap<&str, u64> = terminal.iter().map(|s| (*s, 0)).collect();
+    let first_minute = since_ms.div_euclid(60_000);
+    let last_minute = now_ms.div_euclid(60_000);
+    let mut per_minute: BTreeMap<i64, BTreeMap<&str, u64>> = (first_minute..=last_minute)
+        .map(|m| (m, BTreeMap::new()))
+        .collect();
+    let mut queue_dwell = vec![0u64; DWELL_BUCKETS_MS.len() + 1];
+    let mut consumer_dwell = vec![0u64; DWELL_BUCKETS_MS.len() + 1];
+    let mut dead: BTreeMap<String, u64> = BTreeMap::new();
+    for r in records {
+        let Some(state) = terminal.iter().find(|s| **s == r.state) else {
+            continue;
+        };
+        *totals.entry(state).or_default() += 1;
+        if let Some(at) = r.recorded_at_ms {
+            *per_minute
+                .entry(at.div_euclid(60_000))
+                .or_default()
+                .entry(state)
+                .or_default() += 1;
+        }
+        if let (Some(c), Some(rcv)) = (r.created_at_ms, r.received_at_ms)
+            && !r.worker.as_deref().unwrap_or("").starts_with("dlq:")
+        {
+            queue_dwell[bucket(rcv - c)] += 1;
+        }
+        if let (Some(rcv), Some(chk)) = (r.received_at_ms, r.checked_at_ms) {
+            consumer_dwell[bucket(chk - rcv)] += 1;
+        }
+        if r.worker.as_deref().unwrap_or("").starts_with("dlq:") {
+            *dead
+                .entry(r.reason.clone().unwrap_or_else(|| "none".into()))
+                .or_default() += 1;
+        }
+    }
+    let timeline: Vec<Value> = per_minute
+        .iter()
+        .map(|(m, c)| json!({ "minute_start_ms": m * 60_000, "counts": c }))
+        .collect();
+    let mut out = Map::new();
+    out.insert("outcomes".into(), json!(totals));
+    out.insert("timeline".into(), json!(timeline));
+    out.insert(
+        "dwell".into(),
+        json!({
+            "bounds_ms": DWELL_BUCKETS_MS,
+            "queue": queue_dwell,
+            "consumer": consumer_dwell,
+        }),
+    );
+    out.insert("dead_letters".into(), json!(dead));
+    out
+}
+
+fn bucket(ms: i64) -> usize {
+    let v = ms.max(0) as u64;
+    DWELL_BUCKETS_MS.partition_point(|b| *b < v)
+}

@@ -1,0 +1,108 @@
+//! The one error type of the HTTP API. Every error is a JSON body
+//! `{"error": code, "field": name-or-null, "message": text}`; internals are logged, never
+//! sent.
+
+use axum::Json;
+use axum::http::StatusCode;
+use axum::response::{IntoResponse, Response};
+use serde_json::json;
+
+#[derive(Debug, thiserror::Error)]
+pub enum ApiError {
+    /// 400: a field is missing, of the wrong type or out of range.
+    #[error("{message}")]
+    BadField {
+        field: String,
+        code: String,
+        message: String,
+    },
+    /// 401: no or a wrong bearer token.
+    #[error("missing or invalid bearer token")]
+    Unauthorized,
+    /// 404.
+    #[error("no job `{0}`")]
+    NotFound(String),
+    /// 409: the job id was accepted before with a different payload.
+    #[error(
+        "job `{0}` was already accepted with a different payload; use a new job id for new work"
+    )]
+    Conflict(String),
+    /// 413: the body exceeds the limit.
+    #[error("the request body exceeds {limit} bytes")]
+    TooLarge { limit: usize },
+    /// 422: the deadline has already passed (after the clock margin); nothing was published.
+    #[error("{message}")]
+    Expired { field: String, message: String },
+    /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
+    #[error("{0}")]
+    Unavailable(String),
+    /// 500: logged in full, answered without detail.
+    #[error("internal error")]
+    Internal(String),
+}
+
+impl ApiError {
+    pub fn bad(field: &str, code: &str, message: impl Into<String>) -> Self {
+        ApiError::BadField {
+            field: field.to_owned(),
+            code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    pub fn status(&self) -> StatusCode {
+        match self {
+            ApiError::BadField { .. } => StatusCode::BAD_REQUEST,
+            ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::NotFound(_) => StatusCode::NOT_FOUND,
+            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
+            ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+        }
+    }
+
+    fn code(&self) -> &str {
+        match self {
+            ApiError::BadField { code, .. } => code,
+            ApiError::Unauthorized => "unauthorized",
+            ApiError::NotFound(_) => "not_found",
+            ApiError::Conflict(_) => "job_id_conflict",
+            ApiError::TooLarge { .. } => "body_too_large",
+            ApiError::Expired { .. } => "already_expired",
+            ApiError::Unavailable(_) => "broker_unavailable",
+            ApiError::Internal(_) => "internal",
+        }
+    }
+
+    fn field(&self) -> Option<&str> {
+        match self {
+            ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
+            ApiError::Conflict(_) => Some("job_id"),
+            _ => None,
+        }
+    }
+}
+
+impl IntoResponse for ApiError {
+    fn into_response(self) -> Response {
+        if let ApiError::Internal(detail) = &self {
+            tracing::error!(error = %detail, "internal error answering an HTTP request");
+        }
+        let status = self.status();
+        let body = json!({
+            "error": self.code(),
+            "field": self.field(),
+            "message": self.to_string(),
+        });
+        let mut resp = (status, Json(body)).into_response();
+        if status == StatusCode::UNAUTHORIZED {
+            resp.headers_mut().insert(
+                axum::http::header::WWW_AUTHENTICATE,
+                axum::http::HeaderValue::from_static("Bearer"),
+            );
+        }
+        resp
+    }
+}

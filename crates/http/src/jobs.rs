@@ -1,0 +1,280 @@
+//! `POST /v1/jobs`, `GET /v1/jobs/{id}`, `GET /v1/jobs?state=…&kind=…`.
+
+use crate::AppState;
+use crate::error::ApiError;
+use axum::Json;
+use axum::body::Body;
+use axum::extract::{Path, Query, State};
+use axum::http::{HeaderMap, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use lastcall_core::State as JobState;
+use lastcall_store::ListFilter;
+use lastcall_worker::submit::payload_hash;
+use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
+use serde::Deserialize;
+use serde_json::{Map, Value, json};
+use std::sync::Arc;
+
+/// `POST /v1/jobs`: validate, stamp the deadline, publish with confirm, record `accepted`.
+pub async fn create(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Body,
+) -> Result<Response, ApiError> {
+    let limit = state.max_body_bytes;
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::TooLarge { limit });
+    }
+    let bytes = axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::TooLarge { limit })?;
+    let job = parse_request(&bytes)?;
+    let now = state.clock.now_ms();
+    let env = state.submitter.envelope(&job, now).map_err(submit_error)?;
+    let job_id = env.job_id().to_string();
+
+    // The same id again: the same payload is answered idempotently without a second
+    // publish; a different payload is a conflict.
+    if job.job_id.is_some()
+        && let Some(existing) = state
+            .ledger
+            .payload_hash(&job_id)
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?
+    {
+        if existing != payload_hash(&env.payload) {
+            return Err(ApiError::Conflict(job_id));
+        }
+        let rec = state
+            .ledger
+            .get(&job_id)
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+        let body = json!({
+            "job_id": job_id,
+            "state": rec.as_ref().map(|r| r.state.clone()),
+            "expires_at_ms": rec.as_ref().and_then(|r| r.expires_at_ms),
+            "duplicate": true,
+        });
+        return Ok(accepted(&job_id, body));
+    }
+
+    match state.submitter.submit_envelope(&env, None, now).await {
+        Ok(s) => Ok(accepted(
+            &s.job_id,
+            json!({
+                "job_id": s.job_id,
+                "state": "accepted",
+                "created_at_ms": s.created_at_ms,
+                "expires_at_ms": s.expires_at_ms,
+                "ttl_ms": s.ttl_ms,
+            }),
+        )),
+        Err(SubmitError::Ledger(e)) => {
+            // Published and confirmed: the job will run. Say so rather than invite a retry.
+            tracing::error!(job_id = %job_id, error = %e, "published, but recording `accepted` failed");
+            Ok(accepted(
+                &job_id,
+                json!({
+                    "job_id": job_id,
+                    "state": "accepted",
+                    "expires_at_ms": env.deadline().expires_at_ms(),
+                    "ledger_recorded": false,
+                    "warning": "published and confirmed, but the ledger write failed; reconciliation cannot see this job",
+                }),
+            ))
+        }
+        Err(e) => Err(submit_error(e)),
+    }
+}
+
+fn accepted(job_id: &str, body: Value) -> Response {
+    let mut resp = (StatusCode::ACCEPTED, Json(body)).into_response();
+    if let Ok(v) = format!("/v1/jobs/{job_id}").parse() {
+        resp.headers_mut().insert(header::LOCATION, v);
+    }
+    resp
+}
+
+fn submit_error(e: SubmitError) -> ApiError {
+    match e {
+        SubmitError::Invalid(r) => ApiError::bad(
+            r.field.unwrap_or("body"),
+            r.reason.as_str(),
+            r.message.clone(),
+        ),
+        SubmitError::Expired { .. } => ApiError::Expired {
+            field: "expires_at_ms".into(),
+            message: e.to_string(),
+        },
+        SubmitError::Publish(p) => ApiError::Unavailable(format!("not accepted: {p}")),
+        SubmitError::Ledger(l) => ApiError::Internal(l.to_string()),
+    }
+}
+
+/// The request body of `POST /v1/jobs`, checked field by field so that errors name the
+/// field.
+pub fn parse_request(body: &[u8]) -> Result<NewJob, ApiError> {
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| ApiError::bad("body", "invalid_json", format!("not valid JSON: {e}")))?;
+    let Value::Object(mut o) = v else {
+        return Err(ApiError::bad(
+            "body",
+            "not_an_object",
+            "the body must be a JSON object",
+        ));
+    };
+    let job_id = opt_string(&mut o, "job_id")?;
+    let kind = opt_string(&mut o, "kind")?
+        .ok_or_else(|| ApiError::bad("kind", "missing_field", "`kind` is required"))?;
+    let payload = match o.remove("payload") {
+        Some(Value::Object(p)) => p,
+        None => {
+            return Err(ApiError::bad(
+                "payload",
+                "missing_field",
+                "`payload` is required (a JSON object)",
+            ));
+        }
+        Some(_) => {
+            return Err(ApiError::bad(
+                "payload",
+                "invalid_field",
+                "`payload` must be a JSON object",
+            ));
+        }
+    };
+    let deadline_ms = opt_u64(&mut o, "deadline_ms")?;
+    let expires_at_ms = opt_u64(&mut o, "expires_at_ms")?;
+    let deadline = match (deadline_ms, expires_at_ms) {
+        (Some(0), None) => {
+            return Err(ApiError::bad(
+                "deadline_ms",
+                "invalid_field",
+                "`deadline_ms` must be positive",
+            ));
+        }
+        (Some(ms), None) => DeadlineSpec::RelativeMs(ms),
+        (None, Some(at)) => DeadlineSpec::AbsoluteMs(i64::try_from(at).map_err(|_| {
+            ApiError::bad(
+                "expires_at_ms",
+                "invalid_field",
+                "`expires_at_ms` is too large",
+            )
+        })?),
+        (Some(_), Some(_)) => {
+            return Err(ApiError::bad(
+                "deadline_ms",
+                "invalid_field",
+                "give either `deadline_ms` (a budget from now) or `expires_at_ms` (absolute), not both",
+            ));
+        }
+        (None, None) => {
+            return Err(ApiError::bad(
+                "deadline_ms",
+                "missing_field",
+                "a deadline is required: `deadline_ms` (a budget from now) or `expires_at_ms` (ms since the epoch)",
+            ));
+        }
+    };
+    Ok(NewJob {
+        job_id,
+        kind,
+        payload,
+        deadline,
+        min_runtime_ms: opt_u64(&mut o, "min_runtime_ms")?,
+        trace_id: opt_string(&mut o, "trace_id")?,
+    })
+}
+
+fn opt_string(o: &mut Map<String, Value>, field: &str) -> Result<Option<String>, ApiError> {
+    match o.remove(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(Value::String(s)) => Ok(Some(s)),
+        Some(_) => Err(ApiError::bad(
+            field,
+            "invalid_field",
+            format!("`{field}` must be a string"),
+        )),
+    }
+}
+
+fn opt_u64(o: &mut Map<String, Value>, field: &str) -> Result<Option<u64>, ApiError> {
+    match o.remove(field) {
+        None | Some(Value::Null) => Ok(None),
+        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+            ApiError::bad(
+                field,
+                "invalid_field",
+                format!("`{field}` must be a non-negative integer"),
+            )
+        }),
+    }
+}
+
+/// `GET /v1/jobs/{id}`.
+pub async fn show(
+    State(state): State<Arc<AppState>>,
+    Path(id): Path<String>,
+) -> Result<Response, ApiError> {
+    match state
+        .ledger
+        .get(&id)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?
+    {
+        Some(rec) => Ok(Json(rec).into_response()),
+        None => Err(ApiError::NotFound(id)),
+    }
+}
+
+#[derive(Debug, Deserialize)]
+pub struct ListQuery {
+    state: Option<String>,
+    kind: Option<String>,
+    limit: Option<String>,
+}
+
+/// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100).
+pub async fn list(
+    State(state): State<Arc<AppState>>,
+    Query(q): Query<ListQuery>,
+) -> Result<Response, ApiError> {
+    if let Some(s) = &q.state
+        && s.parse::<JobState>().is_err()
+    {
+        let names: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
+        return Err(ApiError::bad(
+            "state",
+            "invalid_field",
+            format!("unknown state `{s}`; one of {}", names.join(", ")),
+        ));
+    }
+    let limit = match q.limit.as_deref() {
+        None => 100,
+        Some(l) => match l.parse::<i64>() {
+            Ok(n) if (1..=1000).contains(&n) => n,
+            _ => {
+                return Err(ApiError::bad(
+                    "limit",
+                    "invalid_field",
+                    "`limit` must be an integer from 1 to 1000",
+                ));
+            }
+        },
+    };
+    let recs = state
+        .ledger
+        .list(&ListFilter {
+            state: q.state,
+            kind: q.kind,
+            limit: Some(limit),
+        })
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))?;
+    Ok(Json(json!({ "jobs": recs, "count": recs.len() })).into_response())
+}

@@ -1,0 +1,211 @@
+//! The HTTP surface of lastcall — the only crate that knows axum.
+//!
+//! # Layout
+//! - [`app`]: the router of `lastcall serve`: the job ingress API (`/v1/jobs`), the
+//!   dashboard (`/` and `/v1/dashboard`), `/metrics`, `/openapi.json` and `/healthz`.
+//!   Tests call it without a socket.
+//! - [`metrics_app`]: `/metrics` and `/healthz` alone, for `lastcall worker --metrics-addr`.
+//! - `jobs.rs`: the ingress handlers; `error.rs`: the one error type ([`ApiError`]) that
+//!   becomes a JSON response naming the field; `auth.rs`: bearer tokens (constant time).
+//! - [`metrics`]: the Prometheus text format, rendered by hand with bounded labels.
+//! - [`depth`]: broker queue depths (management API, else a passive declare).
+//! - [`dashboard`]: the page and its JSON.
+//!
+//! **Boundary:** handlers only call `lastcall_worker::Submitter` (validate, stamp,
+//! publish with confirm, record `accepted`) and read the ledger; they make no decision of
+//! their own about deadlines.
+
+pub mod auth;
+pub mod dashboard;
+pub mod depth;
+mod error;
+mod jobs;
+pub mod metrics;
+
+pub use auth::{Token, TokenError};
+pub use error::ApiError;
+pub use jobs::parse_request;
+pub use metrics::{HttpStats, MetricsSource};
+
+use axum::Router;
+use axum::extract::{MatchedPath, Request, State};
+use axum::http::header;
+use axum::middleware::{self, Next};
+use axum::response::{IntoResponse, Response};
+use axum::routing::get;
+use lastcall_broker::Names;
+use lastcall_store::Ledger;
+use lastcall_worker::{Clock, Submitter};
+use std::net::SocketAddr;
+use std::sync::Arc;
+use tokio_util::sync::CancellationToken;
+
+/// The OpenAPI 3 document of the API (hand-written; validated by the tests).
+pub const OPENAPI: &str = include_str!("../assets/openapi.json");
+
+/// Everything the handlers share.
+pub struct AppState {
+    pub submitter: Submitter,
+    pub ledger: Arc<Ledger>,
+    pub clock: Arc<dyn Clock>,
+    pub token: Token,
+    pub names: Names,
+    /// Largest accepted request body, in bytes (`413` above it).
+    pub max_body_bytes: usize,
+    /// Broker queue depths for `/metrics` and the dashboard.
+    pub depth: Option<depth::DepthProbe>,
+    /// Worker `/metrics` URLs the dashboard sums for "waiting for a slot" and "running".
+    pub worker_metrics: Vec<String>,
+    /// What `/metrics` renders besides the HTTP counters.
+    pub metrics: MetricsSource,
+    pub http_stats: Arc<HttpStats>,
+    pub http_client: reqwest::Client,
+}
+
+impl std::fmt::Debug for AppState {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("AppState")
+            .field("names", &self.names)
+            .field("max_body_bytes", &self.max_body_bytes)
+            .finish_non_exhaustive()
+    }
+}
+
+impl AppState {
+    /// A state with the defaults for the optional parts.
+    pub fn new(
+        submitter: Submitter,
+        ledger: Arc<Ledger>,
+        clock: Arc<dyn Clock>,
+        token: Token,
+        names: Names,
+    ) -> Self {
+        let http_stats = Arc::new(HttpStats::default());
+        Self {
+            submitter,
+            metrics: MetricsSource {
+                ledger: Some(ledger.clone()),
+                http: Some(http_stats.clone()),
+                ..MetricsSource::default()
+            },
+            ledger,
+            clock,
+            token,
+            names,
+            max_body_bytes: 1_048_576,
+            depth: None,
+            worker_metrics: Vec::new(),
+            http_stats,
+            http_client: reqwest::Client::builder()
+                .timeout(std::time::Duration::from_secs(2))
+                .build()
+                .unwrap_or_default(),
+        }
+    }
+}
+
+/// The router of `lastcall serve`. Every route but `/healthz` and the data-free page `/`
+/// needs the bearer token.
+pub fn app(state: Arc<AppState>) -> Router {
+    let protected = Router::new()
+        .route("/v1/jobs", get(jobs::list).post(jobs::create))
+        .route("/v1/jobs/{id}", get(jobs::show))
+        .route("/v1/dashboard", get(dashboard::data))
+        .route("/metrics", get(metrics_handler))
+        .route("/openapi.json", get(openapi))
+        .route_layer(middleware::from_fn_with_state(
+            state.clone(),
+            auth::require_token,
+        ));
+    Router::new()
+        .route("/healthz", get(healthz))
+        .route("/", get(dashboard::page))
+        .merge(protected)
+        .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .layer(middleware::from_fn_with_state(
+            state.clone(),
+            count_responses,
+        ))
+        .with_state(state)
+}
+
+/// `/metrics` and `/healthz` only, without auth: for a worker's `--metrics-addr`, which
+/// should listen on a loopback or otherwise private address.
+pub fn metrics_app(source: MetricsSource) -> Router {
+    Router::new()
+        .route(
+            "/metrics",
+            get(|State(s): State<Arc<MetricsSource>>| async move { exposition(s.render().await) }),
+        )
+        .route("/healthz", get(healthz))
+        .with_state(Arc::new(source))
+}
+
+/// Serve `router` on `addr` until `stop` fires. Returns the bound address through
+/// `bound` (useful with port 0).
+pub async fn serve(
+    addr: SocketAddr,
+    router: Router,
+    stop: CancellationToken,
+    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
+) -> std::io::Result<()> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let local = listener.local_addr()?;
+    tracing::info!(addr = %local, "HTTP listening");
+    if let Some(tx) = bound {
+        let _ = tx.send(local);
+    }
+    axum::serve(listener, router)
+        .with_graceful_shutdown(async move { stop.cancelled().await })
+        .await
+}
+
+async fn healthz() -> &'static str {
+    "ok\n"
+}
+
+async fn openapi() -> Response {
+    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+}
+
+async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {
+    let mut source = state.metrics.clone();
+    if source.depth.is_none() {
+        source.depth = state.depth.clone();
+    }
+    exposition(source.render().await)
+}
+
+fn exposition(text: String) -> Response {
+    (
+        [(
+            header::CONTENT_TYPE,
+            "text/plain; version=0.0.4; charset=utf-8",
+        )],
+        text,
+    )
+        .into_response()
+}
+
+/// Count responses by matched route pattern (bounded) and status.
+async fn count_responses(State(state): State<Arc<AppState>>, req: Request, next: Next) -> Response {
+    let route = req
+        .extensions()
+        .get::<MatchedPath>()
+        .map(|p| p.as_str().to_owned())
+        .unwrap_or_else(|| "unmatched".into());
+    let is_post_jobs = route == "/v1/jobs" && req.method() == axum::http::Method::POST;
+    let resp = next.run(req).await;
+    let status = resp.status();
+    if is_post_jobs && status == axum::http::StatusCode::ACCEPTED {
+        state
+            .http_stats
+            .accepted
+            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    }
+    state
+        .http_stats
+        .responses
+        .inc(vec![route, status.as_u16().to_string()]);
+    resp
+}

@@ -1,0 +1,419 @@
+//! The HTTP ingress against the real RabbitMQ and a real ledger: every error code, auth,
+//! the OpenAPI document, and one request over a real socket.
+
+mod common;
+
+use axum::http::StatusCode;
+use common::*;
+use lastcall_worker::clock::now_ms;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+fn job(id: &str) -> Value {
+    json!({
+        "job_id": id,
+        "kind": "incident.summary",
+        "deadline_ms": 60_000,
+        "payload": {"messages": [{"role": "user", "content": "summarize"}]},
+    })
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auth_is_required_on_every_route_but_health_and_the_page() {
+    let env = Env::new("auth").await;
+    let app = env.app().await;
+    for (method, uri) in [
+        ("POST", "/v1/jobs"),
+        ("GET", "/v1/jobs"),
+        ("GET", "/v1/jobs/x"),
+        ("GET", "/v1/dashboard"),
+        ("GET", "/metrics"),
+        ("GET", "/openapi.json"),
+    ] {
+        let (s, body) = call(&app, method, uri, None, Some(b"{}".to_vec())).await;
+        assert_eq!(
+            s,
+            StatusCode::UNAUTHORIZED,
+            "{method} {uri} without a token"
+        );
+        assert_eq!(body["error"], "unauthorized");
+        let (s, _) = call(&app, method, uri, Some("test-token-0123456780"), None).await;
+        assert_eq!(
+            s,
+            StatusCode::UNAUTHORIZED,
+            "{method} {uri} with a wrong token"
+        );
+    }
+    assert_eq!(
+        call(&app, "GET", "/healthz", None, None).await.0,
+        StatusCode::OK
+    );
+    let (s, page) = call(&app, "GET", "/", None, None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(page.as_str().unwrap().contains("<title>lastcall"));
+    // The page carries no data: no ledger numbers without the token.
+    assert!(!page.as_str().unwrap().contains("completed\":"));
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn post_publishes_with_confirm_records_accepted_and_reads_back() {
+    let env = Env::new("post").await;
+    let app = env.app().await;
+    let before = now_ms();
+    let (s, body) = post(&app, &job("h1")).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(body["job_id"], "h1");
+    assert_eq!(body["state"], "accepted");
+    let exp = body["expires_at_ms"].as_i64().unwrap();
+    assert!(exp >= before + 60_000 && exp <= now_ms() + 60_000);
+    assert!(body["ttl_ms"].as_u64().unwrap() <= 60_000);
+    // In the work queue and in the ledger.
+    let ready = lastcall_broker::topology::queue_depth(&env.broker, &env.topo.names.work_queue)
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(ready, 1);
+    let rec = env.ledger.get("h1").await.unwrap().unwrap();
+    assert_eq!(rec.state, "accepted");
+    assert_eq!(rec.expires_at_ms, Some(exp));
+
+    let (s, got) = call(&app, "GET", "/v1/jobs/h1", Some(TOKEN), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(got["state"], "accepted");
+    assert_eq!(got["kind"], "incident.summary");
+
+    // Absolute deadline, generated id.
+    let at = now_ms() + 30_000;
+    let (s, body) = post(
+        &app,
+        &json!({"kind": "code.answer", "expires_at_ms": at, "payload": {"q": 1}}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{body}");
+    assert_eq!(body["expires_at_ms"], at);
+    let generated = body["job_id"].as_str().unwrap().to_owned();
+    assert!(generated.starts_with("job-"));
+
+    let (s, list) = call(
+        &app,
+        "GET",
+        "/v1/jobs?state=accepted&kind=code.answer",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(list["count"], 1);
+    assert_eq!(list["jobs"][0]["job_id"], generated.as_str());
+    let (_, list) = call(&app, "GET", "/v1/jobs?state=accepted", Some(TOKEN), None).await;
+    assert_eq!(list["count"], 2);
+
+    // The same id with the same payload: idempotent, not published twice.
+    let (s, again) = post(&app, &job("h1")).await;
+    assert_eq!(s, StatusCode::ACCEPTED);
+    assert_eq!(again["duplicate"], true);
+    let ready = lastcall_broker::topology::queue_depth(&env.broker, &env.topo.names.work_queue)
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(ready, 2, "h1 once, the generated job once");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_error_code_names_its_field() {
+    let env = Env::new("errors").await;
+    let app = env.app().await;
+    let bad = |body: Value, field: &'static str| (body, field);
+    let cases = [
+        bad(json!({"deadline_ms": 1000, "payload": {}}), "kind"),
+        bad(
+            json!({"kind": "Bad Kind!", "deadline_ms": 1000, "payload": {}}),
+            "kind",
+        ),
+        bad(
+            json!({"kind": 7, "deadline_ms": 1000, "payload": {}}),
+            "kind",
+        ),
+        bad(json!({"kind": "k", "deadline_ms": 1000}), "payload"),
+        bad(
+            json!({"kind": "k", "deadline_ms": 1000, "payload": [1]}),
+            "payload",
+        ),
+        bad(json!({"kind": "k", "payload": {}}), "deadline_ms"),
+        bad(
+            json!({"kind": "k", "deadline_ms": -5, "payload": {}}),
+            "deadline_ms",
+        ),
+        bad(
+            json!({"kind": "k", "deadline_ms": 1000, "expires_at_ms": 5, "payload": {}}),
+            "deadline_ms",
+        ),
+        bad(
+            json!({"kind": "k", "deadline_ms": 1000, "payload": {}, "job_id": "no spaces"}),
+            "job_id",
+        ),
+        bad(
+            json!({"kind": "k", "deadline_ms": 900_000_000, "payload": {}}),
+            "expires_at_ms",
+        ),
+        bad(
+            json!({"kind": "k", "deadline_ms": 1000, "payload": {}, "min_runtime_ms": "x"}),
+            "min_runtime_ms",
+        ),
+    ];
+    for (body, field) in cases {
+        let (s, e) = post(&app, &body).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{body} → {e}");
+        assert_eq!(e["field"], field, "{body} → {e}");
+        assert!(e["message"].as_str().is_some_and(|m| !m.is_empty()));
+    }
+    let (s, e) = call(
+        &app,
+        "POST",
+        "/v1/jobs",
+        Some(TOKEN),
+        Some(b"{not json".to_vec()),
+    )
+    .await;
+    assert_eq!(
+        (s, e["error"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("invalid_json"))
+    );
+    let (s, e) = call(&app, "GET", "/v1/jobs?state=nope", Some(TOKEN), None).await;
+    assert_eq!(
+        (s, e["field"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("state"))
+    );
+    let (s, _) = call(&app, "GET", "/v1/jobs/missing", Some(TOKEN), None).await;
+    assert_eq!(s, StatusCode::NOT_FOUND);
+
+    // 413: a body over the limit, with and without a Content-Length that says so.
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.max_body_bytes = 1024;
+    let small = lastcall_http::app(Arc::new(state));
+    let mut big = job("big");
+    big["payload"]["pad"] = json!("x".repeat(4096));
+    let (s, e) = post(&small, &big).await;
+    assert_eq!(s, StatusCode::PAYLOAD_TOO_LARGE);
+    assert_eq!(e["error"], "body_too_large");
+
+    // 409: the same id with another payload.
+    assert_eq!(post(&app, &job("dup")).await.0, StatusCode::ACCEPTED);
+    let mut other = job("dup");
+    other["payload"] = json!({"messages": [{"role": "user", "content": "something else"}]});
+    let (s, e) = post(&app, &other).await;
+    assert_eq!(s, StatusCode::CONFLICT, "{e}");
+    assert_eq!(e["field"], "job_id");
+
+    // 422: already expired (inside the clock margin), never published.
+    let (s, e) = post(
+        &app,
+        &json!({"job_id": "late", "kind": "k", "expires_at_ms": now_ms() + 50, "payload": {}}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(e["error"], "already_expired");
+    assert_eq!(e["field"], "expires_at_ms");
+    assert!(env.ledger.get("late").await.unwrap().is_none());
+
+    env.cleanup().await;
+}
+
+/// 503: the broker did not confirm the publish (a full quorum queue with
+/// `reject-publish` nacks it); the job is not recorded as accepted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_refusal_is_503_and_not_accepted() {
+    let env = Env::with_topology("nack", |t| {
+        t.queue_type = lastcall_broker::QueueType::Quorum;
+        t.max_length = Some(1);
+    })
+    .await;
+    let app = env.app().await;
+    let mut refused = None;
+    for i in 0..5 {
+        let id = format!("q{i}");
+        let (s, e) = post(&app, &job(&id)).await;
+        if s == StatusCode::SERVICE_UNAVAILABLE {
+            assert_eq!(e["error"], "broker_unavailable", "{e}");
+            assert!(e["message"].as_str().unwrap().contains("nack"), "{e}");
+            refused = Some(id);
+            break;
+        }
+        assert_eq!(s, StatusCode::ACCEPTED, "{e}");
+    }
+    let id = refused.expect("a full queue refuses a publish within 5 jobs");
+    assert!(
+        env.ledger.get(&id).await.unwrap().is_none(),
+        "not recorded as accepted"
+    );
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn openapi_document_is_valid_and_covers_the_routes() {
+    let env = Env::new("openapi").await;
+    let app = env.app().await;
+    let (s, doc) = call(&app, "GET", "/openapi.json", Some(TOKEN), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert!(doc["openapi"].as_str().unwrap().starts_with("3."));
+    assert!(doc["info"]["title"].is_string() && doc["info"]["version"].is_string());
+    for path in [
+        "/v1/jobs",
+        "/v1/jobs/{id}",
+        "/v1/dashboard",
+        "/metrics",
+        "/openapi.json",
+        "/healthz",
+        "/",
+    ] {
+        let item = doc["paths"][path]
+            .as_object()
+            .unwrap_or_else(|| panic!("{path} documented"));
+        for (method, op) in item {
+            assert!(["get", "post"].contains(&method.as_str()));
+            assert!(
+                op["responses"].as_object().is_some_and(|r| !r.is_empty()),
+                "{path} {method}"
+            );
+        }
+    }
+    let post = &doc["paths"]["/v1/jobs"]["post"]["responses"];
+    for code in ["202", "400", "401", "409", "413", "422", "503"] {
+        assert!(post[code].is_object(), "POST /v1/jobs documents {code}");
+    }
+    // Every $ref resolves.
+    fn refs(v: &Value, out: &mut Vec<String>) {
+        match v {
+            Value::Object(o) => {
+                if let Some(Value::String(r)) = o.get("$ref") {
+                    out.push(r.clone());
+                }
+                o.values().for_each(|v| refs(v, out));
+            }
+            Value::Array(a) => a.iter().for_each(|v| refs(v, out)),
+            _ => {}
+        }
+    }
+    let mut all = Vec::new();
+    refs(&doc, &mut all);
+    assert!(!all.is_empty());
+    for r in all {
+        let ptr = r.strip_prefix('#').expect("local ref");
+        assert!(doc.pointer(ptr).is_some(), "{r} resolves");
+    }
+    env.cleanup().await;
+}
+
+/// The OpenAPI document passes `openapi-spec-validator` (PyPI), installed in a venv under
+/// `${LASTCALL_CACHE:-$HOME/.cache/lastcall}`.
+#[test]
+fn openapi_document_passes_openapi_spec_validator() {
+    let cache = std::env::var("LASTCALL_CACHE")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|_| {
+            std::path::PathBuf::from(std::env::var("HOME").unwrap()).join(".cache/lastcall")
+        });
+    let venv = cache.join("openapi-venv");
+    let py = venv.join("bin/python");
+    let ok = |c: &mut std::process::Command| c.status().map(|s| s.success()).unwrap_or(false);
+    if !py.exists() {
+        std::fs::create_dir_all(&cache).unwrap();
+        assert!(
+            ok(std::process::Command::new("python3")
+                .args(["-m", "venv"])
+                .arg(&venv)),
+            "python3 -m venv failed (Debian: apt-get install python3-venv)"
+        );
+    }
+    let have = std::process::Command::new(&py)
+        .args(["-c", "import openapi_spec_validator"])
+        .status()
+        .map(|s| s.success())
+        .unwrap_or(false);
+    if !have {
+        assert!(
+            ok(std::process::Command::new(&py).args([
+                "-m",
+                "pip",
+                "install",
+                "-q",
+                "openapi-spec-validator"
+            ])),
+            "pip install openapi-spec-validator failed"
+        );
+    }
+    let file = std::env::temp_dir().join(format!("lastcall-openapi-{}.json", std::process::id()));
+    std::fs::write(&file, lastcall_http::OPENAPI).unwrap();
+    let out = std::process::Command::new(&py)
+        .args(["-c", "import sys, json; from openapi_spec_validator import validate; validate(json.load(open(sys.argv[1]))); print('valid')"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    let _ = std::fs::remove_file(&file);
+    assert!(
+        out.status.success(),
+        "openapi-spec-validator: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serves_over_a_real_socket() {
+    let env = Env::new("socket").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    let server = tokio::spawn(lastcall_http::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        env.app().await,
+        stop.clone(),
+        Some(tx),
+    ));
+    let addr = rx.await.unwrap();
+    let client = reqwest::Client::new();
+    let health = client
+        .get(format!("http://{addr}/healthz"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(health.status().as_u16(), 200);
+    let resp = client
+        .post(format!("http://{addr}/v1/jobs"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .body(serde_json::to_vec(&job("sock1")).unwrap())
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status().as_u16(), 202);
+    assert_eq!(resp.headers()["location"], "/v1/jobs/sock1");
+    let metrics = client
+        .get(format!("http://{addr}/metrics"))
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("lastcall_http_accepted_total 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("lastcall_ledger_jobs{state=\"accepted\"} 1"),
+        "{metrics}"
+    );
+    assert!(
+        metrics.contains("lastcall_http_responses_total{route=\"/v1/jobs\",status=\"202\"} 1"),
+        "{metrics}"
+    );
+    stop.cancel();
+    server.await.unwrap().unwrap();
+    env.cleanup().await;
+}
