@@ -1,0 +1,186 @@
+//! The worker with the OpenAI-compatible backend against a real llama.cpp server
+//! (llama-cpp-python serving SmolLM2-135M, started by `scripts/llama-server.sh`): outcomes
+//! land in the ledger with text, usage and latency; a deadline shorter than the generation
+//! gives `deadline_exceeded` and frees the server; a server that is down gives retries
+//! inside the budget. One test with sections: the server serves one request at a time.
+
+mod common;
+
+use common::*;
+use lastcall_backend::Backend;
+use lastcall_openai::{OpenAiBackend, OpenAiConfig};
+use lastcall_worker::clock::now_ms;
+use serde_json::json;
+use std::net::TcpListener;
+use std::process::{Command, Stdio};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+fn script() -> std::path::PathBuf {
+    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/llama-server.sh")
+}
+
+fn free_port() -> u16 {
+    TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+struct Server(u16);
+
+impl Drop for Server {
+    fn drop(&mut self) {
+        let _ = Command::new("bash")
+            .arg(script())
+            .args(["stop", &self.0.to_string()])
+            .stdin(Stdio::null())
+            .status();
+    }
+}
+
+fn backend(base_url: &str) -> Arc<dyn Backend> {
+    Arc::new(
+        OpenAiBackend::new(OpenAiConfig::new(base_url, "smollm2").with_max_tokens(16)).unwrap(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_with_a_real_openai_compatible_server() {
+    let port = free_port();
+    let out = Command::new("bash")
+        .arg(script())
+        .args(["start", &port.to_string()])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "could not start the llama.cpp server: run `scripts/llama-server.sh start 8080` to see why"
+    );
+    let _server = Server(port);
+    let base_url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+
+    let env = Env::sqlite("openai").await;
+    let mut cfg = env.worker_config(1, 2);
+    cfg.policy.retry = lastcall_core::RetryPolicy::new(3, 300, vec![300, 5_000]).unwrap();
+    cfg.topology.retry_delays_ms = vec![300, 5_000];
+    cfg.topology.apply(&env.broker).await.unwrap();
+    let topo = cfg.topology.clone();
+    let w = env
+        .start_worker(cfg, backend(&base_url), system_clock())
+        .await;
+    let s = env.submitter(100, true).await;
+
+    // 1. A completion that fits the deadline: completed, text and usage recorded.
+    s.submit(
+        &job_with(
+            "fits",
+            60_000,
+            json!({"prompt": "Say hello.", "max_tokens": 8}),
+        ),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    let r = &env
+        .wait_terminal(&["fits".into()], Duration::from_secs(60))
+        .await[0];
+    assert_eq!(r.state, "completed", "{r:?}");
+    assert!(
+        !r.result.as_deref().unwrap_or("").trim().is_empty(),
+        "generated text is stored"
+    );
+    assert!(
+        r.completion_tokens.unwrap_or(0) > 0,
+        "usage is stored: {r:?}"
+    );
+    assert!(r.latency_ms.unwrap_or(0) > 0);
+    assert_eq!(r.backend_calls, 1);
+
+    // 2. A deadline shorter than the generation: deadline_exceeded, the request aborted,
+    //    and the server free right after (not stuck behind the abandoned generation).
+    s.submit(
+        &job_with(
+            "too-long",
+            1_500,
+            json!({"prompt": "Count from 1 to 500.", "max_tokens": 1000}),
+        ),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    let r = &env
+        .wait_terminal(&["too-long".into()], Duration::from_secs(30))
+        .await[0];
+    assert_eq!(r.state, "deadline_exceeded", "{r:?}");
+    assert!(r.cancel_requested);
+    assert_eq!(r.cancel_confirmed, Some(true));
+    let t0 = Instant::now();
+    s.submit(
+        &job_with(
+            "after",
+            60_000,
+            json!({"prompt": "Say hi.", "max_tokens": 4}),
+        ),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    let r = &env
+        .wait_terminal(&["after".into()], Duration::from_secs(30))
+        .await[0];
+    assert_eq!(r.state, "completed", "{r:?}");
+    assert!(
+        t0.elapsed() < Duration::from_secs(15),
+        "the server was stuck behind the abandoned generation: {:?}",
+        t0.elapsed()
+    );
+    w.stop().await;
+
+    // 3. A server that is down: retryable errors, retried inside the budget, never past it.
+    let mut cfg = env.worker_config(1, 2);
+    cfg.policy.retry = lastcall_core::RetryPolicy::new(3, 300, vec![300, 5_000]).unwrap();
+    cfg.topology.retry_delays_ms = vec![300, 5_000];
+    let down = format!("http://127.0.0.1:{}/v1", free_port());
+    let w = env.start_worker(cfg, backend(&down), system_clock()).await;
+    s.submit(&job("down-long", 60_000), now_ms()).await.unwrap();
+    s.submit(&job("down-short", 2_000), now_ms()).await.unwrap();
+    let recs = env
+        .wait_terminal(
+            &["down-long".into(), "down-short".into()],
+            Duration::from_secs(30),
+        )
+        .await;
+    assert_eq!(
+        (recs[0].state.as_str(), recs[0].reason.as_deref()),
+        ("failed", Some("retries_exhausted")),
+        "{:?}",
+        recs[0]
+    );
+    assert_eq!(recs[0].backend_calls, 3, "three attempts");
+    let attempts = env.ledger.attempts("down-long").await.unwrap();
+    assert_eq!(
+        attempts.iter().map(|a| a.attempt).collect::<Vec<_>>(),
+        [0, 1, 2]
+    );
+    // The short one: retries while they fit, then refused before overshooting its deadline.
+    let short = &recs[1];
+    assert!(
+        matches!(
+            (short.state.as_str(), short.reason.as_deref()),
+            ("expired_not_started", Some("retry:would_overshoot"))
+                | ("failed", Some("retries_exhausted"))
+        ),
+        "{short:?}"
+    );
+    assert!(
+        short.recorded_at_ms.unwrap() <= short.expires_at_ms.unwrap() + 500,
+        "no retry past the deadline: {short:?}"
+    );
+    w.stop().await;
+    topo.delete(&env.broker).await.unwrap();
+    env.cleanup().await;
+}
