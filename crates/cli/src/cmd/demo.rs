@@ -55,7 +55,7 @@ fn plan(a: &DemoArgs) -> Result<Plan> {
             .min_runtime_ms
             .unwrap_or(if local { 3_000 } else { a.sim_latency_ms }),
     };
-    if p.jobs == 0 || p.slots == 0 || !(p.rate > 0.0) {
+    if p.jobs == 0 || p.slots == 0 || p.rate.is_nan() || p.rate <= 0.0 {
         bail!("--jobs and --slots must be at least 1, and --rate positive");
     }
     Ok(p)
