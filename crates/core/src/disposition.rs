@@ -66,10 +66,11 @@ pub enum CallResult {
     Completed,
     /// The call was still running at the deadline and was cancelled.
     DeadlineExceeded,
-    /// The backend reported an error.
+    /// The backend reported an error; `retry_after_ms` is a server's `Retry-After`.
     Failed {
         retryable: bool,
         reason: String,
+        retry_after_ms: Option<u64>,
     },
 }
 
@@ -178,17 +179,21 @@ impl WorkerPolicy {
             CallResult::Failed {
                 retryable: false,
                 reason,
+                ..
             } => Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, reason.clone())),
             CallResult::Failed {
-                retryable: true, ..
+                retryable: true,
+                retry_after_ms,
+                ..
             } => {
-                match self.retry.decide(
+                match self.retry.decide_after(
                     attempt,
                     env.deadline(),
                     env.min_runtime_ms,
                     &self.admission,
                     now_ms,
                     jitter,
+                    retry_after_ms.unwrap_or(0),
                 ) {
                     RetryDecision::Retry {
                         next_attempt,
@@ -331,6 +336,7 @@ mod tests {
         let terminal = CallResult::Failed {
             retryable: false,
             reason: "http_400".into(),
+            retry_after_ms: None,
         };
         assert_eq!(
             p.on_call_result(&e, 0, &terminal, 0, 0.5),
@@ -339,6 +345,7 @@ mod tests {
         let retryable = CallResult::Failed {
             retryable: true,
             reason: "http_503".into(),
+            retry_after_ms: None,
         };
         assert!(matches!(
             p.on_call_result(&e, 0, &retryable, 0, 0.5),
@@ -375,7 +382,7 @@ mod tests {
             if p.on_receipt(&Ok(e.clone()), ReceiptFacts::default(), now) == Disposition::WaitForSlot {
                 prop_assert!(now + unc as i64 + (min_rt as i64) <= expires);
             }
-            let r = CallResult::Failed { retryable: true, reason: "x".into() };
+            let r = CallResult::Failed { retryable: true, reason: "x".into(), retry_after_ms: None };
             if let Disposition::Retry { delay_ms, ttl_ms, .. } = p.on_call_result(&e, attempt, &r, now, jitter) {
                 prop_assert!(now + delay_ms as i64 + unc as i64 + min_rt as i64 <= expires);
                 prop_assert!(ttl_ms as i64 <= expires - now);

@@ -101,10 +101,35 @@ impl RetryPolicy {
         now_ms: i64,
         jitter: f64,
     ) -> RetryDecision {
+        self.decide_after(
+            attempt,
+            deadline,
+            min_runtime_ms,
+            admission,
+            now_ms,
+            jitter,
+            0,
+        )
+    }
+
+    /// [`decide`](Self::decide) with a server's `Retry-After`: the retry waits at least
+    /// `min_delay_ms` (the shortest queue that long, capped by the longest queue), and is
+    /// only made if that wait still fits inside the deadline.
+    #[allow(clippy::too_many_arguments)]
+    pub fn decide_after(
+        &self,
+        attempt: u32,
+        deadline: Deadline,
+        min_runtime_ms: Option<u64>,
+        admission: &AdmissionPolicy,
+        now_ms: i64,
+        jitter: f64,
+        min_delay_ms: u64,
+    ) -> RetryDecision {
         if attempt + 1 >= self.max_attempts {
             return RetryDecision::Exhausted;
         }
-        let queue_index = self.queue_for(self.backoff_ms(attempt, jitter));
+        let queue_index = self.queue_for(self.backoff_ms(attempt, jitter).max(min_delay_ms));
         let delay_ms = self.queue_delays_ms[queue_index];
         let start_at = now_ms.saturating_add(delay_ms as i64);
         if !admission
@@ -163,6 +188,29 @@ mod tests {
             RetryDecision::WouldOvershoot { delay_ms: 5_000 }
         );
         assert_eq!(p.decide(2, d, None, &a, 0, 0.5), RetryDecision::Exhausted);
+    }
+
+    #[test]
+    fn retry_after_is_honoured_only_inside_the_deadline() {
+        let p = RetryPolicy::default();
+        let a = AdmissionPolicy {
+            clock_uncertainty_ms: 0,
+            default_min_runtime_ms: 0,
+        };
+        let d = Deadline::new(0, 20_000);
+        // Backoff alone would pick the 1 s queue; Retry-After 4 s needs the 5 s queue.
+        assert!(matches!(
+            p.decide_after(0, d, None, &a, 0, 0.5, 4_000),
+            RetryDecision::Retry {
+                delay_ms: 5_000,
+                ..
+            }
+        ));
+        // Retry-After 10 s → the 30 s queue, which overshoots a 20 s deadline: no retry.
+        assert_eq!(
+            p.decide_after(0, d, None, &a, 0, 0.5, 10_000),
+            RetryDecision::WouldOvershoot { delay_ms: 30_000 }
+        );
     }
 
     proptest! {

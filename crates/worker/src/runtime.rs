@@ -577,9 +577,16 @@ async fn call_backend(ctx: &Ctx, env: &Envelope, attempt: u32, budget_ms: u64) -
         }
         Some(Err(e)) => {
             call.error = Some(e.to_string());
+            let retry_after_ms = match &e {
+                BackendError::Retryable { retry_after, .. } => {
+                    retry_after.map(|d| d.as_millis() as u64)
+                }
+                _ => None,
+            };
             call.result = CallResult::Failed {
                 retryable: e.is_retryable(),
                 reason: e.reason().to_owned(),
+                retry_after_ms,
             };
         }
         None => {
