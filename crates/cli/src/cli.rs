@@ -94,6 +94,15 @@ pub enum Command {
     /// backend_terminal, unaccounted), the most frequent error messages, and the time from
     /// `created_at` to the recorded outcome per state as p50/p90/p99/max (nearest rank).
     Report(ReportArgs),
+    /// HTTP ingress, Prometheus metrics and the live dashboard
+    ///
+    /// `POST /v1/jobs` validates, stamps the deadline, publishes with confirm and records
+    /// `accepted`; `GET /v1/jobs/{id}` and `GET /v1/jobs?state=…&kind=…` read the ledger;
+    /// `/metrics` (Prometheus), `/` (dashboard), `/openapi.json`, `/healthz`. Every route
+    /// but `/healthz` and the data-free page `/` needs `Authorization: Bearer <token>`; the
+    /// token comes from LASTCALL_HTTP_TOKEN or --token-file, never from a flag. Open the
+    /// dashboard as `http://ADDR/#token=…` (the fragment never reaches the server).
+    Serve(ServeArgs),
     /// Benchmarks on the real broker and ledgers: goodput under overload, ack modes, ledger writes
     ///
     /// `bench goodput` (the headline: useful work at 5× overload for lastcall's deadline
@@ -258,6 +267,10 @@ pub struct WorkerArgs {
     /// Test only: shift this worker's clock by this many ms (clock-skew drills)
     #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
     pub clock_offset_ms: i64,
+    /// Serve Prometheus metrics at http://ADDR/metrics (no auth: bind a private address),
+    /// e.g. 127.0.0.1:9464
+    #[arg(long, value_name = "ADDR")]
+    pub metrics_addr: Option<std::net::SocketAddr>,
 }
 
 /// The OpenAI-compatible backend. The API key is read from an environment variable or a
@@ -453,4 +466,41 @@ pub struct ReportArgs {
     /// Output format
     #[arg(long, value_enum, default_value = "table")]
     pub format: ReportFormat,
+}
+
+/// `lastcall serve` (see the subcommand's help).
+#[derive(Debug, Args)]
+pub struct ServeArgs {
+    /// Address to listen on
+    #[arg(long, default_value = "127.0.0.1:8080")]
+    pub addr: std::net::SocketAddr,
+    /// File holding the bearer token (else the environment variable LASTCALL_HTTP_TOKEN)
+    #[arg(long)]
+    pub token_file: Option<PathBuf>,
+    /// How long to wait for the broker's publisher confirm before answering 503, in ms
+    #[arg(long, default_value_t = 5_000)]
+    pub confirm_timeout_ms: u64,
+    /// Largest accepted request body, in bytes (413 above it)
+    #[arg(long, default_value_t = 1_048_576)]
+    pub max_body_bytes: usize,
+    /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
+    #[arg(long, default_value = "http://127.0.0.1:15672")]
+    pub management_url: String,
+    /// Management API user (the password comes from LASTCALL_MANAGEMENT_PASSWORD, default guest)
+    #[arg(long, default_value = "guest")]
+    pub management_user: String,
+    /// Do not use the management API
+    #[arg(long)]
+    pub no_management: bool,
+    /// A worker's metrics URL (repeatable), e.g. http://127.0.0.1:9464/metrics: the dashboard
+    /// sums their "waiting for a slot" and "running" gauges
+    #[arg(long, value_name = "URL")]
+    pub worker_metrics: Vec<String>,
+    /// Also run the dead-letter processor in this process (its counters go to /metrics)
+    #[arg(long)]
+    pub dlq: bool,
+    #[command(flatten)]
+    pub admission: AdmissionArgs,
+    #[command(flatten)]
+    pub topology: TopologyArgs,
 }

@@ -277,3 +277,34 @@ impl WorkerMetrics {
         self.outcomes.inc(vec![state.to_owned(), kind, reason]);
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn labels_stay_bounded_whatever_producers_send() {
+        let kinds = BoundedLabels::first(3);
+        let labels: std::collections::BTreeSet<String> = (0..100)
+            .map(|i| kinds.label(&format!("kind-{i}")))
+            .collect();
+        assert_eq!(labels.len(), 4, "{labels:?}");
+        assert!(labels.contains("other"));
+        assert_eq!(kinds.label("kind-1"), "kind-1");
+        let only = BoundedLabels::only(&["a"]);
+        assert_eq!(only.label("a"), "a");
+        assert_eq!(only.label("b"), "other");
+    }
+
+    #[test]
+    fn histogram_buckets_are_cumulative() {
+        let h = Histogram::new(&[10, 100]);
+        for v in [-5, 10, 11, 100, 5_000] {
+            h.observe_ms(v);
+        }
+        let s = h.snapshot();
+        assert_eq!(s.cumulative, vec![2, 4, 5]);
+        assert_eq!(s.count, 5);
+        assert_eq!(s.sum_ms, 10 + 11 + 100 + 5_000);
+    }
+}

@@ -6,6 +6,7 @@ mod dlq;
 mod jobs;
 mod reconcile;
 mod report;
+mod serve;
 mod submit;
 mod worker;
 
@@ -47,6 +48,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Dlq(a) => dlq::run(&settings, a).await,
         Command::Reconcile(a) => reconcile::run(&settings, a).await,
         Command::Report(a) => report::run(&settings, a).await,
+        Command::Serve(a) => serve::run(&settings, a).await,
         Command::Bench(c) => bench::run(&settings, c).await,
     }
 }

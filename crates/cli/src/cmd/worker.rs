@@ -23,6 +23,9 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
         offset_ms: a.clock_offset_ms,
     });
     let stats = Arc::new(WorkerStats::default());
+    if let Some(addr) = a.metrics_addr {
+        super::serve::spawn_worker_metrics(addr, s, &cfg.topology, stats.clone()).await?;
+    }
     let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await?;
     let stop = CancellationToken::new();
     let stop2 = stop.clone();

@@ -1,0 +1,143 @@
+//! `lastcall serve`, and the metrics endpoint of `lastcall worker --metrics-addr`.
+
+use crate::cli::ServeArgs;
+use crate::config::Settings;
+use anyhow::{Context, Result};
+use lastcall_broker::{Publisher, Topology};
+use lastcall_http::depth::{DepthProbe, Management, vhost_of};
+use lastcall_http::{AppState, MetricsSource, Token};
+use lastcall_worker::dlq::DeadLetterProcessor;
+use lastcall_worker::{Submitter, SystemClock, WorkerStats};
+use std::net::SocketAddr;
+use std::process::ExitCode;
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
+    let token = Token::load(a.token_file.as_deref(), "LASTCALL_HTTP_TOKEN")?;
+    let topo = super::topology(&s.prefix, &a.topology)?;
+    let broker = super::connect_broker(s).await?;
+    topo.apply(&broker).await?;
+    let ledger = super::open_ledger(&s.store_url).await?;
+    let (admission, limits) = super::admission(&a.admission);
+    let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
+    let submitter = Submitter::new(
+        publisher,
+        topo.names.clone(),
+        Some(ledger.clone()),
+        admission,
+        limits,
+    );
+    let clock = Arc::new(SystemClock::default());
+    let mut state = AppState::new(
+        submitter,
+        ledger.clone(),
+        clock.clone(),
+        token,
+        topo.names.clone(),
+    );
+    state.max_body_bytes = a.max_body_bytes;
+    state.worker_metrics = a.worker_metrics.clone();
+    let management = (!a.no_management).then(|| Management {
+        base_url: a.management_url.clone(),
+        user: a.management_user.clone(),
+        password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
+        vhost: vhost_of(&s.amqp_url),
+    });
+    state.depth = Some(DepthProbe::new(
+        queues(&topo),
+        management,
+        Some(broker.clone()),
+    ));
+    let stop = CancellationToken::new();
+    let mut dlq_task = None;
+    if a.dlq {
+        let dlq = DeadLetterProcessor::build(
+            super::connect_broker(s).await?,
+            ledger.clone(),
+            topo.clone(),
+            clock,
+            false,
+        )
+        .await
+        .map_err(anyhow::Error::msg)?;
+        state.metrics.dlq = Some(dlq.stats.clone());
+        let stop2 = stop.clone();
+        dlq_task = Some(tokio::spawn(async move { dlq.run(stop2, None).await }));
+    }
+    let router = lastcall_http::app(Arc::new(state));
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        stop2.cancel();
+    });
+    eprintln!(
+        "lastcall serve: listening on http://{} (dashboard: http://{}/#token=…)",
+        a.addr, a.addr
+    );
+    lastcall_http::serve(a.addr, router, stop.clone(), None)
+        .await
+        .with_context(|| format!("cannot serve HTTP on {}", a.addr))?;
+    stop.cancel();
+    if let Some(t) = dlq_task
+        && let Ok(Err(e)) = t.await
+    {
+        tracing::warn!(error = %e, "dead-letter processor stopped with an error");
+    }
+    broker.close().await;
+    ledger.close().await;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The topology's queues (a fixed, bounded list for the depth gauges).
+fn queues(topo: &Topology) -> Vec<String> {
+    let n = &topo.names;
+    let mut q = vec![n.work_queue.clone(), n.dead_queue.clone()];
+    q.extend(topo.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
+    q
+}
+
+/// `lastcall worker --metrics-addr`: `/metrics` with the worker's counters, gauges and
+/// histograms plus the depth of the topology's queues, served in the background.
+pub async fn spawn_worker_metrics(
+    addr: SocketAddr,
+    s: &Settings,
+    topo: &Topology,
+    stats: Arc<WorkerStats>,
+) -> Result<()> {
+    let probe_broker = super::connect_broker(s).await?;
+    let management = Management {
+        base_url: "http://127.0.0.1:15672".into(),
+        user: "guest".into(),
+        password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
+        vhost: vhost_of(&s.amqp_url),
+    };
+    let source = MetricsSource {
+        worker: Some(stats),
+        depth: Some(DepthProbe::new(
+            queues(topo),
+            Some(management),
+            Some(probe_broker),
+        )),
+        ..MetricsSource::default()
+    };
+    let listener_check = tokio::net::TcpListener::bind(addr)
+        .await
+        .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
+    drop(listener_check);
+    tokio::spawn(async move {
+        if let Err(e) = lastcall_http::serve(
+            addr,
+            lastcall_http::metrics_app(source),
+            CancellationToken::new(),
+            None,
+        )
+        .await
+        {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    eprintln!("lastcall worker: metrics on http://{addr}/metrics");
+    Ok(())
+}
