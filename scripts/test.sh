@@ -5,6 +5,7 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 scripts/services.sh all
+scripts/setup-browser.sh   # headless Chromium for the dashboard test
 if ! cargo nextest --version >/dev/null 2>&1; then
   echo "[test] installing cargo-nextest" >&2
   cargo install --locked cargo-nextest
