@@ -209,6 +209,23 @@ fn render_worker(w: &WorkerStats, out: &mut String) {
             v,
         );
     }
+    family(
+        out,
+        "lastcall_model_tokens_total",
+        "counter",
+        "Tokens reported by the model backends, by type",
+    );
+    for (ty, c) in [
+        ("prompt", &m.prompt_tokens),
+        ("completion", &m.completion_tokens),
+    ] {
+        sample(
+            out,
+            "lastcall_model_tokens_total",
+            &[("type", ty)],
+            c.load(Ordering::Relaxed),
+        );
+    }
     histogram(
         out,
         "lastcall_queue_dwell_seconds",

@@ -124,6 +124,13 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
         sample_value(&text, "lastcall_model_call_seconds_count").unwrap() as i64,
         calls
     );
+    let tokens: i64 = recs.iter().filter_map(|r| r.completion_tokens).sum();
+    assert!(tokens > 0, "the sim backend reports usage");
+    assert_eq!(
+        sample_value(&text, "lastcall_model_tokens_total{type=\"completion\"}").unwrap() as i64,
+        tokens,
+        "token usage in the metrics matches the ledger"
+    );
     let checked = recs.iter().filter(|r| r.checked_at_ms.is_some()).count() as i64;
     assert_eq!(
         sample_value(&text, "lastcall_consumer_dwell_seconds_count").unwrap() as i64,

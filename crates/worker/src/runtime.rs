@@ -471,6 +471,13 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
+    if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
+        let m = &ctx.stats.metrics;
+        m.prompt_tokens
+            .fetch_add(u.prompt_tokens, std::sync::atomic::Ordering::Relaxed);
+        m.completion_tokens
+            .fetch_add(u.completion_tokens, std::sync::atomic::Ordering::Relaxed);
+    }
     drop(permit);
     let finished_at_ms = ctx.clock.now_ms();
     job.finished_at_ms = Some(finished_at_ms);

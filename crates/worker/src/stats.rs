@@ -206,6 +206,9 @@ pub struct WorkerMetrics {
     pub model_call: Histogram,
     /// Budget left when a job was admitted.
     pub remaining_budget: Histogram,
+    /// Prompt and completion tokens reported by the backends.
+    pub prompt_tokens: AtomicU64,
+    pub completion_tokens: AtomicU64,
     /// Terminal outcomes recorded by this worker: labels `[state, kind, reason]`.
     pub outcomes: LabeledCounter,
     pub kinds: BoundedLabels,
@@ -221,6 +224,8 @@ impl Default for WorkerMetrics {
             consumer_dwell: Histogram::new(DWELL_BUCKETS_MS),
             model_call: Histogram::new(CALL_BUCKETS_MS),
             remaining_budget: Histogram::new(BUDGET_BUCKETS_MS),
+            prompt_tokens: AtomicU64::new(0),
+            completion_tokens: AtomicU64::new(0),
             outcomes: LabeledCounter::default(),
             kinds: BoundedLabels::first(32),
             reasons: BoundedLabels::first(64),
