@@ -150,6 +150,11 @@ impl Topology {
             n.work_queue.clone(),
             n.dead_queue.clone(),
             format!("{}.parked", n.prefix),
+            format!("{}.dead.expired", n.prefix),
+            format!("{}.dead.rejected", n.prefix),
+            format!("{}.dead.maxlen", n.prefix),
+            format!("{}.dead.delivery_limit", n.prefix),
+            format!("{}.dead.other", n.prefix),
         ];
         queues.extend(self.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
         for q in queues {

@@ -424,6 +424,10 @@ pub struct DlqArgs {
     /// before acking them; they are recorded under a synthetic id either way
     #[arg(long)]
     pub park: bool,
+    /// Also copy every dead letter to `{prefix}.dead.<reason>` (expired, rejected, maxlen,
+    /// delivery_limit, other), so format errors can be watched apart from expiries
+    #[arg(long)]
+    pub split_by_reason: bool,
     /// Exit after no dead letter arrived for this many ms (default: run until SIGINT/SIGTERM)
     #[arg(long, value_name = "N")]
     pub idle_exit_ms: Option<u64>,

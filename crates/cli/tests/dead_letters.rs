@@ -66,3 +66,67 @@ async fn dlq_command_records_maxlen_overflow_and_exits_when_idle() {
     );
     env.cleanup().await;
 }
+
+/// `lastcall dlq --split-by-reason`: format errors and expiries land in queues of their
+/// own (after the ledger write), so operators can watch them apart.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn dlq_splits_dead_letters_by_reason() {
+    let env = Env::sqlite("split").await;
+    let sim = sim(0);
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim.clone(), system_clock())
+        .await;
+    let s = env.submitter(0, true).await;
+    // A format error, rejected by the worker to the DLX …
+    let p = lastcall_broker::Publisher::new(&env.broker, std::time::Duration::from_secs(5))
+        .await
+        .unwrap();
+    let props = lastcall_broker::PublishProps {
+        job_id: "garbled".into(),
+        ttl_ms: Some(60_000),
+        attempt: 0,
+        timestamp_s: 0,
+        signature: None,
+    };
+    p.publish(&env.topo.names.jobs_exchange, "k", b"{garbled", &props)
+        .await
+        .unwrap();
+    env.wait_terminal(&["garbled".into()], std::time::Duration::from_secs(10))
+        .await;
+    w.stop().await;
+    // … and an expiry at the broker (no worker running).
+    s.submit(&job("late", 300), now_ms()).await.unwrap();
+    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    let out = env.cli(&[
+        "dlq",
+        "--split-by-reason",
+        "--idle-exit-ms",
+        "800",
+        "--retry-delays-ms",
+        "1000,5000",
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let q = |label: &str| lastcall_worker::dlq::reason_queue(&env.prefix, label);
+    assert_eq!(env.ready(&q("rejected")).await, 1, "the format error");
+    assert_eq!(env.ready(&q("expired")).await, 1, "the expiry");
+    assert_eq!(env.ready(&q("maxlen")).await, 0);
+    assert_eq!(
+        env.ready(&env.topo.names.dead_queue).await,
+        0,
+        "acked after the write and the copy"
+    );
+    assert_eq!(
+        env.ledger.get("late").await.unwrap().unwrap().state,
+        "expired_before_receive"
+    );
+    assert_eq!(
+        env.ledger.get("garbled").await.unwrap().unwrap().state,
+        "rejected"
+    );
+    assert_eq!(sim.calls(), 0);
+    env.cleanup().await;
+}

@@ -37,6 +37,8 @@ pub struct DeadLetterProcessor {
     publisher: Publisher,
     /// Copy malformed dead letters to `{prefix}.parked` before acking them.
     park: bool,
+    /// Copy every dead letter to `{prefix}.dead.{reason}` before acking it.
+    split_by_reason: bool,
     name: String,
     pub stats: Arc<DlqStats>,
 }
@@ -48,6 +50,14 @@ impl std::fmt::Debug for DeadLetterProcessor {
             .finish_non_exhaustive()
     }
 }
+
+/// The per-reason copy queue for a dead-letter reason label, e.g. `lastcall.dead.expired`.
+pub fn reason_queue(prefix: &str, label: &str) -> String {
+    format!("{prefix}.dead.{label}")
+}
+
+/// The reason labels that get a queue of their own with `split_by_reason`.
+pub const REASON_LABELS: [&str; 5] = ["expired", "rejected", "maxlen", "delivery_limit", "other"];
 
 /// The parked queue's name.
 pub fn parked_queue(prefix: &str) -> String {
@@ -79,9 +89,48 @@ impl DeadLetterProcessor {
             clock,
             publisher,
             park,
+            split_by_reason: false,
             name: format!("dlq:{}", crate::runtime::default_worker_name()),
             stats: Arc::new(DlqStats::default()),
         })
+    }
+
+    /// Also copy every dead letter, after recording it, to `{prefix}.dead.{reason}`
+    /// (`expired`, `rejected`, `maxlen`, `delivery_limit`, `other`), so operators can watch
+    /// format errors apart from expiries. Declares those queues.
+    pub async fn split_by_reason(mut self) -> Result<Self, String> {
+        for label in REASON_LABELS {
+            self.topology
+                .declare_plain_queue(
+                    &self.broker,
+                    &reason_queue(&self.topology.names.prefix, label),
+                )
+                .await
+                .map_err(|e| e.to_string())?;
+        }
+        self.split_by_reason = true;
+        Ok(self)
+    }
+
+    /// Copy a dead letter to `queue` with confirm (no expiration: it is kept for people).
+    async fn copy_to(
+        &self,
+        queue: &str,
+        m: &Incoming,
+        job_id: &str,
+        now: i64,
+    ) -> Result<(), String> {
+        let props = PublishProps {
+            job_id: job_id.to_owned(),
+            ttl_ms: None,
+            attempt: m.attempt,
+            timestamp_s: (now / 1000) as u64,
+            signature: None,
+        };
+        self.publisher
+            .publish("", queue, &m.body, &props)
+            .await
+            .map_err(|e| e.to_string())
     }
 
     /// Process dead letters until `stop` fires, or, with `idle_exit`, until no dead letter
@@ -188,28 +237,22 @@ impl DeadLetterProcessor {
         } else {
             self.stats.kept_existing.fetch_add(1, Ordering::Relaxed);
         }
+        let prefix = &self.topology.names.prefix;
+        let mut copies = Vec::new();
         if self.park && parsed.is_err() {
-            let props = PublishProps {
-                job_id: job_id.to_string(),
-                ttl_ms: None,
-                attempt: m.attempt,
-                timestamp_s: (now / 1000) as u64,
-                signature: None,
-            };
-            if let Err(e) = self
-                .publisher
-                .publish(
-                    "",
-                    &parked_queue(&self.topology.names.prefix),
-                    &m.body,
-                    &props,
-                )
-                .await
-            {
-                tracing::error!(error = %e, "parking a malformed dead letter failed; leaving it in the dead-letter queue");
+            copies.push(parked_queue(prefix));
+        }
+        if self.split_by_reason {
+            copies.push(reason_queue(prefix, reason.label()));
+        }
+        for queue in &copies {
+            if let Err(e) = self.copy_to(queue, m, job_id.as_str(), now).await {
+                tracing::error!(error = %e, queue = %queue, "copying a dead letter failed; leaving it in the dead-letter queue");
                 let _ = m.settler.requeue().await;
                 return true;
             }
+        }
+        if self.park && parsed.is_err() {
             self.stats.parked.fetch_add(1, Ordering::Relaxed);
         }
         if let Err(e) = m.settler.ack().await {

@@ -26,6 +26,14 @@ pub async fn run(s: &Settings, a: DlqArgs) -> Result<ExitCode> {
     .await
     .map_err(|e| anyhow!(e))
     .context("cannot start the dead-letter processor")?;
+    let dlq = if a.split_by_reason {
+        dlq.split_by_reason()
+            .await
+            .map_err(|e| anyhow!(e))
+            .context("cannot declare the per-reason queues")?
+    } else {
+        dlq
+    };
     let stats = dlq.stats.clone();
     let stop = CancellationToken::new();
     let stop2 = stop.clone();
