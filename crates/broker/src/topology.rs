@@ -55,6 +55,12 @@ impl Names {
         }
     }
 
+    /// Where retries wait after their delay for the relay to republish them with the
+    /// remaining budget: `lastcall.retry.ready`.
+    pub fn retry_ready_queue(&self) -> String {
+        format!("{}.retry.ready", self.prefix)
+    }
+
     /// The fixed-delay retry queue for `delay_ms`, e.g. `lastcall.retry.5s`.
     pub fn retry_queue(&self, delay_ms: u64) -> String {
         let label = if delay_ms.is_multiple_of(1000) {
@@ -114,11 +120,13 @@ impl Topology {
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(delay_ms as i64),
         );
-        // When the delay is over, the message goes back to the jobs exchange with its
-        // original routing key (the kind). Its own per-message expiration still applies.
+        // When the delay is over the message moves to the retry-ready queue. RabbitMQ strips
+        // `expiration` when it dead-letters, so it is not routed straight back to the jobs
+        // exchange: the worker's retry relay republishes it with the remaining budget.
+        t.insert("x-dead-letter-exchange".into(), long(""));
         t.insert(
-            "x-dead-letter-exchange".into(),
-            long(&self.names.jobs_exchange),
+            "x-dead-letter-routing-key".into(),
+            long(&self.names.retry_ready_queue()),
         );
         t
     }
@@ -135,6 +143,9 @@ impl Topology {
         self.queue(broker, &n.work_queue, self.work_args()).await?;
         self.bind(broker, &n.work_queue, &n.jobs_exchange, "#")
             .await?;
+        let mut ready = FieldTable::default();
+        ready.insert("x-dead-letter-exchange".into(), long(&n.dlx));
+        self.queue(broker, &n.retry_ready_queue(), ready).await?;
         for d in &self.retry_delays_ms {
             self.queue(broker, &n.retry_queue(*d), self.retry_args(*d))
                 .await?;
@@ -150,6 +161,7 @@ impl Topology {
             n.work_queue.clone(),
             n.dead_queue.clone(),
             format!("{}.parked", n.prefix),
+            n.retry_ready_queue(),
             format!("{}.dead.expired", n.prefix),
             format!("{}.dead.rejected", n.prefix),
             format!("{}.dead.maxlen", n.prefix),

@@ -10,7 +10,7 @@ use lastcall_core::{Envelope, EnvelopeLimits, RetryPolicy};
 use lastcall_worker::clock::now_ms;
 use std::time::{Duration, Instant};
 
-/// A body routed back from a retry queue to `lastcall.jobs` lands in the work queue.
+/// A body put in a retry queue; after its delay the relay sends it back to `lastcall.jobs`.
 async fn publish_to_retry_queue(env: &Env, queue: &str, id: &str) {
     let p = Publisher::new(&env.broker, Duration::from_secs(5))
         .await
@@ -42,6 +42,18 @@ async fn a_30s_retry_does_not_hold_back_a_1s_retry() {
     let mut work = IncomingStream::open(&env.broker, &env.topo.names.work_queue, 10, "watch")
         .await
         .unwrap();
+    // The worker's retry relay moves due retries back to the jobs exchange.
+    let relay = lastcall_worker::relay::RetryRelay::build(
+        env.broker.clone(),
+        env.ledger.clone(),
+        env.topo.names.clone(),
+        system_clock(),
+        "test-relay".into(),
+    )
+    .await
+    .unwrap();
+    let relay_stop = tokio_util::sync::CancellationToken::new();
+    let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
     let t0 = Instant::now();
     publish_to_retry_queue(&env, &env.topo.names.retry_queue(30_000), "slow").await;
     publish_to_retry_queue(&env, &env.topo.names.retry_queue(1_000), "fast").await;
@@ -57,7 +69,19 @@ async fn a_30s_retry_does_not_hold_back_a_1s_retry() {
         waited >= Duration::from_millis(900) && waited < Duration::from_millis(3_000),
         "came back after {waited:?}"
     );
-    assert_eq!(m.x_death[0].queue, env.topo.names.retry_queue(1_000));
+    // Republished by the relay with the budget remaining now, not the original total:
+    // RabbitMQ would have stripped the expiration had the retry been dead-lettered back.
+    let ttl: i64 = m
+        .expiration
+        .as_deref()
+        .expect("a relayed retry carries an expiration")
+        .parse()
+        .unwrap();
+    assert!(
+        ttl > 0 && ttl <= body.deadline().expires_at_ms() - now_ms() + 50,
+        "ttl {ttl} exceeds the remaining budget"
+    );
+    assert!(ttl < 120_000, "the original total is never granted again");
     assert_eq!(m.attempt, 1, "the attempt header survives the delay");
     m.settler.ack().await.unwrap();
     // The 30 s retry is still waiting in its own queue.
@@ -68,6 +92,8 @@ async fn a_30s_retry_does_not_hold_back_a_1s_retry() {
             .is_err()
     );
     work.close().await;
+    relay_stop.cancel();
+    relay_task.await.unwrap().unwrap();
     env.cleanup().await;
 }
 
@@ -191,4 +217,56 @@ async fn max_attempts_is_honoured_sqlite() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn max_attempts_is_honoured_postgres() {
     max_attempts(true).await;
+}
+
+/// A retry whose deadline passes during its delay is never republished: the relay records
+/// `expired_not_started` (`retry:deadline_passed`) and the work queue stays empty.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retry_that_expires_during_its_delay_is_recorded_not_relayed() {
+    let env = Env::with_topology("relaystale", false, |t| {
+        t.retry_delays_ms = vec![1_000, 30_000];
+    })
+    .await;
+    let p = Publisher::new(&env.broker, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let now = now_ms();
+    let body = serde_json::json!({"schema_version": 1, "job_id": "stale-retry", "kind": "k",
+        "created_at_ms": now, "expires_at_ms": now + 400, "payload": {}});
+    let props = PublishProps {
+        job_id: "stale-retry".into(),
+        ttl_ms: Some(60_000),
+        attempt: 1,
+        timestamp_s: 0,
+        signature: None,
+    };
+    p.publish(
+        "",
+        &env.topo.names.retry_queue(1_000),
+        &serde_json::to_vec(&body).unwrap(),
+        &props,
+    )
+    .await
+    .unwrap();
+    let sim = sim(0);
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim.clone(), system_clock())
+        .await;
+    let recs = env
+        .wait_terminal(&["stale-retry".into()], Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        (recs[0].state.as_str(), recs[0].reason.as_deref()),
+        ("expired_not_started", Some("retry:deadline_passed"))
+    );
+    assert_eq!(recs[0].expires_at_ms, Some(now + 400), "deadline unchanged");
+    w.stop().await;
+    assert_eq!(queued_work(&env).await, 0, "nothing was republished");
+    assert_eq!(sim.calls(), 0);
+    env.cleanup().await;
+}
+
+async fn queued_work(env: &Env) -> u32 {
+    env.ready(&env.topo.names.work_queue).await
+        + env.ready(&env.topo.names.retry_ready_queue()).await
 }

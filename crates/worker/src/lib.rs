@@ -5,11 +5,13 @@
 //! - [`submit`]: validate, stamp and publish jobs with confirm; record `accepted`.
 //! - [`runtime`]: the worker: bounded local buffer, model slots, the last admission check
 //!   right before the model call, store-then-ack, graceful shutdown.
+//! - [`relay`]: republishes due retries with the remaining budget as their TTL.
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
 
 pub mod clock;
 pub mod dlq;
+pub mod relay;
 pub mod runtime;
 pub mod stats;
 pub mod store_retry;

@@ -186,6 +186,18 @@ impl Worker {
         )
         .await
         .map_err(|e| WorkerError::Setup(e.to_string()))?;
+        // Due retries come back through the relay, with the remaining budget as their TTL.
+        let relay = crate::relay::RetryRelay::build(
+            self.broker.clone(),
+            ctx.ledger.clone(),
+            cfg.topology.names.clone(),
+            ctx.clock.clone(),
+            cfg.name.clone(),
+        )
+        .await
+        .map_err(WorkerError::Setup)?;
+        let relay_stop = CancellationToken::new();
+        let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
         let bytes = Arc::new(Semaphore::new(cfg.max_buffer_bytes.max(1)));
         let mut tasks = JoinSet::new();
         tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, "worker started");
@@ -247,6 +259,12 @@ impl Worker {
         }
         // Graceful shutdown: no new deliveries; waiting jobs go back; running ones get the grace period.
         stream.cancel().await;
+        relay_stop.cancel();
+        match relay_task.await {
+            Ok(Err(e)) => tracing::warn!(error = %e, "the retry relay stopped with an error"),
+            Err(e) => tracing::warn!(error = %e, "the retry relay task failed"),
+            Ok(Ok(())) => {}
+        }
         ctx.shutdown.cancel();
         let grace = tokio::time::sleep(cfg.shutdown_grace);
         tokio::pin!(grace);

@@ -1,0 +1,165 @@
+//! The retry relay: moves retries whose delay is over from `{prefix}.retry.ready` back to
+//! the jobs exchange, with `expiration` = the budget remaining at that moment.
+//!
+//! RabbitMQ strips a message's `expiration` when it dead-letters it, so a retry routed
+//! straight from its delay queue to the work queue would sit there without a broker TTL.
+//! The relay republishes it instead (with confirm, then ack), byte for byte, so the
+//! deadline is unchanged. **Invariant:** stale work is never republished: a retry whose
+//! deadline passed during its delay is recorded as `expired_not_started`
+//! (`retry:deadline_passed`) and acked.
+
+use crate::clock::Clock;
+use crate::store_retry::{StoreHealth, until_stored};
+use lastcall_broker::{Broker, Incoming, IncomingStream, Names, PublishProps, Publisher};
+use lastcall_core::{Envelope, EnvelopeLimits, State};
+use lastcall_store::{Ledger, OutcomeRecord};
+use std::sync::Arc;
+use std::time::Duration;
+use tokio_util::sync::CancellationToken;
+
+/// Republishes due retries with their remaining budget.
+pub struct RetryRelay {
+    broker: Broker,
+    ledger: Arc<Ledger>,
+    names: Names,
+    clock: Arc<dyn Clock>,
+    publisher: Publisher,
+    name: String,
+}
+
+impl std::fmt::Debug for RetryRelay {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RetryRelay")
+            .field("names", &self.names)
+            .finish_non_exhaustive()
+    }
+}
+
+impl RetryRelay {
+    /// The topology (with the retry-ready queue) must already be applied.
+    pub async fn build(
+        broker: Broker,
+        ledger: Arc<Ledger>,
+        names: Names,
+        clock: Arc<dyn Clock>,
+        name: String,
+    ) -> Result<Self, String> {
+        let publisher = Publisher::new(&broker, Duration::from_secs(5))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(Self {
+            broker,
+            ledger,
+            names,
+            clock,
+            publisher,
+            name,
+        })
+    }
+
+    /// Relay until `stop` fires.
+    pub async fn run(self, stop: CancellationToken) -> Result<(), String> {
+        let queue = self.names.retry_ready_queue();
+        let mut stream = IncomingStream::open(
+            &self.broker,
+            &queue,
+            16,
+            &format!("lastcall-relay-{}", std::process::id()),
+        )
+        .await
+        .map_err(|e| e.to_string())?;
+        let health = StoreHealth::default();
+        loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => break,
+                n = stream.next() => n,
+            };
+            match next {
+                None => break,
+                Some(Err(e)) => return Err(e.to_string()),
+                Some(Ok(m)) => {
+                    if !self.handle(&m, &health, &stop).await {
+                        break;
+                    }
+                }
+            }
+        }
+        stream.cancel().await;
+        stream.close().await;
+        Ok(())
+    }
+
+    /// Returns `false` when stopping before the delivery could be settled.
+    async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {
+        let now = self.clock.now_ms();
+        let limits = EnvelopeLimits {
+            horizon_ms: i64::MAX / 4,
+            max_body_bytes: usize::MAX,
+        };
+        let env = match Envelope::parse(&m.body, &limits, now) {
+            Ok(env) => env,
+            Err(e) => {
+                // Only valid envelopes are ever retried; anything else goes to the DLX.
+                tracing::error!(error = %e, "invalid body in the retry-ready queue; dead-lettering it");
+                let _ = m.settler.dead_letter().await;
+                return true;
+            }
+        };
+        let Some(ttl_ms) = env.deadline().broker_ttl_ms(now) else {
+            let rec = OutcomeRecord {
+                attempt_key: format!("relay:{}:{}", env.job_id(), m.attempt),
+                job_id: env.job_id().to_string(),
+                kind: env.kind().to_string(),
+                state: State::ExpiredNotStarted.as_str().into(),
+                reason: Some("retry:deadline_passed".into()),
+                decision: "ack".into(),
+                attempt: m.attempt,
+                created_at_ms: Some(env.deadline().created_at_ms()),
+                expires_at_ms: Some(env.deadline().expires_at_ms()),
+                received_at_ms: Some(now),
+                checked_at_ms: Some(now),
+                recorded_at_ms: now,
+                worker: self.name.clone(),
+                redelivered: m.redelivered,
+                ..OutcomeRecord::default()
+            };
+            if until_stored(health, stop, || {}, || self.ledger.record_outcome(&rec))
+                .await
+                .is_none()
+            {
+                return false;
+            }
+            let _ = m.settler.ack().await;
+            tracing::info!(job_id = %env.job_id(), "retry expired during its delay: recorded, not republished");
+            return true;
+        };
+        let props = PublishProps {
+            job_id: env.job_id().to_string(),
+            ttl_ms: Some(ttl_ms),
+            attempt: m.attempt,
+            timestamp_s: (now / 1000).max(0) as u64,
+            signature: m.signature.clone(),
+        };
+        match self
+            .publisher
+            .publish(
+                &self.names.jobs_exchange,
+                env.kind().as_str(),
+                &m.body,
+                &props,
+            )
+            .await
+        {
+            Ok(()) => {
+                let _ = m.settler.ack().await;
+                tracing::info!(job_id = %env.job_id(), attempt = m.attempt, ttl_ms, "retry relayed to the jobs exchange");
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "relaying a retry was not confirmed; handing it back");
+                tokio::time::sleep(Duration::from_millis(200)).await;
+                let _ = m.settler.requeue().await;
+            }
+        }
+        true
+    }
+}
