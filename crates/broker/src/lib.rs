@@ -6,6 +6,7 @@
 //! - [`publish`]: a confirm-mode publisher: persistent messages, `expiration` from the
 //!   caller's remaining budget, and a confirm awaited as its own step (nack and timeout are
 //!   errors, never "accepted").
+//! - [`management`]: broker policies through the management HTTP API.
 //! - [`consume`]: a manual-ack consumer yielding [`consume::Incoming`] deliveries with the
 //!   attempt header and the parsed `x-death` history, and settle operations that never
 //!   requeue.
@@ -14,6 +15,7 @@
 
 pub mod bench;
 pub mod consume;
+pub mod management;
 pub mod publish;
 pub mod topology;
 

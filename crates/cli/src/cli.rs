@@ -349,7 +349,25 @@ pub enum JobsCommand {
 #[derive(Debug, Subcommand)]
 pub enum TopologyCommand {
     /// Declare exchanges, queues and bindings; harmless to repeat
-    Apply(TopologyArgs),
+    Apply(TopologyApplyArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TopologyApplyArgs {
+    #[command(flatten)]
+    pub topology: TopologyArgs,
+    /// Also set the work queue's dead-lettering, overflow and delivery limit as broker
+    /// policies through the management HTTP API, so operators see and change them in
+    /// RabbitMQ's own tools (credentials and vhost come from the AMQP URL)
+    #[arg(long)]
+    pub policies: bool,
+    /// Base URL of RabbitMQ's management API
+    #[arg(
+        long,
+        env = "LASTCALL_MANAGEMENT_URL",
+        default_value = "http://127.0.0.1:15672"
+    )]
+    pub management_url: String,
 }
 
 #[derive(Debug, Args)]

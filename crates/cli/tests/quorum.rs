@@ -131,3 +131,52 @@ async fn a_full_quorum_queue_nacks_and_the_caller_sees_it() {
     assert!(stderr.contains("full"), "{stderr}");
     env.cleanup().await;
 }
+
+/// `lastcall topology apply --policies` sets the work queue's at-least-once
+/// dead-lettering, overflow and delivery limit as a broker policy through the real
+/// management API; applying twice is harmless.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topology_apply_sets_broker_policies_through_the_management_api() {
+    let env = Env::with_topology("policies", false, |t| {
+        t.queue_type = lastcall_broker::QueueType::Quorum;
+    })
+    .await;
+    for _ in 0..2 {
+        let out = env.cli(&[
+            "topology",
+            "apply",
+            "--queue-type",
+            "quorum",
+            "--retry-delays-ms",
+            "1000,5000",
+            "--policies",
+        ]);
+        assert!(
+            out.status.success(),
+            "{}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(String::from_utf8_lossy(&out.stdout).contains("policies applied"));
+    }
+    let m = lastcall_broker::management::Management::from_amqp_url(AMQP, "http://127.0.0.1:15672");
+    let p = m
+        .policy(&format!("{}-work", env.prefix))
+        .await
+        .unwrap()
+        .expect("the policy exists");
+    assert_eq!(p["definition"]["dead-letter-strategy"], "at-least-once");
+    assert_eq!(p["definition"]["overflow"], "reject-publish");
+    assert_eq!(
+        p["definition"]["dead-letter-exchange"],
+        env.topo.names.dlx.as_str()
+    );
+    assert_eq!(p["apply-to"], "queues");
+    m.delete_policies(&env.topo).await.unwrap();
+    assert!(
+        m.policy(&format!("{}-work", env.prefix))
+            .await
+            .unwrap()
+            .is_none()
+    );
+    env.cleanup().await;
+}

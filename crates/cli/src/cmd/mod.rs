@@ -27,7 +27,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Jobs(c) => jobs::run(&settings, c).await,
         Command::Topology(TopologyCommand::Apply(t)) => {
             let broker = connect_broker(&settings).await?;
-            let topo = topology(&settings.prefix, &t)?;
+            let topo = topology(&settings.prefix, &t.topology)?;
             topo.apply(&broker).await?;
             println!(
                 "topology applied: exchange {} → queue {} (dead letters: {} → {}; retry queues: {})",
@@ -41,6 +41,14 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
                     .collect::<Vec<_>>()
                     .join(", ")
             );
+            if t.policies {
+                let m = lastcall_broker::management::Management::from_amqp_url(
+                    &settings.amqp_url,
+                    &t.management_url,
+                );
+                let names = m.apply_policies(&topo).await?;
+                println!("policies applied: {}", names.join(", "));
+            }
             broker.close().await;
             Ok(ExitCode::SUCCESS)
         }
