@@ -41,7 +41,7 @@ pub struct Global {
     )]
     pub store_url: Option<String>,
     /// Prefix of every exchange and queue name [default: lastcall]
-    #[arg(long, env = "LASTCALL_PREFIX", global = true)]
+    #[arg(long, env = "LASTCALL_PREFIX", global = true, hide_env_values = true)]
     pub prefix: Option<String>,
     /// Config file with the same keys (amqp_url, store_url, prefix) [default: ./lastcall.toml if present]
     #[arg(long, env = "LASTCALL_CONFIG", global = true)]

@@ -1,0 +1,115 @@
+//! `lastcall serve` as an operator runs it: the real binary on a real socket, with the
+//! token from the environment, in front of the real broker and ledger.
+
+mod common;
+
+use common::*;
+use std::process::{Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "serve-test-token-0123456789";
+
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-s", "-o", "-", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_binary_accepts_jobs_over_http_with_auth_and_exposes_metrics() {
+    let env = Env::sqlite("serve").await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut child = env
+        .command()
+        .args([
+            "serve",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--retry-delays-ms",
+            "1000,5000",
+        ])
+        .env("LASTCALL_HTTP_TOKEN", TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    while curl(&[&format!("{base}/healthz")]).0 != 200 {
+        assert!(Instant::now() < until, "serve did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    let auth = format!("Authorization: Bearer {TOKEN}");
+    let body = r#"{"job_id":"http-1","kind":"incident.summary","deadline_ms":60000,"payload":{"prompt":"summarize"}}"#;
+    let (code, _) = curl(&[
+        "-X",
+        "POST",
+        &format!("{base}/v1/jobs"),
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        body,
+    ]);
+    assert_eq!(code, 401, "no token, no job");
+    let (code, resp) = curl(&[
+        "-X",
+        "POST",
+        &format!("{base}/v1/jobs"),
+        "-H",
+        &auth,
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        body,
+    ]);
+    assert_eq!(code, 202, "{resp}");
+    assert!(resp.contains("http-1"), "{resp}");
+    let rec = env
+        .ledger
+        .get("http-1")
+        .await
+        .unwrap()
+        .expect("accepted in the ledger");
+    assert_eq!(rec.state, "accepted");
+    assert_eq!(env.ready(&env.topo.names.work_queue).await, 1, "published");
+    let (code, resp) = curl(&[&format!("{base}/v1/jobs/http-1"), "-H", &auth]);
+    assert_eq!(code, 200, "{resp}");
+    assert!(resp.contains("\"state\":\"accepted\""), "{resp}");
+    let (code, resp) = curl(&[
+        "-X",
+        "POST",
+        &format!("{base}/v1/jobs"),
+        "-H",
+        &auth,
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        r#"{"kind":"Bad Kind","deadline_ms":1000,"payload":{}}"#,
+    ]);
+    assert_eq!(code, 400, "{resp}");
+    assert!(resp.contains("kind"), "the error names the field: {resp}");
+    let (code, metrics) = curl(&[&format!("{base}/metrics"), "-H", &auth]);
+    assert_eq!(code, 200);
+    assert!(metrics.contains("# TYPE"), "{metrics}");
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let until = Instant::now() + Duration::from_secs(10);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+            panic!("serve did not stop on SIGTERM");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    env.cleanup().await;
+}
