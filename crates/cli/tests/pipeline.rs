@@ -126,6 +126,15 @@ async fn a_call_running_at_the_deadline_is_cancelled_as_deadline_exceeded() {
     assert!(recs[1].result.as_deref().unwrap().contains("fast"));
     assert_eq!(sim.calls_for("slow"), 1);
     w.stop().await;
+    // The acked-at trace writes are batched off the hot path and flushed by shutdown.
+    for id in ["slow", "fast"] {
+        let rows = env.ledger.attempts(id).await.unwrap();
+        assert!(rows[0].acked_at_ms.is_some(), "{id}: {rows:?}");
+        assert!(
+            rows[0].acked_at_ms >= rows[0].finished_at_ms,
+            "acked after the call finished"
+        );
+    }
     env.cleanup().await;
 }
 

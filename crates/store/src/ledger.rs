@@ -554,6 +554,25 @@ impl Ledger {
         })
     }
 
+    /// [`mark_acked`](Self::mark_acked) for many attempts in one transaction (one commit):
+    /// the worker batches these best-effort trace writes off its hot path.
+    pub async fn mark_acked_many(&self, acks: &[(String, i64)]) -> Result<(), StoreError> {
+        if acks.is_empty() {
+            return Ok(());
+        }
+        write_tx!(self, "marking attempts acked", |tx| {
+            for (key, at) in acks {
+                sqlx::query(MARK_ACKED)
+                    .bind(key)
+                    .bind(*at)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db("marking attempts acked"))?;
+            }
+        });
+        Ok(())
+    }
+
     /// The job's record, `None` for an unknown id.
     pub async fn get(&self, job_id: &str) -> Result<Option<JobRecord>, StoreError> {
         on_pool!(self, read, |pool| {

@@ -186,6 +186,7 @@ macro_rules! both_backends {
 }
 
 both_backends!(
+    mark_acked_many_sets_every_ack_in_one_write,
     migrations_are_idempotent,
     accepted_then_outcome,
     terminal_outcome_is_written_once,
@@ -1038,4 +1039,27 @@ fn admin_url_rewriting() {
         "postgres://u:p@h/x?sslmode=disable"
     );
     assert_eq!(with_database("postgres://h", "x"), "postgres://h/x");
+}
+
+async fn mark_acked_many_sets_every_ack_in_one_write(db: &TestDb) {
+    let l = &db.ledger;
+    for i in 0..3 {
+        assert!(
+            l.record_outcome(&completed(
+                &format!("m{i}"),
+                &format!("w:c:{i}"),
+                100 + i,
+                "ok"
+            ))
+            .await
+            .unwrap()
+        );
+    }
+    let acks: Vec<(String, i64)> = (0..3).map(|i| (format!("w:c:{i}"), 500 + i)).collect();
+    l.mark_acked_many(&acks).await.unwrap();
+    l.mark_acked_many(&[]).await.unwrap();
+    for i in 0..3 {
+        let rows = l.attempts(&format!("m{i}")).await.unwrap();
+        assert_eq!(rows[0].acked_at_ms, Some(500 + i));
+    }
 }

@@ -9,6 +9,7 @@
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
 
+mod ack_log;
 pub mod clock;
 pub mod dlq;
 pub mod relay;

@@ -115,12 +115,17 @@ struct Ctx {
     /// Fires on shutdown: waiting jobs are handed back, store retries stop.
     shutdown: CancellationToken,
     nonce: String,
+    /// Batched, best-effort `acked_at_ms` trace writes.
+    acks: crate::ack_log::AckLog,
 }
 
 /// A worker, built and ready to run.
 pub struct Worker {
     ctx: Arc<Ctx>,
     broker: Broker,
+    /// Ends the acked-at trace writer once the last delivery is settled.
+    acks_done: CancellationToken,
+    acks_task: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -152,7 +157,10 @@ impl Worker {
             "{:x}",
             crate::clock::now_ms() ^ (std::process::id() as i64) << 20
         );
+        let acks_done = CancellationToken::new();
+        let (acks, acks_task) = crate::ack_log::AckLog::spawn(ledger.clone(), acks_done.clone());
         let ctx = Ctx {
+            acks,
             slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
             cfg,
             ledger,
@@ -170,6 +178,8 @@ impl Worker {
         Ok(Self {
             ctx: Arc::new(ctx),
             broker,
+            acks_done,
+            acks_task,
         })
     }
 
@@ -282,6 +292,13 @@ impl Worker {
             }
         }
         stream.close().await;
+        self.acks_done.cancel();
+        if tokio::time::timeout(Duration::from_secs(5), self.acks_task)
+            .await
+            .is_err()
+        {
+            tracing::warn!("acked-at trace writes did not finish within 5 s");
+        }
         self.broker.close().await;
         tracing::info!(worker = %cfg.name, "worker stopped");
         result
@@ -733,10 +750,7 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
     match settled {
         Ok(()) => {
             WorkerStats::inc(&ctx.stats.settled);
-            let _ = ctx
-                .ledger
-                .mark_acked(&job.attempt_key, ctx.clock.now_ms())
-                .await;
+            ctx.acks.record(job.attempt_key.clone(), ctx.clock.now_ms());
         }
         Err(e) => {
             tracing::warn!(error = %e, "settling failed after the durable write; the broker will redeliver and the duplicate is acked")
