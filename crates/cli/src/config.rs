@@ -64,17 +64,96 @@ pub fn settings(g: &Global) -> Result<Settings> {
     })
 }
 
-pub fn init_tracing(g: &Global) {
-    use tracing_subscriber::EnvFilter;
+/// Keeps the trace exporter alive; dropping it flushes and shuts the exporter down.
+pub struct TracingGuard {
+    #[cfg(feature = "otlp")]
+    provider: Option<opentelemetry_sdk::trace::SdkTracerProvider>,
+}
+
+impl Drop for TracingGuard {
+    fn drop(&mut self) {
+        #[cfg(feature = "otlp")]
+        if let Some(p) = self.provider.take() {
+            let _ = p.shutdown();
+        }
+    }
+}
+
+pub fn init_tracing(g: &Global) -> Result<TracingGuard> {
+    use tracing_subscriber::layer::SubscriberExt;
+    use tracing_subscriber::util::SubscriberInitExt;
+    use tracing_subscriber::{EnvFilter, Layer};
     let default = if g.verbose { "info" } else { "warn" };
     let filter =
         EnvFilter::try_from_env("LASTCALL_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    let builder = tracing_subscriber::fmt()
-        .with_env_filter(filter)
-        .with_writer(std::io::stderr);
-    if g.log_format == "json" {
-        builder.json().init();
+    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    let fmt = if g.log_format == "json" {
+        fmt.json().boxed()
     } else {
-        builder.init();
+        fmt.boxed()
+    };
+    let registry = tracing_subscriber::registry().with(fmt.with_filter(filter));
+    #[cfg(feature = "otlp")]
+    {
+        if let Some(endpoint) = &g.otlp_endpoint {
+            let (layer, provider) = otlp_layer(endpoint)?;
+            registry.with(layer).init();
+            return Ok(TracingGuard {
+                provider: Some(provider),
+            });
+        }
+        registry.init();
+        Ok(TracingGuard { provider: None })
     }
+    #[cfg(not(feature = "otlp"))]
+    {
+        if g.otlp_endpoint.is_some() {
+            anyhow::bail!(
+                "--otlp-endpoint needs a lastcall built with the `otlp` cargo feature (cargo build --features otlp)"
+            );
+        }
+        registry.init();
+        Ok(TracingGuard {})
+    }
+}
+
+/// The OpenTelemetry layer: job spans (at info level and above) exported over OTLP/HTTP.
+#[cfg(feature = "otlp")]
+fn otlp_layer<S>(
+    endpoint: &str,
+) -> Result<(
+    impl tracing_subscriber::Layer<S>,
+    opentelemetry_sdk::trace::SdkTracerProvider,
+)>
+where
+    S: tracing::Subscriber + for<'a> tracing_subscriber::registry::LookupSpan<'a>,
+{
+    use opentelemetry::trace::TracerProvider as _;
+    use opentelemetry_otlp::{Protocol, WithExportConfig};
+    use tracing_subscriber::Layer;
+    let base = endpoint.trim_end_matches('/');
+    let url = if base.ends_with("/v1/traces") {
+        base.to_owned()
+    } else {
+        format!("{base}/v1/traces")
+    };
+    let exporter = opentelemetry_otlp::SpanExporter::builder()
+        .with_http()
+        .with_endpoint(url)
+        .with_protocol(Protocol::HttpBinary)
+        .build()
+        .context("cannot build the OTLP exporter")?;
+    let provider = opentelemetry_sdk::trace::SdkTracerProvider::builder()
+        .with_batch_exporter(exporter)
+        .with_resource(
+            opentelemetry_sdk::Resource::builder()
+                .with_service_name("lastcall")
+                .build(),
+        )
+        .build();
+    let tracer = provider.tracer("lastcall");
+    let layer = tracing_opentelemetry::layer()
+        .with_tracer(tracer)
+        .with_filter(tracing_subscriber::filter::LevelFilter::INFO);
+    Ok((layer, provider))
 }
