@@ -15,6 +15,7 @@
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
+//! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
 
 pub mod admission;
 pub mod deadletter;
@@ -25,6 +26,7 @@ pub mod ids;
 pub mod outcome;
 pub mod report;
 pub mod retry;
+pub mod signature;
 
 pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};
 pub use deadline::Deadline;
@@ -35,3 +37,4 @@ pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
 pub use ids::{JobId, Kind, fingerprint, synthetic_job_id};
 pub use outcome::State;
 pub use retry::{RetryDecision, RetryPolicy};
+pub use signature::SigningKey;
