@@ -255,6 +255,13 @@ pub struct WorkerArgs {
     /// Model calls started for one job after which it is failed as poison
     #[arg(long, default_value_t = 3)]
     pub max_starts: u32,
+    /// Keep every job that passes the receipt check in the local buffer, even when its
+    /// expected wait for a slot (jobs ahead × mean call time ÷ slots) would leave it too
+    /// little budget. By default such a job is refused at once as `expired_not_started`
+    /// (reason `receipt:expected_wait_exceeds_budget`) instead of at the last admission
+    /// check, so that its prefetch place goes to a job that can still make it.
+    #[arg(long)]
+    pub no_wait_refusal: bool,
     /// Worker name recorded in the ledger [default: host:pid]
     #[arg(long)]
     pub name: Option<String>,

@@ -81,6 +81,9 @@ pub struct ReceiptFacts {
     pub already_recorded: bool,
     /// Model calls already started for this job (ledger attempt rows), over all deliveries.
     pub prior_starts: u32,
+    /// How long the job is expected to wait for a model slot ([`crate::wait`]); `0` when
+    /// a slot is free or nothing is known yet.
+    pub expected_wait_ms: u64,
 }
 
 /// The worker's whole decision policy.
@@ -93,6 +96,9 @@ pub struct WorkerPolicy {
     /// Model calls started for one job after which another start is refused as poison
     /// (the worker may have crashed inside each of them).
     pub max_starts: u32,
+    /// Refuse at receipt a job that would no longer pass the admission check after its
+    /// expected wait for a slot ([`ReceiptFacts::expected_wait_ms`]). On by default.
+    pub refuse_on_expected_wait: bool,
 }
 
 impl Default for WorkerPolicy {
@@ -103,6 +109,7 @@ impl Default for WorkerPolicy {
             expired_action: ExpiredAction::Ack,
             retry: RetryPolicy::default(),
             max_starts: 5,
+            refuse_on_expected_wait: true,
         }
     }
 }
@@ -143,7 +150,27 @@ impl WorkerPolicy {
             .check(env.deadline(), env.min_runtime_ms, now_ms)
         {
             Admission::Refuse { refusal, .. } => self.expired(refusal.reason(Stage::Receipt)),
-            Admission::Admit { .. } => Disposition::WaitForSlot,
+            Admission::Admit { .. }
+                if facts.expected_wait_ms == 0 || !self.refuse_on_expected_wait =>
+            {
+                Disposition::WaitForSlot
+            }
+            Admission::Admit { .. } => {
+                // Would it still pass the last admission check once a slot is expected?
+                let then = now_ms
+                    .saturating_add(i64::try_from(facts.expected_wait_ms).unwrap_or(i64::MAX));
+                match self
+                    .admission
+                    .check(env.deadline(), env.min_runtime_ms, then)
+                {
+                    Admission::Admit { .. } => Disposition::WaitForSlot,
+                    Admission::Refuse { .. } => self.expired(format!(
+                        "{}:{}",
+                        Stage::Receipt.as_str(),
+                        EXPECTED_WAIT_REASON
+                    )),
+                }
+            }
         }
     }
 
@@ -219,6 +246,10 @@ impl WorkerPolicy {
     }
 }
 
+/// The second half of the reason `receipt:expected_wait_exceeds_budget`: the budget is
+/// enough now, but not after the expected wait for a slot.
+pub const EXPECTED_WAIT_REASON: &str = "expected_wait_exceeds_budget";
+
 /// The refusal reason used when the clock's sync state forbids admission.
 pub fn clock_unsynced_reason() -> String {
     format!("{}:clock_unsynchronized", Stage::Admission.as_str())
@@ -266,7 +297,7 @@ mod tests {
                 &ok,
                 ReceiptFacts {
                     already_recorded: true,
-                    prior_starts: 0
+                    ..ReceiptFacts::default()
                 },
                 1_000
             ),
@@ -283,8 +314,8 @@ mod tests {
             p.on_receipt(
                 &ok,
                 ReceiptFacts {
-                    already_recorded: false,
-                    prior_starts: 5
+                    prior_starts: 5,
+                    ..ReceiptFacts::default()
                 },
                 0
             ),
@@ -295,6 +326,48 @@ mod tests {
             p.on_receipt(&bad, ReceiptFacts::default(), 0),
             Disposition::RecordThenDeadLetter(Terminal::new(State::Rejected, "invalid_json"))
         );
+    }
+
+    #[test]
+    fn receipt_refuses_when_the_expected_wait_leaves_too_little() {
+        let p = policy();
+        // Deadline 10,000, margin 100: admissible until 9,900 (min runtime 0).
+        let ok = Ok(env(10_000));
+        let waiting = |ms| ReceiptFacts {
+            expected_wait_ms: ms,
+            ..ReceiptFacts::default()
+        };
+        assert_eq!(
+            p.on_receipt(&ok, waiting(800), 9_000),
+            Disposition::WaitForSlot
+        );
+        assert_eq!(
+            p.on_receipt(&ok, waiting(900), 9_000),
+            Disposition::RecordThenAck(Terminal::new(
+                State::ExpiredNotStarted,
+                "receipt:expected_wait_exceeds_budget"
+            ))
+        );
+        // Already too late now: the plain receipt reason wins.
+        assert_eq!(
+            p.on_receipt(&ok, waiting(5_000), 9_950),
+            p.expired("receipt:deadline_passed".into())
+        );
+        // Switched off: only the plain check.
+        let off = WorkerPolicy {
+            refuse_on_expected_wait: false,
+            ..policy()
+        };
+        assert_eq!(
+            off.on_receipt(&ok, waiting(900), 9_000),
+            Disposition::WaitForSlot
+        );
+        // A duplicate stays a duplicate whatever the wait.
+        let dup = ReceiptFacts {
+            already_recorded: true,
+            ..waiting(1_000_000)
+        };
+        assert_eq!(p.on_receipt(&ok, dup, 0), Disposition::AckDuplicate);
     }
 
     #[test]
@@ -388,6 +461,27 @@ mod tests {
                 prop_assert!(ttl_ms as i64 <= expires - now);
             }
             prop_assert_eq!(e, before);
+        }
+
+        /// The expected wait only ever refuses earlier, never admits what the plain
+        /// receipt check refuses; and a job kept waiting passes the check at now + wait.
+        #[test]
+        fn expected_wait_only_tightens_receipt(expires in 0i64..100_000, now in 0i64..100_000, unc in 0u64..1_000, min_rt in 0u64..1_000, wait in 0u64..5_000) {
+            let p = WorkerPolicy {
+                admission: AdmissionPolicy { clock_uncertainty_ms: unc, default_min_runtime_ms: min_rt },
+                ..WorkerPolicy::default()
+            };
+            let e = Ok(env(expires));
+            let plain = p.on_receipt(&e, ReceiptFacts::default(), now);
+            let facts = ReceiptFacts { expected_wait_ms: wait, ..ReceiptFacts::default() };
+            let with_wait = p.on_receipt(&e, facts, now);
+            if with_wait == Disposition::WaitForSlot {
+                prop_assert_eq!(&plain, &Disposition::WaitForSlot);
+                prop_assert!(now + wait as i64 + unc as i64 + min_rt as i64 <= expires);
+            }
+            if plain != Disposition::WaitForSlot {
+                prop_assert_eq!(with_wait, plain);
+            }
         }
     }
 }

@@ -15,6 +15,7 @@
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
+//! - [`wait`]: the expected wait for a model slot, for the refusal at receipt.
 //! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
 
 pub mod admission;
@@ -27,6 +28,7 @@ pub mod outcome;
 pub mod report;
 pub mod retry;
 pub mod signature;
+pub mod wait;
 
 pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};
 pub use deadline::Deadline;

@@ -225,6 +225,151 @@ macro_rules! on_pool {
     };
 }
 
+/// The statements of one attempt start, on an open transaction `$tx`.
+macro_rules! exec_start {
+    ($tx:ident, $start:expr) => {{
+        let start: &AttemptStart = $start;
+        sqlx::query(UPSERT_JOB_RUNNING)
+            .bind(&start.job_id)
+            .bind(&start.kind)
+            .bind(start.created_at_ms)
+            .bind(start.expires_at_ms)
+            .bind(start.received_at_ms)
+            .bind(start.checked_at_ms)
+            .bind(start.started_at_ms)
+            .bind(&start.worker)
+            .execute(&mut *$tx)
+            .await
+            .map_err(db("recording an attempt start"))?;
+        sqlx::query(UPSERT_ATTEMPT_START)
+            .bind(&start.attempt_key)
+            .bind(&start.job_id)
+            .bind(i64::from(start.attempt))
+            .bind(&start.worker)
+            .bind(start.redelivered)
+            .bind(start.received_at_ms)
+            .bind(start.checked_at_ms)
+            .bind(start.started_at_ms)
+            .execute(&mut *$tx)
+            .await
+            .map_err(db("recording an attempt start"))?;
+        sqlx::query(UPDATE_COUNTERS)
+            .bind(&start.job_id)
+            .execute(&mut *$tx)
+            .await
+            .map_err(db("recording an attempt start"))?;
+    }};
+}
+
+/// The statements of one outcome, on an open transaction `$tx`; evaluates to whether it
+/// wrote the job's terminal outcome.
+macro_rules! exec_outcome {
+    ($tx:ident, $rec:expr, $terminal:expr) => {{
+        let rec: &OutcomeRecord = $rec;
+        // The job row first: this locks it (PostgreSQL locks the conflicting row even
+        // when the WHERE rejects the update), which serialises the counters below.
+        let wrote = if $terminal {
+            sqlx::query(UPSERT_JOB_TERMINAL)
+                .bind(&rec.job_id)
+                .bind(&rec.kind)
+                .bind(&rec.state)
+                .bind(&rec.reason)
+                .bind(rec.created_at_ms)
+                .bind(rec.expires_at_ms)
+                .bind(rec.received_at_ms)
+                .bind(rec.checked_at_ms)
+                .bind(rec.started_at_ms)
+                .bind(rec.finished_at_ms)
+                .bind(rec.recorded_at_ms)
+                .bind(non_empty(&rec.worker))
+                .bind(&rec.result)
+                .bind(&rec.error)
+                .bind(rec.prompt_tokens)
+                .bind(rec.completion_tokens)
+                .bind(rec.latency_ms)
+                .bind(rec.cancel_requested)
+                .bind(rec.cancel_confirmed)
+                .execute(&mut *$tx)
+                .await
+                .map_err(db("recording an outcome"))?
+                .rows_affected()
+                > 0
+        } else {
+            sqlx::query(UPSERT_JOB_LIVE)
+                .bind(&rec.job_id)
+                .bind(&rec.kind)
+                .bind(&rec.state)
+                .bind(rec.created_at_ms)
+                .bind(rec.expires_at_ms)
+                .bind(non_empty(&rec.worker))
+                .execute(&mut *$tx)
+                .await
+                .map_err(db("recording an outcome"))?;
+            false
+        };
+        if !rec.attempt_key.is_empty() {
+            sqlx::query(UPSERT_ATTEMPT_OUTCOME)
+                .bind(&rec.attempt_key)
+                .bind(&rec.job_id)
+                .bind(i64::from(rec.attempt))
+                .bind(&rec.worker)
+                .bind(rec.redelivered)
+                .bind(rec.received_at_ms)
+                .bind(rec.checked_at_ms)
+                .bind(rec.started_at_ms)
+                .bind(rec.finished_at_ms)
+                .bind(non_empty(&rec.decision))
+                .bind(&rec.state)
+                .bind(&rec.reason)
+                .bind(rec.model_called)
+                .execute(&mut *$tx)
+                .await
+                .map_err(db("recording an outcome"))?;
+            sqlx::query(UPDATE_COUNTERS)
+                .bind(&rec.job_id)
+                .execute(&mut *$tx)
+                .await
+                .map_err(db("recording an outcome"))?;
+        }
+        wrote
+    }};
+}
+
+/// One write of a [group commit](Ledger::write_batch).
+#[derive(Debug, Clone, PartialEq)]
+pub enum LedgerWrite {
+    /// As [`Ledger::record_start`].
+    Start(AttemptStart),
+    /// As [`Ledger::record_outcome`].
+    Outcome(OutcomeRecord),
+}
+
+impl LedgerWrite {
+    /// The checks [`Ledger::write_batch`] runs before its transaction: a known state name
+    /// and a non-empty `attempt_key`. Callers that batch writes from many tasks run it
+    /// first, so one bad item cannot fail the others' commit.
+    pub fn validate(&self) -> Result<(), StoreError> {
+        match self {
+            LedgerWrite::Start(s) if s.attempt_key.is_empty() => Err(StoreError::Fatal(format!(
+                "attempt start for job `{}` has an empty attempt_key",
+                s.job_id
+            ))),
+            LedgerWrite::Start(_) => Ok(()),
+            LedgerWrite::Outcome(rec) => Self::validate_outcome(rec),
+        }
+    }
+
+    fn validate_outcome(rec: &OutcomeRecord) -> Result<(), StoreError> {
+        if rec.attempt_key.is_empty() {
+            return Err(StoreError::Fatal(format!(
+                "outcome for job `{}` has an empty attempt_key",
+                rec.job_id
+            )));
+        }
+        parse_state(&rec.state).map(|_| ())
+    }
+}
+
 impl Ledger {
     /// Opens the ledger and applies the embedded migrations.
     ///
@@ -399,35 +544,7 @@ impl Ledger {
     pub async fn record_start(&self, start: &AttemptStart) -> Result<(), StoreError> {
         tracing::debug!(job_id = %start.job_id, attempt_key = %start.attempt_key, "record start");
         write_tx!(self, "recording an attempt start", |tx| {
-            sqlx::query(UPSERT_JOB_RUNNING)
-                .bind(&start.job_id)
-                .bind(&start.kind)
-                .bind(start.created_at_ms)
-                .bind(start.expires_at_ms)
-                .bind(start.received_at_ms)
-                .bind(start.checked_at_ms)
-                .bind(start.started_at_ms)
-                .bind(&start.worker)
-                .execute(&mut *tx)
-                .await
-                .map_err(db("recording an attempt start"))?;
-            sqlx::query(UPSERT_ATTEMPT_START)
-                .bind(&start.attempt_key)
-                .bind(&start.job_id)
-                .bind(i64::from(start.attempt))
-                .bind(&start.worker)
-                .bind(start.redelivered)
-                .bind(start.received_at_ms)
-                .bind(start.checked_at_ms)
-                .bind(start.started_at_ms)
-                .execute(&mut *tx)
-                .await
-                .map_err(db("recording an attempt start"))?;
-            sqlx::query(UPDATE_COUNTERS)
-                .bind(&start.job_id)
-                .execute(&mut *tx)
-                .await
-                .map_err(db("recording an attempt start"))?;
+            exec_start!(tx, start);
         });
         Ok(())
     }
@@ -440,12 +557,7 @@ impl Ledger {
     /// kept unchanged) or `rec.state` is not terminal. An unknown state name or an empty
     /// `attempt_key` is `Fatal`.
     pub async fn record_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
-        if rec.attempt_key.is_empty() {
-            return Err(StoreError::Fatal(format!(
-                "outcome for job `{}` has an empty attempt_key",
-                rec.job_id
-            )));
-        }
+        LedgerWrite::validate_outcome(rec)?;
         self.write_outcome(rec).await
     }
 
@@ -465,79 +577,48 @@ impl Ledger {
 
     async fn write_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
         let terminal = parse_state(&rec.state)?.is_terminal();
-        let with_attempt = !rec.attempt_key.is_empty();
         tracing::debug!(job_id = %rec.job_id, state = %rec.state, "record outcome");
         let wrote = write_tx!(self, "recording an outcome", |tx| {
-            // The job row first: this locks it (PostgreSQL locks the conflicting row even
-            // when the WHERE rejects the update), which serialises the counters below.
-            let wrote = if terminal {
-                sqlx::query(UPSERT_JOB_TERMINAL)
-                    .bind(&rec.job_id)
-                    .bind(&rec.kind)
-                    .bind(&rec.state)
-                    .bind(&rec.reason)
-                    .bind(rec.created_at_ms)
-                    .bind(rec.expires_at_ms)
-                    .bind(rec.received_at_ms)
-                    .bind(rec.checked_at_ms)
-                    .bind(rec.started_at_ms)
-                    .bind(rec.finished_at_ms)
-                    .bind(rec.recorded_at_ms)
-                    .bind(non_empty(&rec.worker))
-                    .bind(&rec.result)
-                    .bind(&rec.error)
-                    .bind(rec.prompt_tokens)
-                    .bind(rec.completion_tokens)
-                    .bind(rec.latency_ms)
-                    .bind(rec.cancel_requested)
-                    .bind(rec.cancel_confirmed)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("recording an outcome"))?
-                    .rows_affected()
-                    > 0
-            } else {
-                sqlx::query(UPSERT_JOB_LIVE)
-                    .bind(&rec.job_id)
-                    .bind(&rec.kind)
-                    .bind(&rec.state)
-                    .bind(rec.created_at_ms)
-                    .bind(rec.expires_at_ms)
-                    .bind(non_empty(&rec.worker))
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("recording an outcome"))?;
-                false
-            };
-            if with_attempt {
-                sqlx::query(UPSERT_ATTEMPT_OUTCOME)
-                    .bind(&rec.attempt_key)
-                    .bind(&rec.job_id)
-                    .bind(i64::from(rec.attempt))
-                    .bind(&rec.worker)
-                    .bind(rec.redelivered)
-                    .bind(rec.received_at_ms)
-                    .bind(rec.checked_at_ms)
-                    .bind(rec.started_at_ms)
-                    .bind(rec.finished_at_ms)
-                    .bind(non_empty(&rec.decision))
-                    .bind(&rec.state)
-                    .bind(&rec.reason)
-                    .bind(rec.model_called)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("recording an outcome"))?;
-                sqlx::query(UPDATE_COUNTERS)
-                    .bind(&rec.job_id)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("recording an outcome"))?;
-            }
-            wrote
+            exec_outcome!(tx, rec, terminal)
         });
         if terminal && !wrote {
             tracing::debug!(job_id = %rec.job_id, "terminal outcome already recorded; kept the first");
         }
+        Ok(wrote)
+    }
+
+    /// Group commit: many attempt starts and outcomes in **one** transaction, in order,
+    /// with the same per-item semantics as [`record_start`](Self::record_start) and
+    /// [`record_outcome`](Self::record_outcome). Returns one flag per item (`true`: this
+    /// item wrote the job's terminal outcome). All or nothing: on `Err` no item is stored,
+    /// and the caller must not ack any of them. Every item is validated before the
+    /// transaction opens ([`LedgerWrite::validate`]); one invalid item fails the call.
+    pub async fn write_batch(&self, writes: &[LedgerWrite]) -> Result<Vec<bool>, StoreError> {
+        let mut terminal = Vec::with_capacity(writes.len());
+        for w in writes {
+            w.validate()?;
+            terminal.push(match w {
+                LedgerWrite::Start(_) => false,
+                LedgerWrite::Outcome(rec) => parse_state(&rec.state)?.is_terminal(),
+            });
+        }
+        if writes.is_empty() {
+            return Ok(Vec::new());
+        }
+        tracing::debug!(n = writes.len(), "group commit");
+        let wrote = write_tx!(self, "writing a batch of outcomes", |tx| {
+            let mut wrote = Vec::with_capacity(writes.len());
+            for (w, &terminal) in writes.iter().zip(&terminal) {
+                wrote.push(match w {
+                    LedgerWrite::Start(start) => {
+                        exec_start!(tx, start);
+                        false
+                    }
+                    LedgerWrite::Outcome(rec) => exec_outcome!(tx, rec, terminal),
+                });
+            }
+            wrote
+        });
         Ok(wrote)
     }
 

@@ -22,7 +22,7 @@ mod error;
 mod ledger;
 mod migrate;
 
-pub use ledger::Ledger;
+pub use ledger::{Ledger, LedgerWrite};
 
 use serde::Serialize;
 

@@ -12,8 +12,8 @@ use std::time::{Duration, Instant};
 
 use lastcall_core::State;
 use lastcall_store::{
-    AcceptedJob, AttemptStart, JobRecord, Ledger, ListFilter, OutcomeRecord, ReceiptInfo,
-    StoreError,
+    AcceptedJob, AttemptStart, JobRecord, Ledger, LedgerWrite, ListFilter, OutcomeRecord,
+    ReceiptInfo, StoreError,
 };
 use sqlx::{AssertSqlSafe, Connection, Row};
 
@@ -202,6 +202,8 @@ both_backends!(
     records_since_filters_by_recorded_time,
     concurrent_terminal_writes_have_one_winner,
     invalid_input_is_fatal,
+    group_commit_writes_many_in_one_batch,
+    group_commit_with_an_invalid_item_writes_nothing,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -940,6 +942,67 @@ async fn invalid_input_is_fatal(db: &TestDb) {
         Err(StoreError::Fatal(_))
     ));
     assert_eq!(l.get("j1").await.unwrap(), None, "nothing written");
+}
+
+async fn group_commit_writes_many_in_one_batch(db: &TestDb) {
+    let l = &db.ledger;
+    let batch = vec![
+        LedgerWrite::Start(start("g1", "w1:c1:1", 1, 200)),
+        LedgerWrite::Outcome(OutcomeRecord {
+            reason: Some("receipt:deadline_passed".into()),
+            ..outcome("g2", "w1:c1:2", State::ExpiredNotStarted, 210)
+        }),
+        LedgerWrite::Outcome(completed("g3", "w1:c1:3", 220, "three")),
+        // A second delivery of g3 in the same batch: the first outcome stays.
+        LedgerWrite::Outcome(OutcomeRecord {
+            reason: Some("boom".into()),
+            ..outcome("g3", "w1:c1:4", State::Failed, 230)
+        }),
+        LedgerWrite::Outcome(outcome("g4", "w1:c1:5", State::Running, 240)),
+    ];
+    let wrote = l.write_batch(&batch).await.unwrap();
+    assert_eq!(wrote, vec![false, true, true, false, false]);
+
+    let g1 = must_get(l, "g1").await;
+    assert_eq!(g1.state, "running");
+    assert_eq!((g1.attempts, g1.backend_calls), (1, 1));
+    assert_eq!(must_get(l, "g2").await.state, "expired_not_started");
+    let g3 = must_get(l, "g3").await;
+    assert_eq!(
+        (g3.state.as_str(), g3.result.as_deref()),
+        ("completed", Some("three"))
+    );
+    assert_eq!(g3.attempts, 2, "both deliveries are attempts");
+    assert_eq!(must_get(l, "g4").await.state, "running");
+
+    // The start's outcome in a later batch finishes g1 with one call counted.
+    let later = [LedgerWrite::Outcome(completed("g1", "w1:c1:1", 400, "one"))];
+    assert_eq!(l.write_batch(&later).await.unwrap(), vec![true]);
+    let g1 = must_get(l, "g1").await;
+    assert_eq!((g1.state.as_str(), g1.backend_calls), ("completed", 1));
+    assert_eq!(l.write_batch(&[]).await.unwrap(), Vec::<bool>::new());
+}
+
+async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {
+    let l = &db.ledger;
+    let bad = OutcomeRecord {
+        state: "done".to_owned(),
+        ..outcome("b2", "k2", State::Completed, 10)
+    };
+    assert!(LedgerWrite::Outcome(bad.clone()).validate().is_err());
+    assert!(
+        LedgerWrite::Start(start("b1", "", 1, 5))
+            .validate()
+            .is_err()
+    );
+    let batch = [
+        LedgerWrite::Outcome(completed("b1", "k1", 10, "ok")),
+        LedgerWrite::Outcome(bad),
+    ];
+    let err = l.write_batch(&batch).await.unwrap_err();
+    assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
+    assert!(err.to_string().contains("done"), "{err}");
+    assert_eq!(l.get("b1").await.unwrap(), None, "all or nothing");
 }
 
 // ---------------------------------------------------------------------------------------

@@ -8,9 +8,11 @@
 //! - [`relay`]: republishes due retries with the remaining budget as their TTL.
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
+//! - `committer`: group commit of starts and outcomes (one transaction per batch).
 
 mod ack_log;
 pub mod clock;
+mod committer;
 pub mod dlq;
 pub mod relay;
 pub mod runtime;

@@ -15,7 +15,7 @@ use lastcall_core::disposition::ReceiptFacts;
 use lastcall_core::{
     CallResult, Disposition, Envelope, JobId, RejectError, Terminal, WorkerPolicy, synthetic_job_id,
 };
-use lastcall_store::{AttemptStart, Ledger, OutcomeRecord};
+use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
@@ -45,6 +45,9 @@ pub enum DispatchPolicy {
     Naive,
 }
 
+/// Most starts and outcomes written in one group-commit transaction.
+const GROUP_COMMIT_MAX: usize = 256;
+
 /// The call budget of the reference policies, which have no deadline timeout.
 const UNBOUNDED_BUDGET_MS: u64 = 3_600_000;
 
@@ -73,6 +76,9 @@ pub struct WorkerConfig {
     pub hold_before_admission: Duration,
     /// Benchmark reference only: which deadline checks run (default: all of them).
     pub dispatch_policy: DispatchPolicy,
+    /// When set, a valid envelope whose `x-lastcall-signature` is missing or wrong is
+    /// `rejected`/`bad_signature` (never run), so a producer cannot extend its deadline.
+    pub signing_key: Option<lastcall_core::SigningKey>,
 }
 
 impl WorkerConfig {
@@ -90,6 +96,7 @@ impl WorkerConfig {
             fault: None,
             hold_before_admission: Duration::ZERO,
             dispatch_policy: DispatchPolicy::Deadline,
+            signing_key: None,
         }
     }
 }
@@ -117,6 +124,10 @@ struct Ctx {
     nonce: String,
     /// Batched, best-effort `acked_at_ms` trace writes.
     acks: crate::ack_log::AckLog,
+    /// Group commit of the starts and outcomes that must be durable before a call or an ack.
+    commits: crate::committer::Committer,
+    /// Moving average of model call durations in µs (0: none yet), for the expected wait.
+    mean_call_us: std::sync::atomic::AtomicU64,
 }
 
 /// A worker, built and ready to run.
@@ -159,8 +170,12 @@ impl Worker {
         );
         let acks_done = CancellationToken::new();
         let (acks, acks_task) = crate::ack_log::AckLog::spawn(ledger.clone(), acks_done.clone());
+        let (commits, _writer) =
+            crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX);
         let ctx = Ctx {
             acks,
+            commits,
+            mean_call_us: std::sync::atomic::AtomicU64::new(0),
             slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
             cfg,
             ledger,
@@ -353,6 +368,12 @@ pub(crate) fn job_id_for(
 
 async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
     let parsed = Envelope::parse(&incoming.body, &ctx.cfg.policy.limits, received_at_ms);
+    let parsed = lastcall_core::signature::require_signature(
+        ctx.cfg.signing_key.as_ref(),
+        parsed,
+        &incoming.body,
+        incoming.signature.as_deref(),
+    );
     let job_id = job_id_for(&parsed, incoming.message_id.as_deref(), &incoming.body);
     let span = tracing::info_span!(
         "job",
@@ -402,6 +423,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let facts = ReceiptFacts {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
+        expected_wait_ms: expected_wait_ms(&ctx),
     };
     let mut disposition = ctx
         .cfg
@@ -484,7 +506,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         &ctx.health,
         &ctx.shutdown,
         || WorkerStats::inc(&ctx.stats.store_retries),
-        || ctx.ledger.record_start(&start),
+        || ctx.commits.write(LedgerWrite::Start(start.clone())),
     )
     .await
     .is_none()
@@ -506,6 +528,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
+    observe_call(&ctx, call.latency_ms);
     if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
         let m = &ctx.stats.metrics;
         m.prompt_tokens
@@ -534,6 +557,36 @@ fn last_check(ctx: &Ctx, env: &Envelope, now_ms: i64) -> Disposition {
             budget_ms: UNBOUNDED_BUDGET_MS,
         },
     }
+}
+
+/// The expected wait for a slot of a job received now: jobs already waiting are ahead of
+/// it (the slot semaphore is FIFO). Zero for the benchmark reference policies.
+fn expected_wait_ms(ctx: &Ctx) -> u64 {
+    if ctx.cfg.dispatch_policy != DispatchPolicy::Deadline {
+        return 0;
+    }
+    let ahead = ctx
+        .stats
+        .waiting
+        .load(std::sync::atomic::Ordering::Relaxed)
+        .max(0) as usize;
+    let mean_ms = ctx.mean_call_us.load(std::sync::atomic::Ordering::Relaxed) / 1_000;
+    lastcall_core::wait::expected_wait_ms(
+        ahead,
+        ctx.slots.available_permits(),
+        ctx.cfg.slots,
+        mean_ms,
+    )
+}
+
+/// Fold one call duration into the moving average (weight 1/8).
+fn observe_call(ctx: &Ctx, latency_ms: i64) {
+    let x = latency_ms.max(0) as u64 * 1_000;
+    let _ = ctx.mean_call_us.fetch_update(
+        std::sync::atomic::Ordering::Relaxed,
+        std::sync::atomic::Ordering::Relaxed,
+        |m| Some(if m == 0 { x.max(1) } else { m - m / 8 + x / 8 }),
+    );
 }
 
 /// Whether the core refused a job as expired (what the naive reference policy ignores).
@@ -713,7 +766,7 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
             &ctx.health,
             &ctx.shutdown,
             || WorkerStats::inc(&ctx.stats.store_retries),
-            || ctx.ledger.record_outcome(&rec),
+            || ctx.commits.write(LedgerWrite::Outcome(rec.clone())),
         )
         .await;
         match stored {

@@ -1,0 +1,111 @@
+//! Overload behaviour of the worker against the real broker and ledger: the refusal at
+//! receipt when the expected wait for a slot leaves too little budget, and group commit
+//! (many deliveries finishing together: every one recorded once, then acked).
+
+mod common;
+
+use common::*;
+use lastcall_store::ListFilter;
+use lastcall_worker::clock::now_ms;
+use std::time::Duration;
+
+/// One slot, 400 ms calls. B runs, C and D wait; E arrives with 700 ms of budget. Its
+/// expected wait is three slot releases ≈ 3 × 400 − 200 = 1,000 ms, so with the refusal
+/// on it is refused at once (reason `receipt:expected_wait_exceeds_budget`); with it off
+/// it waits and is refused at the last admission check instead. Never a model call.
+async fn run_wait_scenario(refuse: bool) -> lastcall_store::JobRecord {
+    let env = Env::sqlite(if refuse { "wait-on" } else { "wait-off" }).await;
+    let sim = sim(400);
+    let mut cfg = env.worker_config(1, 16);
+    cfg.policy.refuse_on_expected_wait = refuse;
+    let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
+    let s = env.submitter(100, true).await;
+    // A first call teaches the worker the call duration.
+    s.submit(&job("a", 10_000), now_ms()).await.unwrap();
+    env.wait_terminal(&["a".into()], Duration::from_secs(10))
+        .await;
+    for id in ["b", "c", "d"] {
+        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
+    }
+    // Until B is running and C, D are queued behind it for the one slot.
+    let t0 = std::time::Instant::now();
+    while w.stats.waiting.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "C and D never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    s.submit(&job("e", 700), now_ms()).await.unwrap();
+    let ids: Vec<String> = ["b", "c", "d", "e"].map(String::from).to_vec();
+    let recs = env.wait_terminal(&ids, Duration::from_secs(15)).await;
+    for r in &recs[..3] {
+        assert_eq!(r.state, "completed", "{r:?}");
+    }
+    let e = recs[3].clone();
+    assert_eq!(sim.calls_for("e"), 0, "no model call for E");
+    w.stop().await;
+    env.cleanup().await;
+    e
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_whose_expected_wait_exceeds_its_budget_is_refused_at_receipt() {
+    let e = run_wait_scenario(true).await;
+    assert_eq!(e.state, "expired_not_started");
+    assert_eq!(
+        e.reason.as_deref(),
+        Some("receipt:expected_wait_exceeds_budget")
+    );
+    assert_eq!(e.backend_calls, 0);
+    assert_eq!(
+        e.checked_at_ms, None,
+        "never reached the last admission check"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_wait_refusal_the_same_job_waits_and_is_refused_at_admission() {
+    let e = run_wait_scenario(false).await;
+    assert_eq!(e.state, "expired_not_started");
+    assert!(
+        e.reason.as_deref().unwrap().starts_with("admission:"),
+        "{e:?}"
+    );
+    assert_eq!(e.backend_calls, 0);
+    assert!(e.checked_at_ms.is_some());
+}
+
+/// 300 zero-latency jobs through 16 slots with prefetch 64: many finish together and
+/// share transactions. Every job ends in exactly one outcome, with one model call, and
+/// the queue is empty (every delivery was acked after its write).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn group_commit_records_every_job_once_before_acking() {
+    for postgres in [false, true] {
+        let env = if postgres {
+            Env::postgres("group-pg").await
+        } else {
+            Env::sqlite("group").await
+        };
+        let sim = sim(0);
+        let w = env
+            .start_worker(env.worker_config(16, 64), sim.clone(), system_clock())
+            .await;
+        let s = env.submitter(100, true).await;
+        let ids: Vec<String> = (0..300).map(|i| format!("g{i}")).collect();
+        for id in &ids {
+            s.submit(&job(id, 60_000), now_ms()).await.unwrap();
+        }
+        let recs = env.wait_terminal(&ids, Duration::from_secs(60)).await;
+        assert!(
+            recs.iter()
+                .all(|r| r.state == "completed" && r.backend_calls == 1)
+        );
+        assert_eq!(sim.calls(), 300);
+        let all = env.ledger.list(&ListFilter::default()).await.unwrap();
+        assert_eq!(all.len(), 300);
+        w.stop().await;
+        assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
+        env.cleanup().await;
+    }
+}
