@@ -193,6 +193,11 @@ pub struct SubmitArgs {
     /// Do not record `accepted` in the ledger (reconciliation will not see the job)
     #[arg(long)]
     pub no_ledger: bool,
+    /// Sign every published job with this key (x-lastcall-signature, HMAC-SHA256 over job
+    /// id, deadline and body), for workers started with the same key. A file holding at
+    /// least 32 bytes; else the environment variable LASTCALL_SIGNING_KEY; neither: unsigned
+    #[arg(long, value_name = "FILE")]
+    pub signing_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]
@@ -283,6 +288,12 @@ pub struct WorkerArgs {
     /// e.g. 127.0.0.1:9464
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Require signed jobs: with this key, a job whose x-lastcall-signature is missing or
+    /// does not match its id, deadline and body is recorded `rejected`/`bad_signature`,
+    /// dead-lettered and never run. A file holding at least 32 bytes (the same key as the
+    /// ingress); else the environment variable LASTCALL_SIGNING_KEY; neither: no check
+    #[arg(long, value_name = "FILE")]
+    pub signing_key_file: Option<PathBuf>,
 }
 
 /// The OpenAI-compatible backend. The API key is read from an environment variable or a
@@ -514,6 +525,11 @@ pub struct ServeArgs {
     /// How long to wait for the broker's publisher confirm before answering 503, in ms
     #[arg(long, default_value_t = 5_000)]
     pub confirm_timeout_ms: u64,
+    /// Sign every published job with this key (x-lastcall-signature, HMAC-SHA256 over job
+    /// id, deadline and body), for workers started with the same key. A file holding at
+    /// least 32 bytes; else the environment variable LASTCALL_SIGNING_KEY; neither: unsigned
+    #[arg(long, value_name = "FILE")]
+    pub signing_key_file: Option<PathBuf>,
     /// Largest accepted request body, in bytes (413 above it)
     #[arg(long, default_value_t = 1_048_576)]
     pub max_body_bytes: usize,

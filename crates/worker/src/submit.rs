@@ -3,7 +3,8 @@
 
 use lastcall_broker::{Names, PublishError, PublishProps, Publisher};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
-use lastcall_core::{Deadline, Envelope, EnvelopeLimits, JobId, Kind, RejectError};
+use lastcall_core::signature::{KeyError, sign_envelope};
+use lastcall_core::{Deadline, Envelope, EnvelopeLimits, JobId, Kind, RejectError, SigningKey};
 use lastcall_store::{AcceptedJob, Ledger, StoreError};
 use serde_json::{Map, Value};
 use std::sync::Arc;
@@ -68,12 +69,15 @@ pub struct Submitter {
     ledger: Option<Arc<Ledger>>,
     admission: AdmissionPolicy,
     limits: EnvelopeLimits,
+    /// When set, every publish carries `x-lastcall-signature` (a trusted ingress).
+    signing_key: Option<SigningKey>,
 }
 
 impl std::fmt::Debug for Submitter {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Submitter")
             .field("names", &self.names)
+            .field("signs", &self.signing_key.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -100,7 +104,14 @@ impl Submitter {
             ledger,
             admission,
             limits,
+            signing_key: None,
         }
+    }
+
+    /// Sign every envelope this submitter publishes with `key` (`None`: unsigned).
+    pub fn with_signing_key(mut self, key: Option<SigningKey>) -> Self {
+        self.signing_key = key;
+        self
     }
 
     /// Build the envelope for `job` at `now_ms` (validated like any received body).
@@ -128,7 +139,8 @@ impl Submitter {
         self.submit_envelope(&env, None, now_ms).await
     }
 
-    /// Publish an already-built envelope (e.g. from the HTTP ingress).
+    /// Publish an already-built envelope (e.g. from the HTTP ingress). `signature`
+    /// overrides the one this submitter would compute with its key.
     pub async fn submit_envelope(
         &self,
         env: &Envelope,
@@ -151,6 +163,8 @@ impl Submitter {
             .broker_ttl_ms(now_ms)
             .expect("admitted work has budget left");
         let body = env.to_bytes();
+        let signature = signature
+            .or_else(|| (self.signing_key.as_ref()).map(|key| sign_envelope(key, env, &body)));
         let props = PublishProps {
             job_id: env.job_id().to_string(),
             ttl_ms: Some(ttl_ms),
@@ -202,4 +216,75 @@ fn invalid_field(field: &'static str, msg: &str) -> SubmitError {
         message: msg.to_owned(),
         job_id: None,
     })
+}
+
+/// Why the signing key could not be loaded.
+#[derive(Debug, thiserror::Error)]
+pub enum SigningKeyError {
+    #[error("cannot read the signing key file {path}: {source}")]
+    File {
+        path: String,
+        source: std::io::Error,
+    },
+    #[error("invalid signing key from {from}: {source}")]
+    Invalid { from: String, source: KeyError },
+}
+
+/// The `x-lastcall-signature` key from `file` if given, else the environment variable
+/// `env_var`; `Ok(None)` when neither is set (signing off). A key that is set but empty or
+/// shorter than [`SigningKey::MIN_LEN`] bytes is an error, never silently "off".
+pub fn load_signing_key(
+    file: Option<&std::path::Path>,
+    env_var: &str,
+) -> Result<Option<SigningKey>, SigningKeyError> {
+    let (text, from) = match file {
+        Some(path) => (
+            std::fs::read_to_string(path).map_err(|source| SigningKeyError::File {
+                path: path.display().to_string(),
+                source,
+            })?,
+            format!("--signing-key-file {}", path.display()),
+        ),
+        None => match std::env::var(env_var) {
+            Ok(v) => (v, env_var.to_owned()),
+            Err(_) => return Ok(None),
+        },
+    };
+    SigningKey::new(&text)
+        .map(Some)
+        .map_err(|source| SigningKeyError::Invalid { from, source })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn signing_key_loading_names_the_source() {
+        let dir = std::env::temp_dir().join(format!("lastcall-key-{}", std::process::id()));
+        std::fs::create_dir_all(&dir).unwrap();
+        let unset = "LASTCALL_TEST_UNSET_SIGNING_KEY_VAR";
+        assert!(load_signing_key(None, unset).unwrap().is_none(), "off");
+        let good = dir.join("good");
+        std::fs::write(&good, "0123456789abcdef0123456789abcdef\n").unwrap();
+        let k = load_signing_key(Some(&good), unset).unwrap().unwrap();
+        assert_eq!(
+            k,
+            SigningKey::new("0123456789abcdef0123456789abcdef").unwrap()
+        );
+        let short = dir.join("short");
+        std::fs::write(&short, "tooshort\n").unwrap();
+        let e = load_signing_key(Some(&short), unset)
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("--signing-key-file") && e.contains("at least 32"),
+            "{e}"
+        );
+        let e = load_signing_key(Some(&dir.join("missing")), unset)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("cannot read the signing key file"), "{e}");
+        let _ = std::fs::remove_dir_all(&dir);
+    }
 }

@@ -16,6 +16,7 @@ use tokio_util::sync::CancellationToken;
 
 pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     let token = Token::load(a.token_file.as_deref(), "LASTCALL_HTTP_TOKEN")?;
+    let signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
     let topo = super::topology(&s.prefix, &a.topology)?;
     let broker = super::connect_broker(s).await?;
     topo.apply(&broker).await?;
@@ -28,7 +29,8 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         Some(ledger.clone()),
         admission,
         limits,
-    );
+    )
+    .with_signing_key(signing_key);
     let clock = Arc::new(SystemClock::default());
     let mut state = AppState::new(
         submitter,

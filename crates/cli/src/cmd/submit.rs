@@ -5,6 +5,7 @@ use crate::config::Settings;
 use anyhow::{Context, Result, bail};
 use lastcall_broker::Publisher;
 use lastcall_worker::clock::now_ms;
+use lastcall_worker::submit::load_signing_key;
 use lastcall_worker::{DeadlineSpec, NewJob, Submitter};
 use serde_json::{Map, Value, json};
 use std::process::ExitCode;
@@ -35,7 +36,8 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
         Some(super::open_ledger(&s.store_url).await?)
     };
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
-    let submitter = Submitter::new(publisher, topo.names.clone(), ledger, admission, limits);
+    let submitter = Submitter::new(publisher, topo.names.clone(), ledger, admission, limits)
+        .with_signing_key(signing_key(a.signing_key_file.as_deref())?);
     let submitted = submitter.submit(&job, now_ms()).await?;
     println!("{}", submitted.job_id);
     eprintln!(
@@ -44,6 +46,11 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
     );
     broker.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// The signing key from `--signing-key-file` or `LASTCALL_SIGNING_KEY` (`None`: unsigned).
+pub fn signing_key(file: Option<&std::path::Path>) -> Result<Option<lastcall_core::SigningKey>> {
+    Ok(load_signing_key(file, "LASTCALL_SIGNING_KEY")?)
 }
 
 /// The payload from `--payload` JSON or `--prompt` text.

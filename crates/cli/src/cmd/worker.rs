@@ -134,6 +134,12 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         cfg.name = n.clone();
     }
     cfg.max_buffer_bytes = a.max_buffer_bytes;
+    cfg.signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
+    if cfg.signing_key.is_some() {
+        tracing::info!(
+            "signed jobs required: a missing or wrong x-lastcall-signature is rejected (bad_signature)"
+        );
+    }
     cfg.hold_before_admission = Duration::from_millis(a.debug_hold_before_admission_ms);
     cfg.shutdown_grace = Duration::from_millis(a.shutdown_grace_ms);
     cfg.clock_sync = a

@@ -1,0 +1,188 @@
+//! Envelope signatures end to end (CONTRACT §1, `x-lastcall-signature`): the real
+//! `lastcall worker` binary holds the key (from the environment) and `lastcall submit`
+//! signs with it (from a file). An unsigned job and a signed job re-published with a later
+//! deadline are `rejected`/`bad_signature`, dead-lettered, and never reach the model.
+
+mod common;
+
+use common::*;
+use lastcall_broker::{IncomingStream, PublishProps, Publisher};
+use lastcall_worker::clock::now_ms;
+use serde_json::Value;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const KEY: &str = "signing-test-key-0123456789abcdef-0123";
+
+fn worker_with_key(env: &Env, call_log: &std::path::Path) -> Child {
+    env.command()
+        .args(["worker", "--slots", "2", "--sim-latency-ms", "10"])
+        .args(["--retry-delays-ms", "1000,5000"])
+        .arg("--sim-call-log")
+        .arg(call_log)
+        .env("LASTCALL_SIGNING_KEY", KEY)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .expect("spawn the lastcall binary")
+}
+
+fn terminate(child: &mut Child) {
+    let _ = Command::new("kill")
+        .args(["-TERM", &child.id().to_string()])
+        .status();
+    let until = Instant::now() + Duration::from_secs(15);
+    while child.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = child.kill();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+fn submit_signed(env: &Env, key_file: &std::path::Path, id: &str) {
+    let key_file = key_file.to_str().unwrap();
+    let out = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--prompt",
+        "summarize",
+        "--deadline-ms",
+        "60000",
+        "--job-id",
+        id,
+        "--retry-delays-ms",
+        "1000,5000",
+        "--signing-key-file",
+        key_file,
+    ]);
+    assert!(
+        out.status.success(),
+        "submit failed: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_the_key_runs_signed_jobs_and_rejects_unsigned_or_extended_ones() {
+    let env = Env::sqlite("signing").await;
+    let key_file = env.dir.join("signing.key");
+    std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
+    let log = env.dir.join("calls.log");
+
+    // A signed job, taken off the queue and re-published by an untrusted producer with an
+    // extra hour of deadline and the original signature.
+    submit_signed(&env, &key_file, "sig-extended");
+    let mut work = IncomingStream::open(&env.broker, &env.topo.names.work_queue, 1, "tamper")
+        .await
+        .unwrap();
+    let original = tokio::time::timeout(Duration::from_secs(5), work.next())
+        .await
+        .expect("the signed job is in the work queue")
+        .unwrap()
+        .unwrap();
+    let signature = original
+        .signature
+        .clone()
+        .expect("`lastcall submit` signed");
+    assert!(signature.starts_with("v1="), "{signature}");
+    let mut body: Value = serde_json::from_slice(&original.body).unwrap();
+    let signed_expires = body["expires_at_ms"].as_i64().unwrap();
+    let extended = signed_expires + 3_600_000;
+    body["expires_at_ms"] = extended.into();
+    original.settler.ack().await.unwrap();
+    work.close().await;
+    let publisher = Publisher::new(&env.broker, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let publish = |id: &'static str, body: Vec<u8>, signature: Option<String>| {
+        let publisher = publisher.clone();
+        let exchange = env.topo.names.jobs_exchange.clone();
+        async move {
+            let props = PublishProps {
+                job_id: id.into(),
+                ttl_ms: Some(60_000),
+                attempt: 0,
+                timestamp_s: (now_ms() / 1000) as u64,
+                signature,
+            };
+            publisher
+                .publish(&exchange, "incident.summary", &body, &props)
+                .await
+                .unwrap();
+        }
+    };
+    publish(
+        "sig-extended",
+        serde_json::to_vec(&body).unwrap(),
+        Some(signature),
+    )
+    .await;
+
+    // A valid job published without a signature (recorded `accepted` like any other).
+    env.submitter(0, true)
+        .await
+        .submit(&job("sig-unsigned", 60_000), now_ms())
+        .await
+        .unwrap();
+    // And one signed by `lastcall submit` with the key.
+    submit_signed(&env, &key_file, "sig-ok");
+
+    let mut worker = worker_with_key(&env, &log);
+    let ids = ["sig-ok", "sig-unsigned", "sig-extended"].map(String::from);
+    let recs = env.wait_terminal(&ids, Duration::from_secs(20)).await;
+    let by_id = |id: &str| recs.iter().find(|r| r.job_id == id).unwrap().clone();
+
+    let ok = by_id("sig-ok");
+    assert_eq!(ok.state, "completed", "{ok:?}");
+    assert_eq!(ok.backend_calls, 1);
+    assert_eq!(calls_in(&log, "sig-ok"), 1);
+    for id in ["sig-unsigned", "sig-extended"] {
+        let r = by_id(id);
+        assert_eq!(
+            (r.state.as_str(), r.reason.as_deref()),
+            ("rejected", Some("bad_signature")),
+            "{r:?}"
+        );
+        assert_eq!(r.backend_calls, 0, "{id} never reached the model");
+        assert_eq!(calls_in(&log, id), 0, "{id}: the sim backend saw no call");
+        let err = r.error.clone().unwrap_or_default();
+        assert!(err.contains("x-lastcall-signature"), "{id}: {err}");
+    }
+    assert!(
+        by_id("sig-unsigned")
+            .error
+            .unwrap_or_default()
+            .contains("no x-lastcall-signature"),
+        "the unsigned job's error says the header is missing"
+    );
+    assert_eq!(
+        by_id("sig-extended").expires_at_ms,
+        Some(signed_expires),
+        "the ledger keeps the signed deadline, not the forged one"
+    );
+    assert!(
+        by_id("sig-extended")
+            .error
+            .unwrap_or_default()
+            .contains("does not match"),
+        "the extended job's error says the signature does not match"
+    );
+
+    // Both refusals went to the dead queue (rejected by the worker), nothing is left to run.
+    let until = Instant::now() + Duration::from_secs(10);
+    while env.ready(&env.topo.names.dead_queue).await < 2 {
+        assert!(Instant::now() < until, "two dead letters expected");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    terminate(&mut worker);
+    assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
+    let dlq = env.drain_dead_letters(false).await;
+    assert_eq!(
+        dlq.kept_existing.load(std::sync::atomic::Ordering::Relaxed),
+        2,
+        "the dead-letter processor keeps the worker's bad_signature outcomes"
+    );
+    env.cleanup().await;
+}
