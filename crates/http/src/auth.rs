@@ -1,5 +1,11 @@
-//! Bearer-token authentication. The token comes from the environment or a file, never
-//! from a flag; it is compared in constant time.
+//! Token authentication. The token comes from the environment or a file, never from a
+//! flag; it is compared in constant time. Two spellings are accepted on every protected
+//! route:
+//! - `Authorization: Bearer <token>` — scripts, Prometheus, `curl`;
+//! - `Authorization: Basic <base64(user:token)>` with any user name — browsers: the `401`
+//!   carries a `Basic` challenge, so a browser asks once and then sends the cached
+//!   credentials with the dashboard page and its same-origin fetches. The token never
+//!   appears in a URL, a query string or a server log.
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -74,20 +80,67 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// Middleware: `Authorization: Bearer <token>` or 401.
+/// Middleware: a valid `Bearer` or `Basic` credential (see the module doc), or 401.
 pub async fn require_token(
     State(state): State<Arc<AppState>>,
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
-    let given = req
-        .headers()
-        .get(axum::http::header::AUTHORIZATION)
-        .and_then(|v| v.as_bytes().strip_prefix(b"Bearer "));
-    match given {
-        Some(t) if state.token.matches(t) => Ok(next.run(req).await),
+    let header = req.headers().get(axum::http::header::AUTHORIZATION);
+    match header.and_then(|v| presented_token(v.as_bytes())) {
+        Some(t) if state.token.matches(&t) => Ok(next.run(req).await),
         _ => Err(ApiError::Unauthorized),
     }
+}
+
+/// The token an `Authorization` header value presents: the Bearer token, or the password
+/// of Basic credentials (the user name is ignored). Scheme names are case-insensitive.
+pub fn presented_token(value: &[u8]) -> Option<Vec<u8>> {
+    let split = value.iter().position(|b| *b == b' ')?;
+    let (scheme, rest) = value.split_at(split);
+    let rest = rest.trim_ascii();
+    if scheme.eq_ignore_ascii_case(b"bearer") {
+        Some(rest.to_vec())
+    } else if scheme.eq_ignore_ascii_case(b"basic") {
+        let decoded = base64_decode(rest)?;
+        let colon = decoded.iter().position(|b| *b == b':')?;
+        Some(decoded[colon + 1..].to_vec())
+    } else {
+        None
+    }
+}
+
+/// Standard base64 with padding (RFC 4648 §4), as browsers send Basic credentials.
+fn base64_decode(text: &[u8]) -> Option<Vec<u8>> {
+    fn val(c: u8) -> Option<u32> {
+        Some(match c {
+            b'A'..=b'Z' => c - b'A',
+            b'a'..=b'z' => c - b'a' + 26,
+            b'0'..=b'9' => c - b'0' + 52,
+            b'+' => 62,
+            b'/' => 63,
+            _ => return None,
+        } as u32)
+    }
+    if text.is_empty() || !text.len().is_multiple_of(4) {
+        return None;
+    }
+    let mut out = Vec::with_capacity(text.len() / 4 * 3);
+    let last = text.len() / 4 - 1;
+    for (i, quad) in text.chunks_exact(4).enumerate() {
+        let pad = quad.iter().rev().take_while(|c| **c == b'=').count();
+        if pad > 2 || (pad > 0 && i != last) {
+            return None;
+        }
+        let mut n = 0u32;
+        for c in &quad[..4 - pad] {
+            n = (n << 6) | val(*c)?;
+        }
+        n <<= 6 * pad as u32;
+        let bytes = n.to_be_bytes();
+        out.extend_from_slice(&bytes[1..4 - pad]);
+    }
+    Some(out)
 }
 
 #[cfg(test)]
@@ -105,5 +158,42 @@ mod tests {
         assert!(matches!(Token::new("short"), Err(TokenError::TooShort)));
         assert!(matches!(Token::new("  "), Err(TokenError::Missing)));
         assert_eq!(format!("{t:?}"), "Token(***)");
+    }
+
+    #[test]
+    fn bearer_and_basic_present_the_token() {
+        assert_eq!(presented_token(b"Bearer abc").as_deref(), Some(&b"abc"[..]));
+        assert_eq!(
+            presented_token(b"bearer  abc ").as_deref(),
+            Some(&b"abc"[..])
+        );
+        // base64("lastcall:s3cret") and base64(":tok:en") (a colon in the password).
+        assert_eq!(
+            presented_token(b"Basic bGFzdGNhbGw6czNjcmV0").as_deref(),
+            Some(&b"s3cret"[..])
+        );
+        assert_eq!(
+            presented_token(b"Basic OnRvazplbg==").as_deref(),
+            Some(&b"tok:en"[..])
+        );
+        assert_eq!(base64_decode(b"YQ==").as_deref(), Some(&b"a"[..]));
+        assert_eq!(base64_decode(b"YWI=").as_deref(), Some(&b"ab"[..]));
+        assert_eq!(base64_decode(b"YWJj").as_deref(), Some(&b"abc"[..]));
+        for bad in [
+            &b"Basic"[..],
+            b"Basic !!!!",
+            b"Basic YQ=",
+            b"Basic YQ==YQ==",
+            b"Basic bm9jb2xvbg==",
+            b"Digest x",
+            b"abc",
+        ] {
+            assert_eq!(
+                presented_token(bad),
+                None,
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
     }
 }

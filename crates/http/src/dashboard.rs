@@ -16,8 +16,9 @@ use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
-/// The page. It holds no data: it reads the bearer token from the URL fragment
-/// (`/#token=…`, never sent to the server) or asks for it, then polls the JSON.
+/// The page, behind the same auth as the API: a browser answers the `Basic` challenge of
+/// the `401` (any user name, the token as password) and the page's same-origin polls of the
+/// JSON carry the cached credentials. The page itself holds no data.
 pub async fn page() -> Html<&'static str> {
     Html(include_str!("../assets/dashboard.html"))
 }

@@ -16,8 +16,10 @@ pub enum ApiError {
         code: String,
         message: String,
     },
-    /// 401: no or a wrong bearer token.
-    #[error("missing or invalid bearer token")]
+    /// 401: no or a wrong token (Bearer, or the password of Basic credentials).
+    #[error(
+        "missing or invalid credentials: send `Authorization: Bearer <token>`, or Basic credentials whose password is the token"
+    )]
     Unauthorized,
     /// 404.
     #[error("no job `{0}`")]
@@ -98,10 +100,17 @@ impl IntoResponse for ApiError {
         });
         let mut resp = (status, Json(body)).into_response();
         if status == StatusCode::UNAUTHORIZED {
-            resp.headers_mut().insert(
-                axum::http::header::WWW_AUTHENTICATE,
-                axum::http::HeaderValue::from_static("Bearer"),
-            );
+            // Basic first: a browser answers it with a login prompt (the password is the
+            // token); API clients use the Bearer scheme.
+            for challenge in [
+                r#"Basic realm="lastcall", charset="UTF-8""#,
+                r#"Bearer realm="lastcall""#,
+            ] {
+                resp.headers_mut().append(
+                    axum::http::header::WWW_AUTHENTICATE,
+                    axum::http::HeaderValue::from_static(challenge),
+                );
+            }
         }
         resp
     }

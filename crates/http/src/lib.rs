@@ -6,7 +6,8 @@
 //!   Tests call it without a socket.
 //! - [`metrics_app`]: `/metrics` and `/healthz` alone, for `lastcall worker --metrics-addr`.
 //! - `jobs.rs`: the ingress handlers; `error.rs`: the one error type ([`ApiError`]) that
-//!   becomes a JSON response naming the field; `auth.rs`: bearer tokens (constant time).
+//!   becomes a JSON response naming the field; [`auth`]: the token as Bearer or Basic
+//!   credentials (constant time).
 //! - [`metrics`]: the Prometheus text format, rendered by hand with bounded labels.
 //! - [`depth`]: broker queue depths (management API, else a passive declare).
 //! - [`dashboard`]: the page and its JSON.
@@ -104,10 +105,11 @@ impl AppState {
     }
 }
 
-/// The router of `lastcall serve`. Every route but `/healthz` and the data-free page `/`
-/// needs the bearer token.
+/// The router of `lastcall serve`. Every route but `/healthz` needs the token (Bearer, or
+/// Basic with the token as password, see [`auth`]).
 pub fn app(state: Arc<AppState>) -> Router {
     let protected = Router::new()
+        .route("/", get(dashboard::page))
         .route("/v1/jobs", get(jobs::list).post(jobs::create))
         .route("/v1/jobs/{id}", get(jobs::show))
         .route("/v1/dashboard", get(dashboard::data))
@@ -119,7 +121,6 @@ pub fn app(state: Arc<AppState>) -> Router {
         ));
     Router::new()
         .route("/healthz", get(healthz))
-        .route("/", get(dashboard::page))
         .merge(protected)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .layer(middleware::from_fn_with_state(

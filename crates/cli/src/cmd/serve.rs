@@ -75,8 +75,8 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         stop2.cancel();
     });
     eprintln!(
-        "lastcall serve: listening on http://{} (dashboard: http://{}/#token=…)",
-        a.addr, a.addr
+        "lastcall serve: listening on http://{} (dashboard: open it in a browser, any user name, the token as password)",
+        a.addr
     );
     lastcall_http::serve(a.addr, router, stop.clone(), None)
         .await
