@@ -791,6 +791,54 @@ impl Ledger {
             Backend::Postgres(pool) => pool.close().await,
         }
     }
+
+    /// The ingress claims a job id *before* publishing: inserts the `accepted` row with
+    /// `accepted_at_ms` NULL ("publish pending") if the id is new. `Ok(true)`: this caller
+    /// owns the claim and must publish, then stamp it with
+    /// [`record_accepted`](Self::record_accepted) (which fills `accepted_at_ms` once) or
+    /// drop it with [`release_claim`](Self::release_claim). `Ok(false)`: the id exists.
+    /// Concurrent claims of one id: exactly one gets `true` (the primary key decides).
+    pub async fn claim_accepted(&self, job: &AcceptedJob) -> Result<bool, StoreError> {
+        const CLAIM: &str = "INSERT INTO jobs \
+             (job_id, kind, state, created_at_ms, expires_at_ms, trace_id, payload_hash) \
+             VALUES ($1, $2, 'accepted', $3, $4, $5, $6) \
+             ON CONFLICT (job_id) DO NOTHING";
+        on_pool!(self, write, |pool| {
+            sqlx::query(CLAIM)
+                .bind(&job.job_id)
+                .bind(&job.kind)
+                .bind(job.created_at_ms)
+                .bind(job.expires_at_ms)
+                .bind(&job.trace_id)
+                .bind(&job.payload_hash)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected() > 0)
+                .map_err(db("claiming a job id"))
+        })
+    }
+
+    /// Drops a claim whose publish failed, only while it is untouched: still `accepted`,
+    /// never stamped (`accepted_at_ms` NULL) and with the claimant's payload hash. A row a
+    /// worker already moved on (the message did reach the broker) stays. `Ok(true)` if the
+    /// claim was removed.
+    pub async fn release_claim(
+        &self,
+        job_id: &str,
+        payload_hash: &str,
+    ) -> Result<bool, StoreError> {
+        const RELEASE: &str = "DELETE FROM jobs WHERE job_id = $1 AND payload_hash = $2 \
+             AND state = 'accepted' AND accepted_at_ms IS NULL";
+        on_pool!(self, write, |pool| {
+            sqlx::query(RELEASE)
+                .bind(job_id)
+                .bind(payload_hash)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected() > 0)
+                .map_err(db("releasing a job id claim"))
+        })
+    }
 }
 
 fn parse_state(name: &str) -> Result<State, StoreError> {

@@ -204,6 +204,7 @@ both_backends!(
     invalid_input_is_fatal,
     group_commit_writes_many_in_one_batch,
     group_commit_with_an_invalid_item_writes_nothing,
+    ingress_claims_an_id_once_then_stamps_or_releases_it,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -1125,4 +1126,87 @@ async fn mark_acked_many_sets_every_ack_in_one_write(db: &TestDb) {
         let rows = l.attempts(&format!("m{i}")).await.unwrap();
         assert_eq!(rows[0].acked_at_ms, Some(500 + i));
     }
+}
+
+async fn ingress_claims_an_id_once_then_stamps_or_releases_it(db: &TestDb) {
+    let l = Arc::new(db.ledger.clone());
+    // Concurrent claims of one new id: exactly one owner.
+    let mut tasks = Vec::new();
+    for _ in 0..16 {
+        let l = l.clone();
+        tasks.push(tokio::spawn(async move {
+            l.claim_accepted(&accepted("race", "chat", 10, 60_000))
+                .await
+                .unwrap()
+        }));
+    }
+    let mut owners = 0;
+    for t in tasks {
+        owners += usize::from(t.await.unwrap());
+    }
+    assert_eq!(owners, 1, "one claim wins");
+
+    // A claim is `accepted` but not stamped until the publish is confirmed.
+    assert!(
+        l.claim_accepted(&accepted("c1", "chat", 10, 60_000))
+            .await
+            .unwrap()
+    );
+    let pending = must_get(&l, "c1").await;
+    assert_eq!(
+        (pending.state.as_str(), pending.accepted_at_ms),
+        ("accepted", None)
+    );
+    assert_eq!(
+        l.payload_hash("c1").await.unwrap().as_deref(),
+        Some("hash-c1")
+    );
+    assert!(
+        !l.claim_accepted(&accepted("c1", "chat", 11, 60_000))
+            .await
+            .unwrap()
+    );
+
+    // A failed publish releases it (only with the claimant's payload hash); the id is free.
+    assert!(!l.release_claim("c1", "hash-other").await.unwrap());
+    assert!(l.get("c1").await.unwrap().is_some());
+    assert!(l.release_claim("c1", "hash-c1").await.unwrap());
+    assert!(l.get("c1").await.unwrap().is_none());
+    assert!(
+        l.claim_accepted(&accepted("c1", "chat", 20, 60_000))
+            .await
+            .unwrap()
+    );
+
+    // A confirmed publish stamps it; a stamped claim is never released.
+    l.record_accepted(&accepted("c1", "chat", 20, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(must_get(&l, "c1").await.accepted_at_ms, Some(20));
+    assert!(!l.release_claim("c1", "hash-c1").await.unwrap());
+    assert_eq!(must_get(&l, "c1").await.state, "accepted");
+
+    // A claim a worker already picked up (the message reached the broker although the
+    // confirm did not) is not released either.
+    assert!(
+        l.claim_accepted(&accepted("c2", "chat", 10, 60_000))
+            .await
+            .unwrap()
+    );
+    l.record_start(&start("c2", "k2", 1, 30)).await.unwrap();
+    assert!(!l.release_claim("c2", "hash-c2").await.unwrap());
+    assert_eq!(must_get(&l, "c2").await.state, "running");
+
+    // A claim left behind by a crashed ingress is reconciled like any accepted job.
+    assert!(
+        l.claim_accepted(&accepted("c3", "chat", 10, 1_000))
+            .await
+            .unwrap()
+    );
+    assert!(
+        l.mark_unknown(5_000, 100)
+            .await
+            .unwrap()
+            .contains(&"c3".to_owned())
+    );
 }
