@@ -186,3 +186,89 @@ async fn a_worker_with_the_key_runs_signed_jobs_and_rejects_unsigned_or_extended
     );
     env.cleanup().await;
 }
+
+/// `lastcall serve` with the key (from a file) signs what it publishes: the message in the
+/// work queue carries a signature that verifies against its id, deadline and exact body.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_with_a_key_signs_every_job_it_publishes() {
+    let env = Env::sqlite("signing-serve").await;
+    let key_file = env.dir.join("signing.key");
+    std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let token = "signing-serve-token-0123456789";
+    let mut serve = env
+        .command()
+        .args(["serve", "--addr", &format!("127.0.0.1:{port}")])
+        .args(["--retry-delays-ms", "1000,5000", "--no-management"])
+        .arg("--signing-key-file")
+        .arg(&key_file)
+        .env("LASTCALL_HTTP_TOKEN", token)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let curl = |args: &[&str]| {
+        let out = Command::new("curl")
+            .args([
+                "-s",
+                "--max-time",
+                "20",
+                "-o",
+                "/dev/null",
+                "-w",
+                "%{http_code}",
+            ])
+            .args(args)
+            .output()
+            .expect("curl");
+        String::from_utf8_lossy(&out.stdout).into_owned()
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while curl(&[&format!("http://127.0.0.1:{port}/healthz")]) != "200" {
+        assert!(Instant::now() < until, "serve did not come up");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let code = curl(&[
+        "-X",
+        "POST",
+        &format!("http://127.0.0.1:{port}/v1/jobs"),
+        "-H",
+        &format!("Authorization: Bearer {token}"),
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        r#"{"job_id":"served-1","kind":"incident.summary","deadline_ms":60000,"payload":{"prompt":"x"}}"#,
+    ]);
+    assert_eq!(code, "202");
+    terminate(&mut serve);
+
+    let mut work = IncomingStream::open(&env.broker, &env.topo.names.work_queue, 1, "inspect")
+        .await
+        .unwrap();
+    let msg = tokio::time::timeout(Duration::from_secs(5), work.next())
+        .await
+        .expect("the job is in the work queue")
+        .unwrap()
+        .unwrap();
+    let body: Value = serde_json::from_slice(&msg.body).unwrap();
+    let key = lastcall_core::SigningKey::new(KEY).unwrap();
+    assert_eq!(
+        lastcall_core::signature::verify(
+            &key,
+            "served-1",
+            body["expires_at_ms"].as_i64().unwrap(),
+            &msg.body,
+            msg.signature.as_deref(),
+        ),
+        Ok(()),
+        "signature {:?}",
+        msg.signature
+    );
+    msg.settler.ack().await.unwrap();
+    work.close().await;
+    env.cleanup().await;
+}

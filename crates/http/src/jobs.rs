@@ -7,15 +7,17 @@ use axum::body::Body;
 use axum::extract::{Path, Query, State};
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use lastcall_broker::PublishError;
 use lastcall_core::State as JobState;
 use lastcall_store::ListFilter;
-use lastcall_worker::submit::payload_hash;
+use lastcall_worker::submit::Submission;
 use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
 use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 
-/// `POST /v1/jobs`: validate, stamp the deadline, publish with confirm, record `accepted`.
+/// `POST /v1/jobs`: validate, stamp the deadline, claim the id, publish with confirm, stamp
+/// `accepted` (or release the claim and answer 503).
 pub async fn create(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -37,34 +39,15 @@ pub async fn create(
     let env = state.submitter.envelope(&job, now).map_err(submit_error)?;
     let job_id = env.job_id().to_string();
 
-    // The same id again: the same payload is answered idempotently without a second
-    // publish; a different payload is a conflict.
-    if job.job_id.is_some()
-        && let Some(existing) = state
-            .ledger
-            .payload_hash(&job_id)
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?
+    // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
+    // same id again (even concurrently, even from another `serve`) is published at most
+    // once; the same payload is answered idempotently, a different one is a conflict.
+    match state
+        .submitter
+        .submit_once(&env, now, state.claim_wait)
+        .await
     {
-        if existing != payload_hash(&env.payload) {
-            return Err(ApiError::Conflict(job_id));
-        }
-        let rec = state
-            .ledger
-            .get(&job_id)
-            .await
-            .map_err(|e| ApiError::Internal(e.to_string()))?;
-        let body = json!({
-            "job_id": job_id,
-            "state": rec.as_ref().map(|r| r.state.clone()),
-            "expires_at_ms": rec.as_ref().and_then(|r| r.expires_at_ms),
-            "duplicate": true,
-        });
-        return Ok(accepted(&job_id, body));
-    }
-
-    match state.submitter.submit_envelope(&env, None, now).await {
-        Ok(s) => Ok(accepted(
+        Ok(Submission::Published(s)) => Ok(accepted(
             &s.job_id,
             json!({
                 "job_id": s.job_id,
@@ -72,6 +55,15 @@ pub async fn create(
                 "created_at_ms": s.created_at_ms,
                 "expires_at_ms": s.expires_at_ms,
                 "ttl_ms": s.ttl_ms,
+            }),
+        )),
+        Ok(Submission::Duplicate(rec)) => Ok(accepted(
+            &job_id,
+            json!({
+                "job_id": job_id,
+                "state": rec.state,
+                "expires_at_ms": rec.expires_at_ms,
+                "duplicate": true,
             }),
         )),
         Err(SubmitError::Ledger(e)) => {
@@ -111,7 +103,17 @@ fn submit_error(e: SubmitError) -> ApiError {
             field: "expires_at_ms".into(),
             message: e.to_string(),
         },
-        SubmitError::Publish(p) => ApiError::Unavailable(format!("not accepted: {p}")),
+        SubmitError::Publish(PublishError::ConfirmTimeout(t)) => ApiError::Unavailable(format!(
+            "not accepted: the broker did not confirm the publish within {} ms; nothing is recorded for this job id. The message may still reach the queue: retry with the same job_id",
+            t.as_millis()
+        )),
+        SubmitError::Publish(p) => ApiError::Unavailable(format!(
+            "not accepted: {p}; nothing is recorded for this job id, retry later"
+        )),
+        SubmitError::Conflict { job_id } => ApiError::Conflict(job_id),
+        e @ (SubmitError::InFlight { .. } | SubmitError::Unrecorded(_)) => {
+            ApiError::Unavailable(e.to_string())
+        }
         SubmitError::Ledger(l) => ApiError::Internal(l.to_string()),
     }
 }

@@ -61,6 +61,9 @@ pub struct AppState {
     pub metrics: MetricsSource,
     pub http_stats: Arc<HttpStats>,
     pub http_client: reqwest::Client,
+    /// How long a `POST /v1/jobs` waits for a concurrent request's pending publish of the
+    /// same job id before answering 503 (a little above the publisher's confirm timeout).
+    pub claim_wait: std::time::Duration,
 }
 
 impl std::fmt::Debug for AppState {
@@ -97,6 +100,7 @@ impl AppState {
             depth: None,
             worker_metrics: Vec::new(),
             http_stats,
+            claim_wait: std::time::Duration::from_secs(10),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()

@@ -5,9 +5,10 @@ use lastcall_broker::{Names, PublishError, PublishProps, Publisher};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
 use lastcall_core::signature::{KeyError, sign_envelope};
 use lastcall_core::{Deadline, Envelope, EnvelopeLimits, JobId, Kind, RejectError, SigningKey};
-use lastcall_store::{AcceptedJob, Ledger, StoreError};
+use lastcall_store::{AcceptedJob, JobRecord, Ledger, StoreError};
 use serde_json::{Map, Value};
 use std::sync::Arc;
+use std::time::Duration;
 
 /// How the caller sets the deadline.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -59,6 +60,16 @@ pub enum SubmitError {
         "published and confirmed, but recording `accepted` in the ledger failed: {0}; the job will still run, but reconciliation cannot see it"
     )]
     Ledger(StoreError),
+    #[error("not accepted: the ledger is unavailable, nothing was published: {0}")]
+    Unrecorded(StoreError),
+    #[error(
+        "job `{job_id}` was already accepted with a different payload; use a new job id for new work"
+    )]
+    Conflict { job_id: String },
+    #[error(
+        "not accepted yet: another request with job id `{job_id}` is still being published; retry with the same job id"
+    )]
+    InFlight { job_id: String },
 }
 
 /// Publishes jobs. Cheap to clone.
@@ -139,14 +150,113 @@ impl Submitter {
         self.submit_envelope(&env, None, now_ms).await
     }
 
-    /// Publish an already-built envelope (e.g. from the HTTP ingress). `signature`
-    /// overrides the one this submitter would compute with its key.
+    /// Publish an already-built envelope, then record `accepted` (`lastcall submit`).
+    /// `signature` overrides the one this submitter would compute with its key.
     pub async fn submit_envelope(
         &self,
         env: &Envelope,
         signature: Option<String>,
         now_ms: i64,
     ) -> Result<Submitted, SubmitError> {
+        let submitted = self.publish_envelope(env, signature, now_ms).await?;
+        if let Some(ledger) = &self.ledger {
+            ledger
+                .record_accepted(&accepted_job(env, now_ms))
+                .await
+                .map_err(SubmitError::Ledger)?;
+        }
+        Ok(submitted)
+    }
+
+    /// The ingress's exactly-one-publish path: refuse stale work, **claim** the job id in
+    /// the ledger (`accepted`, not yet stamped), publish with confirm, then stamp the claim
+    /// (`accepted_at_ms`) — or release it if the publish failed, so that the `503` the
+    /// caller reports is true (nothing accepted) and a retry with the same id can succeed.
+    ///
+    /// Another request for an id that exists gets [`Submission::Duplicate`] (same payload),
+    /// [`SubmitError::Conflict`] (different payload), or — while the other request's publish
+    /// is still pending — waits up to `claim_wait` for it to be stamped or released, then
+    /// [`SubmitError::InFlight`]. Concurrent requests for one id therefore publish at most
+    /// once, across processes: the ledger's primary key decides who publishes.
+    ///
+    /// Needs a ledger (the claim is the lock); without one it publishes like
+    /// [`submit_envelope`](Self::submit_envelope).
+    pub async fn submit_once(
+        &self,
+        env: &Envelope,
+        now_ms: i64,
+        claim_wait: Duration,
+    ) -> Result<Submission, SubmitError> {
+        let Some(ledger) = &self.ledger else {
+            return Ok(Submission::Published(
+                self.submit_envelope(env, None, now_ms).await?,
+            ));
+        };
+        self.admit(env, now_ms)?;
+        let claim = accepted_job(env, now_ms);
+        let job_id = claim.job_id.clone();
+        let waited_since = tokio::time::Instant::now();
+        loop {
+            if ledger
+                .claim_accepted(&claim)
+                .await
+                .map_err(SubmitError::Unrecorded)?
+            {
+                break;
+            }
+            let existing = ledger
+                .payload_hash(&job_id)
+                .await
+                .map_err(SubmitError::Unrecorded)?;
+            let rec = ledger.get(&job_id).await.map_err(SubmitError::Unrecorded)?;
+            let Some(rec) = rec else {
+                continue; // released between our claim and the read: claim again
+            };
+            // A row a worker wrote first has no payload hash; it is the same job id, and
+            // the worker has it: answer as a duplicate rather than publish again.
+            if existing.as_ref().is_some_and(|h| *h != claim.payload_hash) {
+                return Err(SubmitError::Conflict { job_id });
+            }
+            let pending = rec.state == "accepted" && rec.accepted_at_ms.is_none();
+            if !pending {
+                return Ok(Submission::Duplicate(Box::new(rec)));
+            }
+            if waited_since.elapsed() >= claim_wait {
+                return Err(SubmitError::InFlight { job_id });
+            }
+            tokio::time::sleep(CLAIM_POLL).await;
+        }
+        match self.publish_envelope(env, None, now_ms).await {
+            Ok(submitted) => {
+                // The claim row already is the inventory record; the stamp only marks the
+                // publish as confirmed. If it fails, the job is still accepted (and seen by
+                // reconciliation); a repeat of the request waits for the worker to pick it
+                // up or answers `InFlight`.
+                if let Err(e) = ledger.record_accepted(&claim).await {
+                    tracing::error!(job_id = %job_id, error = %e, "published and confirmed, but stamping the claim failed");
+                }
+                Ok(Submission::Published(submitted))
+            }
+            Err(e) => {
+                match ledger.release_claim(&job_id, &claim.payload_hash).await {
+                    Ok(true) => {}
+                    Ok(false) => tracing::warn!(
+                        job_id = %job_id,
+                        "publish failed, but a worker already holds the job: the claim stays"
+                    ),
+                    Err(le) => tracing::error!(
+                        job_id = %job_id,
+                        error = %le,
+                        "publish failed and releasing the claim failed: the id stays claimed until reconciliation marks it unknown"
+                    ),
+                }
+                Err(e)
+            }
+        }
+    }
+
+    /// Refuse work that is already too late to publish (after the clock margin).
+    fn admit(&self, env: &Envelope, now_ms: i64) -> Result<u64, SubmitError> {
         let deadline = env.deadline();
         if let Admission::Refuse {
             refusal,
@@ -159,9 +269,21 @@ impl Submitter {
                 uncertainty_ms: self.admission.clock_uncertainty_ms,
             });
         }
-        let ttl_ms = deadline
+        Ok(deadline
             .broker_ttl_ms(now_ms)
-            .expect("admitted work has budget left");
+            .expect("admitted work has budget left"))
+    }
+
+    /// Check the deadline, publish with the remaining budget as TTL, wait for the confirm.
+    /// Touches no ledger.
+    async fn publish_envelope(
+        &self,
+        env: &Envelope,
+        signature: Option<String>,
+        now_ms: i64,
+    ) -> Result<Submitted, SubmitError> {
+        let ttl_ms = self.admit(env, now_ms)?;
+        let deadline = env.deadline();
         let body = env.to_bytes();
         let signature = signature
             .or_else(|| (self.signing_key.as_ref()).map(|key| sign_envelope(key, env, &body)));
@@ -180,21 +302,6 @@ impl Submitter {
                 &props,
             )
             .await?;
-        if let Some(ledger) = &self.ledger {
-            let accepted = AcceptedJob {
-                job_id: env.job_id().to_string(),
-                kind: env.kind().to_string(),
-                created_at_ms: deadline.created_at_ms(),
-                expires_at_ms: deadline.expires_at_ms(),
-                accepted_at_ms: now_ms,
-                trace_id: env.trace_id.clone(),
-                payload_hash: payload_hash(&env.payload),
-            };
-            ledger
-                .record_accepted(&accepted)
-                .await
-                .map_err(SubmitError::Ledger)?;
-        }
         Ok(Submitted {
             job_id: env.job_id().to_string(),
             created_at_ms: deadline.created_at_ms(),
@@ -202,6 +309,33 @@ impl Submitter {
             ttl_ms,
         })
     }
+}
+
+/// How often a request polls a same-id claim whose publish is pending.
+const CLAIM_POLL: Duration = Duration::from_millis(20);
+
+/// The `accepted` inventory row of an envelope submitted at `now_ms`.
+fn accepted_job(env: &Envelope, now_ms: i64) -> AcceptedJob {
+    let deadline = env.deadline();
+    AcceptedJob {
+        job_id: env.job_id().to_string(),
+        kind: env.kind().to_string(),
+        created_at_ms: deadline.created_at_ms(),
+        expires_at_ms: deadline.expires_at_ms(),
+        accepted_at_ms: now_ms,
+        trace_id: env.trace_id.clone(),
+        payload_hash: payload_hash(&env.payload),
+    }
+}
+
+/// What [`Submitter::submit_once`] did.
+#[derive(Debug, Clone)]
+pub enum Submission {
+    /// This call claimed the id, published with confirm and recorded `accepted`.
+    Published(Submitted),
+    /// The id was already accepted with the same payload: nothing was published. The
+    /// record as the ledger has it now.
+    Duplicate(Box<JobRecord>),
 }
 
 /// A stable fingerprint of a payload (FNV-1a of its canonical JSON).

@@ -40,6 +40,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         topo.names.clone(),
     );
     state.max_body_bytes = a.max_body_bytes;
+    state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));
     state.worker_metrics = a.worker_metrics.clone();
     let management = (!a.no_management).then(|| Management {
         base_url: a.management_url.clone(),

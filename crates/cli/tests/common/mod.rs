@@ -2,6 +2,8 @@
 //! a real ledger (a fresh SQLite file, or a fresh PostgreSQL database).
 #![allow(dead_code)]
 
+pub mod proxy;
+
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::topology::queue_depth;

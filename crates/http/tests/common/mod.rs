@@ -174,6 +174,15 @@ impl Env {
         }
     }
 
+    /// Ready messages in `queue` (0 if it does not exist).
+    pub async fn ready(&self, queue: &str) -> u32 {
+        lastcall_broker::topology::queue_depth(&self.broker, queue)
+            .await
+            .unwrap()
+            .map(|(m, _)| m)
+            .unwrap_or(0)
+    }
+
     pub async fn cleanup(self) {
         self.topo.delete(&self.broker).await.unwrap();
         self.broker.close().await;

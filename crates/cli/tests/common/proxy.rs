@@ -1,0 +1,82 @@
+//! Fault injection on a real broker connection: a loopback TCP proxy in front of RabbitMQ
+//! that can be *frozen* — bytes from the broker to the client are held (not dropped) until
+//! it thaws, while the client's bytes still reach the broker. A publisher behind a frozen
+//! proxy publishes for real but never sees the confirm in time.
+
+use std::net::SocketAddr;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::tcp::{OwnedReadHalf, OwnedWriteHalf};
+use tokio::net::{TcpListener, TcpStream};
+use tokio::sync::watch;
+
+pub struct FreezableProxy {
+    /// Where clients connect (`amqp://guest:guest@{addr}/%2f`).
+    pub addr: SocketAddr,
+    frozen: watch::Sender<bool>,
+    accept: tokio::task::JoinHandle<()>,
+}
+
+impl FreezableProxy {
+    /// Listen on a free loopback port and forward every connection to `upstream`.
+    pub async fn start(upstream: SocketAddr) -> Self {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let addr = listener.local_addr().unwrap();
+        let (frozen, gate) = watch::channel(false);
+        let accept = tokio::spawn(async move {
+            while let Ok((client, _)) = listener.accept().await {
+                let Ok(server) = TcpStream::connect(upstream).await else {
+                    continue;
+                };
+                let (client_rx, client_tx) = client.into_split();
+                let (server_rx, server_tx) = server.into_split();
+                tokio::spawn(pump(client_rx, server_tx, None));
+                tokio::spawn(pump(server_rx, client_tx, Some(gate.clone())));
+            }
+        });
+        Self {
+            addr,
+            frozen,
+            accept,
+        }
+    }
+
+    /// From now on, hold every byte the broker sends.
+    pub fn freeze(&self) {
+        self.frozen.send_replace(true);
+    }
+
+    /// Deliver the held bytes and forward normally again.
+    pub fn thaw(&self) {
+        self.frozen.send_replace(false);
+    }
+}
+
+impl Drop for FreezableProxy {
+    fn drop(&mut self) {
+        self.accept.abort();
+    }
+}
+
+/// Copy `from` to `to`; with a gate, each chunk waits while the gate says frozen.
+async fn pump(
+    mut from: OwnedReadHalf,
+    mut to: OwnedWriteHalf,
+    mut gate: Option<watch::Receiver<bool>>,
+) {
+    let mut buf = vec![0u8; 16 * 1024];
+    loop {
+        let n = match from.read(&mut buf).await {
+            Ok(0) | Err(_) => break,
+            Ok(n) => n,
+        };
+        if let Some(g) = gate.as_mut()
+            && g.wait_for(|frozen| !*frozen).await.is_err()
+        {
+            break;
+        }
+        if to.write_all(&buf[..n]).await.is_err() {
+            break;
+        }
+    }
+    let _ = to.shutdown().await;
+}
