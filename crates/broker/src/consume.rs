@@ -66,6 +66,21 @@ impl Settler {
             })
     }
 
+    /// Acknowledge this delivery **and every earlier unsettled delivery on its channel**
+    /// (`multiple`). The caller must know that each of them is durably recorded, and that
+    /// none of them is settled later by another way (the broker would close the channel
+    /// on an unknown delivery tag).
+    pub async fn ack_multiple(&self) -> Result<(), BrokerError> {
+        self.acker
+            .ack(BasicAckOptions { multiple: true })
+            .await
+            .map(|_| ())
+            .map_err(|source| BrokerError::Amqp {
+                doing: "acking (multiple)",
+                source,
+            })
+    }
+
     /// Reject without requeue: the queue's dead-letter exchange takes it.
     pub async fn dead_letter(&self) -> Result<(), BrokerError> {
         self.acker

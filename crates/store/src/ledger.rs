@@ -142,6 +142,20 @@ const UPDATE_COUNTERS: &str = "UPDATE jobs SET (attempts, backend_calls) = \
      (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts WHERE job_id = $1) \
      WHERE job_id = $1";
 
+/// Job ids per counters statement of a batch (well under SQLite's bind limit).
+const COUNTERS_CHUNK: usize = 256;
+
+/// [`UPDATE_COUNTERS`] for `n` jobs at once (`$1 … $n`); only placeholders are generated.
+fn update_counters_many(n: usize) -> String {
+    let list: Vec<String> = (1..=n).map(|i| format!("${i}")).collect();
+    format!(
+        "UPDATE jobs SET (attempts, backend_calls) = \
+         (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts a \
+         WHERE a.job_id = jobs.job_id) WHERE job_id IN ({})",
+        list.join(", ")
+    )
+}
+
 const MARK_ACKED: &str = "UPDATE attempts SET acked_at_ms = $2 WHERE attempt_key = $1";
 
 const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
@@ -227,7 +241,10 @@ macro_rules! on_pool {
 
 /// The statements of one attempt start, on an open transaction `$tx`.
 macro_rules! exec_start {
-    ($tx:ident, $start:expr) => {{
+    ($tx:ident, $start:expr) => {
+        exec_start!($tx, $start, counters = true)
+    };
+    ($tx:ident, $start:expr, counters = $counters:expr) => {{
         let start: &AttemptStart = $start;
         sqlx::query(UPSERT_JOB_RUNNING)
             .bind(&start.job_id)
@@ -253,18 +270,23 @@ macro_rules! exec_start {
             .execute(&mut *$tx)
             .await
             .map_err(db("recording an attempt start"))?;
-        sqlx::query(UPDATE_COUNTERS)
-            .bind(&start.job_id)
-            .execute(&mut *$tx)
-            .await
-            .map_err(db("recording an attempt start"))?;
+        if $counters {
+            sqlx::query(UPDATE_COUNTERS)
+                .bind(&start.job_id)
+                .execute(&mut *$tx)
+                .await
+                .map_err(db("recording an attempt start"))?;
+        }
     }};
 }
 
 /// The statements of one outcome, on an open transaction `$tx`; evaluates to whether it
 /// wrote the job's terminal outcome.
 macro_rules! exec_outcome {
-    ($tx:ident, $rec:expr, $terminal:expr) => {{
+    ($tx:ident, $rec:expr, $terminal:expr) => {
+        exec_outcome!($tx, $rec, $terminal, counters = true)
+    };
+    ($tx:ident, $rec:expr, $terminal:expr, counters = $counters:expr) => {{
         let rec: &OutcomeRecord = $rec;
         // The job row first: this locks it (PostgreSQL locks the conflicting row even
         // when the WHERE rejects the update), which serialises the counters below.
@@ -325,11 +347,13 @@ macro_rules! exec_outcome {
                 .execute(&mut *$tx)
                 .await
                 .map_err(db("recording an outcome"))?;
-            sqlx::query(UPDATE_COUNTERS)
-                .bind(&rec.job_id)
-                .execute(&mut *$tx)
-                .await
-                .map_err(db("recording an outcome"))?;
+            if $counters {
+                sqlx::query(UPDATE_COUNTERS)
+                    .bind(&rec.job_id)
+                    .execute(&mut *$tx)
+                    .await
+                    .map_err(db("recording an outcome"))?;
+            }
         }
         wrote
     }};
@@ -606,16 +630,39 @@ impl Ledger {
             return Ok(Vec::new());
         }
         tracing::debug!(n = writes.len(), "group commit");
+        // The counters of every touched job, once per batch instead of once per write.
+        let mut touched: Vec<&str> = writes
+            .iter()
+            .filter_map(|w| match w {
+                LedgerWrite::Start(s) => Some(s.job_id.as_str()),
+                LedgerWrite::Outcome(r) if !r.attempt_key.is_empty() => Some(r.job_id.as_str()),
+                LedgerWrite::Outcome(_) => None,
+            })
+            .collect();
+        touched.sort_unstable();
+        touched.dedup();
         let wrote = write_tx!(self, "writing a batch of outcomes", |tx| {
             let mut wrote = Vec::with_capacity(writes.len());
             for (w, &terminal) in writes.iter().zip(&terminal) {
                 wrote.push(match w {
                     LedgerWrite::Start(start) => {
-                        exec_start!(tx, start);
+                        exec_start!(tx, start, counters = false);
                         false
                     }
-                    LedgerWrite::Outcome(rec) => exec_outcome!(tx, rec, terminal),
+                    LedgerWrite::Outcome(rec) => {
+                        exec_outcome!(tx, rec, terminal, counters = false)
+                    }
                 });
+            }
+            for ids in touched.chunks(COUNTERS_CHUNK) {
+                let sql = update_counters_many(ids.len());
+                let mut q = sqlx::query(AssertSqlSafe(sql));
+                for id in ids {
+                    q = q.bind(*id);
+                }
+                q.execute(&mut *tx)
+                    .await
+                    .map_err(db("writing a batch of outcomes"))?;
             }
             wrote
         });

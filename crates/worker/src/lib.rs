@@ -10,6 +10,7 @@
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
 //! - `committer`: group commit of starts and outcomes (one transaction per batch).
 
+mod ack_batch;
 mod ack_log;
 pub mod clock;
 mod committer;

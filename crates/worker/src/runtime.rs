@@ -126,6 +126,8 @@ struct Ctx {
     acks: crate::ack_log::AckLog,
     /// Group commit of the starts and outcomes that must be durable before a call or an ack.
     commits: crate::committer::Committer,
+    /// The deliveries held, for coalesced (`multiple`) acks after the durable write.
+    settle_acks: crate::ack_batch::AckBatch,
     /// Moving average of model call durations in µs (0: none yet), for the expected wait.
     mean_call_us: std::sync::atomic::AtomicU64,
 }
@@ -176,6 +178,7 @@ impl Worker {
             acks,
             commits,
             mean_call_us: std::sync::atomic::AtomicU64::new(0),
+            settle_acks: crate::ack_batch::AckBatch::new(),
             slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
             cfg,
             ledger,
@@ -223,6 +226,13 @@ impl Worker {
         .map_err(WorkerError::Setup)?;
         let relay_stop = CancellationToken::new();
         let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
+        let flush_stop = CancellationToken::new();
+        let flusher = ctx.settle_acks.spawn_flusher(
+            ctx.stats.clone(),
+            ctx.acks.clone(),
+            ctx.clock.clone(),
+            flush_stop.clone(),
+        );
         let bytes = Arc::new(Semaphore::new(cfg.max_buffer_bytes.max(1)));
         let mut tasks = JoinSet::new();
         tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, "worker started");
@@ -260,6 +270,7 @@ impl Worker {
             };
             let received_at_ms = ctx.clock.now_ms();
             WorkerStats::inc(&ctx.stats.received);
+            ctx.settle_acks.register(incoming.delivery_tag);
             // Bound local memory by bytes; a body over the limit is rejected without buffering.
             let size = incoming.body.len();
             let permit = if size > cfg.policy.limits.max_body_bytes {
@@ -270,6 +281,7 @@ impl Worker {
                     p = bytes.clone().acquire_many_owned(n) => Some(p.expect("semaphore never closed")),
                     _ = stop.cancelled() => {
                         let _ = incoming.settler.requeue().await;
+                        ctx.settle_acks.forget(incoming.delivery_tag);
                         break;
                     }
                 }
@@ -305,6 +317,11 @@ impl Worker {
                     break;
                 }
             }
+        }
+        // Ack what finished, then close the channel (unsettled deliveries go back).
+        flush_stop.cancel();
+        if let Err(e) = flusher.await {
+            tracing::warn!(error = %e, "the ack flusher task failed");
         }
         stream.close().await;
         self.acks_done.cancel();
@@ -451,6 +468,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             WorkerStats::add(&ctx.stats.waiting, -1);
             tracing::info!("shutdown: handing a waiting job back to the broker");
             let _ = job.incoming.settler.requeue().await;
+            ctx.settle_acks.forget(job.incoming.delivery_tag);
             return;
         }
     };
@@ -796,18 +814,24 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
         WorkerStats::inc(&ctx.stats.duplicates);
         tracing::info!("redelivery of a job with a recorded outcome: acking without running");
     }
-    let settled = match &disposition {
-        Disposition::RecordThenDeadLetter(_) => job.incoming.settler.dead_letter().await,
-        _ => job.incoming.settler.ack().await,
-    };
-    match settled {
-        Ok(()) => {
-            WorkerStats::inc(&ctx.stats.settled);
-            ctx.acks.record(job.attempt_key.clone(), ctx.clock.now_ms());
+    let tag = job.incoming.delivery_tag;
+    if let Disposition::RecordThenDeadLetter(_) = &disposition {
+        let r = job.incoming.settler.dead_letter().await;
+        // Only now: a `multiple` ack must not be sent ahead of this reject.
+        ctx.settle_acks.forget(tag);
+        match r {
+            Ok(()) => {
+                WorkerStats::inc(&ctx.stats.settled);
+                ctx.acks.record(job.attempt_key.clone(), ctx.clock.now_ms());
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "settling failed after the durable write; the broker will redeliver and the duplicate is acked")
+            }
         }
-        Err(e) => {
-            tracing::warn!(error = %e, "settling failed after the durable write; the broker will redeliver and the duplicate is acked")
-        }
+    } else {
+        // Acked by the flusher, possibly together with other finished deliveries.
+        ctx.settle_acks
+            .done(tag, job.incoming.settler, job.attempt_key);
     }
 }
 
