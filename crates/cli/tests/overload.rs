@@ -109,3 +109,49 @@ async fn group_commit_records_every_job_once_before_acking() {
         env.cleanup().await;
     }
 }
+
+/// Coalesced acks never wait behind a long call: with A (the lowest delivery tag) still
+/// running, the jobs after it finish and are acked individually; A is acked when it ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn finished_deliveries_above_a_running_one_are_acked_without_waiting() {
+    let env = Env::sqlite("ack-gap").await;
+    let sim = sim(0);
+    let w = env
+        .start_worker(env.worker_config(4, 8), sim.clone(), system_clock())
+        .await;
+    let s = env.submitter(100, true).await;
+    s.submit(
+        &job_with("long", 30_000, serde_json::json!({"sim_latency_ms": 4_000})),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    let ids: Vec<String> = (0..5).map(|i| format!("quick{i}")).collect();
+    for id in &ids {
+        s.submit(&job(id, 30_000), now_ms()).await.unwrap();
+    }
+    env.wait_terminal(&ids, Duration::from_secs(10)).await;
+    let t0 = std::time::Instant::now();
+    while w.stats.settled.load(std::sync::atomic::Ordering::Relaxed) < 5 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(3),
+            "the quick jobs' acks waited behind the running one"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        env.ledger.get("long").await.unwrap().unwrap().state,
+        "running",
+        "the long call is still running while the others are acked"
+    );
+    env.wait_terminal(&["long".into()], Duration::from_secs(10))
+        .await;
+    w.stop().await;
+    assert_eq!(ready_after_stop(&env).await, 0);
+    env.cleanup().await;
+}
+
+/// Messages left in the work queue (ready) after the worker stopped: unacked ones return.
+async fn ready_after_stop(env: &Env) -> u32 {
+    env.ready(&env.topo.names.work_queue).await
+}
