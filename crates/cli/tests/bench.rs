@@ -149,11 +149,33 @@ async fn ledger_smoke_on_sqlite_and_postgres() {
         .iter()
         .map(|r| r["backend"].as_str().unwrap())
         .collect();
-    assert_eq!(backends, ["sqlite", "sqlite", "postgres", "postgres"]);
+    assert_eq!(
+        backends,
+        [
+            "sqlite", "sqlite", "sqlite", "postgres", "postgres", "postgres"
+        ]
+    );
+    let whats: Vec<&str> = rows.iter().map(|r| r["what"].as_str().unwrap()).collect();
+    assert_eq!(
+        &whats[..3],
+        ["outcome", "grouped_outcome", "worker_sequence"]
+    );
     for r in rows {
         assert_eq!(u(r, "ok") + u(r, "errors"), u(r, "writes"), "{r}");
         assert_eq!(u(r, "errors"), 0, "{r}");
     }
+    // Every write of the three rows is really in the PostgreSQL ledger, once.
+    let written = env
+        .ledger
+        .list(&lastcall_store::ListFilter {
+            kind: Some("bench.ledger".into()),
+            ..Default::default()
+        })
+        .await
+        .unwrap();
+    let per_row = u(&rows[3], "writes");
+    assert_eq!(written.len() as u64, 3 * per_row);
+    assert!(written.iter().all(|r| r.state == "completed"));
     env.cleanup().await;
 }
 

@@ -8,7 +8,7 @@ use super::{Percentiles, f1};
 use crate::config::Settings;
 use anyhow::{Result, bail};
 use clap::Args;
-use lastcall_store::{AttemptStart, Ledger, OutcomeRecord};
+use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use lastcall_worker::clock::now_ms;
 use serde::Serialize;
 use serde_json::json;
@@ -26,6 +26,10 @@ pub struct LedgerArgs {
     /// Concurrent writers (like a worker's model slots)
     #[arg(long, default_value_t = 8)]
     pub writers: usize,
+    /// Outcomes per transaction in the `grouped_outcome` rows (the worker's group commit
+    /// writes whatever finished while the previous transaction committed)
+    #[arg(long, default_value_t = 64)]
+    pub batch: u64,
     /// Also measure PostgreSQL at this URL (rows are written under fresh job ids)
     #[arg(long, env = "LASTCALL_BENCH_PG_URL", hide_env_values = true)]
     pub postgres_url: Option<String>,
@@ -43,8 +47,9 @@ pub struct LedgerArgs {
 #[derive(Debug, Clone, Serialize)]
 struct Row {
     backend: &'static str,
-    /// `outcome` (one terminal write) or `worker_sequence` (receipt lookup, running row,
-    /// outcome, ack mark: what the worker does per job).
+    /// `outcome` (one terminal write per transaction), `grouped_outcome` (`batch` outcomes
+    /// per transaction) or `worker_sequence` (receipt lookup, running row, outcome, ack
+    /// mark, one transaction each).
     what: &'static str,
     writes: u64,
     writers: usize,
@@ -58,8 +63,8 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
     if a.smoke {
         a.writes = a.writes.min(100);
     }
-    if a.writes == 0 || a.writers == 0 {
-        bail!("--writes and --writers must be at least 1");
+    if a.writes == 0 || a.writers == 0 || a.batch == 0 {
+        bail!("--writes, --writers and --batch must be at least 1");
     }
     let mut targets: Vec<(String, Option<std::path::PathBuf>)> = Vec::new();
     if !a.no_sqlite {
@@ -75,7 +80,7 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     for (url, dir) in targets {
         let ledger = Arc::new(super::super::open_ledger(&url).await?);
-        for what in ["outcome", "worker_sequence"] {
+        for what in ["outcome", "grouped_outcome", "worker_sequence"] {
             rows.push(measure(&ledger, what, &a).await?);
         }
         ledger.close().await;
@@ -120,7 +125,8 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
         )
     );
     println!(
-        "one committed transaction per write (\"durable before ack\"); worker_sequence = receipt lookup + running row + outcome + ack mark"
+        "one committed transaction per write (\"durable before ack\"), except grouped_outcome: {} outcomes per transaction (latency per transaction); worker_sequence = receipt lookup + running row + outcome + ack mark",
+        a.batch
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -132,6 +138,11 @@ async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Re
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let step = if what == "grouped_outcome" {
+        a.batch
+    } else {
+        1
+    };
     let t0 = Instant::now();
     let mut set = JoinSet::new();
     for _ in 0..a.writers {
@@ -140,18 +151,29 @@ async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Re
         set.spawn(async move {
             let (mut ok, mut err, mut lat) = (0u64, 0u64, Vec::new());
             loop {
-                let i = next.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                let i = next.fetch_add(step, std::sync::atomic::Ordering::Relaxed);
                 if i >= n {
                     break;
                 }
+                let ids: Vec<String> = (i..(i + step).min(n))
+                    .map(|j| format!("lb-{nonce}-{what}-{j}"))
+                    .collect();
                 let t = Instant::now();
-                let r = one(&ledger, what, &format!("lb-{nonce}-{what}-{i}")).await;
+                let r = if what == "grouped_outcome" {
+                    let writes: Vec<LedgerWrite> = ids
+                        .iter()
+                        .map(|id| LedgerWrite::Outcome(outcome(id, false)))
+                        .collect();
+                    ledger.write_batch(&writes).await.map(|_| ())
+                } else {
+                    one(&ledger, what, &ids[0]).await
+                };
                 lat.push(t.elapsed().as_micros() as u64);
                 match r {
-                    Ok(()) => ok += 1,
-                    Err(_) => err += 1,
+                    Ok(()) => ok += ids.len() as u64,
+                    Err(_) => err += ids.len() as u64,
                 }
-                bar.inc(1);
+                bar.inc(ids.len() as u64);
             }
             (ok, err, lat)
         });
@@ -199,26 +221,32 @@ async fn one(ledger: &Ledger, what: &str, job_id: &str) -> Result<(), lastcall_s
             .await?;
     }
     ledger
-        .record_outcome(&OutcomeRecord {
-            attempt_key: key.clone(),
-            job_id: job_id.to_owned(),
-            kind: "bench.ledger".into(),
-            state: "completed".into(),
-            decision: "ack".into(),
-            created_at_ms: Some(now),
-            expires_at_ms: Some(now + 60_000),
-            received_at_ms: Some(now),
-            started_at_ms: Some(now),
-            finished_at_ms: Some(now),
-            recorded_at_ms: now,
-            worker: "bench".into(),
-            model_called: what == "worker_sequence",
-            result: Some("ok".into()),
-            ..OutcomeRecord::default()
-        })
+        .record_outcome(&outcome(job_id, what == "worker_sequence"))
         .await?;
     if what == "worker_sequence" {
         ledger.mark_acked(&key, now_ms()).await?;
     }
     Ok(())
+}
+
+/// A completed outcome for `job_id` (attempt key `{job_id}:a`).
+fn outcome(job_id: &str, model_called: bool) -> OutcomeRecord {
+    let now = now_ms();
+    OutcomeRecord {
+        attempt_key: format!("{job_id}:a"),
+        job_id: job_id.to_owned(),
+        kind: "bench.ledger".into(),
+        state: "completed".into(),
+        decision: "ack".into(),
+        created_at_ms: Some(now),
+        expires_at_ms: Some(now + 60_000),
+        received_at_ms: Some(now),
+        started_at_ms: Some(now),
+        finished_at_ms: Some(now),
+        recorded_at_ms: now,
+        worker: "bench".into(),
+        model_called,
+        result: Some("ok".into()),
+        ..OutcomeRecord::default()
+    }
 }
