@@ -365,10 +365,15 @@ pub enum LedgerWrite {
     /// As [`Ledger::record_start`].
     Start(AttemptStart),
     /// As [`Ledger::record_outcome`].
-    Outcome(OutcomeRecord),
+    Outcome(Box<OutcomeRecord>),
 }
 
 impl LedgerWrite {
+    /// An outcome write (boxed: an outcome record is several times larger than a start).
+    pub fn outcome(rec: OutcomeRecord) -> Self {
+        LedgerWrite::Outcome(Box::new(rec))
+    }
+
     /// The checks [`Ledger::write_batch`] runs before its transaction: a known state name
     /// and a non-empty `attempt_key`. Callers that batch writes from many tasks run it
     /// first, so one bad item cannot fail the others' commit.

@@ -949,17 +949,17 @@ async fn group_commit_writes_many_in_one_batch(db: &TestDb) {
     let l = &db.ledger;
     let batch = vec![
         LedgerWrite::Start(start("g1", "w1:c1:1", 1, 200)),
-        LedgerWrite::Outcome(OutcomeRecord {
+        LedgerWrite::outcome(OutcomeRecord {
             reason: Some("receipt:deadline_passed".into()),
             ..outcome("g2", "w1:c1:2", State::ExpiredNotStarted, 210)
         }),
-        LedgerWrite::Outcome(completed("g3", "w1:c1:3", 220, "three")),
+        LedgerWrite::outcome(completed("g3", "w1:c1:3", 220, "three")),
         // A second delivery of g3 in the same batch: the first outcome stays.
-        LedgerWrite::Outcome(OutcomeRecord {
+        LedgerWrite::outcome(OutcomeRecord {
             reason: Some("boom".into()),
             ..outcome("g3", "w1:c1:4", State::Failed, 230)
         }),
-        LedgerWrite::Outcome(outcome("g4", "w1:c1:5", State::Running, 240)),
+        LedgerWrite::outcome(outcome("g4", "w1:c1:5", State::Running, 240)),
     ];
     let wrote = l.write_batch(&batch).await.unwrap();
     assert_eq!(wrote, vec![false, true, true, false, false]);
@@ -977,7 +977,7 @@ async fn group_commit_writes_many_in_one_batch(db: &TestDb) {
     assert_eq!(must_get(l, "g4").await.state, "running");
 
     // The start's outcome in a later batch finishes g1 with one call counted.
-    let later = [LedgerWrite::Outcome(completed("g1", "w1:c1:1", 400, "one"))];
+    let later = [LedgerWrite::outcome(completed("g1", "w1:c1:1", 400, "one"))];
     assert_eq!(l.write_batch(&later).await.unwrap(), vec![true]);
     let g1 = must_get(l, "g1").await;
     assert_eq!((g1.state.as_str(), g1.backend_calls), ("completed", 1));
@@ -990,15 +990,15 @@ async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {
         state: "done".to_owned(),
         ..outcome("b2", "k2", State::Completed, 10)
     };
-    assert!(LedgerWrite::Outcome(bad.clone()).validate().is_err());
+    assert!(LedgerWrite::outcome(bad.clone()).validate().is_err());
     assert!(
         LedgerWrite::Start(start("b1", "", 1, 5))
             .validate()
             .is_err()
     );
     let batch = [
-        LedgerWrite::Outcome(completed("b1", "k1", 10, "ok")),
-        LedgerWrite::Outcome(bad),
+        LedgerWrite::outcome(completed("b1", "k1", 10, "ok")),
+        LedgerWrite::outcome(bad),
     ];
     let err = l.write_batch(&batch).await.unwrap_err();
     assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");

@@ -784,7 +784,7 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
             &ctx.health,
             &ctx.shutdown,
             || WorkerStats::inc(&ctx.stats.store_retries),
-            || ctx.commits.write(LedgerWrite::Outcome(rec.clone())),
+            || ctx.commits.write(LedgerWrite::outcome(rec.clone())),
         )
         .await;
         match stored {

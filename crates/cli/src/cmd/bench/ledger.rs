@@ -162,7 +162,7 @@ async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Re
                 let r = if what == "grouped_outcome" {
                     let writes: Vec<LedgerWrite> = ids
                         .iter()
-                        .map(|id| LedgerWrite::Outcome(outcome(id, false)))
+                        .map(|id| LedgerWrite::outcome(outcome(id, false)))
                         .collect();
                     ledger.write_batch(&writes).await.map(|_| ())
                 } else {
