@@ -142,6 +142,111 @@ const UPDATE_COUNTERS: &str = "UPDATE jobs SET (attempts, backend_calls) = \
      (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts WHERE job_id = $1) \
      WHERE job_id = $1";
 
+/// Rows per multi-row statement of a batch (19 columns × 256 rows stays far below the
+/// bind-parameter limits of SQLite and PostgreSQL).
+const ROWS_PER_STATEMENT: usize = 256;
+
+/// Executes the `INSERT … VALUES (…)` statement `$sql` for every item of `$items` with as
+/// few multi-row statements as possible; `$bind` binds one item's values onto `$q`.
+macro_rules! multi_exec {
+    ($tx:ident, $sql:expr, $items:expr, |$q:ident, $it:ident| $bind:expr) => {{
+        for chunk in pow2_chunks(&$items) {
+            let mut $q = sqlx::query(AssertSqlSafe(multi_row($sql, chunk.len())));
+            for $it in chunk {
+                $q = $bind;
+            }
+            $q.execute(&mut *$tx)
+                .await
+                .map_err(db("writing a batch of outcomes"))?;
+        }
+    }};
+}
+
+/// `sql` (an `INSERT … VALUES (…) …` with placeholders `$1…$k` in its one tuple) with that
+/// tuple repeated for `rows` rows and the placeholders renumbered. Only placeholders are
+/// generated; no value ever becomes SQL text.
+fn multi_row(sql: &str, rows: usize) -> String {
+    let open = sql
+        .find("VALUES (")
+        .expect("an INSERT … VALUES (…) statement")
+        + "VALUES ".len();
+    let close = open + sql[open..].find(')').expect("a closed VALUES tuple") + 1;
+    let tuple = &sql[open..close];
+    let k = placeholders(tuple).max().unwrap_or(0);
+    let mut out = String::with_capacity(sql.len() + rows * (tuple.len() + 8));
+    out.push_str(&sql[..open]);
+    for r in 0..rows {
+        if r > 0 {
+            out.push_str(", ");
+        }
+        let mut rest = tuple;
+        while let Some(d) = rest.find('$') {
+            out.push_str(&rest[..d]);
+            let digits = rest[d + 1..].bytes().take_while(u8::is_ascii_digit).count();
+            let n: usize = rest[d + 1..d + 1 + digits]
+                .parse()
+                .expect("a numbered placeholder");
+            out.push_str(&format!("${}", n + r * k));
+            rest = &rest[d + 1 + digits..];
+        }
+        out.push_str(rest);
+    }
+    out.push_str(&sql[close..]);
+    out
+}
+
+/// The numbers of the `$n` placeholders in `s`.
+fn placeholders(s: &str) -> impl Iterator<Item = usize> + '_ {
+    s.split('$').skip(1).filter_map(|t| {
+        let digits = t.bytes().take_while(u8::is_ascii_digit).count();
+        t[..digits].parse().ok()
+    })
+}
+
+/// Splits `items` into chunks whose lengths are powers of two (at most
+/// [`ROWS_PER_STATEMENT`]), largest first. A multi-row statement's text depends on its row
+/// count, and each distinct text is prepared and cached per connection; with power-of-two
+/// sizes a statement type has at most 9 shapes, so the statement cache keeps them all.
+fn pow2_chunks<T>(items: &[T]) -> impl Iterator<Item = &[T]> {
+    let mut rest = items;
+    std::iter::from_fn(move || {
+        if rest.is_empty() {
+            return None;
+        }
+        let n = rest.len().min(ROWS_PER_STATEMENT);
+        let size = 1usize << (usize::BITS - 1 - n.leading_zeros());
+        let (head, tail) = rest.split_at(size);
+        rest = tail;
+        Some(head)
+    })
+}
+
+/// Splits a batch, in order, into runs in which no job id and no attempt key repeats.
+fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
+    let mut out = Vec::new();
+    let mut from = 0;
+    let mut ids = std::collections::HashSet::new();
+    let mut keys = std::collections::HashSet::new();
+    for (i, w) in writes.iter().enumerate() {
+        let (id, key) = match w {
+            LedgerWrite::Start(s) => (s.job_id.as_str(), s.attempt_key.as_str()),
+            LedgerWrite::Outcome(r) => (r.job_id.as_str(), r.attempt_key.as_str()),
+        };
+        if ids.contains(id) || (!key.is_empty() && keys.contains(key)) {
+            out.push(from..i);
+            from = i;
+            ids.clear();
+            keys.clear();
+        }
+        ids.insert(id);
+        if !key.is_empty() {
+            keys.insert(key);
+        }
+    }
+    out.push(from..writes.len());
+    out
+}
+
 /// Job ids per counters statement of a batch (well under SQLite's bind limit).
 const COUNTERS_CHUNK: usize = 256;
 
@@ -647,17 +752,114 @@ impl Ledger {
         touched.sort_unstable();
         touched.dedup();
         let wrote = write_tx!(self, "writing a batch of outcomes", |tx| {
-            let mut wrote = Vec::with_capacity(writes.len());
-            for (w, &terminal) in writes.iter().zip(&terminal) {
-                wrote.push(match w {
-                    LedgerWrite::Start(start) => {
-                        exec_start!(tx, start, counters = false);
-                        false
+            let mut wrote = vec![false; writes.len()];
+            for run in runs(writes) {
+                // Within a run every job id and attempt key is unique, so each statement
+                // below touches a row at most once (PostgreSQL requires it) and the order
+                // between the statements does not matter. Job rows first (they lock the
+                // job, as in the single writes), sorted by id for a stable lock order.
+                let mut starts: Vec<&AttemptStart> = Vec::new();
+                let mut terminals: Vec<(usize, &OutcomeRecord)> = Vec::new();
+                let mut lives: Vec<&OutcomeRecord> = Vec::new();
+                for i in run {
+                    match &writes[i] {
+                        LedgerWrite::Start(st) => starts.push(st),
+                        LedgerWrite::Outcome(rec) if terminal[i] => terminals.push((i, rec)),
+                        LedgerWrite::Outcome(rec) => lives.push(rec),
                     }
-                    LedgerWrite::Outcome(rec) => {
-                        exec_outcome!(tx, rec, terminal, counters = false)
+                }
+                starts.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+                terminals.sort_by(|a, b| a.1.job_id.cmp(&b.1.job_id));
+                lives.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+                let mut outcomes: Vec<&OutcomeRecord> = terminals
+                    .iter()
+                    .map(|(_, r)| *r)
+                    .chain(lives.iter().copied())
+                    .filter(|r| !r.attempt_key.is_empty())
+                    .collect();
+                outcomes.sort_by(|a, b| a.job_id.cmp(&b.job_id));
+
+                multi_exec!(tx, UPSERT_JOB_RUNNING, starts, |q, st| q
+                    .bind(&st.job_id)
+                    .bind(&st.kind)
+                    .bind(st.created_at_ms)
+                    .bind(st.expires_at_ms)
+                    .bind(st.received_at_ms)
+                    .bind(st.checked_at_ms)
+                    .bind(st.started_at_ms)
+                    .bind(&st.worker));
+                for chunk in pow2_chunks(&terminals) {
+                    let sql = format!(
+                        "{} RETURNING job_id",
+                        multi_row(UPSERT_JOB_TERMINAL, chunk.len())
+                    );
+                    let mut q = sqlx::query(AssertSqlSafe(sql));
+                    for (_, rec) in chunk {
+                        q = q
+                            .bind(&rec.job_id)
+                            .bind(&rec.kind)
+                            .bind(&rec.state)
+                            .bind(&rec.reason)
+                            .bind(rec.created_at_ms)
+                            .bind(rec.expires_at_ms)
+                            .bind(rec.received_at_ms)
+                            .bind(rec.checked_at_ms)
+                            .bind(rec.started_at_ms)
+                            .bind(rec.finished_at_ms)
+                            .bind(rec.recorded_at_ms)
+                            .bind(non_empty(&rec.worker))
+                            .bind(&rec.result)
+                            .bind(&rec.error)
+                            .bind(rec.prompt_tokens)
+                            .bind(rec.completion_tokens)
+                            .bind(rec.latency_ms)
+                            .bind(rec.cancel_requested)
+                            .bind(rec.cancel_confirmed);
                     }
-                });
+                    let rows = q
+                        .fetch_all(&mut *tx)
+                        .await
+                        .map_err(db("writing a batch of outcomes"))?;
+                    let mut written = std::collections::HashSet::with_capacity(rows.len());
+                    for row in &rows {
+                        let id: String =
+                            row.try_get(0).map_err(db("writing a batch of outcomes"))?;
+                        written.insert(id);
+                    }
+                    for (i, rec) in chunk {
+                        wrote[*i] = written.contains(&rec.job_id);
+                    }
+                }
+                multi_exec!(tx, UPSERT_JOB_LIVE, lives, |q, rec| q
+                    .bind(&rec.job_id)
+                    .bind(&rec.kind)
+                    .bind(&rec.state)
+                    .bind(rec.created_at_ms)
+                    .bind(rec.expires_at_ms)
+                    .bind(non_empty(&rec.worker)));
+                multi_exec!(tx, UPSERT_ATTEMPT_START, starts, |q, st| q
+                    .bind(&st.attempt_key)
+                    .bind(&st.job_id)
+                    .bind(i64::from(st.attempt))
+                    .bind(&st.worker)
+                    .bind(st.redelivered)
+                    .bind(st.received_at_ms)
+                    .bind(st.checked_at_ms)
+                    .bind(st.started_at_ms));
+                multi_exec!(tx, UPSERT_ATTEMPT_OUTCOME, outcomes, |q, rec| q
+                    .bind(&rec.attempt_key)
+                    .bind(&rec.job_id)
+                    .bind(i64::from(rec.attempt))
+                    .bind(&rec.worker)
+                    .bind(rec.redelivered)
+                    .bind(rec.received_at_ms)
+                    .bind(rec.checked_at_ms)
+                    .bind(rec.started_at_ms)
+                    .bind(rec.finished_at_ms)
+                    .bind(non_empty(&rec.decision))
+                    .bind(&rec.state)
+                    .bind(&rec.reason)
+                    .bind(rec.model_called));
             }
             for ids in touched.chunks(COUNTERS_CHUNK) {
                 let sql = update_counters_many(ids.len());
@@ -985,5 +1187,62 @@ mod tests {
         ] {
             assert!(sql.contains(NON_TERMINAL_SQL), "{sql}");
         }
+    }
+
+    #[test]
+    fn multi_row_repeats_the_tuple_and_renumbers() {
+        let sql =
+            "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2) ON CONFLICT (a) DO UPDATE SET b = $2";
+        assert_eq!(
+            multi_row(sql, 1),
+            "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2) ON CONFLICT (a) DO UPDATE SET b = $2"
+        );
+        assert_eq!(
+            multi_row(sql, 3),
+            "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2), ($3, 'x', $4), ($5, 'x', $6) ON CONFLICT (a) DO UPDATE SET b = $2"
+        );
+        let big = multi_row(UPSERT_JOB_TERMINAL, 2);
+        assert!(big.contains("$19), ($20, "), "{big}");
+        assert!(big.contains("$38)"), "{big}");
+        assert!(!big.contains("$39"));
+    }
+
+    #[test]
+    fn pow2_chunks_cover_everything_in_order() {
+        let v: Vec<usize> = (0..700).collect();
+        let sizes: Vec<usize> = pow2_chunks(&v).map(<[usize]>::len).collect();
+        assert_eq!(sizes, vec![256, 256, 128, 32, 16, 8, 4]);
+        assert_eq!(pow2_chunks(&v).flatten().copied().collect::<Vec<_>>(), v);
+        assert_eq!(pow2_chunks(&v[..0]).count(), 0);
+        let one: Vec<usize> = pow2_chunks(&v[..13]).map(<[usize]>::len).collect();
+        assert_eq!(one, vec![8, 4, 1]);
+    }
+
+    #[test]
+    fn runs_split_where_a_job_or_attempt_repeats() {
+        let start = |job: &str, key: &str| {
+            LedgerWrite::Start(AttemptStart {
+                attempt_key: key.into(),
+                job_id: job.into(),
+                kind: "k".into(),
+                attempt: 0,
+                created_at_ms: 0,
+                expires_at_ms: 0,
+                worker: "w".into(),
+                redelivered: false,
+                received_at_ms: 0,
+                checked_at_ms: 0,
+                started_at_ms: 0,
+            })
+        };
+        let w = [
+            start("a", "1"),
+            start("b", "2"),
+            start("a", "3"),
+            start("c", "3"),
+            start("d", "4"),
+        ];
+        assert_eq!(runs(&w), vec![0..2, 2..3, 3..5]);
+        assert_eq!(runs(&[]), vec![0..0]);
     }
 }

@@ -204,6 +204,7 @@ both_backends!(
     invalid_input_is_fatal,
     group_commit_writes_many_in_one_batch,
     group_commit_with_an_invalid_item_writes_nothing,
+    group_commit_of_a_large_batch_uses_several_statements,
     ingress_claims_an_id_once_then_stamps_or_releases_it,
 );
 
@@ -982,6 +983,67 @@ async fn group_commit_writes_many_in_one_batch(db: &TestDb) {
     let g1 = must_get(l, "g1").await;
     assert_eq!((g1.state.as_str(), g1.backend_calls), ("completed", 1));
     assert_eq!(l.write_batch(&[]).await.unwrap(), Vec::<bool>::new());
+}
+
+async fn group_commit_of_a_large_batch_uses_several_statements(db: &TestDb) {
+    let l = &db.ledger;
+    // 300 jobs already terminal (their second outcome must not win), then one batch of
+    // 600 starts + 600 outcomes over 900 jobs: more rows than one statement holds.
+    let old: Vec<LedgerWrite> = (0..300)
+        .map(|i| LedgerWrite::outcome(completed(&format!("old{i}"), &format!("o{i}"), 10, "first")))
+        .collect();
+    assert!(l.write_batch(&old).await.unwrap().iter().all(|w| *w));
+    let mut batch = Vec::new();
+    for i in 0..600 {
+        batch.push(LedgerWrite::Start(start(
+            &format!("new{i}"),
+            &format!("n{i}"),
+            1,
+            100,
+        )));
+    }
+    for i in 0..300 {
+        batch.push(LedgerWrite::outcome(OutcomeRecord {
+            reason: Some("late".into()),
+            ..outcome(
+                &format!("old{i}"),
+                &format!("o{i}-again"),
+                State::Failed,
+                200,
+            )
+        }));
+        batch.push(LedgerWrite::outcome(completed(
+            &format!("fresh{i}"),
+            &format!("f{i}"),
+            200,
+            "ok",
+        )));
+    }
+    let wrote = l.write_batch(&batch).await.unwrap();
+    assert_eq!(wrote.len(), 1_200);
+    assert!(
+        wrote[..600].iter().all(|w| !*w),
+        "starts never write a terminal outcome"
+    );
+    for i in 0..300 {
+        assert!(!wrote[600 + 2 * i], "old{i} already had its outcome");
+        assert!(wrote[601 + 2 * i], "fresh{i} is written by this batch");
+    }
+    let old7 = must_get(l, "old7").await;
+    assert_eq!(
+        (old7.state.as_str(), old7.result.as_deref()),
+        ("completed", Some("first"))
+    );
+    assert_eq!(old7.attempts, 2);
+    let new599 = must_get(l, "new599").await;
+    assert_eq!(
+        (new599.state.as_str(), new599.backend_calls),
+        ("running", 1)
+    );
+    assert_eq!(must_get(l, "fresh299").await.state, "completed");
+    let counts = l.counts_by_state().await.unwrap();
+    let n = |s: &str| counts.iter().find(|(k, _)| k == s).map_or(0, |(_, n)| *n);
+    assert_eq!((n("completed"), n("running")), (600, 600));
 }
 
 async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {
