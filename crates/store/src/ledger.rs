@@ -149,9 +149,9 @@ const ROWS_PER_STATEMENT: usize = 256;
 /// Executes the `INSERT … VALUES (…)` statement `$sql` for every item of `$items` with as
 /// few multi-row statements as possible; `$bind` binds one item's values onto `$q`.
 macro_rules! multi_exec {
-    ($tx:ident, $sql:expr, $items:expr, |$q:ident, $it:ident| $bind:expr) => {{
+    ($tx:ident, $style:expr, $sql:expr, $items:expr, |$q:ident, $it:ident| $bind:expr) => {{
         for chunk in pow2_chunks(&$items) {
-            let mut $q = sqlx::query(AssertSqlSafe(multi_row($sql, chunk.len())));
+            let mut $q = sqlx::query(AssertSqlSafe(multi_row($sql, chunk.len(), $style)));
             for $it in chunk {
                 $q = $bind;
             }
@@ -162,10 +162,34 @@ macro_rules! multi_exec {
     }};
 }
 
-/// `sql` (an `INSERT … VALUES (…) …` with placeholders `$1…$k` in its one tuple) with that
-/// tuple repeated for `rows` rows and the placeholders renumbered. Only placeholders are
-/// generated; no value ever becomes SQL text.
-fn multi_row(sql: &str, rows: usize) -> String {
+/// How generated statements spell their parameters.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum Placeholders {
+    /// `$1, $2, …` (PostgreSQL).
+    Numbered,
+    /// `?, ?, …` in binding order (SQLite). SQLite looks a numbered parameter's name up in
+    /// a list, once per parameter, which is quadratic in a statement with thousands of
+    /// them; anonymous parameters are bound by position.
+    Anonymous,
+}
+
+impl Placeholders {
+    /// `n` placeholders separated by commas.
+    fn list(self, n: usize) -> String {
+        (1..=n)
+            .map(|i| match self {
+                Placeholders::Numbered => format!("${i}"),
+                Placeholders::Anonymous => "?".to_owned(),
+            })
+            .collect::<Vec<_>>()
+            .join(", ")
+    }
+}
+
+/// `sql` (an `INSERT … VALUES (…) …` whose placeholders `$1…$k` all sit in its one tuple,
+/// in order) with that tuple repeated for `rows` rows and the placeholders renumbered (or
+/// anonymous). Only placeholders are generated; no value ever becomes SQL text.
+fn multi_row(sql: &str, rows: usize, style: Placeholders) -> String {
     let open = sql
         .find("VALUES (")
         .expect("an INSERT … VALUES (…) statement")
@@ -186,7 +210,10 @@ fn multi_row(sql: &str, rows: usize) -> String {
             let n: usize = rest[d + 1..d + 1 + digits]
                 .parse()
                 .expect("a numbered placeholder");
-            out.push_str(&format!("${}", n + r * k));
+            match style {
+                Placeholders::Numbered => out.push_str(&format!("${}", n + r * k)),
+                Placeholders::Anonymous => out.push('?'),
+            }
             rest = &rest[d + 1 + digits..];
         }
         out.push_str(rest);
@@ -251,13 +278,13 @@ fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
 const COUNTERS_CHUNK: usize = 256;
 
 /// [`UPDATE_COUNTERS`] for `n` jobs at once (`$1 … $n`); only placeholders are generated.
-fn update_counters_many(n: usize) -> String {
-    let list: Vec<String> = (1..=n).map(|i| format!("${i}")).collect();
+fn update_counters_many(n: usize, style: Placeholders) -> String {
+    let list = style.list(n);
     format!(
         "UPDATE jobs SET (attempts, backend_calls) = \
          (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts a \
          WHERE a.job_id = jobs.job_id) WHERE job_id IN ({})",
-        list.join(", ")
+        list
     )
 }
 
@@ -597,6 +624,13 @@ impl Ledger {
         })
     }
 
+    fn placeholder_style(&self) -> Placeholders {
+        match self.backend {
+            Backend::Sqlite { .. } => Placeholders::Anonymous,
+            Backend::Postgres(_) => Placeholders::Numbered,
+        }
+    }
+
     /// `"sqlite"` or `"postgres"`.
     pub fn backend_name(&self) -> &'static str {
         match self.backend {
@@ -663,13 +697,45 @@ impl Ledger {
                 .and_then(|row| row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).transpose())
                 .map_err(db("reading receipt info"))?
         });
-        Ok(match found {
-            None => ReceiptInfo::default(),
-            Some((state, calls)) => ReceiptInfo {
-                already_recorded: state.parse::<State>().is_ok_and(State::is_terminal),
-                prior_starts: u32::try_from(calls.max(0)).unwrap_or(u32::MAX),
-            },
-        })
+        Ok(found.map_or_else(ReceiptInfo::default, |(state, calls)| {
+            receipt(&state, calls)
+        }))
+    }
+
+    /// [`receipt_info`](Self::receipt_info) for many jobs with as few reads as possible
+    /// (`IN (…)`, power-of-two chunks). Ids without a row are absent from the map.
+    pub async fn receipt_info_many(
+        &self,
+        job_ids: &[String],
+    ) -> Result<std::collections::HashMap<String, ReceiptInfo>, StoreError> {
+        let mut out = std::collections::HashMap::with_capacity(job_ids.len());
+        let mut ids: Vec<&str> = job_ids.iter().map(String::as_str).collect();
+        ids.sort_unstable();
+        ids.dedup();
+        for chunk in pow2_chunks(&ids) {
+            let sql = format!(
+                "SELECT job_id, state, backend_calls FROM jobs WHERE job_id IN ({})",
+                self.placeholder_style().list(chunk.len())
+            );
+            let rows: Vec<(String, String, i64)> = on_pool!(self, read, |pool| {
+                let mut q = sqlx::query(AssertSqlSafe(sql));
+                for id in chunk {
+                    q = q.bind(*id);
+                }
+                q.fetch_all(pool)
+                    .await
+                    .and_then(|rows| {
+                        rows.iter()
+                            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                            .collect::<Result<Vec<_>, sqlx::Error>>()
+                    })
+                    .map_err(db("reading receipt info"))?
+            });
+            for (id, state, calls) in rows {
+                out.insert(id, receipt(&state, calls));
+            }
+        }
+        Ok(out)
     }
 
     /// Right before a model call: inserts the attempt row (`model_called`, `started_at_ms`)
@@ -751,6 +817,7 @@ impl Ledger {
             .collect();
         touched.sort_unstable();
         touched.dedup();
+        let style = self.placeholder_style();
         let wrote = write_tx!(self, "writing a batch of outcomes", |tx| {
             let mut wrote = vec![false; writes.len()];
             for run in runs(writes) {
@@ -779,7 +846,7 @@ impl Ledger {
                     .collect();
                 outcomes.sort_by(|a, b| a.job_id.cmp(&b.job_id));
 
-                multi_exec!(tx, UPSERT_JOB_RUNNING, starts, |q, st| q
+                multi_exec!(tx, style, UPSERT_JOB_RUNNING, starts, |q, st| q
                     .bind(&st.job_id)
                     .bind(&st.kind)
                     .bind(st.created_at_ms)
@@ -791,7 +858,7 @@ impl Ledger {
                 for chunk in pow2_chunks(&terminals) {
                     let sql = format!(
                         "{} RETURNING job_id",
-                        multi_row(UPSERT_JOB_TERMINAL, chunk.len())
+                        multi_row(UPSERT_JOB_TERMINAL, chunk.len(), style)
                     );
                     let mut q = sqlx::query(AssertSqlSafe(sql));
                     for (_, rec) in chunk {
@@ -830,14 +897,14 @@ impl Ledger {
                         wrote[*i] = written.contains(&rec.job_id);
                     }
                 }
-                multi_exec!(tx, UPSERT_JOB_LIVE, lives, |q, rec| q
+                multi_exec!(tx, style, UPSERT_JOB_LIVE, lives, |q, rec| q
                     .bind(&rec.job_id)
                     .bind(&rec.kind)
                     .bind(&rec.state)
                     .bind(rec.created_at_ms)
                     .bind(rec.expires_at_ms)
                     .bind(non_empty(&rec.worker)));
-                multi_exec!(tx, UPSERT_ATTEMPT_START, starts, |q, st| q
+                multi_exec!(tx, style, UPSERT_ATTEMPT_START, starts, |q, st| q
                     .bind(&st.attempt_key)
                     .bind(&st.job_id)
                     .bind(i64::from(st.attempt))
@@ -846,7 +913,7 @@ impl Ledger {
                     .bind(st.received_at_ms)
                     .bind(st.checked_at_ms)
                     .bind(st.started_at_ms));
-                multi_exec!(tx, UPSERT_ATTEMPT_OUTCOME, outcomes, |q, rec| q
+                multi_exec!(tx, style, UPSERT_ATTEMPT_OUTCOME, outcomes, |q, rec| q
                     .bind(&rec.attempt_key)
                     .bind(&rec.job_id)
                     .bind(i64::from(rec.attempt))
@@ -862,7 +929,7 @@ impl Ledger {
                     .bind(rec.model_called));
             }
             for ids in touched.chunks(COUNTERS_CHUNK) {
-                let sql = update_counters_many(ids.len());
+                let sql = update_counters_many(ids.len(), style);
                 let mut q = sqlx::query(AssertSqlSafe(sql));
                 for id in ids {
                     q = q.bind(*id);
@@ -1095,6 +1162,13 @@ impl Ledger {
     }
 }
 
+fn receipt(state: &str, backend_calls: i64) -> ReceiptInfo {
+    ReceiptInfo {
+        already_recorded: state.parse::<State>().is_ok_and(State::is_terminal),
+        prior_starts: u32::try_from(backend_calls.max(0)).unwrap_or(u32::MAX),
+    }
+}
+
 fn parse_state(name: &str) -> Result<State, StoreError> {
     name.parse::<State>()
         .map_err(|e| StoreError::Fatal(e.to_string()))
@@ -1194,14 +1268,31 @@ mod tests {
         let sql =
             "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2) ON CONFLICT (a) DO UPDATE SET b = $2";
         assert_eq!(
-            multi_row(sql, 1),
+            multi_row(sql, 1, Placeholders::Numbered),
             "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2) ON CONFLICT (a) DO UPDATE SET b = $2"
         );
         assert_eq!(
-            multi_row(sql, 3),
+            multi_row(sql, 3, Placeholders::Numbered),
             "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2), ($3, 'x', $4), ($5, 'x', $6) ON CONFLICT (a) DO UPDATE SET b = $2"
         );
-        let big = multi_row(UPSERT_JOB_TERMINAL, 2);
+        assert_eq!(
+            multi_row(sql, 2, Placeholders::Anonymous),
+            "INSERT INTO t (a, b, c) VALUES (?, 'x', ?), (?, 'x', ?) ON CONFLICT (a) DO UPDATE SET b = $2"
+        );
+        // Every generated statement keeps its placeholders inside the tuple, in order.
+        for sql in [
+            UPSERT_JOB_RUNNING,
+            UPSERT_JOB_TERMINAL,
+            UPSERT_JOB_LIVE,
+            UPSERT_ATTEMPT_START,
+            UPSERT_ATTEMPT_OUTCOME,
+        ] {
+            let close = sql.find(") ON CONFLICT").unwrap();
+            let n: Vec<usize> = placeholders(sql).collect();
+            assert_eq!(n, (1..=n.len()).collect::<Vec<_>>(), "{sql}");
+            assert_eq!(placeholders(&sql[close..]).count(), 0, "{sql}");
+        }
+        let big = multi_row(UPSERT_JOB_TERMINAL, 2, Placeholders::Numbered);
         assert!(big.contains("$19), ($20, "), "{big}");
         assert!(big.contains("$38)"), "{big}");
         assert!(!big.contains("$39"));

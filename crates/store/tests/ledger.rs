@@ -205,6 +205,7 @@ both_backends!(
     group_commit_writes_many_in_one_batch,
     group_commit_with_an_invalid_item_writes_nothing,
     group_commit_of_a_large_batch_uses_several_statements,
+    receipt_info_many_matches_receipt_info,
     ingress_claims_an_id_once_then_stamps_or_releases_it,
 );
 
@@ -1044,6 +1045,36 @@ async fn group_commit_of_a_large_batch_uses_several_statements(db: &TestDb) {
     let counts = l.counts_by_state().await.unwrap();
     let n = |s: &str| counts.iter().find(|(k, _)| k == s).map_or(0, |(_, n)| *n);
     assert_eq!((n("completed"), n("running")), (600, 600));
+}
+
+async fn receipt_info_many_matches_receipt_info(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_start(&start("r-running", "k1", 1, 100))
+        .await
+        .unwrap();
+    l.record_start(&start("r-done", "k2", 1, 100))
+        .await
+        .unwrap();
+    l.record_outcome(&completed("r-done", "k2", 200, "ok"))
+        .await
+        .unwrap();
+    l.record_accepted(&accepted("r-accepted", "chat", 100, 60_000))
+        .await
+        .unwrap();
+    // 300 more ids than one read chunk, duplicates and a missing one.
+    let mut ids: Vec<String> = ["r-running", "r-done", "r-accepted", "r-missing", "r-done"]
+        .map(String::from)
+        .to_vec();
+    ids.extend((0..300).map(|i| format!("r-none-{i}")));
+    let many = l.receipt_info_many(&ids).await.unwrap();
+    for id in &ids {
+        let one = l.receipt_info(id).await.unwrap();
+        assert_eq!(many.get(id).copied().unwrap_or_default(), one, "{id}");
+    }
+    assert!(many["r-done"].already_recorded);
+    assert_eq!(many["r-running"].prior_starts, 1);
+    assert!(!many.contains_key("r-missing"));
+    assert_eq!(many.len(), 3);
 }
 
 async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {

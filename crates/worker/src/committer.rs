@@ -1,4 +1,4 @@
-//! Group commit of the worker's durable writes.
+//! Group commit of the worker's durable writes, and batched receipt lookups.
 //!
 //! Every attempt start and every outcome a job task needs before it may call the model or
 //! settle its delivery goes through one writer task, which takes whatever has queued up
@@ -8,28 +8,94 @@
 //! delivery, while the fsync is shared by everything that finished meanwhile. There is no
 //! added delay: a lone write commits at once; batches form only under load.
 //!
-//! The queue is bounded (the number of writers is bounded by prefetch anyway). A failed
-//! transaction fails every write in it; each task retries its own write
+//! Receipt lookups (has this job an outcome, how many calls were started) are batched the
+//! same way into one `IN (…)` read ([`Ledger::receipt_info_many`]).
+//!
+//! The queues are bounded (the number of callers is bounded by prefetch anyway). A failed
+//! batch fails every request in it; each task retries its own request
 //! ([`crate::store_retry::until_stored`]) and none of them acks meanwhile.
 
-use lastcall_store::{Ledger, LedgerWrite, StoreError};
+use lastcall_store::{Ledger, LedgerWrite, ReceiptInfo, StoreError};
+use std::future::Future;
 use std::sync::Arc;
 use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-/// Most writes queued for the writer task.
+/// Most requests queued for a batcher task.
 const CAPACITY: usize = 1_024;
 
-struct Pending {
-    write: LedgerWrite,
-    done: oneshot::Sender<Result<bool, StoreError>>,
+type Reply<R> = oneshot::Sender<Result<R, StoreError>>;
+
+/// One task that serves queued requests in batches: whatever queued up while the previous
+/// batch ran goes into the next (at most `max_batch`).
+struct Batcher<Q, R> {
+    tx: mpsc::Sender<(Q, Reply<R>)>,
 }
 
-/// The sending side, held by the worker's job tasks. The writer task ends when the last
-/// clone is dropped, after writing what was queued.
+impl<Q, R> Clone for Batcher<Q, R> {
+    fn clone(&self) -> Self {
+        Self {
+            tx: self.tx.clone(),
+        }
+    }
+}
+
+impl<Q: Send + 'static, R: Send + 'static> Batcher<Q, R> {
+    /// `run` answers a batch with one result per request, in order, or fails it whole.
+    fn spawn<F, Fut>(max_batch: usize, run: F) -> (Self, JoinHandle<()>)
+    where
+        F: Fn(Vec<Q>) -> Fut + Send + 'static,
+        Fut: Future<Output = Result<Vec<R>, StoreError>> + Send,
+    {
+        let max_batch = max_batch.max(1);
+        let (tx, mut rx) = mpsc::channel::<(Q, Reply<R>)>(CAPACITY);
+        let task = tokio::spawn(async move {
+            let mut batch = Vec::with_capacity(max_batch);
+            while let Some(first) = rx.recv().await {
+                batch.push(first);
+                while batch.len() < max_batch {
+                    match rx.try_recv() {
+                        Ok(p) => batch.push(p),
+                        Err(_) => break,
+                    }
+                }
+                let (reqs, replies): (Vec<Q>, Vec<Reply<R>>) = batch.drain(..).unzip();
+                match run(reqs).await {
+                    Ok(results) => {
+                        for (reply, r) in replies.into_iter().zip(results) {
+                            let _ = reply.send(Ok(r));
+                        }
+                    }
+                    Err(e) => {
+                        tracing::debug!(error = %e, n = replies.len(), "ledger batch failed; every request in it is retried by its task");
+                        for reply in replies {
+                            let _ = reply.send(Err(same_kind(&e)));
+                        }
+                    }
+                }
+            }
+        });
+        (Self { tx }, task)
+    }
+
+    async fn call(&self, q: Q) -> Result<R, StoreError> {
+        let (reply, rx) = oneshot::channel();
+        self.tx
+            .send((q, reply))
+            .await
+            .map_err(|_| StoreError::Unavailable("the ledger batch task has stopped".into()))?;
+        rx.await.map_err(|_| {
+            StoreError::Unavailable("the ledger batch task stopped before answering".into())
+        })?
+    }
+}
+
+/// The group committer, held by the worker's job tasks. Its task ends when the last clone
+/// is dropped, after writing what was queued.
 #[derive(Clone)]
 pub(crate) struct Committer {
-    tx: mpsc::Sender<Pending>,
+    writes: Batcher<LedgerWrite, bool>,
+    receipts: Batcher<String, ReceiptInfo>,
 }
 
 impl std::fmt::Debug for Committer {
@@ -39,24 +105,24 @@ impl std::fmt::Debug for Committer {
 }
 
 impl Committer {
-    /// Start the writer task; `max_batch` bounds the writes in one transaction.
-    pub(crate) fn spawn(ledger: Arc<Ledger>, max_batch: usize) -> (Self, JoinHandle<()>) {
-        let max_batch = max_batch.max(1);
-        let (tx, mut rx) = mpsc::channel::<Pending>(CAPACITY);
-        let task = tokio::spawn(async move {
-            let mut batch: Vec<Pending> = Vec::with_capacity(max_batch);
-            while let Some(first) = rx.recv().await {
-                batch.push(first);
-                while batch.len() < max_batch {
-                    match rx.try_recv() {
-                        Ok(p) => batch.push(p),
-                        Err(_) => break,
-                    }
-                }
-                commit(&ledger, &mut batch).await;
+    /// Start the writer and reader tasks; `max_batch` bounds the requests in one batch.
+    pub(crate) fn spawn(ledger: Arc<Ledger>, max_batch: usize) -> Self {
+        let l = ledger.clone();
+        let (writes, _) = Batcher::spawn(max_batch, move |w: Vec<LedgerWrite>| {
+            let l = l.clone();
+            async move { l.write_batch(&w).await }
+        });
+        let (receipts, _) = Batcher::spawn(max_batch, move |ids: Vec<String>| {
+            let l = ledger.clone();
+            async move {
+                let found = l.receipt_info_many(&ids).await?;
+                Ok(ids
+                    .iter()
+                    .map(|id| found.get(id).copied().unwrap_or_default())
+                    .collect())
             }
         });
-        (Self { tx }, task)
+        Self { writes, receipts }
     }
 
     /// Write one start or outcome; returns once the transaction holding it has committed
@@ -64,36 +130,16 @@ impl Committer {
     /// the transaction back. An invalid write fails alone, before it is queued.
     pub(crate) async fn write(&self, write: LedgerWrite) -> Result<bool, StoreError> {
         write.validate()?;
-        let (done, rx) = oneshot::channel();
-        self.tx
-            .send(Pending { write, done })
-            .await
-            .map_err(|_| StoreError::Unavailable("the ledger writer task has stopped".into()))?;
-        rx.await.map_err(|_| {
-            StoreError::Unavailable("the ledger writer task stopped before committing".into())
-        })?
+        self.writes.call(write).await
+    }
+
+    /// [`Ledger::receipt_info`], batched with the other deliveries arriving meanwhile.
+    pub(crate) async fn receipt_info(&self, job_id: String) -> Result<ReceiptInfo, StoreError> {
+        self.receipts.call(job_id).await
     }
 }
 
-async fn commit(ledger: &Ledger, batch: &mut Vec<Pending>) {
-    let (writes, dones): (Vec<LedgerWrite>, Vec<_>) =
-        batch.drain(..).map(|p| (p.write, p.done)).unzip();
-    match ledger.write_batch(&writes).await {
-        Ok(wrote) => {
-            for (done, w) in dones.into_iter().zip(wrote) {
-                let _ = done.send(Ok(w));
-            }
-        }
-        Err(e) => {
-            tracing::debug!(error = %e, n = writes.len(), "group commit failed; every write in it is retried by its task");
-            for done in dones {
-                let _ = done.send(Err(same_kind(&e)));
-            }
-        }
-    }
-}
-
-/// The batch's error for each of its writers, keeping whether a retry can help.
+/// The batch's error for each of its requests, keeping whether a retry can help.
 fn same_kind(e: &StoreError) -> StoreError {
     match e {
         StoreError::Unavailable(m) => StoreError::Unavailable(m.clone()),

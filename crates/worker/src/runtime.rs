@@ -172,8 +172,7 @@ impl Worker {
         );
         let acks_done = CancellationToken::new();
         let (acks, acks_task) = crate::ack_log::AckLog::spawn(ledger.clone(), acks_done.clone());
-        let (commits, _writer) =
-            crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX);
+        let commits = crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX);
         let ctx = Ctx {
             acks,
             commits,
@@ -431,7 +430,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         &ctx.health,
         &ctx.shutdown,
         || WorkerStats::inc(&ctx.stats.store_retries),
-        || ctx.ledger.receipt_info(&id),
+        || ctx.commits.receipt_info(id.clone()),
     )
     .await
     else {
