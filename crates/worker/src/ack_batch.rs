@@ -180,8 +180,10 @@ async fn send(flush: Flush, stats: &WorkerStats, acks: &crate::ack_log::AckLog, 
             }
         }
     }
-    for settler in flush.single {
-        match settler.ack().await {
+    // Handed to the connection together rather than one round trip each.
+    let singles = flush.single.iter().map(|settler| settler.ack());
+    for r in futures_util::future::join_all(singles).await {
+        match r {
             Ok(()) => settled += 1,
             Err(e) => {
                 tracing::warn!(error = %e, "acking after the durable write failed; the broker will redeliver and the duplicate is acked")
