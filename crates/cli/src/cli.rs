@@ -474,6 +474,12 @@ pub struct DlqArgs {
     /// Exit after no dead letter arrived for this many ms (default: run until SIGINT/SIGTERM)
     #[arg(long, value_name = "N")]
     pub idle_exit_ms: Option<u64>,
+    /// The workers' signing key: a dead letter whose x-lastcall-signature is missing or
+    /// wrong is recorded rejected/bad_signature under a synthetic id, never under the job
+    /// id it claims. A file holding at least 32 bytes; else the environment variable
+    /// LASTCALL_SIGNING_KEY; neither: no check. Use it whenever the workers have a key
+    #[arg(long, value_name = "FILE")]
+    pub signing_key_file: Option<PathBuf>,
     #[command(flatten)]
     pub topology: TopologyArgs,
 }

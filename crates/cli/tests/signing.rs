@@ -1,7 +1,8 @@
 //! Envelope signatures end to end (CONTRACT §1, `x-lastcall-signature`): the real
 //! `lastcall worker` binary holds the key (from the environment) and `lastcall submit`
 //! signs with it (from a file). An unsigned job and a signed job re-published with a later
-//! deadline are `rejected`/`bad_signature`, dead-lettered, and never reach the model.
+//! deadline are `rejected`/`bad_signature`, dead-lettered, and never reach the model; they
+//! are recorded under synthetic ids, so a forged copy cannot block the real job it names.
 
 mod common;
 
@@ -126,65 +127,112 @@ async fn a_worker_with_the_key_runs_signed_jobs_and_rejects_unsigned_or_extended
         .submit(&job("sig-unsigned", 60_000), now_ms())
         .await
         .unwrap();
+    // A forger publishes an unsigned message claiming the id of a real job queued after
+    // it: it must not block the real one (outcomes are write-once).
+    let forged = serde_json::json!({"schema_version": 1, "job_id": "sig-victim",
+        "kind": "incident.summary", "created_at_ms": now_ms(), "expires_at_ms": now_ms() + 60_000,
+        "payload": {"messages": [{"role": "user", "content": "forged"}]}});
+    publish("sig-victim", serde_json::to_vec(&forged).unwrap(), None).await;
+    submit_signed(&env, &key_file, "sig-victim");
     // And one signed by `lastcall submit` with the key.
     submit_signed(&env, &key_file, "sig-ok");
 
     let mut worker = worker_with_key(&env, &log);
-    let ids = ["sig-ok", "sig-unsigned", "sig-extended"].map(String::from);
+    let ids = ["sig-ok", "sig-victim"].map(String::from);
     let recs = env.wait_terminal(&ids, Duration::from_secs(20)).await;
-    let by_id = |id: &str| recs.iter().find(|r| r.job_id == id).unwrap().clone();
-
-    let ok = by_id("sig-ok");
-    assert_eq!(ok.state, "completed", "{ok:?}");
-    assert_eq!(ok.backend_calls, 1);
-    assert_eq!(calls_in(&log, "sig-ok"), 1);
-    for id in ["sig-unsigned", "sig-extended"] {
-        let r = by_id(id);
-        assert_eq!(
-            (r.state.as_str(), r.reason.as_deref()),
-            ("rejected", Some("bad_signature")),
-            "{r:?}"
-        );
-        assert_eq!(r.backend_calls, 0, "{id} never reached the model");
-        assert_eq!(calls_in(&log, id), 0, "{id}: the sim backend saw no call");
-        let err = r.error.clone().unwrap_or_default();
-        assert!(err.contains("x-lastcall-signature"), "{id}: {err}");
+    for r in &recs {
+        assert_eq!(r.state, "completed", "{r:?}");
+        assert_eq!(r.backend_calls, 1);
+        assert_eq!(calls_in(&log, &r.job_id), 1);
     }
-    assert!(
-        by_id("sig-unsigned")
-            .error
-            .unwrap_or_default()
-            .contains("no x-lastcall-signature"),
-        "the unsigned job's error says the header is missing"
-    );
-    assert_eq!(
-        by_id("sig-extended").expires_at_ms,
-        Some(signed_expires),
-        "the ledger keeps the signed deadline, not the forged one"
-    );
-    assert!(
-        by_id("sig-extended")
-            .error
-            .unwrap_or_default()
-            .contains("does not match"),
-        "the extended job's error says the signature does not match"
-    );
 
-    // Both refusals went to the dead queue (rejected by the worker), nothing is left to run.
+    // The three badly signed messages are recorded under synthetic ids, each naming the
+    // id it claimed; the claimed ids' own records are untouched.
+    let bad = wait_bad_signatures(&env, 3).await;
+    for (claimed, why) in [
+        ("sig-unsigned", "no x-lastcall-signature"),
+        ("sig-extended", "does not match"),
+        ("sig-victim", "no x-lastcall-signature"),
+    ] {
+        let r = bad
+            .iter()
+            .find(|r| {
+                r.error
+                    .as_deref()
+                    .unwrap_or_default()
+                    .contains(&format!("`{claimed}`"))
+            })
+            .unwrap_or_else(|| panic!("no bad_signature record claims {claimed}: {bad:?}"));
+        assert!(r.job_id.starts_with("invalid-"), "{r:?}");
+        assert_eq!(r.backend_calls, 0, "{claimed} never reached the model");
+        let err = r.error.clone().unwrap_or_default();
+        assert!(err.contains(why), "{claimed}: {err}");
+    }
+    for id in ["sig-unsigned", "sig-extended"] {
+        let r = env.ledger.get(id).await.unwrap().unwrap();
+        assert_eq!(
+            r.state, "accepted",
+            "{id}: the forged copy did not touch it"
+        );
+        assert_eq!(calls_in(&log, id), 0, "{id}: the sim backend saw no call");
+    }
+
+    // The refusals went to the dead queue (rejected by the worker), nothing is left to run.
     let until = Instant::now() + Duration::from_secs(10);
-    while env.ready(&env.topo.names.dead_queue).await < 2 {
-        assert!(Instant::now() < until, "two dead letters expected");
+    while env.ready(&env.topo.names.dead_queue).await < 3 {
+        assert!(Instant::now() < until, "three dead letters expected");
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     terminate(&mut worker);
     assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
-    let dlq = env.drain_dead_letters(false).await;
-    assert_eq!(
-        dlq.kept_existing.load(std::sync::atomic::Ordering::Relaxed),
-        2,
-        "the dead-letter processor keeps the worker's bad_signature outcomes"
+    // The dead-letter processor with the key keeps to the synthetic ids as well.
+    let out = env
+        .command()
+        .args(["dlq", "--idle-exit-ms", "1500"])
+        .env("LASTCALL_SIGNING_KEY", KEY)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
     );
+    assert_eq!(env.ready(&env.topo.names.dead_queue).await, 0);
+    for id in ["sig-unsigned", "sig-extended"] {
+        assert_eq!(
+            env.ledger.get(id).await.unwrap().unwrap().state,
+            "accepted",
+            "{id}"
+        );
+    }
+    assert_eq!(wait_bad_signatures(&env, 3).await.len(), 3);
     env.cleanup().await;
+}
+
+/// The `rejected`/`bad_signature` records, once there are at least `n`.
+async fn wait_bad_signatures(env: &Env, n: usize) -> Vec<lastcall_store::JobRecord> {
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        let bad: Vec<_> = env
+            .ledger
+            .list(&lastcall_store::ListFilter {
+                state: Some("rejected".into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap()
+            .into_iter()
+            .filter(|r| r.reason.as_deref() == Some("bad_signature"))
+            .collect();
+        if bad.len() >= n {
+            return bad;
+        }
+        assert!(
+            Instant::now() < until,
+            "{n} bad_signature records expected: {bad:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
 }
 
 /// `lastcall serve` with the key (from a file) signs what it publishes: the message in the

@@ -191,7 +191,7 @@ pub fn require_signature(
         Err(e) => Err(RejectError {
             reason: RejectReason::BadSignature,
             field: Some(SIGNATURE_HEADER),
-            message: e.to_string(),
+            message: format!("job id `{}` (not trusted): {e}", env.job_id()),
             job_id: Some(env.job_id().clone()),
         }),
     }

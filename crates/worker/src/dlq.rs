@@ -39,6 +39,8 @@ pub struct DeadLetterProcessor {
     park: bool,
     /// Copy every dead letter to `{prefix}.dead.{reason}` before acking it.
     split_by_reason: bool,
+    /// The workers' signing key, when they check signatures.
+    signing_key: Option<lastcall_core::SigningKey>,
     name: String,
     pub stats: Arc<DlqStats>,
 }
@@ -90,9 +92,20 @@ impl DeadLetterProcessor {
             publisher,
             park,
             split_by_reason: false,
+            signing_key: None,
             name: format!("dlq:{}", crate::runtime::default_worker_name()),
             stats: Arc::new(DlqStats::default()),
         })
+    }
+
+    /// Check signatures like the workers do: a dead letter whose `x-lastcall-signature`
+    /// is missing or wrong is recorded `rejected`/`bad_signature` under a synthetic id,
+    /// never under the job id it claims. Give the processor the workers' key whenever they
+    /// have one; without it, a forged dead letter (an unsigned message with a short TTL,
+    /// say) would be recorded under the id it claims and could block that real job.
+    pub fn with_signing_key(mut self, key: Option<lastcall_core::SigningKey>) -> Self {
+        self.signing_key = key;
+        self
     }
 
     /// Also copy every dead letter, after recording it, to `{prefix}.dead.{reason}`
@@ -176,7 +189,12 @@ impl DeadLetterProcessor {
             horizon_ms: i64::MAX / 4,
             max_body_bytes: usize::MAX,
         };
-        let parsed = Envelope::parse(&m.body, &limits, now);
+        let parsed = lastcall_core::signature::require_signature(
+            self.signing_key.as_ref(),
+            Envelope::parse(&m.body, &limits, now),
+            &m.body,
+            m.signature.as_deref(),
+        );
         let job_id = crate::runtime::job_id_for(&parsed, m.message_id.as_deref(), &m.body);
         let death = m.x_death.first();
         let reason = DeathReason::parse(death.map(|d| d.reason.as_str()).unwrap_or("none"));

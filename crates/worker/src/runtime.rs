@@ -367,6 +367,11 @@ struct Job {
 
 /// The ledger key of a delivery: the envelope's id; else the `message_id` property the
 /// publisher set; else a synthetic id derived from the body, so nothing goes unrecorded.
+///
+/// A badly signed message is always recorded under a synthetic id: the id it claims is
+/// not to be trusted, and writing `rejected` under it would let anyone who can publish
+/// block a real pending job with that id (outcomes are write-once). Its error names the
+/// claimed id.
 pub(crate) fn job_id_for(
     parsed: &Result<Envelope, RejectError>,
     message_id: Option<&str>,
@@ -374,6 +379,7 @@ pub(crate) fn job_id_for(
 ) -> JobId {
     match parsed {
         Ok(e) => e.job_id().clone(),
+        Err(e) if e.reason == lastcall_core::RejectReason::BadSignature => synthetic_job_id(body),
         Err(e) => e
             .job_id
             .clone()

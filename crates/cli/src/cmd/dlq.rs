@@ -25,7 +25,8 @@ pub async fn run(s: &Settings, a: DlqArgs) -> Result<ExitCode> {
     )
     .await
     .map_err(|e| anyhow!(e))
-    .context("cannot start the dead-letter processor")?;
+    .context("cannot start the dead-letter processor")?
+    .with_signing_key(super::submit::signing_key(a.signing_key_file.as_deref())?);
     let dlq = if a.split_by_reason {
         dlq.split_by_reason()
             .await

@@ -30,7 +30,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         admission,
         limits,
     )
-    .with_signing_key(signing_key);
+    .with_signing_key(signing_key.clone());
     let clock = Arc::new(SystemClock::default());
     let mut state = AppState::new(
         submitter,
@@ -64,7 +64,8 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
             false,
         )
         .await
-        .map_err(anyhow::Error::msg)?;
+        .map_err(anyhow::Error::msg)?
+        .with_signing_key(signing_key);
         state.metrics.dlq = Some(dlq.stats.clone());
         let stop2 = stop.clone();
         dlq_task = Some(tokio::spawn(async move { dlq.run(stop2, None).await }));
