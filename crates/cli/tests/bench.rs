@@ -129,7 +129,35 @@ async fn ack_modes_smoke_counts_add_up() {
     assert!(u(&crash[1], "redelivered") > 0, "{}", crash[1]);
     let p = &j["pipeline"];
     assert_eq!(u(p, "pipeline_completed"), u(p, "messages"), "{p}");
+    assert_eq!(u(p, "model_calls"), u(p, "messages"), "{p}");
     assert!(p["fraction"].as_f64().unwrap() > 0.0, "{p}");
+    env.cleanup().await;
+}
+
+/// Two pipeline runs on one shared PostgreSQL ledger: the second run's jobs are new jobs,
+/// not duplicates of the first run's (which would be acked without work and inflate the
+/// rate).
+#[tokio::test(flavor = "multi_thread")]
+async fn pipeline_runs_on_a_shared_ledger_do_not_collide() {
+    let env = Env::postgres("bench-pipe-pg").await;
+    for run in 0..2 {
+        let j = json_of(&env.cli(&[
+            "bench",
+            "ack-modes",
+            "--smoke",
+            "--json",
+            "--skip-modes",
+            "--pipeline-ledger-url",
+            &env.store_url,
+        ]));
+        let p = &j["pipeline"];
+        assert_eq!(
+            u(p, "pipeline_completed"),
+            u(p, "messages"),
+            "run {run}: {p}"
+        );
+        assert_eq!(u(p, "model_calls"), u(p, "messages"), "run {run}: {p}");
+    }
     env.cleanup().await;
 }
 

@@ -120,6 +120,8 @@ struct PipelineRow {
     /// pipeline / baseline.
     fraction: f64,
     pipeline_completed: u64,
+    /// Calls the sim backend received in the pipeline run (one per job: no duplicates ran).
+    model_calls: u64,
 }
 
 pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
@@ -410,7 +412,11 @@ async fn run_pipeline(
     let n = a.pipeline_messages.max(1);
     let slots = a.pipeline_slots.max(1);
     let prefetch = (slots * 2).clamp(1, u16::MAX as usize) as u16;
-    let prefix = format!("{}-bench-pipe-{:x}", s.prefix, now_ms());
+    let stamp = now_ms();
+    let prefix = format!("{}-bench-pipe-{stamp:x}", s.prefix);
+    // Ids unique to this run: a shared ledger (--pipeline-ledger-url) must not turn a
+    // later run's jobs into duplicates of an earlier run's.
+    let id_prefix = format!("pipe-{stamp:x}-");
     let mut cfg = WorkerConfig::new(&prefix, slots);
     cfg.name = "bench-pipeline".into();
     cfg.prefetch = prefetch;
@@ -427,7 +433,7 @@ async fn run_pipeline(
     );
     let job = |i: u64| {
         NewJob {
-        job_id: Some(format!("pipe-{i}")),
+        job_id: Some(format!("{id_prefix}{i}")),
         kind: "bench.pipeline".into(),
         payload: json!({"messages": [{"role": "user", "content": "x".repeat(base.message_bytes.saturating_sub(200).max(1))}]})
             .as_object()
@@ -529,12 +535,15 @@ async fn run_pipeline(
     stop.cancel();
     let _ = task.await;
     let completed = ledger
-        .counts_by_state()
+        .list(&lastcall_store::ListFilter {
+            state: Some("completed".into()),
+            kind: Some("bench.pipeline".into()),
+            limit: None,
+        })
         .await?
         .iter()
-        .filter(|(s, _)| s == "completed")
-        .map(|(_, n)| *n as u64)
-        .sum();
+        .filter(|r| r.job_id.starts_with(&id_prefix))
+        .count() as u64;
     ledger.close().await;
     let _ = topo.delete(broker).await;
     if let Some(d) = dir {
@@ -555,5 +564,6 @@ async fn run_pipeline(
         pipeline_per_s,
         fraction: pipeline_per_s / baseline_per_s.max(1e-9),
         pipeline_completed: completed,
+        model_calls: sim.calls(),
     })
 }
