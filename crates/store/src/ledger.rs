@@ -138,9 +138,8 @@ const UPSERT_ATTEMPT_OUTCOME: &str = "INSERT INTO attempts \
      decision = excluded.decision, state = excluded.state, reason = excluded.reason, \
      model_called = excluded.model_called";
 
-const UPDATE_COUNTERS: &str = "UPDATE jobs SET (attempts, backend_calls) = \
-     (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts WHERE job_id = $1) \
-     WHERE job_id = $1";
+/// What a failed start/outcome write was doing, for its error message.
+const WRITE_CONTEXT: &str = "writing starts and outcomes";
 
 /// Rows per multi-row statement of a batch (19 columns × 256 rows stays far below the
 /// bind-parameter limits of SQLite and PostgreSQL).
@@ -155,9 +154,7 @@ macro_rules! multi_exec {
             for $it in chunk {
                 $q = $bind;
             }
-            $q.execute(&mut *$tx)
-                .await
-                .map_err(db("writing a batch of outcomes"))?;
+            $q.execute(&mut *$tx).await.map_err(db(WRITE_CONTEXT))?;
         }
     }};
 }
@@ -277,7 +274,8 @@ fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
 /// Job ids per counters statement of a batch (well under SQLite's bind limit).
 const COUNTERS_CHUNK: usize = 256;
 
-/// [`UPDATE_COUNTERS`] for `n` jobs at once (`$1 … $n`); only placeholders are generated.
+/// Recomputes `attempts` and `backend_calls` from the attempt rows of `n` jobs at once;
+/// only placeholders are generated.
 fn update_counters_many(n: usize, style: Placeholders) -> String {
     let list = style.list(n);
     format!(
@@ -369,126 +367,6 @@ macro_rules! on_pool {
             Backend::Postgres($pool) => $body,
         }
     };
-}
-
-/// The statements of one attempt start, on an open transaction `$tx`.
-macro_rules! exec_start {
-    ($tx:ident, $start:expr) => {
-        exec_start!($tx, $start, counters = true)
-    };
-    ($tx:ident, $start:expr, counters = $counters:expr) => {{
-        let start: &AttemptStart = $start;
-        sqlx::query(UPSERT_JOB_RUNNING)
-            .bind(&start.job_id)
-            .bind(&start.kind)
-            .bind(start.created_at_ms)
-            .bind(start.expires_at_ms)
-            .bind(start.received_at_ms)
-            .bind(start.checked_at_ms)
-            .bind(start.started_at_ms)
-            .bind(&start.worker)
-            .execute(&mut *$tx)
-            .await
-            .map_err(db("recording an attempt start"))?;
-        sqlx::query(UPSERT_ATTEMPT_START)
-            .bind(&start.attempt_key)
-            .bind(&start.job_id)
-            .bind(i64::from(start.attempt))
-            .bind(&start.worker)
-            .bind(start.redelivered)
-            .bind(start.received_at_ms)
-            .bind(start.checked_at_ms)
-            .bind(start.started_at_ms)
-            .execute(&mut *$tx)
-            .await
-            .map_err(db("recording an attempt start"))?;
-        if $counters {
-            sqlx::query(UPDATE_COUNTERS)
-                .bind(&start.job_id)
-                .execute(&mut *$tx)
-                .await
-                .map_err(db("recording an attempt start"))?;
-        }
-    }};
-}
-
-/// The statements of one outcome, on an open transaction `$tx`; evaluates to whether it
-/// wrote the job's terminal outcome.
-macro_rules! exec_outcome {
-    ($tx:ident, $rec:expr, $terminal:expr) => {
-        exec_outcome!($tx, $rec, $terminal, counters = true)
-    };
-    ($tx:ident, $rec:expr, $terminal:expr, counters = $counters:expr) => {{
-        let rec: &OutcomeRecord = $rec;
-        // The job row first: this locks it (PostgreSQL locks the conflicting row even
-        // when the WHERE rejects the update), which serialises the counters below.
-        let wrote = if $terminal {
-            sqlx::query(UPSERT_JOB_TERMINAL)
-                .bind(&rec.job_id)
-                .bind(&rec.kind)
-                .bind(&rec.state)
-                .bind(&rec.reason)
-                .bind(rec.created_at_ms)
-                .bind(rec.expires_at_ms)
-                .bind(rec.received_at_ms)
-                .bind(rec.checked_at_ms)
-                .bind(rec.started_at_ms)
-                .bind(rec.finished_at_ms)
-                .bind(rec.recorded_at_ms)
-                .bind(non_empty(&rec.worker))
-                .bind(&rec.result)
-                .bind(&rec.error)
-                .bind(rec.prompt_tokens)
-                .bind(rec.completion_tokens)
-                .bind(rec.latency_ms)
-                .bind(rec.cancel_requested)
-                .bind(rec.cancel_confirmed)
-                .execute(&mut *$tx)
-                .await
-                .map_err(db("recording an outcome"))?
-                .rows_affected()
-                > 0
-        } else {
-            sqlx::query(UPSERT_JOB_LIVE)
-                .bind(&rec.job_id)
-                .bind(&rec.kind)
-                .bind(&rec.state)
-                .bind(rec.created_at_ms)
-                .bind(rec.expires_at_ms)
-                .bind(non_empty(&rec.worker))
-                .execute(&mut *$tx)
-                .await
-                .map_err(db("recording an outcome"))?;
-            false
-        };
-        if !rec.attempt_key.is_empty() {
-            sqlx::query(UPSERT_ATTEMPT_OUTCOME)
-                .bind(&rec.attempt_key)
-                .bind(&rec.job_id)
-                .bind(i64::from(rec.attempt))
-                .bind(&rec.worker)
-                .bind(rec.redelivered)
-                .bind(rec.received_at_ms)
-                .bind(rec.checked_at_ms)
-                .bind(rec.started_at_ms)
-                .bind(rec.finished_at_ms)
-                .bind(non_empty(&rec.decision))
-                .bind(&rec.state)
-                .bind(&rec.reason)
-                .bind(rec.model_called)
-                .execute(&mut *$tx)
-                .await
-                .map_err(db("recording an outcome"))?;
-            if $counters {
-                sqlx::query(UPDATE_COUNTERS)
-                    .bind(&rec.job_id)
-                    .execute(&mut *$tx)
-                    .await
-                    .map_err(db("recording an outcome"))?;
-            }
-        }
-        wrote
-    }};
 }
 
 /// One write of a [group commit](Ledger::write_batch).
@@ -743,10 +621,9 @@ impl Ledger {
     /// missing). One transaction.
     pub async fn record_start(&self, start: &AttemptStart) -> Result<(), StoreError> {
         tracing::debug!(job_id = %start.job_id, attempt_key = %start.attempt_key, "record start");
-        write_tx!(self, "recording an attempt start", |tx| {
-            exec_start!(tx, start);
-        });
-        Ok(())
+        self.write_all(&[LedgerWrite::Start(start.clone())])
+            .await
+            .map(|_| ())
     }
 
     /// One delivery's decision, in one transaction: upserts the attempt row by
@@ -778,9 +655,7 @@ impl Ledger {
     async fn write_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
         let terminal = parse_state(&rec.state)?.is_terminal();
         tracing::debug!(job_id = %rec.job_id, state = %rec.state, "record outcome");
-        let wrote = write_tx!(self, "recording an outcome", |tx| {
-            exec_outcome!(tx, rec, terminal)
-        });
+        let wrote = self.write_all(&[LedgerWrite::outcome(rec.clone())]).await?[0];
         if terminal && !wrote {
             tracing::debug!(job_id = %rec.job_id, "terminal outcome already recorded; kept the first");
         }
@@ -794,9 +669,18 @@ impl Ledger {
     /// and the caller must not ack any of them. Every item is validated before the
     /// transaction opens ([`LedgerWrite::validate`]); one invalid item fails the call.
     pub async fn write_batch(&self, writes: &[LedgerWrite]) -> Result<Vec<bool>, StoreError> {
-        let mut terminal = Vec::with_capacity(writes.len());
         for w in writes {
             w.validate()?;
+        }
+        self.write_all(writes).await
+    }
+
+    /// The one write path for starts and outcomes (single or batched), in one transaction.
+    /// Checks only the state names; an outcome with an empty `attempt_key` writes no
+    /// attempt row (`record_terminal`).
+    async fn write_all(&self, writes: &[LedgerWrite]) -> Result<Vec<bool>, StoreError> {
+        let mut terminal = Vec::with_capacity(writes.len());
+        for w in writes {
             terminal.push(match w {
                 LedgerWrite::Start(_) => false,
                 LedgerWrite::Outcome(rec) => parse_state(&rec.state)?.is_terminal(),
@@ -818,7 +702,7 @@ impl Ledger {
         touched.sort_unstable();
         touched.dedup();
         let style = self.placeholder_style();
-        let wrote = write_tx!(self, "writing a batch of outcomes", |tx| {
+        let wrote = write_tx!(self, "writing starts and outcomes", |tx| {
             let mut wrote = vec![false; writes.len()];
             for run in runs(writes) {
                 // Within a run every job id and attempt key is unique, so each statement
@@ -883,14 +767,10 @@ impl Ledger {
                             .bind(rec.cancel_requested)
                             .bind(rec.cancel_confirmed);
                     }
-                    let rows = q
-                        .fetch_all(&mut *tx)
-                        .await
-                        .map_err(db("writing a batch of outcomes"))?;
+                    let rows = q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))?;
                     let mut written = std::collections::HashSet::with_capacity(rows.len());
                     for row in &rows {
-                        let id: String =
-                            row.try_get(0).map_err(db("writing a batch of outcomes"))?;
+                        let id: String = row.try_get(0).map_err(db(WRITE_CONTEXT))?;
                         written.insert(id);
                     }
                     for (i, rec) in chunk {
@@ -934,9 +814,7 @@ impl Ledger {
                 for id in ids {
                     q = q.bind(*id);
                 }
-                q.execute(&mut *tx)
-                    .await
-                    .map_err(db("writing a batch of outcomes"))?;
+                q.execute(&mut *tx).await.map_err(db(WRITE_CONTEXT))?;
             }
             wrote
         });
