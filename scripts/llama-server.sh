@@ -10,6 +10,9 @@
 #                                        (its log is removed with it)
 #   scripts/llama-server.sh url [PORT]   print the base URL (http://127.0.0.1:PORT/v1) of the
 #                                        server on PORT, or of the only one running
+#   scripts/llama-server.sh setup        only install the server and the model (scripts/test.sh
+#                                        runs this before the tests, so that the one-time
+#                                        llama.cpp build is not timed as part of a test)
 #
 # Everything lives under ${LASTCALL_CACHE:-$HOME/.cache/lastcall}:
 #   venv-llama/                 llama-cpp-python[server]; pip builds llama.cpp from source
@@ -261,14 +264,24 @@ url() {
     printf '\n'
 }
 
+setup() {
+    mkdir -p "$cache"
+    exec 9>"$cache/llama-server.lock"
+    flock 9
+    ensure_venv
+    model_path >/dev/null
+    log "ready: $venv"
+}
+
 cmd="${1:-}"
 shift || true
 case "$cmd" in
+setup) setup ;;
 start) start "$@" ;;
 stop) stop "$@" ;;
 url) url "$@" ;;
 *)
-    printf 'usage: %s start PORT | stop [PORT] | url [PORT]\n' "$0" >&2
+    printf 'usage: %s setup | start PORT | stop [PORT] | url [PORT]\n' "$0" >&2
     exit 2
     ;;
 esac

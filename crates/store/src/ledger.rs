@@ -145,17 +145,131 @@ const WRITE_CONTEXT: &str = "writing starts and outcomes";
 /// bind-parameter limits of SQLite and PostgreSQL).
 const ROWS_PER_STATEMENT: usize = 256;
 
-/// Executes the `INSERT … VALUES (…)` statement `$sql` for every item of `$items` with as
-/// few multi-row statements as possible; `$bind` binds one item's values onto `$q`.
-macro_rules! multi_exec {
-    ($tx:ident, $style:expr, $sql:expr, $items:expr, |$q:ident, $it:ident| $bind:expr) => {{
-        for chunk in pow2_chunks(&$items) {
-            let mut $q = sqlx::query(AssertSqlSafe(multi_row($sql, chunk.len(), $style)));
-            for $it in chunk {
-                $q = $bind;
-            }
-            $q.execute(&mut *$tx).await.map_err(db(WRITE_CONTEXT))?;
+/// One multi-row statement of a group commit: its kind and the rows it writes.
+enum Stmt<'a> {
+    JobRunning(&'a [&'a AttemptStart]),
+    JobTerminal(&'a [(usize, &'a OutcomeRecord)]),
+    JobLive(&'a [&'a OutcomeRecord]),
+    AttemptStart(&'a [&'a AttemptStart]),
+    AttemptOutcome(&'a [&'a OutcomeRecord]),
+    Counters(&'a [&'a str]),
+    Acked(&'a [(String, i64)]),
+}
+
+impl Stmt<'_> {
+    /// The statement's SQL; only the terminal upsert returns rows (the ids it wrote).
+    fn sql(&self, style: Placeholders) -> String {
+        match self {
+            Stmt::JobRunning(r) => multi_row(UPSERT_JOB_RUNNING, r.len(), style),
+            Stmt::JobTerminal(r) => format!(
+                "{} RETURNING job_id",
+                multi_row(UPSERT_JOB_TERMINAL, r.len(), style)
+            ),
+            Stmt::JobLive(r) => multi_row(UPSERT_JOB_LIVE, r.len(), style),
+            Stmt::AttemptStart(r) => multi_row(UPSERT_ATTEMPT_START, r.len(), style),
+            Stmt::AttemptOutcome(r) => multi_row(UPSERT_ATTEMPT_OUTCOME, r.len(), style),
+            Stmt::Counters(ids) => update_counters_many(ids.len(), style),
+            Stmt::Acked(r) => multi_row(MARK_ACKED_MANY, r.len(), style),
         }
+    }
+}
+
+/// Binds the values of [`Stmt`] `$stmt` onto query `$q`, in placeholder order.
+macro_rules! bind_stmt {
+    ($q:ident, $stmt:expr) => {{
+        let mut q = $q;
+        match $stmt {
+            Stmt::JobRunning(rows) => {
+                for st in rows.iter() {
+                    q = q
+                        .bind(&st.job_id)
+                        .bind(&st.kind)
+                        .bind(st.created_at_ms)
+                        .bind(st.expires_at_ms)
+                        .bind(st.received_at_ms)
+                        .bind(st.checked_at_ms)
+                        .bind(st.started_at_ms)
+                        .bind(&st.worker);
+                }
+            }
+            Stmt::JobTerminal(rows) => {
+                for (_, rec) in rows.iter() {
+                    q = q
+                        .bind(&rec.job_id)
+                        .bind(&rec.kind)
+                        .bind(&rec.state)
+                        .bind(&rec.reason)
+                        .bind(rec.created_at_ms)
+                        .bind(rec.expires_at_ms)
+                        .bind(rec.received_at_ms)
+                        .bind(rec.checked_at_ms)
+                        .bind(rec.started_at_ms)
+                        .bind(rec.finished_at_ms)
+                        .bind(rec.recorded_at_ms)
+                        .bind(non_empty(&rec.worker))
+                        .bind(&rec.result)
+                        .bind(&rec.error)
+                        .bind(rec.prompt_tokens)
+                        .bind(rec.completion_tokens)
+                        .bind(rec.latency_ms)
+                        .bind(rec.cancel_requested)
+                        .bind(rec.cancel_confirmed);
+                }
+            }
+            Stmt::JobLive(rows) => {
+                for rec in rows.iter() {
+                    q = q
+                        .bind(&rec.job_id)
+                        .bind(&rec.kind)
+                        .bind(&rec.state)
+                        .bind(rec.created_at_ms)
+                        .bind(rec.expires_at_ms)
+                        .bind(non_empty(&rec.worker));
+                }
+            }
+            Stmt::AttemptStart(rows) => {
+                for st in rows.iter() {
+                    q = q
+                        .bind(&st.attempt_key)
+                        .bind(&st.job_id)
+                        .bind(i64::from(st.attempt))
+                        .bind(&st.worker)
+                        .bind(st.redelivered)
+                        .bind(st.received_at_ms)
+                        .bind(st.checked_at_ms)
+                        .bind(st.started_at_ms);
+                }
+            }
+            Stmt::AttemptOutcome(rows) => {
+                for rec in rows.iter() {
+                    q = q
+                        .bind(&rec.attempt_key)
+                        .bind(&rec.job_id)
+                        .bind(i64::from(rec.attempt))
+                        .bind(&rec.worker)
+                        .bind(rec.redelivered)
+                        .bind(rec.received_at_ms)
+                        .bind(rec.checked_at_ms)
+                        .bind(rec.started_at_ms)
+                        .bind(rec.finished_at_ms)
+                        .bind(non_empty(&rec.decision))
+                        .bind(&rec.state)
+                        .bind(&rec.reason)
+                        .bind(rec.model_called);
+                }
+            }
+            Stmt::Counters(ids) => {
+                for id in ids.iter() {
+                    q = q.bind(*id);
+                }
+            }
+            Stmt::Acked(rows) => {
+                for (key, at) in rows.iter() {
+                    q = q.bind(key).bind(*at);
+                }
+            }
+        }
+        q
     }};
 }
 
@@ -286,7 +400,9 @@ fn update_counters_many(n: usize, style: Placeholders) -> String {
     )
 }
 
-const MARK_ACKED: &str = "UPDATE attempts SET acked_at_ms = $2 WHERE attempt_key = $1";
+/// Sets `acked_at_ms` on attempt rows: [`multi_row`] repeats the `VALUES` tuple.
+const MARK_ACKED_MANY: &str = "WITH v (k, at) AS (VALUES ($1, $2)) \
+     UPDATE attempts SET acked_at_ms = v.at FROM v WHERE attempts.attempt_key = v.k";
 
 const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
      reason = 'no_outcome_after_deadline', recorded_at_ms = $1 \
@@ -621,7 +737,7 @@ impl Ledger {
     /// missing). One transaction.
     pub async fn record_start(&self, start: &AttemptStart) -> Result<(), StoreError> {
         tracing::debug!(job_id = %start.job_id, attempt_key = %start.attempt_key, "record start");
-        self.write_all(&[LedgerWrite::Start(start.clone())])
+        self.write_all(&[LedgerWrite::Start(start.clone())], &[])
             .await
             .map(|_| ())
     }
@@ -655,7 +771,9 @@ impl Ledger {
     async fn write_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
         let terminal = parse_state(&rec.state)?.is_terminal();
         tracing::debug!(job_id = %rec.job_id, state = %rec.state, "record outcome");
-        let wrote = self.write_all(&[LedgerWrite::outcome(rec.clone())]).await?[0];
+        let wrote = self
+            .write_all(&[LedgerWrite::outcome(rec.clone())], &[])
+            .await?[0];
         if terminal && !wrote {
             tracing::debug!(job_id = %rec.job_id, "terminal outcome already recorded; kept the first");
         }
@@ -669,16 +787,32 @@ impl Ledger {
     /// and the caller must not ack any of them. Every item is validated before the
     /// transaction opens ([`LedgerWrite::validate`]); one invalid item fails the call.
     pub async fn write_batch(&self, writes: &[LedgerWrite]) -> Result<Vec<bool>, StoreError> {
+        self.write_batch_marking_acked(writes, &[]).await
+    }
+
+    /// [`write_batch`](Self::write_batch), and in the same transaction the best-effort
+    /// `acked_at_ms` marks of earlier attempts ([`mark_acked_many`](Self::mark_acked_many)):
+    /// the worker folds them into its group commits instead of committing them separately.
+    /// A failed transaction loses the marks with the writes; only the writes matter.
+    pub async fn write_batch_marking_acked(
+        &self,
+        writes: &[LedgerWrite],
+        acked: &[(String, i64)],
+    ) -> Result<Vec<bool>, StoreError> {
         for w in writes {
             w.validate()?;
         }
-        self.write_all(writes).await
+        self.write_all(writes, acked).await
     }
 
-    /// The one write path for starts and outcomes (single or batched), in one transaction.
-    /// Checks only the state names; an outcome with an empty `attempt_key` writes no
-    /// attempt row (`record_terminal`).
-    async fn write_all(&self, writes: &[LedgerWrite]) -> Result<Vec<bool>, StoreError> {
+    /// The one write path for starts, outcomes and ack marks (single or batched), in one
+    /// transaction. Checks only the state names; an outcome with an empty `attempt_key`
+    /// writes no attempt row (`record_terminal`).
+    async fn write_all(
+        &self,
+        writes: &[LedgerWrite],
+        acked: &[(String, i64)],
+    ) -> Result<Vec<bool>, StoreError> {
         let mut terminal = Vec::with_capacity(writes.len());
         for w in writes {
             terminal.push(match w {
@@ -686,10 +820,10 @@ impl Ledger {
                 LedgerWrite::Outcome(rec) => parse_state(&rec.state)?.is_terminal(),
             });
         }
-        if writes.is_empty() {
+        if writes.is_empty() && acked.is_empty() {
             return Ok(Vec::new());
         }
-        tracing::debug!(n = writes.len(), "group commit");
+        tracing::debug!(n = writes.len(), acked = acked.len(), "group commit");
         // The counters of every touched job, once per batch instead of once per write.
         let mut touched: Vec<&str> = writes
             .iter()
@@ -702,9 +836,11 @@ impl Ledger {
         touched.sort_unstable();
         touched.dedup();
         let style = self.placeholder_style();
+        let runs = runs(writes);
+        let last_run = runs.len() - 1;
         let wrote = write_tx!(self, "writing starts and outcomes", |tx| {
             let mut wrote = vec![false; writes.len()];
-            for run in runs(writes) {
+            for (r, run) in runs.into_iter().enumerate() {
                 // Within a run every job id and attempt key is unique, so each statement
                 // below touches a row at most once (PostgreSQL requires it) and the order
                 // between the statements does not matter. Job rows first (they lock the
@@ -730,91 +866,51 @@ impl Ledger {
                     .collect();
                 outcomes.sort_by(|a, b| a.job_id.cmp(&b.job_id));
 
-                multi_exec!(tx, style, UPSERT_JOB_RUNNING, starts, |q, st| q
-                    .bind(&st.job_id)
-                    .bind(&st.kind)
-                    .bind(st.created_at_ms)
-                    .bind(st.expires_at_ms)
-                    .bind(st.received_at_ms)
-                    .bind(st.checked_at_ms)
-                    .bind(st.started_at_ms)
-                    .bind(&st.worker));
-                for chunk in pow2_chunks(&terminals) {
-                    let sql = format!(
-                        "{} RETURNING job_id",
-                        multi_row(UPSERT_JOB_TERMINAL, chunk.len(), style)
-                    );
-                    let mut q = sqlx::query(AssertSqlSafe(sql));
-                    for (_, rec) in chunk {
-                        q = q
-                            .bind(&rec.job_id)
-                            .bind(&rec.kind)
-                            .bind(&rec.state)
-                            .bind(&rec.reason)
-                            .bind(rec.created_at_ms)
-                            .bind(rec.expires_at_ms)
-                            .bind(rec.received_at_ms)
-                            .bind(rec.checked_at_ms)
-                            .bind(rec.started_at_ms)
-                            .bind(rec.finished_at_ms)
-                            .bind(rec.recorded_at_ms)
-                            .bind(non_empty(&rec.worker))
-                            .bind(&rec.result)
-                            .bind(&rec.error)
-                            .bind(rec.prompt_tokens)
-                            .bind(rec.completion_tokens)
-                            .bind(rec.latency_ms)
-                            .bind(rec.cancel_requested)
-                            .bind(rec.cancel_confirmed);
+                let mut stmts: Vec<Stmt> = Vec::new();
+                stmts.extend(pow2_chunks(&starts).map(Stmt::JobRunning));
+                stmts.extend(pow2_chunks(&terminals).map(Stmt::JobTerminal));
+                stmts.extend(pow2_chunks(&lives).map(Stmt::JobLive));
+                stmts.extend(pow2_chunks(&starts).map(Stmt::AttemptStart));
+                stmts.extend(pow2_chunks(&outcomes).map(Stmt::AttemptOutcome));
+                // The counters of every touched job, once per batch, after its last row.
+                if r == last_run {
+                    stmts.extend(touched.chunks(COUNTERS_CHUNK).map(Stmt::Counters));
+                    stmts.extend(pow2_chunks(acked).map(Stmt::Acked));
+                }
+                if stmts.is_empty() {
+                    continue;
+                }
+                // The ids the terminal upserts wrote (a job already terminal is skipped).
+                let mut written = std::collections::HashSet::with_capacity(terminals.len());
+                if style == Placeholders::Anonymous {
+                    // SQLite: the whole run as ONE multi-statement query, so the transaction
+                    // crosses to sqlx's connection thread once instead of once per
+                    // statement. Anonymous placeholders bind across the statements in order.
+                    let sql = stmts
+                        .iter()
+                        .map(|st| st.sql(style))
+                        .collect::<Vec<_>>()
+                        .join(";\n");
+                    let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
+                    for st in &stmts {
+                        q = bind_stmt!(q, st);
                     }
-                    let rows = q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))?;
-                    let mut written = std::collections::HashSet::with_capacity(rows.len());
-                    for row in &rows {
-                        let id: String = row.try_get(0).map_err(db(WRITE_CONTEXT))?;
-                        written.insert(id);
+                    for row in q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))? {
+                        written.insert(row.try_get::<String, _>(0).map_err(db(WRITE_CONTEXT))?);
                     }
-                    for (i, rec) in chunk {
-                        wrote[*i] = written.contains(&rec.job_id);
+                } else {
+                    // PostgreSQL takes one parameterised statement per message.
+                    for st in &stmts {
+                        let q = sqlx::query(AssertSqlSafe(st.sql(style)));
+                        let q = bind_stmt!(q, st);
+                        for row in q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))? {
+                            written.insert(row.try_get::<String, _>(0).map_err(db(WRITE_CONTEXT))?);
+                        }
                     }
                 }
-                multi_exec!(tx, style, UPSERT_JOB_LIVE, lives, |q, rec| q
-                    .bind(&rec.job_id)
-                    .bind(&rec.kind)
-                    .bind(&rec.state)
-                    .bind(rec.created_at_ms)
-                    .bind(rec.expires_at_ms)
-                    .bind(non_empty(&rec.worker)));
-                multi_exec!(tx, style, UPSERT_ATTEMPT_START, starts, |q, st| q
-                    .bind(&st.attempt_key)
-                    .bind(&st.job_id)
-                    .bind(i64::from(st.attempt))
-                    .bind(&st.worker)
-                    .bind(st.redelivered)
-                    .bind(st.received_at_ms)
-                    .bind(st.checked_at_ms)
-                    .bind(st.started_at_ms));
-                multi_exec!(tx, style, UPSERT_ATTEMPT_OUTCOME, outcomes, |q, rec| q
-                    .bind(&rec.attempt_key)
-                    .bind(&rec.job_id)
-                    .bind(i64::from(rec.attempt))
-                    .bind(&rec.worker)
-                    .bind(rec.redelivered)
-                    .bind(rec.received_at_ms)
-                    .bind(rec.checked_at_ms)
-                    .bind(rec.started_at_ms)
-                    .bind(rec.finished_at_ms)
-                    .bind(non_empty(&rec.decision))
-                    .bind(&rec.state)
-                    .bind(&rec.reason)
-                    .bind(rec.model_called));
-            }
-            for ids in touched.chunks(COUNTERS_CHUNK) {
-                let sql = update_counters_many(ids.len(), style);
-                let mut q = sqlx::query(AssertSqlSafe(sql));
-                for id in ids {
-                    q = q.bind(*id);
+                for (i, rec) in &terminals {
+                    wrote[*i] = written.contains(&rec.job_id);
                 }
-                q.execute(&mut *tx).await.map_err(db(WRITE_CONTEXT))?;
             }
             wrote
         });
@@ -823,34 +919,13 @@ impl Ledger {
 
     /// Best effort after the broker ack: sets `acked_at_ms` on the attempt row.
     pub async fn mark_acked(&self, attempt_key: &str, acked_at_ms: i64) -> Result<(), StoreError> {
-        on_pool!(self, write, |pool| {
-            sqlx::query(MARK_ACKED)
-                .bind(attempt_key)
-                .bind(acked_at_ms)
-                .execute(pool)
-                .await
-                .map(|_| ())
-                .map_err(db("marking an attempt acked"))
-        })
+        self.mark_acked_many(&[(attempt_key.to_owned(), acked_at_ms)])
+            .await
     }
 
-    /// [`mark_acked`](Self::mark_acked) for many attempts in one transaction (one commit):
-    /// the worker batches these best-effort trace writes off its hot path.
+    /// [`mark_acked`](Self::mark_acked) for many attempts in one transaction (one commit).
     pub async fn mark_acked_many(&self, acks: &[(String, i64)]) -> Result<(), StoreError> {
-        if acks.is_empty() {
-            return Ok(());
-        }
-        write_tx!(self, "marking attempts acked", |tx| {
-            for (key, at) in acks {
-                sqlx::query(MARK_ACKED)
-                    .bind(key)
-                    .bind(*at)
-                    .execute(&mut *tx)
-                    .await
-                    .map_err(db("marking attempts acked"))?;
-            }
-        });
-        Ok(())
+        self.write_all(&[], acks).await.map(|_| ())
     }
 
     /// The job's record, `None` for an unknown id.

@@ -187,6 +187,7 @@ macro_rules! both_backends {
 
 both_backends!(
     mark_acked_many_sets_every_ack_in_one_write,
+    ack_marks_ride_along_with_a_group_commit,
     migrations_are_idempotent,
     accepted_then_outcome,
     terminal_outcome_is_written_once,
@@ -1200,25 +1201,57 @@ fn admin_url_rewriting() {
 
 async fn mark_acked_many_sets_every_ack_in_one_write(db: &TestDb) {
     let l = &db.ledger;
-    for i in 0..3 {
-        assert!(
-            l.record_outcome(&completed(
+    // More than one multi-row statement (256 rows each), and a remainder.
+    let n = 300i64;
+    let writes: Vec<LedgerWrite> = (0..n)
+        .map(|i| {
+            LedgerWrite::outcome(completed(
                 &format!("m{i}"),
                 &format!("w:c:{i}"),
                 100 + i,
-                "ok"
+                "ok",
             ))
-            .await
-            .unwrap()
-        );
-    }
-    let acks: Vec<(String, i64)> = (0..3).map(|i| (format!("w:c:{i}"), 500 + i)).collect();
+        })
+        .collect();
+    assert!(l.write_batch(&writes).await.unwrap().iter().all(|w| *w));
+    let mut acks: Vec<(String, i64)> = (0..n).map(|i| (format!("w:c:{i}"), 500 + i)).collect();
+    acks.push(("no-such-attempt".into(), 1));
     l.mark_acked_many(&acks).await.unwrap();
     l.mark_acked_many(&[]).await.unwrap();
-    for i in 0..3 {
+    for i in 0..n {
         let rows = l.attempts(&format!("m{i}")).await.unwrap();
-        assert_eq!(rows[0].acked_at_ms, Some(500 + i));
+        assert_eq!(rows[0].acked_at_ms, Some(500 + i), "m{i}");
     }
+}
+
+async fn ack_marks_ride_along_with_a_group_commit(db: &TestDb) {
+    let l = &db.ledger;
+    assert!(
+        l.record_outcome(&completed("early", "w:c:1", 100, "ok"))
+            .await
+            .unwrap()
+    );
+    // The next batch's writes and the earlier attempt's ack mark: one transaction.
+    let wrote = l
+        .write_batch_marking_acked(
+            &[LedgerWrite::outcome(completed("late", "w:c:2", 200, "ok"))],
+            &[("w:c:1".into(), 150)],
+        )
+        .await
+        .unwrap();
+    assert_eq!(wrote, vec![true]);
+    assert_eq!(l.attempts("early").await.unwrap()[0].acked_at_ms, Some(150));
+    assert_eq!(l.attempts("late").await.unwrap()[0].acked_at_ms, None);
+    assert_eq!(l.get("late").await.unwrap().unwrap().state, "completed");
+    // An invalid write fails the call before anything, the marks included, is written.
+    let mut bad = completed("bad", "w:c:3", 300, "ok");
+    bad.state = "nonsense".into();
+    assert!(
+        l.write_batch_marking_acked(&[LedgerWrite::outcome(bad)], &[("w:c:2".into(), 250)])
+            .await
+            .is_err()
+    );
+    assert_eq!(l.attempts("late").await.unwrap()[0].acked_at_ms, None);
 }
 
 async fn ingress_claims_an_id_once_then_stamps_or_releases_it(db: &TestDb) {

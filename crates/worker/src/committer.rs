@@ -8,6 +8,9 @@
 //! delivery, while the fsync is shared by everything that finished meanwhile. There is no
 //! added delay: a lone write commits at once; batches form only under load.
 //!
+//! The best-effort `acked_at_ms` marks of earlier deliveries ride along in the same
+//! transactions ([`AckLog`]), so they cost no commit of their own.
+//!
 //! Receipt lookups (has this job an outcome, how many calls were started) are batched the
 //! same way into one `IN (…)` read ([`Ledger::receipt_info_many`]).
 //!
@@ -15,6 +18,7 @@
 //! batch fails every request in it; each task retries its own request
 //! ([`crate::store_retry::until_stored`]) and none of them acks meanwhile.
 
+use crate::ack_log::AckLog;
 use lastcall_store::{Ledger, LedgerWrite, ReceiptInfo, StoreError};
 use std::future::Future;
 use std::sync::Arc;
@@ -106,11 +110,22 @@ impl std::fmt::Debug for Committer {
 
 impl Committer {
     /// Start the writer and reader tasks; `max_batch` bounds the requests in one batch.
-    pub(crate) fn spawn(ledger: Arc<Ledger>, max_batch: usize) -> Self {
+    /// Each write transaction also takes the `acked_at_ms` marks queued in `acks`.
+    pub(crate) fn spawn(ledger: Arc<Ledger>, max_batch: usize, acks: AckLog) -> Self {
         let l = ledger.clone();
         let (writes, _) = Batcher::spawn(max_batch, move |w: Vec<LedgerWrite>| {
             let l = l.clone();
-            async move { l.write_batch(&w).await }
+            let marks = acks.take();
+            async move {
+                let r = l.write_batch_marking_acked(&w, &marks).await;
+                if r.is_err() && !marks.is_empty() {
+                    tracing::debug!(
+                        n = marks.len(),
+                        "acked-at trace writes lost with a failed group commit (outcomes are retried)"
+                    );
+                }
+                r
+            }
         });
         let (receipts, _) = Batcher::spawn(max_batch, move |ids: Vec<String>| {
             let l = ledger.clone();

@@ -122,7 +122,7 @@ struct Ctx {
     /// Fires on shutdown: waiting jobs are handed back, store retries stop.
     shutdown: CancellationToken,
     nonce: String,
-    /// Batched, best-effort `acked_at_ms` trace writes.
+    /// Best-effort `acked_at_ms` trace writes, folded into the group commits.
     acks: crate::ack_log::AckLog,
     /// Group commit of the starts and outcomes that must be durable before a call or an ack.
     commits: crate::committer::Committer,
@@ -171,8 +171,10 @@ impl Worker {
             crate::clock::now_ms() ^ (std::process::id() as i64) << 20
         );
         let acks_done = CancellationToken::new();
-        let (acks, acks_task) = crate::ack_log::AckLog::spawn(ledger.clone(), acks_done.clone());
-        let commits = crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX);
+        let acks = crate::ack_log::AckLog::default();
+        let acks_task = acks.spawn_idle_writer(ledger.clone(), acks_done.clone());
+        let commits =
+            crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX, acks.clone());
         let ctx = Ctx {
             acks,
             commits,
