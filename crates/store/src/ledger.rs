@@ -16,6 +16,7 @@
 //! was locked by the upsert, so concurrent deliveries of one job cannot lose a count.
 
 use std::str::FromStr;
+use std::sync::OnceLock;
 use std::time::Duration;
 
 use lastcall_core::State;
@@ -23,6 +24,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, ColumnIndex, Decode, PgPool, Row, SqlitePool, Type};
 
+use crate::batch::{Dialect, JsonRows, insert_from_json, json_strings};
 use crate::error::db;
 use crate::migrate;
 use crate::{
@@ -141,224 +143,6 @@ const UPSERT_ATTEMPT_OUTCOME: &str = "INSERT INTO attempts \
 /// What a failed start/outcome write was doing, for its error message.
 const WRITE_CONTEXT: &str = "writing starts and outcomes";
 
-/// Rows per multi-row statement of a batch (19 columns × 256 rows stays far below the
-/// bind-parameter limits of SQLite and PostgreSQL).
-const ROWS_PER_STATEMENT: usize = 256;
-
-/// One multi-row statement of a group commit: its kind and the rows it writes.
-enum Stmt<'a> {
-    JobRunning(&'a [&'a AttemptStart]),
-    JobTerminal(&'a [(usize, &'a OutcomeRecord)]),
-    JobLive(&'a [&'a OutcomeRecord]),
-    AttemptStart(&'a [&'a AttemptStart]),
-    AttemptOutcome(&'a [&'a OutcomeRecord]),
-    Counters(&'a [&'a str]),
-    Acked(&'a [(String, i64)]),
-}
-
-impl Stmt<'_> {
-    /// The statement's SQL; only the terminal upsert returns rows (the ids it wrote).
-    fn sql(&self, style: Placeholders) -> String {
-        match self {
-            Stmt::JobRunning(r) => multi_row(UPSERT_JOB_RUNNING, r.len(), style),
-            Stmt::JobTerminal(r) => format!(
-                "{} RETURNING job_id",
-                multi_row(UPSERT_JOB_TERMINAL, r.len(), style)
-            ),
-            Stmt::JobLive(r) => multi_row(UPSERT_JOB_LIVE, r.len(), style),
-            Stmt::AttemptStart(r) => multi_row(UPSERT_ATTEMPT_START, r.len(), style),
-            Stmt::AttemptOutcome(r) => multi_row(UPSERT_ATTEMPT_OUTCOME, r.len(), style),
-            Stmt::Counters(ids) => update_counters_many(ids.len(), style),
-            Stmt::Acked(r) => multi_row(MARK_ACKED_MANY, r.len(), style),
-        }
-    }
-}
-
-/// Binds the values of [`Stmt`] `$stmt` onto query `$q`, in placeholder order.
-macro_rules! bind_stmt {
-    ($q:ident, $stmt:expr) => {{
-        let mut q = $q;
-        match $stmt {
-            Stmt::JobRunning(rows) => {
-                for st in rows.iter() {
-                    q = q
-                        .bind(&st.job_id)
-                        .bind(&st.kind)
-                        .bind(st.created_at_ms)
-                        .bind(st.expires_at_ms)
-                        .bind(st.received_at_ms)
-                        .bind(st.checked_at_ms)
-                        .bind(st.started_at_ms)
-                        .bind(&st.worker);
-                }
-            }
-            Stmt::JobTerminal(rows) => {
-                for (_, rec) in rows.iter() {
-                    q = q
-                        .bind(&rec.job_id)
-                        .bind(&rec.kind)
-                        .bind(&rec.state)
-                        .bind(&rec.reason)
-                        .bind(rec.created_at_ms)
-                        .bind(rec.expires_at_ms)
-                        .bind(rec.received_at_ms)
-                        .bind(rec.checked_at_ms)
-                        .bind(rec.started_at_ms)
-                        .bind(rec.finished_at_ms)
-                        .bind(rec.recorded_at_ms)
-                        .bind(non_empty(&rec.worker))
-                        .bind(&rec.result)
-                        .bind(&rec.error)
-                        .bind(rec.prompt_tokens)
-                        .bind(rec.completion_tokens)
-                        .bind(rec.latency_ms)
-                        .bind(rec.cancel_requested)
-                        .bind(rec.cancel_confirmed);
-                }
-            }
-            Stmt::JobLive(rows) => {
-                for rec in rows.iter() {
-                    q = q
-                        .bind(&rec.job_id)
-                        .bind(&rec.kind)
-                        .bind(&rec.state)
-                        .bind(rec.created_at_ms)
-                        .bind(rec.expires_at_ms)
-                        .bind(non_empty(&rec.worker));
-                }
-            }
-            Stmt::AttemptStart(rows) => {
-                for st in rows.iter() {
-                    q = q
-                        .bind(&st.attempt_key)
-                        .bind(&st.job_id)
-                        .bind(i64::from(st.attempt))
-                        .bind(&st.worker)
-                        .bind(st.redelivered)
-                        .bind(st.received_at_ms)
-                        .bind(st.checked_at_ms)
-                        .bind(st.started_at_ms);
-                }
-            }
-            Stmt::AttemptOutcome(rows) => {
-                for rec in rows.iter() {
-                    q = q
-                        .bind(&rec.attempt_key)
-                        .bind(&rec.job_id)
-                        .bind(i64::from(rec.attempt))
-                        .bind(&rec.worker)
-                        .bind(rec.redelivered)
-                        .bind(rec.received_at_ms)
-                        .bind(rec.checked_at_ms)
-                        .bind(rec.started_at_ms)
-                        .bind(rec.finished_at_ms)
-                        .bind(non_empty(&rec.decision))
-                        .bind(&rec.state)
-                        .bind(&rec.reason)
-                        .bind(rec.model_called);
-                }
-            }
-            Stmt::Counters(ids) => {
-                for id in ids.iter() {
-                    q = q.bind(*id);
-                }
-            }
-            Stmt::Acked(rows) => {
-                for (key, at) in rows.iter() {
-                    q = q.bind(key).bind(*at);
-                }
-            }
-        }
-        q
-    }};
-}
-
-/// How generated statements spell their parameters.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-enum Placeholders {
-    /// `$1, $2, …` (PostgreSQL).
-    Numbered,
-    /// `?, ?, …` in binding order (SQLite). SQLite looks a numbered parameter's name up in
-    /// a list, once per parameter, which is quadratic in a statement with thousands of
-    /// them; anonymous parameters are bound by position.
-    Anonymous,
-}
-
-impl Placeholders {
-    /// `n` placeholders separated by commas.
-    fn list(self, n: usize) -> String {
-        (1..=n)
-            .map(|i| match self {
-                Placeholders::Numbered => format!("${i}"),
-                Placeholders::Anonymous => "?".to_owned(),
-            })
-            .collect::<Vec<_>>()
-            .join(", ")
-    }
-}
-
-/// `sql` (an `INSERT … VALUES (…) …` whose placeholders `$1…$k` all sit in its one tuple,
-/// in order) with that tuple repeated for `rows` rows and the placeholders renumbered (or
-/// anonymous). Only placeholders are generated; no value ever becomes SQL text.
-fn multi_row(sql: &str, rows: usize, style: Placeholders) -> String {
-    let open = sql
-        .find("VALUES (")
-        .expect("an INSERT … VALUES (…) statement")
-        + "VALUES ".len();
-    let close = open + sql[open..].find(')').expect("a closed VALUES tuple") + 1;
-    let tuple = &sql[open..close];
-    let k = placeholders(tuple).max().unwrap_or(0);
-    let mut out = String::with_capacity(sql.len() + rows * (tuple.len() + 8));
-    out.push_str(&sql[..open]);
-    for r in 0..rows {
-        if r > 0 {
-            out.push_str(", ");
-        }
-        let mut rest = tuple;
-        while let Some(d) = rest.find('$') {
-            out.push_str(&rest[..d]);
-            let digits = rest[d + 1..].bytes().take_while(u8::is_ascii_digit).count();
-            let n: usize = rest[d + 1..d + 1 + digits]
-                .parse()
-                .expect("a numbered placeholder");
-            match style {
-                Placeholders::Numbered => out.push_str(&format!("${}", n + r * k)),
-                Placeholders::Anonymous => out.push('?'),
-            }
-            rest = &rest[d + 1 + digits..];
-        }
-        out.push_str(rest);
-    }
-    out.push_str(&sql[close..]);
-    out
-}
-
-/// The numbers of the `$n` placeholders in `s`.
-fn placeholders(s: &str) -> impl Iterator<Item = usize> + '_ {
-    s.split('$').skip(1).filter_map(|t| {
-        let digits = t.bytes().take_while(u8::is_ascii_digit).count();
-        t[..digits].parse().ok()
-    })
-}
-
-/// Splits `items` into chunks whose lengths are powers of two (at most
-/// [`ROWS_PER_STATEMENT`]), largest first. A multi-row statement's text depends on its row
-/// count, and each distinct text is prepared and cached per connection; with power-of-two
-/// sizes a statement type has at most 9 shapes, so the statement cache keeps them all.
-fn pow2_chunks<T>(items: &[T]) -> impl Iterator<Item = &[T]> {
-    let mut rest = items;
-    std::iter::from_fn(move || {
-        if rest.is_empty() {
-            return None;
-        }
-        let n = rest.len().min(ROWS_PER_STATEMENT);
-        let size = 1usize << (usize::BITS - 1 - n.leading_zeros());
-        let (head, tail) = rest.split_at(size);
-        rest = tail;
-        Some(head)
-    })
-}
-
 /// Splits a batch, in order, into runs in which no job id and no attempt key repeats.
 fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
     let mut out = Vec::new();
@@ -385,24 +169,162 @@ fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
     out
 }
 
-/// Job ids per counters statement of a batch (well under SQLite's bind limit).
-const COUNTERS_CHUNK: usize = 256;
+/// The statements of one group-commit run, in execution order; each takes its rows as one
+/// JSON parameter ([`batch`](crate::batch)). Job rows first (they lock the jobs, as in the
+/// single writes), the counters after the attempt rows they count, the ack marks last.
+const RUN_STATEMENTS: usize = 7;
 
-/// Recomputes `attempts` and `backend_calls` from the attempt rows of `n` jobs at once;
-/// only placeholders are generated.
-fn update_counters_many(n: usize, style: Placeholders) -> String {
-    let list = style.list(n);
-    format!(
-        "UPDATE jobs SET (attempts, backend_calls) = \
-         (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts a \
-         WHERE a.job_id = jobs.job_id) WHERE job_id IN ({})",
-        list
-    )
+fn run_statements(d: Dialect) -> &'static [String; RUN_STATEMENTS] {
+    static SQLITE: OnceLock<[String; RUN_STATEMENTS]> = OnceLock::new();
+    static POSTGRES: OnceLock<[String; RUN_STATEMENTS]> = OnceLock::new();
+    let cell = match d {
+        Dialect::Sqlite => &SQLITE,
+        Dialect::Postgres => &POSTGRES,
+    };
+    cell.get_or_init(|| {
+        [
+            insert_from_json(UPSERT_JOB_RUNNING, d),
+            format!(
+                "{} RETURNING job_id",
+                insert_from_json(UPSERT_JOB_TERMINAL, d)
+            ),
+            insert_from_json(UPSERT_JOB_LIVE, d),
+            insert_from_json(UPSERT_ATTEMPT_START, d),
+            insert_from_json(UPSERT_ATTEMPT_OUTCOME, d),
+            // Recomputes `attempts` and `backend_calls` from the attempt rows.
+            format!(
+                "UPDATE jobs SET (attempts, backend_calls) = \
+                 (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts a \
+                 WHERE a.job_id = jobs.job_id) WHERE {}",
+                d.in_ids("job_id")
+            ),
+            match d {
+                Dialect::Sqlite => "UPDATE attempts SET acked_at_ms = v.value ->> 1 \
+                     FROM json_each(?) AS v WHERE attempts.attempt_key = v.value ->> 0"
+                    .to_owned(),
+                Dialect::Postgres => "UPDATE attempts SET acked_at_ms = (v.value ->> 1)::bigint \
+                     FROM json_array_elements($1::json) AS v(value) \
+                     WHERE attempts.attempt_key = v.value ->> 0"
+                    .to_owned(),
+            },
+        ]
+    })
 }
 
-/// Sets `acked_at_ms` on attempt rows: [`multi_row`] repeats the `VALUES` tuple.
-const MARK_ACKED_MANY: &str = "WITH v (k, at) AS (VALUES ($1, $2)) \
-     UPDATE attempts SET acked_at_ms = v.at FROM v WHERE attempts.attempt_key = v.k";
+/// SQLite: [`run_statements`] as one multi-statement query (one round trip to the
+/// connection thread; its anonymous placeholders bind in order across the statements).
+fn sqlite_run_query() -> &'static str {
+    static SQL: OnceLock<String> = OnceLock::new();
+    SQL.get_or_init(|| run_statements(Dialect::Sqlite).join(";\n"))
+}
+
+/// The JSON parameters of [`run_statements`], in order, each with its row count.
+fn run_params(
+    starts: &[&AttemptStart],
+    terminals: &[(usize, &OutcomeRecord)],
+    lives: &[&OutcomeRecord],
+    outcomes: &[&OutcomeRecord],
+    touched: &[&str],
+    acked: &[(String, i64)],
+) -> [(String, usize); RUN_STATEMENTS] {
+    // Values in the order of each statement's `$1…$k`.
+    let mut job_running = JsonRows::default();
+    let mut attempt_start = JsonRows::default();
+    for st in starts {
+        job_running.row(|r| {
+            r.v(&st.job_id)
+                .v(&st.kind)
+                .v(&st.created_at_ms)
+                .v(&st.expires_at_ms)
+                .v(&st.received_at_ms)
+                .v(&st.checked_at_ms)
+                .v(&st.started_at_ms)
+                .v(&st.worker);
+        });
+        attempt_start.row(|r| {
+            r.v(&st.attempt_key)
+                .v(&st.job_id)
+                .v(&st.attempt)
+                .v(&st.worker)
+                .v(&st.redelivered)
+                .v(&st.received_at_ms)
+                .v(&st.checked_at_ms)
+                .v(&st.started_at_ms);
+        });
+    }
+    let mut job_terminal = JsonRows::default();
+    for (_, rec) in terminals {
+        job_terminal.row(|r| {
+            r.v(&rec.job_id)
+                .v(&rec.kind)
+                .v(&rec.state)
+                .v(&rec.reason)
+                .v(&rec.created_at_ms)
+                .v(&rec.expires_at_ms)
+                .v(&rec.received_at_ms)
+                .v(&rec.checked_at_ms)
+                .v(&rec.started_at_ms)
+                .v(&rec.finished_at_ms)
+                .v(&rec.recorded_at_ms)
+                .v(&non_empty(&rec.worker))
+                .v(&rec.result)
+                .v(&rec.error)
+                .v(&rec.prompt_tokens)
+                .v(&rec.completion_tokens)
+                .v(&rec.latency_ms)
+                .v(&rec.cancel_requested)
+                .v(&rec.cancel_confirmed);
+        });
+    }
+    let mut job_live = JsonRows::default();
+    for rec in lives {
+        job_live.row(|r| {
+            r.v(&rec.job_id)
+                .v(&rec.kind)
+                .v(&rec.state)
+                .v(&rec.created_at_ms)
+                .v(&rec.expires_at_ms)
+                .v(&non_empty(&rec.worker));
+        });
+    }
+    let mut attempt_outcome = JsonRows::default();
+    for rec in outcomes {
+        attempt_outcome.row(|r| {
+            r.v(&rec.attempt_key)
+                .v(&rec.job_id)
+                .v(&rec.attempt)
+                .v(&rec.worker)
+                .v(&rec.redelivered)
+                .v(&rec.received_at_ms)
+                .v(&rec.checked_at_ms)
+                .v(&rec.started_at_ms)
+                .v(&rec.finished_at_ms)
+                .v(&non_empty(&rec.decision))
+                .v(&rec.state)
+                .v(&rec.reason)
+                .v(&rec.model_called);
+        });
+    }
+    let mut marks = JsonRows::default();
+    for (key, at) in acked {
+        marks.row(|r| {
+            r.v(key).v(at);
+        });
+    }
+    let rows = |j: JsonRows| {
+        let n = j.len();
+        (j.finish(), n)
+    };
+    [
+        rows(job_running),
+        rows(job_terminal),
+        rows(job_live),
+        rows(attempt_start),
+        rows(attempt_outcome),
+        (json_strings(touched.iter().copied()), touched.len()),
+        rows(marks),
+    ]
+}
 
 const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
      reason = 'no_outcome_after_deadline', recorded_at_ms = $1 \
@@ -618,10 +540,10 @@ impl Ledger {
         })
     }
 
-    fn placeholder_style(&self) -> Placeholders {
+    fn dialect(&self) -> Dialect {
         match self.backend {
-            Backend::Sqlite { .. } => Placeholders::Anonymous,
-            Backend::Postgres(_) => Placeholders::Numbered,
+            Backend::Sqlite { .. } => Dialect::Sqlite,
+            Backend::Postgres(_) => Dialect::Postgres,
         }
     }
 
@@ -703,31 +625,28 @@ impl Ledger {
         job_ids: &[String],
     ) -> Result<std::collections::HashMap<String, ReceiptInfo>, StoreError> {
         let mut out = std::collections::HashMap::with_capacity(job_ids.len());
-        let mut ids: Vec<&str> = job_ids.iter().map(String::as_str).collect();
-        ids.sort_unstable();
-        ids.dedup();
-        for chunk in pow2_chunks(&ids) {
-            let sql = format!(
-                "SELECT job_id, state, backend_calls FROM jobs WHERE job_id IN ({})",
-                self.placeholder_style().list(chunk.len())
-            );
-            let rows: Vec<(String, String, i64)> = on_pool!(self, read, |pool| {
-                let mut q = sqlx::query(AssertSqlSafe(sql));
-                for id in chunk {
-                    q = q.bind(*id);
-                }
-                q.fetch_all(pool)
-                    .await
-                    .and_then(|rows| {
-                        rows.iter()
-                            .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
-                            .collect::<Result<Vec<_>, sqlx::Error>>()
-                    })
-                    .map_err(db("reading receipt info"))?
-            });
-            for (id, state, calls) in rows {
-                out.insert(id, receipt(&state, calls));
-            }
+        if job_ids.is_empty() {
+            return Ok(out);
+        }
+        let sql = format!(
+            "SELECT job_id, state, backend_calls FROM jobs WHERE {}",
+            self.dialect().in_ids("job_id")
+        );
+        let ids = json_strings(job_ids.iter().map(String::as_str));
+        let rows: Vec<(String, String, i64)> = on_pool!(self, read, |pool| {
+            sqlx::query(AssertSqlSafe(sql))
+                .bind(ids)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                        .collect::<Result<Vec<_>, sqlx::Error>>()
+                })
+                .map_err(db("reading receipt info"))?
+        });
+        for (id, state, calls) in rows {
+            out.insert(id, receipt(&state, calls));
         }
         Ok(out)
     }
@@ -835,16 +754,15 @@ impl Ledger {
             .collect();
         touched.sort_unstable();
         touched.dedup();
-        let style = self.placeholder_style();
+        let dialect = self.dialect();
         let runs = runs(writes);
         let last_run = runs.len() - 1;
         let wrote = write_tx!(self, "writing starts and outcomes", |tx| {
             let mut wrote = vec![false; writes.len()];
             for (r, run) in runs.into_iter().enumerate() {
                 // Within a run every job id and attempt key is unique, so each statement
-                // below touches a row at most once (PostgreSQL requires it) and the order
-                // between the statements does not matter. Job rows first (they lock the
-                // job, as in the single writes), sorted by id for a stable lock order.
+                // touches a row at most once (PostgreSQL requires it). Rows sorted by job
+                // id for a stable lock order.
                 let mut starts: Vec<&AttemptStart> = Vec::new();
                 let mut terminals: Vec<(usize, &OutcomeRecord)> = Vec::new();
                 let mut lives: Vec<&OutcomeRecord> = Vec::new();
@@ -865,48 +783,39 @@ impl Ledger {
                     .filter(|r| !r.attempt_key.is_empty())
                     .collect();
                 outcomes.sort_by(|a, b| a.job_id.cmp(&b.job_id));
-
-                let mut stmts: Vec<Stmt> = Vec::new();
-                stmts.extend(pow2_chunks(&starts).map(Stmt::JobRunning));
-                stmts.extend(pow2_chunks(&terminals).map(Stmt::JobTerminal));
-                stmts.extend(pow2_chunks(&lives).map(Stmt::JobLive));
-                stmts.extend(pow2_chunks(&starts).map(Stmt::AttemptStart));
-                stmts.extend(pow2_chunks(&outcomes).map(Stmt::AttemptOutcome));
-                // The counters of every touched job, once per batch, after its last row.
-                if r == last_run {
-                    stmts.extend(touched.chunks(COUNTERS_CHUNK).map(Stmt::Counters));
-                    stmts.extend(pow2_chunks(acked).map(Stmt::Acked));
-                }
-                if stmts.is_empty() {
-                    continue;
-                }
-                // The ids the terminal upserts wrote (a job already terminal is skipped).
-                let mut written = std::collections::HashSet::with_capacity(terminals.len());
-                if style == Placeholders::Anonymous {
-                    // SQLite: the whole run as ONE multi-statement query, so the transaction
-                    // crosses to sqlx's connection thread once instead of once per
-                    // statement. Anonymous placeholders bind across the statements in order.
-                    let sql = stmts
-                        .iter()
-                        .map(|st| st.sql(style))
-                        .collect::<Vec<_>>()
-                        .join(";\n");
-                    let mut q = sqlx::query(AssertSqlSafe(sql)).persistent(false);
-                    for st in &stmts {
-                        q = bind_stmt!(q, st);
-                    }
-                    for row in q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))? {
-                        written.insert(row.try_get::<String, _>(0).map_err(db(WRITE_CONTEXT))?);
-                    }
+                // The counters of every touched job and the ack marks, once per batch.
+                let (touched, acked): (&[&str], &[(String, i64)]) = if r == last_run {
+                    (&touched, acked)
                 } else {
-                    // PostgreSQL takes one parameterised statement per message.
-                    for st in &stmts {
-                        let q = sqlx::query(AssertSqlSafe(st.sql(style)));
-                        let q = bind_stmt!(q, st);
-                        for row in q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))? {
-                            written.insert(row.try_get::<String, _>(0).map_err(db(WRITE_CONTEXT))?);
+                    (&[], &[])
+                };
+                let params = run_params(&starts, &terminals, &lives, &outcomes, touched, acked);
+                // The ids the terminal upsert wrote (a job already terminal is skipped).
+                let mut written = std::collections::HashSet::with_capacity(terminals.len());
+                let rows = match dialect {
+                    Dialect::Sqlite => {
+                        let mut q = sqlx::query(sqlite_run_query());
+                        for (p, _) in params {
+                            q = q.bind(p);
                         }
+                        q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))?
                     }
+                    Dialect::Postgres => {
+                        // One parameterised statement per message; empty ones are skipped.
+                        let mut rows = Vec::new();
+                        for (sql, (p, n)) in run_statements(dialect).iter().zip(params) {
+                            if n > 0 {
+                                let q = sqlx::query(sql.as_str()).bind(p);
+                                rows.extend(
+                                    q.fetch_all(&mut *tx).await.map_err(db(WRITE_CONTEXT))?,
+                                );
+                            }
+                        }
+                        rows
+                    }
+                };
+                for row in rows {
+                    written.insert(row.try_get::<String, _>(0).map_err(db(WRITE_CONTEXT))?);
                 }
                 for (i, rec) in &terminals {
                     wrote[*i] = written.contains(&rec.job_id);
@@ -1217,22 +1126,9 @@ mod tests {
     }
 
     #[test]
-    fn multi_row_repeats_the_tuple_and_renumbers() {
-        let sql =
-            "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2) ON CONFLICT (a) DO UPDATE SET b = $2";
-        assert_eq!(
-            multi_row(sql, 1, Placeholders::Numbered),
-            "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2) ON CONFLICT (a) DO UPDATE SET b = $2"
-        );
-        assert_eq!(
-            multi_row(sql, 3, Placeholders::Numbered),
-            "INSERT INTO t (a, b, c) VALUES ($1, 'x', $2), ($3, 'x', $4), ($5, 'x', $6) ON CONFLICT (a) DO UPDATE SET b = $2"
-        );
-        assert_eq!(
-            multi_row(sql, 2, Placeholders::Anonymous),
-            "INSERT INTO t (a, b, c) VALUES (?, 'x', ?), (?, 'x', ?) ON CONFLICT (a) DO UPDATE SET b = $2"
-        );
-        // Every generated statement keeps its placeholders inside the tuple, in order.
+    fn every_batched_statement_takes_its_rows_from_one_parameter() {
+        // All of a statement's placeholders sit in its VALUES tuple, numbered in order, so
+        // the generated INSERT … SELECT reads every value from the row arrays.
         for sql in [
             UPSERT_JOB_RUNNING,
             UPSERT_JOB_TERMINAL,
@@ -1240,26 +1136,25 @@ mod tests {
             UPSERT_ATTEMPT_START,
             UPSERT_ATTEMPT_OUTCOME,
         ] {
-            let close = sql.find(") ON CONFLICT").unwrap();
-            let n: Vec<usize> = placeholders(sql).collect();
-            assert_eq!(n, (1..=n.len()).collect::<Vec<_>>(), "{sql}");
-            assert_eq!(placeholders(&sql[close..]).count(), 0, "{sql}");
+            let sqlite = insert_from_json(sql, Dialect::Sqlite);
+            assert!(!sqlite.contains('$'), "{sqlite}");
+            assert_eq!(sqlite.matches('?').count(), 1, "{sqlite}");
+            let pg = insert_from_json(sql, Dialect::Postgres);
+            assert_eq!(pg.matches('$').count(), 1, "{pg}");
         }
-        let big = multi_row(UPSERT_JOB_TERMINAL, 2, Placeholders::Numbered);
-        assert!(big.contains("$19), ($20, "), "{big}");
-        assert!(big.contains("$38)"), "{big}");
-        assert!(!big.contains("$39"));
-    }
-
-    #[test]
-    fn pow2_chunks_cover_everything_in_order() {
-        let v: Vec<usize> = (0..700).collect();
-        let sizes: Vec<usize> = pow2_chunks(&v).map(<[usize]>::len).collect();
-        assert_eq!(sizes, vec![256, 256, 128, 32, 16, 8, 4]);
-        assert_eq!(pow2_chunks(&v).flatten().copied().collect::<Vec<_>>(), v);
-        assert_eq!(pow2_chunks(&v[..0]).count(), 0);
-        let one: Vec<usize> = pow2_chunks(&v[..13]).map(<[usize]>::len).collect();
-        assert_eq!(one, vec![8, 4, 1]);
+        for d in [Dialect::Sqlite, Dialect::Postgres] {
+            for sql in run_statements(d) {
+                let params = match d {
+                    Dialect::Sqlite => sql.matches('?').count(),
+                    Dialect::Postgres => sql.matches("$1").count(),
+                };
+                assert_eq!(params, 1, "{sql}");
+            }
+        }
+        assert_eq!(sqlite_run_query().matches('?').count(), RUN_STATEMENTS);
+        let terminal = &run_statements(Dialect::Postgres)[1];
+        assert!(terminal.contains("(value ->> 18)::boolean"), "{terminal}");
+        assert!(terminal.ends_with("RETURNING job_id"), "{terminal}");
     }
 
     #[test]

@@ -13,11 +13,13 @@
 //!
 //! # Layout
 //! - [`Ledger`] (`ledger.rs`): connect, migrate, and every read and write of the ledger.
+//! - `batch.rs`: the set-based statements of a group commit (rows as one JSON parameter).
 //! - `migrate.rs`: embedded, versioned migrations (`migrations/{sqlite,postgres}/`) and the
 //!   `schema_migrations` table.
 //! - `error.rs`: which database errors are worth retrying ([`StoreError::Unavailable`]).
 //! - this file: the data types that cross the crate boundary.
 
+mod batch;
 mod error;
 mod ledger;
 mod migrate;
