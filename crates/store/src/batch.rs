@@ -1,6 +1,7 @@
 //! Set-based statements for group commits: every row of one statement travels as ONE
 //! bound parameter, a JSON array of arrays (values in the order of the statement's
-//! `$1…$k`), which the database unpacks itself (`json_each` on SQLite,
+//! `$1…$k`), which the database unpacks itself (`jsonb_each` on SQLite, whose row values
+//! come out as binary JSON so each `->>` is a lookup, not a re-parse of the row's text;
 //! `json_array_elements` on PostgreSQL).
 //!
 //! Why: a multi-row `VALUES (…), (…)` statement's text depends on its row count, so it is
@@ -27,7 +28,7 @@ impl Dialect {
     /// one column `value` (each row's array).
     fn rows_source(self) -> &'static str {
         match self {
-            Dialect::Sqlite => "json_each(?)",
+            Dialect::Sqlite => "jsonb_each(?)",
             Dialect::Postgres => "json_array_elements($1::json) AS r(value)",
         }
     }
@@ -174,7 +175,7 @@ mod tests {
         assert_eq!(
             insert_from_json(SQL, Dialect::Sqlite),
             "INSERT INTO t (a, b_ms, flag, c) SELECT value ->> 0, value ->> 1, value ->> 2, \
-             'x' FROM json_each(?) WHERE true ON CONFLICT (a) DO UPDATE SET b_ms = excluded.b_ms"
+             'x' FROM jsonb_each(?) WHERE true ON CONFLICT (a) DO UPDATE SET b_ms = excluded.b_ms"
         );
         let pg = insert_from_json(
             SQL.replace("flag", "redelivered").as_str(),

@@ -200,7 +200,7 @@ fn run_statements(d: Dialect) -> &'static [String; RUN_STATEMENTS] {
             ),
             match d {
                 Dialect::Sqlite => "UPDATE attempts SET acked_at_ms = v.value ->> 1 \
-                     FROM json_each(?) AS v WHERE attempts.attempt_key = v.value ->> 0"
+                     FROM jsonb_each(?) AS v WHERE attempts.attempt_key = v.value ->> 0"
                     .to_owned(),
                 Dialect::Postgres => "UPDATE attempts SET acked_at_ms = (v.value ->> 1)::bigint \
                      FROM json_array_elements($1::json) AS v(value) \
