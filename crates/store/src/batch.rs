@@ -26,7 +26,7 @@ pub(crate) enum Dialect {
 impl Dialect {
     /// The rows of the JSON array bound as the statement's one parameter, as a table with
     /// one column `value` (each row's array).
-    fn rows_source(self) -> &'static str {
+    pub(crate) fn rows_source(self) -> &'static str {
         match self {
             Dialect::Sqlite => "jsonb_each(?)",
             Dialect::Postgres => "json_array_elements($1::json) AS r(value)",
@@ -34,7 +34,7 @@ impl Dialect {
     }
 
     /// Element `i` of a row array, typed for `column`.
-    fn element(self, i: usize, column: &str) -> String {
+    pub(crate) fn element(self, i: usize, column: &str) -> String {
         match self {
             // SQLite's `->>` returns INTEGER for numbers and booleans, TEXT for strings.
             Dialect::Sqlite => format!("value ->> {i}"),
@@ -157,10 +157,9 @@ impl Row<'_> {
     }
 }
 
-/// A JSON array of strings.
-pub(crate) fn json_strings<'a>(items: impl IntoIterator<Item = &'a str>) -> String {
-    let v: Vec<&str> = items.into_iter().collect();
-    serde_json::to_string(&v).expect("serializing into memory")
+/// A JSON array of `items` (ids, for [`Dialect::in_ids`]).
+pub(crate) fn json_array<T: Serialize>(items: &[T]) -> String {
+    serde_json::to_string(items).expect("serializing into memory")
 }
 
 #[cfg(test)]
@@ -202,6 +201,6 @@ mod tests {
         });
         assert_eq!(rows.len(), 2);
         assert_eq!(rows.finish(), r#"[["a\"b",5,null,true],["ü\n"]]"#);
-        assert_eq!(json_strings(["x", "y\""]), r#"["x","y\""]"#);
+        assert_eq!(json_array(&["x", "y\""]), r#"["x","y\""]"#);
     }
 }

@@ -3,7 +3,9 @@
 //! Every statement is written once, in SQL both backends understand (`$n` placeholders,
 //! `INSERT … ON CONFLICT … DO UPDATE … WHERE`, `RETURNING`, `COUNT(*) FILTER`), and run on
 //! the backend's own pool type; the small `write_tx!`/`on_pool!` macros expand each body
-//! once per backend.
+//! once per backend. The batched forms (rows as one JSON parameter) are generated from
+//! those statements per dialect by `batch.rs`, the only place that spells a dialect's
+//! JSON functions.
 //!
 //! **Invariant (write-once):** a terminal outcome is written by
 //! `INSERT … ON CONFLICT (job_id) DO UPDATE … WHERE jobs.state IN ('accepted', 'running')`.
@@ -24,7 +26,7 @@ use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, ColumnIndex, Decode, PgPool, Row, SqlitePool, Type};
 
-use crate::batch::{Dialect, JsonRows, insert_from_json, json_strings};
+use crate::batch::{Dialect, JsonRows, insert_from_json, json_array};
 use crate::error::db;
 use crate::migrate;
 use crate::{
@@ -198,15 +200,13 @@ fn run_statements(d: Dialect) -> &'static [String; RUN_STATEMENTS] {
                  WHERE a.job_id = jobs.job_id) WHERE {}",
                 d.in_ids("job_id")
             ),
-            match d {
-                Dialect::Sqlite => "UPDATE attempts SET acked_at_ms = v.value ->> 1 \
-                     FROM jsonb_each(?) AS v WHERE attempts.attempt_key = v.value ->> 0"
-                    .to_owned(),
-                Dialect::Postgres => "UPDATE attempts SET acked_at_ms = (v.value ->> 1)::bigint \
-                     FROM json_array_elements($1::json) AS v(value) \
-                     WHERE attempts.attempt_key = v.value ->> 0"
-                    .to_owned(),
-            },
+            // Rows `[attempt_key, acked_at_ms]`.
+            format!(
+                "UPDATE attempts SET acked_at_ms = {} FROM {} WHERE attempt_key = {}",
+                d.element(1, "acked_at_ms"),
+                d.rows_source(),
+                d.element(0, "attempt_key")
+            ),
         ]
     })
 }
@@ -321,7 +321,7 @@ fn run_params(
         rows(job_live),
         rows(attempt_start),
         rows(attempt_outcome),
-        (json_strings(touched.iter().copied()), touched.len()),
+        (json_array(touched), touched.len()),
         rows(marks),
     ]
 }
@@ -332,7 +332,6 @@ const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
      RETURNING job_id";
 
 const SELECT_PAYLOAD_HASH: &str = "SELECT payload_hash FROM jobs WHERE job_id = $1";
-const SELECT_RECEIPT: &str = "SELECT state, backend_calls FROM jobs WHERE job_id = $1";
 const SELECT_JOB: &str = concat!("SELECT ", job_columns!(), " FROM jobs WHERE job_id = $1");
 const SELECT_ATTEMPTS: &str = concat!(
     "SELECT ",
@@ -605,21 +604,12 @@ impl Ledger {
     /// Whether the job already has a terminal outcome, and how many model calls were started
     /// for it so far.
     pub async fn receipt_info(&self, job_id: &str) -> Result<ReceiptInfo, StoreError> {
-        let found: Option<(String, i64)> = on_pool!(self, read, |pool| {
-            sqlx::query(SELECT_RECEIPT)
-                .bind(job_id)
-                .fetch_optional(pool)
-                .await
-                .and_then(|row| row.map(|r| Ok((r.try_get(0)?, r.try_get(1)?))).transpose())
-                .map_err(db("reading receipt info"))?
-        });
-        Ok(found.map_or_else(ReceiptInfo::default, |(state, calls)| {
-            receipt(&state, calls)
-        }))
+        let mut found = self.receipt_info_many(&[job_id.to_owned()]).await?;
+        Ok(found.remove(job_id).unwrap_or_default())
     }
 
-    /// [`receipt_info`](Self::receipt_info) for many jobs with as few reads as possible
-    /// (`IN (…)`, power-of-two chunks). Ids without a row are absent from the map.
+    /// [`receipt_info`](Self::receipt_info) for many jobs in one read (the ids as one JSON
+    /// parameter). Ids without a row are absent from the map.
     pub async fn receipt_info_many(
         &self,
         job_ids: &[String],
@@ -632,7 +622,7 @@ impl Ledger {
             "SELECT job_id, state, backend_calls FROM jobs WHERE {}",
             self.dialect().in_ids("job_id")
         );
-        let ids = json_strings(job_ids.iter().map(String::as_str));
+        let ids = json_array(job_ids);
         let rows: Vec<(String, String, i64)> = on_pool!(self, read, |pool| {
             sqlx::query(AssertSqlSafe(sql))
                 .bind(ids)

@@ -20,7 +20,7 @@ use tokio_util::sync::CancellationToken;
 /// Most marks queued before trace writes are dropped.
 const CAPACITY: usize = 4_096;
 /// Most marks written in one transaction.
-pub(crate) const BATCH: usize = 1_024;
+const BATCH: usize = 1_024;
 /// How long queued marks wait for a group commit to take them before the background task
 /// writes them itself.
 const IDLE_FLUSH: Duration = Duration::from_millis(50);
@@ -92,18 +92,18 @@ impl AckLog {
                     }
                     _ = done.cancelled() => true,
                 };
-                loop {
-                    let batch = this.take();
-                    if batch.is_empty() {
-                        break;
-                    }
-                    write(&ledger, &batch).await;
-                    if !stopping {
-                        break;
+                if stopping {
+                    loop {
+                        let batch = this.take();
+                        if batch.is_empty() {
+                            return;
+                        }
+                        write(&ledger, &batch).await;
                     }
                 }
-                if stopping {
-                    return;
+                let batch = this.take();
+                if !batch.is_empty() {
+                    write(&ledger, &batch).await;
                 }
                 if !this.lock().is_empty() {
                     // More than one batch was queued: come back for the rest.
