@@ -296,9 +296,12 @@ impl Worker {
             });
         }
         // Graceful shutdown: no new deliveries; waiting jobs go back; running ones get the grace period.
-        stream.cancel().await;
+        bounded("cancelling the consumer", stream.cancel()).await;
         relay_stop.cancel();
-        match relay_task.await {
+        match bounded("stopping the retry relay", relay_task)
+            .await
+            .unwrap_or(Ok(Ok(())))
+        {
             Ok(Err(e)) => tracing::warn!(error = %e, "the retry relay stopped with an error"),
             Err(e) => tracing::warn!(error = %e, "the retry relay task failed"),
             Ok(Ok(())) => {}
@@ -321,10 +324,10 @@ impl Worker {
         }
         // Ack what finished, then close the channel (unsettled deliveries go back).
         flush_stop.cancel();
-        if let Err(e) = flusher.await {
+        if let Some(Err(e)) = bounded("the last ack flush", flusher).await {
             tracing::warn!(error = %e, "the ack flusher task failed");
         }
-        stream.close().await;
+        bounded("closing the channel", stream.close()).await;
         self.acks_done.cancel();
         if tokio::time::timeout(Duration::from_secs(5), self.acks_task)
             .await
@@ -332,10 +335,26 @@ impl Worker {
         {
             tracing::warn!("acked-at trace writes did not finish within 5 s");
         }
-        self.broker.close().await;
+        bounded("closing the connection", self.broker.close()).await;
         tracing::info!(worker = %cfg.name, "worker stopped");
         result
     }
+}
+
+/// Longest wait for one broker step of the shutdown.
+const SHUTDOWN_STEP: Duration = Duration::from_secs(10);
+
+/// One shutdown step, bounded: a broker that stops answering must not hang the worker's
+/// exit (unsettled deliveries go back to the queue when the connection drops anyway).
+async fn bounded<F: std::future::Future>(what: &str, step: F) -> Option<F::Output> {
+    let r = tokio::time::timeout(SHUTDOWN_STEP, step).await.ok();
+    if r.is_none() {
+        tracing::warn!(
+            step = what,
+            "shutdown step did not finish within 10 s; going on"
+        );
+    }
+    r
 }
 
 fn log_task_end(r: Result<(), tokio::task::JoinError>) {
