@@ -61,9 +61,11 @@ pub enum BenchCommand {
     ///
     /// Crash variant: a slow consumer is killed mid-run (its connection drops without
     /// settling); with auto-ack the deliveries it held are lost, with manual ack the broker
-    /// redelivers them. Baseline: a bare consumer that only acks drains N lastcall
-    /// envelopes; then lastcall's worker (sim backend at 0 ms, ledger writes included)
-    /// drains the same N, and its throughput is reported as a fraction of the baseline.
+    /// redelivers them. Baseline: N lastcall envelopes are submitted to the worker's own
+    /// queue and drained by a bare consumer that only acks, once with `multiple` acks (the
+    /// broker ceiling; the worker coalesces its acks too) and once with one ack per
+    /// delivery; then lastcall's worker (sim backend at 0 ms, ledger writes included)
+    /// drains N more, and its throughput is reported as a fraction of both.
     AckModes(ack_modes::AckModesArgs),
     /// Ledger throughput: outcome writes per second on SQLite and PostgreSQL
     ///
