@@ -13,9 +13,9 @@
 //! write-locked (SQLite), so exactly one writer sees one affected row; everyone else sees
 //! zero and gets `false`.
 //!
-//! **Invariant (counters):** `jobs.attempts` and `jobs.backend_calls` are recomputed from the
-//! `attempts` table in the same transaction that touches an attempt row, *after* the job row
-//! was locked by the upsert, so concurrent deliveries of one job cannot lose a count.
+//! **Invariant (counters):** a job's attempt count and model-call count are never stored:
+//! every read counts its `attempts` rows (`attempts_job_id` index), so no write can lose a
+//! count and the group commit on the single writer does no counting.
 
 use std::str::FromStr;
 use std::sync::OnceLock;
@@ -52,7 +52,10 @@ const NON_TERMINAL_SQL: &str = "('accepted', 'running')";
 /// Column list of [`JobRecord`], in a macro so that statements stay `&'static str`.
 macro_rules! job_columns {
     () => {
-        "job_id, kind, state, reason, attempts, backend_calls, created_at_ms, expires_at_ms, \
+        "job_id, kind, state, reason, \
+         (SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id) AS attempts, \
+         (SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id AND a.model_called) \
+         AS backend_calls, created_at_ms, expires_at_ms, \
          accepted_at_ms, received_at_ms, checked_at_ms, started_at_ms, finished_at_ms, \
          recorded_at_ms, worker, result, error, trace_id, prompt_tokens, completion_tokens, \
          latency_ms, cancel_requested, cancel_confirmed"
@@ -173,8 +176,8 @@ fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
 
 /// The statements of one group-commit run, in execution order; each takes its rows as one
 /// JSON parameter ([`batch`](crate::batch)). Job rows first (they lock the jobs, as in the
-/// single writes), the counters after the attempt rows they count, the ack marks last.
-const RUN_STATEMENTS: usize = 7;
+/// single writes), the ack marks last.
+const RUN_STATEMENTS: usize = 6;
 
 fn run_statements(d: Dialect) -> &'static [String; RUN_STATEMENTS] {
     static SQLITE: OnceLock<[String; RUN_STATEMENTS]> = OnceLock::new();
@@ -193,13 +196,6 @@ fn run_statements(d: Dialect) -> &'static [String; RUN_STATEMENTS] {
             insert_from_json(UPSERT_JOB_LIVE, d),
             insert_from_json(UPSERT_ATTEMPT_START, d),
             insert_from_json(UPSERT_ATTEMPT_OUTCOME, d),
-            // Recomputes `attempts` and `backend_calls` from the attempt rows.
-            format!(
-                "UPDATE jobs SET (attempts, backend_calls) = \
-                 (SELECT COUNT(*), COUNT(*) FILTER (WHERE model_called) FROM attempts a \
-                 WHERE a.job_id = jobs.job_id) WHERE {}",
-                d.in_ids("job_id")
-            ),
             // Rows `[attempt_key, acked_at_ms]`.
             format!(
                 "UPDATE attempts SET acked_at_ms = {} FROM {} WHERE attempt_key = {}",
@@ -224,7 +220,6 @@ fn run_params(
     terminals: &[(usize, &OutcomeRecord)],
     lives: &[&OutcomeRecord],
     outcomes: &[&OutcomeRecord],
-    touched: &[&str],
     acked: &[(String, i64)],
 ) -> [(String, usize); RUN_STATEMENTS] {
     // Values in the order of each statement's `$1…$k`.
@@ -321,7 +316,6 @@ fn run_params(
         rows(job_live),
         rows(attempt_start),
         rows(attempt_outcome),
-        (json_array(touched), touched.len()),
         rows(marks),
     ]
 }
@@ -619,7 +613,8 @@ impl Ledger {
             return Ok(out);
         }
         let sql = format!(
-            "SELECT job_id, state, backend_calls FROM jobs WHERE {}",
+            "SELECT job_id, state, (SELECT COUNT(*) FROM attempts a \
+             WHERE a.job_id = jobs.job_id AND a.model_called) FROM jobs WHERE {}",
             self.dialect().in_ids("job_id")
         );
         let ids = json_array(job_ids);
@@ -653,7 +648,7 @@ impl Ledger {
 
     /// One delivery's decision, in one transaction: upserts the attempt row by
     /// `attempt_key`, and if `rec.state` is terminal writes the job's terminal outcome
-    /// unless it already has one. Maintains `attempts` and `backend_calls`.
+    /// unless it already has one.
     ///
     /// `Ok(true)` if this call wrote the terminal outcome; `Ok(false)` if one existed (it is
     /// kept unchanged) or `rec.state` is not terminal. An unknown state name or an empty
@@ -733,17 +728,6 @@ impl Ledger {
             return Ok(Vec::new());
         }
         tracing::debug!(n = writes.len(), acked = acked.len(), "group commit");
-        // The counters of every touched job, once per batch instead of once per write.
-        let mut touched: Vec<&str> = writes
-            .iter()
-            .filter_map(|w| match w {
-                LedgerWrite::Start(s) => Some(s.job_id.as_str()),
-                LedgerWrite::Outcome(r) if !r.attempt_key.is_empty() => Some(r.job_id.as_str()),
-                LedgerWrite::Outcome(_) => None,
-            })
-            .collect();
-        touched.sort_unstable();
-        touched.dedup();
         let dialect = self.dialect();
         let runs = runs(writes);
         let last_run = runs.len() - 1;
@@ -773,13 +757,9 @@ impl Ledger {
                     .filter(|r| !r.attempt_key.is_empty())
                     .collect();
                 outcomes.sort_by(|a, b| a.job_id.cmp(&b.job_id));
-                // The counters of every touched job and the ack marks, once per batch.
-                let (touched, acked): (&[&str], &[(String, i64)]) = if r == last_run {
-                    (&touched, acked)
-                } else {
-                    (&[], &[])
-                };
-                let params = run_params(&starts, &terminals, &lives, &outcomes, touched, acked);
+                // The ack marks, once per batch.
+                let acked: &[(String, i64)] = if r == last_run { acked } else { &[] };
+                let params = run_params(&starts, &terminals, &lives, &outcomes, acked);
                 // The ids the terminal upsert wrote (a job already terminal is skipped).
                 let mut written = std::collections::HashSet::with_capacity(terminals.len());
                 let rows = match dialect {

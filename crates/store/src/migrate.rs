@@ -20,12 +20,20 @@ pub(crate) struct Migration {
 }
 
 /// All migrations, in version order.
-pub(crate) const MIGRATIONS: &[Migration] = &[Migration {
-    version: 1,
-    name: "init",
-    sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
-    postgres: include_str!("../migrations/postgres/0001_init.sql"),
-}];
+pub(crate) const MIGRATIONS: &[Migration] = &[
+    Migration {
+        version: 1,
+        name: "init",
+        sqlite: include_str!("../migrations/sqlite/0001_init.sql"),
+        postgres: include_str!("../migrations/postgres/0001_init.sql"),
+    },
+    Migration {
+        version: 2,
+        name: "counters_on_read",
+        sqlite: include_str!("../migrations/sqlite/0002_counters_on_read.sql"),
+        postgres: include_str!("../migrations/postgres/0002_counters_on_read.sql"),
+    },
+];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\
      version BIGINT NOT NULL PRIMARY KEY, \

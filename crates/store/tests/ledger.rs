@@ -134,6 +134,23 @@ impl TestDb {
     }
 }
 
+impl TestDb {
+    /// Raw SQL (several statements allowed), outside the ledger.
+    async fn exec(&self, sql: &str) {
+        let sql = AssertSqlSafe(sql.to_owned());
+        match self.backend {
+            Backend::Sqlite => {
+                let mut conn = sqlx::SqliteConnection::connect(&self.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+            }
+            Backend::Postgres => {
+                let mut conn = sqlx::PgConnection::connect(&self.url).await.unwrap();
+                sqlx::raw_sql(sql).execute(&mut conn).await.unwrap();
+            }
+        }
+    }
+}
+
 impl Drop for TestDb {
     fn drop(&mut self) {
         match &self.cleanup {
@@ -189,6 +206,7 @@ both_backends!(
     mark_acked_many_sets_every_ack_in_one_write,
     ack_marks_ride_along_with_a_group_commit,
     migrations_are_idempotent,
+    a_version_1_ledger_upgrades_and_counts_its_attempts,
     accepted_then_outcome,
     terminal_outcome_is_written_once,
     start_then_outcome_counts_one_call,
@@ -314,11 +332,44 @@ async fn migrations_are_idempotent(db: &TestDb) {
         assert_eq!(must_get(&again, "j1").await.state, "accepted");
         again.close().await;
     }
-    assert_eq!(db.scalar("SELECT COUNT(*) FROM schema_migrations").await, 1);
+    assert_eq!(db.scalar("SELECT COUNT(*) FROM schema_migrations").await, 2);
     assert_eq!(
         db.scalar("SELECT MAX(version) FROM schema_migrations")
             .await,
-        1
+        2
+    );
+}
+
+/// A ledger written by a version-1 binary (stored, here stale, counters) is upgraded in
+/// place: its rows survive, and the counts come from the attempt rows.
+async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
+    let v1 = match db.backend {
+        Backend::Sqlite => include_str!("../migrations/sqlite/0001_init.sql"),
+        Backend::Postgres => include_str!("../migrations/postgres/0001_init.sql"),
+    };
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DELETE FROM schema_migrations")
+        .await;
+    db.exec(v1).await;
+    db.exec(
+        "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES (1, 'init', 0); \
+         INSERT INTO jobs (job_id, kind, state, attempts, backend_calls) \
+         VALUES ('old', 'chat', 'running', 7, 7); \
+         INSERT INTO attempts (attempt_key, job_id, attempt, worker, model_called) \
+         VALUES ('old:1', 'old', 1, 'w', TRUE), ('old:2', 'old', 2, 'w', FALSE)",
+    )
+    .await;
+    let upgraded = Ledger::connect(&db.url).await.expect("upgrade");
+    let job = must_get(&upgraded, "old").await;
+    assert_eq!(
+        (job.state.as_str(), job.attempts, job.backend_calls),
+        ("running", 2, 1)
+    );
+    assert_eq!(upgraded.receipt_info("old").await.unwrap().prior_starts, 1);
+    upgraded.close().await;
+    assert_eq!(
+        db.scalar("SELECT MAX(version) FROM schema_migrations")
+            .await,
+        2
     );
 }
 
