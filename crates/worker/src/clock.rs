@@ -50,6 +50,12 @@ impl ClockSyncMode {
             ClockSyncMode::Require => matches!(state, SyncState::Synced { .. }),
         }
     }
+
+    /// [`allows`](Self::allows) `clock`'s current state, asking the clock (a system call
+    /// for the host's clock) only when the mode depends on it.
+    pub fn admits(self, clock: &dyn Clock) -> bool {
+        self == ClockSyncMode::Ignore || self.allows(clock.sync_state())
+    }
 }
 
 /// A source of wall-clock time and sync state.
@@ -129,6 +135,15 @@ mod tests {
         assert!(!ClockSyncMode::Require.allows(SyncState::Unknown));
         assert!(!ClockSyncMode::Require.allows(SyncState::Unsynced));
         assert!(ClockSyncMode::Require.allows(SyncState::Synced { max_error_ms: 3 }));
+        let unsynced = FixedSyncClock {
+            state: SyncState::Unsynced,
+        };
+        let synced = FixedSyncClock {
+            state: SyncState::Synced { max_error_ms: 3 },
+        };
+        assert!(ClockSyncMode::Ignore.admits(&unsynced));
+        assert!(!ClockSyncMode::Require.admits(&unsynced));
+        assert!(ClockSyncMode::Require.admits(&synced));
         let c = SystemClock { offset_ms: 5_000 };
         assert!(c.now_ms() - now_ms() >= 4_900);
         // Reading the kernel state must not panic, whatever it says here.

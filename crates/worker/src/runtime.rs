@@ -645,7 +645,7 @@ async fn wait_for_clock(
     env: &Envelope,
     permit: OwnedSemaphorePermit,
 ) -> Option<OwnedSemaphorePermit> {
-    if ctx.cfg.clock_sync.allows(ctx.clock.sync_state()) {
+    if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
         return Some(permit);
     }
     drop(permit);
@@ -664,7 +664,7 @@ async fn wait_for_clock(
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
             _ = ctx.shutdown.cancelled() => return None,
         }
-        if ctx.cfg.clock_sync.allows(ctx.clock.sync_state()) {
+        if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
             return ctx.slots.clone().acquire_owned().await.ok();
         }
     }
