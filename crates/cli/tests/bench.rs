@@ -140,6 +140,14 @@ async fn ack_modes_smoke_counts_add_up() {
     ] {
         assert!(p[k].as_f64().unwrap() > 0.0, "{k}: {p}");
     }
+    // CPU accounting from /proc (this is Linux): present and in range.
+    assert!(p["pipeline_cpu_us_per_job"].as_f64().unwrap() >= 0.0, "{p}");
+    let busy = p["machine_cpu_busy"].as_f64().unwrap();
+    assert!((0.0..=1.0).contains(&busy), "{p}");
+    for k in ["baseline_cpu_us_per_msg", "broker_cpu_us_per_msg"] {
+        assert!(p[k].as_f64().unwrap() >= 0.0, "{k}: {p}");
+    }
+    assert!(p["cpu_budget_us_per_job_at_80"].is_f64(), "{p}");
     let every = u(p, "baseline_multiple_every");
     assert!(every >= 1 && every < u(p, "prefetch"), "{p}");
     env.cleanup().await;

@@ -129,6 +129,20 @@ struct PipelineRow {
     pipeline_completed: u64,
     /// Calls the sim backend received in the pipeline run (one per job: no duplicates ran).
     model_calls: u64,
+    /// CPU time of this process (worker, ledger threads and the progress loop) per settled
+    /// job over the pipeline run, in µs; `null` where `/proc` is not available.
+    pipeline_cpu_us_per_job: Option<f64>,
+    /// Share of the machine's CPU time (all cores, every process: the broker included) that
+    /// was busy during the pipeline run, 0–1; `null` where `/proc` is not available.
+    machine_cpu_busy: Option<f64>,
+    /// CPU time of this process per message during the `multiple`-ack baseline, in µs.
+    baseline_cpu_us_per_msg: Option<f64>,
+    /// CPU time of everything else on the machine (the broker, mostly) per message during
+    /// the `multiple`-ack baseline, in µs.
+    broker_cpu_us_per_msg: Option<f64>,
+    /// The most CPU per job the worker may use for 80% of the ceiling to fit on this
+    /// machine's cores next to the broker's share, in µs (≤ 0: it cannot fit at all).
+    cpu_budget_us_per_job_at_80: Option<f64>,
 }
 
 pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
@@ -289,7 +303,7 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
          bare consumer, `multiple` ack every {}: {:.0} msg/s (the broker ceiling)\n  \
          bare consumer, one ack per delivery: {:.0} msg/s\n  \
          lastcall worker ({} slots, sim 0 ms, ledger {}): {:.0} jobs/s = {:.1}% of the ceiling, \
-         {:.1}% of the single-ack consumer",
+         {:.1}% of the single-ack consumer{}",
         p.messages,
         p.prefetch,
         p.baseline_multiple_every,
@@ -299,7 +313,23 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
         p.ledger,
         p.pipeline_per_s,
         p.fraction * 100.0,
-        p.fraction_of_single_ack * 100.0
+        p.fraction_of_single_ack * 100.0,
+        match (
+            p.pipeline_cpu_us_per_job,
+            p.machine_cpu_busy,
+            p.baseline_cpu_us_per_msg,
+            p.broker_cpu_us_per_msg,
+            p.cpu_budget_us_per_job_at_80,
+        ) {
+            (Some(us), Some(busy), Some(bare), Some(broker), Some(budget)) => format!(
+                "\n  CPU per message in the ceiling run: bare consumer {bare:.0} µs, the rest of \
+                 the machine (the broker) {broker:.0} µs\n  \
+                 CPU per job in the worker run: {us:.0} µs (machine busy {:.0}%); \
+                 80% of the ceiling leaves the worker {budget:.0} µs per job on these cores",
+                busy * 100.0
+            ),
+            _ => String::new(),
+        }
     );
     Ok(ExitCode::SUCCESS)
 }
@@ -495,6 +525,7 @@ async fn run_pipeline(
     // acking every delivery on its own.
     let every = a.multiple_every.min(prefetch / 2).max(1);
     let mut baselines = Vec::new();
+    let mut baseline_cpu = None;
     for (what, mode) in [
         (
             "baseline (multiple acks): filling",
@@ -508,6 +539,7 @@ async fn run_pipeline(
         fill(what, format!("{id_prefix}base-{}-", baselines.len()))
             .await?
             .finish_and_clear();
+        let from = CpuTimes::now();
         let r = raw::consume(
             &s.amqp_url,
             &topo.names.work_queue,
@@ -521,6 +553,11 @@ async fn run_pipeline(
             Arc::new(AtomicU64::new(0)),
         )
         .await?;
+        if baselines.is_empty() {
+            baseline_cpu = from
+                .zip(CpuTimes::now())
+                .map(|(from, to)| (to.since(&from), r.processed.max(1) as f64));
+        }
         baselines.push(r.processed as f64 / r.elapsed.as_secs_f64().max(1e-9));
     }
     let (baseline_per_s, baseline_single_ack_per_s) = (baselines[0], baselines[1]);
@@ -556,12 +593,12 @@ async fn run_pipeline(
     bar.set_message("pipeline: worker");
     bar.set_position(0);
     let task = tokio::spawn(worker.run(stop.clone()));
-    let mut first: Option<Instant> = None;
+    let mut first: Option<(Instant, Option<CpuTimes>)> = None;
     let give_up = Instant::now() + Duration::from_secs(600);
     loop {
         let settled = stats.settled.load(Ordering::Relaxed);
         if first.is_none() && stats.received.load(Ordering::Relaxed) > 0 {
-            first = Some(Instant::now());
+            first = Some((Instant::now(), CpuTimes::now()));
         }
         bar.set_position(settled);
         if settled >= n || Instant::now() > give_up || task.is_finished() {
@@ -569,7 +606,10 @@ async fn run_pipeline(
         }
         tokio::time::sleep(Duration::from_millis(5)).await;
     }
-    let secs = first.map(|t| t.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let secs = first.map(|t| t.0.elapsed().as_secs_f64()).unwrap_or(0.0);
+    let cpu = first
+        .and_then(|(_, from)| from.zip(CpuTimes::now()))
+        .map(|(from, to)| to.since(&from));
     bar.finish_and_clear();
     stop.cancel();
     let _ = task.await;
@@ -588,7 +628,8 @@ async fn run_pipeline(
     if let Some(d) = dir {
         let _ = std::fs::remove_dir_all(d);
     }
-    let pipeline_per_s = stats.settled.load(Ordering::Relaxed) as f64 / secs.max(1e-9);
+    let settled = stats.settled.load(Ordering::Relaxed);
+    let pipeline_per_s = settled as f64 / secs.max(1e-9);
     Ok(PipelineRow {
         messages: n,
         prefetch,
@@ -606,5 +647,92 @@ async fn run_pipeline(
         fraction_of_single_ack: pipeline_per_s / baseline_single_ack_per_s.max(1e-9),
         pipeline_completed: completed,
         model_calls: sim.calls(),
+        pipeline_cpu_us_per_job: cpu.map(|c| c.process_s * 1e6 / settled.max(1) as f64),
+        machine_cpu_busy: cpu.map(|c| c.busy()),
+        baseline_cpu_us_per_msg: baseline_cpu.map(|(c, n)| c.process_s * 1e6 / n),
+        broker_cpu_us_per_msg: baseline_cpu.map(|(c, n)| c.others_s() * 1e6 / n),
+        cpu_budget_us_per_job_at_80: baseline_cpu.map(|(c, n)| {
+            // Core-seconds per second the machine has, spent at 0.8 × the ceiling's rate.
+            c.cores() * 1e6 / (0.8 * baseline_per_s.max(1e-9)) - c.others_s() * 1e6 / n
+        }),
     })
+}
+
+/// CPU time counters from `/proc` (Linux), for the pipeline's CPU cost per job.
+#[derive(Debug, Clone, Copy)]
+struct CpuTimes {
+    /// This process: user + system, in clock ticks.
+    process_ticks: u64,
+    /// The machine, summed over all cores: busy and total ticks.
+    machine_busy_ticks: u64,
+    machine_total_ticks: u64,
+    at: Instant,
+}
+
+/// What [`CpuTimes::since`] derives: CPU seconds over a wall-clock interval.
+#[derive(Debug, Clone, Copy)]
+struct CpuUse {
+    /// This process, user + system.
+    process_s: f64,
+    /// The machine, summed over cores: busy, and in all (busy + idle).
+    machine_busy_s: f64,
+    machine_total_s: f64,
+    wall_s: f64,
+}
+
+impl CpuUse {
+    fn busy(&self) -> f64 {
+        self.machine_busy_s / self.machine_total_s.max(1e-9)
+    }
+
+    /// Busy CPU time of everything but this process.
+    fn others_s(&self) -> f64 {
+        (self.machine_busy_s - self.process_s).max(0.0)
+    }
+
+    /// Cores the machine has, as seen by its counters.
+    fn cores(&self) -> f64 {
+        self.machine_total_s / self.wall_s.max(1e-9)
+    }
+}
+
+impl CpuTimes {
+    /// Clock ticks per second of `/proc`'s counters (USER_HZ, 100 on Linux).
+    const TICKS_PER_S: f64 = 100.0;
+
+    fn now() -> Option<Self> {
+        let stat = std::fs::read_to_string("/proc/self/stat").ok()?;
+        // Fields after the command name (which may hold spaces) start at field 3;
+        // utime and stime are fields 14 and 15.
+        let rest = stat.rsplit_once(')')?.1;
+        let f: Vec<&str> = rest.split_whitespace().collect();
+        let process_ticks = f.get(11)?.parse::<u64>().ok()? + f.get(12)?.parse::<u64>().ok()?;
+        let all = std::fs::read_to_string("/proc/stat").ok()?;
+        let cpu: Vec<u64> = all
+            .lines()
+            .next()?
+            .strip_prefix("cpu ")?
+            .split_whitespace()
+            .filter_map(|v| v.parse().ok())
+            .collect();
+        // user nice system idle iowait irq softirq steal (guest time is inside user).
+        let total: u64 = cpu.iter().take(8).sum();
+        let idle = cpu.get(3)? + cpu.get(4).copied().unwrap_or(0);
+        Some(Self {
+            process_ticks,
+            machine_busy_ticks: total - idle,
+            machine_total_ticks: total,
+            at: Instant::now(),
+        })
+    }
+
+    fn since(&self, from: &Self) -> CpuUse {
+        let secs = |to: u64, from: u64| to.saturating_sub(from) as f64 / Self::TICKS_PER_S;
+        CpuUse {
+            process_s: secs(self.process_ticks, from.process_ticks),
+            machine_busy_s: secs(self.machine_busy_ticks, from.machine_busy_ticks),
+            machine_total_s: secs(self.machine_total_ticks, from.machine_total_ticks),
+            wall_s: self.at.duration_since(from.at).as_secs_f64(),
+        }
+    }
 }

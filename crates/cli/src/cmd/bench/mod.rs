@@ -65,7 +65,10 @@ pub enum BenchCommand {
     /// queue and drained by a bare consumer that only acks, once with `multiple` acks (the
     /// broker ceiling; the worker coalesces its acks too) and once with one ack per
     /// delivery; then lastcall's worker (sim backend at 0 ms, ledger writes included)
-    /// drains N more, and its throughput is reported as a fraction of both.
+    /// drains N more, and its throughput is reported as a fraction of both. On Linux it
+    /// also reports CPU from /proc: the broker's (the rest of the machine's) per message in
+    /// the ceiling run, the worker's per job, and the most the worker may use per job for
+    /// 80% of the ceiling to fit on this machine's cores.
     AckModes(ack_modes::AckModesArgs),
     /// Ledger throughput: outcome writes per second on SQLite and PostgreSQL
     ///
