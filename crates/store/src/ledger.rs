@@ -1,9 +1,9 @@
 //! [`Ledger`]: the one handle to the outcome store, over SQLite or PostgreSQL.
 //!
 //! Every statement is written once, in SQL both backends understand (`$n` placeholders,
-//! `INSERT … ON CONFLICT … DO UPDATE … WHERE`, `RETURNING`, `COUNT(*) FILTER`), and run on
-//! the backend's own pool type; the small `write_tx!`/`on_pool!` macros expand each body
-//! once per backend. The batched forms (rows as one JSON parameter) are generated from
+//! `INSERT … ON CONFLICT … DO UPDATE … WHERE`, `RETURNING`, correlated `COUNT(*)`
+//! subqueries), and run on the backend's own pool type; the small `write_tx!`/`on_pool!`
+//! macros expand each body once per backend. The batched forms (rows as one JSON parameter) are generated from
 //! those statements per dialect by `batch.rs`, the only place that spells a dialect's
 //! JSON functions.
 //!
