@@ -3,9 +3,9 @@
 //! Every statement is written once, in SQL both backends understand (`$n` placeholders,
 //! `INSERT … ON CONFLICT … DO UPDATE … WHERE`, `RETURNING`, correlated `COUNT(*)`
 //! subqueries), and run on the backend's own pool type; the small `write_tx!`/`on_pool!`
-//! macros expand each body once per backend. The batched forms (rows as one JSON parameter) are generated from
-//! those statements per dialect by `batch.rs`, the only place that spells a dialect's
-//! JSON functions.
+//! macros expand each body once per backend. The batched forms (rows as one JSON
+//! parameter) are generated from those statements per dialect by `batch.rs`, the only
+//! place that spells a dialect's JSON functions.
 //!
 //! **Invariant (write-once):** a terminal outcome is written by
 //! `INSERT … ON CONFLICT (job_id) DO UPDATE … WHERE jobs.state IN ('accepted', 'running')`.
@@ -49,16 +49,26 @@ const PG_MAX_CONNECTIONS: u32 = 8;
 #[cfg(test)]
 const NON_TERMINAL_SQL: &str = "('accepted', 'running')";
 
+/// A job's model calls: its attempt rows that called the model (never stored; see the
+/// counters invariant). A macro so that statements stay `&'static str`.
+macro_rules! backend_calls {
+    () => {
+        "(SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id AND a.model_called)"
+    };
+}
+
 /// Column list of [`JobRecord`], in a macro so that statements stay `&'static str`.
 macro_rules! job_columns {
     () => {
-        "job_id, kind, state, reason, \
-         (SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id) AS attempts, \
-         (SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id AND a.model_called) \
-         AS backend_calls, created_at_ms, expires_at_ms, \
-         accepted_at_ms, received_at_ms, checked_at_ms, started_at_ms, finished_at_ms, \
-         recorded_at_ms, worker, result, error, trace_id, prompt_tokens, completion_tokens, \
-         latency_ms, cancel_requested, cancel_confirmed"
+        concat!(
+            "job_id, kind, state, reason, \
+             (SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id) AS attempts, ",
+            backend_calls!(),
+            " AS backend_calls, created_at_ms, expires_at_ms, accepted_at_ms, received_at_ms, \
+             checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, worker, result, \
+             error, trace_id, prompt_tokens, completion_tokens, latency_ms, cancel_requested, \
+             cancel_confirmed"
+        )
     };
 }
 
@@ -613,8 +623,11 @@ impl Ledger {
             return Ok(out);
         }
         let sql = format!(
-            "SELECT job_id, state, (SELECT COUNT(*) FROM attempts a \
-             WHERE a.job_id = jobs.job_id AND a.model_called) FROM jobs WHERE {}",
+            concat!(
+                "SELECT job_id, state, ",
+                backend_calls!(),
+                " FROM jobs WHERE {}"
+            ),
             self.dialect().in_ids("job_id")
         );
         let ids = json_array(job_ids);

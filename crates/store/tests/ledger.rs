@@ -132,9 +132,7 @@ impl TestDb {
             }
         }
     }
-}
 
-impl TestDb {
     /// Raw SQL (several statements allowed), outside the ledger.
     async fn exec(&self, sql: &str) {
         let sql = AssertSqlSafe(sql.to_owned());

@@ -630,6 +630,7 @@ async fn run_pipeline(
     }
     let settled = stats.settled.load(Ordering::Relaxed);
     let pipeline_per_s = settled as f64 / secs.max(1e-9);
+    let broker_cpu_us_per_msg = baseline_cpu.map(|(c, n)| c.others_s() * 1e6 / n);
     Ok(PipelineRow {
         messages: n,
         prefetch,
@@ -650,11 +651,14 @@ async fn run_pipeline(
         pipeline_cpu_us_per_job: cpu.map(|c| c.process_s * 1e6 / settled.max(1) as f64),
         machine_cpu_busy: cpu.map(|c| c.busy()),
         baseline_cpu_us_per_msg: baseline_cpu.map(|(c, n)| c.process_s * 1e6 / n),
-        broker_cpu_us_per_msg: baseline_cpu.map(|(c, n)| c.others_s() * 1e6 / n),
-        cpu_budget_us_per_job_at_80: baseline_cpu.map(|(c, n)| {
-            // Core-seconds per second the machine has, spent at 0.8 × the ceiling's rate.
-            c.cores() * 1e6 / (0.8 * baseline_per_s.max(1e-9)) - c.others_s() * 1e6 / n
-        }),
+        broker_cpu_us_per_msg,
+        cpu_budget_us_per_job_at_80: baseline_cpu.zip(broker_cpu_us_per_msg).map(
+            |((c, _), broker)| {
+                // Core-seconds per second the machine has, spent at 0.8 × the ceiling's
+                // rate, less the broker's share.
+                c.cores() * 1e6 / (0.8 * baseline_per_s.max(1e-9)) - broker
+            },
+        ),
     })
 }
 
