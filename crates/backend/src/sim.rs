@@ -5,9 +5,11 @@
 //! Behaviour per call, from the flags and, for tests, from the job itself:
 //! - latency `latency_ms ± jitter_ms`, or the payload's `sim_latency_ms` when set;
 //! - failure with probability `fail_rate` (retryable `sim_503`);
-//! - kind `sim.fail-terminal` fails with terminal `sim_400`, kind `sim.fail-retryable`
-//!   with retryable `sim_503`;
-//! - kind `sim.crash` aborts the whole process (a poison job, for crash-loop tests).
+//! - only with [`SimConfig::faults`] on (`lastcall worker --backend sim --sim-faults`):
+//!   kind `sim.fail-terminal` fails with terminal `sim_400`, kind `sim.fail-retryable`
+//!   with retryable `sim_503`, and kind `sim.crash` aborts the whole process (a poison
+//!   job, for crash-loop tests). Off, these kinds are simulated like any other, so a
+//!   producer cannot crash a worker by naming a kind.
 
 use crate::{Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Usage};
 use rand::Rng;
@@ -28,6 +30,9 @@ pub struct SimConfig {
     /// Append one line per call (`job_id attempt`) to this file, flushed before the call
     /// proceeds, so a test can count calls across worker crashes.
     pub call_log: Option<PathBuf>,
+    /// Honour the fault kinds (`sim.crash`, `sim.fail-terminal`, `sim.fail-retryable`).
+    /// Off by default: only a test or drill that asks for them gets them.
+    pub faults: bool,
 }
 
 /// The simulated backend.
@@ -110,7 +115,12 @@ impl Backend for SimBackend {
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
         Box::pin(async move {
             self.count(&req);
-            match req.kind.as_str() {
+            let fault_kind = if self.cfg.faults {
+                req.kind.as_str()
+            } else {
+                ""
+            };
+            match fault_kind {
                 "sim.crash" => {
                     tracing::error!(job_id = %req.job_id, "sim.crash job: aborting the worker process");
                     std::process::abort();
@@ -182,6 +192,7 @@ mod tests {
         let b = SimBackend::new(SimConfig {
             latency_ms: 10_000,
             call_log: Some(dir.clone()),
+            faults: true,
             ..SimConfig::default()
         })
         .unwrap();
@@ -222,6 +233,15 @@ mod tests {
         );
         assert_eq!(b.calls(), 4);
         assert_eq!(b.calls_for("j1"), 4);
+        // Without `faults`, a fault kind is simulated like any other kind.
+        let plain = SimBackend::new(SimConfig::default()).unwrap();
+        for kind in ["sim.fail-terminal", "sim.fail-retryable", "sim.crash"] {
+            let out = plain
+                .call(req(kind, json!({})), CancellationToken::new())
+                .await
+                .unwrap();
+            assert!(out.text.contains("j1"), "{kind}");
+        }
         assert_eq!(std::fs::read_to_string(&dir).unwrap().lines().count(), 4);
         let _ = std::fs::remove_file(dir);
     }

@@ -246,9 +246,10 @@ pub struct WorkerArgs {
     /// How long shutdown (SIGINT/SIGTERM) waits for running model calls, in ms
     #[arg(long, default_value_t = 10_000)]
     pub shutdown_grace_ms: u64,
-    /// Model backend
-    #[arg(long, value_enum, default_value = "sim")]
-    pub backend: BackendKind,
+    /// Model backend [default: `local`, the embedded model, when this build has it; else
+    /// required]. `sim` is a load generator for tests and benchmarks, never a model
+    #[arg(long, value_enum)]
+    pub backend: Option<BackendKind>,
     #[command(flatten)]
     pub sim: SimArgs,
     #[command(flatten)]
@@ -339,6 +340,11 @@ pub struct SimArgs {
     /// Sim backend: append `job_id attempt` per call to this file (call counting across crashes)
     #[arg(long)]
     pub sim_call_log: Option<PathBuf>,
+    /// Sim backend: honour the fault kinds — `sim.crash` aborts the worker,
+    /// `sim.fail-terminal` / `sim.fail-retryable` fail the call (crash and retry drills).
+    /// Off, those kinds are simulated like any other
+    #[arg(long)]
+    pub sim_faults: bool,
 }
 
 #[derive(Debug, Subcommand)]

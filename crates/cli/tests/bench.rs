@@ -58,11 +58,16 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
         assert_eq!(u(p, "model_calls"), u(p, "model_calls_ledger"), "{p}");
         assert!(u(p, "started_after_deadline") <= u(p, "model_calls"), "{p}");
         assert!(u(p, "wasted_calls") <= u(p, "model_calls"), "{p}");
+        let w = p["wasted_model_time"].as_f64().unwrap();
+        assert!((0.0..=1.0).contains(&w), "{p}");
         let g = p["goodput"].as_f64().unwrap();
         assert!((0.0..=1.0 + 1e-9).contains(&g), "{p}");
     }
     // lastcall's rule holds under overload: no model call starts after the deadline.
     assert_eq!(u(&policies[0], "started_after_deadline"), 0);
+    // The default run gives the worker no hint about the call time.
+    assert_eq!(j["setup"]["oracle"], false);
+    assert!(j["setup"]["min_runtime_ms"].is_null(), "{}", j["setup"]);
     let doc = std::fs::read_to_string(&svg).unwrap();
     assert!(doc.starts_with("<svg") && doc.trim_end().ends_with("</svg>"));
     assert_eq!(doc.matches("<polyline").count(), 3);
@@ -81,9 +86,24 @@ async fn goodput_table_output_names_each_policy() {
         "--no-svg",
         "--duration-s",
         "1",
+        "--service",
+        "lognormal:100,0.6",
+        "--overload",
+        "2,5",
     ]);
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success(), "{text}");
+    assert!(
+        text.contains("lognormal:100,0.6") && text.contains("learned call time"),
+        "{text}"
+    );
+    assert_eq!(
+        text.lines()
+            .filter(|l| l.starts_with("deadline ") && !l.starts_with("deadline at "))
+            .count(),
+        2,
+        "one row per overload: {text}"
+    );
     assert!(
         text.contains("policy") && text.contains("goodput"),
         "{text}"

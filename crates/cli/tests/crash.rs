@@ -15,6 +15,8 @@ fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
     env.command()
         .args([
             "worker",
+            "--backend",
+            "sim",
             "--slots",
             "1",
             "--sim-latency-ms",

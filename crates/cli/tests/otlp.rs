@@ -77,6 +77,8 @@ async fn worker_exports_job_spans_over_otlp() {
             "--otlp-endpoint",
             &url,
             "worker",
+            "--backend",
+            "sim",
             "--slots",
             "1",
             "--sim-latency-ms",

@@ -20,10 +20,15 @@ async fn run_wait_scenario(refuse: bool) -> lastcall_store::JobRecord {
     cfg.policy.refuse_on_expected_wait = refuse;
     let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
     let s = env.submitter(100, true).await;
-    // A first call teaches the worker the call duration.
-    s.submit(&job("a", 10_000), now_ms()).await.unwrap();
-    env.wait_terminal(&["a".into()], Duration::from_secs(10))
-        .await;
+    // Three calls teach the worker the call duration (it needs three samples).
+    for id in ["a1", "a2", "a3"] {
+        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
+    }
+    env.wait_terminal(
+        &["a1", "a2", "a3"].map(String::from),
+        Duration::from_secs(10),
+    )
+    .await;
     for id in ["b", "c", "d"] {
         s.submit(&job(id, 10_000), now_ms()).await.unwrap();
     }
@@ -154,4 +159,56 @@ async fn finished_deliveries_above_a_running_one_are_acked_without_waiting() {
 /// Messages left in the work queue (ready) after the worker stopped: unacked ones return.
 async fn ready_after_stop(env: &Env) -> u32 {
     env.ready(&env.topo.names.work_queue).await
+}
+
+/// Default settings, no hint anywhere: the worker learns that calls take ~1 s from the
+/// calls it makes, and then refuses a job whose remaining budget is shorter — recorded
+/// `expired_not_started` with a reason and a note naming the learned estimate, with no
+/// model call, instead of starting it and cancelling it at the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_cannot_finish() {
+    let env = Env::sqlite("learned").await;
+    let sim = sim(1_000);
+    let cfg = env.worker_config(3, 16);
+    assert_eq!(
+        cfg.policy.admission.default_min_runtime_ms, 0,
+        "no minimum runtime configured"
+    );
+    let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
+    let s = env.submitter(100, true).await;
+    let warm: Vec<String> = (0..3).map(|i| format!("warm-{i}")).collect();
+    for id in &warm {
+        s.submit(&job(id, 30_000), now_ms()).await.unwrap();
+    }
+    for r in env.wait_terminal(&warm, Duration::from_secs(20)).await {
+        assert_eq!(r.state, "completed", "{r:?}");
+    }
+    // 700 ms of budget (600 after the clock margin) for a call learned to take ~1 s.
+    s.submit(&job("short", 700), now_ms()).await.unwrap();
+    let r = env
+        .wait_terminal(&["short".into()], Duration::from_secs(10))
+        .await
+        .remove(0);
+    assert_eq!(r.state, "expired_not_started", "{r:?}");
+    assert_eq!(
+        r.reason.as_deref(),
+        Some("receipt:below_learned_runtime"),
+        "{r:?}"
+    );
+    let note = r.error.clone().unwrap_or_default();
+    assert!(
+        note.contains("learned call duration") && note.contains("p90"),
+        "{note}"
+    );
+    assert_eq!(r.backend_calls, 0);
+    assert_eq!(sim.calls_for("short"), 0, "never started");
+    // A job with room for the call still runs.
+    s.submit(&job("roomy", 10_000), now_ms()).await.unwrap();
+    let r = env
+        .wait_terminal(&["roomy".into()], Duration::from_secs(10))
+        .await
+        .remove(0);
+    assert_eq!(r.state, "completed", "{r:?}");
+    w.stop().await;
+    env.cleanup().await;
 }

@@ -10,7 +10,7 @@ use lastcall_broker::{Broker, PublishProps, Publisher, TopologyError};
 use lastcall_core::ExpiredAction;
 use lastcall_store::ListFilter;
 use lastcall_worker::clock::{FixedSyncClock, now_ms};
-use lastcall_worker::{ClockSyncMode, SubmitError, SyncState};
+use lastcall_worker::{ClockSyncMode, SubmitError, SyncState, WorkerStats};
 use serde_json::json;
 use sqlx::Connection;
 use std::sync::Arc;
@@ -292,6 +292,51 @@ async fn fail_closed_clock_mode_admits_nothing_while_sync_is_unknown() {
         .await;
     assert_eq!(recs[0].state, "completed");
     w.stop().await;
+    env.cleanup().await;
+}
+
+/// Shutdown while a job waits for clock sync (`--clock-sync require`): the job never
+/// started, so it is handed back to the broker unrecorded — no task panics (this state
+/// once reached an `unreachable!`), no model call, and the message is in the queue again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn shutdown_during_the_clock_wait_hands_the_job_back() {
+    let env = Env::sqlite("clockstop").await;
+    let sim = sim(0);
+    let mut cfg = env.worker_config(1, 2);
+    cfg.clock_sync = ClockSyncMode::Require;
+    let unsynced = Arc::new(FixedSyncClock {
+        state: SyncState::Unsynced,
+    });
+    let w = env.start_worker(cfg, sim.clone(), unsynced).await;
+    env.submitter(0, true)
+        .await
+        .submit(&job("waits-for-clock", 120_000), now_ms())
+        .await
+        .unwrap();
+    // The job is held locally (the clock wait counts as waiting), not settled.
+    let until = Instant::now() + Duration::from_secs(10);
+    while w.stats.waiting.load(std::sync::atomic::Ordering::Relaxed) < 1 {
+        assert!(
+            Instant::now() < until,
+            "the job never reached the clock wait"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let stats = w.stats.clone();
+    w.stop().await;
+    assert_eq!(
+        WorkerStats::get(&stats.task_panics),
+        0,
+        "no job task panicked"
+    );
+    assert_eq!(sim.calls(), 0);
+    let rec = env.ledger.get("waits-for-clock").await.unwrap().unwrap();
+    assert_eq!(rec.state, "accepted", "handed back unrecorded: {rec:?}");
+    let until = Instant::now() + Duration::from_secs(10);
+    while env.ready(&env.topo.names.work_queue).await != 1 {
+        assert!(Instant::now() < until, "the job is back in the work queue");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     env.cleanup().await;
 }
 

@@ -15,7 +15,16 @@ use std::time::{Duration, Instant};
 
 fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
     env.command()
-        .args(["worker", "--slots", "1", "--sim-latency-ms", "10"])
+        .args([
+            "worker",
+            "--backend",
+            "sim",
+            "--sim-faults",
+            "--slots",
+            "1",
+            "--sim-latency-ms",
+            "10",
+        ])
         .arg("--retry-delays-ms")
         .arg(
             env.topo

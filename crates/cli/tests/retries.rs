@@ -49,6 +49,7 @@ async fn a_30s_retry_does_not_hold_back_a_1s_retry() {
         env.topo.names.clone(),
         system_clock(),
         "test-relay".into(),
+        lastcall_core::AdmissionPolicy::default(),
     )
     .await
     .unwrap();
@@ -260,6 +261,58 @@ async fn a_retry_that_expires_during_its_delay_is_recorded_not_relayed() {
         ("expired_not_started", Some("retry:deadline_passed"))
     );
     assert_eq!(recs[0].expires_at_ms, Some(now + 400), "deadline unchanged");
+    w.stop().await;
+    assert_eq!(queued_work(&env).await, 0, "nothing was republished");
+    assert_eq!(sim.calls(), 0);
+    env.cleanup().await;
+}
+
+/// The relay applies the admission rule of every other publish, not just "budget left":
+/// a retry whose remaining budget (after the clock margin) is below the job's minimum
+/// useful runtime is recorded `expired_not_started` (`retry:below_min_runtime`), never
+/// republished.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_relay_refuses_a_retry_below_its_minimum_runtime() {
+    let env = Env::with_topology("relaymin", false, |t| {
+        t.retry_delays_ms = vec![1_000, 30_000];
+    })
+    .await;
+    let p = Publisher::new(&env.broker, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let now = now_ms();
+    // 20 s left after the 1 s delay, but the job needs 30 s to be useful.
+    let body = serde_json::json!({"schema_version": 1, "job_id": "short-retry", "kind": "k",
+        "created_at_ms": now, "expires_at_ms": now + 21_000, "min_runtime_ms": 30_000,
+        "payload": {}});
+    let props = PublishProps {
+        job_id: "short-retry".into(),
+        ttl_ms: Some(21_000),
+        attempt: 1,
+        timestamp_s: 0,
+        signature: None,
+    };
+    p.publish(
+        "",
+        &env.topo.names.retry_queue(1_000),
+        &serde_json::to_vec(&body).unwrap(),
+        &props,
+    )
+    .await
+    .unwrap();
+    let sim = sim(0);
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim.clone(), system_clock())
+        .await;
+    let recs = env
+        .wait_terminal(&["short-retry".into()], Duration::from_secs(10))
+        .await;
+    assert_eq!(
+        (recs[0].state.as_str(), recs[0].reason.as_deref()),
+        ("expired_not_started", Some("retry:below_min_runtime")),
+        "{:?}",
+        recs[0]
+    );
     w.stop().await;
     assert_eq!(queued_work(&env).await, 0, "nothing was republished");
     assert_eq!(sim.calls(), 0);

@@ -17,7 +17,15 @@ const KEY: &str = "signing-test-key-0123456789abcdef-0123";
 
 fn worker_with_key(env: &Env, call_log: &std::path::Path) -> Child {
     env.command()
-        .args(["worker", "--slots", "2", "--sim-latency-ms", "10"])
+        .args([
+            "worker",
+            "--backend",
+            "sim",
+            "--slots",
+            "2",
+            "--sim-latency-ms",
+            "10",
+        ])
         .args(["--retry-delays-ms", "1000,5000"])
         .arg("--sim-call-log")
         .arg(call_log)
@@ -206,6 +214,137 @@ async fn a_worker_with_the_key_runs_signed_jobs_and_rejects_unsigned_or_extended
         );
     }
     assert_eq!(wait_bad_signatures(&env, 3).await.len(), 3);
+    env.cleanup().await;
+}
+
+/// With signing on, an *invalid* unsigned message (no payload, bad JSON, a deadline past
+/// the horizon) that claims a real job's id is recorded under a synthetic id, so the real
+/// signed job still runs; and `lastcall submit` refuses an id that already has an outcome.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_invalid_messages_do_not_block_real_signed_jobs() {
+    let env = Env::sqlite("signing-invalid").await;
+    let key_file = env.dir.join("signing.key");
+    std::fs::write(&key_file, format!("{KEY}\n")).unwrap();
+    let log = env.dir.join("calls.log");
+    let publisher = Publisher::new(&env.broker, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let now = now_ms();
+    let forgeries: [(&str, Vec<u8>, &str); 3] = [
+        (
+            "inv-nopayload",
+            serde_json::to_vec(&serde_json::json!({"schema_version": 1,
+                "job_id": "inv-nopayload", "kind": "incident.summary",
+                "created_at_ms": now, "expires_at_ms": now + 60_000}))
+            .unwrap(),
+            "missing_field",
+        ),
+        ("inv-json", b"{not json".to_vec(), "invalid_json"),
+        (
+            "inv-horizon",
+            serde_json::to_vec(&serde_json::json!({"schema_version": 1,
+                "job_id": "inv-horizon", "kind": "incident.summary",
+                "created_at_ms": now, "expires_at_ms": now + 10 * 365 * 86_400_000i64,
+                "payload": {"messages": []}}))
+            .unwrap(),
+            "",
+        ),
+    ];
+    // The forgeries are queued ahead of the real jobs whose ids they claim (the
+    // `message_id` property claims it too).
+    for (id, body, _) in &forgeries {
+        let props = PublishProps {
+            job_id: (*id).into(),
+            ttl_ms: Some(60_000),
+            attempt: 0,
+            timestamp_s: (now_ms() / 1000) as u64,
+            signature: None,
+        };
+        publisher
+            .publish(
+                &env.topo.names.jobs_exchange,
+                "incident.summary",
+                body,
+                &props,
+            )
+            .await
+            .unwrap();
+    }
+    let ids = forgeries.each_ref().map(|(id, _, _)| id.to_string());
+    for id in &ids {
+        submit_signed(&env, &key_file, id);
+    }
+    let mut worker = worker_with_key(&env, &log);
+    let recs = env.wait_terminal(&ids, Duration::from_secs(20)).await;
+    for r in &recs {
+        assert_eq!(
+            r.state, "completed",
+            "the forgery blocked the real job: {r:?}"
+        );
+        assert_eq!(calls_in(&log, &r.job_id), 1);
+    }
+    // Each forgery is `rejected` under a synthetic id, its error naming the claimed id.
+    let until = Instant::now() + Duration::from_secs(15);
+    loop {
+        let rejected = env
+            .ledger
+            .list(&lastcall_store::ListFilter {
+                state: Some("rejected".into()),
+                ..Default::default()
+            })
+            .await
+            .unwrap();
+        let found = forgeries
+            .iter()
+            .filter(|(id, _, reason)| {
+                rejected.iter().any(|r| {
+                    r.job_id.starts_with("invalid-")
+                        && r.backend_calls == 0
+                        && r.error
+                            .as_deref()
+                            .unwrap_or_default()
+                            .contains(&format!("`{id}`"))
+                        && (reason.is_empty() || r.reason.as_deref() == Some(*reason))
+                })
+            })
+            .count();
+        if found == forgeries.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "each forgery is rejected under a synthetic id: {rejected:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    terminate(&mut worker);
+
+    // `lastcall submit` does not say "accepted" for an id that already has an outcome.
+    let out = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--prompt",
+        "again",
+        "--deadline-ms",
+        "60000",
+        "--job-id",
+        "inv-json",
+        "--signing-key-file",
+        key_file.to_str().unwrap(),
+    ]);
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(!err.lines().any(|l| l.starts_with("accepted:")), "{err}");
+    assert!(
+        err.contains("already has an outcome") && err.contains("completed"),
+        "{err}"
+    );
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        0,
+        "nothing published"
+    );
     env.cleanup().await;
 }
 

@@ -43,7 +43,7 @@ fn benches(c: &mut Criterion) {
     });
     let policy = WorkerPolicy::default();
     c.bench_function("worker_policy_on_slot", |b| {
-        b.iter(|| policy.on_slot(black_box(&env), black_box(now + 500)))
+        b.iter(|| policy.on_slot(black_box(&env), None, black_box(now + 500)))
     });
 }
 

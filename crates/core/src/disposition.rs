@@ -6,7 +6,7 @@
 //! 2. [`WorkerPolicy::on_slot`] — a model slot is free: the last admission check.
 //! 3. [`WorkerPolicy::on_call_result`] — the model call has returned or timed out.
 
-use crate::admission::{Admission, AdmissionPolicy, Stage};
+use crate::admission::{Admission, AdmissionPolicy, Refusal, Stage};
 use crate::envelope::{Envelope, EnvelopeLimits, RejectError};
 use crate::outcome::State;
 use crate::retry::{RetryDecision, RetryPolicy};
@@ -37,8 +37,10 @@ impl Terminal {
     }
 }
 
-/// Every case of what happens to a delivery. Terminal cases always record first and only
-/// then settle with the broker; no case requeues.
+/// How a delivery is settled: every case that ends its life in this worker. Terminal
+/// cases always record first and only then settle with the broker; no case requeues.
+/// Keeping a job (wait for a slot, run it) is not a `Disposition` but a [`Receipt`] or
+/// [`Slot`] decision, so "settle a job that should run" cannot be written.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum Disposition {
     /// Durably record the outcome, then ack.
@@ -47,10 +49,6 @@ pub enum Disposition {
     RecordThenDeadLetter(Terminal),
     /// A redelivery of a job whose outcome is already recorded: ack without running it.
     AckDuplicate,
-    /// Keep the job in the bounded local buffer until a model slot is free.
-    WaitForSlot,
-    /// Start the model call now; `budget_ms` bounds the call's local timeout.
-    Run { budget_ms: u64 },
     /// Publish a retry with confirm, record the attempt, then ack this delivery.
     Retry {
         next_attempt: u32,
@@ -58,6 +56,24 @@ pub enum Disposition {
         delay_ms: u64,
         ttl_ms: u64,
     },
+}
+
+/// The decision at receipt ([`WorkerPolicy::on_receipt`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Receipt {
+    /// Keep the job in the bounded local buffer until a model slot is free.
+    WaitForSlot,
+    /// Settle it now, without a model call.
+    Settle(Disposition),
+}
+
+/// The decision when a slot is free: the last admission check ([`WorkerPolicy::on_slot`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Slot {
+    /// Start the model call now; `budget_ms` bounds the call's local timeout.
+    Run { budget_ms: u64 },
+    /// Settle it now, without a model call.
+    Settle(Disposition),
 }
 
 /// How a model call ended, as the runtime observed it.
@@ -84,7 +100,15 @@ pub struct ReceiptFacts {
     /// How long the job is expected to wait for a model slot ([`crate::wait`]); `0` when
     /// a slot is free or nothing is known yet.
     pub expected_wait_ms: u64,
+    /// The learned duration of this kind's model calls (a high quantile,
+    /// [`crate::service_time`]); `None` while nothing is learned.
+    pub learned_runtime_ms: Option<u64>,
 }
+
+/// The second half of the refusal reason when the budget left is below the *learned*
+/// call duration (the job set no `min_runtime_ms` of its own), e.g.
+/// `admission:below_learned_runtime`.
+pub const BELOW_LEARNED_REASON: &str = "below_learned_runtime";
 
 /// The worker's whole decision policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -115,6 +139,50 @@ impl Default for WorkerPolicy {
 }
 
 impl WorkerPolicy {
+    /// The minimum useful runtime of `env`: its own `min_runtime_ms` wins; else the
+    /// learned call duration, never below the configured floor
+    /// (`default_min_runtime_ms`); else `None` (the floor applies). The flag says whether
+    /// the learned value decided.
+    pub fn min_runtime(&self, env: &Envelope, learned_ms: Option<u64>) -> (Option<u64>, bool) {
+        match (env.min_runtime_ms, learned_ms) {
+            (Some(own), _) => (Some(own), false),
+            (None, Some(l)) if l > self.admission.default_min_runtime_ms => (Some(l), true),
+            (None, _) => (None, false),
+        }
+    }
+
+    /// The admission check of `env` at `now_ms` with the learned duration, and the
+    /// refusal reason for `stage`.
+    fn admit(
+        &self,
+        env: &Envelope,
+        learned_ms: Option<u64>,
+        stage: Stage,
+        now_ms: i64,
+    ) -> Result<u64, String> {
+        let (min_runtime, learned) = self.min_runtime(env, learned_ms);
+        match self.admission.check(env.deadline(), min_runtime, now_ms) {
+            Admission::Admit { budget_ms } => Ok(budget_ms),
+            Admission::Refuse {
+                refusal: Refusal::BelowMinRuntime,
+                ..
+            } if learned => Err(format!("{}:{BELOW_LEARNED_REASON}", stage.as_str())),
+            Admission::Refuse { refusal, .. } => Err(refusal.reason(stage)),
+        }
+    }
+
+    /// The latest instant at which `env` still passes the admission check: the deadline
+    /// less the clock margin and the minimum useful runtime. A job waiting for a slot past
+    /// this instant can be settled at once: it can no longer finish in time.
+    pub fn latest_start_ms(&self, env: &Envelope, learned_ms: Option<u64>) -> i64 {
+        let (min_runtime, _) = self.min_runtime(env, learned_ms);
+        let min_runtime = min_runtime.unwrap_or(self.admission.default_min_runtime_ms);
+        env.deadline()
+            .expires_at_ms()
+            .saturating_sub(i64::try_from(self.admission.clock_uncertainty_ms).unwrap_or(i64::MAX))
+            .saturating_sub(i64::try_from(min_runtime.max(1)).unwrap_or(i64::MAX))
+    }
+
     fn expired(&self, reason: String) -> Disposition {
         let t = Terminal::new(State::ExpiredNotStarted, reason);
         match self.expired_action {
@@ -129,59 +197,53 @@ impl WorkerPolicy {
         parsed: &Result<Envelope, RejectError>,
         facts: ReceiptFacts,
         now_ms: i64,
-    ) -> Disposition {
+    ) -> Receipt {
         let env = match parsed {
             Err(e) => {
-                return Disposition::RecordThenDeadLetter(Terminal::new(
+                return Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
                     State::Rejected,
                     e.reason.as_str(),
-                ));
+                )));
             }
             Ok(env) => env,
         };
         if facts.already_recorded {
-            return Disposition::AckDuplicate;
+            return Receipt::Settle(Disposition::AckDuplicate);
         }
         if facts.prior_starts >= self.max_starts {
-            return Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "poison"));
+            return Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
+                State::Failed,
+                "poison",
+            )));
         }
-        match self
-            .admission
-            .check(env.deadline(), env.min_runtime_ms, now_ms)
-        {
-            Admission::Refuse { refusal, .. } => self.expired(refusal.reason(Stage::Receipt)),
-            Admission::Admit { .. }
-                if facts.expected_wait_ms == 0 || !self.refuse_on_expected_wait =>
-            {
-                Disposition::WaitForSlot
+        let learned = facts.learned_runtime_ms;
+        match self.admit(env, learned, Stage::Receipt, now_ms) {
+            Err(reason) => Receipt::Settle(self.expired(reason)),
+            Ok(_) if facts.expected_wait_ms == 0 || !self.refuse_on_expected_wait => {
+                Receipt::WaitForSlot
             }
-            Admission::Admit { .. } => {
+            Ok(_) => {
                 // Would it still pass the last admission check once a slot is expected?
                 let then = now_ms
                     .saturating_add(i64::try_from(facts.expected_wait_ms).unwrap_or(i64::MAX));
-                match self
-                    .admission
-                    .check(env.deadline(), env.min_runtime_ms, then)
-                {
-                    Admission::Admit { .. } => Disposition::WaitForSlot,
-                    Admission::Refuse { .. } => self.expired(format!(
+                match self.admit(env, learned, Stage::Receipt, then) {
+                    Ok(_) => Receipt::WaitForSlot,
+                    Err(_) => Receipt::Settle(self.expired(format!(
                         "{}:{}",
                         Stage::Receipt.as_str(),
                         EXPECTED_WAIT_REASON
-                    )),
+                    ))),
                 }
             }
         }
     }
 
     /// A model slot is free: the last admission check, immediately before the call.
-    pub fn on_slot(&self, env: &Envelope, now_ms: i64) -> Disposition {
-        match self
-            .admission
-            .check(env.deadline(), env.min_runtime_ms, now_ms)
-        {
-            Admission::Refuse { refusal, .. } => self.expired(refusal.reason(Stage::Admission)),
-            Admission::Admit { budget_ms } => Disposition::Run { budget_ms },
+    /// `learned_ms` is the learned duration of this kind's calls (`None`: nothing learned).
+    pub fn on_slot(&self, env: &Envelope, learned_ms: Option<u64>, now_ms: i64) -> Slot {
+        match self.admit(env, learned_ms, Stage::Admission, now_ms) {
+            Err(reason) => Slot::Settle(self.expired(reason)),
+            Ok(budget_ms) => Slot::Run { budget_ms },
         }
     }
 
@@ -290,7 +352,7 @@ mod tests {
         let ok = Ok(env(10_000));
         assert_eq!(
             p.on_receipt(&ok, ReceiptFacts::default(), 1_000),
-            Disposition::WaitForSlot
+            Receipt::WaitForSlot
         );
         assert_eq!(
             p.on_receipt(
@@ -301,14 +363,14 @@ mod tests {
                 },
                 1_000
             ),
-            Disposition::AckDuplicate
+            Receipt::Settle(Disposition::AckDuplicate)
         );
         assert_eq!(
             p.on_receipt(&ok, ReceiptFacts::default(), 9_950),
-            Disposition::RecordThenAck(Terminal::new(
+            Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
                 State::ExpiredNotStarted,
                 "receipt:deadline_passed"
-            ))
+            )))
         );
         assert_eq!(
             p.on_receipt(
@@ -319,12 +381,18 @@ mod tests {
                 },
                 0
             ),
-            Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "poison"))
+            Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
+                State::Failed,
+                "poison"
+            )))
         );
         let bad = Envelope::parse(b"nope", &EnvelopeLimits::default(), 0);
         assert_eq!(
             p.on_receipt(&bad, ReceiptFacts::default(), 0),
-            Disposition::RecordThenDeadLetter(Terminal::new(State::Rejected, "invalid_json"))
+            Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
+                State::Rejected,
+                "invalid_json"
+            )))
         );
     }
 
@@ -337,21 +405,18 @@ mod tests {
             expected_wait_ms: ms,
             ..ReceiptFacts::default()
         };
-        assert_eq!(
-            p.on_receipt(&ok, waiting(800), 9_000),
-            Disposition::WaitForSlot
-        );
+        assert_eq!(p.on_receipt(&ok, waiting(800), 9_000), Receipt::WaitForSlot);
         assert_eq!(
             p.on_receipt(&ok, waiting(900), 9_000),
-            Disposition::RecordThenAck(Terminal::new(
+            Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
                 State::ExpiredNotStarted,
                 "receipt:expected_wait_exceeds_budget"
-            ))
+            )))
         );
         // Already too late now: the plain receipt reason wins.
         assert_eq!(
             p.on_receipt(&ok, waiting(5_000), 9_950),
-            p.expired("receipt:deadline_passed".into())
+            Receipt::Settle(p.expired("receipt:deadline_passed".into()))
         );
         // Switched off: only the plain check.
         let off = WorkerPolicy {
@@ -360,32 +425,87 @@ mod tests {
         };
         assert_eq!(
             off.on_receipt(&ok, waiting(900), 9_000),
-            Disposition::WaitForSlot
+            Receipt::WaitForSlot
         );
         // A duplicate stays a duplicate whatever the wait.
         let dup = ReceiptFacts {
             already_recorded: true,
             ..waiting(1_000_000)
         };
-        assert_eq!(p.on_receipt(&ok, dup, 0), Disposition::AckDuplicate);
+        assert_eq!(
+            p.on_receipt(&ok, dup, 0),
+            Receipt::Settle(Disposition::AckDuplicate)
+        );
     }
 
     #[test]
     fn slot_and_expired_action() {
         let mut p = policy();
         assert_eq!(
-            p.on_slot(&env(10_080), 10_000),
-            p.expired("admission:deadline_passed".into())
+            p.on_slot(&env(10_080), None, 10_000),
+            Slot::Settle(p.expired("admission:deadline_passed".into()))
         );
         assert_eq!(
-            p.on_slot(&env(10_200), 10_000),
-            Disposition::Run { budget_ms: 100 }
+            p.on_slot(&env(10_200), None, 10_000),
+            Slot::Run { budget_ms: 100 }
         );
         p.expired_action = ExpiredAction::DeadLetter;
         assert!(matches!(
-            p.on_slot(&env(0), 10),
-            Disposition::RecordThenDeadLetter(_)
+            p.on_slot(&env(0), None, 10),
+            Slot::Settle(Disposition::RecordThenDeadLetter(_))
         ));
+    }
+
+    #[test]
+    fn the_learned_runtime_refuses_work_that_cannot_finish() {
+        let p = policy(); // margin 100 ms, floor 0
+        let e = env(10_000);
+        // 300 ms left after the margin, calls learned to take 200 ms: run.
+        assert_eq!(
+            p.on_slot(&e, Some(200), 9_600),
+            Slot::Run { budget_ms: 300 }
+        );
+        // 150 ms left: the call cannot finish; the reason names the learned estimate.
+        assert_eq!(
+            p.on_slot(&e, Some(200), 9_750),
+            Slot::Settle(p.expired("admission:below_learned_runtime".into()))
+        );
+        assert_eq!(
+            p.on_receipt(
+                &Ok(e.clone()),
+                ReceiptFacts {
+                    learned_runtime_ms: Some(200),
+                    ..ReceiptFacts::default()
+                },
+                9_750
+            ),
+            Receipt::Settle(p.expired("receipt:below_learned_runtime".into()))
+        );
+        // Nothing learned yet: the floor (0 here) applies.
+        assert_eq!(p.on_slot(&e, None, 9_750), Slot::Run { budget_ms: 150 });
+        // The job's own minimum wins over the learned one.
+        let mut own = env(10_000);
+        own.min_runtime_ms = Some(100);
+        assert_eq!(
+            p.on_slot(&own, Some(200), 9_750),
+            Slot::Run { budget_ms: 150 }
+        );
+        // A learned time below the configured floor never lowers it.
+        let floor = WorkerPolicy {
+            admission: AdmissionPolicy {
+                clock_uncertainty_ms: 100,
+                default_min_runtime_ms: 500,
+            },
+            ..WorkerPolicy::default()
+        };
+        assert_eq!(
+            floor.on_slot(&e, Some(200), 9_500),
+            Slot::Settle(floor.expired("admission:below_min_runtime".into()))
+        );
+        // The last moment a start is still useful.
+        assert_eq!(p.latest_start_ms(&e, Some(200)), 9_700);
+        assert_eq!(floor.latest_start_ms(&e, Some(200)), 9_400);
+        assert_eq!(p.latest_start_ms(&own, Some(5_000)), 9_800);
     }
 
     #[test]
@@ -441,18 +561,28 @@ mod tests {
         /// No path runs or retries a job that the admission rule would refuse, and nothing
         /// returned carries a changed deadline: the envelope is only ever borrowed.
         #[test]
-        fn no_transition_runs_stale_work(expires in 0i64..100_000, now in 0i64..100_000, unc in 0u64..1_000, min_rt in 0u64..1_000, attempt in 0u32..4, jitter in 0.0f64..1.0) {
+        fn no_transition_runs_stale_work(expires in 0i64..100_000, now in 0i64..100_000, unc in 0u64..1_000, min_rt in 0u64..1_000, learned in 0u64..5_000, attempt in 0u32..4, jitter in 0.0f64..1.0) {
             let p = WorkerPolicy {
                 admission: AdmissionPolicy { clock_uncertainty_ms: unc, default_min_runtime_ms: min_rt },
                 ..WorkerPolicy::default()
             };
             let e = env(expires);
             let before = e.clone();
-            if let Disposition::Run { budget_ms } = p.on_slot(&e, now) {
+            if let Slot::Run { budget_ms } = p.on_slot(&e, None, now) {
                 prop_assert!(now + unc as i64 + min_rt as i64 <= expires);
                 prop_assert!(now + budget_ms as i64 <= expires);
             }
-            if p.on_receipt(&Ok(e.clone()), ReceiptFacts::default(), now) == Disposition::WaitForSlot {
+            // With a learned duration, a call starts only with at least that much left,
+            // and never after `latest_start_ms`.
+            if let Slot::Run { .. } = p.on_slot(&e, Some(learned), now) {
+                prop_assert!(now + unc as i64 + (learned.max(min_rt)) as i64 <= expires);
+                prop_assert!(now <= p.latest_start_ms(&e, Some(learned)));
+            }
+            let facts = ReceiptFacts { learned_runtime_ms: Some(learned), ..ReceiptFacts::default() };
+            if p.on_receipt(&Ok(e.clone()), facts, now) == Receipt::WaitForSlot {
+                prop_assert!(now + unc as i64 + (learned.max(min_rt)) as i64 <= expires);
+            }
+            if p.on_receipt(&Ok(e.clone()), ReceiptFacts::default(), now) == Receipt::WaitForSlot {
                 prop_assert!(now + unc as i64 + (min_rt as i64) <= expires);
             }
             let r = CallResult::Failed { retryable: true, reason: "x".into(), retry_after_ms: None };
@@ -475,11 +605,11 @@ mod tests {
             let plain = p.on_receipt(&e, ReceiptFacts::default(), now);
             let facts = ReceiptFacts { expected_wait_ms: wait, ..ReceiptFacts::default() };
             let with_wait = p.on_receipt(&e, facts, now);
-            if with_wait == Disposition::WaitForSlot {
-                prop_assert_eq!(&plain, &Disposition::WaitForSlot);
+            if with_wait == Receipt::WaitForSlot {
+                prop_assert_eq!(&plain, &Receipt::WaitForSlot);
                 prop_assert!(now + wait as i64 + unc as i64 + min_rt as i64 <= expires);
             }
-            if plain != Disposition::WaitForSlot {
+            if plain != Receipt::WaitForSlot {
                 prop_assert_eq!(with_wait, plain);
             }
         }

@@ -16,6 +16,7 @@
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
 //! - [`wait`]: the expected wait for a model slot, for the refusal at receipt.
+//! - [`service_time`]: model-call durations learned per key (windowed p90 and mean), for admission.
 //! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
 
 pub mod admission;
@@ -27,6 +28,7 @@ pub mod ids;
 pub mod outcome;
 pub mod report;
 pub mod retry;
+pub mod service_time;
 pub mod signature;
 pub mod wait;
 
@@ -39,4 +41,5 @@ pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
 pub use ids::{JobId, Kind, fingerprint, synthetic_job_id};
 pub use outcome::State;
 pub use retry::{RetryDecision, RetryPolicy};
+pub use service_time::{Estimate, EstimateSource, ServiceTimeConfig, ServiceTimes};
 pub use signature::SigningKey;

@@ -169,16 +169,33 @@ pub fn sign_envelope(key: &SigningKey, env: &Envelope, body: &[u8]) -> String {
 }
 
 /// The worker's check: with a key, a valid envelope whose signature is missing or wrong
-/// becomes a `bad_signature` rejection keyed by its job id; without a key, or for an
-/// envelope that is already invalid, `parsed` passes through unchanged.
+/// becomes a `bad_signature` rejection; an envelope that is already invalid keeps its
+/// reason, but the job id it claims is dropped from the error (`job_id: None`, the claim
+/// named in the message): nothing unverified may be recorded under a real job's id.
+/// Without a key, `parsed` passes through unchanged.
+/// `message_id` is the AMQP property, which an invalid body may use to claim an id too.
 pub fn require_signature(
     key: Option<&SigningKey>,
     parsed: Result<Envelope, RejectError>,
     body: &[u8],
     signature: Option<&str>,
+    message_id: Option<&str>,
 ) -> Result<Envelope, RejectError> {
     let (Some(key), Ok(env)) = (key, &parsed) else {
-        return parsed;
+        return match (key, parsed) {
+            (Some(_), Err(mut e)) => {
+                let claimed = (e.job_id.take().map(|j| j.to_string()))
+                    .or_else(|| message_id.map(str::to_owned));
+                if let Some(claimed) = claimed {
+                    e.message = format!(
+                        "{} (claims job id `{claimed}`, not trusted: an invalid message cannot be verified)",
+                        e.message
+                    );
+                }
+                Err(e)
+            }
+            (_, parsed) => parsed,
+        };
     };
     match verify(
         key,
@@ -296,24 +313,27 @@ mod tests {
         let k = key();
         let (env, body) = envelope(61_000);
         let sig = sign_envelope(&k, &env, &body);
-        assert!(require_signature(Some(&k), Ok(env.clone()), &body, Some(&sig)).is_ok());
+        assert!(require_signature(Some(&k), Ok(env.clone()), &body, Some(&sig), None).is_ok());
         assert!(
-            require_signature(None, Ok(env.clone()), &body, None).is_ok(),
+            require_signature(None, Ok(env.clone()), &body, None, None).is_ok(),
             "no key: signatures are not required"
         );
-        let e = require_signature(Some(&k), Ok(env.clone()), &body, None).unwrap_err();
+        let e = require_signature(Some(&k), Ok(env.clone()), &body, None, None).unwrap_err();
         assert_eq!(e.reason, RejectReason::BadSignature);
         assert_eq!(e.field, Some(SIGNATURE_HEADER));
         assert_eq!(e.job_id.as_ref().map(|j| j.as_str()), Some("sig-1"));
         // The producer re-publishes with a later deadline and the old signature.
         let (later, later_body) = envelope(3_600_000);
-        let e = require_signature(Some(&k), Ok(later), &later_body, Some(&sig)).unwrap_err();
+        let e = require_signature(Some(&k), Ok(later), &later_body, Some(&sig), None).unwrap_err();
         assert_eq!(e.reason, RejectReason::BadSignature);
         assert!(e.message.contains("does not match"), "{}", e.message);
         // An already invalid envelope keeps its own reason.
         let invalid = Envelope::parse(b"[]", &EnvelopeLimits::default(), 0);
-        let e = require_signature(Some(&k), invalid, b"[]", None).unwrap_err();
+        let e = require_signature(Some(&k), invalid, b"[]", None, Some("victim")).unwrap_err();
         assert_eq!(e.reason, RejectReason::NotAnObject);
+        // … and the id it claims (here by its `message_id`) is named, never kept.
+        assert_eq!(e.job_id, None);
+        assert!(e.message.contains("`victim`"), "{}", e.message);
     }
 
     proptest! {

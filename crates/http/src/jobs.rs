@@ -57,15 +57,25 @@ pub async fn create(
                 "ttl_ms": s.ttl_ms,
             }),
         )),
-        Ok(Submission::Duplicate(rec)) => Ok(accepted(
-            &job_id,
-            json!({
+        Ok(Submission::Duplicate(rec)) => {
+            let body = json!({
                 "job_id": job_id,
                 "state": rec.state,
                 "expires_at_ms": rec.expires_at_ms,
                 "duplicate": true,
-            }),
-        )),
+            });
+            // A job that already has its outcome is not "accepted" again: 200 with the
+            // outcome, nothing published.
+            let finished = rec
+                .state
+                .parse::<lastcall_core::State>()
+                .is_ok_and(|s| s.is_terminal());
+            Ok(if finished {
+                (StatusCode::OK, Json(body)).into_response()
+            } else {
+                accepted(&job_id, body)
+            })
+        }
         Err(SubmitError::Ledger(e)) => {
             // Published and confirmed: the job will run. Say so rather than invite a retry.
             tracing::error!(job_id = %job_id, error = %e, "published, but recording `accepted` failed");
@@ -110,7 +120,9 @@ fn submit_error(e: SubmitError) -> ApiError {
         SubmitError::Publish(p) => ApiError::Unavailable(format!(
             "not accepted: {p}; nothing is recorded for this job id, retry later"
         )),
-        SubmitError::Conflict { job_id } => ApiError::Conflict(job_id),
+        SubmitError::Conflict { job_id } | SubmitError::AlreadyFinished { job_id, .. } => {
+            ApiError::Conflict(job_id)
+        }
         e @ (SubmitError::InFlight { .. } | SubmitError::Unrecorded(_)) => {
             ApiError::Unavailable(e.to_string())
         }

@@ -211,6 +211,20 @@ fn render_worker(w: &WorkerStats, out: &mut String) {
     }
     family(
         out,
+        "lastcall_learned_call_seconds",
+        "gauge",
+        "Learned model call duration by kind (the high quantile the admission rule uses as the minimum useful runtime)",
+    );
+    for (kind, ms) in m.learned() {
+        sample(
+            out,
+            "lastcall_learned_call_seconds",
+            &[("kind", &kind)],
+            ms as f64 / 1000.0,
+        );
+    }
+    family(
+        out,
         "lastcall_model_tokens_total",
         "counter",
         "Tokens reported by the model backends, by type",

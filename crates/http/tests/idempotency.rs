@@ -154,3 +154,95 @@ async fn a_refused_publish_releases_the_id_for_a_retry() {
     assert!(rec.accepted_at_ms.is_some());
     env.cleanup().await;
 }
+
+/// The broker TTL is the budget left at the publish, not when the request arrived (the
+/// ledger claim lies in between); and a job id that already has its outcome is answered
+/// `200` with that outcome, never "accepted" again, and nothing is published.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_ttl_is_taken_at_the_publish_and_finished_jobs_are_not_accepted_again() {
+    use lastcall_worker::clock::now_ms;
+    use lastcall_worker::submit::Submission;
+    use lastcall_worker::{DeadlineSpec, NewJob};
+    let env = Env::new("ttl-at-publish").await;
+    let sub = env.submitter(Duration::from_secs(5)).await;
+    // The request arrived 5 s before its publish (a slow claim, say); the deadline is
+    // absolute, 60 s from now.
+    let expires = now_ms() + 60_000;
+    let job = NewJob {
+        job_id: Some("ttl-1".into()),
+        kind: "incident.summary".into(),
+        payload: json!({"messages": []}).as_object().cloned().unwrap(),
+        deadline: DeadlineSpec::AbsoluteMs(expires),
+        min_runtime_ms: None,
+        trace_id: None,
+    };
+    let arrived = now_ms() - 5_000;
+    let envelope = sub.envelope(&job, arrived).unwrap();
+    let before_publish = now_ms();
+    let Submission::Published(s) = sub
+        .submit_once(&envelope, arrived, Duration::from_secs(1))
+        .await
+        .unwrap()
+    else {
+        panic!("a new id is published");
+    };
+    let mut work = lastcall_broker::IncomingStream::open(
+        &env.broker,
+        &env.topo.names.work_queue,
+        1,
+        "ttl-check",
+    )
+    .await
+    .unwrap();
+    let msg = tokio::time::timeout(Duration::from_secs(5), work.next())
+        .await
+        .expect("the job is in the work queue")
+        .unwrap()
+        .unwrap();
+    let expiration: i64 = msg
+        .expiration
+        .as_deref()
+        .expect("published with an expiration")
+        .parse()
+        .unwrap();
+    // Had the TTL been computed at arrival, it would be ~65 s.
+    assert!(
+        expiration <= expires - before_publish,
+        "expiration {expiration} ms outlives the deadline (at most {} ms were left at the publish)",
+        expires - before_publish
+    );
+    assert_eq!(
+        expiration as u64, s.ttl_ms,
+        "the answer says what was published"
+    );
+    msg.settler.ack().await.unwrap();
+    work.close().await;
+
+    // A worker records an outcome for an id (the sim backend completes it).
+    let app = env.app().await;
+    let (st, b) = post(&app, &job_body("done-1")).await;
+    assert_eq!(st, StatusCode::ACCEPTED, "{b}");
+    let (stop, worker, _) = env.start_worker(1, 0).await;
+    // (`ttl-1` stays `accepted`: its message was taken off the queue above.)
+    let until = std::time::Instant::now() + Duration::from_secs(15);
+    while env.ledger.get("done-1").await.unwrap().unwrap().state != "completed" {
+        assert!(std::time::Instant::now() < until, "done-1 did not complete");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    stop.cancel();
+    worker.await.unwrap();
+    let (st, b) = post(&app, &job_body("done-1")).await;
+    assert_eq!(st, StatusCode::OK, "not accepted again: {b}");
+    assert_eq!(b["state"], "completed", "{b}");
+    assert_eq!(b["duplicate"], true, "{b}");
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        0,
+        "nothing published"
+    );
+    env.cleanup().await;
+}
+
+fn job_body(id: &str) -> Value {
+    job(id, "x")
+}

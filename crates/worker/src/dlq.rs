@@ -194,8 +194,14 @@ impl DeadLetterProcessor {
             Envelope::parse(&m.body, &limits, now),
             &m.body,
             m.signature.as_deref(),
+            m.message_id.as_deref(),
         );
-        let job_id = crate::runtime::job_id_for(&parsed, m.message_id.as_deref(), &m.body);
+        let job_id = crate::runtime::job_id_for(
+            &parsed,
+            m.message_id.as_deref(),
+            &m.body,
+            self.signing_key.is_some(),
+        );
         let death = m.x_death.first();
         let reason = DeathReason::parse(death.map(|d| d.reason.as_str()).unwrap_or("none"));
         let reject = parsed.as_ref().err().map(|e| e.reason.as_str());

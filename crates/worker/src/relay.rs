@@ -4,14 +4,15 @@
 //! RabbitMQ strips a message's `expiration` when it dead-letters it, so a retry routed
 //! straight from its delay queue to the work queue would sit there without a broker TTL.
 //! The relay republishes it instead (with confirm, then ack), byte for byte, so the
-//! deadline is unchanged. **Invariant:** stale work is never republished: a retry whose
-//! deadline passed during its delay is recorded as `expired_not_started`
-//! (`retry:deadline_passed`) and acked.
+//! deadline is unchanged. **Invariant:** stale work is never republished: the relay applies
+//! the admission rule of every publish (remaining budget less the clock margin, at least
+//! the minimum useful runtime); a retry that fails it is recorded as `expired_not_started`
+//! (`retry:deadline_passed` / `retry:below_min_runtime`) and acked.
 
 use crate::clock::Clock;
 use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_broker::{Broker, Incoming, IncomingStream, Names, PublishProps, Publisher};
-use lastcall_core::{Envelope, EnvelopeLimits, State};
+use lastcall_core::{Admission, AdmissionPolicy, Envelope, EnvelopeLimits, Stage, State};
 use lastcall_store::{Ledger, OutcomeRecord};
 use std::sync::Arc;
 use std::time::Duration;
@@ -25,6 +26,7 @@ pub struct RetryRelay {
     clock: Arc<dyn Clock>,
     publisher: Publisher,
     name: String,
+    admission: AdmissionPolicy,
 }
 
 impl std::fmt::Debug for RetryRelay {
@@ -43,6 +45,7 @@ impl RetryRelay {
         names: Names,
         clock: Arc<dyn Clock>,
         name: String,
+        admission: AdmissionPolicy,
     ) -> Result<Self, String> {
         let publisher = Publisher::new(&broker, Duration::from_secs(5))
             .await
@@ -54,6 +57,7 @@ impl RetryRelay {
             clock,
             publisher,
             name,
+            admission,
         })
     }
 
@@ -105,13 +109,24 @@ impl RetryRelay {
                 return true;
             }
         };
-        let Some(ttl_ms) = env.deadline().broker_ttl_ms(now) else {
+        let refusal = match self
+            .admission
+            .check(env.deadline(), env.min_runtime_ms, now)
+        {
+            Admission::Refuse { refusal, .. } => Some(refusal),
+            Admission::Admit { .. } => None,
+        };
+        let ttl_ms = env.deadline().broker_ttl_ms(now);
+        let (None, Some(ttl_ms)) = (refusal, ttl_ms) else {
+            let reason = refusal
+                .unwrap_or(lastcall_core::Refusal::DeadlinePassed)
+                .reason(Stage::Retry);
             let rec = OutcomeRecord {
                 attempt_key: format!("relay:{}:{}", env.job_id(), m.attempt),
                 job_id: env.job_id().to_string(),
                 kind: env.kind().to_string(),
                 state: State::ExpiredNotStarted.as_str().into(),
-                reason: Some("retry:deadline_passed".into()),
+                reason: Some(reason.clone()),
                 decision: "ack".into(),
                 attempt: m.attempt,
                 created_at_ms: Some(env.deadline().created_at_ms()),
@@ -130,7 +145,7 @@ impl RetryRelay {
                 return false;
             }
             let _ = m.settler.ack().await;
-            tracing::info!(job_id = %env.job_id(), "retry expired during its delay: recorded, not republished");
+            tracing::info!(job_id = %env.job_id(), reason, "retry can no longer be useful after its delay: recorded, not republished");
             return true;
         };
         let props = PublishProps {

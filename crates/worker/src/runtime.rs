@@ -12,6 +12,8 @@ use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_backend::{Backend, BackendError, CallOutput, CallRequest, CancellationToken};
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
 use lastcall_core::disposition::ReceiptFacts;
+use lastcall_core::disposition::{Receipt, Slot};
+use lastcall_core::service_time::{Estimate, ServiceTimeConfig, ServiceTimes};
 use lastcall_core::{
     CallResult, Disposition, Envelope, JobId, RejectError, Terminal, WorkerPolicy, synthetic_job_id,
 };
@@ -128,8 +130,38 @@ struct Ctx {
     commits: crate::committer::Committer,
     /// The deliveries held, for coalesced (`multiple`) acks after the durable write.
     settle_acks: crate::ack_batch::AckBatch,
-    /// Moving average of model call durations in µs (0: none yet), for the expected wait.
-    mean_call_us: std::sync::atomic::AtomicU64,
+    /// Learned model call durations per `kind|backend` ([`ServiceTimes`]): the admission
+    /// rule's minimum useful runtime when a job sets none, and the expected wait.
+    service: std::sync::Mutex<ServiceTimes>,
+    /// Σ of the learned mean call durations of the jobs waiting for a slot, in ms.
+    waiting_work_ms: std::sync::atomic::AtomicU64,
+}
+
+impl Ctx {
+    /// The estimator key of a kind: one backend per worker (or per kind when routed).
+    fn service_key(&self, kind: &str) -> String {
+        format!("{kind}|{}", self.backend.name())
+    }
+
+    /// What is learned about `kind`'s calls at `now_ms`.
+    fn learned(&self, kind: &str, now_ms: i64) -> Option<Estimate> {
+        let key = self.service_key(kind);
+        let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.estimate(&key, now_ms)
+    }
+
+    /// One call of `kind` took `ms` (completed, or cut at the deadline: a lower bound).
+    fn observe_call(&self, kind: &str, ms: i64, now_ms: i64) {
+        let key = self.service_key(kind);
+        let estimate = {
+            let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+            service.observe(&key, ms.max(0) as u64, now_ms);
+            service.estimate(&key, now_ms)
+        };
+        if let Some(e) = estimate {
+            self.stats.metrics.set_learned(kind, e.quantile_ms);
+        }
+    }
 }
 
 /// A worker, built and ready to run.
@@ -178,7 +210,8 @@ impl Worker {
         let ctx = Ctx {
             acks,
             commits,
-            mean_call_us: std::sync::atomic::AtomicU64::new(0),
+            service: std::sync::Mutex::new(ServiceTimes::new(ServiceTimeConfig::default())),
+            waiting_work_ms: std::sync::atomic::AtomicU64::new(0),
             settle_acks: crate::ack_batch::AckBatch::new(),
             slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
             cfg,
@@ -222,6 +255,7 @@ impl Worker {
             cfg.topology.names.clone(),
             ctx.clock.clone(),
             cfg.name.clone(),
+            cfg.policy.admission,
         )
         .await
         .map_err(WorkerError::Setup)?;
@@ -250,7 +284,7 @@ impl Worker {
                 }
             }
             while let Some(done) = tasks.try_join_next() {
-                log_task_end(done);
+                log_task_end(&ctx.stats, done);
             }
             let next = tokio::select! {
                 _ = stop.cancelled() => break,
@@ -312,7 +346,7 @@ impl Worker {
         loop {
             tokio::select! {
                 r = tasks.join_next() => match r {
-                    Some(done) => log_task_end(done),
+                    Some(done) => log_task_end(&ctx.stats, done),
                     None => break,
                 },
                 _ = &mut grace => {
@@ -357,10 +391,11 @@ async fn bounded<F: std::future::Future>(what: &str, step: F) -> Option<F::Outpu
     r
 }
 
-fn log_task_end(r: Result<(), tokio::task::JoinError>) {
+fn log_task_end(stats: &WorkerStats, r: Result<(), tokio::task::JoinError>) {
     if let Err(e) = r
         && e.is_panic()
     {
+        WorkerStats::inc(&stats.task_panics);
         tracing::error!(error = %e, "a job task panicked; its delivery stays unacked and will be redelivered");
     }
 }
@@ -384,22 +419,27 @@ struct Job {
     started_at_ms: Option<i64>,
     finished_at_ms: Option<i64>,
     attempt_key: String,
+    /// Why the admission rule decided as it did, when a number explains it (the learned
+    /// call duration); recorded as the outcome's error text.
+    note: Option<String>,
 }
 
 /// The ledger key of a delivery: the envelope's id; else the `message_id` property the
 /// publisher set; else a synthetic id derived from the body, so nothing goes unrecorded.
 ///
-/// A badly signed message is always recorded under a synthetic id: the id it claims is
-/// not to be trusted, and writing `rejected` under it would let anyone who can publish
-/// block a real pending job with that id (outcomes are write-once). Its error names the
-/// claimed id.
+/// A badly signed message is always recorded under a synthetic id, and so is *any*
+/// invalid message while signatures are required (`signing`): the id it claims is not to
+/// be trusted, and writing `rejected` under it would let anyone who can publish block a
+/// real pending job with that id (outcomes are write-once). Its error names the claimed id.
 pub(crate) fn job_id_for(
     parsed: &Result<Envelope, RejectError>,
     message_id: Option<&str>,
     body: &[u8],
+    signing: bool,
 ) -> JobId {
     match parsed {
         Ok(e) => e.job_id().clone(),
+        Err(_) if signing => synthetic_job_id(body),
         Err(e) if e.reason == lastcall_core::RejectReason::BadSignature => synthetic_job_id(body),
         Err(e) => e
             .job_id
@@ -416,8 +456,14 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
         parsed,
         &incoming.body,
         incoming.signature.as_deref(),
+        incoming.message_id.as_deref(),
     );
-    let job_id = job_id_for(&parsed, incoming.message_id.as_deref(), &incoming.body);
+    let job_id = job_id_for(
+        &parsed,
+        incoming.message_id.as_deref(),
+        &incoming.body,
+        ctx.cfg.signing_key.is_some(),
+    );
     let span = tracing::info_span!(
         "job",
         job_id = %job_id,
@@ -446,6 +492,7 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
         started_at_ms: None,
         finished_at_ms: None,
         attempt_key,
+        note: None,
     };
     process(ctx, job).instrument(span).await;
 }
@@ -463,42 +510,81 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     else {
         return; // shutting down: leave unacked, the broker redelivers
     };
+    let learned =
+        (job.parsed.as_ref().ok()).and_then(|e| ctx.learned(e.kind().as_str(), job.received_at_ms));
     let facts = ReceiptFacts {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
-        expected_wait_ms: expected_wait_ms(&ctx),
+        expected_wait_ms: expected_wait_ms(&ctx, learned.map(|e| e.mean_ms).unwrap_or(0)),
+        learned_runtime_ms: learned.map(|e| e.quantile_ms),
     };
-    let mut disposition = ctx
+    let receipt = ctx
         .cfg
         .policy
         .on_receipt(&job.parsed, facts, job.received_at_ms);
-    if ctx.cfg.dispatch_policy == DispatchPolicy::Naive && is_expiry(&disposition) {
-        disposition = Disposition::WaitForSlot; // benchmark reference: no receipt check
-    }
-    if disposition != Disposition::WaitForSlot {
+    let receipt = match receipt {
+        // Benchmark reference: no receipt check.
+        Receipt::Settle(d) if ctx.cfg.dispatch_policy == DispatchPolicy::Naive && is_expiry(&d) => {
+            Receipt::WaitForSlot
+        }
+        r => r,
+    };
+    let (Receipt::WaitForSlot, Ok(env)) = (receipt.clone(), job.parsed.clone()) else {
         if let Err(e) = &job.parsed {
             tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
         }
+        job.note = learned_note(learned, &receipt);
+        let disposition = match receipt {
+            Receipt::Settle(d) => d,
+            // The core keeps only valid envelopes waiting.
+            Receipt::WaitForSlot => unreachable_rejection(),
+        };
         return settle(&ctx, job, disposition, None).await;
-    }
-    let env = job
-        .parsed
-        .clone()
-        .expect("WaitForSlot implies a valid envelope");
+    };
 
-    // Wait for a model slot, in the bounded local buffer.
+    // Wait for a model slot, in the bounded local buffer (FIFO: the slot semaphore is
+    // fair). A job that can no longer finish in time leaves the buffer as soon as that is
+    // known, not when it reaches a slot: it is settled at its latest useful start, which
+    // frees its prefetch place for a job that can still make it.
+    let kind = env.kind().as_str().to_owned();
+    let mean_ms = learned.map(|e| e.mean_ms).unwrap_or(0);
     WorkerStats::add(&ctx.stats.waiting, 1);
-    let permit = tokio::select! {
-        p = ctx.slots.clone().acquire_owned() => p.expect("slots never closed"),
-        _ = ctx.shutdown.cancelled() => {
-            WorkerStats::add(&ctx.stats.waiting, -1);
-            tracing::info!("shutdown: handing a waiting job back to the broker");
-            let _ = job.incoming.settler.requeue().await;
-            ctx.settle_acks.forget(job.incoming.delivery_tag);
-            return;
+    ctx.waiting_work_ms
+        .fetch_add(mean_ms, std::sync::atomic::Ordering::Relaxed);
+    let leave_buffer = || {
+        WorkerStats::add(&ctx.stats.waiting, -1);
+        ctx.waiting_work_ms
+            .fetch_sub(mean_ms, std::sync::atomic::Ordering::Relaxed);
+    };
+    let acquire = ctx.slots.clone().acquire_owned();
+    tokio::pin!(acquire);
+    let permit = loop {
+        let now = ctx.clock.now_ms();
+        let latest = ctx
+            .cfg
+            .policy
+            .latest_start_ms(&env, ctx.learned(&kind, now).map(|e| e.quantile_ms));
+        let until_latest = Duration::from_millis((latest - now).max(0) as u64 + 1);
+        let watch_expiry = ctx.cfg.dispatch_policy == DispatchPolicy::Deadline;
+        tokio::select! {
+            p = &mut acquire => break p.expect("slots never closed"),
+            _ = ctx.shutdown.cancelled() => {
+                leave_buffer();
+                return hand_back(&ctx, job).await;
+            }
+            _ = tokio::time::sleep(until_latest), if watch_expiry => {
+                let now = ctx.clock.now_ms();
+                if let Slot::Settle(d) = last_check(&ctx, &env, now) {
+                    leave_buffer();
+                    job.checked_at_ms = Some(now);
+                    job.note = learned_note(ctx.learned(&kind, now), &Receipt::Settle(d.clone()));
+                    return settle(&ctx, job, d, None).await;
+                }
+                // Still admissible (the estimate changed): keep waiting.
+            }
         }
     };
-    WorkerStats::add(&ctx.stats.waiting, -1);
+    leave_buffer();
     if !ctx.cfg.hold_before_admission.is_zero() {
         tokio::time::sleep(ctx.cfg.hold_before_admission).await;
     }
@@ -506,16 +592,9 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     // Fail closed while the clock's sync state forbids admission: the job keeps waiting
     // (without holding a slot) until sync returns or its deadline passes.
     let permit = match wait_for_clock(&ctx, &env, permit).await {
-        Some(p) => p,
-        None => {
-            return settle(
-                &ctx,
-                job,
-                ctx.cfg.policy.on_slot(&env, ctx.clock.now_ms()),
-                None,
-            )
-            .await;
-        }
+        ClockWait::Ready(p) => p,
+        ClockWait::Settle(d) => return settle(&ctx, job, d, None).await,
+        ClockWait::Shutdown => return hand_back(&ctx, job).await,
     };
 
     // The last admission check, immediately before the model call.
@@ -524,10 +603,14 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     tracing::Span::current().record("checked_at_ms", checked_at_ms);
     (ctx.stats.metrics.consumer_dwell).observe_ms(checked_at_ms - job.received_at_ms);
     let budget_ms = match last_check(&ctx, &env, checked_at_ms) {
-        Disposition::Run { budget_ms } => budget_ms,
-        other => {
+        Slot::Run { budget_ms } => budget_ms,
+        Slot::Settle(d) => {
             drop(permit);
-            return settle(&ctx, job, other, None).await;
+            job.note = learned_note(
+                ctx.learned(&kind, checked_at_ms),
+                &Receipt::Settle(d.clone()),
+            );
+            return settle(&ctx, job, d, None).await;
         }
     };
     (ctx.stats.metrics.remaining_budget).observe_ms(budget_ms as i64);
@@ -560,10 +643,10 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     // The store write took time: re-check so that the call truly starts in time.
     let started_at_ms = ctx.clock.now_ms();
     let budget_ms = match last_check(&ctx, &env, started_at_ms) {
-        Disposition::Run { budget_ms: b } => b.min(budget_ms),
-        other => {
+        Slot::Run { budget_ms: b } => b.min(budget_ms),
+        Slot::Settle(d) => {
             drop(permit);
-            return settle(&ctx, job, other, None).await;
+            return settle(&ctx, job, d, None).await;
         }
     };
     job.started_at_ms = Some(started_at_ms);
@@ -572,7 +655,13 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
-    observe_call(&ctx, call.latency_ms);
+    if matches!(
+        call.result,
+        CallResult::Completed | CallResult::DeadlineExceeded
+    ) {
+        // A failed call says nothing about how long a useful one takes.
+        ctx.observe_call(&kind, call.latency_ms, ctx.clock.now_ms());
+    }
     if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
         let m = &ctx.stats.metrics;
         m.prompt_tokens
@@ -594,18 +683,42 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
 }
 
 /// The admission check before the call; the benchmark reference policies skip it.
-fn last_check(ctx: &Ctx, env: &Envelope, now_ms: i64) -> Disposition {
+fn last_check(ctx: &Ctx, env: &Envelope, now_ms: i64) -> Slot {
     match ctx.cfg.dispatch_policy {
-        DispatchPolicy::Deadline => ctx.cfg.policy.on_slot(env, now_ms),
-        DispatchPolicy::ReceiptOnly | DispatchPolicy::Naive => Disposition::Run {
+        DispatchPolicy::Deadline => {
+            let learned = ctx.learned(env.kind().as_str(), now_ms);
+            ctx.cfg
+                .policy
+                .on_slot(env, learned.map(|e| e.quantile_ms), now_ms)
+        }
+        DispatchPolicy::ReceiptOnly | DispatchPolicy::Naive => Slot::Run {
             budget_ms: UNBOUNDED_BUDGET_MS,
         },
     }
 }
 
+/// Shutdown while the job waits (for a slot or for clock sync): it never started, so it
+/// goes back to the broker unrecorded and the next worker checks it again.
+async fn hand_back(ctx: &Ctx, job: Job) {
+    tracing::info!("shutdown: handing a waiting job back to the broker");
+    let _ = job.incoming.settler.requeue().await;
+    ctx.settle_acks.forget(job.incoming.delivery_tag);
+}
+
+/// The core only keeps valid envelopes waiting; should that ever change, the delivery is
+/// rejected rather than run.
+fn unreachable_rejection() -> Disposition {
+    Disposition::RecordThenDeadLetter(Terminal {
+        state: lastcall_core::State::Rejected,
+        reason: Some("invalid_envelope".into()),
+    })
+}
+
 /// The expected wait for a slot of a job received now: jobs already waiting are ahead of
-/// it (the slot semaphore is FIFO). Zero for the benchmark reference policies.
-fn expected_wait_ms(ctx: &Ctx) -> u64 {
+/// it (the slot semaphore is FIFO), each with the learned mean duration of its own kind;
+/// `own_mean_ms` (this job's kind) stands in when none wait. Zero for the benchmark
+/// reference policies, and while nothing is learned.
+fn expected_wait_ms(ctx: &Ctx, own_mean_ms: u64) -> u64 {
     if ctx.cfg.dispatch_policy != DispatchPolicy::Deadline {
         return 0;
     }
@@ -614,7 +727,13 @@ fn expected_wait_ms(ctx: &Ctx) -> u64 {
         .waiting
         .load(std::sync::atomic::Ordering::Relaxed)
         .max(0) as usize;
-    let mean_ms = ctx.mean_call_us.load(std::sync::atomic::Ordering::Relaxed) / 1_000;
+    let work_ms = ctx
+        .waiting_work_ms
+        .load(std::sync::atomic::Ordering::Relaxed);
+    let mean_ms = match (ahead, work_ms) {
+        (0, _) | (_, 0) => own_mean_ms,
+        (n, w) => w / n as u64,
+    };
     lastcall_core::wait::expected_wait_ms(
         ahead,
         ctx.slots.available_permits(),
@@ -623,14 +742,32 @@ fn expected_wait_ms(ctx: &Ctx) -> u64 {
     )
 }
 
-/// Fold one call duration into the moving average (weight 1/8).
-fn observe_call(ctx: &Ctx, latency_ms: i64) {
-    let x = latency_ms.max(0) as u64 * 1_000;
-    let _ = ctx.mean_call_us.fetch_update(
-        std::sync::atomic::Ordering::Relaxed,
-        std::sync::atomic::Ordering::Relaxed,
-        |m| Some(if m == 0 { x.max(1) } else { m - m / 8 + x / 8 }),
-    );
+/// The ledger note of a refusal decided by the learned call duration: which estimate it
+/// was, so an operator can see why a job with budget left was not started.
+fn learned_note(learned: Option<Estimate>, receipt: &Receipt) -> Option<String> {
+    let (
+        Some(e),
+        Receipt::Settle(Disposition::RecordThenAck(t) | Disposition::RecordThenDeadLetter(t)),
+    ) = (learned, receipt)
+    else {
+        return None;
+    };
+    let reason = t.reason.as_deref().unwrap_or_default();
+    (reason.ends_with(lastcall_core::disposition::BELOW_LEARNED_REASON)
+        || reason.ends_with(lastcall_core::disposition::EXPECTED_WAIT_REASON))
+    .then(|| {
+        format!(
+            "learned call duration for this kind: p90 {} ms, mean {} ms over {} calls ({})",
+            e.quantile_ms,
+            e.mean_ms,
+            e.samples,
+            match e.source {
+                lastcall_core::service_time::EstimateSource::Key => "this kind",
+                lastcall_core::service_time::EstimateSource::AllKeys =>
+                    "all kinds, none yet of this one",
+            }
+        )
+    })
 }
 
 /// Whether the core refused a job as expired (what the naive reference policy ignores).
@@ -639,35 +776,41 @@ fn is_expiry(d: &Disposition) -> bool {
         if t.state == lastcall_core::State::ExpiredNotStarted)
 }
 
-/// Hold the job until the clock may be trusted. `None`: the deadline passed meanwhile.
-async fn wait_for_clock(
-    ctx: &Ctx,
-    env: &Envelope,
-    permit: OwnedSemaphorePermit,
-) -> Option<OwnedSemaphorePermit> {
+/// How the wait for a trusted clock ended.
+enum ClockWait {
+    /// The clock may be trusted and the job holds a slot again.
+    Ready(OwnedSemaphorePermit),
+    /// The job can no longer pass the admission check: settle it without a call.
+    Settle(Disposition),
+    /// The worker is shutting down: hand the job back.
+    Shutdown,
+}
+
+/// Hold the job until the clock may be trusted, without holding a slot meanwhile.
+async fn wait_for_clock(ctx: &Ctx, env: &Envelope, permit: OwnedSemaphorePermit) -> ClockWait {
     if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
-        return Some(permit);
+        return ClockWait::Ready(permit);
     }
     drop(permit);
     tracing::warn!(state = ?ctx.clock.sync_state(), "clock not known to be synchronised: admission stopped (--clock-sync require)");
-    loop {
-        if !ctx
-            .cfg
-            .policy
-            .admission
-            .check(env.deadline(), env.min_runtime_ms, ctx.clock.now_ms())
-            .is_admitted()
-        {
-            return None;
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    let end = loop {
+        if let Slot::Settle(d) = last_check(ctx, env, ctx.clock.now_ms()) {
+            break ClockWait::Settle(d);
         }
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-            _ = ctx.shutdown.cancelled() => return None,
+            _ = ctx.shutdown.cancelled() => break ClockWait::Shutdown,
         }
         if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
-            return ctx.slots.clone().acquire_owned().await.ok();
+            break tokio::select! {
+                p = ctx.slots.clone().acquire_owned() => ClockWait::Ready(p.expect("slots never closed")),
+                _ = ctx.shutdown.cancelled() => ClockWait::Shutdown,
+            };
         }
-    }
+    };
+    WorkerStats::add(&ctx.stats.waiting, -1);
+    end
 }
 
 /// What a model call produced, for the ledger.
@@ -765,9 +908,6 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
         Disposition::RecordThenDeadLetter(t) => (Some(t.clone()), "dead_letter"),
         Disposition::AckDuplicate => (None, "duplicate"),
         Disposition::Retry { .. } => (None, "retry"),
-        Disposition::WaitForSlot | Disposition::Run { .. } => {
-            unreachable!("not a settling disposition")
-        }
     };
     if let Disposition::Retry {
         next_attempt,
@@ -880,7 +1020,7 @@ fn outcome_record(
     let error = match (&job.parsed, call) {
         (Err(e), _) => Some(e.to_string()),
         (_, Some(c)) => c.error.clone(),
-        _ => None,
+        _ => job.note.clone(),
     };
     let output = call.and_then(|c| c.output.as_ref());
     OutcomeRecord {

@@ -33,6 +33,8 @@ pub struct WorkerStats {
     pub store_retries: AtomicU64,
     /// Deliveries settled with the broker (ack or reject).
     pub settled: AtomicU64,
+    /// Job tasks that panicked (a bug: their deliveries stay unacked and are redelivered).
+    pub task_panics: AtomicU64,
     /// Histograms, labelled outcomes and slot gauges for `/metrics`.
     pub metrics: WorkerMetrics,
 }
@@ -213,6 +215,8 @@ pub struct WorkerMetrics {
     pub outcomes: LabeledCounter,
     pub kinds: BoundedLabels,
     pub reasons: BoundedLabels,
+    /// The learned call duration (the admission quantile) last used, by bounded kind label.
+    pub learned_call_ms: Mutex<BTreeMap<String, u64>>,
     slots: OnceLock<(Arc<Semaphore>, usize)>,
     prefetch: AtomicU64,
 }
@@ -229,6 +233,7 @@ impl Default for WorkerMetrics {
             outcomes: LabeledCounter::default(),
             kinds: BoundedLabels::first(32),
             reasons: BoundedLabels::first(64),
+            learned_call_ms: Mutex::new(BTreeMap::new()),
             slots: OnceLock::new(),
             prefetch: AtomicU64::new(0),
         }
@@ -270,6 +275,25 @@ impl WorkerMetrics {
         if let Some(p) = published_ms {
             self.queue_dwell.observe_ms(received_at_ms - p);
         }
+    }
+
+    /// The learned call duration of `kind` after a call ended (the gauge).
+    pub(crate) fn set_learned(&self, kind: &str, ms: u64) {
+        let kind = self.kinds.label(kind);
+        let mut m = self
+            .learned_call_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        m.insert(kind, ms);
+    }
+
+    /// `(kind, learned ms)` pairs for the gauge.
+    pub fn learned(&self) -> Vec<(String, u64)> {
+        let m = self
+            .learned_call_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        m.iter().map(|(k, v)| (k.clone(), *v)).collect()
     }
 
     pub(crate) fn count_outcome(&self, state: &str, kind: &str, reason: Option<&str>) {

@@ -1,6 +1,7 @@
 //! The publisher library API: validate, stamp the deadline, refuse stale work before it is
 //! published, publish with confirm, and record `accepted` in the ledger.
 
+use crate::clock::{Clock, SystemClock};
 use lastcall_broker::{Names, PublishError, PublishProps, Publisher};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
 use lastcall_core::signature::{KeyError, sign_envelope};
@@ -70,6 +71,10 @@ pub enum SubmitError {
         "not accepted yet: another request with job id `{job_id}` is still being published; retry with the same job id"
     )]
     InFlight { job_id: String },
+    #[error(
+        "not accepted: job `{job_id}` already has an outcome ({state}); nothing was published. Use a new job id for new work (`lastcall jobs show {job_id}` shows the record)"
+    )]
+    AlreadyFinished { job_id: String, state: String },
 }
 
 /// Publishes jobs. Cheap to clone.
@@ -82,6 +87,9 @@ pub struct Submitter {
     limits: EnvelopeLimits,
     /// When set, every publish carries `x-lastcall-signature` (a trusted ingress).
     signing_key: Option<SigningKey>,
+    /// Read right before each publish: the broker TTL is the budget left *then*, not when
+    /// the request arrived (a ledger claim or a slow confirm may lie in between).
+    clock: Arc<dyn Clock>,
 }
 
 impl std::fmt::Debug for Submitter {
@@ -116,7 +124,14 @@ impl Submitter {
             admission,
             limits,
             signing_key: None,
+            clock: Arc::new(SystemClock::default()),
         }
+    }
+
+    /// Read `clock` for the TTL of each publish (default: the system clock).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = clock;
+        self
     }
 
     /// Sign every envelope this submitter publishes with `key` (`None`: unsigned).
@@ -158,6 +173,24 @@ impl Submitter {
         signature: Option<String>,
         now_ms: i64,
     ) -> Result<Submitted, SubmitError> {
+        if let Some(ledger) = &self.ledger {
+            // An id that already has an outcome is never published again: it would be
+            // acked as a duplicate without running, and "accepted" would be a lie.
+            if let Some(rec) = ledger
+                .get(env.job_id().as_str())
+                .await
+                .map_err(SubmitError::Unrecorded)?
+                && rec
+                    .state
+                    .parse::<lastcall_core::State>()
+                    .is_ok_and(|s| s.is_terminal())
+            {
+                return Err(SubmitError::AlreadyFinished {
+                    job_id: rec.job_id,
+                    state: rec.state,
+                });
+            }
+        }
         let submitted = self.publish_envelope(env, signature, now_ms).await?;
         if let Some(ledger) = &self.ledger {
             ledger
@@ -275,13 +308,15 @@ impl Submitter {
     }
 
     /// Check the deadline, publish with the remaining budget as TTL, wait for the confirm.
-    /// Touches no ledger.
+    /// Touches no ledger. The budget is taken from the clock now, at the publish, never
+    /// from the caller's earlier `now_ms` (which only stamps a relative deadline).
     async fn publish_envelope(
         &self,
         env: &Envelope,
         signature: Option<String>,
         now_ms: i64,
     ) -> Result<Submitted, SubmitError> {
+        let now_ms = self.clock.now_ms().max(now_ms);
         let ttl_ms = self.admit(env, now_ms)?;
         let deadline = env.deadline();
         let body = env.to_bytes();

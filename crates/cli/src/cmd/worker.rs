@@ -42,7 +42,27 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
 
 /// Build the backend the flags ask for.
 pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
-    Ok(match a.backend {
+    let kind = match a.backend {
+        Some(k) => k,
+        None if cfg!(feature = "local-model") => BackendKind::Local,
+        None => bail!(
+            "no model backend: give --backend local (the embedded SmolLM2; this build lacks the \
+             `local-model` feature), openai (an OpenAI-compatible server: --base-url), routed \
+             (the [routing] table of lastcall.toml) or sim (a simulated model for tests and \
+             benchmarks)"
+        ),
+    };
+    let (model, detail) = match kind {
+        BackendKind::Sim => (
+            "simulated".to_owned(),
+            "load generator, not a model".to_owned(),
+        ),
+        BackendKind::Openai => (a.openai.model.clone(), a.openai.base_url.clone()),
+        BackendKind::Local => ("SmolLM2-135M".to_owned(), "embedded, CPU".to_owned()),
+        BackendKind::Routed => ("per kind".to_owned(), "[routing] table".to_owned()),
+    };
+    tracing::info!(backend = ?kind, model = %model, detail = %detail, "model backend");
+    Ok(match kind {
         BackendKind::Sim => Arc::new(sim(&a.sim)?),
         BackendKind::Openai => Arc::new(openai(&a.openai)?),
         BackendKind::Local => local(a.model_path.as_deref(), a.slots)?,
@@ -114,6 +134,7 @@ pub fn sim(a: &SimArgs) -> Result<SimBackend> {
         jitter_ms: a.sim_jitter_ms,
         fail_rate: a.sim_fail_rate,
         call_log: a.sim_call_log.clone(),
+        faults: a.sim_faults,
     })?)
 }
 

@@ -254,6 +254,8 @@ pub fn sim(latency_ms: u64) -> Arc<SimBackend> {
     Arc::new(
         SimBackend::new(SimConfig {
             latency_ms,
+            // The tests use the fault kinds (`sim.fail-*`) on purpose.
+            faults: true,
             ..SimConfig::default()
         })
         .unwrap(),

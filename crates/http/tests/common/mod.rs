@@ -115,6 +115,7 @@ impl Env {
         let sim = Arc::new(
             SimBackend::new(SimConfig {
                 latency_ms,
+                faults: true,
                 ..SimConfig::default()
             })
             .unwrap(),

@@ -32,13 +32,19 @@ use tokio_util::sync::CancellationToken;
 #[derive(Debug, Clone, Serialize)]
 struct Setup {
     slots: usize,
-    service_ms: u64,
+    /// Call durations, drawn per job (`fixed:200`, `lognormal:200,0.6`).
+    service: String,
+    mean_service_ms: f64,
     capacity_per_s: f64,
     overload: f64,
     arrival_per_s: f64,
     deadline_ms: u64,
     duration_s: f64,
-    min_runtime_ms: u64,
+    /// `true`: the worker and the jobs are told the call time (`min_runtime_ms`); `false`:
+    /// the worker's defaults, no hint anywhere (it learns the call time).
+    oracle: bool,
+    /// The oracle's minimum runtime (only with `oracle`).
+    min_runtime_ms: Option<u64>,
     clock_uncertainty_ms: u64,
     prefetch: u16,
     ledger: String,
@@ -48,6 +54,7 @@ struct Setup {
 #[derive(Debug, Clone, Serialize)]
 struct PolicyResult {
     policy: &'static str,
+    overload: f64,
     submitted: u64,
     /// Submissions the publisher refused (nack, timeout); not counted as submitted.
     submit_errors: u64,
@@ -75,6 +82,11 @@ struct PolicyResult {
     finished_after_deadline: u64,
     /// Model calls that produced no on-time result (late, cancelled or failed).
     wasted_calls: u64,
+    /// Time spent in model calls, in s (the ledger's `latency_ms`).
+    model_time_s: f64,
+    /// The share of model time spent in calls cancelled at the deadline
+    /// (`deadline_exceeded`): work started that could not finish.
+    wasted_model_time: f64,
     /// Receive → model call start, in ms (ledger timestamps, ms resolution; includes the
     /// wait for a slot).
     dispatch: Percentiles,
@@ -86,30 +98,13 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
     if a.smoke {
         a.duration_s = a.duration_s.min(2.0);
         a.deadline_ms = a.deadline_ms.min(1_000);
-        a.service_ms = a.service_ms.min(100);
+        a.service = a.service.smoke();
     }
-    if a.slots == 0 || a.service_ms == 0 || a.overload <= 0.0 || a.duration_s <= 0.0 {
-        bail!("--slots, --service-ms, --overload and --duration-s must be positive");
+    if a.slots == 0 || a.duration_s <= 0.0 || a.overload.iter().any(|o| *o <= 0.0) {
+        bail!("--slots, --overload and --duration-s must be positive");
     }
-    let capacity = a.slots as f64 * 1000.0 / a.service_ms as f64;
-    let setup = Setup {
-        slots: a.slots,
-        service_ms: a.service_ms,
-        capacity_per_s: capacity,
-        overload: a.overload,
-        arrival_per_s: capacity * a.overload,
-        deadline_ms: a.deadline_ms,
-        duration_s: a.duration_s,
-        min_runtime_ms: a.min_runtime_ms.unwrap_or(a.service_ms + 20),
-        clock_uncertainty_ms: a.clock_uncertainty_ms,
-        prefetch: a
-            .prefetch
-            .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16),
-        ledger: a
-            .ledger_url
-            .clone()
-            .unwrap_or_else(|| "fresh SQLite file per policy".into()),
-    };
+    let mean_ms = a.service.mean_ms();
+    let capacity = a.slots as f64 * 1000.0 / mean_ms;
     let policies: Vec<(&'static str, DispatchPolicy)> = match a.policy {
         PolicyArg::All => vec![
             ("deadline", DispatchPolicy::Deadline),
@@ -120,41 +115,79 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
         PolicyArg::ReceiptOnly => vec![("receipt-only", DispatchPolicy::ReceiptOnly)],
         PolicyArg::Naive => vec![("naive", DispatchPolicy::Naive)],
     };
-    if !a.json {
-        println!(
-            "bench goodput: {} slots × {} ms calls = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; min runtime {} ms; clock margin {} ms; prefetch {}",
-            setup.slots,
-            setup.service_ms,
-            capacity,
-            setup.arrival_per_s,
-            setup.overload,
-            setup.duration_s,
-            setup.deadline_ms,
-            setup.min_runtime_ms,
-            setup.clock_uncertainty_ms,
-            setup.prefetch
-        );
-    }
     let mut results = Vec::new();
-    for (name, policy) in policies {
-        results.push(run_policy(s, &a, &setup, name, policy).await?);
+    let mut setups = Vec::new();
+    for &overload in &a.overload {
+        let setup = Setup {
+            slots: a.slots,
+            service: a.service.to_string(),
+            mean_service_ms: mean_ms,
+            capacity_per_s: capacity,
+            overload,
+            arrival_per_s: capacity * overload,
+            deadline_ms: a.deadline_ms,
+            duration_s: a.duration_s,
+            oracle: a.oracle,
+            min_runtime_ms: a
+                .oracle
+                .then(|| a.min_runtime_ms.unwrap_or(mean_ms.round() as u64 + 20)),
+            clock_uncertainty_ms: a.clock_uncertainty_ms,
+            prefetch: a
+                .prefetch
+                .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16),
+            ledger: a
+                .ledger_url
+                .clone()
+                .unwrap_or_else(|| "fresh SQLite file per policy".into()),
+        };
+        if !a.json {
+            println!(
+                "bench goodput: {} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}",
+                setup.slots,
+                setup.service,
+                mean_ms,
+                capacity,
+                setup.arrival_per_s,
+                setup.overload,
+                setup.duration_s,
+                setup.deadline_ms,
+                match setup.min_runtime_ms {
+                    Some(m) => format!("ORACLE: min runtime {m} ms in the flags and every job"),
+                    None => "worker defaults, no hint in the jobs (learned call time)".into(),
+                },
+                setup.clock_uncertainty_ms,
+                setup.prefetch
+            );
+        }
+        for (name, policy) in &policies {
+            results.push(run_policy(s, &a, &setup, name, *policy).await?);
+        }
+        setups.push(setup);
     }
-
+    let setup = setups[0].clone();
     let mut chart = None;
     if !a.no_svg {
         let series: Vec<(String, Vec<f64>)> = results
             .iter()
             .map(|r| {
                 (
-                    format!("{} ({:.0}% goodput)", r.policy, r.goodput * 100.0),
+                    format!(
+                        "{} at {}× ({:.0}% goodput)",
+                        r.policy,
+                        r.overload,
+                        r.goodput * 100.0
+                    ),
                     r.on_time_per_s.iter().map(|n| *n as f64).collect(),
                 )
             })
             .collect();
         let doc = svg::line_chart(&svg::Chart {
             title: format!(
-                "On-time completions per second: {} slots × {} ms, {}× overload, {} ms deadlines",
-                setup.slots, setup.service_ms, setup.overload, setup.deadline_ms
+                "On-time completions per second: {} slots × {} calls, {} ms deadlines{}",
+                setup.slots,
+                setup.service,
+                setup.deadline_ms,
+                if setup.oracle { " (oracle)" } else { "" }
             ),
             x_label: "seconds since the first submission".into(),
             y_label: "jobs completed before their deadline / s".into(),
@@ -173,6 +206,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 "bench": "goodput",
                 "smoke": a.smoke,
                 "setup": setup,
+                "setups": setups,
                 "machine": super::machine(),
                 "policies": results,
                 "chart": chart,
@@ -187,6 +221,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
             let n = |k: &str| r.outcomes.get(k).copied().unwrap_or(0).to_string();
             vec![
                 r.policy.to_owned(),
+                format!("{}×", r.overload),
                 r.submitted.to_string(),
                 r.on_time.to_string(),
                 format!("{:.1}%", r.goodput * 100.0),
@@ -194,6 +229,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 r.started_after_deadline.to_string(),
                 r.finished_after_deadline.to_string(),
                 r.wasted_calls.to_string(),
+                format!("{:.1}%", r.wasted_model_time * 100.0),
                 n("expired_not_started"),
                 n("expired_before_receive"),
                 n("deadline_exceeded"),
@@ -216,6 +252,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
         crate::table::render(
             &[
                 "policy",
+                "overload",
                 "submitted",
                 "on_time",
                 "goodput",
@@ -223,6 +260,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 "started_late",
                 "finished_late",
                 "wasted_calls",
+                "wasted_time",
                 "exp_not_started",
                 "exp_before_recv",
                 "deadline_exc",
@@ -236,8 +274,9 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
     println!();
     for r in &results {
         println!(
-            "{}: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}); outcomes {}",
+            "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}); outcomes {}",
             r.policy,
+            r.overload,
             r.capacity_bound,
             r.window_s,
             r.model_calls,
@@ -263,6 +302,7 @@ async fn run_policy(
     policy: DispatchPolicy,
 ) -> Result<PolicyResult> {
     let nonce = format!("{:x}", now_ms());
+    let name_o = format!("{name}-{}x", setup.overload);
     let prefix = format!("{}-bench-{name}-{nonce}", s.prefix);
     let broker = Broker::connect(&s.amqp_url).await?;
     let (ledger_url, dir) = match &a.ledger_url {
@@ -281,16 +321,21 @@ async fn run_policy(
     cfg.prefetch = setup.prefetch;
     cfg.shutdown_grace = Duration::from_secs(5);
     cfg.dispatch_policy = policy;
+    // The worker's defaults (what `lastcall worker` runs with), unless the oracle tells
+    // it the call time.
     cfg.policy.admission = AdmissionPolicy {
         clock_uncertainty_ms: setup.clock_uncertainty_ms,
-        default_min_runtime_ms: 0,
+        default_min_runtime_ms: setup.min_runtime_ms.unwrap_or(0),
     };
     let topo = cfg.topology.clone();
     let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    // Each job carries its drawn call time for the sim backend (`sim_latency_ms`); the
+    // worker never reads it.
     let sim = Arc::new(SimBackend::new(SimConfig {
-        latency_ms: setup.service_ms,
+        latency_ms: setup.mean_service_ms.round() as u64,
         ..SimConfig::default()
     })?);
+    let dist = a.service;
     let backend: Arc<dyn Backend> = sim.clone();
     let worker = Worker::build(
         cfg,
@@ -327,7 +372,7 @@ async fn run_policy(
         EnvelopeLimits::default(),
     );
     let total = (setup.arrival_per_s * setup.duration_s).round().max(1.0) as u64;
-    let bar = super::bar(total, &format!("{name}: submitting"));
+    let bar = super::bar(total, &format!("{name_o}: submitting"));
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -337,15 +382,17 @@ async fn run_policy(
     let first_ms = now_ms();
     for i in 0..total {
         tick.tick().await;
+        let call_ms = dist.draw(1.0 - rand::random::<f64>(), rand::random::<f64>());
         let job = NewJob {
             job_id: Some(format!("b-{name}-{nonce}-{i}")),
             kind: "bench.goodput".into(),
-            payload: json!({"messages": [{"role": "user", "content": "bench"}]})
-                .as_object()
-                .cloned()
-                .expect("object"),
+            payload: json!({"messages": [{"role": "user", "content": "bench"}],
+                            "sim_latency_ms": call_ms})
+            .as_object()
+            .cloned()
+            .expect("object"),
             deadline: DeadlineSpec::RelativeMs(setup.deadline_ms),
-            min_runtime_ms: Some(setup.min_runtime_ms),
+            min_runtime_ms: setup.min_runtime_ms,
             trace_id: None,
         };
         let sub = submitter.clone();
@@ -367,9 +414,9 @@ async fn run_policy(
         .collect();
     let last_deadline = now_ms() + setup.deadline_ms as i64;
 
-    bar.set_message(format!("{name}: outcomes"));
+    bar.set_message(format!("{name_o}: outcomes"));
     bar.set_position(0);
-    let give_up = last_deadline + 3_000 + setup.service_ms as i64;
+    let give_up = last_deadline + 3_000 + (setup.mean_service_ms * 10.0) as i64;
     let mut recs: Vec<JobRecord>;
     loop {
         recs = ledger
@@ -409,6 +456,7 @@ async fn run_policy(
     let mut outcomes = BTreeMap::new();
     let (mut on_time, mut late, mut started_late, mut finished_late, mut wasted) = (0, 0, 0, 0, 0);
     let mut calls_ledger = 0u64;
+    let (mut model_ms, mut wasted_ms) = (0i64, 0i64);
     let mut dispatch_us = Vec::new();
     let window_end = recs
         .iter()
@@ -440,6 +488,11 @@ async fn run_policy(
             }
         }
         if r.backend_calls > 0 {
+            let ms = r.latency_ms.unwrap_or(0).max(0);
+            model_ms += ms;
+            if r.state == "deadline_exceeded" {
+                wasted_ms += ms;
+            }
             if r.started_at_ms.is_some_and(|st| st > exp) {
                 started_late += 1;
             }
@@ -457,6 +510,9 @@ async fn run_policy(
     let bound = (setup.capacity_per_s * window_s).min(submitted.len() as f64);
     Ok(PolicyResult {
         policy: name,
+        overload: setup.overload,
+        model_time_s: model_ms as f64 / 1000.0,
+        wasted_model_time: wasted_ms as f64 / (model_ms.max(1) as f64),
         submitted: submitted.len() as u64,
         submit_errors,
         outcomes,

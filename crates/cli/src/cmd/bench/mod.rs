@@ -86,12 +86,14 @@ pub struct GoodputArgs {
     /// Model slots of the worker
     #[arg(long, default_value_t = 4)]
     pub slots: usize,
-    /// Fixed service time of every model call (sim backend), in ms
-    #[arg(long, default_value_t = 200)]
-    pub service_ms: u64,
-    /// Arrival rate as a multiple of capacity (slots × 1000 / service_ms jobs/s)
-    #[arg(long, default_value_t = 5.0)]
-    pub overload: f64,
+    /// Model call durations (sim backend), drawn per job: `fixed:MS` or
+    /// `lognormal:MEAN_MS,SIGMA` (a lognormal with that mean and shape σ)
+    #[arg(long, default_value = "fixed:200")]
+    pub service: ServiceDist,
+    /// Arrival rates as multiples of capacity (slots × 1000 / mean call ms jobs/s); a
+    /// comma-separated list runs each, e.g. `2,5,10`
+    #[arg(long, value_delimiter = ',', default_value = "5")]
+    pub overload: Vec<f64>,
     /// Each job's deadline, in ms after its submission
     #[arg(long, default_value_t = 2_000)]
     pub deadline_ms: u64,
@@ -101,10 +103,16 @@ pub struct GoodputArgs {
     /// Which policy to run; `all` runs the three one after another
     #[arg(long, value_enum, default_value = "all")]
     pub policy: PolicyArg,
-    /// Minimum useful runtime of each job, in ms [default: service time + 20]
+    /// Tell the worker and every job the true call time (min runtime = the mean call
+    /// time + 20 ms, in the flags and in each job): an oracle a user does not have, kept
+    /// for comparison. By default the worker runs with its defaults and the jobs carry no
+    /// hint: it learns the call time itself
     #[arg(long)]
+    pub oracle: bool,
+    /// The oracle's minimum runtime, in ms [default: mean call time + 20; only with --oracle]
+    #[arg(long, requires = "oracle")]
     pub min_runtime_ms: Option<u64>,
-    /// Clock uncertainty margin of the admission rule, in ms
+    /// Clock uncertainty margin of the admission rule, in ms (the worker's default)
     #[arg(long, default_value_t = 100)]
     pub clock_uncertainty_ms: u64,
     /// Unacked deliveries the broker may push to the worker [default: 2 × slots]
@@ -125,6 +133,87 @@ pub struct GoodputArgs {
     /// A few seconds per policy (CI smoke test: 2 s of arrivals, 1 s deadlines, 100 ms calls)
     #[arg(long)]
     pub smoke: bool,
+}
+
+/// How long each simulated model call takes, drawn per job.
+#[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
+pub enum ServiceDist {
+    /// Every call takes this many ms.
+    Fixed { ms: u64 },
+    /// Lognormal with this mean (ms) and shape σ.
+    Lognormal { mean_ms: u64, sigma: f64 },
+}
+
+impl ServiceDist {
+    pub fn mean_ms(&self) -> f64 {
+        match *self {
+            ServiceDist::Fixed { ms } => ms as f64,
+            ServiceDist::Lognormal { mean_ms, .. } => mean_ms as f64,
+        }
+    }
+
+    /// One call duration; `u1`, `u2` uniform in (0, 1] (Box–Muller for the lognormal).
+    pub fn draw(&self, u1: f64, u2: f64) -> u64 {
+        match *self {
+            ServiceDist::Fixed { ms } => ms,
+            ServiceDist::Lognormal { mean_ms, sigma } => {
+                let z = (-2.0 * u1.max(f64::MIN_POSITIVE).ln()).sqrt()
+                    * (2.0 * std::f64::consts::PI * u2).cos();
+                let mu = (mean_ms.max(1) as f64).ln() - sigma * sigma / 2.0;
+                (mu + sigma * z).exp().round().max(1.0) as u64
+            }
+        }
+    }
+
+    /// A shorter version for the smoke run (mean at most 100 ms).
+    pub fn smoke(self) -> Self {
+        match self {
+            ServiceDist::Fixed { ms } => ServiceDist::Fixed { ms: ms.min(100) },
+            ServiceDist::Lognormal { mean_ms, sigma } => ServiceDist::Lognormal {
+                mean_ms: mean_ms.min(100),
+                sigma,
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for ServiceDist {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            ServiceDist::Fixed { ms } => write!(f, "fixed:{ms}"),
+            ServiceDist::Lognormal { mean_ms, sigma } => write!(f, "lognormal:{mean_ms},{sigma}"),
+        }
+    }
+}
+
+impl std::str::FromStr for ServiceDist {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, Self::Err> {
+        let bad = || {
+            format!("`{s}`: expected fixed:MS or lognormal:MEAN_MS,SIGMA (e.g. lognormal:200,0.6)")
+        };
+        let (name, args) = s.split_once(':').ok_or_else(bad)?;
+        match name {
+            "fixed" => {
+                let ms: u64 = args.trim().parse().map_err(|_| bad())?;
+                if ms == 0 {
+                    return Err(bad());
+                }
+                Ok(ServiceDist::Fixed { ms })
+            }
+            "lognormal" => {
+                let (m, sg) = args.split_once(',').ok_or_else(bad)?;
+                let mean_ms: u64 = m.trim().parse().map_err(|_| bad())?;
+                let sigma: f64 = sg.trim().parse().map_err(|_| bad())?;
+                if mean_ms == 0 || !(0.0..=3.0).contains(&sigma) {
+                    return Err(bad());
+                }
+                Ok(ServiceDist::Lognormal { mean_ms, sigma })
+            }
+            _ => Err(bad()),
+        }
+    }
 }
 
 /// Worker dispatch policy to benchmark.
