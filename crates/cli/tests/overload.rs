@@ -197,7 +197,7 @@ async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_ca
     );
     let note = r.error.clone().unwrap_or_default();
     assert!(
-        note.contains("learned call duration") && note.contains("p90"),
+        note.contains("learned call duration") && note.contains("p99"),
         "{note}"
     );
     assert_eq!(r.backend_calls, 0);

@@ -9,8 +9,15 @@
 //! - **An exact quantile over a small sliding window**, not a streaming sketch: sketches
 //!   such as CKMS or t-digest summarize the whole stream and never forget, but a model
 //!   gets slower or faster (load, a bigger model behind the same label, a restart) and the
-//!   estimate has to follow it. An exact p90 over at most `window` samples (32 by default)
-//!   is a sort of 32 numbers per estimate, needs no dependency, and is easy to reason about.
+//!   estimate has to follow it. An exact quantile over at most `window` samples (128 by
+//!   default) is a sort of 128 numbers per estimate (about a microsecond), needs no
+//!   dependency, and is easy to reason about.
+//! - **p99 by default**: a call that takes longer than the budget it was admitted with is
+//!   cancelled at the deadline, and its model time is wasted. Admitting with the p90 left
+//!   one call in ten to be cancelled — the *longest* ones, so 10–18% of all model time with
+//!   lognormal call times (σ = 0.6, `lastcall bench goodput`); the p99 (the second longest
+//!   of the last 128 calls) wastes 1–8%, and under overload there is always a job with
+//!   enough budget to take the place of one refused. BENCHMARKS.md has the measurements.
 //! - **Nearest rank**: the quantile is the `r(n) = ⌈q·n⌉`-th smallest of the `n` samples
 //!   (1-based), so the estimate is always a duration that was actually observed.
 //!   (`q·n` is taken with a 1e-9 tolerance so that `0.7 × 10`, which is
@@ -19,8 +26,8 @@
 //!   is exactly `v`, whatever came before. A slowdown shows sooner: once the window is
 //!   full, `k = W − r(W) + 1` (`= ⌊(1−q)·W⌋ + 1`) observations of a slower `b` bring the
 //!   quantile to at least `b`, and `k − 1` do not
-//!   ([`ServiceTimeConfig::slowdown_observations`]; 4 with the defaults `W = 32`,
-//!   `q = 0.9`). With fewer samples in the window, `k` observations are still enough,
+//!   ([`ServiceTimeConfig::slowdown_observations`]; 2 with the defaults `W = 128`,
+//!   `q = 0.99`). With fewer samples in the window, `k` observations are still enough,
 //!   because `n − r(n)` never decreases with `n`.
 //! - **An age limit** (`max_age_ms`): a key not seen for ten minutes may run on a different
 //!   backend now, and an estimate from then is no better than the configured floor.
@@ -61,8 +68,8 @@ pub struct ServiceTimeConfig {
 impl Default for ServiceTimeConfig {
     fn default() -> Self {
         Self {
-            window: 32,
-            quantile: 0.9,
+            window: 128,
+            quantile: 0.99,
             min_samples: 3,
             max_age_ms: 600_000,
             max_keys: 256,
@@ -72,7 +79,7 @@ impl Default for ServiceTimeConfig {
 
 impl ServiceTimeConfig {
     /// The same settings brought into range: `window` in `1..=MAX_WINDOW`, `quantile` in
-    /// `(0, 1]` (a NaN becomes the default 0.9), `min_samples` in `1..=window`,
+    /// `(0, 1]` (a NaN becomes the default 0.99), `min_samples` in `1..=window`,
     /// `max_age_ms ≥ 1`, `max_keys ≥ 1`.
     pub fn clamped(self) -> Self {
         let window = self.window.clamp(1, MAX_WINDOW);
@@ -114,7 +121,7 @@ pub enum EstimateSource {
 /// What is known about a key's call durations at some `now_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
-    /// The configured high quantile (p90 by default), nearest rank: the minimum useful
+    /// The configured high quantile (p99 by default), nearest rank: the minimum useful
     /// runtime. Always one of the samples.
     pub quantile_ms: u64,
     /// The mean of the same samples, rounded to the nearest ms: for expected-wait
@@ -314,7 +321,7 @@ mod tests {
                 d.max_age_ms,
                 d.max_keys
             ),
-            (32, 0.9, 3, 600_000, 256)
+            (128, 0.99, 3, 600_000, 256)
         );
         assert_eq!(d.clamped(), d);
         let c = ServiceTimeConfig {
@@ -333,7 +340,7 @@ mod tests {
         assert_eq!(cfg(5000, 1.5, 0, 1).clamped().window, MAX_WINDOW);
         assert_eq!(cfg(5000, 1.5, 0, 1).clamped().quantile, 1.0);
         assert_eq!(cfg(5000, 1.5, 0, 1).clamped().min_samples, 1);
-        assert_eq!(cfg(8, f64::NAN, 20, 1).clamped().quantile, 0.9);
+        assert_eq!(cfg(8, f64::NAN, 20, 1).clamped().quantile, 0.99);
         assert_eq!(cfg(8, f64::NAN, 20, 1).clamped().min_samples, 8);
         assert_eq!(ServiceTimes::new(cfg(0, 0.9, 3, 1)).config().window, 1);
     }
@@ -348,7 +355,8 @@ mod tests {
         assert_eq!(nearest_rank(0.5, 5), 3);
         assert_eq!(nearest_rank(1.0, 7), 7);
         assert_eq!(nearest_rank(f64::MIN_POSITIVE, 7), 1);
-        assert_eq!(ServiceTimeConfig::default().slowdown_observations(), 4);
+        assert_eq!(ServiceTimeConfig::default().slowdown_observations(), 2);
+        assert_eq!(nearest_rank(0.99, 128), 127);
         assert_eq!(cfg(10, 1.0, 1, 1).slowdown_observations(), 1);
     }
 

@@ -757,7 +757,7 @@ fn learned_note(learned: Option<Estimate>, receipt: &Receipt) -> Option<String> 
         || reason.ends_with(lastcall_core::disposition::EXPECTED_WAIT_REASON))
     .then(|| {
         format!(
-            "learned call duration for this kind: p90 {} ms, mean {} ms over {} calls ({})",
+            "learned call duration for this kind: p99 {} ms, mean {} ms over {} calls ({})",
             e.quantile_ms,
             e.mean_ms,
             e.samples,
