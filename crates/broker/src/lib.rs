@@ -36,6 +36,10 @@ pub enum BrokerError {
         #[source]
         source: lapin::Error,
     },
+    #[error(
+        "no broker URL given: set LASTCALL_AMQP_URL or --amqp-url (a comma-separated list for a cluster)"
+    )]
+    NoUrl,
     #[error("broker error while {doing}: {source}")]
     Amqp {
         doing: &'static str,
@@ -44,10 +48,13 @@ pub enum BrokerError {
     },
 }
 
-/// An open connection to the broker.
+/// An open connection to the broker, and the node list it came from (for reconnecting).
 #[derive(Clone)]
 pub struct Broker {
     conn: std::sync::Arc<Connection>,
+    urls: std::sync::Arc<Vec<String>>,
+    /// Which of `urls` this connection went to.
+    node: usize,
 }
 
 impl std::fmt::Debug for Broker {
@@ -57,17 +64,148 @@ impl std::fmt::Debug for Broker {
 }
 
 impl Broker {
-    /// Connect; the URL's password is never logged.
-    pub async fn connect(url: &str) -> Result<Self, BrokerError> {
-        let conn = Connection::connect(url, ConnectionProperties::default())
-            .await
-            .map_err(|source| BrokerError::Connect {
-                url: redact(url),
-                source,
-            })?;
-        Ok(Self {
-            conn: std::sync::Arc::new(conn),
-        })
+    /// Connect to the first node that answers. `urls` is one AMQP URL or a comma-separated
+    /// list (the nodes of a cluster), tried in order; the error names the last failure.
+    /// Passwords are never logged.
+    pub async fn connect(urls: &str) -> Result<Self, BrokerError> {
+        let list: Vec<String> = urls
+            .split(',')
+            .map(str::trim)
+            .filter(|u| !u.is_empty())
+            .map(str::to_owned)
+            .collect();
+        Self::connect_list(std::sync::Arc::new(list), 0).await
+    }
+
+    /// Try the nodes starting at `first`, wrapping around, once each.
+    async fn connect_list(
+        urls: std::sync::Arc<Vec<String>>,
+        first: usize,
+    ) -> Result<Self, BrokerError> {
+        let mut last = None;
+        for i in 0..urls.len() {
+            let node = (first + i) % urls.len();
+            let url = &urls[node];
+            match Connection::connect(url, ConnectionProperties::default()).await {
+                Ok(conn) => {
+                    return Ok(Self {
+                        conn: std::sync::Arc::new(conn),
+                        urls,
+                        node,
+                    });
+                }
+                Err(source) => {
+                    last = Some(BrokerError::Connect {
+                        url: redact(url),
+                        source,
+                    })
+                }
+            }
+        }
+        Err(last.unwrap_or(BrokerError::NoUrl))
+    }
+
+    /// A new connection to the same node list, starting with the node after this one
+    /// (failover), retried with exponential backoff and jitter (0.2 s doubling to 10 s)
+    /// until it succeeds or `stop` fires (`None`). One log line when the wait starts
+    /// failing, one when it succeeds; `max_wait` bounds the whole wait (`None`: unbounded).
+    pub async fn reconnect(
+        &self,
+        stop: &tokio_util::sync::CancellationToken,
+        max_wait: Option<std::time::Duration>,
+    ) -> Option<Self> {
+        Self::connect_with_backoff(self.urls.clone(), self.node + 1, stop, max_wait).await
+    }
+
+    /// One pass over the node list, starting after this node, without waiting: for a
+    /// caller that must answer now (the publisher under a request).
+    pub async fn reconnect_once(&self) -> Result<Self, BrokerError> {
+        Self::connect_list(self.urls.clone(), self.node + 1).await
+    }
+
+    /// [`connect`](Self::connect), retried like [`reconnect`](Self::reconnect): for a
+    /// process that starts while the broker is down.
+    pub async fn connect_retrying(
+        urls: &str,
+        stop: &tokio_util::sync::CancellationToken,
+        max_wait: Option<std::time::Duration>,
+    ) -> Result<Self, BrokerError> {
+        match Self::connect(urls).await {
+            Ok(b) => Ok(b),
+            Err(e @ BrokerError::NoUrl) => Err(e),
+            Err(e) => {
+                tracing::warn!(error = %e, "broker not reachable; retrying with backoff");
+                let list = std::sync::Arc::new(
+                    urls.split(',')
+                        .map(str::trim)
+                        .filter(|u| !u.is_empty())
+                        .map(str::to_owned)
+                        .collect::<Vec<_>>(),
+                );
+                Self::connect_with_backoff(list, 0, stop, max_wait)
+                    .await
+                    .ok_or(e)
+            }
+        }
+    }
+
+    async fn connect_with_backoff(
+        urls: std::sync::Arc<Vec<String>>,
+        first: usize,
+        stop: &tokio_util::sync::CancellationToken,
+        max_wait: Option<std::time::Duration>,
+    ) -> Option<Self> {
+        let started = tokio::time::Instant::now();
+        let mut delay = std::time::Duration::from_millis(200);
+        let mut attempts = 0u32;
+        let mut first = first;
+        loop {
+            match Self::connect_list(urls.clone(), first).await {
+                Ok(b) => {
+                    tracing::info!(
+                        node = %redact(&b.urls[b.node]),
+                        attempts,
+                        after_ms = started.elapsed().as_millis() as u64,
+                        "broker connection established"
+                    );
+                    return Some(b);
+                }
+                Err(e) => {
+                    if attempts == 0 {
+                        tracing::warn!(error = %e, "broker unreachable; reconnecting with backoff");
+                    }
+                    attempts += 1;
+                    first = 0;
+                }
+            }
+            if max_wait.is_some_and(|m| started.elapsed() >= m) {
+                tracing::error!(
+                    attempts,
+                    "gave up reconnecting to the broker (--connect-timeout)"
+                );
+                return None;
+            }
+            // Full jitter on an exponential backoff: nodes do not all retry in step.
+            let jittered = delay.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+            tokio::select! {
+                _ = tokio::time::sleep(jittered) => {}
+                _ = stop.cancelled() => return None,
+            }
+            delay = (delay * 2).min(std::time::Duration::from_secs(10));
+        }
+    }
+
+    /// The node this connection went to (password hidden).
+    pub fn node(&self) -> String {
+        redact(&self.urls[self.node])
+    }
+
+    /// Resolves when the connection is no longer usable (closed or failed). Polls the
+    /// connection state; lapin reports a lost connection there.
+    pub async fn closed(&self) {
+        while self.is_connected() {
+            tokio::time::sleep(std::time::Duration::from_millis(250)).await;
+        }
     }
 
     pub(crate) async fn channel(&self) -> Result<lapin::Channel, BrokerError> {

@@ -50,10 +50,22 @@ impl PublishError {
 }
 
 /// A channel in confirm mode. One publish awaits its own confirm.
+///
+/// It heals itself: when its channel or connection is found closed at a publish, it
+/// reconnects (one pass over the broker's node list, no waiting) and opens a new confirm
+/// channel; if that fails the publish fails at once with the connection error, so a
+/// caller (the HTTP ingress) answers `503` promptly instead of hanging, and the next
+/// publish tries again. A message is only ever published on a channel whose confirm it
+/// then awaits: nothing is reported as accepted across a reconnect.
 #[derive(Clone)]
 pub struct Publisher {
-    channel: Channel,
+    inner: std::sync::Arc<tokio::sync::Mutex<Conn>>,
     confirm_timeout: Duration,
+}
+
+struct Conn {
+    broker: Broker,
+    channel: Channel,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -66,18 +78,35 @@ impl std::fmt::Debug for Publisher {
 
 impl Publisher {
     pub async fn new(broker: &Broker, confirm_timeout: Duration) -> Result<Self, BrokerError> {
-        let channel = broker.channel().await?;
-        channel
-            .confirm_select(ConfirmSelectOptions::default())
-            .await
-            .map_err(|source| BrokerError::Amqp {
-                doing: "enabling publisher confirms",
-                source,
-            })?;
+        let channel = confirm_channel(broker).await?;
         Ok(Self {
-            channel,
+            inner: std::sync::Arc::new(tokio::sync::Mutex::new(Conn {
+                broker: broker.clone(),
+                channel,
+            })),
             confirm_timeout,
         })
+    }
+
+    /// Whether the publisher's connection is up now (for readiness checks).
+    pub async fn is_connected(&self) -> bool {
+        let c = self.inner.lock().await;
+        c.broker.is_connected() && c.channel.status().connected()
+    }
+
+    /// The confirm channel to publish on, healed first if it is closed.
+    async fn channel(&self) -> Result<Channel, BrokerError> {
+        let mut c = self.inner.lock().await;
+        if c.channel.status().connected() {
+            return Ok(c.channel.clone());
+        }
+        if !c.broker.is_connected() {
+            let fresh = c.broker.reconnect_once().await?;
+            tracing::info!(node = %fresh.node(), "publisher reconnected to the broker");
+            c.broker = fresh;
+        }
+        c.channel = confirm_channel(&c.broker).await?;
+        Ok(c.channel.clone())
     }
 
     /// Publish a persistent message and wait for the broker's confirm.
@@ -108,8 +137,8 @@ impl Publisher {
         if let Some(ttl) = props.ttl_ms {
             properties = properties.with_expiration(ttl.to_string().into());
         }
-        let confirm = self
-            .channel
+        let channel = self.channel().await?;
+        let confirm = channel
             .basic_publish(
                 exchange.into(),
                 routing_key.into(),
@@ -139,4 +168,17 @@ impl Publisher {
             Confirmation::NotRequested => unreachable!("confirm mode is enabled in Publisher::new"),
         }
     }
+}
+
+/// A new channel in confirm mode.
+async fn confirm_channel(broker: &Broker) -> Result<Channel, BrokerError> {
+    let channel = broker.channel().await?;
+    channel
+        .confirm_select(ConfirmSelectOptions::default())
+        .await
+        .map_err(|source| BrokerError::Amqp {
+            doing: "enabling publisher confirms",
+            source,
+        })?;
+    Ok(channel)
 }

@@ -273,6 +273,11 @@ pub struct WorkerArgs {
     /// Worker name recorded in the ledger [default: host:pid]
     #[arg(long)]
     pub name: Option<String>,
+    /// Give up when the broker cannot be reached for this long at startup, in ms [default:
+    /// wait forever]. A lost connection later is always retried (with backoff and jitter,
+    /// failing over through the nodes of a comma-separated --amqp-url)
+    #[arg(long, value_name = "MS")]
+    pub connect_timeout_ms: Option<u64>,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]

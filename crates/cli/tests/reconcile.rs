@@ -1,6 +1,7 @@
 //! Reconciliation and reports: every accepted job of a mixed failure run ends in exactly
-//! one terminal outcome, `lastcall reconcile` proves it (and is idempotent), and
-//! `lastcall report` aggregates it. Real broker, real ledgers, the real binary.
+//! one terminal outcome, `lastcall reconcile` proves it (and is idempotent), a real
+//! outcome that arrives after reconciliation replaces `unknown` (a late outcome, counted),
+//! and `lastcall report` aggregates it. Real broker, real ledgers, the real binary.
 
 mod common;
 
@@ -98,6 +99,7 @@ async fn mixed_run(env: Env) {
     assert_eq!(v["marked_unknown"], json!(["orphan-1", "orphan-2"]));
     assert_eq!(v["unknown"], 2);
     assert_eq!(v["pending"], 1);
+    assert_eq!(v["late_outcomes"], 0);
     assert_eq!(v["total"], 7);
     assert_eq!(
         v["counts"],
@@ -112,11 +114,56 @@ async fn mixed_run(env: Env) {
     let (code3, _) = reconcile(&env, &["--grace-ms", "200", "--allow-unknown"]);
     assert_eq!(code3, 0);
 
-    // The late dead letters do not overwrite `unknown`: outcomes are written once.
+    let reconciled_at = |r: &lastcall_store::JobRecord| {
+        assert_eq!(r.state, "unknown");
+        r.reconciled_at_ms
+            .expect("marked unknown: reconciled_at_ms set")
+    };
+    let orphan_marked_at = reconciled_at(&env.ledger.get("orphan-1").await.unwrap().unwrap());
+    reconciled_at(&env.ledger.get("orphan-2").await.unwrap().unwrap());
+
+    // The DLQ processor comes back: the orphans' real outcome (expired at the broker)
+    // replaces `unknown`, counted once as recorded; `bad` already had its outcome and keeps
+    // it.
     let dlq = env.drain_dead_letters(false).await;
     assert_eq!(
-        dlq.kept_existing.load(std::sync::atomic::Ordering::Relaxed),
-        3
+        (
+            dlq.recorded.load(std::sync::atomic::Ordering::Relaxed),
+            dlq.kept_existing.load(std::sync::atomic::Ordering::Relaxed)
+        ),
+        (2, 1)
+    );
+    let orphan = env.ledger.get("orphan-1").await.unwrap().unwrap();
+    assert_eq!(
+        (orphan.state.as_str(), orphan.reason.as_deref()),
+        ("expired_before_receive", Some("broker_ttl_expired"))
+    );
+    assert_eq!(orphan.reconciled_at_ms, Some(orphan_marked_at), "kept");
+    assert!(orphan.recorded_at_ms.unwrap() >= orphan_marked_at);
+    assert_eq!(env.ledger.late_outcomes().await.unwrap(), 2);
+    let show = env.cli(&["jobs", "show", "orphan-1"]);
+    assert!(show.status.success(), "{}", text(&show.stderr));
+    assert!(
+        text(&show.stdout).contains(&format!("reconciled_at_ms: {orphan_marked_at}")),
+        "{}",
+        text(&show.stdout)
+    );
+    // The ledger part of `serve`'s /metrics.
+    let metrics = lastcall_http::MetricsSource {
+        ledger: Some(env.ledger.clone()),
+        ..Default::default()
+    }
+    .render()
+    .await;
+    assert_eq!(
+        lastcall_http::metrics::sample_value(&metrics, "lastcall_ledger_late_outcomes"),
+        Some(2.0),
+        "{metrics}"
+    );
+    assert_eq!(
+        lastcall_http::metrics::sample_value(&metrics, "lastcall_ledger_jobs{state=\"unknown\"}"),
+        Some(0.0),
+        "{metrics}"
     );
     // The last job runs to completion; then every accepted job is terminal.
     let w = env
@@ -125,10 +172,17 @@ async fn mixed_run(env: Env) {
     env.wait_terminal(&["pending".into()], Duration::from_secs(10))
         .await;
     w.stop().await;
+    // No job is `unknown` any more: reconciliation is clean, and names the late outcomes.
     let (code4, v4) = reconcile(&env, &["--grace-ms", "200"]);
     assert_eq!(
-        (code4, &v4["marked_unknown"], &v4["pending"]),
-        (3, &json!([]), &json!(0))
+        (code4, &v4["marked_unknown"], &v4["pending"], &v4["unknown"]),
+        (0, &json!([]), &json!(0), &json!(0))
+    );
+    assert_eq!(v4["late_outcomes"], 2);
+    assert_eq!(
+        v4["counts"],
+        json!({"completed": 2, "failed": 1, "expired_not_started": 1,
+               "expired_before_receive": 3})
     );
     let all = assert_all_terminal(
         &env,
@@ -155,9 +209,21 @@ async fn mixed_run(env: Env) {
         ("expired_not_started", Some("admission:deadline_passed"))
     );
     assert_eq!(state("bad"), ("failed", Some("sim_400")));
+    for id in ["orphan-1", "orphan-2"] {
+        assert_eq!(
+            state(id),
+            ("expired_before_receive", Some("broker_ttl_expired"))
+        );
+    }
+    let late: Vec<&str> = all
+        .iter()
+        .filter(|r| r.reconciled_at_ms.is_some())
+        .map(|r| r.job_id.as_str())
+        .collect();
     assert_eq!(
-        state("orphan-1"),
-        ("unknown", Some("no_outcome_after_deadline"))
+        late,
+        ["orphan-1", "orphan-2"],
+        "only the orphans were reconciled"
     );
     for id in ["exp-broker", "late", "orphan-1", "orphan-2"] {
         assert_eq!(sim.calls_for(id), 0, "{id} never reached the model");
@@ -176,12 +242,15 @@ async fn mixed_run(env: Env) {
             .find(|c| c["key"] == key)
             .map(|c| c["count"].as_u64().unwrap())
     };
-    assert_eq!(count("by_state", "unknown"), Some(2));
+    assert_eq!(count("by_state", "unknown"), None);
+    assert_eq!(count("by_state", "expired_before_receive"), Some(3));
     assert_eq!(count("by_state", "completed"), Some(2));
     assert_eq!(count("by_kind", "incident.summary"), Some(6));
     assert_eq!(count("by_reason", "failed/sim_400"), Some(1));
-    assert_eq!(count("by_error_class", "deadline"), Some(2));
-    assert_eq!(count("by_error_class", "unaccounted"), Some(2));
+    assert_eq!(count("by_error_class", "deadline"), Some(4));
+    assert_eq!(count("by_error_class", "unaccounted"), None);
+    assert_eq!(r["late_outcomes"], 2);
+    assert_eq!(count("late_by_state", "expired_before_receive"), Some(2));
     assert_eq!(count("by_error_class", "backend_terminal"), Some(1));
     assert!(
         r["top_errors"]
@@ -203,10 +272,23 @@ async fn mixed_run(env: Env) {
     assert!(csv.status.success());
     let csv = text(&csv.stdout);
     assert!(csv.starts_with("section,key,count,p50_ms,p90_ms,p99_ms,max_ms\n"));
-    assert!(csv.contains("state,unknown,2,,,,\n"), "{csv}");
+    assert!(
+        csv.contains("state,expired_before_receive,3,,,,\n"),
+        "{csv}"
+    );
+    assert!(csv.contains("late_outcome,total,2,,,,\n"), "{csv}");
+    assert!(
+        csv.contains("late_outcome,expired_before_receive,2,,,,\n"),
+        "{csv}"
+    );
     let table = env.cli(&["report"]);
     assert!(table.status.success());
-    assert!(text(&table.stdout).contains("expired_before_receive"));
+    let table = text(&table.stdout);
+    assert!(table.contains("expired_before_receive"));
+    assert!(
+        table.contains("real outcome recorded later): 2\n"),
+        "{table}"
+    );
     // A window that ends before anything was recorded is empty, not an error.
     let empty = env.cli(&["report", "--since", "1ms", "--format", "json"]);
     assert!(empty.status.success());

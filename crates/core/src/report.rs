@@ -3,6 +3,11 @@
 //! Pure aggregation: the caller reads the ledger and passes one [`ReportRow`] per job; the
 //! window bounds are values, not clock reads. Percentiles use the nearest-rank method, so
 //! every reported value is one that was actually observed.
+//!
+//! A *late outcome* (late truth) is a job that reconciliation marked `unknown` and whose
+//! real outcome arrived afterwards and replaced it: it has a `reconciled_at_ms` and a state
+//! other than `unknown`. It is counted under its real state like any job, and again in
+//! [`Report::late_outcomes`].
 
 use crate::outcome::State;
 use serde::Serialize;
@@ -17,6 +22,15 @@ pub struct ReportRow {
     pub error: Option<String>,
     pub created_at_ms: Option<i64>,
     pub recorded_at_ms: Option<i64>,
+    /// When reconciliation marked the job `unknown`, if it did (kept after a late outcome).
+    pub reconciled_at_ms: Option<i64>,
+}
+
+impl ReportRow {
+    /// Marked `unknown` by reconciliation, then given its real outcome (see the module doc).
+    pub fn is_late_outcome(&self) -> bool {
+        self.reconciled_at_ms.is_some() && self.state != State::Unknown.as_str()
+    }
 }
 
 /// One counted key.
@@ -55,6 +69,10 @@ pub struct Report {
     /// The most frequent error messages (first line, clipped), most frequent first.
     pub top_errors: Vec<Count>,
     pub latency: Vec<Latency>,
+    /// Late outcomes in the window: jobs marked `unknown` whose real outcome arrived later.
+    pub late_outcomes: u64,
+    /// The late outcomes by their real state, in [`State::ALL`] order.
+    pub late_by_state: Vec<Count>,
 }
 
 /// How many error messages [`build`] lists.
@@ -124,8 +142,12 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
     let mut class = BTreeMap::<String, u64>::new();
     let mut errors = BTreeMap::<String, u64>::new();
     let mut times = BTreeMap::<String, Vec<i64>>::new();
+    let mut late = BTreeMap::<String, u64>::new();
     for r in rows {
         *state.entry(r.state.clone()).or_default() += 1;
+        if r.is_late_outcome() {
+            *late.entry(r.state.clone()).or_default() += 1;
+        }
         *kind.entry(r.kind.clone()).or_default() += 1;
         if let Some(reas) = &r.reason {
             *reason.entry(format!("{}/{reas}", r.state)).or_default() += 1;
@@ -143,15 +165,8 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
                 .push(rec.saturating_sub(c));
         }
     }
-    let mut by_state: Vec<Count> = state
-        .into_iter()
-        .map(|(key, count)| Count { key, count })
-        .collect();
-    by_state.sort_by(|a, b| {
-        state_rank(&a.key)
-            .cmp(&state_rank(&b.key))
-            .then_with(|| a.key.cmp(&b.key))
-    });
+    let by_state = in_state_order(state);
+    let late_by_state = in_state_order(late);
     let mut latency: Vec<Latency> = times
         .into_iter()
         .map(|(state, mut v)| {
@@ -184,7 +199,23 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
         by_error_class: counted(class),
         top_errors,
         latency,
+        late_outcomes: late_by_state.iter().map(|c| c.count).sum(),
+        late_by_state,
     }
+}
+
+/// Counts keyed by state name, in [`State::ALL`] order (other names after, by name).
+fn in_state_order(map: BTreeMap<String, u64>) -> Vec<Count> {
+    let mut v: Vec<Count> = map
+        .into_iter()
+        .map(|(key, count)| Count { key, count })
+        .collect();
+    v.sort_by(|a, b| {
+        state_rank(&a.key)
+            .cmp(&state_rank(&b.key))
+            .then_with(|| a.key.cmp(&b.key))
+    });
+    v
 }
 
 #[cfg(test)]
@@ -206,6 +237,7 @@ mod tests {
             error: None,
             created_at_ms: Some(created),
             recorded_at_ms: Some(recorded),
+            reconciled_at_ms: None,
         }
     }
 
@@ -278,6 +310,78 @@ mod tests {
             (done.state.as_str(), done.count, done.p50_ms, done.max_ms),
             ("completed", 2, 100, 300)
         );
+    }
+
+    #[test]
+    fn late_outcomes_are_counted_once_under_their_real_state() {
+        let reconciled = |r: ReportRow| ReportRow {
+            reconciled_at_ms: Some(5_000),
+            ..r
+        };
+        let rows = vec![
+            // Marked unknown, then the real outcomes arrived.
+            reconciled(row("completed", "a", None, 0, 9_000)),
+            reconciled(row(
+                "expired_before_receive",
+                "a",
+                Some("broker_ttl_expired"),
+                0,
+                7_000,
+            )),
+            reconciled(row(
+                "expired_before_receive",
+                "b",
+                Some("broker_ttl_expired"),
+                0,
+                8_000,
+            )),
+            // Still unknown: not a late outcome.
+            reconciled(row(
+                "unknown",
+                "c",
+                Some("no_outcome_after_deadline"),
+                0,
+                5_000,
+            )),
+            // Never reconciled.
+            row("completed", "a", None, 0, 100),
+        ];
+        assert!(rows[0].is_late_outcome());
+        assert!(!rows[3].is_late_outcome() && !rows[4].is_late_outcome());
+        let r = build(&rows, 0, 10_000);
+        assert_eq!(r.late_outcomes, 3);
+        let late: Vec<(&str, u64)> = r
+            .late_by_state
+            .iter()
+            .map(|c| (c.key.as_str(), c.count))
+            .collect();
+        assert_eq!(late, [("completed", 1), ("expired_before_receive", 2)]);
+        // Counted under their real state (once), and classed by it, not as `unaccounted`.
+        let by_state: Vec<(&str, u64)> = r
+            .by_state
+            .iter()
+            .map(|c| (c.key.as_str(), c.count))
+            .collect();
+        assert_eq!(
+            by_state,
+            [
+                ("completed", 2),
+                ("expired_before_receive", 2),
+                ("unknown", 1)
+            ]
+        );
+        assert_eq!(r.total, 5);
+        let class = |k: &str| {
+            r.by_error_class
+                .iter()
+                .find(|c| c.key == k)
+                .map(|c| c.count)
+        };
+        assert_eq!(class("deadline"), Some(2));
+        assert_eq!(class("unaccounted"), Some(1));
+        // Nothing reconciled: zero, and an empty breakdown.
+        let none = build(&rows[4..], 0, 10_000);
+        assert_eq!((none.late_outcomes, none.late_by_state.len()), (0, 0));
     }
 
     #[test]

@@ -125,6 +125,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         ));
     Router::new()
         .route("/healthz", get(healthz))
+        .route("/readyz", get(serve_readyz))
         .merge(protected)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .layer(middleware::from_fn_with_state(
@@ -143,7 +144,62 @@ pub fn metrics_app(source: MetricsSource) -> Router {
             get(|State(s): State<Arc<MetricsSource>>| async move { exposition(s.render().await) }),
         )
         .route("/healthz", get(healthz))
+        .route(
+            "/readyz",
+            get(|State(s): State<Arc<MetricsSource>>| async move {
+                readiness(source_checks(&s).await)
+            }),
+        )
         .with_state(Arc::new(source))
+}
+
+/// `/readyz` of `lastcall serve`: the publisher's broker connection, the ledger (a read
+/// within 2 s), and the dead-letter task when it runs.
+async fn serve_readyz(State(state): State<Arc<AppState>>) -> Response {
+    let mut checks = vec![("broker", state.submitter.broker_ready().await)];
+    let ledger = tokio::time::timeout(
+        std::time::Duration::from_secs(2),
+        state.ledger.get("lastcall-readyz-probe"),
+    )
+    .await;
+    checks.push(("ledger", matches!(ledger, Ok(Ok(_)))));
+    checks.extend(source_checks(&state.metrics).await);
+    readiness(checks)
+}
+
+/// Readiness of what a [`MetricsSource`] holds: the worker's broker connection and ledger,
+/// the dead-letter processor's connection.
+async fn source_checks(s: &MetricsSource) -> Vec<(&'static str, bool)> {
+    use std::sync::atomic::Ordering::Relaxed;
+    let mut checks = Vec::new();
+    if let Some(w) = &s.worker {
+        checks.push(("broker", w.broker_connected.load(Relaxed)));
+        checks.push(("ledger", w.ledger_healthy.load(Relaxed)));
+    }
+    if let Some(d) = &s.dlq {
+        checks.push(("dead_letter_processor", d.connected.load(Relaxed)));
+    }
+    checks
+}
+
+/// `200 {"ready": true, …}` when every check passes, else `503` naming what is down.
+fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
+    let down: Vec<&str> = checks
+        .iter()
+        .filter(|(_, ok)| !ok)
+        .map(|(n, _)| *n)
+        .collect();
+    let body = serde_json::json!({
+        "ready": down.is_empty(),
+        "down": down,
+        "checks": checks.iter().map(|(n, ok)| (n.to_string(), serde_json::Value::Bool(*ok))).collect::<serde_json::Map<_, _>>(),
+    });
+    let status = if down.is_empty() {
+        axum::http::StatusCode::OK
+    } else {
+        axum::http::StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(body)).into_response()
 }
 
 /// Serve `router` on `addr` until `stop` fires. Returns the bound address through

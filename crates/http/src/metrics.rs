@@ -53,6 +53,30 @@ impl MetricsSource {
                     v,
                 );
             }
+            family(
+                &mut out,
+                "lastcall_dlq_connected",
+                "gauge",
+                "1 while the dead-letter processor consumes on a live connection",
+            );
+            sample(
+                &mut out,
+                "lastcall_dlq_connected",
+                &[],
+                i64::from(d.connected.load(Ordering::Relaxed)),
+            );
+            family(
+                &mut out,
+                "lastcall_dlq_reconnects_total",
+                "counter",
+                "Broker connections the dead-letter processor lost and re-established",
+            );
+            sample(
+                &mut out,
+                "lastcall_dlq_reconnects_total",
+                &[],
+                d.reconnects.load(Ordering::Relaxed),
+            );
         }
         if let Some(p) = &self.depth {
             render_depths(&p.depths().await, &mut out);
@@ -81,6 +105,18 @@ impl MetricsSource {
                     }
                 }
                 Err(e) => tracing::warn!(error = %e, "metrics: cannot count ledger states"),
+            }
+            match l.late_outcomes().await {
+                Ok(n) => {
+                    family(
+                        &mut out,
+                        "lastcall_ledger_late_outcomes",
+                        "gauge",
+                        "Jobs marked unknown by reconciliation whose real outcome was recorded later",
+                    );
+                    sample(&mut out, "lastcall_ledger_late_outcomes", &[], n);
+                }
+                Err(e) => tracing::warn!(error = %e, "metrics: cannot count late outcomes"),
             }
         }
         if let Some(h) = &self.http {
@@ -116,7 +152,12 @@ impl MetricsSource {
 }
 
 fn render_worker(w: &WorkerStats, out: &mut String) {
-    let counters: [(&str, &AtomicU64, &str); 7] = [
+    let counters: [(&str, &AtomicU64, &str); 8] = [
+        (
+            "lastcall_worker_reconnects_total",
+            &w.reconnects,
+            "Broker connections lost and re-established",
+        ),
         (
             "lastcall_worker_received_total",
             &w.received,
@@ -159,7 +200,17 @@ fn render_worker(w: &WorkerStats, out: &mut String) {
     }
     let m = &w.metrics;
     let (busy, total) = m.slots().unwrap_or((0, 0));
-    let gauges: [(&str, i64, &str); 6] = [
+    let gauges: [(&str, i64, &str); 8] = [
+        (
+            "lastcall_worker_broker_connected",
+            i64::from(w.broker_connected.load(Ordering::Relaxed)),
+            "1 while the worker consumes on a live broker connection",
+        ),
+        (
+            "lastcall_worker_ledger_healthy",
+            i64::from(w.ledger_healthy.load(Ordering::Relaxed)),
+            "1 unless ledger writes are failing (intake paused)",
+        ),
         (
             "lastcall_worker_jobs_waiting",
             w.waiting.load(Ordering::Relaxed),

@@ -8,10 +8,20 @@
 //! place that spells a dialect's JSON functions.
 //!
 //! **Invariant (write-once):** a terminal outcome is written by
-//! `INSERT … ON CONFLICT (job_id) DO UPDATE … WHERE jobs.state IN ('accepted', 'running')`.
+//! `INSERT … ON CONFLICT (job_id) DO UPDATE … WHERE jobs.state IN ('accepted', 'running')
+//! OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')`.
 //! Under concurrency the conflicting row is locked (PostgreSQL) or the database is
 //! write-locked (SQLite), so exactly one writer sees one affected row; everyone else sees
 //! zero and gets `false`.
+//!
+//! **`unknown` yields to the truth:** `unknown` (set only by [`Ledger::mark_unknown`]:
+//! nothing was recorded by deadline + grace) is a terminal state that says "we do not
+//! know", not an outcome. It is the only terminal state that a later real outcome (any
+//! other terminal state) replaces; that write is the job's one recorded outcome, so it
+//! returns `true` (the worker or dead-letter processor counts it once). Any other terminal
+//! state is never overwritten, and `unknown` over `unknown` changes nothing. The job keeps
+//! `reconciled_at_ms` (set by `mark_unknown`, in no upsert's column list), so a late truth
+//! is `reconciled_at_ms IS NOT NULL AND state <> 'unknown'` ([`Ledger::late_outcomes`]).
 //!
 //! **Invariant (counters):** a job's attempt count and model-call count are never stored:
 //! every read counts its `attempts` rows (`attempts_job_id` index), so no write can lose a
@@ -65,9 +75,9 @@ macro_rules! job_columns {
              (SELECT COUNT(*) FROM attempts a WHERE a.job_id = jobs.job_id) AS attempts, ",
             backend_calls!(),
             " AS backend_calls, created_at_ms, expires_at_ms, accepted_at_ms, received_at_ms, \
-             checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, worker, result, \
-             error, trace_id, prompt_tokens, completion_tokens, latency_ms, cancel_requested, \
-             cancel_confirmed"
+             checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, reconciled_at_ms, \
+             worker, result, error, trace_id, prompt_tokens, completion_tokens, latency_ms, \
+             cancel_requested, cancel_confirmed"
         )
     };
 }
@@ -112,7 +122,9 @@ const UPSERT_ATTEMPT_START: &str = "INSERT INTO attempts \
      received_at_ms = excluded.received_at_ms, checked_at_ms = excluded.checked_at_ms, \
      started_at_ms = excluded.started_at_ms, state = 'running', model_called = TRUE";
 
-/// The write-once terminal outcome. One affected row means this call wrote it.
+/// The write-once terminal outcome. One affected row means this call wrote it: over a
+/// non-terminal row, or a real outcome over `unknown` (see the module doc); it never names
+/// `reconciled_at_ms`, so a replaced `unknown` keeps it.
 const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
      (job_id, kind, state, reason, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
       started_at_ms, finished_at_ms, recorded_at_ms, worker, result, error, prompt_tokens, \
@@ -130,7 +142,8 @@ const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
      prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens, \
      latency_ms = excluded.latency_ms, cancel_requested = excluded.cancel_requested, \
      cancel_confirmed = excluded.cancel_confirmed \
-     WHERE jobs.state IN ('accepted', 'running')";
+     WHERE jobs.state IN ('accepted', 'running') \
+     OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')";
 
 /// A non-terminal decision (e.g. a retry): moves the live state, never a terminal one.
 const UPSERT_JOB_LIVE: &str = "INSERT INTO jobs \
@@ -331,7 +344,7 @@ fn run_params(
 }
 
 const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
-     reason = 'no_outcome_after_deadline', recorded_at_ms = $1 \
+     reason = 'no_outcome_after_deadline', recorded_at_ms = $1, reconciled_at_ms = $1 \
      WHERE state IN ('accepted', 'running') AND expires_at_ms < $2 \
      RETURNING job_id";
 
@@ -344,6 +357,9 @@ const SELECT_ATTEMPTS: &str = concat!(
      ORDER BY attempt, COALESCE(received_at_ms, started_at_ms, finished_at_ms, 0), attempt_key"
 );
 const SELECT_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY state";
+/// Late truths (the `jobs_reconciled` partial index covers it).
+const SELECT_LATE_OUTCOMES: &str = "SELECT COUNT(*) FROM jobs \
+     WHERE reconciled_at_ms IS NOT NULL AND state <> 'unknown'";
 const SELECT_SINCE: &str = concat!(
     "SELECT ",
     job_columns!(),
@@ -661,11 +677,12 @@ impl Ledger {
 
     /// One delivery's decision, in one transaction: upserts the attempt row by
     /// `attempt_key`, and if `rec.state` is terminal writes the job's terminal outcome
-    /// unless it already has one.
+    /// unless it already has one (`unknown` does not count as one: a real outcome replaces
+    /// it, see the module doc).
     ///
-    /// `Ok(true)` if this call wrote the terminal outcome; `Ok(false)` if one existed (it is
-    /// kept unchanged) or `rec.state` is not terminal. An unknown state name or an empty
-    /// `attempt_key` is `Fatal`.
+    /// `Ok(true)` if this call wrote the terminal outcome (also a real outcome replacing
+    /// `unknown`); `Ok(false)` if one existed (it is kept unchanged) or `rec.state` is not
+    /// terminal. An unknown state name or an empty `attempt_key` is `Fatal`.
     pub async fn record_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
         LedgerWrite::validate_outcome(rec)?;
         self.write_outcome(rec).await
@@ -906,8 +923,9 @@ impl Ledger {
     }
 
     /// Reconciliation: every non-terminal job whose `expires_at_ms + grace_ms < now_ms` gets
-    /// the terminal state `unknown` (reason `no_outcome_after_deadline`, recorded at
-    /// `now_ms`). Returns the ids marked, sorted. Idempotent.
+    /// the terminal state `unknown` (reason `no_outcome_after_deadline`, recorded and
+    /// reconciled at `now_ms`). Returns the ids marked, sorted. Idempotent. A real outcome
+    /// written later replaces `unknown` and keeps `reconciled_at_ms` (a late outcome).
     pub async fn mark_unknown(
         &self,
         now_ms: i64,
@@ -933,6 +951,18 @@ impl Ledger {
             );
         }
         Ok(ids)
+    }
+
+    /// Late outcomes (late truths): jobs that reconciliation marked `unknown` and that got
+    /// their real outcome afterwards (`reconciled_at_ms` set, state no longer `unknown`).
+    pub async fn late_outcomes(&self) -> Result<i64, StoreError> {
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_LATE_OUTCOMES)
+                .fetch_one(pool)
+                .await
+                .and_then(|row| row.try_get(0))
+                .map_err(db("counting late outcomes"))
+        })
     }
 
     /// Records with `recorded_at_ms >= since_ms`, by recorded time then job id.
@@ -1047,6 +1077,7 @@ where
         started_at_ms: row.try_get("started_at_ms")?,
         finished_at_ms: row.try_get("finished_at_ms")?,
         recorded_at_ms: row.try_get("recorded_at_ms")?,
+        reconciled_at_ms: row.try_get("reconciled_at_ms")?,
         worker: row.try_get("worker")?,
         result: row.try_get("result")?,
         error: row.try_get("error")?,
@@ -1106,6 +1137,33 @@ mod tests {
         ] {
             assert!(sql.contains(NON_TERMINAL_SQL), "{sql}");
         }
+    }
+
+    #[test]
+    fn only_the_terminal_upsert_lets_a_real_outcome_replace_unknown() {
+        let unknown = State::Unknown.as_str();
+        assert!(State::Unknown.is_terminal());
+        let clause = format!("OR (jobs.state = '{unknown}' AND excluded.state <> '{unknown}')");
+        assert!(
+            UPSERT_JOB_TERMINAL.ends_with(&clause),
+            "{UPSERT_JOB_TERMINAL}"
+        );
+        for d in [Dialect::Sqlite, Dialect::Postgres] {
+            let batched = &run_statements(d)[1];
+            assert!(
+                batched.ends_with(&format!("{clause} RETURNING job_id")),
+                "{batched}"
+            );
+        }
+        // A start or a retry never moves an `unknown` job, and no upsert touches when it
+        // was reconciled.
+        for sql in [UPSERT_JOB_RUNNING, UPSERT_JOB_LIVE] {
+            assert!(!sql.contains(unknown), "{sql}");
+        }
+        for sql in [UPSERT_JOB_RUNNING, UPSERT_JOB_TERMINAL, UPSERT_JOB_LIVE] {
+            assert!(!sql.contains("reconciled_at_ms"), "{sql}");
+        }
+        assert!(MARK_UNKNOWN.contains("reconciled_at_ms = $1"));
     }
 
     #[test]

@@ -1,12 +1,17 @@
 //! The ledger of lastcall: SQLite (embedded default) and PostgreSQL through sqlx.
 //!
 //! **Invariant:** one terminal outcome per `job_id`, written once. A second terminal write
-//! for the same job never overwrites the first; it reports `false` instead.
+//! for the same job never overwrites the first; it reports `false` instead. The one
+//! exception is `unknown`, reconciliation's "no outcome after deadline + grace": it is the
+//! only terminal state that a later *real* outcome (any terminal state but `unknown`)
+//! replaces, once; that write reports `true`. The job keeps `reconciled_at_ms` (when it
+//! was marked `unknown`), so such late truths are counted ([`Ledger::late_outcomes`]).
 //! **Invariant:** the worker acks a delivery only after `record_outcome` returned `Ok`.
 //!
 //! Tables (see `migrations/`):
 //! - `jobs`: one row per job id: the inventory (`accepted`), the live state (`running`) and
-//!   the terminal outcome with its timings, result/error and counters.
+//!   the terminal outcome with its timings and result/error; `reconciled_at_ms` once
+//!   reconciliation marked it `unknown` (kept if the real outcome arrives later).
 //! - `attempts`: one row per delivery that reached a decision (trace rows): received,
 //!   checked, started, finished and acked times, the broker's redelivered flag, the decision
 //!   and whether the model was called.
@@ -133,6 +138,10 @@ pub struct JobRecord {
     pub started_at_ms: Option<i64>,
     pub finished_at_ms: Option<i64>,
     pub recorded_at_ms: Option<i64>,
+    /// When reconciliation marked the job `unknown` (`None` if it never did). Kept when
+    /// the real outcome arrived later and replaced `unknown`: then `state` is that
+    /// outcome, `recorded_at_ms` its time, and the job is a *late outcome*.
+    pub reconciled_at_ms: Option<i64>,
     pub worker: Option<String>,
     pub result: Option<String>,
     pub error: Option<String>,

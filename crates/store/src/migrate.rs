@@ -33,6 +33,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0002_counters_on_read.sql"),
         postgres: include_str!("../migrations/postgres/0002_counters_on_read.sql"),
     },
+    Migration {
+        version: 3,
+        name: "reconciled_at",
+        sqlite: include_str!("../migrations/sqlite/0003_reconciled_at.sql"),
+        postgres: include_str!("../migrations/postgres/0003_reconciled_at.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

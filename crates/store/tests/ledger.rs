@@ -18,6 +18,8 @@ use lastcall_store::{
 use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
+/// The newest schema version this build migrates to.
+const LATEST_VERSION: i64 = 3;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -205,6 +207,7 @@ both_backends!(
     ack_marks_ride_along_with_a_group_commit,
     migrations_are_idempotent,
     a_version_1_ledger_upgrades_and_counts_its_attempts,
+    a_version_2_ledger_upgrades_to_version_3_in_place,
     accepted_then_outcome,
     terminal_outcome_is_written_once,
     start_then_outcome_counts_one_call,
@@ -224,6 +227,11 @@ both_backends!(
     group_commit_of_a_large_batch_uses_several_statements,
     receipt_info_many_matches_receipt_info,
     ingress_claims_an_id_once_then_stamps_or_releases_it,
+    a_late_outcome_replaces_unknown_once,
+    a_slow_workers_completion_replaces_unknown_through_a_group_commit,
+    unknown_over_unknown_changes_nothing,
+    concurrent_late_outcomes_have_one_winner,
+    late_outcomes_count_only_replaced_unknowns,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -330,11 +338,14 @@ async fn migrations_are_idempotent(db: &TestDb) {
         assert_eq!(must_get(&again, "j1").await.state, "accepted");
         again.close().await;
     }
-    assert_eq!(db.scalar("SELECT COUNT(*) FROM schema_migrations").await, 2);
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM schema_migrations").await,
+        LATEST_VERSION
+    );
     assert_eq!(
         db.scalar("SELECT MAX(version) FROM schema_migrations")
             .await,
-        2
+        LATEST_VERSION
     );
 }
 
@@ -367,7 +378,90 @@ async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
     assert_eq!(
         db.scalar("SELECT MAX(version) FROM schema_migrations")
             .await,
-        2
+        LATEST_VERSION
+    );
+}
+
+/// A ledger written by a version-2 binary (no `reconciled_at_ms`) is upgraded to version 3
+/// in place: its rows survive, an `unknown` it holds gets its reconciliation time from its
+/// `recorded_at_ms` (only reconciliation ever wrote `unknown`), and a late outcome then
+/// replaces it and is counted.
+async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
+    let (v1, v2) = match db.backend {
+        Backend::Sqlite => (
+            include_str!("../migrations/sqlite/0001_init.sql"),
+            include_str!("../migrations/sqlite/0002_counters_on_read.sql"),
+        ),
+        Backend::Postgres => (
+            include_str!("../migrations/postgres/0001_init.sql"),
+            include_str!("../migrations/postgres/0002_counters_on_read.sql"),
+        ),
+    };
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DELETE FROM schema_migrations")
+        .await;
+    db.exec(v1).await;
+    db.exec(v2).await;
+    db.exec(
+        "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES \
+         (1, 'init', 0), (2, 'counters_on_read', 0); \
+         INSERT INTO jobs (job_id, kind, state, reason, expires_at_ms, recorded_at_ms) VALUES \
+         ('lost', 'chat', 'unknown', 'no_outcome_after_deadline', 100, 1500), \
+         ('done', 'chat', 'completed', NULL, 100, 90), \
+         ('live', 'chat', 'running', NULL, 60000, NULL); \
+         INSERT INTO attempts (attempt_key, job_id, attempt, worker, model_called) \
+         VALUES ('live:1', 'live', 1, 'w', TRUE)",
+    )
+    .await;
+    let upgraded = Ledger::connect(&db.url).await.expect("upgrade");
+    assert_eq!(
+        db.scalar("SELECT MAX(version) FROM schema_migrations")
+            .await,
+        LATEST_VERSION
+    );
+    let lost = must_get(&upgraded, "lost").await;
+    assert_eq!(
+        (
+            lost.state.as_str(),
+            lost.recorded_at_ms,
+            lost.reconciled_at_ms
+        ),
+        ("unknown", Some(1_500), Some(1_500))
+    );
+    assert_eq!(must_get(&upgraded, "done").await.reconciled_at_ms, None);
+    let live = must_get(&upgraded, "live").await;
+    assert_eq!(
+        (
+            live.state.as_str(),
+            live.backend_calls,
+            live.reconciled_at_ms
+        ),
+        ("running", 1, None)
+    );
+    assert_eq!(upgraded.late_outcomes().await.unwrap(), 0);
+    // The upgraded ledger follows the new rule.
+    assert!(
+        upgraded
+            .record_terminal(&OutcomeRecord {
+                reason: Some("broker_ttl_expired".into()),
+                ..outcome("lost", "", State::ExpiredBeforeReceive, 2_000)
+            })
+            .await
+            .unwrap()
+    );
+    let lost = must_get(&upgraded, "lost").await;
+    assert_eq!(
+        (lost.state.as_str(), lost.reconciled_at_ms),
+        ("expired_before_receive", Some(1_500))
+    );
+    assert_eq!(upgraded.late_outcomes().await.unwrap(), 1);
+    upgraded.close().await;
+    // Connecting again applies nothing.
+    let again = Ledger::connect(&db.url).await.expect("reconnect");
+    assert_eq!(again.late_outcomes().await.unwrap(), 1);
+    again.close().await;
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM schema_migrations").await,
+        LATEST_VERSION
     );
 }
 
@@ -886,16 +980,19 @@ async fn mark_unknown_only_after_deadline_plus_grace(db: &TestDb) {
     assert_eq!(must_get(l, "b").await.state, "unknown");
     assert_eq!(must_get(l, "c").await.state, "accepted");
     assert_eq!(must_get(l, "d").await.state, "completed");
+    assert_eq!(a.reconciled_at_ms, Some(2_001));
+    assert_eq!(must_get(l, "c").await.reconciled_at_ms, None);
+    assert_eq!(must_get(l, "d").await.reconciled_at_ms, None);
     assert!(l.receipt_info("a").await.unwrap().already_recorded);
-    // Unknown is terminal: a late outcome does not replace it.
+    // Marking again later moves nothing: not the time, not the reason.
     assert!(
-        !l.record_outcome(&completed("a", "late", 2_500, "x"))
+        l.mark_unknown(9_000, 0)
             .await
             .unwrap()
+            .contains(&"c".to_owned())
     );
-    assert_eq!(must_get(l, "a").await.state, "unknown");
-
-    assert_eq!(l.mark_unknown(6_001, 1_000).await.unwrap(), ["c"]);
+    assert_eq!(must_get(l, "a").await, a);
+    assert_eq!(must_get(l, "c").await.reconciled_at_ms, Some(9_000));
     // Huge grace never overflows.
     assert!(l.mark_unknown(i64::MIN, i64::MAX).await.unwrap().is_empty());
 }
@@ -1383,5 +1480,379 @@ async fn ingress_claims_an_id_once_then_stamps_or_releases_it(db: &TestDb) {
             .await
             .unwrap()
             .contains(&"c3".to_owned())
+    );
+}
+
+/// A job reconciled `unknown` and a (hypothetical) late outcome for it, as the dead-letter
+/// processor writes one: no attempt row.
+fn expired_late(job_id: &str, recorded_at_ms: i64) -> OutcomeRecord {
+    OutcomeRecord {
+        reason: Some("broker_ttl_expired".into()),
+        decision: "dead_letter_processed".into(),
+        ..outcome(job_id, "", State::ExpiredBeforeReceive, recorded_at_ms)
+    }
+}
+
+/// `unknown` is the only terminal state a real outcome replaces, once; when it was
+/// reconciled is kept, and the job row and its attempt rows agree afterwards.
+async fn a_late_outcome_replaces_unknown_once(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("j1", "chat", 10, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(l.mark_unknown(5_000, 1_000).await.unwrap(), ["j1"]);
+    let marked = must_get(l, "j1").await;
+    assert_eq!(
+        (marked.state.as_str(), marked.reconciled_at_ms),
+        ("unknown", Some(5_000))
+    );
+    assert_eq!(l.late_outcomes().await.unwrap(), 0);
+
+    // The real outcome arrives late: it is the job's one recorded outcome (`true`).
+    let late = OutcomeRecord {
+        expires_at_ms: Some(1_000),
+        ..completed("j1", "w1:c1:1", 6_000, "late truth")
+    };
+    assert!(l.record_outcome(&late).await.unwrap());
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "completed");
+    assert_eq!(job.reason, None, "the reconciliation's reason is gone");
+    assert_eq!(job.result.as_deref(), Some("late truth"));
+    assert_eq!(job.recorded_at_ms, Some(6_000));
+    assert_eq!(job.reconciled_at_ms, Some(5_000), "kept");
+    assert_eq!((job.attempts, job.backend_calls), (1, 1));
+    // What only the producer knew is kept too.
+    assert_eq!(job.accepted_at_ms, Some(10));
+    assert_eq!(job.trace_id.as_deref(), Some("trace-j1"));
+    let rows = l.attempts("j1").await.unwrap();
+    assert_eq!(rows.len(), 1);
+    assert_eq!(
+        (rows[0].state.as_deref(), rows[0].model_called),
+        (Some(job.state.as_str()), true),
+        "attempt row and job row agree"
+    );
+    assert!(l.receipt_info("j1").await.unwrap().already_recorded);
+    assert_eq!(l.late_outcomes().await.unwrap(), 1);
+
+    // A second late outcome does not replace the first real one.
+    let second = OutcomeRecord {
+        reason: Some("backend_error".into()),
+        error: Some("boom".into()),
+        ..outcome("j1", "w2:c1:1", State::Failed, 7_000)
+    };
+    assert!(!l.record_outcome(&second).await.unwrap());
+    assert!(!l.record_terminal(&expired_late("j1", 7_100)).await.unwrap());
+    // Replaying the winning delivery: still not a second write.
+    assert!(!l.record_outcome(&late).await.unwrap());
+    // Nor does reconciliation mark it again.
+    assert!(l.mark_unknown(i64::MAX, 0).await.unwrap().is_empty());
+    let now = must_get(l, "j1").await;
+    assert_eq!(
+        (
+            now.state.as_str(),
+            now.result.as_deref(),
+            now.error.as_deref(),
+            now.recorded_at_ms,
+            now.reconciled_at_ms
+        ),
+        (
+            "completed",
+            Some("late truth"),
+            None,
+            Some(6_000),
+            Some(5_000)
+        )
+    );
+    // The later delivery is still traced as an attempt.
+    assert_eq!(now.attempts, 2);
+    assert_eq!(l.late_outcomes().await.unwrap(), 1);
+
+    // Every real terminal state replaces `unknown` (here through `record_terminal`, as
+    // the dead-letter processor writes), and is counted.
+    let real = [
+        State::Failed,
+        State::ExpiredNotStarted,
+        State::ExpiredBeforeReceive,
+        State::DeadlineExceeded,
+        State::Rejected,
+    ];
+    for (i, st) in real.into_iter().enumerate() {
+        let id = format!("r{i}");
+        l.record_accepted(&accepted(&id, "chat", 10, 1_000))
+            .await
+            .unwrap();
+        assert!(l.mark_unknown(5_000, 1_000).await.unwrap().contains(&id));
+        assert!(
+            l.record_terminal(&outcome(&id, "", st, 8_000))
+                .await
+                .unwrap(),
+            "{st:?} replaces unknown"
+        );
+        let job = must_get(l, &id).await;
+        assert_eq!(
+            (job.state.as_str(), job.reconciled_at_ms),
+            (st.as_str(), Some(5_000))
+        );
+    }
+    assert_eq!(l.late_outcomes().await.unwrap(), 1 + real.len() as i64);
+}
+
+/// The slow worker: its start is recorded, reconciliation gives up on it, then its
+/// completion arrives through the group commit (the worker's only write path).
+async fn a_slow_workers_completion_replaces_unknown_through_a_group_commit(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("slow", "chat", 10, 60_000))
+        .await
+        .unwrap();
+    l.record_accepted(&accepted("fresh", "chat", 10, 60_000))
+        .await
+        .unwrap();
+    l.record_accepted(&accepted("done", "chat", 10, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(
+        l.write_batch(&[
+            LedgerWrite::Start(start("slow", "w1:c1:1", 1, 100)),
+            LedgerWrite::outcome(completed("done", "w1:c1:2", 200, "on time")),
+        ])
+        .await
+        .unwrap(),
+        [false, true]
+    );
+    assert_eq!(
+        l.mark_unknown(70_000, 1_000).await.unwrap(),
+        ["fresh", "slow"]
+    );
+    assert_eq!(must_get(l, "slow").await.state, "unknown");
+
+    // One batch: the slow completion, the late truth for `fresh`, a second late outcome
+    // for `done` (already real), a retry for `slow`'s other delivery (non-terminal).
+    let batch = [
+        LedgerWrite::outcome(OutcomeRecord {
+            decision: "retry".into(),
+            ..outcome("fresh", "w2:c1:9", State::Accepted, 70_100)
+        }),
+        LedgerWrite::outcome(completed("slow", "w1:c1:1", 70_500, "slow but done")),
+        LedgerWrite::outcome(completed("done", "w2:c1:3", 70_500, "again")),
+        LedgerWrite::outcome(OutcomeRecord {
+            reason: Some("admission:deadline_passed".into()),
+            ..outcome("fresh", "w2:c1:4", State::ExpiredNotStarted, 70_600)
+        }),
+    ];
+    assert_eq!(
+        l.write_batch(&batch).await.unwrap(),
+        [false, true, false, true]
+    );
+
+    let slow = must_get(l, "slow").await;
+    assert_eq!(
+        (
+            slow.state.as_str(),
+            slow.result.as_deref(),
+            slow.reconciled_at_ms,
+            slow.recorded_at_ms
+        ),
+        (
+            "completed",
+            Some("slow but done"),
+            Some(70_000),
+            Some(70_500)
+        )
+    );
+    assert_eq!((slow.attempts, slow.backend_calls), (1, 1));
+    let rows = l.attempts("slow").await.unwrap();
+    assert_eq!(rows[0].state.as_deref(), Some("completed"));
+    assert_eq!(rows[0].started_at_ms, Some(102), "kept from the start");
+    let fresh = must_get(l, "fresh").await;
+    assert_eq!(
+        (
+            fresh.state.as_str(),
+            fresh.reason.as_deref(),
+            fresh.reconciled_at_ms
+        ),
+        (
+            "expired_not_started",
+            Some("admission:deadline_passed"),
+            Some(70_000)
+        ),
+        "the retry did not move `unknown`; the real outcome did"
+    );
+    let done = must_get(l, "done").await;
+    assert_eq!(
+        (done.result.as_deref(), done.reconciled_at_ms),
+        (Some("on time"), None)
+    );
+    assert_eq!(l.late_outcomes().await.unwrap(), 2);
+}
+
+/// A second `unknown` changes nothing: not the reason, not the times.
+async fn unknown_over_unknown_changes_nothing(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("u1", "chat", 10, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(l.mark_unknown(3_000, 0).await.unwrap(), ["u1"]);
+    let before = must_get(l, "u1").await;
+    let again = OutcomeRecord {
+        reason: Some("someone_else".into()),
+        ..outcome("u1", "", State::Unknown, 9_000)
+    };
+    assert!(!l.record_terminal(&again).await.unwrap());
+    assert!(
+        !l.write_batch(&[LedgerWrite::outcome(OutcomeRecord {
+            attempt_key: "w1:c1:1".into(),
+            ..again.clone()
+        })])
+        .await
+        .unwrap()[0]
+    );
+    assert!(l.mark_unknown(10_000, 0).await.unwrap().is_empty());
+    let after = must_get(l, "u1").await;
+    assert_eq!(
+        JobRecord {
+            attempts: before.attempts,
+            ..after.clone()
+        },
+        before
+    );
+    assert_eq!(
+        (
+            after.reason.as_deref(),
+            after.recorded_at_ms,
+            after.reconciled_at_ms
+        ),
+        (Some("no_outcome_after_deadline"), Some(3_000), Some(3_000))
+    );
+    assert_eq!(l.late_outcomes().await.unwrap(), 0);
+    // An `unknown` written over a live job (not by reconciliation) is an outcome like any
+    // other: written once, without a reconciliation time.
+    l.record_accepted(&accepted("u2", "chat", 10, 60_000))
+        .await
+        .unwrap();
+    assert!(
+        l.record_terminal(&outcome("u2", "", State::Unknown, 500))
+            .await
+            .unwrap()
+    );
+    assert!(
+        !l.record_terminal(&outcome("u2", "", State::Unknown, 600))
+            .await
+            .unwrap()
+    );
+    let u2 = must_get(l, "u2").await;
+    assert_eq!(
+        (u2.state.as_str(), u2.recorded_at_ms, u2.reconciled_at_ms),
+        ("unknown", Some(500), None)
+    );
+}
+
+/// Many deliveries' late outcomes for one `unknown` job at once: exactly one replaces it.
+async fn concurrent_late_outcomes_have_one_winner(db: &TestDb) {
+    let ledger = Arc::new(db.ledger.clone());
+    ledger
+        .record_accepted(&accepted("j1", "chat", 10, 1_000))
+        .await
+        .unwrap();
+    assert_eq!(ledger.mark_unknown(5_000, 0).await.unwrap(), ["j1"]);
+    let mut tasks = Vec::new();
+    for i in 0..40u32 {
+        let ledger = ledger.clone();
+        tasks.push(tokio::spawn(async move {
+            let at = 6_000 + i64::from(i);
+            let rec = match i % 4 {
+                0 => completed("j1", &format!("w{i}:c:1"), at, &format!("r{i}")),
+                1 => expired_late("j1", at),
+                // A concurrent second reconciliation's `unknown` never wins over a truth.
+                2 => outcome("j1", &format!("w{i}:c:1"), State::Unknown, at),
+                _ => OutcomeRecord {
+                    reason: Some(format!("r{i}")),
+                    ..outcome("j1", &format!("w{i}:c:1"), State::Failed, at)
+                },
+            };
+            let wrote = if rec.attempt_key.is_empty() {
+                ledger.record_terminal(&rec).await.unwrap()
+            } else {
+                ledger.record_outcome(&rec).await.unwrap()
+            };
+            (i, wrote)
+        }));
+    }
+    let mut winners = Vec::new();
+    for task in tasks {
+        let (i, wrote) = task.await.unwrap();
+        if wrote {
+            winners.push(i);
+        }
+    }
+    assert_eq!(winners.len(), 1, "winners: {winners:?}");
+    let i = winners[0];
+    assert_ne!(i % 4, 2, "a second `unknown` never wins");
+    let job = must_get(&ledger, "j1").await;
+    assert_eq!(job.recorded_at_ms, Some(6_000 + i64::from(i)));
+    assert_eq!(job.reconciled_at_ms, Some(5_000));
+    let want = match i % 4 {
+        0 => "completed",
+        1 => "expired_before_receive",
+        _ => "failed",
+    };
+    assert_eq!(job.state, want);
+    assert_eq!(
+        job.attempts, 30,
+        "every delivery with an attempt key is traced"
+    );
+    assert_eq!(ledger.late_outcomes().await.unwrap(), 1);
+}
+
+/// The late-outcome count: reconciled, then given a real outcome; not the jobs still
+/// `unknown`, not the ones that were never reconciled.
+async fn late_outcomes_count_only_replaced_unknowns(db: &TestDb) {
+    let l = &db.ledger;
+    assert_eq!(l.late_outcomes().await.unwrap(), 0, "empty ledger");
+    for id in ["a", "b", "c", "d"] {
+        l.record_accepted(&accepted(id, "chat", 10, 1_000))
+            .await
+            .unwrap();
+    }
+    l.record_outcome(&completed("a", "ka", 900, "in time"))
+        .await
+        .unwrap();
+    assert_eq!(l.mark_unknown(2_000, 0).await.unwrap(), ["b", "c", "d"]);
+    assert_eq!(l.late_outcomes().await.unwrap(), 0, "all still unknown");
+    assert!(l.record_terminal(&expired_late("b", 3_000)).await.unwrap());
+    assert_eq!(l.late_outcomes().await.unwrap(), 1);
+    assert!(
+        l.record_outcome(&completed("c", "kc", 3_100, "slow"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(l.late_outcomes().await.unwrap(), 2);
+    // A second late outcome for a job that already got its truth counts nothing more.
+    assert!(!l.record_terminal(&expired_late("c", 3_200)).await.unwrap());
+    assert_eq!(l.late_outcomes().await.unwrap(), 2);
+    let counts = l.counts_by_state().await.unwrap();
+    let n = |s: &str| counts.iter().find(|(k, _)| k == s).map_or(0, |(_, n)| *n);
+    assert_eq!(
+        (n("completed"), n("expired_before_receive"), n("unknown")),
+        (2, 1, 1)
+    );
+    // The records carry the reconciliation time for the report.
+    let recs = l.records_since(0).await.unwrap();
+    let late: Vec<(&str, &str)> = recs
+        .iter()
+        .filter(|r| r.reconciled_at_ms.is_some() && r.state != "unknown")
+        .map(|r| (r.job_id.as_str(), r.state.as_str()))
+        .collect();
+    assert_eq!(late, [("b", "expired_before_receive"), ("c", "completed")]);
+    let listed = l
+        .list(&ListFilter {
+            state: Some("unknown".into()),
+            ..ListFilter::default()
+        })
+        .await
+        .unwrap();
+    assert_eq!(listed.len(), 1);
+    assert_eq!(
+        (listed[0].job_id.as_str(), listed[0].reconciled_at_ms),
+        ("d", Some(2_000))
     );
 }

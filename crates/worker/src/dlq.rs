@@ -26,6 +26,10 @@ pub struct DlqStats {
     /// Dead letters by their broker reason (`expired`, `rejected`, `maxlen`,
     /// `delivery_limit`, `other`): labels `[reason]`.
     pub by_reason: crate::stats::LabeledCounter,
+    /// Whether the processor is consuming now (false while it reconnects).
+    pub connected: std::sync::atomic::AtomicBool,
+    /// Broker connections lost and re-established.
+    pub reconnects: AtomicU64,
 }
 
 /// The dead-letter processor.
@@ -147,40 +151,106 @@ impl DeadLetterProcessor {
     }
 
     /// Process dead letters until `stop` fires, or, with `idle_exit`, until no dead letter
-    /// arrived for that long.
+    /// arrived for that long. A lost broker connection is not the end: it reconnects with
+    /// backoff (unacked dead letters are redelivered; recording them again keeps the first
+    /// outcome), declares the topology again and resumes.
     pub async fn run(
-        self,
+        mut self,
         stop: CancellationToken,
         idle_exit: Option<Duration>,
     ) -> Result<(), String> {
-        let mut stream = IncomingStream::open(
-            &self.broker,
-            &self.topology.names.dead_queue,
-            32,
-            &format!("lastcall-dlq-{}", std::process::id()),
-        )
-        .await
-        .map_err(|e| e.to_string())?;
         let health = StoreHealth::default();
         loop {
-            let idle = idle_exit.unwrap_or(Duration::from_secs(u64::MAX / 4));
-            let next = tokio::select! {
-                _ = stop.cancelled() => break,
-                _ = tokio::time::sleep(idle) => break,
-                n = stream.next() => n,
+            let mut stream = match IncomingStream::open(
+                &self.broker,
+                &self.topology.names.dead_queue,
+                32,
+                &format!("lastcall-dlq-{}", std::process::id()),
+            )
+            .await
+            {
+                Ok(s) => s,
+                Err(e) if self.broker.is_connected() => return Err(e.to_string()),
+                Err(e) => {
+                    if !self.reconnect(&e.to_string(), &stop).await {
+                        return Ok(());
+                    }
+                    continue;
+                }
             };
-            let incoming = match next {
-                None => return Err("the dead-letter consumer was cancelled".into()),
-                Some(Err(e)) => return Err(e.to_string()),
-                Some(Ok(i)) => i,
+            self.stats.connected.store(true, Ordering::Relaxed);
+            let lost = loop {
+                let idle = idle_exit.unwrap_or(Duration::from_secs(u64::MAX / 4));
+                let next = tokio::select! {
+                    _ = stop.cancelled() => break None,
+                    _ = tokio::time::sleep(idle) => break None,
+                    n = stream.next() => n,
+                };
+                let incoming = match next {
+                    None => {
+                        break Some(
+                            "the dead-letter consumer was cancelled or its channel closed"
+                                .to_owned(),
+                        );
+                    }
+                    Some(Err(e)) => break Some(e.to_string()),
+                    Some(Ok(i)) => i,
+                };
+                if !self.handle(&incoming, &health, &stop).await {
+                    break None; // stopping before the write: leave it unacked
+                }
             };
-            if !self.handle(&incoming, &health, &stop).await {
-                break; // stopping before the write: leave it unacked
+            match lost {
+                None => {
+                    stream.cancel().await;
+                    stream.close().await;
+                    return Ok(());
+                }
+                Some(why) => {
+                    self.stats.connected.store(false, Ordering::Relaxed);
+                    if !self.reconnect(&why, &stop).await {
+                        return Ok(());
+                    }
+                }
             }
         }
-        stream.cancel().await;
-        stream.close().await;
-        Ok(())
+    }
+
+    /// After a lost connection: reconnect with backoff, declare the topology again and
+    /// open a new publisher. `false`: stopping.
+    async fn reconnect(&mut self, why: &str, stop: &CancellationToken) -> bool {
+        tracing::warn!(reason = %why, "dead-letter processor lost the broker connection; reconnecting");
+        self.stats.connected.store(false, Ordering::Relaxed);
+        loop {
+            let Some(broker) = self.broker.reconnect(stop, None).await else {
+                return false;
+            };
+            let ready = async {
+                self.topology
+                    .apply(&broker)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                Publisher::new(&broker, Duration::from_secs(5))
+                    .await
+                    .map_err(|e| e.to_string())
+            };
+            match ready.await {
+                Ok(p) => {
+                    self.publisher = p;
+                    self.broker = broker;
+                    self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
+                    tracing::info!("dead-letter processor reconnected; consuming again");
+                    return true;
+                }
+                Err(e) => {
+                    tracing::warn!(error = %e, "reconnected, but declaring the topology failed; retrying");
+                    tokio::select! {
+                        _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                        _ = stop.cancelled() => return false,
+                    }
+                }
+            }
+        }
     }
 
     async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {

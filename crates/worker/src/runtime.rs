@@ -19,6 +19,7 @@ use lastcall_core::{
 };
 use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 use tokio::task::JoinSet;
@@ -119,7 +120,8 @@ struct Ctx {
     clock: Arc<dyn Clock>,
     stats: Arc<WorkerStats>,
     slots: Arc<Semaphore>,
-    publisher: Publisher,
+    /// The retry publisher of the current broker connection (replaced on reconnect).
+    publisher: std::sync::RwLock<Publisher>,
     health: StoreHealth,
     /// Fires on shutdown: waiting jobs are handed back, store retries stop.
     shutdown: CancellationToken,
@@ -128,8 +130,10 @@ struct Ctx {
     acks: crate::ack_log::AckLog,
     /// Group commit of the starts and outcomes that must be durable before a call or an ack.
     commits: crate::committer::Committer,
-    /// The deliveries held, for coalesced (`multiple`) acks after the durable write.
-    settle_acks: crate::ack_batch::AckBatch,
+    /// Jobs whose model call runs in this process now, by job id: a redelivery of one of
+    /// them (after a reconnect) waits for that call to settle instead of calling again.
+    in_flight:
+        std::sync::Mutex<std::collections::HashMap<String, tokio::sync::watch::Receiver<()>>>,
     /// Learned model call durations per `kind|backend` ([`ServiceTimes`]): the admission
     /// rule's minimum useful runtime when a job sets none, and the expected wait.
     service: std::sync::Mutex<ServiceTimes>,
@@ -212,14 +216,14 @@ impl Worker {
             commits,
             service: std::sync::Mutex::new(ServiceTimes::new(ServiceTimeConfig::default())),
             waiting_work_ms: std::sync::atomic::AtomicU64::new(0),
-            settle_acks: crate::ack_batch::AckBatch::new(),
+            in_flight: std::sync::Mutex::new(std::collections::HashMap::new()),
             slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
             cfg,
             ledger,
             backend,
             clock,
             stats,
-            publisher,
+            publisher: std::sync::RwLock::new(publisher),
             health: StoreHealth::default(),
             shutdown: CancellationToken::new(),
             nonce,
@@ -237,108 +241,59 @@ impl Worker {
 
     /// Consume until `stop` fires; then stop consuming, let in-flight work finish within
     /// the grace period, hand back what is left, and close.
+    ///
+    /// A lost broker connection does not end the worker: running model calls go on and
+    /// record their outcomes (their acks belonged to the dead channel and are dropped; the
+    /// broker redelivers those jobs and they are acked as duplicates), jobs waiting for a
+    /// slot are dropped locally (redelivered, checked again), and the worker reconnects
+    /// with backoff, declares its topology again and resumes — each connection is a
+    /// *generation* with its own channel, delivery tags and ack bookkeeping, so an ack
+    /// never crosses generations. Only `stop` (or a setup error) ends `run`.
     pub async fn run(self, stop: CancellationToken) -> Result<(), WorkerError> {
         let ctx = self.ctx;
         let cfg = &ctx.cfg;
-        let mut stream = IncomingStream::open(
-            &self.broker,
-            &cfg.topology.names.work_queue,
-            cfg.prefetch,
-            &format!("lastcall-worker-{}", ctx.nonce),
-        )
-        .await
-        .map_err(|e| WorkerError::Setup(e.to_string()))?;
-        // Due retries come back through the relay, with the remaining budget as their TTL.
-        let relay = crate::relay::RetryRelay::build(
-            self.broker.clone(),
-            ctx.ledger.clone(),
-            cfg.topology.names.clone(),
-            ctx.clock.clone(),
-            cfg.name.clone(),
-            cfg.policy.admission,
-        )
-        .await
-        .map_err(WorkerError::Setup)?;
-        let relay_stop = CancellationToken::new();
-        let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
-        let flush_stop = CancellationToken::new();
-        let flusher = ctx.settle_acks.spawn_flusher(
-            ctx.stats.clone(),
-            ctx.acks.clone(),
-            ctx.clock.clone(),
-            flush_stop.clone(),
-        );
-        let bytes = Arc::new(Semaphore::new(cfg.max_buffer_bytes.max(1)));
+        let mut broker = self.broker;
         let mut tasks = JoinSet::new();
-        tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, "worker started");
-        let mut result = Ok(());
-        loop {
-            // Stop taking new work while the ledger is failing.
-            if !ctx.health.is_healthy() {
-                tracing::warn!("ledger unavailable: pausing intake until it recovers");
-                tokio::select! {
-                    _ = ctx.health.wait_healthy(&stop) => {}
-                }
-                if stop.is_cancelled() {
-                    break;
-                }
-            }
-            while let Some(done) = tasks.try_join_next() {
-                log_task_end(&ctx.stats, done);
-            }
-            let next = tokio::select! {
-                _ = stop.cancelled() => break,
-                n = stream.next() => n,
-            };
-            let incoming = match next {
-                None => {
-                    result = Err(WorkerError::Broker(
-                        "the consumer was cancelled or the channel closed".into(),
-                    ));
-                    break;
-                }
-                Some(Err(e)) => {
-                    result = Err(WorkerError::Broker(e.to_string()));
-                    break;
-                }
-                Some(Ok(i)) => i,
-            };
-            let received_at_ms = ctx.clock.now_ms();
-            WorkerStats::inc(&ctx.stats.received);
-            ctx.settle_acks.register(incoming.delivery_tag);
-            // Bound local memory by bytes; a body over the limit is rejected without buffering.
-            let size = incoming.body.len();
-            let permit = if size > cfg.policy.limits.max_body_bytes {
-                None
-            } else {
-                let n = size.clamp(1, cfg.max_buffer_bytes.max(1)) as u32;
-                tokio::select! {
-                    p = bytes.clone().acquire_many_owned(n) => Some(p.expect("semaphore never closed")),
-                    _ = stop.cancelled() => {
-                        let _ = incoming.settler.requeue().await;
-                        ctx.settle_acks.forget(incoming.delivery_tag);
-                        break;
+        ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
+        tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, node = %broker.node(), "worker started");
+        let mut first = true;
+        let last = loop {
+            let generation = match Generation::open(&ctx, &broker).await {
+                Ok(g) => g,
+                Err(e) if first => return Err(e),
+                Err(e) => {
+                    tracing::warn!(error = %e, "could not resume on the new connection");
+                    match reconnect(&ctx, &broker, &stop).await {
+                        Some(b) => {
+                            broker = b;
+                            continue;
+                        }
+                        None => break None,
                     }
                 }
             };
-            WorkerStats::add(&ctx.stats.buffered_bytes, size as i64);
-            let ctx2 = ctx.clone();
-            tasks.spawn(async move {
-                let _permit = permit;
-                handle(ctx2.clone(), incoming, received_at_ms).await;
-                WorkerStats::add(&ctx2.stats.buffered_bytes, -(size as i64));
-            });
-        }
+            first = false;
+            ctx.stats.broker_connected.store(true, Ordering::Relaxed);
+            let mut generation = generation;
+            match receive(&ctx, &mut generation, &stop, &mut tasks).await {
+                End::Stop => break Some(generation),
+                End::Lost(why) => {
+                    ctx.stats.broker_connected.store(false, Ordering::Relaxed);
+                    WorkerStats::inc(&ctx.stats.reconnects);
+                    tracing::warn!(reason = %why, "broker connection lost: running calls go on, waiting jobs are dropped (the broker redelivers them); reconnecting");
+                    generation.abandon().await;
+                    broker.close().await;
+                    match reconnect(&ctx, &broker, &stop).await {
+                        Some(b) => broker = b,
+                        None => break None,
+                    }
+                }
+            }
+        };
         // Graceful shutdown: no new deliveries; waiting jobs go back; running ones get the grace period.
-        bounded("cancelling the consumer", stream.cancel()).await;
-        relay_stop.cancel();
-        match bounded("stopping the retry relay", relay_task)
-            .await
-            .unwrap_or(Ok(Ok(())))
-        {
-            Ok(Err(e)) => tracing::warn!(error = %e, "the retry relay stopped with an error"),
-            Err(e) => tracing::warn!(error = %e, "the retry relay task failed"),
-            Ok(Ok(())) => {}
+        if let Some(g) = &last {
+            bounded("cancelling the consumer", g.stream.cancel()).await;
+            g.stop_relay().await;
         }
         ctx.shutdown.cancel();
         let grace = tokio::time::sleep(cfg.shutdown_grace);
@@ -357,11 +312,13 @@ impl Worker {
             }
         }
         // Ack what finished, then close the channel (unsettled deliveries go back).
-        flush_stop.cancel();
-        if let Some(Err(e)) = bounded("the last ack flush", flusher).await {
-            tracing::warn!(error = %e, "the ack flusher task failed");
+        if let Some(g) = last {
+            g.flush_stop.cancel();
+            if let Some(Err(e)) = bounded("the last ack flush", g.flusher).await {
+                tracing::warn!(error = %e, "the ack flusher task failed");
+            }
+            bounded("closing the channel", g.stream.close()).await;
         }
-        bounded("closing the channel", stream.close()).await;
         self.acks_done.cancel();
         if tokio::time::timeout(Duration::from_secs(5), self.acks_task)
             .await
@@ -369,10 +326,194 @@ impl Worker {
         {
             tracing::warn!("acked-at trace writes did not finish within 5 s");
         }
-        bounded("closing the connection", self.broker.close()).await;
+        bounded("closing the connection", broker.close()).await;
+        ctx.stats.broker_connected.store(false, Ordering::Relaxed);
         tracing::info!(worker = %cfg.name, "worker stopped");
-        result
+        Ok(())
     }
+}
+
+/// Reconnect with backoff (bounded by nothing but `stop`), declare the topology again and
+/// make a new retry publisher. `None`: stopping.
+async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<Broker> {
+    loop {
+        let broker = old.reconnect(stop, None).await?;
+        let ready = async {
+            ctx.cfg
+                .topology
+                .apply(&broker)
+                .await
+                .map_err(|e| e.to_string())?;
+            Publisher::new(&broker, Duration::from_secs(5))
+                .await
+                .map_err(|e| e.to_string())
+        };
+        match ready.await {
+            Ok(p) => {
+                *ctx.publisher.write().unwrap_or_else(|e| e.into_inner()) = p;
+                tracing::info!(node = %broker.node(), "broker connection restored: topology declared, consuming again");
+                return Some(broker);
+            }
+            Err(e) => {
+                tracing::warn!(error = %e, "reconnected, but declaring the topology failed; retrying");
+                broker.close().await;
+                tokio::select! {
+                    _ = tokio::time::sleep(Duration::from_secs(1)) => {}
+                    _ = stop.cancelled() => return None,
+                }
+            }
+        }
+    }
+}
+
+/// One broker connection's consumer and the tasks tied to its channel.
+struct Generation {
+    stream: IncomingStream,
+    /// The deliveries of this channel, for coalesced acks; tags are per channel.
+    acks: crate::ack_batch::AckBatch,
+    flusher: tokio::task::JoinHandle<()>,
+    flush_stop: CancellationToken,
+    relay_task: tokio::task::JoinHandle<Result<(), String>>,
+    relay_stop: CancellationToken,
+    /// Fires when the connection is lost: jobs of this generation still waiting for a
+    /// slot are dropped (their deliveries cannot be settled any more).
+    lost: CancellationToken,
+}
+
+/// Why the receive loop ended.
+enum End {
+    Stop,
+    Lost(String),
+}
+
+impl Generation {
+    async fn open(ctx: &Arc<Ctx>, broker: &Broker) -> Result<Self, WorkerError> {
+        let cfg = &ctx.cfg;
+        let stream = IncomingStream::open(
+            broker,
+            &cfg.topology.names.work_queue,
+            cfg.prefetch,
+            &format!("lastcall-worker-{}", ctx.nonce),
+        )
+        .await
+        .map_err(|e| WorkerError::Setup(e.to_string()))?;
+        // Due retries come back through the relay, with the remaining budget as their TTL.
+        let relay = crate::relay::RetryRelay::build(
+            broker.clone(),
+            ctx.ledger.clone(),
+            cfg.topology.names.clone(),
+            ctx.clock.clone(),
+            cfg.name.clone(),
+            cfg.policy.admission,
+        )
+        .await
+        .map_err(WorkerError::Setup)?;
+        let relay_stop = CancellationToken::new();
+        let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
+        let acks = crate::ack_batch::AckBatch::new();
+        let flush_stop = CancellationToken::new();
+        let flusher = acks.spawn_flusher(
+            ctx.stats.clone(),
+            ctx.acks.clone(),
+            ctx.clock.clone(),
+            flush_stop.clone(),
+        );
+        Ok(Self {
+            stream,
+            acks,
+            flusher,
+            flush_stop,
+            relay_task,
+            relay_stop,
+            lost: CancellationToken::new(),
+        })
+    }
+
+    async fn stop_relay(&self) {
+        self.relay_stop.cancel();
+    }
+
+    /// The connection is gone: drop waiting jobs, stop the relay and the flusher (acks on
+    /// a dead channel cannot succeed; running calls of this generation still record their
+    /// outcomes, and their redeliveries are acked as duplicates).
+    async fn abandon(self) {
+        self.lost.cancel();
+        self.relay_stop.cancel();
+        self.flush_stop.cancel();
+        let _ = bounded("stopping the retry relay", self.relay_task).await;
+        self.flusher.abort();
+    }
+}
+
+/// The receive loop of one generation: until `stop` or the connection is lost.
+async fn receive(
+    ctx: &Arc<Ctx>,
+    g: &mut Generation,
+    stop: &CancellationToken,
+    tasks: &mut JoinSet<()>,
+) -> End {
+    let cfg = &ctx.cfg;
+    let bytes = Arc::new(Semaphore::new(cfg.max_buffer_bytes.max(1)));
+    loop {
+        // Stop taking new work while the ledger is failing.
+        if !ctx.health.is_healthy() {
+            tracing::warn!("ledger unavailable: pausing intake until it recovers");
+            ctx.stats.ledger_healthy.store(false, Ordering::Relaxed);
+            ctx.health.wait_healthy(stop).await;
+            if stop.is_cancelled() {
+                return End::Stop;
+            }
+            ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
+            tracing::info!("ledger available again: intake resumed");
+        }
+        while let Some(done) = tasks.try_join_next() {
+            log_task_end(&ctx.stats, done);
+        }
+        let next = tokio::select! {
+            _ = stop.cancelled() => return End::Stop,
+            n = g.stream.next() => n,
+        };
+        let incoming = match next {
+            None => return End::Lost("the consumer was cancelled or the channel closed".into()),
+            Some(Err(e)) => return End::Lost(e.to_string()),
+            Some(Ok(i)) => i,
+        };
+        let received_at_ms = ctx.clock.now_ms();
+        WorkerStats::inc(&ctx.stats.received);
+        g.acks.register(incoming.delivery_tag);
+        // Bound local memory by bytes; a body over the limit is rejected without buffering.
+        let size = incoming.body.len();
+        let permit = if size > cfg.policy.limits.max_body_bytes {
+            None
+        } else {
+            let n = size.clamp(1, cfg.max_buffer_bytes.max(1)) as u32;
+            tokio::select! {
+                p = bytes.clone().acquire_many_owned(n) => Some(p.expect("semaphore never closed")),
+                _ = stop.cancelled() => {
+                    let _ = incoming.settler.requeue().await;
+                    g.acks.forget(incoming.delivery_tag);
+                    return End::Stop;
+                }
+            }
+        };
+        WorkerStats::add(&ctx.stats.buffered_bytes, size as i64);
+        let ctx2 = ctx.clone();
+        let link = Link {
+            acks: g.acks.clone(),
+            lost: g.lost.clone(),
+        };
+        tasks.spawn(async move {
+            let _permit = permit;
+            handle(ctx2.clone(), incoming, link, received_at_ms).await;
+            WorkerStats::add(&ctx2.stats.buffered_bytes, -(size as i64));
+        });
+    }
+}
+
+/// What ties a job to the generation (channel) its delivery came on.
+struct Link {
+    acks: crate::ack_batch::AckBatch,
+    lost: CancellationToken,
 }
 
 /// Longest wait for one broker step of the shutdown.
@@ -412,6 +553,8 @@ pub enum WorkerError {
 /// Facts gathered about one delivery, carried into the ledger record.
 struct Job {
     incoming: Incoming,
+    /// The generation (channel) the delivery came on.
+    link: Link,
     parsed: Result<Envelope, RejectError>,
     job_id: JobId,
     received_at_ms: i64,
@@ -449,7 +592,7 @@ pub(crate) fn job_id_for(
     }
 }
 
-async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
+async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i64) {
     let parsed = Envelope::parse(&incoming.body, &ctx.cfg.policy.limits, received_at_ms);
     let parsed = lastcall_core::signature::require_signature(
         ctx.cfg.signing_key.as_ref(),
@@ -485,6 +628,7 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
     let attempt_key = format!("{}:{}:{}", ctx.cfg.name, ctx.nonce, incoming.delivery_tag);
     let job = Job {
         incoming,
+        link,
         parsed,
         job_id,
         received_at_ms,
@@ -500,6 +644,12 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, received_at_ms: i64) {
 async fn process(ctx: Arc<Ctx>, mut job: Job) {
     // Receipt: validation, a first deadline check, duplicate and poison detection.
     let id = job.job_id.to_string();
+    // A redelivery of a job whose call still runs here (its first delivery's channel was
+    // lost): hold it, without a slot, until that call has settled; the ledger then says
+    // it is recorded and it is acked as a duplicate — no second model call.
+    if job.parsed.is_ok() && !wait_for_running_call(&ctx, &job, &id).await {
+        return hand_back(job).await;
+    }
     let Some(info) = until_stored(
         &ctx.health,
         &ctx.shutdown,
@@ -558,6 +708,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     };
     let acquire = ctx.slots.clone().acquire_owned();
     tokio::pin!(acquire);
+    let lost = job.link.lost.clone();
     let permit = loop {
         let now = ctx.clock.now_ms();
         let latest = ctx
@@ -570,7 +721,11 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             p = &mut acquire => break p.expect("slots never closed"),
             _ = ctx.shutdown.cancelled() => {
                 leave_buffer();
-                return hand_back(&ctx, job).await;
+                return hand_back(job).await;
+            }
+            _ = lost.cancelled() => {
+                leave_buffer();
+                return hand_back(job).await;
             }
             _ = tokio::time::sleep(until_latest), if watch_expiry => {
                 let now = ctx.clock.now_ms();
@@ -591,10 +746,10 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
 
     // Fail closed while the clock's sync state forbids admission: the job keeps waiting
     // (without holding a slot) until sync returns or its deadline passes.
-    let permit = match wait_for_clock(&ctx, &env, permit).await {
+    let permit = match wait_for_clock(&ctx, &env, &job.link.lost, permit).await {
         ClockWait::Ready(p) => p,
         ClockWait::Settle(d) => return settle(&ctx, job, d, None).await,
-        ClockWait::Shutdown => return hand_back(&ctx, job).await,
+        ClockWait::Shutdown => return hand_back(job).await,
     };
 
     // The last admission check, immediately before the model call.
@@ -615,6 +770,13 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     };
     (ctx.stats.metrics.remaining_budget).observe_ms(budget_ms as i64);
 
+    // From here the call is this process's: a redelivery of the job waits for it.
+    let Some(_running) = InFlight::claim(&ctx, &id) else {
+        // Another delivery of the same job got here first (a redelivery raced its first
+        // delivery): start over from the receipt, which waits for that call.
+        drop(permit);
+        return Box::pin(process(ctx, job)).await;
+    };
     // Durable "started" row first: makes crash loops countable (poison detection).
     let start = AttemptStart {
         attempt_key: job.attempt_key.clone(),
@@ -697,12 +859,74 @@ fn last_check(ctx: &Ctx, env: &Envelope, now_ms: i64) -> Slot {
     }
 }
 
-/// Shutdown while the job waits (for a slot or for clock sync): it never started, so it
-/// goes back to the broker unrecorded and the next worker checks it again.
-async fn hand_back(ctx: &Ctx, job: Job) {
-    tracing::info!("shutdown: handing a waiting job back to the broker");
-    let _ = job.incoming.settler.requeue().await;
-    ctx.settle_acks.forget(job.incoming.delivery_tag);
+/// Shutdown (or a lost connection) while the job waits (for a slot or for clock sync): it
+/// never started, so it goes back to the broker unrecorded and is checked again when it is
+/// delivered next. On a lost channel the requeue cannot be sent; the broker requeues the
+/// delivery itself.
+async fn hand_back(job: Job) {
+    if job.link.lost.is_cancelled() {
+        tracing::info!(
+            "connection lost: dropping a waiting job locally (the broker redelivers it)"
+        );
+    } else {
+        tracing::info!("shutdown: handing a waiting job back to the broker");
+        let _ = job.incoming.settler.requeue().await;
+    }
+    job.link.acks.forget(job.incoming.delivery_tag);
+}
+
+/// A model call running in this process, registered by job id until it has settled.
+struct InFlight {
+    ctx: Arc<Ctx>,
+    id: String,
+    _done: tokio::sync::watch::Sender<()>,
+}
+
+impl InFlight {
+    /// Register `id`'s call; `None` when one is already registered.
+    fn claim(ctx: &Arc<Ctx>, id: &str) -> Option<Self> {
+        let mut map = ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if map.contains_key(id) {
+            return None;
+        }
+        let (tx, rx) = tokio::sync::watch::channel(());
+        map.insert(id.to_owned(), rx);
+        Some(Self {
+            ctx: ctx.clone(),
+            id: id.to_owned(),
+            _done: tx,
+        })
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut map = self.ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(&self.id);
+    }
+}
+
+/// Wait until no call of `id` runs in this process. `false`: shutdown or the job's
+/// connection was lost meanwhile (hand it back).
+async fn wait_for_running_call(ctx: &Ctx, job: &Job, id: &str) -> bool {
+    loop {
+        let rx = {
+            let map = ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+            match map.get(id) {
+                None => return true,
+                Some(rx) => rx.clone(),
+            }
+        };
+        tracing::info!(
+            "redelivery of a job whose model call still runs here: holding it until that call settles"
+        );
+        let mut rx = rx;
+        tokio::select! {
+            _ = rx.changed() => {} // the sender is dropped when the call has settled
+            _ = ctx.shutdown.cancelled() => return false,
+            _ = job.link.lost.cancelled() => return false,
+        }
+    }
 }
 
 /// The core only keeps valid envelopes waiting; should that ever change, the delivery is
@@ -787,7 +1011,12 @@ enum ClockWait {
 }
 
 /// Hold the job until the clock may be trusted, without holding a slot meanwhile.
-async fn wait_for_clock(ctx: &Ctx, env: &Envelope, permit: OwnedSemaphorePermit) -> ClockWait {
+async fn wait_for_clock(
+    ctx: &Ctx,
+    env: &Envelope,
+    lost: &CancellationToken,
+    permit: OwnedSemaphorePermit,
+) -> ClockWait {
     if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
         return ClockWait::Ready(permit);
     }
@@ -801,6 +1030,7 @@ async fn wait_for_clock(ctx: &Ctx, env: &Envelope, permit: OwnedSemaphorePermit)
         tokio::select! {
             _ = tokio::time::sleep(Duration::from_millis(200)) => {}
             _ = ctx.shutdown.cancelled() => break ClockWait::Shutdown,
+            _ = lost.cancelled() => break ClockWait::Shutdown,
         }
         if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
             break tokio::select! {
@@ -929,11 +1159,21 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
             signature: job.incoming.signature.clone(),
         };
         // The body is republished byte for byte: the deadline cannot change.
-        if let Err(e) = ctx
+        let publisher = ctx
             .publisher
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        if let Err(e) = publisher
             .publish("", &queue, &job.incoming.body, &props)
             .await
         {
+            if job.link.lost.is_cancelled() {
+                // The connection is gone: this delivery cannot be settled anyway. Record
+                // nothing; the broker redelivers it, which is the retry.
+                tracing::warn!(error = %e, "retry publish failed with the connection lost; the broker redelivers the job");
+                return;
+            }
             tracing::error!(error = %e, "retry publish not confirmed; failing the job");
             let t = Terminal {
                 state: lastcall_core::State::Failed,
@@ -984,7 +1224,7 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
     if let Disposition::RecordThenDeadLetter(_) = &disposition {
         let r = job.incoming.settler.dead_letter().await;
         // Only now: a `multiple` ack must not be sent ahead of this reject.
-        ctx.settle_acks.forget(tag);
+        job.link.acks.forget(tag);
         match r {
             Ok(()) => {
                 WorkerStats::inc(&ctx.stats.settled);
@@ -996,7 +1236,8 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
         }
     } else {
         // Acked by the flusher, possibly together with other finished deliveries.
-        ctx.settle_acks
+        job.link
+            .acks
             .done(tag, job.incoming.settler, job.attempt_key);
     }
 }

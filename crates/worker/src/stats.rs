@@ -33,6 +33,12 @@ pub struct WorkerStats {
     pub store_retries: AtomicU64,
     /// Deliveries settled with the broker (ack or reject).
     pub settled: AtomicU64,
+    /// Broker connections lost and re-established by the worker.
+    pub reconnects: AtomicU64,
+    /// Whether the worker is consuming on a live broker connection now (readiness).
+    pub broker_connected: std::sync::atomic::AtomicBool,
+    /// Whether the ledger took the last write (false while writes are being retried).
+    pub ledger_healthy: std::sync::atomic::AtomicBool,
     /// Job tasks that panicked (a bug: their deliveries stay unacked and are redelivered).
     pub task_panics: AtomicU64,
     /// Histograms, labelled outcomes and slot gauges for `/metrics`.

@@ -134,6 +134,11 @@ impl Submitter {
         self
     }
 
+    /// Whether the publisher's broker connection is up (for readiness checks).
+    pub async fn broker_ready(&self) -> bool {
+        self.publisher.is_connected().await
+    }
+
     /// Sign every envelope this submitter publishes with `key` (`None`: unsigned).
     pub fn with_signing_key(mut self, key: Option<SigningKey>) -> Self {
         self.signing_key = key;

@@ -19,6 +19,8 @@ pub async fn run(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
     let ledger = super::open_ledger(&s.store_url).await?;
     let marked = ledger.mark_unknown(now_ms(), grace_ms).await?;
     let counts = ledger.counts_by_state().await?;
+    // Jobs marked `unknown` by an earlier run whose real outcome arrived since.
+    let late = ledger.late_outcomes().await?;
     ledger.close().await;
     let count = |st: State| {
         counts
@@ -39,6 +41,7 @@ pub async fn run(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
             "counts": by_state,
             "unknown": unknown,
             "pending": pending,
+            "late_outcomes": late,
             "total": total,
             "grace_ms": a.grace_ms,
         });
@@ -61,6 +64,11 @@ pub async fn run(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
             for id in &marked {
                 println!("  {id}");
             }
+        }
+        if late > 0 {
+            println!(
+                "{late} job(s) marked `unknown` earlier got their real outcome later (late outcomes)"
+            );
         }
         if unknown > 0 {
             println!(

@@ -48,6 +48,7 @@ pub async fn run(s: &Settings, a: ReportArgs) -> Result<ExitCode> {
             error: r.error,
             created_at_ms: r.created_at_ms,
             recorded_at_ms: r.recorded_at_ms,
+            reconciled_at_ms: r.reconciled_at_ms,
         })
         .collect();
     let rep = report::build(&rows, since, until);
@@ -67,7 +68,8 @@ fn csv_field(s: &str) -> String {
     }
 }
 
-/// One row per counted key and per latency state.
+/// One row per counted key and per latency state; the late outcomes as
+/// `late_outcome,total,N` (always) and one `late_outcome,<state>,n` per real state.
 pub fn csv(r: &Report) -> String {
     let mut out = String::from("section,key,count,p50_ms,p90_ms,p99_ms,max_ms\n");
     let sections: [(&str, &[Count]); 5] = [
@@ -81,6 +83,14 @@ pub fn csv(r: &Report) -> String {
         for c in counts {
             out.push_str(&format!("{name},{},{},,,,\n", csv_field(&c.key), c.count));
         }
+    }
+    out.push_str(&format!("late_outcome,total,{},,,,\n", r.late_outcomes));
+    for c in &r.late_by_state {
+        out.push_str(&format!(
+            "late_outcome,{},{},,,,\n",
+            csv_field(&c.key),
+            c.count
+        ));
     }
     for l in &r.latency {
         out.push_str(&format!(
@@ -111,6 +121,15 @@ fn text(r: &Report, since: &str) -> String {
     out += &counts_table("state/reason", &r.by_reason);
     out += &counts_table("error class", &r.by_error_class);
     out += &counts_table("top error messages", &r.top_errors);
+    out += &format!(
+        "late outcomes (marked `unknown` by reconcile, real outcome recorded later): {}\n",
+        r.late_outcomes
+    );
+    if !r.late_by_state.is_empty() {
+        out += &counts_table("late outcome state", &r.late_by_state);
+    } else {
+        out += "\n";
+    }
     let rows: Vec<Vec<String>> = r
         .latency
         .iter()
@@ -156,6 +175,7 @@ mod tests {
             error: Some("bad, \"very\" bad".into()),
             created_at_ms: Some(0),
             recorded_at_ms: Some(10),
+            reconciled_at_ms: Some(5),
         }];
         let out = csv(&report::build(&rows, 0, 1));
         assert!(out.starts_with("section,key,count,p50_ms"));
@@ -164,5 +184,11 @@ mod tests {
         assert!(out.contains("error_class,backend_terminal,1,,,,\n"));
         assert!(out.contains("error,\"bad, \"\"very\"\" bad\",1,,,,\n"));
         assert!(out.contains("latency,failed,1,10,10,10,10\n"));
+        assert!(out.contains("late_outcome,total,1,,,,\n"), "{out}");
+        assert!(out.contains("late_outcome,failed,1,,,,\n"), "{out}");
+        let text = text(&report::build(&rows, 0, 1), "1h");
+        assert!(text.contains("real outcome recorded later): 1\n"), "{text}");
+        let none = csv(&report::build(&[], 0, 1));
+        assert!(none.contains("late_outcome,total,0,,,,\n"), "{none}");
     }
 }

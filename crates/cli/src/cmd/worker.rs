@@ -17,7 +17,28 @@ use tokio_util::sync::CancellationToken;
 pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
     let cfg = config(s, &a)?;
     let backend = backend(s, &a).await?;
-    let broker = super::connect_broker(s).await?;
+    let stop = CancellationToken::new();
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        tracing::info!("shutdown signal received: draining");
+        eprintln!("lastcall worker: shutting down (in-flight work gets the grace period)");
+        stop2.cancel();
+    });
+    // A broker that is down at startup is waited for (with backoff), like one that goes
+    // away later; --connect-timeout bounds the wait.
+    let connect_timeout = a.connect_timeout_ms.map(Duration::from_millis);
+    let broker = match lastcall_broker::Broker::connect_retrying(
+        &s.amqp_url,
+        &stop,
+        connect_timeout,
+    )
+    .await
+    {
+        Ok(b) => b,
+        Err(_) if stop.is_cancelled() => return Ok(ExitCode::SUCCESS),
+        Err(_) => super::connect_broker(s).await?, // one more try, for its clear error
+    };
     let ledger = super::open_ledger(&s.store_url).await?;
     let clock = Arc::new(SystemClock {
         offset_ms: a.clock_offset_ms,
@@ -27,14 +48,6 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
         super::serve::spawn_worker_metrics(addr, s, &cfg.topology, stats.clone()).await?;
     }
     let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await?;
-    let stop = CancellationToken::new();
-    let stop2 = stop.clone();
-    tokio::spawn(async move {
-        super::shutdown_signal().await;
-        tracing::info!("shutdown signal received: draining");
-        eprintln!("lastcall worker: shutting down (in-flight work gets the grace period)");
-        stop2.cancel();
-    });
     worker.run(stop).await?;
     ledger.close().await;
     Ok(ExitCode::SUCCESS)

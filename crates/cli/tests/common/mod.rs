@@ -308,10 +308,15 @@ impl Env {
 
     /// The `lastcall` binary with this environment's broker, ledger and prefix set.
     pub fn command(&self) -> std::process::Command {
+        self.command_with_amqp(AMQP)
+    }
+
+    /// [`command`](Self::command) with another broker URL (e.g. through a fault proxy).
+    pub fn command_with_amqp(&self, amqp: &str) -> std::process::Command {
         let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"));
         c.args([
             "--amqp-url",
-            AMQP,
+            amqp,
             "--store-url",
             &self.store_url,
             "--prefix",

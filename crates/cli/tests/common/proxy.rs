@@ -13,6 +13,10 @@ pub struct FreezableProxy {
     /// Where clients connect (`amqp://guest:guest@{addr}/%2f`).
     pub addr: SocketAddr,
     frozen: watch::Sender<bool>,
+    /// Bumped by [`reset`](Self::reset): every connection open then is cut.
+    resets: watch::Sender<u64>,
+    /// While set, new connections are accepted and closed at once (a dead node).
+    refusing: watch::Sender<bool>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -22,22 +26,57 @@ impl FreezableProxy {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let (frozen, gate) = watch::channel(false);
+        let (resets, reset_rx) = watch::channel(0u64);
+        let (refusing, refusing_rx) = watch::channel(false);
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
+                if *refusing_rx.borrow() {
+                    drop(client);
+                    continue;
+                }
                 let Ok(server) = TcpStream::connect(upstream).await else {
                     continue;
                 };
                 let (client_rx, client_tx) = client.into_split();
                 let (server_rx, server_tx) = server.into_split();
-                tokio::spawn(pump(client_rx, server_tx, None));
-                tokio::spawn(pump(server_rx, client_tx, Some(gate.clone())));
+                let mut cut = reset_rx.clone();
+                cut.mark_unchanged();
+                let mut cut2 = cut.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = pump(client_rx, server_tx, None) => {}
+                        _ = cut.changed() => {}
+                    }
+                });
+                let gate = gate.clone();
+                tokio::spawn(async move {
+                    tokio::select! {
+                        _ = pump(server_rx, client_tx, Some(gate)) => {}
+                        _ = cut2.changed() => {}
+                    }
+                });
             }
         });
         Self {
             addr,
             frozen,
+            resets,
+            refusing,
             accept,
         }
+    }
+
+    /// Cut every open connection (both directions closed), like a broker restart or a
+    /// connection reset seen from the client. New connections are accepted as before.
+    #[allow(dead_code)]
+    pub fn reset(&self) {
+        self.resets.send_modify(|n| *n += 1);
+    }
+
+    /// While `on`, accept new connections and close them at once.
+    #[allow(dead_code)]
+    pub fn refuse(&self, on: bool) {
+        self.refusing.send_replace(on);
     }
 
     /// From now on, hold every byte the broker sends.

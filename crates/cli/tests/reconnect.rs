@@ -1,0 +1,237 @@
+//! The worker rides through a lost broker connection: a loopback proxy between the worker
+//! and the shared RabbitMQ cuts every connection (what a broker restart or a reset looks
+//! like from the client) while calls run and jobs wait. The shared broker itself is never
+//! touched. Nothing is lost, nothing runs twice, and the worker resumes by itself.
+
+mod common;
+
+use common::proxy::FreezableProxy;
+use common::*;
+use lastcall_broker::Broker;
+use lastcall_worker::clock::now_ms;
+use lastcall_worker::{Worker, WorkerStats};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+async fn wait_for(what: &str, timeout: Duration, mut cond: impl FnMut() -> bool) {
+    let until = Instant::now() + timeout;
+    while !cond() {
+        assert!(Instant::now() < until, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lost_connection_loses_nothing_and_runs_nothing_twice() {
+    let env = Env::sqlite("reconnect").await;
+    let proxy = FreezableProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    let sim = sim(1_500);
+    let stats = Arc::new(WorkerStats::default());
+    let worker = Worker::build(
+        env.worker_config(2, 8),
+        Broker::connect(&url).await.unwrap(),
+        env.ledger.clone(),
+        sim.clone(),
+        system_clock(),
+        stats.clone(),
+    )
+    .await
+    .unwrap();
+    let stop = CancellationToken::new();
+    let handle = tokio::spawn(worker.run(stop.clone()));
+
+    // Two calls running, four jobs waiting for a slot.
+    let s = env.submitter(100, true).await;
+    let ids: Vec<String> = (0..6).map(|i| format!("rc-{i}")).collect();
+    for id in &ids {
+        s.submit(&job(id, 60_000), now_ms()).await.unwrap();
+    }
+    wait_for(
+        "two running calls and waiting jobs",
+        Duration::from_secs(15),
+        || stats.running.load(Ordering::Relaxed) == 2 && stats.waiting.load(Ordering::Relaxed) >= 1,
+    )
+    .await;
+
+    // The connection drops, and the proxy refuses new ones for a moment (backoff).
+    proxy.refuse(true);
+    proxy.reset();
+    wait_for("the worker notices", Duration::from_secs(10), || {
+        WorkerStats::get(&stats.reconnects) >= 1
+    })
+    .await;
+    assert!(!handle.is_finished(), "the worker keeps running");
+    tokio::time::sleep(Duration::from_millis(300)).await; // the node stays down a while
+    proxy.refuse(false);
+
+    // Every job ends completed, with exactly one model call each, and the queue is empty
+    // (the redeliveries of the calls that were running are acked as duplicates).
+    let recs = env.wait_terminal(&ids, Duration::from_secs(60)).await;
+    for r in &recs {
+        assert_eq!(r.state, "completed", "{r:?}");
+        assert_eq!(r.backend_calls, 1, "{r:?}");
+        assert_eq!(sim.calls_for(&r.job_id), 1, "{}: one model call", r.job_id);
+    }
+    let until = Instant::now() + Duration::from_secs(20);
+    loop {
+        let ready = env.ready(&env.topo.names.work_queue).await;
+        let depth = lastcall_broker::topology::queue_depth(&env.broker, &env.topo.names.work_queue)
+            .await
+            .unwrap();
+        if ready == 0 && depth.is_some_and(|(_, consumers)| consumers == 1) {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the queue drains and the worker consumes again: ready {ready}, {depth:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    // Work submitted after the outage runs too.
+    s.submit(&job("rc-after", 60_000), now_ms()).await.unwrap();
+    let r = env
+        .wait_terminal(&["rc-after".into()], Duration::from_secs(20))
+        .await;
+    assert_eq!(r[0].state, "completed");
+    assert_eq!(WorkerStats::get(&stats.task_panics), 0);
+    stop.cancel();
+    handle.await.unwrap().unwrap();
+    env.cleanup().await;
+}
+
+const TOKEN: &str = "reconnect-serve-token-0123456789";
+
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = std::process::Command::new("curl")
+        .args(["-s", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+fn post_job(base: &str, id: &str) -> (u16, String) {
+    let body = format!(
+        r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":60000,"payload":{{"messages":[]}}}}"#
+    );
+    curl(&[
+        "-X",
+        "POST",
+        &format!("{base}/v1/jobs"),
+        "-H",
+        &format!("Authorization: Bearer {TOKEN}"),
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        &body,
+    ])
+}
+
+/// `lastcall serve` through a broker outage: while the broker is gone, `POST /v1/jobs`
+/// answers 503 promptly and `/readyz` says the broker is down (`/healthz` stays 200: the
+/// process is alive); once the broker is back, serve accepts jobs again by itself, well
+/// within 15 s, and `/readyz` is 200 again. Its `--dlq` task reconnects too.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_accepts_jobs_again_after_the_broker_comes_back() {
+    let env = Env::sqlite("reconnect-serve").await;
+    let proxy = FreezableProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let base = format!("http://127.0.0.1:{port}");
+    let mut serve = env
+        .command_with_amqp(&format!("amqp://guest:guest@{}/%2f", proxy.addr))
+        .args([
+            "serve",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--confirm-timeout-ms",
+            "2000",
+            "--no-management",
+            "--dlq",
+        ])
+        .env("LASTCALL_HTTP_TOKEN", TOKEN)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while curl(&[&format!("{base}/readyz")]).0 != 200 {
+        assert!(Instant::now() < until, "serve never became ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(post_job(&base, "before").0, 202);
+
+    // The broker goes away (every connection cut, new ones refused).
+    proxy.refuse(true);
+    proxy.reset();
+    let until = Instant::now() + Duration::from_secs(10);
+    let (code, body) = loop {
+        let r = curl(&[&format!("{base}/readyz")]);
+        if r.0 == 503 {
+            break r;
+        }
+        assert!(
+            Instant::now() < until,
+            "/readyz never reported the outage: {r:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    };
+    assert_eq!(code, 503);
+    assert!(body.contains("broker"), "{body}");
+    assert_eq!(curl(&[&format!("{base}/healthz")]).0, 200, "alive");
+    let t = Instant::now();
+    let (code, body) = post_job(&base, "during");
+    assert_eq!(code, 503, "{body}");
+    assert!(
+        t.elapsed() < Duration::from_secs(5),
+        "503 promptly, not after a timeout"
+    );
+    assert!(
+        env.ledger.get("during").await.unwrap().is_none(),
+        "a 503 leaves nothing accepted"
+    );
+
+    // The broker is back: serve accepts again by itself, within 15 s.
+    proxy.refuse(false);
+    let back = Instant::now();
+    loop {
+        let (code, body) = post_job(&base, "after");
+        if code == 202 {
+            break;
+        }
+        assert!(
+            back.elapsed() < Duration::from_secs(15),
+            "serve did not accept jobs again: {code} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+    let until = Instant::now() + Duration::from_secs(15);
+    while curl(&[&format!("{base}/readyz")]).0 != 200 {
+        assert!(Instant::now() < until, "/readyz did not recover");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &serve.id().to_string()])
+        .status();
+    let until = Instant::now() + Duration::from_secs(10);
+    while serve.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = serve.kill();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(
+        env.ready(&env.topo.names.work_queue).await,
+        2,
+        "before and after"
+    );
+    env.cleanup().await;
+}
