@@ -76,6 +76,15 @@ impl Env {
         Self::with_store(prefix, dir, store_url, Some(db)).await
     }
 
+    /// A fresh prefix and a ledger at `store_url` (a database the caller owns).
+    #[allow(dead_code)]
+    pub async fn with_store_url(name: &str, store_url: &str) -> Env {
+        let prefix = unique(name);
+        let dir = std::env::temp_dir().join(&prefix);
+        std::fs::create_dir_all(&dir).unwrap();
+        Self::with_store(prefix, dir, store_url.to_owned(), None).await
+    }
+
     async fn with_store(
         prefix: String,
         dir: PathBuf,
