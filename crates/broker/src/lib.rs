@@ -241,6 +241,18 @@ impl Broker {
     pub fn is_connected(&self) -> bool {
         self.conn.status().connected()
     }
+
+    /// Whether the broker has blocked this connection (`connection.blocked`: a memory or
+    /// disk alarm). Publishes would wait until the alarm clears.
+    pub fn is_blocked(&self) -> bool {
+        self.conn.status().blocked()
+    }
+
+    /// A second connection to the same node (same node list): for publishing apart from
+    /// consuming, so that flow control on publishes never holds back a consumer's acks.
+    pub async fn another(&self) -> Result<Self, BrokerError> {
+        Self::connect_list(self.urls.clone(), self.node).await
+    }
 }
 
 /// Hide the password of an AMQP URL for messages.

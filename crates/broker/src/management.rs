@@ -1,6 +1,8 @@
 //! RabbitMQ's management HTTP API, for policies: operators see and change dead-lettering,
 //! overflow and delivery limits in the broker's own tools instead of hard-coded queue
 //! arguments. Used by `lastcall topology apply --policies` where the plugin is enabled.
+//! Also one queue's sampled numbers ([`Management::queue_stats`]: ready, consumers, recent
+//! ack rate), for the queue-wait estimate of shedding at the door.
 
 use crate::topology::{QueueType, Topology};
 use serde_json::{Value, json};
@@ -53,8 +55,27 @@ impl Management {
         }
     }
 
+    /// The same API with other credentials (e.g. a monitoring user).
+    pub fn with_login(mut self, user: &str, password: &str) -> Self {
+        user.clone_into(&mut self.user);
+        password.clone_into(&mut self.password);
+        self
+    }
+
+    /// The same API with another request timeout (default 5 s). A caller on a request
+    /// path (the shedding estimate) wants a short one.
+    pub fn with_timeout(mut self, timeout: std::time::Duration) -> Self {
+        self.client = reqwest::Client::builder()
+            .timeout(timeout)
+            .build()
+            .expect("a plain HTTP client always builds");
+        self
+    }
+
     /// Credentials and vhost taken from the AMQP URL (`amqp://user:pass@host:port/vhost`).
     pub fn from_amqp_url(amqp_url: &str, management_url: &str) -> Self {
+        // A cluster's node list (`amqp://a,amqp://b`): the first node names the login.
+        let amqp_url = amqp_url.split(',').next().unwrap_or(amqp_url).trim();
         let rest = amqp_url
             .split_once("://")
             .map(|(_, r)| r)
@@ -99,6 +120,21 @@ impl Management {
             });
         }
         Ok(Some(serde_json::from_str(&body).unwrap_or(Value::Null)))
+    }
+
+    /// `queue`'s numbers as the management API last sampled them (`GET
+    /// /api/queues/{vhost}/{name}`); `Ok(None)` if the queue does not exist. The broker
+    /// refreshes them every `collect_statistics_interval` (5 s by default).
+    pub async fn queue_stats(&self, queue: &str) -> Result<Option<QueueStats>, ManagementError> {
+        let url = format!(
+            "{}/{}?columns=messages_ready,messages_unacknowledged,consumers,message_stats",
+            self.url("queues"),
+            encode_segment(queue)
+        );
+        Ok(self
+            .send(&format!("queue {queue}"), self.client.get(url))
+            .await?
+            .map(|v| QueueStats::from_json(&v)))
     }
 
     /// The policies lastcall wants for `topo`: name → (pattern, definition).
@@ -152,6 +188,45 @@ impl Management {
     }
 }
 
+/// One queue's numbers from the management API.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct QueueStats {
+    /// Messages waiting in the broker (not yet delivered).
+    pub ready: u64,
+    /// Messages delivered to a consumer and not yet acked.
+    pub unacked: u64,
+    pub consumers: u64,
+    /// Acks per second over the broker's last sampling interval
+    /// (`message_stats.ack_details.rate`); `None` when the queue has no ack statistics
+    /// yet (nothing acked since it was declared, or the statistics are off).
+    pub ack_rate_per_s: Option<f64>,
+}
+
+impl QueueStats {
+    /// Parse a `GET /api/queues/{vhost}/{name}` answer. A queue the statistics collector
+    /// has not sampled yet has no counts: 0.
+    pub fn from_json(v: &Value) -> Self {
+        Self {
+            ready: v["messages_ready"].as_u64().unwrap_or(0),
+            unacked: v["messages_unacknowledged"].as_u64().unwrap_or(0),
+            consumers: v["consumers"].as_u64().unwrap_or(0),
+            ack_rate_per_s: v["message_stats"]["ack_details"]["rate"].as_f64(),
+        }
+    }
+}
+
+/// Percent-encode one URL path segment (a queue name).
+fn encode_segment(s: &str) -> String {
+    s.bytes()
+        .map(|b| match b {
+            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
+                (b as char).to_string()
+            }
+            _ => format!("%{b:02X}"),
+        })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -167,6 +242,32 @@ mod tests {
         let m = Management::from_amqp_url("amqp://u:p@h/jobs", "http://h:15672");
         assert_eq!(m.vhost, "jobs");
         assert!(!format!("{m:?}").contains("s3cret"));
+        let m = Management::from_amqp_url("amqp://a:b@h1/%2f,amqp://a:b@h2/%2f", "http://h");
+        assert_eq!((m.user.as_str(), m.vhost.as_str()), ("a", "/"));
+        let m = m.with_login("mon", "pw");
+        assert_eq!((m.user.as_str(), m.password.as_str()), ("mon", "pw"));
+    }
+
+    #[test]
+    fn queue_stats_parse_the_sampled_numbers() {
+        let v = json!({
+            "messages_ready": 40, "messages_unacknowledged": 8, "consumers": 2,
+            "message_stats": { "ack": 120, "ack_details": { "rate": 3.8 } }
+        });
+        assert_eq!(
+            QueueStats::from_json(&v),
+            QueueStats {
+                ready: 40,
+                unacked: 8,
+                consumers: 2,
+                ack_rate_per_s: Some(3.8)
+            }
+        );
+        // Never acked, not sampled yet: no rate, zero counts.
+        let s = QueueStats::from_json(&json!({ "consumers": 0 }));
+        assert_eq!((s.ready, s.ack_rate_per_s), (0, None));
+        assert_eq!(encode_segment("lc.work"), "lc.work");
+        assert_eq!(encode_segment("a b/c"), "a%20b%2Fc");
     }
 
     #[test]

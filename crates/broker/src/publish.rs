@@ -38,6 +38,10 @@ pub enum PublishError {
         "the message was returned as unroutable: no queue is bound for routing key `{0}` (run `lastcall topology apply`)"
     )]
     Unroutable(String),
+    #[error(
+        "the broker is blocking publishers (a memory or disk alarm: connection.blocked); nothing was published, retry later"
+    )]
+    Blocked,
     #[error(transparent)]
     Broker(#[from] BrokerError),
 }
@@ -94,9 +98,19 @@ impl Publisher {
         c.broker.is_connected() && c.channel.status().connected()
     }
 
+    /// Whether the broker blocks this publisher's connection now (a resource alarm).
+    pub async fn is_blocked(&self) -> bool {
+        self.inner.lock().await.broker.is_blocked()
+    }
+
     /// The confirm channel to publish on, healed first if it is closed.
-    async fn channel(&self) -> Result<Channel, BrokerError> {
+    async fn channel(&self) -> Result<Channel, PublishError> {
         let mut c = self.inner.lock().await;
+        // Fail fast under a resource alarm: a publish would only wait for the confirm
+        // timeout, and the caller should hear "not accepted" now.
+        if c.broker.is_connected() && c.broker.is_blocked() {
+            return Err(PublishError::Blocked);
+        }
         if c.channel.status().connected() {
             return Ok(c.channel.clone());
         }

@@ -45,6 +45,9 @@ async fn a_30s_retry_does_not_hold_back_a_1s_retry() {
     // The worker's retry relay moves due retries back to the jobs exchange.
     let relay = lastcall_worker::relay::RetryRelay::build(
         env.broker.clone(),
+        Publisher::new(&env.broker, Duration::from_secs(5))
+            .await
+            .unwrap(),
         env.ledger.clone(),
         env.topo.names.clone(),
         system_clock(),

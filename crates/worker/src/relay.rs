@@ -38,18 +38,18 @@ impl std::fmt::Debug for RetryRelay {
 }
 
 impl RetryRelay {
-    /// The topology (with the retry-ready queue) must already be applied.
+    /// The topology (with the retry-ready queue) must already be applied. It consumes on
+    /// `broker` and republishes with `publisher` (the worker's, on its own connection, so
+    /// that publisher flow control never holds back acks).
     pub async fn build(
         broker: Broker,
+        publisher: Publisher,
         ledger: Arc<Ledger>,
         names: Names,
         clock: Arc<dyn Clock>,
         name: String,
         admission: AdmissionPolicy,
     ) -> Result<Self, String> {
-        let publisher = Publisher::new(&broker, Duration::from_secs(5))
-            .await
-            .map_err(|e| e.to_string())?;
         Ok(Self {
             broker,
             ledger,

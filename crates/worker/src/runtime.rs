@@ -199,7 +199,13 @@ impl Worker {
             .apply(&broker)
             .await
             .map_err(|e| WorkerError::Setup(e.to_string()))?;
-        let publisher = Publisher::new(&broker, Duration::from_secs(5))
+        // Retries are published on a connection of their own: under a resource alarm the
+        // broker blocks publishing connections, and acks must never wait behind that.
+        let publish_broker = broker
+            .another()
+            .await
+            .map_err(|e| WorkerError::Setup(e.to_string()))?;
+        let publisher = Publisher::new(&publish_broker, Duration::from_secs(5))
             .await
             .map_err(|e| WorkerError::Setup(e.to_string()))?;
         let nonce = format!(
@@ -344,7 +350,8 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
                 .apply(&broker)
                 .await
                 .map_err(|e| e.to_string())?;
-            Publisher::new(&broker, Duration::from_secs(5))
+            let publish_broker = broker.another().await.map_err(|e| e.to_string())?;
+            Publisher::new(&publish_broker, Duration::from_secs(5))
                 .await
                 .map_err(|e| e.to_string())
         };
@@ -398,8 +405,14 @@ impl Generation {
         .await
         .map_err(|e| WorkerError::Setup(e.to_string()))?;
         // Due retries come back through the relay, with the remaining budget as their TTL.
+        let publisher = ctx
+            .publisher
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
         let relay = crate::relay::RetryRelay::build(
             broker.clone(),
+            publisher,
             ctx.ledger.clone(),
             cfg.topology.names.clone(),
             ctx.clock.clone(),

@@ -2,6 +2,7 @@
 //! published, publish with confirm, and record `accepted` in the ledger.
 
 use crate::clock::{Clock, SystemClock};
+use crate::shed::{ShedEstimate, Shedder, Verdict};
 use lastcall_broker::{Names, PublishError, PublishProps, Publisher};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
 use lastcall_core::signature::{KeyError, sign_envelope};
@@ -57,6 +58,10 @@ pub enum SubmitError {
     },
     #[error("not accepted: {0}")]
     Publish(#[from] PublishError),
+    /// Shedding at the door ([`crate::shed`]): the queue wait alone would make the job miss
+    /// its deadline. Nothing was published or recorded.
+    #[error("not accepted: {0}")]
+    WouldExpireInQueue(ShedEstimate),
     #[error(
         "published and confirmed, but recording `accepted` in the ledger failed: {0}; the job will still run, but reconciliation cannot see it"
     )]
@@ -90,6 +95,8 @@ pub struct Submitter {
     /// Read right before each publish: the broker TTL is the budget left *then*, not when
     /// the request arrived (a ledger claim or a slow confirm may lie in between).
     clock: Arc<dyn Clock>,
+    /// Shedding at the door (`None`: off).
+    shedder: Option<Arc<Shedder>>,
 }
 
 impl std::fmt::Debug for Submitter {
@@ -97,6 +104,7 @@ impl std::fmt::Debug for Submitter {
         f.debug_struct("Submitter")
             .field("names", &self.names)
             .field("signs", &self.signing_key.is_some())
+            .field("sheds", &self.shedder.is_some())
             .finish_non_exhaustive()
     }
 }
@@ -125,7 +133,15 @@ impl Submitter {
             limits,
             signing_key: None,
             clock: Arc::new(SystemClock::default()),
+            shedder: None,
         }
+    }
+
+    /// Refuse, before publishing, jobs the queue wait would make expire
+    /// ([`SubmitError::WouldExpireInQueue`]); `None` turns it off (the default).
+    pub fn with_shedder(mut self, shedder: Option<Arc<Shedder>>) -> Self {
+        self.shedder = shedder;
+        self
     }
 
     /// Read `clock` for the TTL of each publish (default: the system clock).
@@ -134,9 +150,10 @@ impl Submitter {
         self
     }
 
-    /// Whether the publisher's broker connection is up (for readiness checks).
+    /// Whether the publisher's broker connection is up and not blocked by a resource
+    /// alarm (for readiness checks).
     pub async fn broker_ready(&self) -> bool {
-        self.publisher.is_connected().await
+        self.publisher.is_connected().await && !self.publisher.is_blocked().await
     }
 
     /// Sign every envelope this submitter publishes with `key` (`None`: unsigned).
@@ -196,6 +213,7 @@ impl Submitter {
                 });
             }
         }
+        self.shed(env, now_ms).await?;
         let submitted = self.publish_envelope(env, signature, now_ms).await?;
         if let Some(ledger) = &self.ledger {
             ledger
@@ -231,6 +249,18 @@ impl Submitter {
             ));
         };
         self.admit(env, now_ms)?;
+        if let Err(e) = self.shed(env, now_ms).await {
+            // An id the ledger already holds is answered as before (duplicate, conflict,
+            // outcome): its message is queued already, a 429 for it would be wrong.
+            if ledger
+                .get(env.job_id().as_str())
+                .await
+                .map_err(SubmitError::Unrecorded)?
+                .is_none()
+            {
+                return Err(e);
+            }
+        }
         let claim = accepted_job(env, now_ms);
         let job_id = claim.job_id.clone();
         let waited_since = tokio::time::Instant::now();
@@ -290,6 +320,23 @@ impl Submitter {
                 }
                 Err(e)
             }
+        }
+    }
+
+    /// Shedding at the door: refuse the job when the estimated queue wait plus its
+    /// minimum runtime exceeds its remaining budget ([`crate::shed`]; admits without an
+    /// estimate).
+    async fn shed(&self, env: &Envelope, now_ms: i64) -> Result<(), SubmitError> {
+        let Some(shedder) = &self.shedder else {
+            return Ok(());
+        };
+        let now_ms = self.clock.now_ms().max(now_ms);
+        match shedder
+            .check(env.deadline().expires_at_ms(), env.min_runtime_ms, now_ms)
+            .await
+        {
+            Verdict::Shed(estimate) => Err(SubmitError::WouldExpireInQueue(estimate)),
+            Verdict::Admit(_) => Ok(()),
         }
     }
 
