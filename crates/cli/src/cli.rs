@@ -195,6 +195,19 @@ pub struct SubmitArgs {
     /// Do not record `accepted` in the ledger (reconciliation will not see the job)
     #[arg(long)]
     pub no_ledger: bool,
+    /// Do not shed: publish even a job that the estimated queue wait (ready ÷ the work
+    /// queue's recent ack rate, from the management API) would make expire. Without it
+    /// such a job is refused before publishing, exit status 75
+    #[arg(long)]
+    pub no_shed: bool,
+    /// Base URL of RabbitMQ's management API, for the queue-wait estimate (credentials and
+    /// vhost come from the AMQP URL; when it does not answer, the job is admitted)
+    #[arg(
+        long,
+        env = "LASTCALL_MANAGEMENT_URL",
+        default_value = "http://127.0.0.1:15672"
+    )]
+    pub management_url: String,
     /// Sign every published job with this key (x-lastcall-signature, HMAC-SHA256 over job
     /// id, deadline and body), for workers started with the same key. A file holding at
     /// least 32 bytes; else the environment variable LASTCALL_SIGNING_KEY; neither: unsigned
@@ -558,9 +571,14 @@ pub struct ServeArgs {
     /// Management API user (the password comes from LASTCALL_MANAGEMENT_PASSWORD, default guest)
     #[arg(long, default_value = "guest")]
     pub management_user: String,
-    /// Do not use the management API
+    /// Do not use the management API (also turns shedding off)
     #[arg(long)]
     pub no_management: bool,
+    /// Do not shed: accept even a job that the estimated queue wait (ready ÷ the work
+    /// queue's recent ack rate, from the management API) would make expire. Without it
+    /// such a job is answered 429 would_expire_in_queue with Retry-After, never published
+    #[arg(long)]
+    pub no_shed: bool,
     /// A worker's metrics URL (repeatable), e.g. http://127.0.0.1:9464/metrics: the dashboard
     /// sums their "waiting for a slot" and "running" gauges
     #[arg(long, value_name = "URL")]

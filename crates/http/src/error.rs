@@ -35,6 +35,15 @@ pub enum ApiError {
     /// 422: the deadline has already passed (after the clock margin); nothing was published.
     #[error("{message}")]
     Expired { field: String, message: String },
+    /// 429: shedding at the door — the estimated wait in the queue (ready ÷ recent ack
+    /// rate) plus the job's minimum runtime exceeds its budget; nothing was published or
+    /// recorded. Answered with `Retry-After` and the numbers as `estimate`.
+    #[error("{message}")]
+    WouldExpireInQueue {
+        message: String,
+        retry_after_s: u64,
+        estimate: serde_json::Value,
+    },
     /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
     #[error("{0}")]
     Unavailable(String),
@@ -60,6 +69,7 @@ impl ApiError {
             ApiError::Conflict(_) => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
+            ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
         }
@@ -73,6 +83,7 @@ impl ApiError {
             ApiError::Conflict(_) => "job_id_conflict",
             ApiError::TooLarge { .. } => "body_too_large",
             ApiError::Expired { .. } => "already_expired",
+            ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
             ApiError::Internal(_) => "internal",
         }
@@ -93,12 +104,21 @@ impl IntoResponse for ApiError {
             tracing::error!(error = %detail, "internal error answering an HTTP request");
         }
         let status = self.status();
-        let body = json!({
+        let mut body = json!({
             "error": self.code(),
             "field": self.field(),
             "message": self.to_string(),
         });
+        if let ApiError::WouldExpireInQueue { estimate, .. } = &self {
+            body["estimate"] = estimate.clone();
+        }
         let mut resp = (status, Json(body)).into_response();
+        if let ApiError::WouldExpireInQueue { retry_after_s, .. } = &self {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(*retry_after_s),
+            );
+        }
         if status == StatusCode::UNAUTHORIZED {
             // Basic first: a browser answers it with a login prompt (the password is the
             // token); API clients use the Bearer scheme.

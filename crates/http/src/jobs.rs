@@ -16,8 +16,9 @@ use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 
-/// `POST /v1/jobs`: validate, stamp the deadline, claim the id, publish with confirm, stamp
-/// `accepted` (or release the claim and answer 503).
+/// `POST /v1/jobs`: validate, stamp the deadline, shed a job the queue wait would make
+/// expire (`429 would_expire_in_queue` with `Retry-After`, when the submitter sheds), claim
+/// the id, publish with confirm, stamp `accepted` (or release the claim and answer 503).
 pub async fn create(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -90,7 +91,15 @@ pub async fn create(
                 }),
             ))
         }
-        Err(e) => Err(submit_error(e)),
+        Err(e) => {
+            if matches!(e, SubmitError::WouldExpireInQueue(_)) {
+                state
+                    .http_stats
+                    .shed
+                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+            }
+            Err(submit_error(e))
+        }
     }
 }
 
@@ -112,6 +121,18 @@ fn submit_error(e: SubmitError) -> ApiError {
         SubmitError::Expired { .. } => ApiError::Expired {
             field: "expires_at_ms".into(),
             message: e.to_string(),
+        },
+        SubmitError::WouldExpireInQueue(est) => ApiError::WouldExpireInQueue {
+            message: format!("not accepted: {est}"),
+            retry_after_s: est.retry_after_s,
+            estimate: json!({
+                "queue_wait_ms": est.queue_wait_ms,
+                "ready": est.ready,
+                "ack_rate_per_s": est.ack_rate_per_s,
+                "min_runtime_ms": est.min_runtime_ms,
+                "remaining_ms": est.remaining_ms,
+                "retry_after_s": est.retry_after_s,
+            }),
         },
         SubmitError::Publish(PublishError::ConfirmTimeout(t)) => ApiError::Unavailable(format!(
             "not accepted: the broker did not confirm the publish within {} ms; nothing is recorded for this job id. The message may still reach the queue: retry with the same job_id",

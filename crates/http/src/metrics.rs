@@ -19,6 +19,8 @@ pub struct HttpStats {
     pub responses: LabeledCounter,
     /// Jobs accepted (published, confirmed and recorded).
     pub accepted: AtomicU64,
+    /// Jobs shed at the door (`429 would_expire_in_queue`): never published.
+    pub shed: AtomicU64,
 }
 
 /// What one `/metrics` scrape renders. Every part is optional.
@@ -131,6 +133,18 @@ impl MetricsSource {
                 "lastcall_http_accepted_total",
                 &[],
                 h.accepted.load(Ordering::Relaxed),
+            );
+            family(
+                &mut out,
+                "lastcall_http_shed_total",
+                "counter",
+                "Jobs refused at the door because the estimated queue wait would make them expire (429, never published)",
+            );
+            sample(
+                &mut out,
+                "lastcall_http_shed_total",
+                &[],
+                h.shed.load(Ordering::Relaxed),
             );
             family(
                 &mut out,

@@ -17,6 +17,7 @@ mod committer;
 pub mod dlq;
 pub mod relay;
 pub mod runtime;
+pub mod shed;
 pub mod stats;
 pub mod store_retry;
 pub mod submit;

@@ -7,6 +7,7 @@ use lastcall_broker::{Publisher, Topology};
 use lastcall_http::depth::{DepthProbe, Management, vhost_of};
 use lastcall_http::{AppState, MetricsSource, Token};
 use lastcall_worker::dlq::DeadLetterProcessor;
+use lastcall_worker::shed::Shedder;
 use lastcall_worker::{Submitter, SystemClock, WorkerStats};
 use std::net::SocketAddr;
 use std::process::ExitCode;
@@ -30,7 +31,8 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         admission,
         limits,
     )
-    .with_signing_key(signing_key.clone());
+    .with_signing_key(signing_key.clone())
+    .with_shedder(shedder(s, &a, &topo));
     let clock = Arc::new(SystemClock::default());
     let mut state = AppState::new(
         submitter,
@@ -92,6 +94,23 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     broker.close().await;
     ledger.close().await;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Shedding at the door (`429 would_expire_in_queue`) from the work queue's numbers in the
+/// management API; off with `--no-shed` or `--no-management`. An unreachable API admits.
+fn shedder(s: &Settings, a: &ServeArgs, topo: &Topology) -> Option<Arc<Shedder>> {
+    if a.no_shed || a.no_management {
+        tracing::info!("shedding at the door is off");
+        return None;
+    }
+    let password = std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into());
+    let management =
+        lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url)
+            .with_login(&a.management_user, &password);
+    Some(Arc::new(Shedder::new(
+        management,
+        topo.names.work_queue.clone(),
+    )))
 }
 
 /// The topology's queues (a fixed, bounded list for the depth gauges).

@@ -5,11 +5,16 @@ use crate::config::Settings;
 use anyhow::{Context, Result, bail};
 use lastcall_broker::Publisher;
 use lastcall_worker::clock::now_ms;
+use lastcall_worker::shed::Shedder;
 use lastcall_worker::submit::load_signing_key;
-use lastcall_worker::{DeadlineSpec, NewJob, Submitter};
+use lastcall_worker::{DeadlineSpec, NewJob, SubmitError, Submitter};
 use serde_json::{Map, Value, json};
 use std::process::ExitCode;
+use std::sync::Arc;
 use std::time::Duration;
+
+/// Exit status of a job shed at the door (`EX_TEMPFAIL`: try again later).
+pub const EXIT_SHED: u8 = 75;
 
 pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
     let payload = payload(a.payload.as_deref(), a.prompt.as_deref())?;
@@ -37,8 +42,24 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
     };
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
     let submitter = Submitter::new(publisher, topo.names.clone(), ledger, admission, limits)
-        .with_signing_key(signing_key(a.signing_key_file.as_deref())?);
-    let submitted = submitter.submit(&job, now_ms()).await?;
+        .with_signing_key(signing_key(a.signing_key_file.as_deref())?)
+        .with_shedder((!a.no_shed).then(|| {
+            // Credentials and vhost from the AMQP URL; an unreachable API admits the job.
+            let m = lastcall_broker::management::Management::from_amqp_url(
+                &s.amqp_url,
+                &a.management_url,
+            );
+            Arc::new(Shedder::new(m, topo.names.work_queue.clone()))
+        }));
+    let submitted = match submitter.submit(&job, now_ms()).await {
+        Ok(submitted) => submitted,
+        Err(SubmitError::WouldExpireInQueue(estimate)) => {
+            eprintln!("error: not accepted: {estimate} (--no-shed publishes it anyway)");
+            broker.close().await;
+            return Ok(ExitCode::from(EXIT_SHED));
+        }
+        Err(e) => return Err(e.into()),
+    };
     println!("{}", submitted.job_id);
     eprintln!(
         "accepted: expires_at_ms={} (published with expiration {} ms)",

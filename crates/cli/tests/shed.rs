@@ -1,0 +1,176 @@
+//! Shedding at the door through the real binaries: with a deep queue and a measured ack
+//! rate, `lastcall submit` refuses a job that would expire in the queue (exit 75, nothing
+//! published or recorded) and `lastcall serve` answers it `429 would_expire_in_queue` with
+//! `Retry-After`; with `--no-shed` both accept it.
+
+mod common;
+
+use common::*;
+use lastcall_broker::management::{Management, QueueStats};
+use lastcall_worker::clock::now_ms;
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+const TOKEN: &str = "shed-test-token-0123456789";
+const MANAGEMENT: &str = "http://127.0.0.1:15672";
+
+/// curl with the response headers in front of the body; (status, headers and body).
+fn curl(args: &[&str]) -> (u16, String) {
+    let out = Command::new("curl")
+        .args(["-s", "-D", "-", "-o", "-", "-w", "\n%{http_code}"])
+        .args(args)
+        .output()
+        .expect("curl");
+    let text = String::from_utf8_lossy(&out.stdout).into_owned();
+    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
+    (code.trim().parse().unwrap_or(0), body.to_owned())
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// `lastcall serve` on a free port, up and answering; its base URL.
+fn serve(env: &Env, extra: &[&str]) -> (Child, String) {
+    let port = free_port();
+    let child = env
+        .command()
+        .args([
+            "serve",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            "--retry-delays-ms",
+            "1000,5000",
+        ])
+        .args(extra)
+        .env("LASTCALL_HTTP_TOKEN", TOKEN)
+        .stdout(Stdio::null())
+        .stderr(Stdio::null())
+        .spawn()
+        .unwrap();
+    let base = format!("http://127.0.0.1:{port}");
+    let until = Instant::now() + Duration::from_secs(20);
+    while curl(&[&format!("{base}/healthz")]).0 != 200 {
+        assert!(Instant::now() < until, "serve did not come up");
+        std::thread::sleep(Duration::from_millis(100));
+    }
+    (child, base)
+}
+
+fn post(base: &str, id: &str, deadline_ms: u64) -> (u16, String) {
+    let body = format!(
+        r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":{deadline_ms},"payload":{{"prompt":"summarize"}}}}"#
+    );
+    curl(&[
+        "-X",
+        "POST",
+        &format!("{base}/v1/jobs"),
+        "-H",
+        &format!("Authorization: Bearer {TOKEN}"),
+        "-H",
+        "Content-Type: application/json",
+        "--data",
+        &body,
+    ])
+}
+
+fn submit(env: &Env, id: &str, extra: &[&str]) -> std::process::Output {
+    let mut args = vec![
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--prompt",
+        "summarize",
+        "--deadline-ms",
+        "1000",
+        "--job-id",
+        id,
+        "--retry-delays-ms",
+        "1000,5000",
+    ];
+    args.extend_from_slice(extra);
+    env.cli(&args)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_and_serve_shed_a_job_that_would_expire_in_the_queue_unless_no_shed() {
+    let env = Env::sqlite("shed-cli").await;
+    let submitter = env.submitter(100, true).await;
+    for i in 0..400 {
+        submitter
+            .submit(&job(&format!("fill-{i}"), 120_000), now_ms())
+            .await
+            .unwrap();
+    }
+    // One slot, 100 ms calls: ~10 acks/s, so the backlog lasts ~40 s; the checks below
+    // take a few seconds, and more than 150 ready is 15 s of queue for a 1 s budget.
+    let worker = env
+        .start_worker(env.worker_config(1, 4), sim(100), system_clock())
+        .await;
+    let m = Management::from_amqp_url(AMQP, MANAGEMENT);
+    let until = Instant::now() + Duration::from_secs(20);
+    let mut last: Option<QueueStats> = None;
+    loop {
+        if let Ok(Some(s)) = m.queue_stats(&env.topo.names.work_queue).await {
+            if s.ack_rate_per_s.is_some_and(|r| r > 0.0) && s.ready > 150 {
+                break;
+            }
+            last = Some(s);
+        }
+        assert!(Instant::now() < until, "no ack rate sampled: {last:?}");
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+
+    // `lastcall submit`: refused before publishing, exit 75, the estimate named.
+    let out = submit(&env, "cli-shed", &[]);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{stderr}");
+    assert!(
+        stderr.contains("would expire in the queue") && stderr.contains("acks/s"),
+        "{stderr}"
+    );
+    assert!(env.ledger.get("cli-shed").await.unwrap().is_none());
+    // `--no-shed` publishes it.
+    let out = submit(&env, "cli-no-shed", &["--no-shed"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(env.ledger.get("cli-no-shed").await.unwrap().is_some());
+
+    // `lastcall serve`: 429 with Retry-After, counted; `serve --no-shed`: 202.
+    let (mut shedding, base) = serve(&env, &[]);
+    let (code, resp) = post(&base, "http-shed", 1_000);
+    assert_eq!(code, 429, "{resp}");
+    let lower = resp.to_ascii_lowercase();
+    assert!(lower.contains("\nretry-after: "), "{resp}");
+    assert!(
+        resp.contains(r#""error":"would_expire_in_queue""#),
+        "{resp}"
+    );
+    assert!(env.ledger.get("http-shed").await.unwrap().is_none());
+    let (code, metrics) = curl(&[
+        &format!("{base}/metrics"),
+        "-H",
+        &format!("Authorization: Bearer {TOKEN}"),
+    ]);
+    assert_eq!(code, 200);
+    assert!(
+        metrics.contains("\nlastcall_http_shed_total 1\n"),
+        "{metrics}"
+    );
+    let (mut plain, base) = serve(&env, &["--no-shed"]);
+    let (code, resp) = post(&base, "http-no-shed", 1_000);
+    assert_eq!(code, 202, "{resp}");
+    for child in [&mut shedding, &mut plain] {
+        child.kill().unwrap();
+        child.wait().unwrap();
+    }
+    worker.stop().await;
+    env.cleanup().await;
+}

@@ -1,0 +1,269 @@
+//! Shedding at the door, against the real RabbitMQ and its management API: a deep queue
+//! with a measured ack rate answers `429 would_expire_in_queue` with `Retry-After` and
+//! publishes nothing; the same ingress admits again once the queue drained; without a
+//! shedder (`--no-shed`) it admits; without an ack rate (no consumer yet) or without the
+//! management API it admits (fail open).
+
+mod common;
+
+use axum::Router;
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use common::*;
+use lastcall_broker::management::{Management, QueueStats};
+use lastcall_http::metrics::sample_value;
+use lastcall_worker::shed::Shedder;
+use lastcall_worker::{DeadlineSpec, NewJob};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+use tower::ServiceExt;
+
+const MANAGEMENT: &str = "http://127.0.0.1:15672";
+
+fn payload() -> Value {
+    json!({"messages": [{"role": "user", "content": "summarize"}]})
+}
+
+fn body(id: &str, deadline_ms: u64) -> Value {
+    json!({"job_id": id, "kind": "incident.summary", "deadline_ms": deadline_ms, "payload": payload()})
+}
+
+/// The router of an ingress that sheds (or not) on this environment's work queue.
+async fn ingress(env: &Env, shed_via: Option<&str>) -> Router {
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    let shedder = shed_via.map(|url| {
+        Arc::new(Shedder::new(
+            Management::from_amqp_url(AMQP, url),
+            env.topo.names.work_queue.clone(),
+        ))
+    });
+    state.submitter = state.submitter.with_shedder(shedder);
+    lastcall_http::app(Arc::new(state))
+}
+
+/// POST a job; the status, the `Retry-After` header and the JSON body.
+async fn post_job(app: &Router, body: &Value) -> (StatusCode, Option<String>, Value) {
+    let req = Request::builder()
+        .method("POST")
+        .uri("/v1/jobs")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .body(Body::from(serde_json::to_vec(body).unwrap()))
+        .unwrap();
+    let resp = app.clone().oneshot(req).await.unwrap();
+    let status = resp.status();
+    let retry_after = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    let bytes = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    (
+        status,
+        retry_after,
+        serde_json::from_slice(&bytes).unwrap_or(Value::Null),
+    )
+}
+
+/// Poll the management API until `ok` holds for the work queue (it samples every 5 s).
+async fn wait_for_stats(
+    env: &Env,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&QueueStats) -> bool,
+) -> QueueStats {
+    let m = Management::from_amqp_url(AMQP, MANAGEMENT);
+    let until = Instant::now() + timeout;
+    let mut last = None;
+    loop {
+        if let Ok(Some(s)) = m.queue_stats(&env.topo.names.work_queue).await {
+            if ok(&s) {
+                return s;
+            }
+            last = Some(s);
+        }
+        assert!(
+            Instant::now() < until,
+            "the management API never reported {what}: last {last:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(250)).await;
+    }
+}
+
+async fn fill(env: &Env, n: usize) -> Vec<String> {
+    let submitter = env.submitter(Duration::from_secs(5)).await;
+    let mut ids = Vec::with_capacity(n);
+    for i in 0..n {
+        let id = format!("fill-{i}");
+        submitter
+            .submit(
+                &NewJob {
+                    job_id: Some(id.clone()),
+                    kind: "incident.summary".into(),
+                    payload: payload().as_object().cloned().unwrap(),
+                    deadline: DeadlineSpec::RelativeMs(120_000),
+                    min_runtime_ms: None,
+                    trace_id: None,
+                },
+                now_ms(),
+            )
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+    ids
+}
+
+fn now_ms() -> i64 {
+    lastcall_worker::clock::now_ms()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ingress_sheds_with_429_while_the_queue_is_deep_and_admits_again_once_it_drained() {
+    let env = Env::new("shed").await;
+    let shedding = ingress(&env, Some(MANAGEMENT)).await;
+    let plain = ingress(&env, None).await; // what `serve --no-shed` builds
+
+    // A backlog and no consumer yet: no ack rate, so no estimate, so no shedding.
+    const N: usize = 400;
+    let fills = fill(&env, N).await;
+    let s = wait_for_stats(&env, "the backlog", Duration::from_secs(15), |s| {
+        s.ready >= N as u64
+    })
+    .await;
+    assert_eq!(s.consumers, 0);
+    let (status, _, resp) = post_job(&shedding, &body("no-consumer-yet", 1_000)).await;
+    assert_eq!(
+        status,
+        StatusCode::ACCEPTED,
+        "no ack rate: admitted: {resp}"
+    );
+
+    // A worker drains ~20 jobs/s (2 slots, 100 ms calls). Once the broker has sampled
+    // its acks, a 1 s budget behind the backlog is shed (the backlog lasts ~20 s; more than
+    // 100 ready is at least 5 s of queue, also one 5 s sample later).
+    let (stop, handle, _stats) = env.start_worker(2, 100).await;
+    let s = wait_for_stats(&env, "an ack rate", Duration::from_secs(20), |s| {
+        s.ack_rate_per_s.is_some_and(|r| r > 0.0) && s.ready > 100
+    })
+    .await;
+    let started = Instant::now();
+    let (status, retry_after, resp) = post_job(&shedding, &body("shed-1", 1_000)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{resp} at {s:?}");
+    assert_eq!(resp["error"], "would_expire_in_queue", "{resp}");
+    let message = resp["message"].as_str().unwrap();
+    for part in ["queue wait", "ready", "acks/s", "budget"] {
+        assert!(
+            message.contains(part),
+            "the message names the {part}: {message}"
+        );
+    }
+    let est = &resp["estimate"];
+    assert!(est["ready"].as_u64().unwrap() > 0, "{resp}");
+    assert!(est["ack_rate_per_s"].as_f64().unwrap() > 0.0, "{resp}");
+    assert!(est["queue_wait_ms"].as_u64().unwrap() > 1_000, "{resp}");
+    let retry_after: u64 = retry_after.expect("Retry-After").parse().unwrap();
+    assert!(retry_after >= 1, "{retry_after}");
+    assert_eq!(est["retry_after_s"].as_u64(), Some(retry_after));
+    // Never published, never recorded.
+    assert!(env.ledger.get("shed-1").await.unwrap().is_none());
+    let mut shed = 1;
+
+    // The same budget without shedding is accepted; an id that is already queued is
+    // answered as the duplicate it is, not shed.
+    let (status, _, resp) = post_job(&plain, &body("admitted-anyway", 1_000)).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "no shedder: admitted: {resp}");
+    let last = fills.last().unwrap();
+    let (status, _, resp) = post_job(&shedding, &body(last, 120_000)).await;
+    assert!(
+        status == StatusCode::ACCEPTED || status == StatusCode::OK,
+        "a known id is not shed: {status} {resp}"
+    );
+    assert_eq!(resp["duplicate"], true, "{resp}");
+
+    // As the queue drains, the same request is admitted again.
+    let until = Instant::now() + Duration::from_secs(45);
+    let mut n = 0;
+    let admitted_id = loop {
+        n += 1;
+        let id = format!("retry-{n}");
+        let (status, retry_after, resp) = post_job(&shedding, &body(&id, 1_000)).await;
+        match status {
+            StatusCode::ACCEPTED => break id,
+            StatusCode::TOO_MANY_REQUESTS => {
+                assert!(retry_after.is_some(), "{resp}");
+                assert!(env.ledger.get(&id).await.unwrap().is_none());
+                shed += 1;
+            }
+            other => panic!("{other}: {resp}"),
+        }
+        assert!(
+            Instant::now() < until,
+            "still shed {:?} after the first 429: {resp}",
+            started.elapsed()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    };
+    assert!(env.ledger.get(&admitted_id).await.unwrap().is_some());
+    eprintln!(
+        "first 429: {est} (Retry-After {retry_after} s); admitted again after {:?} and {shed} sheds",
+        started.elapsed()
+    );
+
+    // Shed jobs are counted.
+    let (status, text) = call(&shedding, "GET", "/metrics", Some(TOKEN), None).await;
+    assert_eq!(status, StatusCode::OK);
+    let text = text.as_str().unwrap();
+    assert_eq!(
+        sample_value(text, "lastcall_http_shed_total"),
+        Some(shed as f64),
+        "{text}"
+    );
+    assert_eq!(
+        sample_value(
+            text,
+            r#"lastcall_http_responses_total{route="/v1/jobs",status="429"}"#
+        ),
+        Some(shed as f64)
+    );
+
+    stop.cancel();
+    handle.await.unwrap();
+    // Every shed id stayed out of the ledger, also after the worker ran the queue.
+    assert!(env.ledger.get("shed-1").await.unwrap().is_none());
+    for i in 1..n {
+        assert!(
+            env.ledger
+                .get(&format!("retry-{i}"))
+                .await
+                .unwrap()
+                .is_none()
+        );
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unreachable_management_api_admits() {
+    let env = Env::new("shed-fail-open").await;
+    // Nothing listens on port 9 of the loopback: the estimate fails, the job is admitted.
+    let app = ingress(&env, Some("http://127.0.0.1:9")).await;
+    for i in 0..3 {
+        let (status, _, resp) = post_job(&app, &body(&format!("open-{i}"), 1_000)).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{resp}");
+    }
+    let shedder = Shedder::new(
+        Management::from_amqp_url(AMQP, "http://127.0.0.1:9"),
+        env.topo.names.work_queue.clone(),
+    );
+    assert!(shedder.reading().await.is_none());
+    // A reachable API reads the queue (3 published jobs, once sampled).
+    let shedder = Shedder::new(
+        Management::from_amqp_url(AMQP, MANAGEMENT),
+        env.topo.names.work_queue.clone(),
+    );
+    assert!(shedder.reading().await.is_some());
+    env.cleanup().await;
+}
