@@ -235,3 +235,97 @@ async fn serve_accepts_jobs_again_after_the_broker_comes_back() {
     );
     env.cleanup().await;
 }
+
+/// A frozen worker (SIGSTOP for longer than the AMQP heartbeat, then SIGCONT): the broker
+/// has closed its connection meanwhile and requeued its deliveries; the worker reconnects
+/// by itself, the calls that were running finish and are recorded once, their
+/// redeliveries are acked as duplicates, and every job ends with exactly one outcome and
+/// one model call.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_worker_reconnects_and_records_each_job_once() {
+    let env = Env::sqlite("frozen").await;
+    let log = env.dir.join("calls.log");
+    // A 1 s heartbeat, so that the broker gives up on the frozen worker within seconds.
+    let mut worker = env
+        .command_with_amqp("amqp://guest:guest@127.0.0.1:5672/%2f?heartbeat=1")
+        .args([
+            "worker",
+            "--backend",
+            "sim",
+            "--slots",
+            "2",
+            "--sim-latency-ms",
+            "3000",
+            "--shutdown-grace-ms",
+            "1000",
+        ])
+        .arg("--sim-call-log")
+        .arg(&log)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .unwrap();
+    let s = env.submitter(100, true).await;
+    let ids: Vec<String> = (0..4).map(|i| format!("fz-{i}")).collect();
+    for id in &ids {
+        s.submit(&job(id, 120_000), now_ms()).await.unwrap();
+    }
+    let calls = |log: &std::path::Path| {
+        std::fs::read_to_string(log)
+            .map(|t| t.lines().count())
+            .unwrap_or(0)
+    };
+    let until = Instant::now() + Duration::from_secs(20);
+    while calls(&log) < 2 {
+        assert!(Instant::now() < until, "no call started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let pid = worker.id().to_string();
+    let signal = |sig: &str| {
+        std::process::Command::new("kill")
+            .args([sig, &pid])
+            .status()
+            .unwrap()
+    };
+    signal("-STOP");
+    // The broker notices the missed heartbeats and drops the consumer.
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let depth = lastcall_broker::topology::queue_depth(&env.broker, &env.topo.names.work_queue)
+            .await
+            .unwrap();
+        if depth.is_some_and(|(_, consumers)| consumers == 0) {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "the broker kept the frozen consumer: {depth:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    signal("-CONT");
+    let recs = env.wait_terminal(&ids, Duration::from_secs(60)).await;
+    for r in &recs {
+        assert_eq!(r.state, "completed", "{r:?}");
+        assert_eq!(r.backend_calls, 1, "{r:?}");
+        assert_eq!(calls_in(&log, &r.job_id), 1, "{}: one model call", r.job_id);
+    }
+    let until = Instant::now() + Duration::from_secs(20);
+    while env.ready(&env.topo.names.work_queue).await != 0 {
+        assert!(Instant::now() < until, "jobs left in the queue");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert!(
+        worker.try_wait().unwrap().is_none(),
+        "the worker is still running"
+    );
+    signal("-TERM");
+    let until = Instant::now() + Duration::from_secs(15);
+    while worker.try_wait().unwrap().is_none() {
+        if Instant::now() > until {
+            let _ = worker.kill();
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    env.cleanup().await;
+}
