@@ -329,3 +329,83 @@ async fn a_frozen_worker_reconnects_and_records_each_job_once() {
     }
     env.cleanup().await;
 }
+
+/// Two workers on one queue. The first loses its broker connection while two calls run;
+/// the broker redelivers those jobs to the second worker, which sees in the ledger that
+/// their calls still run on a live worker (its lease is fresh) and holds them, without a
+/// slot, until they settle — then acks them as duplicates. One model call per job, in all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_running_on_a_disconnected_worker_is_not_run_again_by_another() {
+    let env = Env::sqlite("lease").await;
+    let proxy = FreezableProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    let start = |name: &str, broker: Broker, sim: Arc<lastcall_backend::sim::SimBackend>| {
+        let mut cfg = env.worker_config(2, 2);
+        cfg.name = name.to_owned();
+        let ledger = env.ledger.clone();
+        async move {
+            let stats = Arc::new(WorkerStats::default());
+            let w = Worker::build(cfg, broker, ledger, sim, system_clock(), stats.clone())
+                .await
+                .unwrap();
+            let stop = CancellationToken::new();
+            let handle = tokio::spawn(w.run(stop.clone()));
+            (stop, handle, stats)
+        }
+    };
+    let sim1 = sim(3_000);
+    let (stop1, h1, stats1) = start("w1", Broker::connect(&url).await.unwrap(), sim1.clone()).await;
+    let s = env.submitter(100, true).await;
+    let ids: Vec<String> = (0..2).map(|i| format!("ls-{i}")).collect();
+    for id in &ids {
+        s.submit(&job(id, 120_000), now_ms()).await.unwrap();
+    }
+    wait_for("both calls running on w1", Duration::from_secs(15), || {
+        stats1.running.load(Ordering::Relaxed) == 2
+    })
+    .await;
+    let sim2 = sim(3_000);
+    let (stop2, h2, stats2) = start(
+        "w2",
+        Broker::connect("amqp://guest:guest@127.0.0.1:5672/%2f")
+            .await
+            .unwrap(),
+        sim2.clone(),
+    )
+    .await;
+    // w1 loses the broker (and cannot come back for now); the broker redelivers to w2.
+    proxy.refuse(true);
+    proxy.reset();
+    wait_for(
+        "w2 receives the redeliveries",
+        Duration::from_secs(15),
+        || WorkerStats::get(&stats2.received) >= 2,
+    )
+    .await;
+    let recs = env.wait_terminal(&ids, Duration::from_secs(30)).await;
+    for r in &recs {
+        assert_eq!(r.state, "completed", "{r:?}");
+        assert_eq!(sim1.calls_for(&r.job_id), 1, "{}: w1 ran it", r.job_id);
+        assert_eq!(
+            sim2.calls_for(&r.job_id),
+            0,
+            "{}: w2 did not run it again",
+            r.job_id
+        );
+    }
+    wait_for("w2 acks the duplicates", Duration::from_secs(15), || {
+        WorkerStats::get(&stats2.duplicates) == 2
+    })
+    .await;
+    let until = Instant::now() + Duration::from_secs(15);
+    while env.ready(&env.topo.names.work_queue).await != 0 {
+        assert!(Instant::now() < until, "jobs left in the queue");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    proxy.refuse(false);
+    stop1.cancel();
+    stop2.cancel();
+    h1.await.unwrap().unwrap();
+    h2.await.unwrap().unwrap();
+    env.cleanup().await;
+}

@@ -348,6 +348,15 @@ const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
      WHERE state IN ('accepted', 'running') AND expires_at_ms < $2 \
      RETURNING job_id";
 
+const UPSERT_HEARTBEAT: &str = "INSERT INTO workers (name, heartbeat_ms) VALUES ($1, $2) \
+     ON CONFLICT (name) DO UPDATE SET heartbeat_ms = excluded.heartbeat_ms";
+
+/// A `running` attempt of the job under another worker whose lease is fresh.
+const SELECT_LIVE_ATTEMPT: &str = "SELECT a.worker FROM attempts a \
+     JOIN workers w ON w.name = a.worker \
+     WHERE a.job_id = $1 AND a.state = 'running' AND a.worker <> $2 AND w.heartbeat_ms >= $3 \
+     LIMIT 1";
+
 const SELECT_PAYLOAD_HASH: &str = "SELECT payload_hash FROM jobs WHERE job_id = $1";
 const SELECT_JOB: &str = concat!("SELECT ", job_columns!(), " FROM jobs WHERE job_id = $1");
 const SELECT_ATTEMPTS: &str = concat!(
@@ -619,6 +628,44 @@ impl Ledger {
                 .map_err(db("reading a payload hash"))?
         });
         Ok(hash.flatten())
+    }
+
+    /// Renew `worker`'s lease: its attempts that are still `running` count as live while
+    /// its heartbeat is fresh ([`live_attempt_elsewhere`](Self::live_attempt_elsewhere)).
+    pub async fn heartbeat(&self, worker: &str, now_ms: i64) -> Result<(), StoreError> {
+        on_pool!(self, write, |pool| {
+            sqlx::query(UPSERT_HEARTBEAT)
+                .bind(worker)
+                .bind(now_ms)
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(db("renewing a worker lease"))?
+        });
+        Ok(())
+    }
+
+    /// The worker (other than `me`) running a model call of `job_id` now: an attempt row
+    /// still `running` whose worker renewed its lease at or after `fresh_since_ms`. `None`:
+    /// no live call elsewhere (none started, all settled, or that worker's lease expired —
+    /// it died, and its started attempt counts toward the poison bound as before).
+    pub async fn live_attempt_elsewhere(
+        &self,
+        job_id: &str,
+        me: &str,
+        fresh_since_ms: i64,
+    ) -> Result<Option<String>, StoreError> {
+        let worker: Option<String> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_LIVE_ATTEMPT)
+                .bind(job_id)
+                .bind(me)
+                .bind(fresh_since_ms)
+                .fetch_optional(pool)
+                .await
+                .and_then(|row| row.map(|r| r.try_get(0)).transpose())
+                .map_err(db("looking for a live attempt"))?
+        });
+        Ok(worker)
     }
 
     /// Whether the job already has a terminal outcome, and how many model calls were started

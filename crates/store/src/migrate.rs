@@ -39,6 +39,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0003_reconciled_at.sql"),
         postgres: include_str!("../migrations/postgres/0003_reconciled_at.sql"),
     },
+    Migration {
+        version: 4,
+        name: "worker_leases",
+        sqlite: include_str!("../migrations/sqlite/0004_worker_leases.sql"),
+        postgres: include_str!("../migrations/postgres/0004_worker_leases.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 3;
+const LATEST_VERSION: i64 = 4;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -232,6 +232,7 @@ both_backends!(
     unknown_over_unknown_changes_nothing,
     concurrent_late_outcomes_have_one_winner,
     late_outcomes_count_only_replaced_unknowns,
+    a_running_attempt_is_live_while_its_worker_renews_its_lease,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -356,7 +357,7 @@ async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
         Backend::Sqlite => include_str!("../migrations/sqlite/0001_init.sql"),
         Backend::Postgres => include_str!("../migrations/postgres/0001_init.sql"),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(
@@ -397,7 +398,7 @@ async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
             include_str!("../migrations/postgres/0002_counters_on_read.sql"),
         ),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(v2).await;
@@ -1854,5 +1855,68 @@ async fn late_outcomes_count_only_replaced_unknowns(db: &TestDb) {
     assert_eq!(
         (listed[0].job_id.as_str(), listed[0].reconciled_at_ms),
         ("d", Some(2_000))
+    );
+}
+
+/// Worker leases: a `running` attempt counts as live elsewhere only while its worker's
+/// heartbeat is fresh, never for the asking worker itself, and no longer once settled.
+async fn a_running_attempt_is_live_while_its_worker_renews_its_lease(db: &TestDb) {
+    let l = &db.ledger;
+    l.record_accepted(&accepted("lease-1", "chat", 100, 60_000))
+        .await
+        .unwrap();
+    // No start yet: nothing is live.
+    assert_eq!(
+        l.live_attempt_elsewhere("lease-1", "w2", 0).await.unwrap(),
+        None
+    );
+    l.record_start(&start("lease-1", "w1:c1:1", 0, 200))
+        .await
+        .unwrap();
+    // Started, but w1 never renewed a lease (it may have died): not live.
+    assert_eq!(
+        l.live_attempt_elsewhere("lease-1", "w2", 0).await.unwrap(),
+        None
+    );
+    l.heartbeat("w1", 5_000).await.unwrap();
+    assert_eq!(
+        l.live_attempt_elsewhere("lease-1", "w2", 4_000)
+            .await
+            .unwrap(),
+        Some("w1".to_owned()),
+        "fresh lease, running attempt: live on w1"
+    );
+    assert_eq!(
+        l.live_attempt_elsewhere("lease-1", "w1", 4_000)
+            .await
+            .unwrap(),
+        None,
+        "never elsewhere for the worker itself"
+    );
+    assert_eq!(
+        l.live_attempt_elsewhere("lease-1", "w2", 5_001)
+            .await
+            .unwrap(),
+        None,
+        "an expired lease: that worker is presumed dead"
+    );
+    l.heartbeat("w1", 9_000).await.unwrap();
+    assert!(
+        l.live_attempt_elsewhere("lease-1", "w2", 8_000)
+            .await
+            .unwrap()
+            .is_some()
+    );
+    // The call settles: no longer live.
+    assert!(
+        l.record_outcome(&completed("lease-1", "w1:c1:1", 9_100, "ok"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        l.live_attempt_elsewhere("lease-1", "w2", 8_000)
+            .await
+            .unwrap(),
+        None
     );
 }

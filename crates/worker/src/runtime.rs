@@ -261,12 +261,17 @@ impl Worker {
         let mut broker = self.broker;
         let mut tasks = JoinSet::new();
         ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
+        let lease_stop = CancellationToken::new();
+        let lease = tokio::spawn(renew_lease(ctx.clone(), lease_stop.clone()));
         tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, node = %broker.node(), "worker started");
         let mut first = true;
         let last = loop {
             let generation = match Generation::open(&ctx, &broker).await {
                 Ok(g) => g,
-                Err(e) if first => return Err(e),
+                Err(e) if first => {
+                    lease_stop.cancel();
+                    return Err(e);
+                }
                 Err(e) => {
                     tracing::warn!(error = %e, "could not resume on the new connection");
                     match reconnect(&ctx, &broker, &stop).await {
@@ -325,6 +330,8 @@ impl Worker {
             }
             bounded("closing the channel", g.stream.close()).await;
         }
+        lease_stop.cancel();
+        let _ = lease.await;
         self.acks_done.cancel();
         if tokio::time::timeout(Duration::from_secs(5), self.acks_task)
             .await
@@ -673,6 +680,30 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     else {
         return; // shutting down: leave unacked, the broker redelivers
     };
+    // A call of this job may still run on another worker (whose connection was lost, so
+    // the broker redelivered the job here): hold it, without a slot, while that worker's
+    // lease is fresh and its attempt unsettled; then read the ledger again.
+    let info = if info.prior_starts > 0 && !info.already_recorded && job.parsed.is_ok() {
+        match wait_for_live_attempt_elsewhere(&ctx, &job, &id).await {
+            None => return hand_back(job).await,
+            Some(true) => {
+                let Some(again) = until_stored(
+                    &ctx.health,
+                    &ctx.shutdown,
+                    || WorkerStats::inc(&ctx.stats.store_retries),
+                    || ctx.commits.receipt_info(id.clone()),
+                )
+                .await
+                else {
+                    return;
+                };
+                again
+            }
+            Some(false) => info,
+        }
+    } else {
+        info
+    };
     let learned =
         (job.parsed.as_ref().ok()).and_then(|e| ctx.learned(e.kind().as_str(), job.received_at_ms));
     let facts = ReceiptFacts {
@@ -886,6 +917,67 @@ async fn hand_back(job: Job) {
         let _ = job.incoming.settler.requeue().await;
     }
     job.link.acks.forget(job.incoming.delivery_tag);
+}
+
+/// How often a worker renews its lease in the ledger, and how old a lease may be before
+/// the worker is presumed dead (its `running` attempts no longer hold redeliveries back).
+const LEASE_RENEW: Duration = Duration::from_secs(2);
+const LEASE_TTL_MS: i64 = 10_000;
+
+/// Renew this worker's lease until `stop` fires (one row per worker, not per job).
+async fn renew_lease(ctx: Arc<Ctx>, stop: CancellationToken) {
+    let mut failing = false;
+    loop {
+        match ctx.ledger.heartbeat(&ctx.cfg.name, ctx.clock.now_ms()).await {
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!("worker lease renewed again");
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!(error = %e, "cannot renew the worker lease; other workers may run this worker's jobs again once it expires");
+            }
+            Err(_) => {}
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(LEASE_RENEW) => {}
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+/// While another live worker runs a call of `id`, wait (polling the ledger). `Some(true)`:
+/// it did and has settled now (read the ledger again); `Some(false)`: nothing ran
+/// elsewhere; `None`: shutdown or this job's connection was lost meanwhile.
+async fn wait_for_live_attempt_elsewhere(ctx: &Ctx, job: &Job, id: &str) -> Option<bool> {
+    let mut waited = false;
+    loop {
+        let fresh_since = ctx.clock.now_ms() - LEASE_TTL_MS;
+        let live = match ctx
+            .ledger
+            .live_attempt_elsewhere(id, &ctx.cfg.name, fresh_since)
+            .await
+        {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read worker leases; not holding the job");
+                None
+            }
+        };
+        let Some(worker) = live else {
+            return Some(waited);
+        };
+        if !waited {
+            tracing::info!(%worker, "a call of this job still runs on another live worker: holding the redelivery until it settles");
+            waited = true;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = ctx.shutdown.cancelled() => return None,
+            _ = job.link.lost.cancelled() => return None,
+        }
+    }
 }
 
 /// A model call running in this process, registered by job id until it has settled.
