@@ -508,22 +508,139 @@ mod tests {
         );
     }
 
+    /// The parser's fuzz contract: whatever the bytes, `parse` returns (never panics), and
+    /// every refusal names a reason and says something.
+    fn check_parse(bytes: &[u8]) -> Result<(), TestCaseError> {
+        match Envelope::parse(bytes, &EnvelopeLimits::default(), NOW) {
+            Ok(e) => {
+                // What parses survives its own round trip.
+                let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), NOW);
+                prop_assert!(again.is_ok(), "{:?}", again);
+            }
+            Err(e) => {
+                prop_assert!(!e.reason.as_str().is_empty());
+                prop_assert!(!e.message.is_empty(), "a refusal without a message: {e:?}");
+                prop_assert!(!e.to_string().is_empty());
+            }
+        }
+        Ok(())
+    }
+
+    /// Cases per fuzz property: a short run by default (CI), `LASTCALL_FUZZ_CASES=1000000`
+    /// for the slow tier (`cargo test -p lastcall-core --release envelope::tests::fuzz`).
+    fn fuzz_config() -> ProptestConfig {
+        let cases = std::env::var("LASTCALL_FUZZ_CASES")
+            .ok()
+            .and_then(|v| v.parse().ok())
+            .unwrap_or(2_000);
+        ProptestConfig {
+            cases,
+            failure_persistence: None,
+            ..ProptestConfig::default()
+        }
+    }
+
+    /// A structural mutation of a valid envelope.
+    #[derive(Debug, Clone)]
+    enum Mutation {
+        Remove(usize),
+        Replace(usize, Value),
+        Add(String, Value),
+        Truncate(usize),
+        FlipByte(usize, u8),
+    }
+
+    fn any_json() -> impl Strategy<Value = Value> {
+        let leaf = prop_oneof![
+            Just(Value::Null),
+            any::<bool>().prop_map(Value::Bool),
+            any::<i64>().prop_map(|n| json!(n)),
+            any::<f64>()
+                .prop_map(|f| serde_json::Number::from_f64(f).map_or(Value::Null, Value::Number)),
+            Just(json!(u64::MAX)),
+            Just(json!(-1)),
+            "[ -~]{0,40}".prop_map(Value::String),
+            "\\PC{0,20}".prop_map(Value::String),
+        ];
+        leaf.prop_recursive(3, 24, 4, |inner| {
+            prop_oneof![
+                proptest::collection::vec(inner.clone(), 0..4).prop_map(Value::Array),
+                proptest::collection::btree_map("[a-z_]{1,12}", inner, 0..4)
+                    .prop_map(|m| Value::Object(m.into_iter().collect())),
+            ]
+        })
+    }
+
+    fn mutation() -> impl Strategy<Value = Mutation> {
+        prop_oneof![
+            (0usize..8).prop_map(Mutation::Remove),
+            (0usize..8, any_json()).prop_map(|(i, v)| Mutation::Replace(i, v)),
+            ("[a-z_]{1,16}", any_json()).prop_map(|(k, v)| Mutation::Add(k, v)),
+            (0usize..400).prop_map(Mutation::Truncate),
+            (0usize..400, any::<u8>()).prop_map(|(i, b)| Mutation::FlipByte(i, b)),
+        ]
+    }
+
+    fn mutate(mutations: &[Mutation]) -> Vec<u8> {
+        let mut v = good();
+        let mut bytes = None;
+        for m in mutations {
+            let obj = v.as_object_mut().expect("good() is an object");
+            let keys: Vec<String> = obj.keys().cloned().collect();
+            match m {
+                Mutation::Remove(i) => {
+                    obj.remove(&keys[i % keys.len().max(1)]);
+                }
+                Mutation::Replace(i, val) if !keys.is_empty() => {
+                    obj.insert(keys[i % keys.len()].clone(), val.clone());
+                }
+                Mutation::Replace(..) => {}
+                Mutation::Add(k, val) => {
+                    obj.insert(k.clone(), val.clone());
+                }
+                Mutation::Truncate(n) => {
+                    let b = bytes.get_or_insert_with(|| serde_json::to_vec(&v).unwrap());
+                    b.truncate(*n);
+                }
+                Mutation::FlipByte(i, x) => {
+                    let b = bytes.get_or_insert_with(|| serde_json::to_vec(&v).unwrap());
+                    if !b.is_empty() {
+                        let at = i % b.len();
+                        b[at] ^= x;
+                    }
+                }
+            }
+        }
+        bytes.unwrap_or_else(|| serde_json::to_vec(&v).unwrap())
+    }
+
     proptest! {
+        #![proptest_config(fuzz_config())]
+
         #[test]
-        fn arbitrary_bytes_never_panic(bytes in proptest::collection::vec(any::<u8>(), 0..256)) {
-            let _ = Envelope::parse(&bytes, &EnvelopeLimits::default(), NOW);
+        fn fuzz_arbitrary_bytes(bytes in proptest::collection::vec(any::<u8>(), 0..512)) {
+            check_parse(&bytes)?;
         }
 
         #[test]
-        fn round_trip_keeps_the_deadline(budget in 0i64..86_400_000, created in 0i64..NOW) {
+        fn fuzz_mutated_envelopes(mutations in proptest::collection::vec(mutation(), 1..6)) {
+            check_parse(&mutate(&mutations))?;
+        }
+    }
+
+    proptest! {
+        #[test]
+        fn round_trip_keeps_the_deadline(budget in 1i64..86_400_000, created in 0i64..NOW) {
             let mut v = good();
             v["created_at_ms"] = json!(created);
             v["expires_at_ms"] = json!(created + budget);
-            if let Ok(e) = Envelope::parse(&serde_json::to_vec(&v).unwrap(), &EnvelopeLimits::default(), created) {
-                let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), created).unwrap();
-                prop_assert_eq!(again.deadline(), e.deadline());
-                prop_assert_eq!(again.deadline().expires_at_ms(), created + budget);
-            }
+            let e = Envelope::parse(&serde_json::to_vec(&v).unwrap(), &EnvelopeLimits::default(), created);
+            // Every budget inside the horizon parses: the property is not vacuous.
+            prop_assert!(e.is_ok(), "{:?}", e);
+            let e = e.unwrap();
+            let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), created).unwrap();
+            prop_assert_eq!(again.deadline(), e.deadline());
+            prop_assert_eq!(again.deadline().expires_at_ms(), created + budget);
         }
     }
 }
