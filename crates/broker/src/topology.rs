@@ -162,12 +162,15 @@ impl Topology {
             n.dead_queue.clone(),
             format!("{}.parked", n.prefix),
             n.retry_ready_queue(),
-            format!("{}.dead.expired", n.prefix),
-            format!("{}.dead.rejected", n.prefix),
-            format!("{}.dead.maxlen", n.prefix),
-            format!("{}.dead.delivery_limit", n.prefix),
-            format!("{}.dead.other", n.prefix),
         ];
+        // The per-class copy queues of `lastcall dlq --split-by-reason` (and the names of
+        // earlier versions: `rejected`, `delivery_limit`).
+        queues.extend(
+            lastcall_core::deadletter::SPLIT_LABELS
+                .iter()
+                .chain(&["rejected", "delivery_limit"])
+                .map(|l| format!("{}.dead.{l}", n.prefix)),
+        );
         queues.extend(self.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
         for q in queues {
             let _ = ch

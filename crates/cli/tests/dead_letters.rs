@@ -67,8 +67,9 @@ async fn dlq_command_records_maxlen_overflow_and_exits_when_idle() {
     env.cleanup().await;
 }
 
-/// `lastcall dlq --split-by-reason`: format errors and expiries land in queues of their
-/// own (after the ledger write), so operators can watch them apart.
+/// `lastcall dlq --split-by-reason`: format errors, model failures and expiries land in
+/// queues of their own (after the ledger write), so operators can watch them apart — the
+/// first two are both `rejected` in `x-death`; the ledger's reason splits them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dlq_splits_dead_letters_by_reason() {
     let env = Env::sqlite("split").await;
@@ -91,8 +92,18 @@ async fn dlq_splits_dead_letters_by_reason() {
     p.publish(&env.topo.names.jobs_exchange, "k", b"{garbled", &props)
         .await
         .unwrap();
-    env.wait_terminal(&["garbled".into()], std::time::Duration::from_secs(10))
-        .await;
+    // … a model failure (a terminal backend error), also rejected by the worker …
+    s.submit(
+        &job_of_kind("bad-model", "sim.fail-terminal", 60_000),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    env.wait_terminal(
+        &["garbled".into(), "bad-model".into()],
+        std::time::Duration::from_secs(10),
+    )
+    .await;
     w.stop().await;
     // … and an expiry at the broker (no worker running).
     s.submit(&job("late", 300), now_ms()).await.unwrap();
@@ -111,7 +122,10 @@ async fn dlq_splits_dead_letters_by_reason() {
         String::from_utf8_lossy(&out.stderr)
     );
     let q = |label: &str| lastcall_worker::dlq::reason_queue(&env.prefix, label);
-    assert_eq!(env.ready(&q("rejected")).await, 1, "the format error");
+    // Both were `rejected` for the broker; the ledger tells them apart.
+    assert_eq!(env.ready(&q("format")).await, 1, "the format error");
+    assert_eq!(env.ready(&q("model_failed")).await, 1, "the model failure");
+    assert_eq!(env.ready(&q("signature")).await, 0);
     assert_eq!(env.ready(&q("expired")).await, 1, "the expiry");
     assert_eq!(env.ready(&q("maxlen")).await, 0);
     assert_eq!(
@@ -127,6 +141,6 @@ async fn dlq_splits_dead_letters_by_reason() {
         env.ledger.get("garbled").await.unwrap().unwrap().state,
         "rejected"
     );
-    assert_eq!(sim.calls(), 0);
+    assert_eq!(sim.calls(), 1, "only the model failure reached the model");
     env.cleanup().await;
 }

@@ -78,6 +78,51 @@ pub fn classify(
     DeadLetterOutcome { state, reason }
 }
 
+/// The classes of dead letters that get a copy queue of their own (`{prefix}.dead.<class>`
+/// with `lastcall dlq --split-by-reason`), so operators can watch each apart.
+pub const SPLIT_LABELS: [&str; 7] = [
+    "expired",
+    "format",
+    "signature",
+    "model_failed",
+    "poison",
+    "maxlen",
+    "other",
+];
+
+/// The copy queue class of a dead letter. The broker's `x-death` reason alone cannot say
+/// *why* a worker rejected a message (RabbitMQ records only `rejected`), so a rejection is
+/// split by what the parser says of the body (`reject`: its reason code, `None` when it
+/// parsed) and, for a valid envelope, by the outcome the ledger holds for the job
+/// (`recorded`: state and reason): format errors, signature errors and model failures end
+/// in different queues.
+pub fn split_label(
+    death: &DeathReason,
+    reject: Option<&str>,
+    recorded: Option<(&str, Option<&str>)>,
+) -> &'static str {
+    match death {
+        DeathReason::Expired => "expired",
+        DeathReason::MaxLen => "maxlen",
+        DeathReason::DeliveryLimit => "poison",
+        DeathReason::Rejected | DeathReason::Other(_) => match (reject, recorded) {
+            (Some("bad_signature"), _) => "signature",
+            (Some(_), _) => "format",
+            (None, Some((state, reason))) => match (state, reason) {
+                ("rejected", Some("bad_signature")) => "signature",
+                ("rejected", _) => "format",
+                ("failed", Some("poison" | "delivery_limit")) => "poison",
+                ("failed", _) => "model_failed",
+                ("expired_not_started" | "expired_before_receive" | "deadline_exceeded", _) => {
+                    "expired"
+                }
+                _ => "other",
+            },
+            (None, None) => "other",
+        },
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -95,5 +140,58 @@ mod tests {
             (bad.state, bad.reason.as_str()),
             (State::Rejected, "invalid_json")
         );
+    }
+
+    #[test]
+    fn rejections_are_split_by_what_the_ledger_says() {
+        use super::{SPLIT_LABELS, split_label};
+        let r = DeathReason::Rejected;
+        assert_eq!(split_label(&r, Some("invalid_json"), None), "format");
+        assert_eq!(split_label(&r, Some("bad_signature"), None), "signature");
+        assert_eq!(
+            split_label(&r, None, Some(("rejected", Some("bad_signature")))),
+            "signature"
+        );
+        assert_eq!(
+            split_label(&r, None, Some(("failed", Some("http_400")))),
+            "model_failed"
+        );
+        assert_eq!(
+            split_label(&r, None, Some(("failed", Some("retries_exhausted")))),
+            "model_failed"
+        );
+        assert_eq!(
+            split_label(&r, None, Some(("failed", Some("poison")))),
+            "poison"
+        );
+        assert_eq!(
+            split_label(
+                &r,
+                None,
+                Some(("expired_not_started", Some("admission:deadline_passed")))
+            ),
+            "expired"
+        );
+        assert_eq!(split_label(&r, None, None), "other");
+        assert_eq!(split_label(&DeathReason::Expired, None, None), "expired");
+        assert_eq!(
+            split_label(&DeathReason::DeliveryLimit, None, None),
+            "poison"
+        );
+        assert_eq!(
+            split_label(&DeathReason::MaxLen, Some("invalid_json"), None),
+            "maxlen"
+        );
+        // Every label is one of the declared queues.
+        for (d, rej, rec) in [
+            (
+                DeathReason::Other("x".into()),
+                None,
+                Some(("completed", None)),
+            ),
+            (DeathReason::Rejected, None, Some(("unknown", None))),
+        ] {
+            assert!(SPLIT_LABELS.contains(&split_label(&d, rej, rec)));
+        }
     }
 }

@@ -62,8 +62,9 @@ pub fn reason_queue(prefix: &str, label: &str) -> String {
     format!("{prefix}.dead.{label}")
 }
 
-/// The reason labels that get a queue of their own with `split_by_reason`.
-pub const REASON_LABELS: [&str; 5] = ["expired", "rejected", "maxlen", "delivery_limit", "other"];
+/// The classes that get a queue of their own with `split_by_reason`
+/// ([`lastcall_core::deadletter::split_label`]).
+pub const REASON_LABELS: [&str; 7] = lastcall_core::deadletter::SPLIT_LABELS;
 
 /// The parked queue's name.
 pub fn parked_queue(prefix: &str) -> String {
@@ -112,9 +113,11 @@ impl DeadLetterProcessor {
         self
     }
 
-    /// Also copy every dead letter, after recording it, to `{prefix}.dead.{reason}`
-    /// (`expired`, `rejected`, `maxlen`, `delivery_limit`, `other`), so operators can watch
-    /// format errors apart from expiries. Declares those queues.
+    /// Also copy every dead letter, after recording it, to `{prefix}.dead.{class}`
+    /// (`expired`, `format`, `signature`, `model_failed`, `poison`, `maxlen`, `other`), so
+    /// operators can watch format errors, signature errors and model failures apart: a
+    /// rejection is classed by the parser's reason and the outcome the ledger holds, not
+    /// by `x-death` alone (which only says `rejected`). Declares those queues.
     pub async fn split_by_reason(mut self) -> Result<Self, String> {
         for label in REASON_LABELS {
             self.topology
@@ -337,7 +340,22 @@ impl DeadLetterProcessor {
             copies.push(parked_queue(prefix));
         }
         if self.split_by_reason {
-            copies.push(reason_queue(prefix, reason.label()));
+            // The outcome the ledger keeps (the worker's, when it wrote one first).
+            let kept = match self.ledger.get(job_id.as_str()).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the outcome to class a dead letter failed; leaving it in the dead-letter queue");
+                    let _ = m.settler.requeue().await;
+                    return true;
+                }
+            };
+            let label = lastcall_core::deadletter::split_label(
+                &reason,
+                reject,
+                kept.as_ref()
+                    .map(|r| (r.state.as_str(), r.reason.as_deref())),
+            );
+            copies.push(reason_queue(prefix, label));
         }
         for queue in &copies {
             if let Err(e) = self.copy_to(queue, m, job_id.as_str(), now).await {
