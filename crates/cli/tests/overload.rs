@@ -202,6 +202,12 @@ async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_ca
     );
     assert_eq!(r.backend_calls, 0);
     assert_eq!(sim.calls_for("short"), 0, "never started");
+    // The record says which backend the job was for and the minimum runtime it was held to.
+    assert_eq!(r.backend.as_deref(), Some("sim"));
+    assert!(
+        r.min_runtime_ms.is_some_and(|m| m >= 900),
+        "the learned ~1 s call time: {r:?}"
+    );
     // A job with room for the call still runs.
     s.submit(&job("roomy", 10_000), now_ms()).await.unwrap();
     let r = env
@@ -209,6 +215,7 @@ async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_ca
         .await
         .remove(0);
     assert_eq!(r.state, "completed", "{r:?}");
+    assert_eq!(r.backend.as_deref(), Some("sim"));
     w.stop().await;
     env.cleanup().await;
 }

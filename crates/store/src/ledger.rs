@@ -77,7 +77,7 @@ macro_rules! job_columns {
             " AS backend_calls, created_at_ms, expires_at_ms, accepted_at_ms, received_at_ms, \
              checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, reconciled_at_ms, \
              worker, result, error, trace_id, prompt_tokens, completion_tokens, latency_ms, \
-             cancel_requested, cancel_confirmed"
+             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms"
         )
     };
 }
@@ -128,8 +128,10 @@ const UPSERT_ATTEMPT_START: &str = "INSERT INTO attempts \
 const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
      (job_id, kind, state, reason, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
       started_at_ms, finished_at_ms, recorded_at_ms, worker, result, error, prompt_tokens, \
-      completion_tokens, latency_ms, cancel_requested, cancel_confirmed) \
-     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19) \
+      completion_tokens, latency_ms, cancel_requested, cancel_confirmed, backend, model, \
+      min_runtime_ms) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
+      $20, $21, $22) \
      ON CONFLICT (job_id) DO UPDATE SET \
      kind = CASE WHEN jobs.kind = '' THEN excluded.kind ELSE jobs.kind END, \
      state = excluded.state, reason = excluded.reason, \
@@ -141,7 +143,8 @@ const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
      result = excluded.result, error = excluded.error, \
      prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens, \
      latency_ms = excluded.latency_ms, cancel_requested = excluded.cancel_requested, \
-     cancel_confirmed = excluded.cancel_confirmed \
+     cancel_confirmed = excluded.cancel_confirmed, backend = excluded.backend, \
+     model = excluded.model, min_runtime_ms = excluded.min_runtime_ms \
      WHERE jobs.state IN ('accepted', 'running') \
      OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')";
 
@@ -291,7 +294,10 @@ fn run_params(
                 .v(&rec.completion_tokens)
                 .v(&rec.latency_ms)
                 .v(&rec.cancel_requested)
-                .v(&rec.cancel_confirmed);
+                .v(&rec.cancel_confirmed)
+                .v(&rec.backend)
+                .v(&rec.model)
+                .v(&rec.min_runtime_ms);
         });
     }
     let mut job_live = JsonRows::default();
@@ -1134,6 +1140,9 @@ where
         latency_ms: row.try_get("latency_ms")?,
         cancel_requested: row.try_get("cancel_requested")?,
         cancel_confirmed: row.try_get("cancel_confirmed")?,
+        backend: row.try_get("backend")?,
+        model: row.try_get("model")?,
+        min_runtime_ms: row.try_get("min_runtime_ms")?,
     })
 }
 

@@ -111,6 +111,12 @@ pub struct OutcomeRecord {
     pub latency_ms: Option<i64>,
     pub cancel_requested: bool,
     pub cancel_confirmed: Option<bool>,
+    /// The backend that ran (or would have run) the job.
+    pub backend: Option<String>,
+    /// The model that answered, as the backend reported it.
+    pub model: Option<String>,
+    /// The minimum useful runtime the admission decision used (own, learned or floor).
+    pub min_runtime_ms: Option<i64>,
 }
 
 /// What the worker needs to know about a job when a delivery arrives.
@@ -151,6 +157,13 @@ pub struct JobRecord {
     pub latency_ms: Option<i64>,
     pub cancel_requested: bool,
     pub cancel_confirmed: Option<bool>,
+    /// The backend that ran (or would have run) the job, e.g. `sim`, `openai`, `local`.
+    pub backend: Option<String>,
+    /// The model that answered, as the backend reported it.
+    pub model: Option<String>,
+    /// The minimum useful runtime the last admission decision used: the job's own, the
+    /// learned call time of its kind, or the configured floor.
+    pub min_runtime_ms: Option<i64>,
 }
 
 /// One attempt (trace) row.

@@ -45,6 +45,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0004_worker_leases.sql"),
         postgres: include_str!("../migrations/postgres/0004_worker_leases.sql"),
     },
+    Migration {
+        version: 5,
+        name: "backend_model",
+        sqlite: include_str!("../migrations/sqlite/0005_backend_model.sql"),
+        postgres: include_str!("../migrations/postgres/0005_backend_model.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

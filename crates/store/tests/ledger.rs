@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 4;
+const LATEST_VERSION: i64 = 5;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -233,6 +233,7 @@ both_backends!(
     concurrent_late_outcomes_have_one_winner,
     late_outcomes_count_only_replaced_unknowns,
     a_running_attempt_is_live_while_its_worker_renews_its_lease,
+    the_outcome_names_its_backend_model_and_min_runtime,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -292,6 +293,9 @@ fn outcome(job_id: &str, attempt_key: &str, state: State, recorded_at_ms: i64) -
         latency_ms: None,
         cancel_requested: false,
         cancel_confirmed: None,
+        backend: None,
+        model: None,
+        min_runtime_ms: None,
     }
 }
 
@@ -1919,4 +1923,32 @@ async fn a_running_attempt_is_live_while_its_worker_renews_its_lease(db: &TestDb
             .unwrap(),
         None
     );
+}
+
+/// The outcome carries which backend and model ran the job and the minimum runtime its
+/// admission decision used; a second (duplicate) write does not change them.
+async fn the_outcome_names_its_backend_model_and_min_runtime(db: &TestDb) {
+    let l = &db.ledger;
+    let rec = OutcomeRecord {
+        backend: Some("openai".into()),
+        model: Some("smollm2".into()),
+        min_runtime_ms: Some(212),
+        ..completed("bm-1", "w1:c1:1", 5_000, "ok")
+    };
+    assert!(l.record_terminal(&rec).await.unwrap());
+    let job = must_get(l, "bm-1").await;
+    assert_eq!(
+        (
+            job.backend.as_deref(),
+            job.model.as_deref(),
+            job.min_runtime_ms
+        ),
+        (Some("openai"), Some("smollm2"), Some(212))
+    );
+    let other = OutcomeRecord {
+        backend: Some("sim".into()),
+        ..rec
+    };
+    assert!(!l.record_terminal(&other).await.unwrap());
+    assert_eq!(must_get(l, "bm-1").await.backend.as_deref(), Some("openai"));
 }

@@ -585,6 +585,8 @@ struct Job {
     /// Why the admission rule decided as it did, when a number explains it (the learned
     /// call duration); recorded as the outcome's error text.
     note: Option<String>,
+    /// The minimum useful runtime of the last admission decision (own, learned or floor).
+    min_runtime_ms: Option<u64>,
 }
 
 /// The ledger key of a delivery: the envelope's id; else the `message_id` property the
@@ -657,6 +659,7 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i
         finished_at_ms: None,
         attempt_key,
         note: None,
+        min_runtime_ms: None,
     };
     process(ctx, job).instrument(span).await;
 }
@@ -706,6 +709,13 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     };
     let learned =
         (job.parsed.as_ref().ok()).and_then(|e| ctx.learned(e.kind().as_str(), job.received_at_ms));
+    if let Ok(env) = &job.parsed {
+        job.min_runtime_ms = Some(effective_min_runtime(
+            &ctx,
+            env,
+            learned.map(|e| e.quantile_ms),
+        ));
+    }
     let facts = ReceiptFacts {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
@@ -801,6 +811,11 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     job.checked_at_ms = Some(checked_at_ms);
     tracing::Span::current().record("checked_at_ms", checked_at_ms);
     (ctx.stats.metrics.consumer_dwell).observe_ms(checked_at_ms - job.received_at_ms);
+    job.min_runtime_ms = Some(effective_min_runtime(
+        &ctx,
+        &env,
+        ctx.learned(&kind, checked_at_ms).map(|e| e.quantile_ms),
+    ));
     let budget_ms = match last_check(&ctx, &env, checked_at_ms) {
         Slot::Run { budget_ms } => budget_ms,
         Slot::Settle(d) => {
@@ -901,6 +916,16 @@ fn last_check(ctx: &Ctx, env: &Envelope, now_ms: i64) -> Slot {
             budget_ms: UNBOUNDED_BUDGET_MS,
         },
     }
+}
+
+/// The minimum useful runtime the admission rule applies to `env` now: its own, else the
+/// learned call time, else the configured floor.
+fn effective_min_runtime(ctx: &Ctx, env: &Envelope, learned_ms: Option<u64>) -> u64 {
+    let policy = &ctx.cfg.policy;
+    policy
+        .min_runtime(env, learned_ms)
+        .0
+        .unwrap_or(policy.admission.default_min_runtime_ms)
 }
 
 /// Shutdown (or a lost connection) while the job waits (for a slot or for clock sync): it
@@ -1398,5 +1423,8 @@ fn outcome_record(
         latency_ms: call.map(|c| c.latency_ms),
         cancel_requested: call.is_some_and(|c| c.cancel_requested),
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
+        backend: Some(ctx.backend.name().to_owned()),
+        model: output.and_then(|o| o.model.clone()),
+        min_runtime_ms: job.min_runtime_ms.map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
     }
 }
