@@ -953,7 +953,11 @@ const LEASE_TTL_MS: i64 = 10_000;
 async fn renew_lease(ctx: Arc<Ctx>, stop: CancellationToken) {
     let mut failing = false;
     loop {
-        match ctx.ledger.heartbeat(&ctx.cfg.name, ctx.clock.now_ms()).await {
+        match ctx
+            .ledger
+            .heartbeat(&ctx.cfg.name, ctx.clock.now_ms())
+            .await
+        {
             Ok(()) if failing => {
                 failing = false;
                 tracing::info!("worker lease renewed again");
@@ -1425,6 +1429,8 @@ fn outcome_record(
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
         backend: Some(ctx.backend.name().to_owned()),
         model: output.and_then(|o| o.model.clone()),
-        min_runtime_ms: job.min_runtime_ms.map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
+        min_runtime_ms: job
+            .min_runtime_ms
+            .map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
     }
 }
