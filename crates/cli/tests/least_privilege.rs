@@ -1,0 +1,534 @@
+//! Least privilege on the broker (issue #14, item 8; `docs/broker-permissions.md`).
+//!
+//! A fresh vhost with one RabbitMQ user per role — deployer, producer, worker, dead-letter
+//! processor — each holding exactly the `configure`/`write`/`read` regexes the document
+//! gives (copied here verbatim, for the default prefix `lastcall`). The real binary runs
+//! each role's command as that user: the deployer declares the topology, the producer
+//! submits, a worker completes one job and retries another until it is dead-lettered, and
+//! `lastcall dlq` records an expiry. Then the refusals that matter: the producer cannot
+//! consume the work queue or bypass the jobs exchange, the worker cannot forge dead letters
+//! or publish to other exchanges, the dead-letter processor cannot republish to the jobs
+//! exchange or consume work. Also pinned: a producer with `write` on the jobs exchange and
+//! nothing else cannot submit, because every command declares the topology at startup and
+//! RabbitMQ checks `configure` even when the declaration matches what exists.
+//!
+//! The broker is shared with other tests: only this test's own vhost and users are created,
+//! and a drop guard deletes them (and stops the worker) even when an assertion fails.
+
+mod common;
+
+use lastcall_broker::topology::queue_depth;
+use lastcall_broker::{Broker, IncomingStream, PublishProps, Publisher};
+use lastcall_store::Ledger;
+use std::path::{Path, PathBuf};
+use std::process::{Child, Command, Stdio};
+use std::time::{Duration, Instant};
+
+/// A role's permissions in the vhost (`rabbitmqctl set_permissions -p VHOST USER CONF WRITE READ`).
+struct Role {
+    name: &'static str,
+    configure: &'static str,
+    write: &'static str,
+    read: &'static str,
+}
+
+// The table of docs/broker-permissions.md for the prefix `lastcall`. Keep them identical.
+
+/// `lastcall topology apply` / `topology delete`.
+const DEPLOYER: Role = Role {
+    name: "deployer",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|parked|retry\..+|dead\..+)$",
+    write: r"^(lastcall\.(work|dead|dlx)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|work|retry\..+)$",
+};
+
+/// `lastcall submit` / `lastcall serve`.
+const PRODUCER: Role = Role {
+    name: "producer",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|retry\..+)$",
+    write: r"^lastcall\.(jobs|work|dead)$",
+    read: r"^lastcall\.(jobs|dlx)$",
+};
+
+/// `lastcall worker`.
+const WORKER: Role = Role {
+    name: "worker",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|retry\..+)$",
+    write: r"^(lastcall\.(jobs|work|dead)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|work|retry\.ready)$",
+};
+
+/// `lastcall dlq --park --split-by-reason`.
+const DLQ: Role = Role {
+    name: "dlq",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|parked|retry\..+|dead\..+)$",
+    write: r"^(lastcall\.(work|dead)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|dead)$",
+};
+
+/// What a producer would get if publishing were all it did: not enough today.
+const PUBLISH_ONLY: Role = Role {
+    name: "publish-only",
+    configure: "^$",
+    write: r"^lastcall\.jobs$",
+    read: "^$",
+};
+
+const PREFIX: &str = "lastcall";
+/// Retry queues of the topology (every command is given the same list).
+const DELAYS: &str = "1000,5000";
+
+/// A vhost and users of this test only; deleted on drop, also after a panic.
+struct Sandbox {
+    id: String,
+    vhost: String,
+    users: Vec<String>,
+    dir: PathBuf,
+    store_url: String,
+    children: Vec<Child>,
+    runs: usize,
+}
+
+impl Sandbox {
+    fn new() -> Sandbox {
+        let id = common::unique("lp");
+        let dir = std::env::temp_dir().join(format!("least-privilege-{id}"));
+        std::fs::create_dir_all(&dir).unwrap();
+        let sandbox = Sandbox {
+            vhost: format!("lc-{id}"),
+            store_url: format!("sqlite://{}", dir.join("ledger.db").display()),
+            id,
+            users: Vec::new(),
+            dir,
+            children: Vec::new(),
+            runs: 0,
+        };
+        // The guard exists before the vhost does: a failure from here on still cleans up.
+        rabbitmqctl(&["add_vhost", &sandbox.vhost]);
+        sandbox
+    }
+
+    /// Create the role's user with its permissions in the vhost; its AMQP URL.
+    fn user(&mut self, role: &Role) -> String {
+        let user = format!("lc-{}-{}", role.name, self.id);
+        let password = format!("pw-{}-{}", role.name, std::process::id());
+        self.users.push(user.clone());
+        rabbitmqctl(&["add_user", &user, &password]);
+        rabbitmqctl(&[
+            "set_permissions",
+            "-p",
+            &self.vhost,
+            &user,
+            role.configure,
+            role.write,
+            role.read,
+        ]);
+        format!("amqp://{user}:{password}@127.0.0.1:5672/{}", self.vhost)
+    }
+
+    /// The binary as the user of `url`, with this sandbox's ledger and the prefix.
+    fn lastcall(&self, url: &str, args: &[&str]) -> Command {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_lastcall"));
+        c.args(["--amqp-url", url, "--store-url", &self.store_url])
+            .args(["--prefix", PREFIX])
+            .args(args);
+        c
+    }
+
+    /// Run to completion (at most `timeout`); (success, stdout, stderr).
+    fn run(&mut self, url: &str, args: &[&str], timeout: Duration) -> (bool, String, String) {
+        self.runs += 1;
+        let name = format!("{}-{}", args[0], self.runs);
+        let (out, err) = (
+            self.dir.join(format!("{name}.out")),
+            self.dir.join(format!("{name}.err")),
+        );
+        let mut child = self
+            .lastcall(url, args)
+            .stdin(Stdio::null())
+            .stdout(std::fs::File::create(&out).unwrap())
+            .stderr(std::fs::File::create(&err).unwrap())
+            .spawn()
+            .expect("run the lastcall binary");
+        let status = wait_exit(&mut child, timeout, &format!("lastcall {}", args.join(" ")));
+        let read = |p: &Path| std::fs::read_to_string(p).unwrap_or_default();
+        (status.success(), read(&out), read(&err))
+    }
+}
+
+impl Drop for Sandbox {
+    fn drop(&mut self) {
+        for c in &mut self.children {
+            let _ = c.kill();
+            let _ = c.wait();
+        }
+        for u in &self.users {
+            let _ = Command::new("rabbitmqctl")
+                .args(["-q", "delete_user", u])
+                .output();
+        }
+        match Command::new("rabbitmqctl")
+            .args(["-q", "delete_vhost", &self.vhost])
+            .output()
+        {
+            Ok(o) if o.status.success() => {}
+            other => eprintln!("could not delete the test vhost {}: {other:?}", self.vhost),
+        }
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// `rabbitmqctl -q ARGS`, which must succeed.
+fn rabbitmqctl(args: &[&str]) {
+    let out = Command::new("rabbitmqctl")
+        .arg("-q")
+        .args(args)
+        .output()
+        .expect("this test creates its own vhost and users with `rabbitmqctl` (run it as root)");
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {}: {}{}",
+        args.join(" "),
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+fn wait_exit(child: &mut Child, timeout: Duration, what: &str) -> std::process::ExitStatus {
+    let until = Instant::now() + timeout;
+    loop {
+        if let Some(s) = child.try_wait().unwrap() {
+            return s;
+        }
+        if Instant::now() > until {
+            let _ = child.kill();
+            let _ = child.wait();
+            panic!("{what} did not exit within {timeout:?}");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+/// Poll `check` every 100 ms until it holds; panics with `what` after `timeout`.
+async fn wait_until(what: &str, timeout: Duration, mut check: impl AsyncFnMut() -> bool) {
+    let until = Instant::now() + timeout;
+    while !check().await {
+        assert!(Instant::now() < until, "timed out waiting for {what}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+/// An error's text with all its sources.
+fn chain(e: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = e.to_string();
+    let mut cur = e.source();
+    while let Some(s) = cur {
+        text.push_str(": ");
+        text.push_str(&s.to_string());
+        cur = s.source();
+    }
+    text
+}
+
+/// The broker must have refused `what` with ACCESS_REFUSED on `resource`.
+fn assert_refused<T, E: std::error::Error + 'static>(r: Result<T, E>, what: &str, resource: &str) {
+    match r {
+        Ok(_) => panic!("{what}: the broker allowed it; the role has a permission too many"),
+        Err(e) => {
+            let text = chain(&e);
+            assert!(
+                text.contains("ACCESS_REFUSED") && text.contains(&format!("'{resource}'")),
+                "{what}: expected ACCESS_REFUSED on `{resource}`, got: {text}"
+            );
+        }
+    }
+}
+
+async fn consume(broker: &Broker, queue: &str) -> Result<(), lastcall_broker::BrokerError> {
+    let s = IncomingStream::open(broker, queue, 1, "least-privilege-probe").await?;
+    s.close().await;
+    Ok(())
+}
+
+async fn publish(
+    broker: &Broker,
+    exchange: &str,
+    key: &str,
+) -> Result<(), lastcall_broker::PublishError> {
+    let p = Publisher::new(broker, Duration::from_secs(5)).await?;
+    let props = PublishProps {
+        job_id: "least-privilege-probe".into(),
+        ttl_ms: Some(60_000),
+        attempt: 1,
+        timestamp_s: 0,
+        signature: None,
+    };
+    p.publish(exchange, key, b"{}", &props).await
+}
+
+async fn depth(broker: &Broker, queue: &str) -> u32 {
+    queue_depth(broker, queue)
+        .await
+        .unwrap()
+        .unwrap_or_else(|| panic!("queue {queue} does not exist"))
+        .0
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_role_works_with_its_own_permissions_and_no_more() {
+    let mut sb = Sandbox::new();
+    let deployer = sb.user(&DEPLOYER);
+    let producer = sb.user(&PRODUCER);
+    let worker = sb.user(&WORKER);
+    let dlq = sb.user(&DLQ);
+    let publish_only = sb.user(&PUBLISH_ONLY);
+    let long = Duration::from_secs(30);
+    let topo = ["--retry-delays-ms", DELAYS];
+
+    // The deployer declares everything (once per deployment, before the others start).
+    let (ok, out, err) = sb.run(&deployer, &["topology", "apply", topo[0], topo[1]], long);
+    assert!(ok, "topology apply as the deployer: {err}");
+    assert!(out.contains("topology applied"), "{out}");
+    let inspect = Broker::connect(&deployer).await.unwrap();
+    let work = "lastcall.work";
+    let dead = "lastcall.dead";
+
+    // Publishing alone is not enough: `submit` re-declares the topology at startup, and
+    // RabbitMQ checks `configure` on every non-passive declare, even an identical one.
+    let submit = |id: &'static str, kind: &'static str, deadline_ms: &'static str| {
+        [
+            "submit",
+            "--no-shed",
+            "--kind",
+            kind,
+            "--prompt",
+            "x",
+            "--deadline-ms",
+            deadline_ms,
+            "--clock-uncertainty-ms",
+            "0",
+            "--job-id",
+            id,
+            topo[0],
+            topo[1],
+        ]
+    };
+    let (ok, _, err) = sb.run(
+        &publish_only,
+        &submit("never", "incident.summary", "60000"),
+        long,
+    );
+    assert!(
+        !ok && err.contains("ACCESS_REFUSED") && err.contains("'lastcall.jobs'"),
+        "submit with write on the jobs exchange only should be refused at its startup declare \
+         (if submit stopped declaring, update docs/broker-permissions.md): {err}"
+    );
+    assert_eq!(depth(&inspect, work).await, 0, "nothing was published");
+
+    // The producer submits one job that completes and one that fails until retries run out.
+    for (id, kind) in [
+        ("lp-ok", "incident.summary"),
+        ("lp-retry", "sim.fail-retryable"),
+    ] {
+        let (ok, out, err) = sb.run(&producer, &submit(id, kind, "60000"), long);
+        assert!(ok, "submit {id} as the producer: {err}");
+        assert_eq!(out.trim(), id);
+    }
+    assert_eq!(depth(&inspect, work).await, 2);
+    let ledger = Ledger::connect(&sb.store_url).await.unwrap();
+
+    // The worker: consumes work, publishes a retry through the default exchange, relays it
+    // from the retry-ready queue to the jobs exchange, and rejects the exhausted job to the DLX.
+    let worker_log = sb.dir.join("worker.err");
+    let child = sb
+        .lastcall(
+            &worker,
+            &[
+                "worker",
+                "--backend",
+                "sim",
+                "--sim-faults",
+                "--sim-latency-ms",
+                "10",
+                "--slots",
+                "1",
+                "--max-attempts",
+                "2",
+                "--shutdown-grace-ms",
+                "2000",
+                topo[0],
+                topo[1],
+            ],
+        )
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&worker_log).unwrap())
+        .spawn()
+        .expect("spawn the worker");
+    sb.children.push(child);
+    let log = || std::fs::read_to_string(&worker_log).unwrap_or_default();
+    let state = async |id: &str| {
+        ledger
+            .get(id)
+            .await
+            .unwrap()
+            .map(|r| (r.state, r.reason.unwrap_or_default()))
+    };
+    let outcomes = async || {
+        (
+            state("lp-ok").await.map(|s| s.0),
+            state("lp-retry").await.map(|s| s.0),
+        )
+    };
+    let until = Instant::now() + long;
+    loop {
+        if outcomes().await == (Some("completed".into()), Some("failed".into())) {
+            break;
+        }
+        if let Some(s) = sb.children[0].try_wait().unwrap() {
+            panic!(
+                "the worker exited ({s}) before the jobs finished:\n{}",
+                log()
+            );
+        }
+        assert!(
+            Instant::now() < until,
+            "the worker did not finish the jobs: {:?}\n{}",
+            outcomes().await,
+            log()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    assert_eq!(
+        state("lp-retry").await,
+        Some(("failed".into(), "retries_exhausted".into())),
+        "the retry was published and relayed (not `retry_publish_failed`):\n{}",
+        log()
+    );
+    wait_until("the exhausted job in the dead queue", long, async || {
+        depth(&inspect, dead).await == 1
+    })
+    .await;
+    let pid = sb.children[0].id().to_string();
+    assert!(
+        Command::new("kill")
+            .args(["-TERM", &pid])
+            .status()
+            .unwrap()
+            .success()
+    );
+    let status = wait_exit(&mut sb.children[0], long, "the worker after SIGTERM");
+    assert!(status.success(), "worker exit {status}:\n{}", log());
+    assert!(
+        !log().contains("ACCESS_REFUSED"),
+        "the worker was refused something:\n{}",
+        log()
+    );
+
+    // The producer can neither read the work nor bypass the jobs exchange …
+    let as_producer = Broker::connect(&producer).await.unwrap();
+    assert_refused(
+        consume(&as_producer, work).await,
+        "producer consumes the work queue",
+        work,
+    );
+    assert_refused(
+        consume(&as_producer, dead).await,
+        "producer consumes the dead queue",
+        dead,
+    );
+    assert_refused(
+        publish(&as_producer, "", "lastcall.retry.ready").await,
+        "producer publishes to a queue through the default exchange",
+        "amq.default",
+    );
+    assert_refused(
+        publish(&as_producer, "lastcall.dlx", "x").await,
+        "producer publishes to the dead-letter exchange",
+        "lastcall.dlx",
+    );
+    // … but passive declares (queue depth for `topology delete` and the depth gauges)
+    // need no permission at all.
+    assert!(queue_depth(&as_producer, work).await.unwrap().is_some());
+
+    // The worker cannot forge dead letters, publish elsewhere, or read the dead letters.
+    let as_worker = Broker::connect(&worker).await.unwrap();
+    assert_refused(
+        publish(&as_worker, "lastcall.dlx", "x").await,
+        "worker publishes to the dead-letter exchange",
+        "lastcall.dlx",
+    );
+    assert_refused(
+        publish(&as_worker, "amq.topic", "x").await,
+        "worker publishes to an unrelated exchange",
+        "amq.topic",
+    );
+    assert_refused(
+        consume(&as_worker, dead).await,
+        "worker consumes the dead queue",
+        dead,
+    );
+
+    // An expiry: no worker runs, so the broker TTL dead-letters the job in the work queue.
+    let (ok, _, err) = sb.run(
+        &producer,
+        &submit("lp-expired", "incident.summary", "300"),
+        long,
+    );
+    assert!(ok, "submit lp-expired as the producer: {err}");
+    wait_until("the expired job in the dead queue", long, async || {
+        depth(&inspect, dead).await == 2
+    })
+    .await;
+
+    // The dead-letter processor records it (and copies both dead letters by reason).
+    let (ok, out, err) = sb.run(
+        &dlq,
+        &[
+            "dlq",
+            "--idle-exit-ms",
+            "1500",
+            "--park",
+            "--split-by-reason",
+            topo[0],
+            topo[1],
+        ],
+        long,
+    );
+    assert!(ok, "lastcall dlq as the dlq user: {err}");
+    assert!(
+        out.contains("dead letters processed: 2 (recorded: 1, outcome already present: 1"),
+        "{out}\n{err}"
+    );
+    assert!(!err.contains("ACCESS_REFUSED"), "{err}");
+    assert_eq!(
+        state("lp-expired").await,
+        Some(("expired_before_receive".into(), "broker_ttl_expired".into()))
+    );
+    assert_eq!(depth(&inspect, dead).await, 0);
+    assert_eq!(depth(&inspect, "lastcall.dead.expired").await, 1);
+    let mut copies = 0;
+    for label in lastcall_core::deadletter::SPLIT_LABELS {
+        copies += depth(&inspect, &format!("lastcall.dead.{label}")).await;
+    }
+    assert_eq!(copies, 2, "both dead letters copied to their class queues");
+
+    // It can never put a dead letter back into the work.
+    let as_dlq = Broker::connect(&dlq).await.unwrap();
+    assert_refused(
+        publish(&as_dlq, "lastcall.jobs", "incident.summary").await,
+        "dlq publishes to the jobs exchange",
+        "lastcall.jobs",
+    );
+    assert_refused(
+        consume(&as_dlq, work).await,
+        "dlq consumes the work queue",
+        work,
+    );
+
+    for b in [inspect, as_producer, as_worker, as_dlq] {
+        b.close().await;
+    }
+    ledger.close().await;
+    drop(sb);
+}
