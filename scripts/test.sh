@@ -1,10 +1,20 @@
 #!/usr/bin/env bash
 # The README's second command: run the whole test suite against real services.
-# Starts RabbitMQ and PostgreSQL if needed, then runs every test with cargo-nextest.
-# Extra arguments go to `cargo nextest run`.
+# Checks the prerequisites first (one line each for what is missing), starts RabbitMQ and
+# PostgreSQL if needed, installs the test tools (Chromium, cargo-nextest, the model, the
+# llama.cpp server, the OpenAPI validator), then runs every test with cargo-nextest in ONE
+# build. Extra arguments go to `cargo nextest run`.
+#
+# LASTCALL_TEST_PG_URL=postgres://USER:PASSWORD@HOST:PORT/DB points the PostgreSQL tests at
+# another server (a role that may CREATE DATABASE); the local one is then left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-scripts/services.sh all
+scripts/check-prereqs.sh test
+if [ -n "${LASTCALL_TEST_PG_URL:-}" ]; then
+  scripts/services.sh rabbitmq
+else
+  scripts/services.sh all
+fi
 scripts/setup-browser.sh   # headless Chromium for the dashboard test
 if ! cargo nextest --version >/dev/null 2>&1; then
   echo "[test] installing cargo-nextest" >&2
@@ -14,9 +24,14 @@ fi
 LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
 export LASTCALL_MODEL_PATH
 # The OpenAI-backend tests run a real llama.cpp server (llama-cpp-python from PyPI). Its
-# first install builds llama.cpp from source (~4 minutes on 2 cores): do it here, not
+# first install builds llama.cpp from source (about 6 minutes on 2 cores): do it here, not
 # inside a test's time limit.
 scripts/llama-server.sh setup
-# OpenTelemetry export is behind the `otlp` cargo feature (off by default): test it too.
-cargo nextest run -p lastcall --features otlp --test otlp
-cargo nextest run --workspace --no-fail-fast "$@"
+# The OpenAPI document's validator (openapi-spec-validator from PyPI).
+scripts/setup-openapi.sh
+# One build of the dependency tree for every test: the `otlp` feature (OpenTelemetry
+# export, off by default) is switched on for the whole workspace run, so its test runs here
+# too. Building `-p lastcall --features otlp` separately would resolve other features for
+# shared dependencies (futures-util, reqwest) and compile the tree a second time.
+# .ci/run lints with the same feature set.
+cargo nextest run --workspace --features lastcall/otlp --no-fail-fast "$@"

@@ -68,10 +68,14 @@ pub enum Command {
     /// Look at job records in the ledger
     #[command(subcommand)]
     Jobs(JobsCommand),
-    /// Declare the exchanges, queues and bindings (idempotent)
+    /// Declare (apply) or delete the exchanges, queues and bindings of a prefix
     #[command(subcommand)]
     Topology(TopologyCommand),
     /// Run the whole pipeline end to end on the local defaults and print the outcomes
+    ///
+    /// Declares its own queues (`lastcall-demo.*`, purged first), keeps its outcomes in a
+    /// fresh ledger of its own (`./lastcall-demo.db`, or --demo-store-url; never the one of
+    /// --store-url), and runs a worker and the dead-letter processor in this process.
     Demo(DemoArgs),
     /// Run the dead-letter processor: record an outcome for every dead letter, then ack
     ///
@@ -399,6 +403,34 @@ pub enum JobsCommand {
 pub enum TopologyCommand {
     /// Declare exchanges, queues and bindings; harmless to repeat
     Apply(TopologyApplyArgs),
+    /// Delete the prefix's exchanges and queues, with the jobs still in them
+    ///
+    /// Removes `{prefix}.jobs`, `{prefix}.dlx`, the work, dead-letter, parked, per-reason
+    /// and retry queues (one per --retry-delays-ms) of the prefix. Asks for confirmation on
+    /// a terminal and shows how many messages each queue still holds; without a terminal it
+    /// refuses unless --yes is given. The ledger is not touched.
+    Delete(TopologyDeleteArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct TopologyDeleteArgs {
+    /// Delete without asking
+    #[arg(long, short)]
+    pub yes: bool,
+    /// Delays of the retry queues to delete, in ms (as given to `topology apply`)
+    #[arg(long, value_delimiter = ',', default_value = "1000,5000,30000")]
+    pub retry_delays_ms: Vec<u64>,
+    /// Also delete the broker policies `topology apply --policies` set, through the
+    /// management HTTP API (credentials and vhost come from the AMQP URL)
+    #[arg(long)]
+    pub policies: bool,
+    /// Base URL of RabbitMQ's management API
+    #[arg(
+        long,
+        env = "LASTCALL_MANAGEMENT_URL",
+        default_value = "http://127.0.0.1:15672"
+    )]
+    pub management_url: String,
 }
 
 #[derive(Debug, Args)]
@@ -431,8 +463,9 @@ pub struct DemoArgs {
     /// Each job's deadline, in ms from its submission [default: 10000 local, 2000 sim]
     #[arg(long)]
     pub deadline_ms: Option<u64>,
-    /// The first jobs are urgent pages sent while the worker is still starting: they get
-    /// this deadline, and expire at the broker before any worker receives them
+    /// The first jobs are urgent pages (kind `incident.page`) sent while the worker is still
+    /// starting: they get this deadline, and expire at the broker before any worker
+    /// receives them
     #[arg(long, default_value_t = 1_500)]
     pub early_deadline_ms: u64,
     /// How many of the jobs are such early, urgent pages

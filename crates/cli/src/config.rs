@@ -79,14 +79,33 @@ impl Drop for TracingGuard {
     }
 }
 
-pub fn init_tracing(g: &Global) -> Result<TracingGuard> {
+/// Set up logging (and trace export). `quiet` names log targets to silence unless
+/// LASTCALL_LOG asks for them: a command that expects an error answer (a passive declare of
+/// a queue that may not exist) does not want lapin's "Channel closed" error line for it.
+pub fn init_tracing(g: &Global, quiet: &[&str]) -> Result<TracingGuard> {
     use tracing_subscriber::layer::SubscriberExt;
     use tracing_subscriber::util::SubscriberInitExt;
     use tracing_subscriber::{EnvFilter, Layer};
-    let default = if g.verbose { "info" } else { "warn" };
+    let mut default = if g.verbose { "info" } else { "warn" }.to_owned();
+    for target in quiet {
+        default.push_str(&format!(",{target}=off"));
+    }
     let filter =
         EnvFilter::try_from_env("LASTCALL_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    let fmt = tracing_subscriber::fmt::layer().with_writer(std::io::stderr);
+    // lapin's trace level logs the AMQP login frame, password included: never below debug,
+    // whatever LASTCALL_LOG asks for.
+    let filter = filter.add_directive(
+        "lapin::io_loop=debug"
+            .parse()
+            .expect("a valid static directive"),
+    );
+    // Colour only for a person at a terminal: piped or redirected logs (files, CI, test
+    // harnesses) get plain text, and NO_COLOR turns colour off everywhere.
+    let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
+        && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
+    let fmt = tracing_subscriber::fmt::layer()
+        .with_writer(std::io::stderr)
+        .with_ansi(ansi);
     let fmt = if g.log_format == "json" {
         fmt.json().boxed()
     } else {

@@ -9,11 +9,35 @@ mod cmd;
 mod config;
 mod table;
 
-use clap::Parser;
+use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> std::process::ExitCode {
-    let args = cli::Cli::parse();
-    let _tracing = match config::init_tracing(&args.global) {
+    let mut command = command();
+    let matches = command.clone().get_matches();
+    if let Some(demo) = matches.subcommand_matches("demo")
+        && [&matches, demo]
+            .iter()
+            .any(|m| m.value_source("store_url") == Some(clap::parser::ValueSource::CommandLine))
+    {
+        command
+            .error(
+                clap::error::ErrorKind::ArgumentConflict,
+                "the demo keeps its own ledger (a fresh ./lastcall-demo.db); \
+                 use `lastcall demo --demo-store-url URL` to keep it elsewhere",
+            )
+            .exit();
+    }
+    let args = match cli::Cli::from_arg_matches(&matches) {
+        Ok(args) => args,
+        Err(e) => e.format(&mut command).exit(),
+    };
+    // `topology delete` asks the broker which queues exist with passive declares; lapin
+    // logs the broker's NOT_FOUND answer for each missing one as an error.
+    let quiet: &[&str] = match &args.command {
+        cli::Command::Topology(cli::TopologyCommand::Delete(_)) => &["lapin::channel"],
+        _ => &[],
+    };
+    let _tracing = match config::init_tracing(&args.global, quiet) {
         Ok(g) => g,
         Err(e) => {
             eprintln!("error: {e:#}");
@@ -37,4 +61,43 @@ fn main() -> std::process::ExitCode {
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// The command line, with changes the derive cannot express:
+///
+/// - no `--help` shows the value of an environment variable: a set one may hold a secret
+///   (a password in a URL), an unset one would print as `[env: NAME=]`. Every argument of
+///   every subcommand gets `hide_env_values`, so a flag added later cannot leak either;
+/// - the global options are listed under their own heading, not mixed into each command's;
+/// - `demo --help` does not list the global `--store-url` and `--prefix`: the demo keeps
+///   its own ledger and its own queues (`{prefix}-demo.*`). The demo gets hidden
+///   arguments of the same ids, which clap then does not replace with the global ones;
+///   their values still reach the global options (clap matches global values by id).
+fn command() -> clap::Command {
+    fn hide_env_values(c: clap::Command) -> clap::Command {
+        c.mut_args(|a| a.hide_env_values(true))
+            .mut_subcommands(hide_env_values)
+    }
+    // The options every command shares go under their own heading, after the command's own.
+    let root = cli::Cli::command().mut_args(|a| {
+        if a.is_global_set() {
+            a.help_heading("Global options")
+        } else {
+            a
+        }
+    });
+    hide_env_values(root).mut_subcommand("demo", |d| {
+        d.arg(
+            clap::Arg::new("store_url")
+                .long("store-url")
+                .value_name("STORE_URL")
+                .hide(true),
+        )
+        .arg(
+            clap::Arg::new("prefix")
+                .long("prefix")
+                .value_name("PREFIX")
+                .hide(true),
+        )
+    })
 }

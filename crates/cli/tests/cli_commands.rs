@@ -170,21 +170,26 @@ async fn demo_runs_end_to_end_on_both_backends() {
             "sqlite://{}",
             env.dir.join(format!("demo-{backend}.db")).display()
         );
-        let out = env.cli(&[
-            "demo",
-            "--backend",
-            backend,
-            "--jobs",
-            "6",
-            "--rate",
-            "4",
-            "--deadline-ms",
-            "4000",
-            "--worker-delay-ms",
-            "2000",
-            "--demo-store-url",
-            &store,
-        ]);
+        // Not `env.cli`: the demo refuses the global --store-url (it keeps its own ledger).
+        let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+            .args(["--amqp-url", AMQP, "--prefix", &env.prefix])
+            .args([
+                "demo",
+                "--backend",
+                backend,
+                "--jobs",
+                "6",
+                "--rate",
+                "4",
+                "--deadline-ms",
+                "4000",
+                "--worker-delay-ms",
+                "2000",
+                "--demo-store-url",
+                &store,
+            ])
+            .output()
+            .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
             out.status.success(),
@@ -200,6 +205,53 @@ async fn demo_runs_end_to_end_on_both_backends() {
             stdout.contains("expired_before_receive"),
             "{backend}: the early pages expire at the broker: {stdout}"
         );
+        // The table: rows in id order, a deadline column, the pages under their own kind.
+        let rows: Vec<&str> = stdout.lines().filter(|l| l.starts_with("demo-")).collect();
+        let ids: Vec<&str> = rows.iter().map(|l| &l[..8]).collect();
+        assert_eq!(
+            ids,
+            [
+                "demo-001", "demo-002", "demo-003", "demo-004", "demo-005", "demo-006"
+            ],
+            "{backend}: {stdout}"
+        );
+        assert!(stdout.contains("deadline_ms"), "{backend}: {stdout}");
+        for (i, row) in rows.iter().enumerate() {
+            let cols: Vec<&str> = row.split_whitespace().collect();
+            let (kind, deadline) = if i < 3 {
+                ("incident.page", "1500")
+            } else {
+                ("incident.summary", "4000")
+            };
+            assert_eq!((cols[1], cols[2]), (kind, deadline), "{backend}: {row}");
+        }
+        assert!(
+            stdout.contains("what this run showed: "),
+            "{backend}: {stdout}"
+        );
+        if backend == "sim" {
+            assert!(
+                !stdout.contains("decode speed"),
+                "only a real model has a decode speed: {stdout}"
+            );
+        }
+        // The closing hints run as printed.
+        let hints: Vec<&str> = stdout
+            .lines()
+            .filter_map(|l| {
+                l.strip_prefix("inspect: ")
+                    .or_else(|| l.strip_prefix("         "))
+            })
+            .collect();
+        assert!(!hints.is_empty(), "{backend}: {stdout}");
+        for hint in hints {
+            let run = Command::new("sh").args(["-c", hint]).output().unwrap();
+            assert!(
+                run.status.success() && run.stdout.len() > 50,
+                "{backend}: `{hint}` failed: {}",
+                text(&run.stderr)
+            );
+        }
         let ledger = lastcall_store::Ledger::connect(&store).await.unwrap();
         let all = ledger
             .list(&lastcall_store::ListFilter::default())
@@ -218,5 +270,460 @@ async fn demo_runs_end_to_end_on_both_backends() {
     }
     let demo = lastcall_broker::Topology::new(&format!("{}-demo", env.prefix));
     demo.delete(&env.broker).await.unwrap();
+    env.cleanup().await;
+}
+
+/// Every `--help` page of the binary, found by following the "Commands:" lists.
+fn all_help_pages(envs: &[(&str, &str)]) -> Vec<(String, String)> {
+    fn walk(path: Vec<String>, envs: &[(&str, &str)], out: &mut Vec<(String, String)>) {
+        let mut c = Command::new(env!("CARGO_BIN_EXE_lastcall"));
+        c.args(&path).arg("--help");
+        for (k, v) in envs {
+            c.env(k, v);
+        }
+        let o = c.output().unwrap();
+        assert!(o.status.success(), "{path:?} --help: {}", text(&o.stderr));
+        let help = text(&o.stdout);
+        let subcommands: Vec<String> = help
+            .lines()
+            .skip_while(|l| *l != "Commands:")
+            .skip(1)
+            .take_while(|l| l.starts_with("  "))
+            // A command's line; its wrapped description is indented further.
+            .filter(|l| !l.starts_with("   "))
+            .filter_map(|l| l.split_whitespace().next().map(str::to_owned))
+            .filter(|s| s != "help")
+            .collect();
+        out.push((path.join(" "), help));
+        for s in subcommands {
+            let mut p = path.clone();
+            p.push(s);
+            walk(p, envs, out);
+        }
+    }
+    let mut out = Vec::new();
+    walk(Vec::new(), envs, &mut out);
+    out
+}
+
+/// `--help` names the environment variables but never shows their values: no empty
+/// `[env: NAME=]` when unset, and no secret when set.
+#[test]
+fn help_shows_no_env_values_and_no_secrets() {
+    let unset = all_help_pages(&[]);
+    assert!(unset.len() >= 15, "found {} help pages", unset.len());
+    for (cmd, help) in &unset {
+        assert!(
+            !help.contains("=]"),
+            "`{cmd} --help` shows an empty env value:\n{help}"
+        );
+    }
+    let top = &unset[0].1;
+    assert!(top.contains("[env: LASTCALL_CONFIG]"), "{top}");
+    let secrets = [
+        (
+            "LASTCALL_SIGNING_KEY",
+            "signing-key-secret-0123456789abcdef0123",
+        ),
+        ("LASTCALL_API_KEY", "sk-api-key-secret-4567"),
+        ("LASTCALL_HTTP_TOKEN", "http-token-secret-89ab"),
+        ("LASTCALL_MANAGEMENT_PASSWORD", "mgmt-password-secret"),
+        (
+            "LASTCALL_AMQP_URL",
+            "amqp://bob:amqp-password-secret@127.0.0.1:5672/%2f",
+        ),
+        (
+            "LASTCALL_STORE_URL",
+            "postgres://bob:pg-password-secret@db/ledger",
+        ),
+        (
+            "LASTCALL_OTLP_ENDPOINT",
+            "http://otlp-token-secret@127.0.0.1:4318",
+        ),
+        (
+            "LASTCALL_OPENAI_BASE_URL",
+            "http://base-url-secret@127.0.0.1:8080/v1",
+        ),
+        (
+            "LASTCALL_MANAGEMENT_URL",
+            "http://mgmt-url-secret@127.0.0.1:15672",
+        ),
+        ("LASTCALL_MODEL_PATH", "/model-path-secret.gguf"),
+        (
+            "LASTCALL_BENCH_PG_URL",
+            "postgres://bob:bench-pg-secret@db/b",
+        ),
+    ];
+    let set = all_help_pages(&secrets);
+    assert_eq!(set.len(), unset.len());
+    for (cmd, help) in &set {
+        for (name, value) in &secrets {
+            let marker = value
+                .split(['@', ':', '/'])
+                .find(|p| p.contains("secret"))
+                .unwrap();
+            assert!(
+                !help.contains(marker),
+                "`{cmd} --help` shows the value of {name}:\n{help}"
+            );
+        }
+        assert!(!help.contains("=]"), "`{cmd} --help`:\n{help}");
+    }
+}
+
+/// The demo keeps its own ledger and queues, so its help does not offer the global
+/// `--store-url` and `--prefix`, and an explicit `--store-url` is refused, not ignored.
+#[test]
+fn demo_help_lists_only_the_options_the_demo_uses() {
+    let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args(["demo", "--help"])
+        .output()
+        .unwrap();
+    let help = text(&out.stdout);
+    assert!(out.status.success());
+    assert!(
+        help.contains("--amqp-url") && help.contains("--demo-store-url"),
+        "{help}"
+    );
+    assert!(
+        !help.contains("--store-url <") && !help.contains("--prefix <"),
+        "{help}"
+    );
+    // The other commands still have them.
+    let worker = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args(["worker", "--help"])
+        .output()
+        .unwrap();
+    assert!(text(&worker.stdout).contains("--store-url <"));
+    for args in [
+        &["--store-url", "sqlite://elsewhere.db", "demo"][..],
+        &["demo", "--store-url", "sqlite://elsewhere.db"][..],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            text(&out.stderr).contains("--demo-store-url"),
+            "{args:?}: {}",
+            text(&out.stderr)
+        );
+    }
+}
+
+/// Log lines written to a pipe carry no colour codes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn logs_to_a_pipe_have_no_ansi_escapes() {
+    let env = Env::sqlite("cliansi").await;
+    let out = env
+        .command()
+        .args(["-v", "jobs", "list"])
+        .env_remove("NO_COLOR")
+        .env_remove("LASTCALL_LOG")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let err = text(&out.stderr);
+    assert!(err.contains("INFO"), "-v logs at info level: {err}");
+    assert!(
+        !err.contains('\u{1b}'),
+        "ANSI escape in piped stderr: {err:?}"
+    );
+    env.cleanup().await;
+}
+
+/// A broker that refuses the connection is named once, with its password masked, and the
+/// message says what to check.
+#[test]
+fn a_refused_broker_connection_is_reported_once_with_the_masked_url() {
+    let port = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        l.local_addr().unwrap().port()
+    }; // closed again: nothing listens there now
+    let url = format!("amqp://guest:pw-hunter2@127.0.0.1:{port}/%2f");
+    let masked = format!("amqp://guest:***@127.0.0.1:{port}/%2f");
+    for args in [
+        &["topology", "apply"][..],
+        &["topology", "delete", "--yes"][..],
+        &[
+            "submit",
+            "--kind",
+            "k",
+            "--deadline-ms",
+            "60000",
+            "--prompt",
+            "x",
+        ][..],
+    ] {
+        let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+            .args(["--amqp-url", &url, "--store-url", "sqlite::memory:"])
+            .args(args)
+            .env_remove("LASTCALL_LOG")
+            .output()
+            .unwrap();
+        let err = text(&out.stderr);
+        assert!(!out.status.success(), "{args:?}");
+        assert!(
+            !err.contains("hunter2"),
+            "{args:?}: the password leaked: {err}"
+        );
+        assert_eq!(err.matches(&masked).count(), 1, "{args:?}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{args:?}: one line: {err}");
+        assert!(
+            err.contains("connection refused")
+                && err.contains("is it running?")
+                && err.contains("LASTCALL_AMQP_URL"),
+            "{args:?}: {err}"
+        );
+    }
+    // A running broker that refuses the login: the message says so, not "is it running?".
+    let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args([
+            "--amqp-url",
+            "amqp://guest:pw-hunter2@127.0.0.1:5672/%2f",
+            "topology",
+            "apply",
+        ])
+        .output()
+        .unwrap();
+    let err = text(&out.stderr);
+    assert!(!out.status.success());
+    assert!(!err.contains("hunter2"), "the password leaked: {err}");
+    assert!(
+        err.contains("RabbitMQ at amqp://guest:***@127.0.0.1:5672/%2f refused the login"),
+        "{err}"
+    );
+}
+
+/// `jobs show` prints each time as epoch milliseconds and as a UTC time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_show_prints_readable_utc_times() {
+    let env = Env::sqlite("clitime").await;
+    let out = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--deadline-ms",
+        "60000",
+        "--job-id",
+        "time-1",
+        "--prompt",
+        "x",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let rec = env.ledger.get("time-1").await.unwrap().unwrap();
+    let created = rec.created_at_ms.unwrap();
+    let show = env.cli(&["jobs", "show", "time-1"]);
+    assert!(show.status.success(), "{}", text(&show.stderr));
+    let stdout = text(&show.stdout);
+    let line = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("created_at_ms:"))
+        .unwrap_or_else(|| panic!("{stdout}"));
+    // The same instant, formatted by date(1).
+    let date = Command::new("date")
+        .args([
+            "-u",
+            "-d",
+            &format!("@{}", created / 1000),
+            "+%Y-%m-%d %H:%M:%S",
+        ])
+        .output()
+        .unwrap();
+    let expected = format!(
+        "{created}  ({}.{:03} UTC)",
+        text(&date.stdout).trim(),
+        created % 1000
+    );
+    assert!(line.ends_with(&expected), "{line:?} vs {expected:?}");
+    assert!(
+        stdout.contains("deadline: 60000 ms after created_at"),
+        "{stdout}"
+    );
+    let expires = stdout
+        .lines()
+        .find(|l| l.trim_start().starts_with("expires_at_ms:"))
+        .unwrap();
+    assert!(expires.ends_with(" UTC)"), "{expires}");
+    env.cleanup().await;
+}
+
+/// `jobs list` says which ledger it read when it finds nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn jobs_list_on_an_empty_ledger_names_the_ledger() {
+    let env = Env::sqlite("cliempty").await;
+    let out = env.cli(&["jobs", "list"]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(&format!("the ledger at {} is empty", env.store_url)),
+        "{stdout}"
+    );
+    // A ledger file that did not exist: opening it created it, and the output says so.
+    let fresh = format!("sqlite://{}", env.dir.join("new.db").display());
+    let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+        .args(["--store-url", &fresh, "jobs", "list"])
+        .output()
+        .unwrap();
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(&format!("the ledger at {fresh} is empty"))
+            && stdout.contains("did not exist"),
+        "{stdout}"
+    );
+    // A filter that matches nothing in a ledger that has jobs.
+    let sub = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--deadline-ms",
+        "60000",
+        "--prompt",
+        "x",
+    ]);
+    assert!(sub.status.success(), "{}", text(&sub.stderr));
+    let out = env.cli(&["jobs", "list", "--state", "completed"]);
+    let stdout = text(&out.stdout);
+    assert!(
+        stdout.contains(&format!(
+            "no job matches state=completed in the ledger at {} (1 job(s) in all)",
+            env.store_url
+        )),
+        "{stdout}"
+    );
+    env.cleanup().await;
+}
+
+/// `topology delete` removes the prefix's queues and exchanges, and without --yes and
+/// without a terminal to ask on it refuses and deletes nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn topology_delete_asks_first_then_removes_queues_and_exchanges() {
+    let env = Env::sqlite("clidel").await;
+    let sub = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--deadline-ms",
+        "60000",
+        "--prompt",
+        "x",
+    ]);
+    assert!(sub.status.success(), "{}", text(&sub.stderr));
+    let n = &env.topo.names;
+    let queues = [
+        n.work_queue.clone(),
+        n.dead_queue.clone(),
+        n.retry_ready_queue(),
+        n.retry_queue(1_000),
+        n.retry_queue(5_000),
+    ];
+    let exists = |q: String| {
+        let broker = env.broker.clone();
+        async move {
+            lastcall_broker::topology::queue_depth(&broker, &q)
+                .await
+                .unwrap()
+                .is_some()
+        }
+    };
+
+    let refused = env
+        .command()
+        .args(["topology", "delete", "--retry-delays-ms", "1000,5000"])
+        .stdin(std::process::Stdio::null())
+        .output()
+        .unwrap();
+    assert!(!refused.status.success());
+    let err = text(&refused.stderr);
+    assert!(
+        err.contains("--yes") && err.contains(&format!("{}: 1 ready", n.work_queue)),
+        "{err}"
+    );
+    for q in &queues {
+        assert!(exists(q.clone()).await, "{q} was deleted without --yes");
+    }
+
+    // On a terminal (script(1) gives it one) it asks, and "n" deletes nothing.
+    let words = [
+        env!("CARGO_BIN_EXE_lastcall"),
+        "--amqp-url",
+        AMQP,
+        "--prefix",
+        &env.prefix,
+        "topology",
+        "delete",
+        "--retry-delays-ms",
+        "1000,5000",
+    ];
+    let line = words
+        .iter()
+        .map(|w| format!("'{w}'"))
+        .collect::<Vec<_>>()
+        .join(" ");
+    let mut tty = Command::new("script")
+        .args(["-qec", &line, "/dev/null"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("script(1) from util-linux");
+    use std::io::Write as _;
+    tty.stdin.take().unwrap().write_all(b"n\n").unwrap();
+    let asked = tty.wait_with_output().unwrap();
+    let shown = text(&asked.stdout);
+    assert!(!asked.status.success(), "{shown}");
+    assert!(
+        shown.contains("[y/N]") && shown.contains("nothing deleted"),
+        "{shown}"
+    );
+    for q in &queues {
+        assert!(exists(q.clone()).await, "{q} was deleted after answering n");
+    }
+
+    let out = env
+        .command()
+        .args([
+            "topology",
+            "delete",
+            "--yes",
+            "--retry-delays-ms",
+            "1000,5000",
+        ])
+        .env_remove("LASTCALL_LOG")
+        .output()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    // The passive declares of the queues that never existed (parked, dead.*) log nothing.
+    assert_eq!(text(&out.stderr), "", "stderr");
+    assert!(
+        text(&out.stdout).contains(&format!("deleted {} queue(s)", queues.len())),
+        "{}",
+        text(&out.stdout)
+    );
+    for q in &queues {
+        assert!(!exists(q.clone()).await, "{q} still exists");
+    }
+    // The exchanges are gone too: a passive declare finds nothing.
+    let conn = lapin::Connection::connect(AMQP, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    for x in [&n.jobs_exchange, &n.dlx] {
+        let ch = conn.create_channel().await.unwrap();
+        let r = ch
+            .exchange_declare(
+                x.as_str().into(),
+                lapin::ExchangeKind::Topic,
+                lapin::options::ExchangeDeclareOptions {
+                    passive: true,
+                    ..Default::default()
+                },
+                lapin::types::FieldTable::default(),
+            )
+            .await;
+        let e = r.expect_err("the exchange should be gone");
+        assert!(e.to_string().contains("NOT_FOUND"), "{x}: {e}");
+    }
+    let _ = conn.close(200, "bye".into()).await;
     env.cleanup().await;
 }

@@ -26,6 +26,11 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
+/// The kind of the summaries, and of the urgent pages sent first (their own kind, so the
+/// table shows them as such).
+const SUMMARY_KIND: &str = "incident.summary";
+const PAGE_KIND: &str = "incident.page";
+
 const INCIDENTS: &[&str] = &[
     "api-gateway p99 latency above 2s since 14:02, error rate 4%",
     "disk usage on db-3 at 97%, autovacuum lagging",
@@ -108,13 +113,13 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         }
     };
     let stats = Arc::new(WorkerStats::default());
+    let pages = a.early_jobs.min(p.jobs);
     println!(
-        "lastcall demo: {} incident-summary jobs at {}/s, deadline {} ms ({} early pages with {} ms), {} slot(s) of {}, prefetch {}, min runtime {} ms",
-        p.jobs,
-        p.rate,
-        p.deadline_ms,
-        a.early_jobs.min(p.jobs),
+        "lastcall demo: {pages} urgent pages ({PAGE_KIND}, deadline {} ms) at once, then {} summaries ({SUMMARY_KIND}, deadline {} ms) at {}/s; {} slot(s) of {}, prefetch {}, min runtime {} ms",
         a.early_deadline_ms,
+        p.jobs - pages,
+        p.deadline_ms,
+        p.rate,
         p.slots,
         model_desc,
         cfg.prefetch,
@@ -127,7 +132,7 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
     println!(
         "broker {} · ledger {} · queues {}.*",
         lastcall_broker::redact(&s.amqp_url),
-        store_url,
+        lastcall_broker::redact(&store_url),
         prefix
     );
     let topo = cfg.topology.clone();
@@ -191,7 +196,7 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         };
         let job = NewJob {
             job_id: Some(format!("demo-{:03}", i + 1)),
-            kind: "incident.summary".into(),
+            kind: if early { PAGE_KIND } else { SUMMARY_KIND }.into(),
             payload: json!({
                 "messages": [
                     {"role": "system", "content": "Summarize the incident for the on-call operator in one short sentence."},
@@ -238,12 +243,13 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
     let _ = worker_task.await;
     let _ = dlq_task.await;
 
-    let recs = ledger
+    let mut recs = ledger
         .list(&ListFilter {
             limit: Some(p.jobs as i64 + 10),
             ..ListFilter::default()
         })
         .await?;
+    recs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
     println!();
     print!("{}", super::jobs::render(&recs));
     println!();
@@ -276,16 +282,149 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
             .count(),
         unknown.len()
     );
-    if let Some(tps) = tokens_per_second(&recs) {
+    // Only a real model has a decode speed; the simulator's token counts are made up.
+    if a.backend == DemoBackend::Local
+        && let Some(tps) = tokens_per_second(&recs)
+    {
         println!("decode speed: {tps:.1} tokens/s over the completed calls");
     }
-    println!("inspect: lastcall --store-url {store_url} jobs list --state expired_not_started");
+    println!();
+    println!("{}", story(&recs, unknown.len()));
+    let inspect = format!(
+        "{} --store-url {}",
+        program(),
+        shell_word(&lastcall_broker::redact(&absolute_sqlite(&store_url)))
+    );
+    // Commands that work as printed: this binary's path unless the PATH finds it, and the
+    // ledger's absolute path.
+    match recs.iter().find(|r| r.state == "expired_not_started") {
+        Some(r) => {
+            println!("inspect: {inspect} jobs list --state expired_not_started");
+            println!("         {inspect} jobs show {} --attempts", r.job_id);
+        }
+        None => println!("inspect: {inspect} jobs list"),
+    }
     broker.close().await;
     ledger.close().await;
     if expired_calls != 0 {
         bail!("invariant violated: {expired_calls} model call(s) were made for expired jobs");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One sentence on what the run showed, from the recorded outcomes.
+fn story(recs: &[lastcall_store::JobRecord], unknown: usize) -> String {
+    let count = |state: &str| recs.iter().filter(|r| r.state == state).count();
+    let (completed, refused, expired_in_queue, cancelled, failed) = (
+        count("completed"),
+        count("expired_not_started"),
+        count("expired_before_receive"),
+        count("deadline_exceeded"),
+        count("failed"),
+    );
+    let pages = recs.iter().filter(|r| r.kind == PAGE_KIND).count();
+    let pages_expired = recs
+        .iter()
+        .filter(|r| r.kind == PAGE_KIND && r.state == "expired_before_receive")
+        .count();
+    let plural = |n: usize, one: &str, many: &str| if n == 1 { one } else { many }.to_owned();
+    let mut parts = vec![format!(
+        "{completed} of {} jobs completed within their deadline",
+        recs.len()
+    )];
+    let never = refused + expired_in_queue;
+    if never > 0 {
+        let mut why = Vec::new();
+        if expired_in_queue > 0 {
+            let with_pages = if pages_expired == pages && pages > 0 {
+                format!(
+                    ", {} the urgent {}",
+                    if pages == 1 {
+                        "including"
+                    } else {
+                        "among them"
+                    },
+                    plural(pages, "page", "pages")
+                )
+            } else {
+                String::new()
+            };
+            why.push(format!(
+                "{expired_in_queue} expired in the queue before a worker received {}{with_pages}",
+                plural(expired_in_queue, "it", "them")
+            ));
+        }
+        if refused > 0 {
+            why.push(format!(
+                "{refused} {} refused by the worker, with too little budget left for a call",
+                plural(refused, "was", "were")
+            ));
+        }
+        parts.push(format!(
+            "{never} that could no longer finish in time {} never started and cost no model call ({})",
+            plural(never, "was", "were"),
+            why.join("; ")
+        ));
+    }
+    if cancelled > 0 {
+        parts.push(format!(
+            "{cancelled} ran out of time during the model call and {} cancelled at the deadline",
+            plural(cancelled, "was", "were")
+        ));
+    }
+    if failed > 0 {
+        parts.push(format!("{failed} failed"));
+    }
+    if unknown > 0 {
+        parts.push(format!("{unknown} ended without an outcome (unknown)"));
+    }
+    let last = parts.pop().expect("one part at least");
+    let body = if parts.is_empty() {
+        last
+    } else {
+        format!("{}, and {last}", parts.join(", "))
+    };
+    format!("what this run showed: {body}.")
+}
+
+/// How to run this binary again: `lastcall` if that is what the PATH finds, else its path.
+fn program() -> String {
+    let Ok(exe) = std::env::current_exe().and_then(std::fs::canonicalize) else {
+        return "lastcall".into();
+    };
+    let on_path = std::env::var_os("PATH").and_then(|path| {
+        std::env::split_paths(&path)
+            .map(|d| d.join("lastcall"))
+            .find(|p| p.is_file())
+    });
+    match on_path.and_then(|p| std::fs::canonicalize(p).ok()) {
+        Some(p) if p == exe => "lastcall".into(),
+        _ => shell_word(&exe.display().to_string()),
+    }
+}
+
+/// A relative `sqlite://` URL made absolute, so that the hint works from any directory.
+fn absolute_sqlite(url: &str) -> String {
+    match url.strip_prefix("sqlite://") {
+        Some(path) if !path.starts_with('/') && !path.starts_with(':') => {
+            match std::env::current_dir() {
+                Ok(cwd) => format!("sqlite://{}", cwd.join(path).display()),
+                Err(_) => url.to_owned(),
+            }
+        }
+        _ => url.to_owned(),
+    }
+}
+
+/// `s` quoted for a POSIX shell when it holds anything but plain path characters.
+fn shell_word(s: &str) -> String {
+    if s.chars()
+        .all(|c| c.is_ascii_alphanumeric() || "/._-+:%@=,".contains(c))
+    {
+        s.to_owned()
+    } else {
+        format!("'{}'", s.replace('\'', "'\\''"))
+    }
 }
 
 /// Generated tokens per second of call time, over the completed jobs that report usage.

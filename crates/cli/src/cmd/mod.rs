@@ -8,6 +8,7 @@ mod reconcile;
 mod report;
 mod serve;
 mod submit;
+mod topology;
 mod worker;
 
 use crate::cli::{AdmissionArgs, Cli, Command, TopologyArgs, TopologyCommand};
@@ -52,6 +53,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
             broker.close().await;
             Ok(ExitCode::SUCCESS)
         }
+        Command::Topology(TopologyCommand::Delete(d)) => topology::delete(&settings, d).await,
         Command::Demo(a) => demo::run(&settings, a).await,
         Command::Dlq(a) => dlq::run(&settings, a).await,
         Command::Reconcile(a) => reconcile::run(&settings, a).await,
@@ -62,12 +64,54 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
 }
 
 pub async fn connect_broker(s: &Settings) -> Result<Broker> {
-    Ok(Broker::connect(&s.amqp_url).await?)
+    Broker::connect(&s.amqp_url).await.map_err(|e| match e {
+        lastcall_broker::BrokerError::Connect { url, source } => {
+            anyhow::anyhow!(connect_error(&url, &source))
+        }
+        e => e.into(),
+    })
+}
+
+/// One line for a failed connection, without repeating the cause as a source: the URL
+/// (password masked), why, and what to check.
+fn connect_error(url: &str, e: &(dyn std::error::Error + 'static)) -> String {
+    let mut cur = Some(e);
+    while let Some(err) = cur {
+        if let Some(io) = err.downcast_ref::<std::io::Error>() {
+            // "connection refused" rather than "IO error: Connection refused (os error 111)".
+            let text = io.to_string();
+            let text = text.rfind(" (os error ").map_or(&text[..], |i| &text[..i]);
+            let mut chars = text.chars();
+            let cause: String = match chars.next() {
+                Some(first) => first.to_lowercase().chain(chars).collect(),
+                None => io.kind().to_string(),
+            };
+            return format!(
+                "cannot connect to RabbitMQ at {url}: {cause}; is it running? (scripts/services.sh \
+                 starts a local one); set LASTCALL_AMQP_URL or --amqp-url to use another broker"
+            );
+        }
+        cur = err.source();
+    }
+    let text = e.to_string();
+    if text.contains("ACCESS_REFUSED") || text.contains("ACCESS-REFUSED") {
+        format!(
+            "RabbitMQ at {url} refused the login (ACCESS_REFUSED): check the user and password \
+             in LASTCALL_AMQP_URL or --amqp-url"
+        )
+    } else {
+        format!(
+            "cannot connect to RabbitMQ at {url}: {text}; check LASTCALL_AMQP_URL or --amqp-url"
+        )
+    }
 }
 
 pub async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
     let l = Ledger::connect(url).await.with_context(|| {
-        format!("cannot open the ledger at {url} (set --store-url or LASTCALL_STORE_URL)")
+        format!(
+            "cannot open the ledger at {} (set --store-url or LASTCALL_STORE_URL)",
+            lastcall_broker::redact(url)
+        )
     })?;
     Ok(Arc::new(l))
 }

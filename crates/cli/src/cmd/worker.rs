@@ -75,6 +75,8 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
         BackendKind::Routed => ("per kind".to_owned(), "[routing] table".to_owned()),
     };
     tracing::info!(backend = ?kind, model = %model, detail = %detail, "model backend");
+    // Said without -v too: which model answers is the first thing to know about a worker.
+    eprintln!("lastcall worker: backend {kind:?} · model {model} ({detail})");
     Ok(match kind {
         BackendKind::Sim => Arc::new(sim(&a.sim)?),
         BackendKind::Openai => Arc::new(openai(&a.openai)?),
