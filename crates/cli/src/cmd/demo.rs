@@ -289,7 +289,11 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
         println!("decode speed: {tps:.1} tokens/s over the completed calls");
     }
     println!();
-    println!("{}", story(&recs, unknown.len()));
+    let outcomes: Vec<(&str, &str)> = recs
+        .iter()
+        .map(|r| (r.kind.as_str(), r.state.as_str()))
+        .collect();
+    println!("{}", story(&outcomes, unknown.len()));
     let inspect = format!(
         "{} --store-url {}",
         program(),
@@ -312,9 +316,9 @@ pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-/// One sentence on what the run showed, from the recorded outcomes.
-fn story(recs: &[lastcall_store::JobRecord], unknown: usize) -> String {
-    let count = |state: &str| recs.iter().filter(|r| r.state == state).count();
+/// One sentence on what the run showed, from the (kind, state) of every job.
+fn story(jobs: &[(&str, &str)], unknown: usize) -> String {
+    let count = |state: &str| jobs.iter().filter(|(_, s)| *s == state).count();
     let (completed, refused, expired_in_queue, cancelled, failed) = (
         count("completed"),
         count("expired_not_started"),
@@ -322,35 +326,33 @@ fn story(recs: &[lastcall_store::JobRecord], unknown: usize) -> String {
         count("deadline_exceeded"),
         count("failed"),
     );
-    let pages = recs.iter().filter(|r| r.kind == PAGE_KIND).count();
-    let pages_expired = recs
+    let pages = jobs.iter().filter(|(k, _)| *k == PAGE_KIND).count();
+    let pages_expired = jobs
         .iter()
-        .filter(|r| r.kind == PAGE_KIND && r.state == "expired_before_receive")
+        .filter(|(k, s)| *k == PAGE_KIND && *s == "expired_before_receive")
         .count();
     let plural = |n: usize, one: &str, many: &str| if n == 1 { one } else { many }.to_owned();
     let mut parts = vec![format!(
         "{completed} of {} jobs completed within their deadline",
-        recs.len()
+        jobs.len()
     )];
     let never = refused + expired_in_queue;
     if never > 0 {
         let mut why = Vec::new();
         if expired_in_queue > 0 {
-            let with_pages = if pages_expired == pages && pages > 0 {
+            let who = if pages > 0 && pages_expired == pages && pages == expired_in_queue {
+                // Exactly the urgent pages: say so.
+                format!("the {} urgent {}", pages, plural(pages, "page", "pages"))
+            } else if pages > 0 && pages_expired == pages {
                 format!(
-                    ", {} the urgent {}",
-                    if pages == 1 {
-                        "including"
-                    } else {
-                        "among them"
-                    },
+                    "{expired_in_queue}, the urgent {} among them,",
                     plural(pages, "page", "pages")
                 )
             } else {
-                String::new()
+                expired_in_queue.to_string()
             };
             why.push(format!(
-                "{expired_in_queue} expired in the queue before a worker received {}{with_pages}",
+                "{who} expired in the queue before a worker received {}",
                 plural(expired_in_queue, "it", "them")
             ));
         }
@@ -466,4 +468,45 @@ async fn ensure_broker(url: &str) -> Result<Broker> {
     bail!(
         "started rabbitmq-server but it did not accept connections within 60 s; check `rabbitmqctl status`"
     )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::{PAGE_KIND, SUMMARY_KIND, story};
+
+    #[test]
+    fn the_closing_sentence_says_what_happened() {
+        let (p, s) = (PAGE_KIND, SUMMARY_KIND);
+        let run = [
+            (p, "expired_before_receive"),
+            (p, "expired_before_receive"),
+            (s, "completed"),
+            (s, "expired_not_started"),
+            (s, "deadline_exceeded"),
+        ];
+        assert_eq!(
+            story(&run, 0),
+            "what this run showed: 1 of 5 jobs completed within their deadline, 3 that could \
+             no longer finish in time were never started and cost no model call (the 2 urgent \
+             pages expired in the queue before a worker received them; 1 was refused by the \
+             worker, with too little budget left for a call), and 1 ran out of time during the \
+             model call and was cancelled at the deadline."
+        );
+        let run = [
+            (p, "expired_before_receive"),
+            (s, "expired_before_receive"),
+            (s, "completed"),
+        ];
+        assert_eq!(
+            story(&run, 1),
+            "what this run showed: 1 of 3 jobs completed within their deadline, 2 that could \
+             no longer finish in time were never started and cost no model call (2, the urgent \
+             page among them, expired in the queue before a worker received them), and 1 ended \
+             without an outcome (unknown)."
+        );
+        assert_eq!(
+            story(&[(s, "completed")], 0),
+            "what this run showed: 1 of 1 jobs completed within their deadline."
+        );
+    }
 }
