@@ -785,7 +785,10 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
                 let now = ctx.clock.now_ms();
                 if let Slot::Settle(d) = last_check(&ctx, &env, now) {
                     leave_buffer();
+                    // This is the job's last admission check: it counts as one, like the
+                    // check at a slot (the dwell histogram matches the ledger's checks).
                     job.checked_at_ms = Some(now);
+                    (ctx.stats.metrics.consumer_dwell).observe_ms(now - job.received_at_ms);
                     job.note = learned_note(ctx.learned(&kind, now), &Receipt::Settle(d.clone()));
                     return settle(&ctx, job, d, None).await;
                 }
