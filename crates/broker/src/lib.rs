@@ -12,11 +12,14 @@
 //!   requeue.
 //! - [`bench`]: raw publisher and bare consumers for `lastcall bench ack-modes` (auto-ack,
 //!   manual, `multiple` acks, consumer crashes); never used by the worker.
+//! - [`tls`]: the URL as lapin gets it: `amqps://` with `cacertfile` (a private CA),
+//!   `certfile`/`keyfile` (a client certificate) read from the URL's query.
 
 pub mod bench;
 pub mod consume;
 pub mod management;
 pub mod publish;
+pub mod tls;
 pub mod topology;
 
 pub use consume::{Incoming, IncomingStream, Settler, XDeath};
@@ -40,6 +43,10 @@ pub enum BrokerError {
         "no broker URL given: set LASTCALL_AMQP_URL or --amqp-url (a comma-separated list for a cluster)"
     )]
     NoUrl,
+    /// A URL that cannot be used as given (bad syntax, a TLS setting on `amqp://`, a CA
+    /// file that cannot be read): retrying would not help.
+    #[error("invalid broker URL {url}: {message}")]
+    Url { url: String, message: String },
     #[error("broker error while {doing}: {source}")]
     Amqp {
         doing: &'static str,
@@ -86,7 +93,7 @@ impl Broker {
         for i in 0..urls.len() {
             let node = (first + i) % urls.len();
             let url = &urls[node];
-            match Connection::connect(url, ConnectionProperties::default()).await {
+            match tls::connect(url, ConnectionProperties::default()).await {
                 Ok(conn) => {
                     return Ok(Self {
                         conn: std::sync::Arc::new(conn),
@@ -94,12 +101,8 @@ impl Broker {
                         node,
                     });
                 }
-                Err(source) => {
-                    last = Some(BrokerError::Connect {
-                        url: redact(url),
-                        source,
-                    })
-                }
+                Err(e @ BrokerError::Url { .. }) => return Err(e),
+                Err(e) => last = Some(e),
             }
         }
         Err(last.unwrap_or(BrokerError::NoUrl))
@@ -132,7 +135,7 @@ impl Broker {
     ) -> Result<Self, BrokerError> {
         match Self::connect(urls).await {
             Ok(b) => Ok(b),
-            Err(e @ BrokerError::NoUrl) => Err(e),
+            Err(e @ (BrokerError::NoUrl | BrokerError::Url { .. })) => Err(e),
             Err(e) => {
                 tracing::warn!(error = %e, "broker not reachable; retrying with backoff");
                 let list = std::sync::Arc::new(

@@ -76,6 +76,8 @@ impl Management {
     pub fn from_amqp_url(amqp_url: &str, management_url: &str) -> Self {
         // A cluster's node list (`amqp://a,amqp://b`): the first node names the login.
         let amqp_url = amqp_url.split(',').next().unwrap_or(amqp_url).trim();
+        // The query (`?cacertfile=/path/ca.pem`, `heartbeat=…`) is neither login nor vhost.
+        let amqp_url = amqp_url.split('?').next().unwrap_or(amqp_url);
         let rest = amqp_url
             .split_once("://")
             .map(|(_, r)| r)
@@ -242,6 +244,13 @@ mod tests {
         let m = Management::from_amqp_url("amqp://u:p@h/jobs", "http://h:15672");
         assert_eq!(m.vhost, "jobs");
         assert!(!format!("{m:?}").contains("s3cret"));
+        let m = Management::from_amqp_url(
+            "amqps://u:p@h?cacertfile=/etc/ca/ca.pem&heartbeat=10",
+            "https://h:15671",
+        );
+        assert_eq!((m.user.as_str(), m.vhost.as_str()), ("u", "/"));
+        let m = Management::from_amqp_url("amqps://u:p@h/jobs?cacertfile=/ca.pem", "http://h");
+        assert_eq!(m.vhost, "jobs");
         let m = Management::from_amqp_url("amqp://a:b@h1/%2f,amqp://a:b@h2/%2f", "http://h");
         assert_eq!((m.user.as_str(), m.vhost.as_str()), ("a", "/"));
         let m = m.with_login("mon", "pw");

@@ -584,6 +584,25 @@ pub struct ServeArgs {
     /// Address to listen on
     #[arg(long, default_value = "127.0.0.1:8080")]
     pub addr: std::net::SocketAddr,
+    /// Serve HTTPS with this certificate chain (PEM: the server certificate first, then any
+    /// intermediates); needs --tls-key. Without both: plain HTTP (docs/tls.md)
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "LASTCALL_TLS_CERT",
+        hide_env_values = true,
+        requires = "tls_key"
+    )]
+    pub tls_cert: Option<PathBuf>,
+    /// The private key of --tls-cert (PEM: PKCS#8, PKCS#1 or SEC1, unencrypted)
+    #[arg(
+        long,
+        value_name = "FILE",
+        env = "LASTCALL_TLS_KEY",
+        hide_env_values = true,
+        requires = "tls_cert"
+    )]
+    pub tls_key: Option<PathBuf>,
     /// File holding the bearer token (else the environment variable LASTCALL_HTTP_TOKEN)
     #[arg(long)]
     pub token_file: Option<PathBuf>,

@@ -22,6 +22,7 @@ pub mod depth;
 mod error;
 mod jobs;
 pub mod metrics;
+pub mod tls;
 
 pub use auth::{Token, TokenError};
 pub use error::ApiError;

@@ -57,14 +57,9 @@ impl OpenAiBackend {
             message: e.to_string(),
         })?;
         match url.scheme() {
-            "http" => {}
-            "https" if cfg!(feature = "rustls") => {}
-            "https" => {
-                return Err(ConfigError::BaseUrl {
-                    url: cfg.base_url.clone(),
-                    message: "https needs lastcall-openai's `rustls` feature".into(),
-                });
-            }
+            // https: rustls is always built in (the platform's roots; SSL_CERT_FILE for a
+            // private CA).
+            "http" | "https" => {}
             other => {
                 return Err(ConfigError::BaseUrl {
                     url: cfg.base_url.clone(),
@@ -318,13 +313,16 @@ mod tests {
     use std::time::Duration;
 
     #[test]
-    fn https_without_tls_is_refused_at_build_time() {
-        let r = OpenAiBackend::new(OpenAiConfig::new("https://api.example.invalid/v1", "m"));
-        if cfg!(feature = "rustls") {
-            assert!(r.is_ok());
-        } else {
-            assert!(matches!(r, Err(ConfigError::BaseUrl { .. })));
-        }
+    fn https_is_accepted_in_every_build_and_other_schemes_are_refused() {
+        // TLS is no longer an opt-in feature: an https base URL builds a client.
+        assert!(
+            OpenAiBackend::new(OpenAiConfig::new("https://api.example.invalid/v1", "m")).is_ok()
+        );
+        assert!(OpenAiBackend::new(OpenAiConfig::new("http://127.0.0.1:8000/v1", "m")).is_ok());
+        assert!(matches!(
+            OpenAiBackend::new(OpenAiConfig::new("ftp://h/v1", "m")),
+            Err(ConfigError::BaseUrl { .. })
+        ));
         assert!(OpenAiBackend::new(OpenAiConfig::new("not a url", "m")).is_err());
     }
 

@@ -86,6 +86,14 @@ fn connect_error(url: &str, e: &(dyn std::error::Error + 'static)) -> String {
                 Some(first) => first.to_lowercase().chain(chars).collect(),
                 None => io.kind().to_string(),
             };
+            if io.kind() == std::io::ErrorKind::InvalidData && cause.contains("certificate") {
+                // rustls refused the broker's certificate: it answered, TLS is the problem.
+                return format!(
+                    "cannot connect to RabbitMQ at {url}: TLS: {cause}; for a private CA add \
+                     cacertfile=/path/ca.pem to the amqps:// URL, and use the host name the \
+                     certificate names (docs/tls.md)"
+                );
+            }
             return format!(
                 "cannot connect to RabbitMQ at {url}: {cause}; is it running? (scripts/services.sh \
                  starts a local one); set LASTCALL_AMQP_URL or --amqp-url to use another broker"

@@ -17,6 +17,14 @@ use tokio_util::sync::CancellationToken;
 
 pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     let token = Token::load(a.token_file.as_deref(), "LASTCALL_HTTP_TOKEN")?;
+    // Read before connecting anywhere: a bad certificate is a usage error, reported at once.
+    let tls = match (&a.tls_cert, &a.tls_key) {
+        (Some(cert), Some(key)) => Some(
+            lastcall_http::tls::TlsServerConfig::from_pem_files(cert, key)
+                .map_err(anyhow::Error::msg)?,
+        ),
+        _ => None,
+    };
     let signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
     let topo = super::topology(&s.prefix, &a.topology)?;
     let broker = super::connect_broker(s).await?;
@@ -48,7 +56,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         base_url: a.management_url.clone(),
         user: a.management_user.clone(),
         password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
-        vhost: vhost_of(&s.amqp_url),
+        vhost: vhost_of(without_query(&s.amqp_url)),
     });
     state.depth = Some(DepthProbe::new(
         queues(&topo),
@@ -78,13 +86,16 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         super::shutdown_signal().await;
         stop2.cancel();
     });
+    let scheme = if tls.is_some() { "https" } else { "http" };
     eprintln!(
-        "lastcall serve: listening on http://{} (dashboard: open it in a browser, any user name, the token as password)",
+        "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user name, the token as password)",
         a.addr
     );
-    lastcall_http::serve(a.addr, router, stop.clone(), None)
-        .await
-        .with_context(|| format!("cannot serve HTTP on {}", a.addr))?;
+    match tls {
+        Some(tls) => lastcall_http::tls::serve_tls(a.addr, router, stop.clone(), None, tls).await,
+        None => lastcall_http::serve(a.addr, router, stop.clone(), None).await,
+    }
+    .with_context(|| format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr))?;
     stop.cancel();
     if let Some(t) = dlq_task
         && let Ok(Err(e)) = t.await
@@ -113,6 +124,12 @@ fn shedder(s: &Settings, a: &ServeArgs, topo: &Topology) -> Option<Arc<Shedder>>
     )))
 }
 
+/// The broker URL without its query: `?cacertfile=/path/ca.pem` holds slashes that are no
+/// vhost.
+fn without_query(amqp_url: &str) -> &str {
+    amqp_url.split('?').next().unwrap_or(amqp_url)
+}
+
 /// The topology's queues (a fixed, bounded list for the depth gauges).
 fn queues(topo: &Topology) -> Vec<String> {
     let n = &topo.names;
@@ -134,7 +151,7 @@ pub async fn spawn_worker_metrics(
         base_url: "http://127.0.0.1:15672".into(),
         user: "guest".into(),
         password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
-        vhost: vhost_of(&s.amqp_url),
+        vhost: vhost_of(without_query(&s.amqp_url)),
     };
     let source = MetricsSource {
         worker: Some(stats),

@@ -2,6 +2,8 @@
 //! a real ledger (a fresh SQLite file, or a fresh PostgreSQL database).
 #![allow(dead_code)]
 
+pub mod private_pg;
+pub mod private_rabbit;
 pub mod proxy;
 
 use lastcall_backend::Backend;
