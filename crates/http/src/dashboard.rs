@@ -5,13 +5,13 @@
 use crate::AppState;
 use crate::error::ApiError;
 use crate::metrics::sample_value;
+use crate::params::QueryParams;
 use axum::Json;
-use axum::extract::{Query, State};
+use axum::extract::State;
 use axum::response::Html;
 use lastcall_core::State as JobState;
 use lastcall_store::JobRecord;
 use lastcall_worker::stats::DWELL_BUCKETS_MS;
-use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -23,24 +23,12 @@ pub async fn page() -> Html<&'static str> {
     Html(include_str!("../assets/dashboard.html"))
 }
 
-#[derive(Debug, Deserialize)]
-pub struct DashQuery {
-    minutes: Option<i64>,
-}
-
-/// `GET /v1/dashboard?minutes=15`.
+/// `GET /v1/dashboard?minutes=15` (1–1440, at most once).
 pub async fn data(
     State(state): State<Arc<AppState>>,
-    Query(q): Query<DashQuery>,
+    q: QueryParams,
 ) -> Result<Json<Value>, ApiError> {
-    let minutes = q.minutes.unwrap_or(15);
-    if !(1..=1440).contains(&minutes) {
-        return Err(ApiError::bad(
-            "minutes",
-            "invalid_field",
-            "`minutes` must be from 1 to 1440",
-        ));
-    }
+    let minutes = q.integer("minutes", 1..=1440)?.unwrap_or(15);
     let now = state.clock.now_ms();
     let since = now - minutes * 60_000;
     let records = state

@@ -32,9 +32,15 @@ pub enum ApiError {
     /// 413: the body exceeds the limit.
     #[error("the request body exceeds {limit} bytes")]
     TooLarge { limit: usize },
-    /// 422: the deadline has already passed (after the clock margin); nothing was published.
+    /// 422: a well-formed deadline that cannot be taken at this moment: already passed (after
+    /// the clock margin), or an absolute `expires_at_ms` farther ahead than the horizon.
+    /// Nothing was published.
     #[error("{message}")]
-    Expired { field: String, message: String },
+    Expired {
+        field: String,
+        code: &'static str,
+        message: String,
+    },
     /// 429: shedding at the door — the estimated wait in the queue (ready ÷ recent ack
     /// rate) plus the job's minimum runtime exceeds its budget; nothing was published or
     /// recorded. Answered with `Retry-After` and the numbers as `estimate`.
@@ -50,6 +56,14 @@ pub enum ApiError {
     /// 500: logged in full, answered without detail.
     #[error("internal error")]
     Internal(String),
+    /// Any other refusal by the HTTP layer itself (a method the route does not have, a
+    /// rejection of axum's own): its status, a code, and the reason.
+    #[error("{message}")]
+    Http {
+        status: StatusCode,
+        code: &'static str,
+        message: String,
+    },
 }
 
 impl ApiError {
@@ -57,6 +71,25 @@ impl ApiError {
         ApiError::BadField {
             field: field.to_owned(),
             code: code.to_owned(),
+            message: message.into(),
+        }
+    }
+
+    /// Any HTTP-level refusal as the JSON error: the code follows the status.
+    pub fn http(status: StatusCode, message: impl Into<String>) -> Self {
+        let code = match status {
+            StatusCode::BAD_REQUEST => "bad_request",
+            StatusCode::NOT_FOUND => "not_found",
+            StatusCode::METHOD_NOT_ALLOWED => "method_not_allowed",
+            StatusCode::PAYLOAD_TOO_LARGE => "body_too_large",
+            StatusCode::UNSUPPORTED_MEDIA_TYPE => "unsupported_media_type",
+            StatusCode::UNPROCESSABLE_ENTITY => "unprocessable",
+            s if s.is_server_error() => "internal",
+            _ => "http_error",
+        };
+        ApiError::Http {
+            status,
+            code,
             message: message.into(),
         }
     }
@@ -72,6 +105,7 @@ impl ApiError {
             ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
             ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
+            ApiError::Http { status, .. } => *status,
         }
     }
 
@@ -82,10 +116,11 @@ impl ApiError {
             ApiError::NotFound(_) => "not_found",
             ApiError::Conflict(_) => "job_id_conflict",
             ApiError::TooLarge { .. } => "body_too_large",
-            ApiError::Expired { .. } => "already_expired",
+            ApiError::Expired { code, .. } => code,
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
             ApiError::Internal(_) => "internal",
+            ApiError::Http { code, .. } => code,
         }
     }
 

@@ -2,17 +2,17 @@
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::params::{PathParam, QueryParams, shorten};
 use axum::Json;
 use axum::body::Body;
-use axum::extract::{Path, Query, State};
+use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use lastcall_broker::PublishError;
-use lastcall_core::State as JobState;
+use lastcall_core::{RejectReason, State as JobState};
 use lastcall_store::ListFilter;
 use lastcall_worker::submit::Submission;
 use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
-use serde::Deserialize;
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 
@@ -36,8 +36,12 @@ pub async fn create(
         .await
         .map_err(|_| ApiError::TooLarge { limit })?;
     let job = parse_request(&bytes)?;
+    let spec = job.deadline;
     let now = state.clock.now_ms();
-    let env = state.submitter.envelope(&job, now).map_err(submit_error)?;
+    let env = state
+        .submitter
+        .envelope(&job, now)
+        .map_err(|e| submit_error(e, spec))?;
     let job_id = env.job_id().to_string();
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
@@ -98,7 +102,7 @@ pub async fn create(
                     .shed
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
             }
-            Err(submit_error(e))
+            Err(submit_error(e, spec))
         }
     }
 }
@@ -111,15 +115,42 @@ fn accepted(job_id: &str, body: Value) -> Response {
     resp
 }
 
-fn submit_error(e: SubmitError) -> ApiError {
+/// The answer to a refused submission. `spec` is the deadline as the request gave it, so
+/// that the error names the field the client sent. A deadline that breaks a fixed rule of
+/// the document (`deadline_ms` above the horizon) is a `400`; a well-formed one that the
+/// clock refuses (already passed, an `expires_at_ms` farther ahead than the horizon) is a
+/// `422`.
+fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
+    let deadline_field = match spec {
+        DeadlineSpec::RelativeMs(_) => "deadline_ms",
+        DeadlineSpec::AbsoluteMs(_) => "expires_at_ms",
+    };
     match e {
+        SubmitError::Invalid(r) if r.reason == RejectReason::DeadlineBeyondHorizon => match spec {
+            DeadlineSpec::RelativeMs(ms) => ApiError::bad(
+                "deadline_ms",
+                r.reason.as_str(),
+                format!("`deadline_ms` {ms} is too far: the {}", r.message),
+            ),
+            DeadlineSpec::AbsoluteMs(at) => ApiError::Expired {
+                field: "expires_at_ms".into(),
+                code: r.reason.as_str(),
+                message: format!("`expires_at_ms` {at} is too far ahead: the {}", r.message),
+            },
+        },
+        SubmitError::Invalid(r) if r.reason == RejectReason::MessageTooLarge => ApiError::Http {
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            code: "body_too_large",
+            message: format!("the job as published would be too large: {}", r.message),
+        },
         SubmitError::Invalid(r) => ApiError::bad(
             r.field.unwrap_or("body"),
             r.reason.as_str(),
             r.message.clone(),
         ),
         SubmitError::Expired { .. } => ApiError::Expired {
-            field: "expires_at_ms".into(),
+            field: deadline_field.into(),
+            code: "already_expired",
             message: e.to_string(),
         },
         SubmitError::WouldExpireInQueue(est) => ApiError::WouldExpireInQueue {
@@ -222,8 +253,28 @@ pub fn parse_request(body: &[u8]) -> Result<NewJob, ApiError> {
         payload,
         deadline,
         min_runtime_ms: opt_u64(&mut o, "min_runtime_ms")?,
-        trace_id: opt_string(&mut o, "trace_id")?,
+        trace_id: trace_id(&mut o)?,
     })
+}
+
+/// The longest `trace_id`, in characters (bytes: it is ASCII).
+const TRACE_ID_MAX: usize = 256;
+
+/// `trace_id`: printable ASCII, at most 256 characters. Trace ids are ASCII in every
+/// tracing system (W3C, B3, X-Ray); the envelope's own limit is 256 bytes, which only an
+/// ASCII rule lets the OpenAPI document state exactly (`pattern`).
+fn trace_id(o: &mut Map<String, Value>) -> Result<Option<String>, ApiError> {
+    let t = opt_string(o, "trace_id")?;
+    if let Some(t) = &t
+        && (t.len() > TRACE_ID_MAX || !t.bytes().all(|b| (0x20..=0x7e).contains(&b)))
+    {
+        return Err(ApiError::bad(
+            "trace_id",
+            "invalid_field",
+            format!("`trace_id` must be printable ASCII, at most {TRACE_ID_MAX} characters"),
+        ));
+    }
+    Ok(t)
 }
 
 fn opt_string(o: &mut Map<String, Value>, field: &str) -> Result<Option<String>, ApiError> {
@@ -254,7 +305,7 @@ fn opt_u64(o: &mut Map<String, Value>, field: &str) -> Result<Option<u64>, ApiEr
 /// `GET /v1/jobs/{id}`.
 pub async fn show(
     State(state): State<Arc<AppState>>,
-    Path(id): Path<String>,
+    PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
     match state
         .ledger
@@ -267,46 +318,34 @@ pub async fn show(
     }
 }
 
-#[derive(Debug, Deserialize)]
-pub struct ListQuery {
-    state: Option<String>,
-    kind: Option<String>,
-    limit: Option<String>,
-}
-
-/// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100).
+/// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100). Each parameter at
+/// most once.
 pub async fn list(
     State(state): State<Arc<AppState>>,
-    Query(q): Query<ListQuery>,
+    q: QueryParams,
 ) -> Result<Response, ApiError> {
-    if let Some(s) = &q.state
+    let job_state = q.single("state")?.map(str::to_owned);
+    if let Some(s) = &job_state
         && s.parse::<JobState>().is_err()
     {
         let names: Vec<&str> = JobState::ALL.iter().map(|s| s.as_str()).collect();
         return Err(ApiError::bad(
             "state",
             "invalid_field",
-            format!("unknown state `{s}`; one of {}", names.join(", ")),
+            format!(
+                "unknown state `{}`; one of {}",
+                shorten(s),
+                names.join(", ")
+            ),
         ));
     }
-    let limit = match q.limit.as_deref() {
-        None => 100,
-        Some(l) => match l.parse::<i64>() {
-            Ok(n) if (1..=1000).contains(&n) => n,
-            _ => {
-                return Err(ApiError::bad(
-                    "limit",
-                    "invalid_field",
-                    "`limit` must be an integer from 1 to 1000",
-                ));
-            }
-        },
-    };
+    let kind = q.single("kind")?.map(str::to_owned);
+    let limit = q.integer("limit", 1..=1000)?.unwrap_or(100);
     let recs = state
         .ledger
         .list(&ListFilter {
-            state: q.state,
-            kind: q.kind,
+            state: job_state,
+            kind,
             limit: Some(limit),
         })
         .await

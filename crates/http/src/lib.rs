@@ -6,8 +6,11 @@
 //!   Tests call it without a socket.
 //! - [`metrics_app`]: `/metrics` and `/healthz` alone, for `lastcall worker --metrics-addr`.
 //! - `jobs.rs`: the ingress handlers; `error.rs`: the one error type ([`ApiError`]) that
-//!   becomes a JSON response naming the field; [`auth`]: the token as Bearer or Basic
-//!   credentials (constant time).
+//!   becomes a JSON response naming the field; `params.rs`: query and path parameters read
+//!   into that error (never axum's plain-text rejections); [`auth`]: the token as Bearer or
+//!   Basic credentials (constant time).
+//! - [`OPENAPI`]: the document, served at `/openapi.json` with this server's limits filled
+//!   in; `crates/http/tests/contract.rs` runs schemathesis against the served document.
 //! - [`metrics`]: the Prometheus text format, rendered by hand with bounded labels.
 //! - [`depth`]: broker queue depths (management API, else a passive declare).
 //! - [`dashboard`]: the page and its JSON.
@@ -22,6 +25,7 @@ pub mod depth;
 mod error;
 mod jobs;
 pub mod metrics;
+mod params;
 pub mod tls;
 
 pub use auth::{Token, TokenError};
@@ -42,7 +46,8 @@ use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
 
-/// The OpenAPI 3 document of the API (hand-written; validated by the tests).
+/// The OpenAPI 3 document of the API (hand-written; validated by the tests). `/openapi.json`
+/// serves it with this server's horizon and body limit (see [`AppState::horizon_ms`]).
 pub const OPENAPI: &str = include_str!("../assets/openapi.json");
 
 /// Everything the handlers share.
@@ -54,6 +59,11 @@ pub struct AppState {
     pub names: Names,
     /// Largest accepted request body, in bytes (`413` above it).
     pub max_body_bytes: usize,
+    /// The submitter's horizon (`EnvelopeLimits::horizon_ms`): the farthest a deadline may
+    /// lie ahead. `/openapi.json` states it as the maximum of `deadline_ms` and
+    /// `min_runtime_ms`, so it must be the horizon the submitter was built with. Default
+    /// 24 h, as `EnvelopeLimits::default()`.
+    pub horizon_ms: i64,
     /// Broker queue depths for `/metrics` and the dashboard.
     pub depth: Option<depth::DepthProbe>,
     /// Worker `/metrics` URLs the dashboard sums for "waiting for a slot" and "running".
@@ -98,6 +108,7 @@ impl AppState {
             token,
             names,
             max_body_bytes: 1_048_576,
+            horizon_ms: lastcall_core::EnvelopeLimits::default().horizon_ms,
             depth: None,
             worker_metrics: Vec::new(),
             http_stats,
@@ -119,7 +130,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/v1/jobs/{id}", get(jobs::show))
         .route("/v1/dashboard", get(dashboard::data))
         .route("/metrics", get(metrics_handler))
-        .route("/openapi.json", get(openapi))
+        .route("/openapi.json", get(openapi_handler))
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
@@ -129,6 +140,7 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/readyz", get(serve_readyz))
         .merge(protected)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
+        .layer(middleware::from_fn(json_errors))
         .layer(middleware::from_fn_with_state(
             state.clone(),
             count_responses,
@@ -226,8 +238,74 @@ async fn healthz() -> &'static str {
     "ok\n"
 }
 
-async fn openapi() -> Response {
-    ([(header::CONTENT_TYPE, "application/json")], OPENAPI).into_response()
+async fn openapi_handler(State(state): State<Arc<AppState>>) -> Response {
+    match openapi_document(&state) {
+        Ok(doc) => ([(header::CONTENT_TYPE, "application/json")], doc).into_response(),
+        Err(e) => ApiError::Internal(format!("the OpenAPI document: {e}")).into_response(),
+    }
+}
+
+/// [`OPENAPI`] with this server's limits: the horizon as the maximum of `deadline_ms` and
+/// `min_runtime_ms`, the body limit in the `413` description.
+pub fn openapi_document(state: &AppState) -> Result<String, serde_json::Error> {
+    let mut doc: serde_json::Value = serde_json::from_str(OPENAPI)?;
+    let job = &mut doc["components"]["schemas"]["NewJob"]["properties"];
+    for field in ["deadline_ms", "min_runtime_ms"] {
+        if job[field].is_object() {
+            job[field]["maximum"] = state.horizon_ms.into();
+        }
+    }
+    let too_large = &mut doc["components"]["responses"]["TooLarge"];
+    if too_large.is_object() {
+        too_large["description"] = format!(
+            "The body is larger than this server's limit of {} bytes (`serve --max-body-bytes`), or the job as published would be",
+            state.max_body_bytes
+        )
+        .into();
+    }
+    serde_json::to_string_pretty(&doc)
+}
+
+/// Every refusal is the documented JSON error: a response of 400 or above that is not
+/// JSON already (axum's own rejections, a method the route does not have) gets the
+/// `{"error", "field", "message"}` body, its text as the message, its other headers kept
+/// (axum adds `Allow` to a `405` outside this layer).
+async fn json_errors(req: Request, next: Next) -> Response {
+    let method = req.method().clone();
+    let path = req.uri().path().to_owned();
+    let resp = next.run(req).await;
+    let status = resp.status();
+    let is_json = resp
+        .headers()
+        .get(header::CONTENT_TYPE)
+        .and_then(|v| v.to_str().ok())
+        .is_some_and(|v| v.starts_with("application/json"));
+    if status.as_u16() < 400 || is_json {
+        return resp;
+    }
+    let (parts, body) = resp.into_parts();
+    let text = axum::body::to_bytes(body, 64 * 1024)
+        .await
+        .map(|b| String::from_utf8_lossy(&b).trim().to_owned())
+        .unwrap_or_default();
+    let message = if text.is_empty() {
+        match status {
+            axum::http::StatusCode::METHOD_NOT_ALLOWED => format!(
+                "`{method}` is not an operation of `{}`; the `Allow` header lists the methods it takes",
+                params::shorten(&path)
+            ),
+            s => s.canonical_reason().unwrap_or("refused").to_owned(),
+        }
+    } else {
+        text
+    };
+    let mut out = ApiError::http(status, message).into_response();
+    for (name, value) in &parts.headers {
+        if name != header::CONTENT_TYPE && name != header::CONTENT_LENGTH {
+            out.headers_mut().append(name.clone(), value.clone());
+        }
+    }
+    out
 }
 
 async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {

@@ -239,9 +239,18 @@ async fn every_error_code_names_its_field() {
             json!({"kind": "k", "deadline_ms": 1000, "payload": {}, "job_id": "no spaces"}),
             "job_id",
         ),
+        // Above the horizon (24 h): the error names the field the request sent.
         bad(
             json!({"kind": "k", "deadline_ms": 900_000_000, "payload": {}}),
-            "expires_at_ms",
+            "deadline_ms",
+        ),
+        bad(
+            json!({"kind": "k", "deadline_ms": 1000, "payload": {}, "trace_id": "tråce"}),
+            "trace_id",
+        ),
+        bad(
+            json!({"kind": "k", "deadline_ms": 1000, "payload": {}, "trace_id": "t".repeat(257)}),
+            "trace_id",
         ),
         bad(
             json!({"kind": "k", "deadline_ms": 1000, "payload": {}, "min_runtime_ms": "x"}),
@@ -302,7 +311,121 @@ async fn every_error_code_names_its_field() {
     assert_eq!(e["error"], "already_expired");
     assert_eq!(e["field"], "expires_at_ms");
     assert!(env.ledger.get("late").await.unwrap().is_none());
+    // 422 too: a well-formed `expires_at_ms` farther ahead than the horizon, and a
+    // `deadline_ms` inside the clock margin (the error names the field sent).
+    let (s, e) = post(
+        &app,
+        &json!({"job_id": "far", "kind": "k", "expires_at_ms": now_ms() + 90_000_000, "payload": {}}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(
+        (e["error"].as_str(), e["field"].as_str()),
+        (Some("deadline_beyond_horizon"), Some("expires_at_ms"))
+    );
+    let (s, e) = post(
+        &app,
+        &json!({"job_id": "short", "kind": "k", "deadline_ms": 50, "payload": {}}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::UNPROCESSABLE_ENTITY, "{e}");
+    assert_eq!(
+        (e["error"].as_str(), e["field"].as_str()),
+        (Some("already_expired"), Some("deadline_ms"))
+    );
+    // `null` is an absent optional field.
+    let (s, e) = post(
+        &app,
+        &json!({"job_id": "nulls", "kind": "k", "deadline_ms": 60_000, "expires_at_ms": null, "min_runtime_ms": null, "trace_id": null, "payload": {}}),
+    )
+    .await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{e}");
 
+    env.cleanup().await;
+}
+
+/// Every refusal of the HTTP layer itself is the documented JSON error naming the parameter
+/// or the reason, never axum's plain-text rejection (found by schemathesis: repeated query
+/// parameters, a non-integer window, a method the route does not have).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_rejection_is_the_json_error_naming_the_parameter() {
+    use tower::ServiceExt;
+    let env = Env::new("rejections").await;
+    let app = env.app().await;
+    let cases: [(&str, &str, u16, Option<&str>); 11] = [
+        ("GET", "/v1/jobs?state=null&state=null", 400, Some("state")),
+        (
+            "GET",
+            "/v1/jobs?state=accepted&state=accepted",
+            400,
+            Some("state"),
+        ),
+        ("GET", "/v1/jobs?state=null", 400, Some("state")),
+        ("GET", "/v1/jobs?limit=null", 400, Some("limit")),
+        ("GET", "/v1/jobs?limit=0", 400, Some("limit")),
+        ("GET", "/v1/jobs?kind=a&kind=b", 400, Some("kind")),
+        ("GET", "/v1/dashboard?minutes=null", 400, Some("minutes")),
+        (
+            "GET",
+            "/v1/dashboard?minutes=5&minutes=6",
+            400,
+            Some("minutes"),
+        ),
+        ("GET", "/v1/dashboard?minutes=1441", 400, Some("minutes")),
+        ("GET", "/v1/jobs/%FF", 400, Some("id")),
+        ("DELETE", "/v1/jobs", 405, None),
+    ];
+    for (method, uri, status, field) in cases {
+        let req = axum::http::Request::builder()
+            .method(method)
+            .uri(uri)
+            .header("authorization", format!("Bearer {TOKEN}"))
+            .body(axum::body::Body::empty())
+            .unwrap();
+        let resp = app.clone().oneshot(req).await.unwrap();
+        assert_eq!(resp.status().as_u16(), status, "{method} {uri}");
+        let headers = resp.headers().clone();
+        assert_eq!(
+            headers["content-type"], "application/json",
+            "{method} {uri}"
+        );
+        let body: Value = serde_json::from_slice(
+            &axum::body::to_bytes(resp.into_body(), usize::MAX)
+                .await
+                .unwrap(),
+        )
+        .unwrap_or_else(|e| panic!("{method} {uri}: not JSON: {e}"));
+        assert_eq!(body["field"].as_str(), field, "{method} {uri}: {body}");
+        let message = body["message"].as_str().unwrap_or("");
+        assert!(!message.is_empty(), "{method} {uri}: {body}");
+        if let Some(f) = field {
+            assert!(message.contains(f), "{method} {uri}: {body}");
+        }
+        if status == 405 {
+            assert_eq!(body["error"], "method_not_allowed", "{body}");
+            let allow = headers["allow"].to_str().unwrap();
+            assert!(allow.contains("GET") && allow.contains("POST"), "{allow}");
+            assert!(
+                message.contains("DELETE") && message.contains("Allow"),
+                "{body}"
+            );
+        }
+    }
+    // An unknown parameter is ignored; a valid query still works.
+    let (s, _) = call(
+        &app,
+        "GET",
+        "/v1/jobs?state=accepted&limit=5&_=1",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    assert_eq!(s, StatusCode::OK);
+    let (s, d) = call(&app, "GET", "/v1/dashboard?minutes=60", Some(TOKEN), None).await;
+    assert_eq!(
+        (s, d["window_minutes"].as_i64()),
+        (StatusCode::OK, Some(60))
+    );
     env.cleanup().await;
 }
 
@@ -351,6 +474,7 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
         "/metrics",
         "/openapi.json",
         "/healthz",
+        "/readyz",
         "/",
     ] {
         let item = doc["paths"][path]
@@ -365,9 +489,35 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
         }
     }
     let post = &doc["paths"]["/v1/jobs"]["post"]["responses"];
-    for code in ["202", "400", "401", "409", "413", "422", "503"] {
+    for code in [
+        "200", "202", "400", "401", "409", "413", "422", "429", "503",
+    ] {
         assert!(post[code].is_object(), "POST /v1/jobs documents {code}");
     }
+    // The served document states this server's horizon as the bound of the relative fields.
+    let job = &doc["components"]["schemas"]["NewJob"]["properties"];
+    assert_eq!(job["deadline_ms"]["maximum"], 86_400_000);
+    assert_eq!(job["min_runtime_ms"]["maximum"], 86_400_000);
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.horizon_ms = 3_600_000;
+    state.max_body_bytes = 4096;
+    let (_, short) = call(
+        &lastcall_http::app(Arc::new(state)),
+        "GET",
+        "/openapi.json",
+        Some(TOKEN),
+        None,
+    )
+    .await;
+    let job = &short["components"]["schemas"]["NewJob"]["properties"];
+    assert_eq!(job["deadline_ms"]["maximum"], 3_600_000);
+    assert_eq!(job["min_runtime_ms"]["maximum"], 3_600_000);
+    assert!(
+        short["components"]["responses"]["TooLarge"]["description"]
+            .as_str()
+            .unwrap()
+            .contains("4096 bytes")
+    );
     // Every $ref resolves.
     fn refs(v: &Value, out: &mut Vec<String>) {
         match v {
