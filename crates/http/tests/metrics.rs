@@ -124,7 +124,11 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
         sample_value(&text, "lastcall_dead_letters_total{reason=\"expired\"}").unwrap() as i64,
         ledger["expired_before_receive"],
     );
-    assert_eq!(ledger["expired_before_receive"], 2);
+    // The two `b` jobs expire in the broker by design; on a very busy machine a 900 ms `m`
+    // job may also expire there before its delivery. Every other job was received.
+    let in_broker = ledger["expired_before_receive"];
+    assert!(in_broker >= 2, "{ledger:?}");
+    let received = 12 - in_broker;
     let recs = env.ledger.records_since(0).await.unwrap();
     let calls: i64 = recs.iter().map(|r| r.backend_calls).sum();
     assert_eq!(
@@ -149,11 +153,11 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
     );
     assert_eq!(
         sample_value(&text, "lastcall_queue_dwell_seconds_count").unwrap() as i64,
-        10
+        received
     );
     assert_eq!(
         sample_value(&text, "lastcall_worker_received_total").unwrap() as i64,
-        10
+        received
     );
     assert_eq!(
         sample_value(&text, "lastcall_worker_slots_total").unwrap() as i64,

@@ -216,8 +216,10 @@ impl Submitter {
         self.shed(env, now_ms).await?;
         let submitted = self.publish_envelope(env, signature, now_ms).await?;
         if let Some(ledger) = &self.ledger {
-            ledger
-                .record_accepted(&accepted_job(env, now_ms))
+            // The job is published: a passing ledger fault (a busy SQLite writer, a
+            // PostgreSQL restart) must not leave it without its inventory row.
+            let job = accepted_job(env, now_ms);
+            retry_transient(RECORD_RETRY_FOR, || ledger.record_accepted(&job))
                 .await
                 .map_err(SubmitError::Ledger)?;
         }
@@ -300,7 +302,9 @@ impl Submitter {
                 // publish as confirmed. If it fails, the job is still accepted (and seen by
                 // reconciliation); a repeat of the request waits for the worker to pick it
                 // up or answers `InFlight`.
-                if let Err(e) = ledger.record_accepted(&claim).await {
+                if let Err(e) =
+                    retry_transient(RECORD_RETRY_FOR, || ledger.record_accepted(&claim)).await
+                {
                     tracing::error!(job_id = %job_id, error = %e, "published and confirmed, but stamping the claim failed");
                 }
                 Ok(Submission::Published(submitted))
@@ -401,6 +405,32 @@ impl Submitter {
 /// How often a request polls a same-id claim whose publish is pending.
 const CLAIM_POLL: Duration = Duration::from_millis(20);
 
+/// How long a ledger write after a confirmed publish is retried while the ledger answers
+/// `Unavailable` (the message is in the broker already; giving up loses its inventory row).
+const RECORD_RETRY_FOR: Duration = Duration::from_secs(30);
+
+/// Run `op` again with backoff (50 ms doubling to 1 s) while it fails with a retryable
+/// error, for at most `bound`; the last error is returned after that, and a non-retryable
+/// error at once.
+async fn retry_transient<T, F, Fut>(bound: Duration, mut op: F) -> Result<T, StoreError>
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = Result<T, StoreError>>,
+{
+    let started = tokio::time::Instant::now();
+    let mut backoff = Duration::from_millis(50);
+    loop {
+        match op().await {
+            Err(e) if e.is_retryable() && started.elapsed() + backoff < bound => {
+                tracing::warn!(error = %e, retry_in_ms = backoff.as_millis() as u64, "ledger write failed after the publish; retrying");
+                tokio::time::sleep(backoff).await;
+                backoff = (backoff * 2).min(Duration::from_secs(1));
+            }
+            other => return other,
+        }
+    }
+}
+
 /// The `accepted` inventory row of an envelope submitted at `now_ms`.
 fn accepted_job(env: &Envelope, now_ms: i64) -> AcceptedJob {
     let deadline = env.deadline();
@@ -479,6 +509,50 @@ pub fn load_signing_key(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[tokio::test]
+    async fn a_transient_ledger_error_after_the_publish_is_retried_until_it_passes() {
+        let calls = AtomicU32::new(0);
+        let r = retry_transient(Duration::from_secs(30), || {
+            let n = calls.fetch_add(1, Ordering::SeqCst);
+            async move {
+                if n < 2 {
+                    Err(StoreError::Unavailable("pool timed out".into()))
+                } else {
+                    Ok(n)
+                }
+            }
+        })
+        .await;
+        assert_eq!(r.unwrap(), 2);
+        assert_eq!(calls.load(Ordering::SeqCst), 3);
+    }
+
+    #[tokio::test]
+    async fn a_fatal_ledger_error_is_not_retried_and_a_transient_one_only_within_the_bound() {
+        let calls = AtomicU32::new(0);
+        let r: Result<(), _> = retry_transient(Duration::from_secs(30), || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err(StoreError::Fatal("constraint".into())) }
+        })
+        .await;
+        assert!(matches!(r, Err(StoreError::Fatal(_))));
+        assert_eq!(calls.load(Ordering::SeqCst), 1);
+
+        let calls = AtomicU32::new(0);
+        let r: Result<(), _> = retry_transient(Duration::from_millis(300), || {
+            calls.fetch_add(1, Ordering::SeqCst);
+            async { Err(StoreError::Unavailable("down".into())) }
+        })
+        .await;
+        assert!(matches!(r, Err(StoreError::Unavailable(_))));
+        let n = calls.load(Ordering::SeqCst);
+        assert!(
+            (2..=4).contains(&n),
+            "{n} tries in 300 ms of 50/100/200 ms backoff"
+        );
+    }
 
     #[test]
     fn signing_key_loading_names_the_source() {
