@@ -26,16 +26,29 @@ const SEED: u64 = 299_792_458;
 
 /// An in-process chat backend running a GGUF llama-architecture model on the CPU.
 ///
-/// **Concurrency**: the model holds its KV cache and decodes through `&mut self`, so one
-/// instance serves one call at a time: calls queue on an async mutex, and waiting for it
-/// honours the call's cancellation token and timeout like decoding does. Candle already
-/// spreads each matmul over its thread pool (`RAYON_NUM_THREADS`, default: the physical
-/// cores), so on a small machine a pool of instances would only compete for the same cores;
-/// for parallel decoding on a larger machine, load one `LocalBackend` per worker slot (each
-/// loads in well under a second and holds its own copy of the ~100 MB weights).
+/// **Concurrency**: an instance holds one KV cache and decodes through `&mut` access to its
+/// model, so it serves one call at a time: calls on the same instance queue on an async
+/// mutex, and waiting for it honours the call's cancellation token and timeout like decoding
+/// does. ([`Clone`] gives another handle to the *same* instance.) For calls at the same time,
+/// make more instances with [`LocalBackend::new_instance`] ([`crate::LocalPool`] makes one
+/// per worker slot): they share this one's weights and tokenizer, loaded once, and each has
+/// only its own KV cache and sampling state, so they decode independently and concurrently.
+/// Candle spreads each matmul over its thread pool (`RAYON_NUM_THREADS`, default: the
+/// physical cores), so instances on a small machine share the same cores.
 #[derive(Clone)]
 pub struct LocalBackend {
+    /// This instance's model: the shared weights and its own KV cache.
     model: Arc<tokio::sync::Mutex<ModelWeights>>,
+    /// What every instance of the loaded model shares.
+    shared: Arc<Shared>,
+}
+
+/// The loaded model, shared by all its instances.
+struct Shared {
+    /// The weights as loaded, never run: its KV caches stay empty. Each instance runs a
+    /// clone, and cloning `ModelWeights` copies only reference-counted handles to the weight
+    /// tensors (see [`LocalBackend::new_instance`]), not the tensors.
+    weights: ModelWeights,
     tokenizer: Arc<Tokenizer>,
     template: ChatTemplate,
     /// `<|im_start|>`, `<|im_end|>`: the ids of the template's control tokens.
@@ -50,9 +63,9 @@ pub struct LocalBackend {
 impl std::fmt::Debug for LocalBackend {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("LocalBackend")
-            .field("model_name", &self.model_name)
-            .field("context_len", &self.context_len)
-            .field("vocab_size", &self.tokenizer.vocab_size())
+            .field("model_name", &self.shared.model_name)
+            .field("context_len", &self.shared.context_len)
+            .field("vocab_size", &self.shared.tokenizer.vocab_size())
             .finish_non_exhaustive()
     }
 }
@@ -98,36 +111,78 @@ impl LocalBackend {
             load_ms = started.elapsed().as_millis() as u64,
             "local model loaded"
         );
-        Ok(LocalBackend {
-            model: Arc::new(tokio::sync::Mutex::new(model)),
+        let shared = Arc::new(Shared {
+            weights: model,
             tokenizer: Arc::new(tokenizer),
             template,
             im_start,
             im_end,
             context_len,
             model_name,
-        })
+        });
+        Ok(LocalBackend::instance_of(shared))
+    }
+
+    /// Another instance of this model, for another call at the same time: it shares this
+    /// instance's weights and tokenizer (nothing is read from the file or copied) and has its
+    /// own, empty KV cache, so the two decode independently and concurrently. An instance
+    /// costs the model's small per-instance state plus, while it serves a call, its KV cache
+    /// (46 KB per token of context for SmolLM2-135M).
+    ///
+    /// The weights are shared because candle's `ModelWeights` (quantized_llama.rs, 0.11)
+    /// is `#[derive(Clone)]` over reference-counted parts: each quantized matrix is a
+    /// `QMatMul::QTensor(Arc<QTensor>)`, and the embedding table, norms and RoPE tables are
+    /// `Tensor`s, which are `Arc<Tensor_>` handles. Cloning bumps those counts; the only
+    /// per-clone state that matters is the KV cache (`kv_cache: Option<(Tensor, Tensor)>`
+    /// per layer), which [`ModelWeights::clear_kv_cache`] empties and which `forward`
+    /// replaces (`Tensor::cat` into a new tensor) rather than writes in place, and the
+    /// attention-mask cache, a `HashMap` each clone owns. Forward passes only read the
+    /// weights, so instances can run them at the same time.
+    pub fn new_instance(&self) -> LocalBackend {
+        LocalBackend::instance_of(self.shared.clone())
+    }
+
+    fn instance_of(shared: Arc<Shared>) -> LocalBackend {
+        let mut model = shared.weights.clone();
+        model.clear_kv_cache();
+        LocalBackend {
+            model: Arc::new(tokio::sync::Mutex::new(model)),
+            shared,
+        }
+    }
+
+    /// Whether `other` runs on the same loaded weights as this instance (made by
+    /// [`LocalBackend::new_instance`] from it, or from the same [`LocalBackend::load`]).
+    pub fn shares_weights_with(&self, other: &LocalBackend) -> bool {
+        Arc::ptr_eq(&self.shared, &other.shared)
+    }
+
+    /// Whether `other` is a handle to this same instance (a [`Clone`]), whose calls queue
+    /// behind this one's.
+    pub fn is_same_instance(&self, other: &LocalBackend) -> bool {
+        Arc::ptr_eq(&self.model, &other.model)
     }
 
     /// The tokenizer read from the model file.
     pub fn tokenizer(&self) -> &Tokenizer {
-        &self.tokenizer
+        &self.shared.tokenizer
     }
 
     /// The model name reported in each [`CallOutput`].
     pub fn model_name(&self) -> &str {
-        &self.model_name
+        &self.shared.model_name
     }
 
     /// The prompt ids for a conversation: template control tokens by id, message text
     /// tokenized as plain text.
     pub fn prompt_ids(&self, chat: &ChatRequest) -> Vec<u32> {
+        let shared = &*self.shared;
         let mut ids = Vec::new();
-        for seg in self.template.render(&chat.messages) {
+        for seg in shared.template.render(&chat.messages) {
             match seg {
-                Segment::Control("<|im_start|>") => ids.push(self.im_start),
-                Segment::Control(_) => ids.push(self.im_end),
-                Segment::Text(t) => ids.extend(self.tokenizer.encode(&t, false)),
+                Segment::Control("<|im_start|>") => ids.push(shared.im_start),
+                Segment::Control(_) => ids.push(shared.im_end),
+                Segment::Text(t) => ids.extend(shared.tokenizer.encode(&t, false)),
             }
         }
         ids
@@ -144,17 +199,18 @@ impl LocalBackend {
             message: e.to_string(),
         })?;
         let prompt = self.prompt_ids(&chat);
-        if prompt.len() >= self.context_len {
+        let context_len = self.shared.context_len;
+        if prompt.len() >= context_len {
             return Err(BackendError::Terminal {
                 reason: "prompt_too_long".into(),
                 message: format!(
                     "prompt of {} tokens does not fit the context of {}",
                     prompt.len(),
-                    self.context_len
+                    context_len
                 ),
             });
         }
-        let max_tokens = chat.max_tokens.min(self.context_len - prompt.len());
+        let max_tokens = chat.max_tokens.min(context_len - prompt.len());
 
         // `stop` also fires when this future is dropped, so an abandoned call's decode loop
         // ends at its next token instead of running to max_tokens.
@@ -167,7 +223,7 @@ impl LocalBackend {
                 return Err(BackendError::Cancelled { confirmed: true });
             }
         };
-        let tokenizer = self.tokenizer.clone();
+        let tokenizer = self.shared.tokenizer.clone();
         let job_id = req.job_id.clone();
         let params = Params {
             max_tokens,
@@ -177,7 +233,11 @@ impl LocalBackend {
         let should_stop = move || stop.is_cancelled() || Instant::now() >= deadline;
         let task = tokio::task::spawn_blocking(move || {
             let mut model = model;
-            generate(&mut model, &tokenizer, &prompt, &params, &should_stop)
+            let out = generate(&mut model, &tokenizer, &prompt, &params, &should_stop);
+            // The next call starts at position 0, which ignores the cache anyway: dropping it
+            // now keeps an idle instance from holding its last conversation's KV tensors.
+            model.clear_kv_cache();
+            out
         });
         let out = match task.await {
             Ok(Ok(out)) => out,
@@ -195,7 +255,7 @@ impl LocalBackend {
                 });
             }
         };
-        let text = self.tokenizer.decode(&out.completion);
+        let text = self.shared.tokenizer.decode(&out.completion);
         let tokens_per_second = out.tokens_per_second();
         tracing::debug!(
             job_id = %job_id,
@@ -211,7 +271,7 @@ impl LocalBackend {
                 prompt_tokens: out.prompt_tokens as u64,
                 completion_tokens: out.completion.len() as u64,
             }),
-            model: Some(self.model_name.clone()),
+            model: Some(self.shared.model_name.clone()),
             tokens_per_second,
         })
     }

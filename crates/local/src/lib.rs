@@ -10,7 +10,8 @@
 //! - this file: [`find_model`], [`LocalError`].
 //! - [`backend`]: [`LocalBackend`], the [`lastcall_backend::Backend`] and its decode loop.
 //! - [`tokenizer`]: byte-level BPE with the `smollm` pre-tokenizer, from GGUF metadata.
-//! - [`pool`]: [`LocalPool`], one instance per worker slot so no call queues after admission.
+//! - [`pool`]: [`LocalPool`], one instance per worker slot so no call queues after admission;
+//!   the instances share one copy of the weights.
 //! - [`chat`]: payload parsing and the ChatML layout (pure).
 //!
 //! **Boundary**: only this crate knows candle and the GGUF format.

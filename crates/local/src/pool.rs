@@ -1,9 +1,11 @@
-//! One model instance per worker slot.
+//! One model instance per worker slot, all on one copy of the weights.
 //!
 //! The worker's last admission check happens right before the model call, so a call must
 //! not then queue behind another one inside the backend: that would be waiting for a slot
-//! after admission. A [`LocalPool`] holds one [`LocalBackend`] per slot and hands each
-//! call a free instance; with as many instances as slots a call never waits.
+//! after admission. A [`LocalPool`] holds one [`LocalBackend`] instance per slot and hands
+//! each call a free instance; with as many instances as slots a call never waits. The
+//! instances share the weights, loaded once ([`LocalBackend::new_instance`]): an extra slot
+//! costs its KV cache, not another copy of the model.
 
 use crate::{LocalBackend, LocalError};
 use lastcall_backend::{Backend, BackendError, CallFuture, CallRequest, CancellationToken};
@@ -31,15 +33,32 @@ impl Drop for Lease<'_> {
 }
 
 impl LocalPool {
-    /// Load `n` (at least 1) instances of the model at `path`.
+    /// Load the model at `path` once and make `n` (at least 1) instances of it.
     pub fn load(path: impl AsRef<Path>, n: usize) -> Result<Self, LocalError> {
-        let instances = (0..n.max(1))
-            .map(|_| LocalBackend::load(path.as_ref()))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok(Self {
+        Ok(Self::with_instances(LocalBackend::load(path)?, n))
+    }
+
+    /// A pool of `n` (at least 1) instances: `first` and `n - 1` new instances sharing its
+    /// weights ([`LocalBackend::new_instance`]). `first` should serve no calls outside the
+    /// pool (a [`Clone`] of it is the same instance), or the pool's calls could queue on it.
+    pub fn with_instances(first: LocalBackend, n: usize) -> Self {
+        let others: Vec<LocalBackend> = (1..n.max(1)).map(|_| first.new_instance()).collect();
+        let instances: Vec<LocalBackend> = std::iter::once(first).chain(others).collect();
+        Self {
             free: Mutex::new((0..instances.len()).rev().collect()),
             instances,
-        })
+        }
+    }
+
+    /// The pool's instances, one per slot.
+    pub fn instances(&self) -> &[LocalBackend] {
+        &self.instances
+    }
+
+    /// How many instances are free now (not serving a call). An instance is taken when
+    /// [`Backend::call`] is called, before its future is first polled.
+    pub fn available(&self) -> usize {
+        self.free.lock().expect("pool lock").len()
     }
 
     /// How many calls can run at once.

@@ -153,7 +153,7 @@ async fn pool_gives_each_slot_its_own_instance_and_never_queues() {
     let long = || {
         request(
             json!({"prompt": "Count from one to fifty.", "max_tokens": 400}),
-            Duration::from_secs(30),
+            Duration::from_secs(600),
         )
     };
     let (c1, c2) = (CancellationToken::new(), CancellationToken::new());
@@ -161,7 +161,7 @@ async fn pool_gives_each_slot_its_own_instance_and_never_queues() {
     let (k1, k2) = (c1.clone(), c2.clone());
     let a = tokio::spawn(async move { p1.call(long(), k1).await });
     let b = tokio::spawn(async move { p2.call(long(), k2).await });
-    tokio::time::sleep(Duration::from_millis(200)).await;
+    common::wait_until("both calls hold an instance", || pool.available() == 0).await;
     let third = pool.call(long(), CancellationToken::new()).await;
     assert!(
         matches!(&third, Err(BackendError::Retryable { reason, .. }) if reason == "local_pool_busy"),
@@ -180,9 +180,10 @@ async fn pool_gives_each_slot_its_own_instance_and_never_queues() {
     // Both instances are free again.
     let again = pool
         .call(
+            // A generous timeout: on a loaded machine prefill alone can take seconds.
             request(
                 json!({"prompt": "Hi", "max_tokens": 2}),
-                Duration::from_secs(30),
+                Duration::from_secs(600),
             ),
             CancellationToken::new(),
         )

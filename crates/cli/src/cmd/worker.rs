@@ -104,7 +104,8 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
     })
 }
 
-/// The embedded model, one instance per slot so that no call queues after admission.
+/// The embedded model: one instance per slot so that no call queues after admission, all on
+/// one copy of the weights (an extra slot costs its KV cache, not another model).
 #[cfg(feature = "local-model")]
 pub fn local(path: Option<&std::path::Path>, slots: usize) -> Result<Arc<dyn Backend>> {
     let path = match path {

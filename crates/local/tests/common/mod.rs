@@ -12,3 +12,16 @@ pub fn model_path() -> PathBuf {
         )
     })
 }
+
+/// Poll `cond` every 5 ms until it holds; fail after 60 s naming `what`.
+#[allow(dead_code)]
+pub async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(60);
+    while !cond() {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "timed out waiting until {what}"
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+    }
+}
