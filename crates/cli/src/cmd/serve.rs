@@ -31,6 +31,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     topo.apply(&broker).await?;
     let ledger = super::open_ledger(&s.store_url).await?;
     let (admission, limits) = super::admission(&a.admission);
+    let horizon_ms = limits.horizon_ms;
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
     let submitter = Submitter::new(
         publisher,
@@ -50,6 +51,8 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         topo.names.clone(),
     );
     state.max_body_bytes = a.max_body_bytes;
+    // The served OpenAPI document states this server's own horizon.
+    state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));
     state.worker_metrics = a.worker_metrics.clone();
     let management = (!a.no_management).then(|| Management {
