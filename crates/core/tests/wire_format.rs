@@ -1,0 +1,64 @@
+//! docs/wire-format.md is what producers in other languages are written from: its example
+//! body must parse as the worker parses it, and its example signature must verify.
+
+use lastcall_core::signature::{sign, verify};
+use lastcall_core::{Envelope, EnvelopeLimits, SigningKey};
+
+const DOC: &str = include_str!("../../../docs/wire-format.md");
+
+/// The first fenced block after the HTML comment `marker`.
+fn block_after(marker: &str) -> &'static str {
+    let at = DOC
+        .find(marker)
+        .unwrap_or_else(|| panic!("docs/wire-format.md has no {marker}"));
+    let rest = &DOC[at..];
+    let open = rest.find("```").expect("a fenced block after the marker");
+    let body = &rest[open..];
+    let start = body.find('\n').expect("a fence line") + 1;
+    let end = body[start..].find("```").expect("a closing fence");
+    body[start..start + end].trim_end_matches('\n')
+}
+
+#[test]
+fn the_documented_example_parses_and_its_signature_verifies() {
+    let body = block_after("<!-- wire-format-example-body -->");
+    let signature = block_after("<!-- wire-format-example-signature -->");
+    // The example's own clock: its creation time.
+    let env = Envelope::parse(
+        body.as_bytes(),
+        &EnvelopeLimits::default(),
+        1_800_000_000_000,
+    )
+    .expect("the documented example is a valid envelope");
+    assert_eq!(env.job_id().as_str(), "inc-4711");
+    assert_eq!(env.kind().as_str(), "incident.summary");
+    assert_eq!(env.deadline().expires_at_ms(), 1_800_000_030_000);
+    assert_eq!(env.min_runtime_ms, Some(2_000));
+
+    let key = SigningKey::new("0123456789abcdef0123456789abcdef").unwrap();
+    assert_eq!(
+        sign(&key, "inc-4711", 1_800_000_030_000, body.as_bytes()),
+        signature,
+        "the documented signature is what the Rust signer computes"
+    );
+    verify(
+        &key,
+        "inc-4711",
+        1_800_000_030_000,
+        body.as_bytes(),
+        Some(signature),
+    )
+    .expect("the documented signature verifies");
+    // One byte of the body changed: it no longer verifies.
+    let tampered = body.replace("30000,", "90000,");
+    assert!(
+        verify(
+            &key,
+            "inc-4711",
+            1_800_000_030_000,
+            tampered.as_bytes(),
+            Some(signature)
+        )
+        .is_err()
+    );
+}
