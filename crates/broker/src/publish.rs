@@ -42,6 +42,13 @@ pub enum PublishError {
         "the broker is blocking publishers (a memory or disk alarm: connection.blocked); nothing was published, retry later"
     )]
     Blocked,
+    /// The broker began blocking this connection while the publish awaited its confirm:
+    /// RabbitMQ blocks a connection only at its first publish during an alarm, so that
+    /// publish is neither confirmed nor known to be lost (as with a confirm timeout).
+    #[error(
+        "the broker began blocking publishers (a memory or disk alarm: connection.blocked) during this publish; it is not confirmed and may still reach the queue once the alarm clears"
+    )]
+    BlockedInFlight,
     #[error(transparent)]
     Broker(#[from] BrokerError),
 }
@@ -103,8 +110,9 @@ impl Publisher {
         self.inner.lock().await.broker.is_blocked()
     }
 
-    /// The confirm channel to publish on, healed first if it is closed.
-    async fn channel(&self) -> Result<Channel, PublishError> {
+    /// The confirm channel to publish on (and its connection), healed first if it is
+    /// closed.
+    async fn channel(&self) -> Result<(Channel, Broker), PublishError> {
         let mut c = self.inner.lock().await;
         // Fail fast under a resource alarm: a publish would only wait for the confirm
         // timeout, and the caller should hear "not accepted" now.
@@ -112,7 +120,7 @@ impl Publisher {
             return Err(PublishError::Blocked);
         }
         if c.channel.status().connected() {
-            return Ok(c.channel.clone());
+            return Ok((c.channel.clone(), c.broker.clone()));
         }
         if !c.broker.is_connected() {
             let fresh = c.broker.reconnect_once().await?;
@@ -120,7 +128,7 @@ impl Publisher {
             c.broker = fresh;
         }
         c.channel = confirm_channel(&c.broker).await?;
-        Ok(c.channel.clone())
+        Ok((c.channel.clone(), c.broker.clone()))
     }
 
     /// Publish a persistent message and wait for the broker's confirm.
@@ -151,36 +159,54 @@ impl Publisher {
         if let Some(ttl) = props.ttl_ms {
             properties = properties.with_expiration(ttl.to_string().into());
         }
-        let channel = self.channel().await?;
-        let confirm = channel
-            .basic_publish(
-                exchange.into(),
-                routing_key.into(),
-                BasicPublishOptions {
-                    mandatory: true,
-                    ..Default::default()
-                },
-                body,
-                properties,
-            )
-            .await
-            .map_err(|source| BrokerError::Amqp {
-                doing: "publishing",
-                source,
-            })?;
-        let confirmation = tokio::time::timeout(self.confirm_timeout, confirm)
-            .await
-            .map_err(|_| PublishError::ConfirmTimeout(self.confirm_timeout))?
-            .map_err(|source| BrokerError::Amqp {
-                doing: "waiting for the publisher confirm",
-                source,
-            })?;
+        let (channel, broker) = self.channel().await?;
+        let confirmed = async {
+            let confirm = channel
+                .basic_publish(
+                    exchange.into(),
+                    routing_key.into(),
+                    BasicPublishOptions {
+                        mandatory: true,
+                        ..Default::default()
+                    },
+                    body,
+                    properties,
+                )
+                .await
+                .map_err(|source| BrokerError::Amqp {
+                    doing: "publishing",
+                    source,
+                })?;
+            tokio::time::timeout(self.confirm_timeout, confirm)
+                .await
+                .map_err(|_| PublishError::ConfirmTimeout(self.confirm_timeout))?
+                .map_err(|source| {
+                    PublishError::from(BrokerError::Amqp {
+                        doing: "waiting for the publisher confirm",
+                        source,
+                    })
+                })
+        };
+        // RabbitMQ blocks a connection at its first publish under an alarm and stops reading
+        // from it: that publish would wait for the whole confirm timeout. Answer as soon as
+        // the broker says `connection.blocked` instead.
+        let confirmation = tokio::select! {
+            c = confirmed => c?,
+            () = became_blocked(&broker) => return Err(PublishError::BlockedInFlight),
+        };
         match confirmation {
             Confirmation::Ack(None) => Ok(()),
             Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(routing_key.to_owned())),
             Confirmation::Nack(_) => Err(PublishError::Nacked),
             Confirmation::NotRequested => unreachable!("confirm mode is enabled in Publisher::new"),
         }
+    }
+}
+
+/// Resolves once the broker has blocked `broker`'s connection (polled: lapin keeps the flag).
+async fn became_blocked(broker: &Broker) {
+    while !broker.is_blocked() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
     }
 }
 

@@ -169,6 +169,9 @@ fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
             "not accepted: the broker did not confirm the publish within {} ms; nothing is recorded for this job id. The message may still reach the queue: retry with the same job_id",
             t.as_millis()
         )),
+        SubmitError::Publish(p @ PublishError::BlockedInFlight) => ApiError::Unavailable(format!(
+            "not accepted: {p}; nothing is recorded for this job id: retry with the same job_id"
+        )),
         SubmitError::Publish(p) => ApiError::Unavailable(format!(
             "not accepted: {p}; nothing is recorded for this job id, retry later"
         )),
