@@ -107,7 +107,8 @@ async fn dlq_splits_dead_letters_by_reason() {
     w.stop().await;
     // … and an expiry at the broker (no worker running).
     s.submit(&job("late", 300), now_ms()).await.unwrap();
-    tokio::time::sleep(std::time::Duration::from_millis(800)).await;
+    // The garbled body, the model failure and now the expiry wait in the dead queue.
+    env.wait_ready(&env.topo.names.dead_queue, 3).await;
     let out = env.cli(&[
         "dlq",
         "--split-by-reason",

@@ -21,9 +21,8 @@ async fn quorum_flow(postgres: bool) {
     let s = env.submitter(0, true).await;
     // Expires in the quorum work queue before any worker runs.
     let exp = s.submit(&job("q-exp", 400), now_ms()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    env.wait_ready(&env.topo.names.dead_queue, 1).await;
     assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
-    assert_eq!(env.ready(&env.topo.names.dead_queue).await, 1);
     let mut cfg = env.worker_config(1, 2);
     cfg.topology = env.topo.clone();
     let w = env.start_worker(cfg, sim.clone(), system_clock()).await;

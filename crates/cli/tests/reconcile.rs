@@ -51,7 +51,7 @@ async fn mixed_run(env: Env) {
     let s = env.submitter(0, true).await;
     // 1. Expired at the broker while no worker ran; the DLQ processor records it.
     s.submit(&job("exp-broker", 500), now_ms()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(900)).await;
+    env.wait_ready(&env.topo.names.dead_queue, 1).await;
     env.drain_dead_letters(false).await;
 
     // 2. One slot: `ok` runs 1.5 s; `late` is delivered but its deadline passes while it
@@ -84,15 +84,17 @@ async fn mixed_run(env: Env) {
     // 3. The worker and the DLQ processor are stopped: two jobs expire at the broker and
     //    their dead letters wait unprocessed.
     s.submit(&job("orphan-1", 400), now_ms()).await.unwrap();
-    s.submit(&job("orphan-2", 400), now_ms()).await.unwrap();
+    let last = s.submit(&job("orphan-2", 400), now_ms()).await.unwrap();
     // 4. Accepted with a long deadline and not consumed yet: not due, so not unknown.
     s.submit(&job("pending", 60_000), now_ms()).await.unwrap();
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
-    assert_eq!(
-        env.ready(&env.topo.names.dead_queue).await,
-        3,
-        "bad + two orphans"
-    );
+    // bad + two orphans
+    env.wait_ready(&env.topo.names.dead_queue, 3).await;
+    // Reconciliation below marks what is past deadline + 200 ms grace: let the clock get
+    // there (a time condition, not a wait for an event).
+    let due = last.expires_at_ms + 200;
+    while now_ms() <= due {
+        tokio::time::sleep(Duration::from_millis((due + 1 - now_ms()).max(1) as u64)).await;
+    }
 
     let (code, v) = reconcile(&env, &["--grace-ms", "200"]);
     assert_eq!(code, 3, "unknown jobs exit non-zero: {v}");
@@ -315,13 +317,22 @@ async fn prefetch_one(env: Env, run_dlq: bool) {
     let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
     let s = env.submitter(0, true).await;
     let ids: Vec<String> = (1..=3).map(|i| format!("p1-{i}")).collect();
+    let mut due = 0;
     for id in &ids {
-        s.submit(&job(id, 600), now_ms()).await.unwrap();
+        due = s
+            .submit(&job(id, 600), now_ms())
+            .await
+            .unwrap()
+            .expires_at_ms
+            + 100;
     }
     env.wait_terminal(&ids[..1], Duration::from_secs(10)).await;
     w.stop().await;
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(env.ready(&env.topo.names.dead_queue).await, 2);
+    env.wait_ready(&env.topo.names.dead_queue, 2).await;
+    // Past deadline + the 100 ms grace reconciliation is given below (a time condition).
+    while now_ms() <= due {
+        tokio::time::sleep(Duration::from_millis((due + 1 - now_ms()).max(1) as u64)).await;
+    }
     if run_dlq {
         env.drain_dead_letters(false).await;
     }

@@ -41,7 +41,7 @@ async fn case1_queue_dwell_past_ttl_is_dead_lettered_as_expired() {
         "published with the remaining budget, got {}",
         sub.ttl_ms
     );
-    tokio::time::sleep(Duration::from_millis(1_000)).await;
+    env.wait_ready(&env.topo.names.dead_queue, 1).await;
     assert_eq!(
         env.ready(&env.topo.names.work_queue).await,
         0,
@@ -115,8 +115,7 @@ async fn case2_prefetch_one_holds_one_and_two_expire_at_the_broker() {
     );
     w.stop().await;
     // The other two expired at the broker and were dead-lettered.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(env.ready(&env.topo.names.dead_queue).await, 2);
+    env.wait_ready(&env.topo.names.dead_queue, 2).await;
     env.drain_dead_letters(false).await;
     let recs = env.wait_terminal(&ids, Duration::from_secs(5)).await;
     let states: Vec<&str> = recs.iter().map(|r| r.state.as_str()).collect();

@@ -70,7 +70,7 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
             .await
             .unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    env.wait_ready(&env.topo.names.dead_queue, 2).await;
     let (stop_worker, worker, stats) = env.start_worker(1, 250).await;
     for i in 0..8 {
         sub.submit(&new_job(&format!("d{i}"), 900), now_ms())

@@ -64,7 +64,7 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
         .await
         .unwrap();
     }
-    tokio::time::sleep(Duration::from_millis(700)).await;
+    env.wait_ready(&env.topo.names.dead_queue, 2).await;
     let (stop, handle, stats) = env.start_worker(1, 250).await;
     let dlq = env.drain_dead_letters().await;
     // Known outcomes first: one job of each kind with a budget far beyond any wait, so

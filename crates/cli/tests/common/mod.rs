@@ -189,6 +189,23 @@ impl Env {
         stats
     }
 
+    /// Poll the ready count of `queue` until it is `n` (e.g. messages the broker expired
+    /// into the dead-letter queue); panics after 30 s with the count last seen.
+    pub async fn wait_ready(&self, queue: &str, n: u32) {
+        let until = std::time::Instant::now() + Duration::from_secs(30);
+        loop {
+            let got = self.ready(queue).await;
+            if got == n {
+                return;
+            }
+            assert!(
+                std::time::Instant::now() < until,
+                "queue {queue} holds {got} ready messages, expected {n}"
+            );
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+
     pub async fn ready(&self, queue: &str) -> u32 {
         queue_depth(&self.broker, queue)
             .await
