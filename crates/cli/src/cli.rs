@@ -295,6 +295,14 @@ pub struct WorkerArgs {
     /// failing over through the nodes of a comma-separated --amqp-url)
     #[arg(long, value_name = "MS")]
     pub connect_timeout_ms: Option<u64>,
+    /// The broker's consumer timeout (RabbitMQ `consumer_timeout`, 1800000 by default), in
+    /// ms: each model call is then cut before a delivery's ack window closes (recorded
+    /// `failed`/`consumer_timeout`) instead of the broker closing the channel. RabbitMQ 3.10
+    /// does not publish the value over its management API: state it here. Unknown: the
+    /// broker closing the channel is survived like any lost channel (reconnect, no second
+    /// model call)
+    #[arg(long, env = "LASTCALL_CONSUMER_TIMEOUT_MS", value_name = "MS")]
+    pub consumer_timeout_ms: Option<u64>,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]

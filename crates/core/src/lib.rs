@@ -18,7 +18,9 @@
 //! - [`wait`]: the expected wait for a model slot, for the refusal at receipt.
 //! - [`service_time`]: model-call durations learned per key (windowed p90 and mean), for admission.
 //! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
+//! - [`ack_window`]: the model call's timeout capped inside the broker's consumer timeout.
 
+pub mod ack_window;
 pub mod admission;
 pub mod deadletter;
 pub mod deadline;

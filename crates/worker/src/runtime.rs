@@ -11,6 +11,7 @@ use crate::stats::WorkerStats;
 use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_backend::{Backend, BackendError, CallOutput, CallRequest, CancellationToken};
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
+use lastcall_core::ack_window::{self, CallTimeout};
 use lastcall_core::disposition::ReceiptFacts;
 use lastcall_core::disposition::{Receipt, Slot};
 use lastcall_core::service_time::{Estimate, ServiceTimeConfig, ServiceTimes};
@@ -82,6 +83,11 @@ pub struct WorkerConfig {
     /// When set, a valid envelope whose `x-lastcall-signature` is missing or wrong is
     /// `rejected`/`bad_signature` (never run), so a producer cannot extend its deadline.
     pub signing_key: Option<lastcall_core::SigningKey>,
+    /// The broker's consumer timeout (RabbitMQ `consumer_timeout`), when known: each model
+    /// call is capped to end inside the delivery's ack window
+    /// ([`lastcall_core::ack_window`]). `None`: unknown, the job's budget alone decides and a
+    /// broker that closes the channel is survived like any lost channel.
+    pub consumer_timeout: Option<Duration>,
 }
 
 impl WorkerConfig {
@@ -100,6 +106,7 @@ impl WorkerConfig {
             hold_before_admission: Duration::ZERO,
             dispatch_policy: DispatchPolicy::Deadline,
             signing_key: None,
+            consumer_timeout: None,
         }
     }
 }
@@ -831,6 +838,25 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         }
     };
     (ctx.stats.metrics.remaining_budget).observe_ms(budget_ms as i64);
+    // The broker's ack window (its consumer timeout, when known) closed while the job
+    // waited for a slot: not started, handed back; the redelivery has a fresh window and
+    // the admission rule applies again.
+    if ack_window::call_timeout(
+        budget_ms,
+        job.received_at_ms,
+        checked_at_ms,
+        ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64),
+        job.min_runtime_ms.unwrap_or(0),
+    ) == CallTimeout::AckWindowClosed
+    {
+        drop(permit);
+        tracing::info!(job_id = %id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
+        if !job.link.lost.is_cancelled() {
+            let _ = job.incoming.settler.requeue().await;
+        }
+        job.link.acks.forget(job.incoming.delivery_tag);
+        return;
+    }
 
     // From here the call is this process's: a redelivery of the job waits for it.
     let Some(_running) = InFlight::claim(&ctx, &id) else {
@@ -873,10 +899,36 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             return settle(&ctx, job, d, None).await;
         }
     };
+    // The broker's ack window, when its consumer timeout is known: our own timeout fires
+    // before the broker would close the channel.
+    let (budget_ms, cut_by_ack_window) = match ack_window::call_timeout(
+        budget_ms,
+        job.received_at_ms,
+        started_at_ms,
+        ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64),
+        0,
+    ) {
+        CallTimeout::Run { timeout_ms, capped } => (timeout_ms, capped),
+        CallTimeout::AckWindowClosed => {
+            drop(permit);
+            let d = ack_window_disposition(&ctx, &env, &job, started_at_ms);
+            job.note = Some(ack_window_note(&ctx, 0));
+            return settle(&ctx, job, d, None).await;
+        }
+    };
     job.started_at_ms = Some(started_at_ms);
     WorkerStats::inc(&ctx.stats.backend_calls);
     WorkerStats::add(&ctx.stats.running, 1);
-    let call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
+    let mut call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
+    if cut_by_ack_window && call.result == CallResult::DeadlineExceeded {
+        // Cut at the ack window, before the job's deadline: not `deadline_exceeded`.
+        call.result = CallResult::Failed {
+            retryable: false,
+            reason: ack_window::REASON.to_owned(),
+            retry_after_ms: None,
+        };
+        call.error = Some(ack_window_note(&ctx, budget_ms));
+    }
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
     if matches!(
@@ -904,6 +956,31 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         rand_jitter(),
     );
     settle(&ctx, job, disposition, Some(call)).await;
+}
+
+/// The outcome of a job whose delivery's ack window closed between its admission and its
+/// call (the `running` row's write took the rest): `failed`/`consumer_timeout`, like a
+/// call cut at the window. (Before admission the job is handed back instead.)
+fn ack_window_disposition(ctx: &Ctx, env: &Envelope, job: &Job, now_ms: i64) -> Disposition {
+    ctx.cfg.policy.on_call_result(
+        env,
+        job.incoming.attempt,
+        &CallResult::Failed {
+            retryable: false,
+            reason: ack_window::REASON.to_owned(),
+            retry_after_ms: None,
+        },
+        now_ms,
+        0.0,
+    )
+}
+
+fn ack_window_note(ctx: &Ctx, ran_ms: u64) -> String {
+    let ct = ctx.cfg.consumer_timeout.unwrap_or_default().as_millis() as u64;
+    format!(
+        "cut after {ran_ms} ms, before the deadline: the broker's consumer_timeout ({ct} ms, margin {} ms) would have closed the channel before the ack",
+        ack_window::margin_ms(ct)
+    )
 }
 
 /// The admission check before the call; the benchmark reference policies skip it.

@@ -154,6 +154,38 @@ pub fn sim(a: &SimArgs) -> Result<SimBackend> {
     })?)
 }
 
+/// The broker's consumer timeout as the operator stated it (`0`: off), with a warning when
+/// the horizon (the longest deadline accepted) exceeds it.
+fn consumer_timeout(stated_ms: Option<u64>, horizon_ms: i64) -> Option<Duration> {
+    match stated_ms.filter(|&ms| ms > 0) {
+        Some(ct) => {
+            let cap = ct - lastcall_core::ack_window::margin_ms(ct).min(ct);
+            if horizon_ms > ct as i64 {
+                tracing::warn!(
+                    horizon_ms,
+                    consumer_timeout_ms = ct,
+                    "--horizon-ms exceeds the broker's consumer_timeout"
+                );
+                eprintln!(
+                    "lastcall worker: warning: --horizon-ms {horizon_ms} exceeds the broker's consumer_timeout ({ct} ms): model calls are cut {cap} ms after delivery at the latest (recorded failed/consumer_timeout)"
+                );
+            }
+            tracing::info!(
+                consumer_timeout_ms = ct,
+                call_cap_ms = cap,
+                "broker consumer_timeout known: model calls end inside the ack window"
+            );
+            Some(Duration::from_millis(ct))
+        }
+        None => {
+            tracing::info!(
+                "broker consumer_timeout unknown (RabbitMQ's default is 30 min; --consumer-timeout-ms states it): a call that outlives it makes the broker close the channel, which the worker survives like any lost channel"
+            );
+            None
+        }
+    }
+}
+
 pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
     if a.slots == 0 {
         bail!("--slots must be at least 1");
@@ -179,6 +211,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
     }
     cfg.hold_before_admission = Duration::from_millis(a.debug_hold_before_admission_ms);
     cfg.shutdown_grace = Duration::from_millis(a.shutdown_grace_ms);
+    cfg.consumer_timeout = consumer_timeout(a.consumer_timeout_ms, limits.horizon_ms);
     cfg.clock_sync = a
         .clock_sync
         .parse::<ClockSyncMode>()
