@@ -14,26 +14,15 @@
 mod common;
 
 use common::calls_in;
+use common::http::{Children, curl};
 use common::private_rabbit::{PrivateRabbit, free_port};
 use common::unique;
 use lastcall_store::Ledger;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "alarm-test-token-0123456789abcdef";
-
-/// Child processes killed on drop, also when the test fails.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// Restores the node's memory watermark on drop (the node is private and goes away after
 /// the test anyway, but a failing assertion must not leave the alarm on while it lives).
@@ -83,32 +72,8 @@ fn alarms(rabbit: &PrivateRabbit) -> String {
     String::from_utf8_lossy(&out.stdout).trim().to_owned()
 }
 
-fn curl(args: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-s", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
-        .args(args)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
 fn post_job(base: &str, id: &str) -> (u16, String) {
-    let body = format!(
-        r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":120000,"payload":{{"messages":[]}}}}"#
-    );
-    curl(&[
-        "-X",
-        "POST",
-        &format!("{base}/v1/jobs"),
-        "-H",
-        &format!("Authorization: Bearer {TOKEN}"),
-        "-H",
-        "Content-Type: application/json",
-        "--data",
-        &body,
-    ])
+    common::http::post_job(base, TOKEN, id, 120_000)
 }
 
 /// Poll `cond` every 50 ms until it holds; panics with `what` (and `detail()`) after

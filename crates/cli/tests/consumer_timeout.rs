@@ -15,6 +15,7 @@
 
 mod common;
 
+use common::http::Children;
 use common::private_rabbit::PrivateRabbit;
 use common::{calls_in, job_with, unique};
 use lastcall_broker::{Broker, Publisher, Topology};
@@ -27,18 +28,6 @@ use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-/// Child processes killed on drop, also when the test fails.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
-}
 
 /// Restores the node's consumer timeout and channel tick on drop.
 struct Lowered<'r>(&'r PrivateRabbit);

@@ -5,6 +5,7 @@
 
 mod common;
 
+use common::http::curl;
 use common::proxy::FreezableProxy;
 use common::*;
 use lastcall_broker::Broker;
@@ -104,32 +105,8 @@ async fn a_lost_connection_loses_nothing_and_runs_nothing_twice() {
 
 const TOKEN: &str = "reconnect-serve-token-0123456789";
 
-fn curl(args: &[&str]) -> (u16, String) {
-    let out = std::process::Command::new("curl")
-        .args(["-s", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
-        .args(args)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
 fn post_job(base: &str, id: &str) -> (u16, String) {
-    let body = format!(
-        r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":60000,"payload":{{"messages":[]}}}}"#
-    );
-    curl(&[
-        "-X",
-        "POST",
-        &format!("{base}/v1/jobs"),
-        "-H",
-        &format!("Authorization: Bearer {TOKEN}"),
-        "-H",
-        "Content-Type: application/json",
-        "--data",
-        &body,
-    ])
+    common::http::post_job(base, TOKEN, id, 60_000)
 }
 
 /// `lastcall serve` through a broker outage: while the broker is gone, `POST /v1/jobs`

@@ -6,23 +6,13 @@
 
 mod common;
 
+use common::http::curl;
 use common::proxy::FreezableProxy;
 use common::*;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "confirm-timeout-token-0123456789";
-
-fn curl(args: &[&str]) -> (u16, String) {
-    let out = Command::new("curl")
-        .args(["-s", "--max-time", "30", "-o", "-", "-w", "\n%{http_code}"])
-        .args(args)
-        .output()
-        .expect("curl");
-    let text = String::from_utf8_lossy(&out.stdout).into_owned();
-    let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
-    (code.trim().parse().unwrap_or(0), body.to_owned())
-}
 
 fn post(base: &str, body: &str) -> (u16, String) {
     curl(&[

@@ -10,6 +10,7 @@
 
 mod common;
 
+use common::http::Children;
 use common::private_pg::PrivatePg;
 use common::private_rabbit::{PrivateRabbit, free_port};
 use common::{job, sim, system_clock, unique};
@@ -20,7 +21,7 @@ use lastcall_worker::clock::now_ms;
 use lastcall_worker::{Submitter, Worker, WorkerConfig, WorkerStats};
 use sqlx::Connection;
 use std::path::PathBuf;
-use std::process::{Child, Command, Stdio};
+use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -394,18 +395,6 @@ async fn the_ledger_on_postgres_over_tls_verifies_the_server() {
     let plain = Ledger::connect(&pg.url()).await.unwrap();
     assert!(plain.get("pg-tls-1").await.unwrap().is_some());
     plain.close().await;
-}
-
-/// Child processes killed on drop, also when the test fails.
-struct Children(Vec<Child>);
-
-impl Drop for Children {
-    fn drop(&mut self) {
-        for c in &mut self.0 {
-            let _ = c.kill();
-            let _ = c.wait();
-        }
-    }
 }
 
 const TOKEN: &str = "tls-test-token-0123456789abcdef";
