@@ -162,7 +162,7 @@ async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
             "--backend",
             "sim",
             "--sim-latency-ms",
-            "4000",
+            "500",
             "--sim-call-log",
             call_log.to_str().unwrap(),
             "--slots",
@@ -174,10 +174,19 @@ async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
     ));
     let ledger = Ledger::connect(&store).await.unwrap();
 
-    // Two slow jobs, delivered and running before the alarm.
+    // Two slow jobs, delivered and running before the alarm. Their calls (30 s) outlast
+    // setting the alarm and the checks below even on a loaded machine, where one
+    // `rabbitmqctl` alone can take seconds (with 4 s calls they once finished before the
+    // alarm was on).
     let before = ["alarm-before-0", "alarm-before-1"];
     for id in before {
-        let (code, body) = post_job(&base, id);
+        let (code, body) = common::http::post_job_with(
+            &base,
+            TOKEN,
+            id,
+            120_000,
+            r#"{"messages":[],"sim_latency_ms":30000}"#,
+        );
         assert_eq!(code, 202, "{id}: {body}");
     }
     wait_until(
@@ -251,7 +260,7 @@ async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
     // The jobs that were running complete and are acked while the alarm is on.
     wait_until(
         "the running jobs to complete and be acked during the alarm",
-        Duration::from_secs(30),
+        Duration::from_secs(90),
         async || {
             let mut done = 0;
             for id in before {

@@ -30,8 +30,20 @@ pub fn curl(args: &[&str]) -> (u16, String) {
 
 /// `POST {base}/v1/jobs` of a chat job `id` with a budget of `deadline_ms`, as `token`.
 pub fn post_job(base: &str, token: &str, id: &str, deadline_ms: u64) -> (u16, String) {
+    post_job_with(base, token, id, deadline_ms, r#"{"messages":[]}"#)
+}
+
+/// [`post_job`] with the given JSON `payload` (e.g. `{"sim_latency_ms": 30000}` for the
+/// sim backend).
+pub fn post_job_with(
+    base: &str,
+    token: &str,
+    id: &str,
+    deadline_ms: u64,
+    payload: &str,
+) -> (u16, String) {
     let body = format!(
-        r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":{deadline_ms},"payload":{{"messages":[]}}}}"#
+        r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":{deadline_ms},"payload":{payload}}}"#
     );
     curl(&[
         "-X",
