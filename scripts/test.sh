@@ -29,6 +29,7 @@ export LASTCALL_MODEL_PATH
 scripts/llama-server.sh setup
 # The OpenAPI document's validator (openapi-spec-validator from PyPI).
 scripts/setup-openapi.sh
+scripts/setup-python-example.sh   # pika for examples/python/producer.py (crates/cli/tests/python_example.rs)
 # One build of the dependency tree for every test: the `otlp` feature (OpenTelemetry
 # export, off by default) is switched on for the whole workspace run, so its test runs here
 # too. Building `-p lastcall --features otlp` separately would resolve other features for

@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# Install what the Python producer example (examples/python/producer.py) needs, into a
+# private venv at ${LASTCALL_CACHE:-$HOME/.cache/lastcall}/python-example-venv, created
+# once and reused:
+# - `pika` (PyPI), the AMQP client the example publishes with. Everything else the example
+#   uses (HMAC signing, the HTTP long-poll) is Python's standard library.
+# crates/cli/tests/python_example.rs runs the example with this venv's python against a
+# real broker, worker and `lastcall serve`; scripts/test.sh runs this script before the
+# tests, so no test installs anything.
+#
+# stdout: nothing. stderr: what it does (pip's own progress while installing).
+# Idempotent: a second run only checks the import.
+# The venv's interpreter is then $venv/bin/python (see examples/python/README.md).
+set -euo pipefail
+
+cache="${LASTCALL_CACHE:-$HOME/.cache/lastcall}"
+venv="$cache/python-example-venv"
+python="${PYTHON:-python3}"
+# pika's BlockingConnection API (confirm_delivery, basic_publish raising on nack/return)
+# has been stable since 1.0; below 2 in case a major version changes it.
+requirement="pika>=1.3,<2"
+
+log() { printf 'setup-python-example: %s\n' "$*" >&2; }
+
+installed() {
+    [[ -x "$venv/bin/python" ]] &&
+        "$venv/bin/python" -c "
+import sys, importlib.metadata
+import pika
+major = int(importlib.metadata.version('pika').split('.')[0])
+sys.exit(major != 1)
+" >/dev/null 2>&1
+}
+
+if installed; then
+    log "already installed in $venv (pika $("$venv/bin/python" -c 'import pika; print(pika.__version__)'))"
+    exit 0
+fi
+mkdir -p "$cache"
+if [[ ! -x "$venv/bin/python" ]]; then
+    log "creating venv at $venv"
+    "$python" -m venv "$venv" >&2
+fi
+log "installing $requirement from PyPI into $venv"
+"$venv/bin/python" -m pip install --progress-bar on "$requirement" >&2
+installed || {
+    log "error: pika ($requirement) still cannot be imported from $venv"
+    exit 1
+}
+log "installed"
