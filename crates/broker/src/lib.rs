@@ -17,12 +17,14 @@
 
 pub mod bench;
 pub mod consume;
+pub mod events;
 pub mod management;
 pub mod publish;
 pub mod tls;
 pub mod topology;
 
 pub use consume::{Incoming, IncomingStream, Settler, XDeath};
+pub use events::EventSink;
 pub use publish::{PublishError, PublishProps, Publisher};
 pub use topology::{Names, QueueType, Topology, TopologyError};
 

@@ -42,6 +42,9 @@ pub struct Names {
     pub dlx: String,
     /// Where every dead letter lands.
     pub dead_queue: String,
+    /// Topic exchange of outcome events (routing key `<state>.<kind>`), published after
+    /// each durable terminal outcome; nothing is bound to it by the topology.
+    pub events_exchange: String,
 }
 
 impl Names {
@@ -52,6 +55,7 @@ impl Names {
             work_queue: format!("{prefix}.work"),
             dlx: format!("{prefix}.dlx"),
             dead_queue: format!("{prefix}.dead"),
+            events_exchange: format!("{prefix}.events"),
         }
     }
 
@@ -137,6 +141,7 @@ impl Topology {
         let n = &self.names;
         self.exchange(broker, &n.jobs_exchange).await?;
         self.exchange(broker, &n.dlx).await?;
+        self.exchange(broker, &n.events_exchange).await?;
         self.queue(broker, &n.dead_queue, FieldTable::default())
             .await?;
         self.bind(broker, &n.dead_queue, &n.dlx, "#").await?;
@@ -180,7 +185,7 @@ impl Topology {
                 )
                 .await;
         }
-        for e in [&n.jobs_exchange, &n.dlx] {
+        for e in [&n.jobs_exchange, &n.dlx, &n.events_exchange] {
             let _ = ch
                 .exchange_delete(
                     e.as_str().into(),

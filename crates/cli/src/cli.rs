@@ -61,7 +61,8 @@ pub struct Global {
 
 #[derive(Debug, Subcommand)]
 pub enum Command {
-    /// Validate, stamp and publish one job (waits for the broker's confirm); prints its id
+    /// Validate, stamp and publish one job (waits for the broker's confirm); prints its id.
+    /// With --wait, then waits for its outcome and prints it with the result text
     Submit(SubmitArgs),
     /// Run a worker: bounded buffer, model slots, last admission check, store-then-ack
     Worker(WorkerArgs),
@@ -217,6 +218,15 @@ pub struct SubmitArgs {
     /// least 32 bytes; else the environment variable LASTCALL_SIGNING_KEY; neither: unsigned
     #[arg(long, value_name = "FILE")]
     pub signing_key_file: Option<PathBuf>,
+    /// Wait for the job's outcome (woken by its event on `{prefix}.events`, then read from
+    /// the ledger) and print its state, reason and result text. Exit status: 0 completed,
+    /// 3 expired (expired_not_started, expired_before_receive, deadline_exceeded), 1 any
+    /// other outcome, 4 no outcome by the deadline + --wait-grace-ms
+    #[arg(long, conflicts_with = "no_ledger")]
+    pub wait: bool,
+    /// With --wait: how long after the job's deadline to keep waiting for its outcome, in ms
+    #[arg(long, default_value_t = 30_000, requires = "wait")]
+    pub wait_grace_ms: u64,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]

@@ -37,7 +37,7 @@ struct Role {
 /// `lastcall topology apply` / `topology delete`.
 const DEPLOYER: Role = Role {
     name: "deployer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|parked|retry\..+|dead\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|parked|retry\..+|dead\..+)$",
     write: r"^(lastcall\.(work|dead|dlx)|amq\.default)$",
     read: r"^lastcall\.(jobs|dlx|work|retry\..+)$",
 };
@@ -45,24 +45,24 @@ const DEPLOYER: Role = Role {
 /// `lastcall submit` / `lastcall serve`.
 const PRODUCER: Role = Role {
     name: "producer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|retry\..+)$",
-    write: r"^lastcall\.(jobs|work|dead)$",
-    read: r"^lastcall\.(jobs|dlx)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|events\.follow\..+|retry\..+)$",
+    write: r"^lastcall\.(jobs|work|dead|events\.follow\..+)$",
+    read: r"^lastcall\.(jobs|dlx|events|events\.follow\..+)$",
 };
 
 /// `lastcall worker`.
 const WORKER: Role = Role {
     name: "worker",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|retry\..+)$",
-    write: r"^(lastcall\.(jobs|work|dead)|amq\.default)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|retry\..+)$",
+    write: r"^(lastcall\.(jobs|work|dead|events)|amq\.default)$",
     read: r"^lastcall\.(jobs|dlx|work|retry\.ready)$",
 };
 
 /// `lastcall dlq --park --split-by-reason`.
 const DLQ: Role = Role {
     name: "dlq",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|parked|retry\..+|dead\..+)$",
-    write: r"^(lastcall\.(work|dead)|amq\.default)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|parked|retry\..+|dead\..+)$",
+    write: r"^(lastcall\.(work|dead|events)|amq\.default)$",
     read: r"^lastcall\.(jobs|dlx|dead)$",
 };
 
@@ -325,15 +325,31 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     );
     assert_eq!(depth(&inspect, work).await, 0, "nothing was published");
 
-    // The producer submits one job that completes and one that fails until retries run out.
-    for (id, kind) in [
-        ("lp-ok", "incident.summary"),
-        ("lp-retry", "sim.fail-retryable"),
-    ] {
-        let (ok, out, err) = sb.run(&producer, &submit(id, kind, "60000"), long);
-        assert!(ok, "submit {id} as the producer: {err}");
-        assert_eq!(out.trim(), id);
-    }
+    // The producer submits one job that completes, and waits for its outcome event
+    // (`--wait` follows `P.events` as the producer; the worker publishes the event) …
+    let wait_out = sb.dir.join("submit-wait.out");
+    let mut wait_args = submit("lp-ok", "incident.summary", "60000").to_vec();
+    wait_args.push("--wait");
+    let waiting = sb
+        .lastcall(&producer, &wait_args)
+        .stdin(Stdio::null())
+        .stdout(std::fs::File::create(&wait_out).unwrap())
+        .stderr(std::fs::File::create(sb.dir.join("submit-wait.err")).unwrap())
+        .spawn()
+        .expect("spawn submit --wait");
+    sb.children.push(waiting);
+    wait_until("lp-ok published", long, async || {
+        depth(&inspect, work).await == 1
+    })
+    .await;
+    // … and one that fails until retries run out.
+    let (ok, out, err) = sb.run(
+        &producer,
+        &submit("lp-retry", "sim.fail-retryable", "60000"),
+        long,
+    );
+    assert!(ok, "submit lp-retry as the producer: {err}");
+    assert_eq!(out.trim(), "lp-retry");
     assert_eq!(depth(&inspect, work).await, 2);
     let ledger = Ledger::connect(&sb.store_url).await.unwrap();
 
@@ -385,7 +401,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         if outcomes().await == (Some("completed".into()), Some("failed".into())) {
             break;
         }
-        if let Some(s) = sb.children[0].try_wait().unwrap() {
+        if let Some(s) = sb.children[1].try_wait().unwrap() {
             panic!(
                 "the worker exited ({s}) before the jobs finished:\n{}",
                 log()
@@ -409,7 +425,15 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         depth(&inspect, dead).await == 1
     })
     .await;
-    let pid = sb.children[0].id().to_string();
+    let status = wait_exit(&mut sb.children[0], long, "submit --wait for lp-ok");
+    let printed = std::fs::read_to_string(&wait_out).unwrap_or_default();
+    let wait_err = std::fs::read_to_string(sb.dir.join("submit-wait.err")).unwrap_or_default();
+    assert!(
+        status.success() && printed.contains("state: completed"),
+        "submit --wait as the producer: {status}\n{printed}\n{wait_err}"
+    );
+    assert!(!wait_err.contains("ACCESS_REFUSED"), "{wait_err}");
+    let pid = sb.children[1].id().to_string();
     assert!(
         Command::new("kill")
             .args(["-TERM", &pid])
@@ -417,7 +441,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
             .unwrap()
             .success()
     );
-    let status = wait_exit(&mut sb.children[0], long, "the worker after SIGTERM");
+    let status = wait_exit(&mut sb.children[1], long, "the worker after SIGTERM");
     assert!(status.success(), "worker exit {status}:\n{}", log());
     assert!(
         !log().contains("ACCESS_REFUSED"),

@@ -19,6 +19,7 @@
 //! - [`service_time`]: model-call durations learned per key (windowed p90 and mean), for admission.
 //! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
 //! - [`ack_window`]: the model call's timeout capped inside the broker's consumer timeout.
+//! - [`event`]: the outcome event published to `{prefix}.events` after a durable outcome.
 
 pub mod ack_window;
 pub mod admission;
@@ -26,6 +27,7 @@ pub mod deadletter;
 pub mod deadline;
 pub mod disposition;
 pub mod envelope;
+pub mod event;
 pub mod ids;
 pub mod outcome;
 pub mod report;
@@ -40,6 +42,7 @@ pub use disposition::{
     CallResult, Disposition, ExpiredAction, ReceiptFacts, Terminal, WorkerPolicy,
 };
 pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
+pub use event::OutcomeEvent;
 pub use ids::{JobId, Kind, fingerprint, synthetic_job_id};
 pub use outcome::State;
 pub use retry::{RetryDecision, RetryPolicy};

@@ -10,11 +10,12 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use lastcall_broker::PublishError;
 use lastcall_core::{RejectReason, State as JobState};
-use lastcall_store::ListFilter;
+use lastcall_store::{JobRecord, ListFilter};
 use lastcall_worker::submit::Submission;
 use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 
 /// `POST /v1/jobs`: validate, stamp the deadline, shed a job the queue wait would make
 /// expire (`429 would_expire_in_queue` with `Retry-After`, when the submitter sheds), claim
@@ -305,20 +306,45 @@ fn opt_u64(o: &mut Map<String, Value>, field: &str) -> Result<Option<u64>, ApiEr
     }
 }
 
-/// `GET /v1/jobs/{id}`.
+/// The longest `wait_ms` of a long-poll.
+pub const MAX_WAIT_MS: i64 = 60_000;
+
+/// `GET /v1/jobs/{id}[?wait_ms=N]`. With `wait_ms` (0–60,000) a long-poll: it answers as
+/// soon as the job is terminal, else at N with its current state (`404` if the ledger has
+/// no row for the id even then). It is woken by the job's outcome event
+/// ([`crate::waiters`]) and reads the ledger once at the start and once per wake.
 pub async fn show(
     State(state): State<Arc<AppState>>,
     PathParam(id): PathParam,
+    q: QueryParams,
 ) -> Result<Response, ApiError> {
-    match state
-        .ledger
-        .get(&id)
-        .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?
-    {
+    let wait_ms = q.integer("wait_ms", 0..=MAX_WAIT_MS)?.unwrap_or(0);
+    let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
+    // Registered before the first read: an outcome recorded in between still wakes it.
+    let mut waiter = (wait_ms > 0).then(|| state.waiters.subscribe(&id));
+    let mut rec = read_job(&state, &id).await?;
+    if let Some(w) = &mut waiter {
+        while !rec.as_ref().is_some_and(is_terminal) && w.wait(until).await {
+            rec = read_job(&state, &id).await?;
+        }
+    }
+    match rec {
         Some(rec) => Ok(Json(rec).into_response()),
         None => Err(ApiError::NotFound(id)),
     }
+}
+
+async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRecord>, ApiError> {
+    state.http_stats.job_reads.fetch_add(1, Ordering::Relaxed);
+    state
+        .ledger
+        .get(id)
+        .await
+        .map_err(|e| ApiError::Internal(e.to_string()))
+}
+
+fn is_terminal(rec: &JobRecord) -> bool {
+    rec.state.parse::<JobState>().is_ok_and(|s| s.is_terminal())
 }
 
 /// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100). Each parameter at

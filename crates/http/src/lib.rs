@@ -27,6 +27,7 @@ mod jobs;
 pub mod metrics;
 mod params;
 pub mod tls;
+pub mod waiters;
 
 pub use auth::{Token, TokenError};
 pub use error::ApiError;
@@ -75,6 +76,9 @@ pub struct AppState {
     /// How long a `POST /v1/jobs` waits for a concurrent request's pending publish of the
     /// same job id before answering 503 (a little above the publisher's confirm timeout).
     pub claim_wait: std::time::Duration,
+    /// Long-polls waiting for outcome events (`GET /v1/jobs/{id}?wait_ms=N`); `serve`
+    /// feeds it from `{prefix}.events` ([`waiters`]).
+    pub waiters: Arc<waiters::Waiters>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -113,6 +117,7 @@ impl AppState {
             worker_metrics: Vec::new(),
             http_stats,
             claim_wait: std::time::Duration::from_secs(10),
+            waiters: Arc::new(waiters::Waiters::default()),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()

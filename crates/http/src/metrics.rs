@@ -21,6 +21,8 @@ pub struct HttpStats {
     pub accepted: AtomicU64,
     /// Jobs shed at the door (`429 would_expire_in_queue`): never published.
     pub shed: AtomicU64,
+    /// Ledger reads of `GET /v1/jobs/{id}` (a long-poll reads once, then once per wake).
+    pub job_reads: AtomicU64,
 }
 
 /// What one `/metrics` scrape renders. Every part is optional.
@@ -145,6 +147,18 @@ impl MetricsSource {
                 "lastcall_http_shed_total",
                 &[],
                 h.shed.load(Ordering::Relaxed),
+            );
+            family(
+                &mut out,
+                "lastcall_http_job_reads_total",
+                "counter",
+                "Ledger reads of GET /v1/jobs/{id}; a long-poll reads once, then once per outcome event of its job (never while it waits)",
+            );
+            sample(
+                &mut out,
+                "lastcall_http_job_reads_total",
+                &[],
+                h.job_reads.load(Ordering::Relaxed),
             );
             family(
                 &mut out,

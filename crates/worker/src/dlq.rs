@@ -47,6 +47,8 @@ pub struct DeadLetterProcessor {
     signing_key: Option<lastcall_core::SigningKey>,
     name: String,
     pub stats: Arc<DlqStats>,
+    /// Outcome events, after each outcome this processor records.
+    events: lastcall_broker::EventSink,
 }
 
 impl std::fmt::Debug for DeadLetterProcessor {
@@ -90,9 +92,7 @@ impl DeadLetterProcessor {
             .await
             .map_err(|e| e.to_string())?;
         Ok(Self {
-            broker,
             ledger,
-            topology,
             clock,
             publisher,
             park,
@@ -100,6 +100,9 @@ impl DeadLetterProcessor {
             signing_key: None,
             name: format!("dlq:{}", crate::runtime::default_worker_name()),
             stats: Arc::new(DlqStats::default()),
+            events: lastcall_broker::EventSink::spawn(&broker, &topology.names.events_exchange),
+            broker,
+            topology,
         })
     }
 
@@ -207,6 +210,7 @@ impl DeadLetterProcessor {
                 None => {
                     stream.cancel().await;
                     stream.close().await;
+                    self.events.flush(Duration::from_secs(2)).await;
                     return Ok(());
                 }
                 Some(why) => {
@@ -330,6 +334,7 @@ impl DeadLetterProcessor {
         self.stats.processed.fetch_add(1, Ordering::Relaxed);
         (self.stats.by_reason).inc(vec![reason.label().to_owned()]);
         if written {
+            crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
             self.stats.recorded.fetch_add(1, Ordering::Relaxed);
         } else {
             self.stats.kept_existing.fetch_add(1, Ordering::Relaxed);

@@ -15,6 +15,7 @@ mod ack_log;
 pub mod clock;
 mod committer;
 pub mod dlq;
+pub mod events;
 pub mod relay;
 pub mod runtime;
 pub mod shed;

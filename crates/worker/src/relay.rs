@@ -27,6 +27,7 @@ pub struct RetryRelay {
     publisher: Publisher,
     name: String,
     admission: AdmissionPolicy,
+    events: lastcall_broker::EventSink,
 }
 
 impl std::fmt::Debug for RetryRelay {
@@ -58,7 +59,14 @@ impl RetryRelay {
             publisher,
             name,
             admission,
+            events: lastcall_broker::EventSink::disabled(),
         })
+    }
+
+    /// Publish an outcome event after each outcome the relay records.
+    pub fn with_events(mut self, events: lastcall_broker::EventSink) -> Self {
+        self.events = events;
+        self
     }
 
     /// Relay until `stop` fires.
@@ -144,6 +152,7 @@ impl RetryRelay {
             {
                 return false;
             }
+            crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
             let _ = m.settler.ack().await;
             tracing::info!(job_id = %env.job_id(), reason, "retry can no longer be useful after its delay: recorded, not republished");
             return true;

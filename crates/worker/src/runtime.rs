@@ -146,6 +146,8 @@ struct Ctx {
     service: std::sync::Mutex<ServiceTimes>,
     /// Σ of the learned mean call durations of the jobs waiting for a slot, in ms.
     waiting_work_ms: std::sync::atomic::AtomicU64,
+    /// Outcome events, published after each durable terminal outcome (best-effort).
+    events: lastcall_broker::EventSink,
 }
 
 impl Ctx {
@@ -224,6 +226,7 @@ impl Worker {
         let acks_task = acks.spawn_idle_writer(ledger.clone(), acks_done.clone());
         let commits =
             crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX, acks.clone());
+        let names_events = cfg.topology.names.events_exchange.clone();
         let ctx = Ctx {
             acks,
             commits,
@@ -240,6 +243,7 @@ impl Worker {
             health: StoreHealth::default(),
             shutdown: CancellationToken::new(),
             nonce,
+            events: lastcall_broker::EventSink::spawn(&broker, &names_events),
         };
         ctx.stats
             .metrics
@@ -339,6 +343,8 @@ impl Worker {
         }
         lease_stop.cancel();
         let _ = lease.await;
+        // The events of the last outcomes (best-effort, bounded like every shutdown step).
+        ctx.events.close(Duration::from_secs(2)).await;
         self.acks_done.cancel();
         if tokio::time::timeout(Duration::from_secs(5), self.acks_task)
             .await
@@ -434,7 +440,8 @@ impl Generation {
             cfg.policy.admission,
         )
         .await
-        .map_err(WorkerError::Setup)?;
+        .map_err(WorkerError::Setup)?
+        .with_events(ctx.events.clone());
         let relay_stop = CancellationToken::new();
         let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
         let acks = crate::ack_batch::AckBatch::new();
@@ -594,6 +601,8 @@ struct Job {
     note: Option<String>,
     /// The minimum useful runtime of the last admission decision (own, learned or floor).
     min_runtime_ms: Option<u64>,
+    /// Model calls of earlier deliveries of this job (the ledger's count at receipt).
+    prior_starts: u32,
 }
 
 /// The ledger key of a delivery: the envelope's id; else the `message_id` property the
@@ -667,6 +676,7 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i
         attempt_key,
         note: None,
         min_runtime_ms: None,
+        prior_starts: 0,
     };
     process(ctx, job).instrument(span).await;
 }
@@ -714,6 +724,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     } else {
         info
     };
+    job.prior_starts = info.prior_starts;
     let learned =
         (job.parsed.as_ref().ok()).and_then(|e| ctx.learned(e.kind().as_str(), job.received_at_ms));
     if let Ok(env) = &job.parsed {
@@ -1423,12 +1434,18 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
                         "outcome recorded"
                     );
                 }
+                if ctx.cfg.fault == Some(Fault::PauseAfterStore) {
+                    tracing::error!(
+                        "fault: paused after store (outcome is durable, event and ack withheld)"
+                    );
+                    std::future::pending::<()>().await;
+                }
+                if terminal.is_some() {
+                    let calls = job.prior_starts + u32::from(rec.model_called);
+                    crate::events::emit(&ctx.events, &rec, calls);
+                }
             }
             Some(false) => tracing::info!("outcome already recorded earlier; keeping the first"),
-        }
-        if ctx.cfg.fault == Some(Fault::PauseAfterStore) {
-            tracing::error!("fault: paused after store (outcome is durable, ack withheld)");
-            std::future::pending::<()>().await;
         }
     } else {
         WorkerStats::inc(&ctx.stats.duplicates);

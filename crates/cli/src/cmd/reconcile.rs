@@ -18,6 +18,7 @@ pub async fn run(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
     };
     let ledger = super::open_ledger(&s.store_url).await?;
     let marked = ledger.mark_unknown(now_ms(), grace_ms).await?;
+    publish_events(s, &ledger, &marked).await;
     let counts = ledger.counts_by_state().await?;
     // Jobs marked `unknown` by an earlier run whose real outcome arrived since.
     let late = ledger.late_outcomes().await?;
@@ -80,4 +81,40 @@ pub async fn run(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
         return Ok(ExitCode::from(EXIT_UNKNOWN));
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// One outcome event per job just marked `unknown` (best-effort: reconciliation works
+/// without a broker, and the ledger holds the outcome either way).
+async fn publish_events(s: &Settings, ledger: &lastcall_store::Ledger, marked: &[String]) {
+    if marked.is_empty() {
+        return;
+    }
+    let broker = match tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        lastcall_broker::Broker::connect(&s.amqp_url),
+    )
+    .await
+    {
+        Ok(Ok(b)) => b,
+        Ok(Err(e)) => {
+            tracing::warn!(error = %e, "no outcome events for the jobs marked unknown: the broker is not reachable");
+            return;
+        }
+        Err(_) => {
+            tracing::warn!(
+                "no outcome events for the jobs marked unknown: connecting to the broker timed out"
+            );
+            return;
+        }
+    };
+    let names = lastcall_broker::Names::new(&s.prefix);
+    let sink = lastcall_broker::EventSink::spawn(&broker, &names.events_exchange);
+    for id in marked {
+        if let Ok(Some(rec)) = ledger.get(id).await {
+            let e = lastcall_worker::events::job_event(&rec, "reconcile");
+            sink.emit(e.routing_key(), e.to_json());
+        }
+    }
+    sink.close(std::time::Duration::from_secs(5)).await;
+    broker.close().await;
 }

@@ -83,6 +83,16 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         let stop2 = stop.clone();
         dlq_task = Some(tokio::spawn(async move { dlq.run(stop2, None).await }));
     }
+    // Long-polls wake on the outcome events of `{prefix}.events`: one follower per process.
+    let waiters = state.waiters.clone();
+    let (on_event, on_gap) = (waiters.clone(), waiters);
+    let events_task = tokio::spawn(lastcall_broker::events::follow(
+        broker.clone(),
+        topo.names.events_exchange.clone(),
+        stop.clone(),
+        move |_, body| on_event.on_event(body),
+        move || on_gap.gap(),
+    ));
     let router = lastcall_http::app(Arc::new(state));
     let stop2 = stop.clone();
     tokio::spawn(async move {
@@ -105,6 +115,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     {
         tracing::warn!(error = %e, "dead-letter processor stopped with an error");
     }
+    let _ = tokio::time::timeout(Duration::from_secs(2), events_task).await;
     broker.close().await;
     ledger.close().await;
     Ok(ExitCode::SUCCESS)

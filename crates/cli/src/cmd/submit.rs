@@ -23,8 +23,8 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
         (None, Some(at)) => DeadlineSpec::AbsoluteMs(at),
         _ => bail!("give exactly one of --deadline-ms (relative) or --expires-at-ms (absolute)"),
     };
-    let job = NewJob {
-        job_id: a.job_id,
+    let mut job = NewJob {
+        job_id: a.job_id.clone(),
         kind: a.kind,
         payload,
         deadline,
@@ -41,16 +41,30 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
         Some(super::open_ledger(&s.store_url).await?)
     };
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
-    let submitter = Submitter::new(publisher, topo.names.clone(), ledger, admission, limits)
-        .with_signing_key(signing_key(a.signing_key_file.as_deref())?)
-        .with_shedder((!a.no_shed).then(|| {
-            // Credentials and vhost from the AMQP URL; an unreachable API admits the job.
-            let m = lastcall_broker::management::Management::from_amqp_url(
-                &s.amqp_url,
-                &a.management_url,
-            );
-            Arc::new(Shedder::new(m, topo.names.work_queue.clone()))
-        }));
+    let submitter = Submitter::new(
+        publisher,
+        topo.names.clone(),
+        ledger.clone(),
+        admission,
+        limits,
+    )
+    .with_signing_key(signing_key(a.signing_key_file.as_deref())?)
+    .with_shedder((!a.no_shed).then(|| {
+        // Credentials and vhost from the AMQP URL; an unreachable API admits the job.
+        let m =
+            lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url);
+        Arc::new(Shedder::new(m, topo.names.work_queue.clone()))
+    }));
+    // --wait: follow the outcome events *before* publishing, so none can be missed.
+    let waiting = if a.wait {
+        let id = job
+            .job_id
+            .get_or_insert_with(|| lastcall_worker::submit::new_job_id(now_ms()))
+            .clone();
+        Some(OutcomeWait::start(&broker, &topo.names.events_exchange, &id).await)
+    } else {
+        None
+    };
     let submitted = match submitter.submit(&job, now_ms()).await {
         Ok(submitted) => submitted,
         Err(SubmitError::WouldExpireInQueue(estimate)) => {
@@ -65,8 +79,104 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
         "accepted: expires_at_ms={} (published with expiration {} ms)",
         submitted.expires_at_ms, submitted.ttl_ms
     );
+    let code = match (waiting, ledger.as_deref()) {
+        (Some(w), Some(ledger)) => {
+            let until_ms = submitted
+                .expires_at_ms
+                .saturating_add(i64::try_from(a.wait_grace_ms).unwrap_or(i64::MAX));
+            w.outcome(ledger, &submitted.job_id, until_ms).await?
+        }
+        _ => ExitCode::SUCCESS,
+    };
     broker.close().await;
-    Ok(ExitCode::SUCCESS)
+    Ok(code)
+}
+
+/// `submit --wait`: an events follower subscribed before the publish, and the wait.
+struct OutcomeWait {
+    waiter: lastcall_http::waiters::Waiter,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl OutcomeWait {
+    async fn start(broker: &lastcall_broker::Broker, exchange: &str, job_id: &str) -> Self {
+        let hub = Arc::new(lastcall_http::waiters::Waiters::default());
+        let mut waiter = hub.subscribe(job_id);
+        let stop = tokio_util::sync::CancellationToken::new();
+        let (ev, gap) = (hub.clone(), hub);
+        tokio::spawn(lastcall_broker::events::follow(
+            broker.clone(),
+            exchange.to_owned(),
+            stop.clone(),
+            move |_, body| ev.on_event(body),
+            move || gap.gap(),
+        ));
+        // The follower's first `gap` comes once its queue is bound: from then on no event
+        // of this job can be missed. Without it, the wait still ends at the deadline.
+        let bound = tokio::time::Instant::now() + Duration::from_secs(10);
+        if !waiter.wait(bound).await {
+            tracing::warn!(
+                "could not follow outcome events within 10 s; --wait reads the ledger only at the deadline"
+            );
+        }
+        Self { waiter, stop }
+    }
+
+    /// Read the ledger now and after every event of the job (no polling) until it holds
+    /// a terminal outcome or `until_ms` passes; print it; the exit status.
+    async fn outcome(
+        mut self,
+        ledger: &lastcall_store::Ledger,
+        job_id: &str,
+        until_ms: i64,
+    ) -> Result<ExitCode> {
+        let left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64);
+        let until = tokio::time::Instant::now() + left;
+        let terminal = |r: &lastcall_store::JobRecord| {
+            r.state
+                .parse::<lastcall_core::State>()
+                .is_ok_and(|s| s.is_terminal())
+        };
+        let mut rec = ledger.get(job_id).await?;
+        while !rec.as_ref().is_some_and(terminal) && self.waiter.wait(until).await {
+            rec = ledger.get(job_id).await?;
+        }
+        if !rec.as_ref().is_some_and(terminal) {
+            rec = ledger.get(job_id).await?;
+        }
+        self.stop.cancel();
+        let Some(rec) = rec.filter(terminal) else {
+            eprintln!(
+                "no outcome yet at the deadline + grace; `lastcall jobs show {job_id}` shows it later"
+            );
+            return Ok(ExitCode::from(EXIT_NO_OUTCOME));
+        };
+        println!("state: {}", rec.state);
+        if let Some(r) = &rec.reason {
+            println!("reason: {r}");
+        }
+        println!("model calls: {}", rec.backend_calls);
+        if let Some(text) = &rec.result {
+            println!("\n{text}");
+        }
+        if let Some(e) = &rec.error {
+            eprintln!("error: {e}");
+        }
+        Ok(ExitCode::from(exit_code_of(&rec.state)))
+    }
+}
+
+/// `submit --wait` when no outcome arrived by the deadline + grace.
+pub const EXIT_NO_OUTCOME: u8 = 4;
+
+/// `submit --wait`'s exit status for an outcome: 0 completed, 3 expired, 1 otherwise.
+fn exit_code_of(state: &str) -> u8 {
+    use lastcall_core::State;
+    match state.parse::<State>() {
+        Ok(State::Completed) => 0,
+        Ok(State::ExpiredNotStarted | State::ExpiredBeforeReceive | State::DeadlineExceeded) => 3,
+        _ => 1,
+    }
 }
 
 /// The signing key from `--signing-key-file` or `LASTCALL_SIGNING_KEY` (`None`: unsigned).

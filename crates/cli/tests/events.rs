@@ -1,0 +1,415 @@
+//! Outcome events (`{prefix}.events`) and what waits on them: `GET /v1/jobs/{id}?wait_ms=N`
+//! of the real `lastcall serve` binary and `lastcall submit --wait`, against the real
+//! broker, a real worker and a real ledger.
+
+mod common;
+
+use common::*;
+use lastcall_core::OutcomeEvent;
+use std::process::Stdio;
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio_util::sync::CancellationToken;
+
+const TOKEN: &str = "events-test-token-0123456789";
+
+/// Every event of `env`'s prefix, with its routing key, from a follower that is bound
+/// when this returns.
+struct Events {
+    seen: Arc<Mutex<Vec<(String, OutcomeEvent)>>>,
+    stop: CancellationToken,
+}
+
+impl Events {
+    async fn follow(env: &Env) -> Self {
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let bound = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let stop = CancellationToken::new();
+        let (s, b) = (seen.clone(), bound.clone());
+        tokio::spawn(lastcall_broker::events::follow(
+            env.broker.clone(),
+            env.topo.names.events_exchange.clone(),
+            stop.clone(),
+            move |key, body| {
+                let e = OutcomeEvent::from_json(body).expect("a v1 event body");
+                s.lock().unwrap().push((key.to_owned(), e));
+            },
+            move || b.store(true, std::sync::atomic::Ordering::SeqCst),
+        ));
+        let until = Instant::now() + Duration::from_secs(10);
+        while !bound.load(std::sync::atomic::Ordering::SeqCst) {
+            assert!(Instant::now() < until, "the events follower did not bind");
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
+        Self { seen, stop }
+    }
+
+    fn of(&self, id: &str) -> Vec<(String, OutcomeEvent)> {
+        let seen = self.seen.lock().unwrap();
+        seen.iter()
+            .filter(|(_, e)| e.job_id == id)
+            .cloned()
+            .collect()
+    }
+
+    /// Wait until `id` has an event; panics after 20 s.
+    async fn wait_for(&self, id: &str) -> (String, OutcomeEvent) {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            if let Some(e) = self.of(id).into_iter().next() {
+                return e;
+            }
+            assert!(Instant::now() < until, "no event for {id}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Events {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn each_terminal_outcome_is_published_after_its_ledger_write() {
+    let env = Env::sqlite("events").await;
+    let events = Events::follow(&env).await;
+    let w = env
+        .start_worker(env.worker_config(2, 4), sim(30), system_clock())
+        .await;
+    let sub = env.submitter(0, true).await;
+    let now = lastcall_worker::clock::now_ms();
+    sub.submit(&job("ev-ok", 20_000), now).await.unwrap();
+    sub.submit(&job_of_kind("ev-fail", "sim.fail-terminal", 20_000), now)
+        .await
+        .unwrap();
+    let ids = ["ev-ok".to_owned(), "ev-fail".to_owned()];
+    let recs = env.wait_terminal(&ids, Duration::from_secs(20)).await;
+    for rec in &recs {
+        let (key, e) = events.wait_for(&rec.job_id).await;
+        assert_eq!(e.state, rec.state, "{e:?}");
+        assert_eq!(e.kind, rec.kind);
+        assert_eq!(key, format!("{}.{}", rec.state, rec.kind), "routing key");
+        assert_eq!(i64::from(e.model_calls), rec.backend_calls, "{e:?}");
+        assert_eq!(e.reason, rec.reason);
+        assert_eq!(Some(e.recorded_at_ms), rec.recorded_at_ms);
+        assert_eq!(e.recorded_by, "test-worker");
+    }
+    assert_eq!(
+        recs.iter().find(|r| r.job_id == "ev-ok").unwrap().state,
+        "completed"
+    );
+    assert_eq!(
+        recs.iter().find(|r| r.job_id == "ev-fail").unwrap().state,
+        "failed"
+    );
+    w.stop().await;
+    // Exactly one event per outcome, none for the `running` rows before them.
+    assert_eq!(events.of("ev-ok").len(), 1);
+    assert_eq!(events.of("ev-fail").len(), 1);
+    env.cleanup().await;
+}
+
+/// A worker that stops between the durable write and the event (the `pause-after-store`
+/// fault, then it is stopped): the outcome is in the ledger, and no event ever announced
+/// it — the event never runs ahead of the write, and losing it loses nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_crash_between_the_write_and_the_event_keeps_the_outcome() {
+    let env = Env::sqlite("events-crash").await;
+    let events = Events::follow(&env).await;
+    let mut cfg = env.worker_config(1, 1);
+    cfg.fault = Some(lastcall_worker::Fault::PauseAfterStore);
+    cfg.shutdown_grace = Duration::from_millis(300);
+    let paused = env.start_worker(cfg, sim(20), system_clock()).await;
+    let sub = env.submitter(0, true).await;
+    let now = lastcall_worker::clock::now_ms();
+    sub.submit(&job("crash-1", 20_000), now).await.unwrap();
+    let rec = env
+        .wait_terminal(&["crash-1".to_owned()], Duration::from_secs(20))
+        .await;
+    assert_eq!(rec[0].state, "completed");
+    // Stopped while paused: its delivery goes back unacked; its sink is closed (flushed).
+    paused.stop().await;
+    let w = env
+        .start_worker(env.worker_config(1, 1), sim(20), system_clock())
+        .await;
+    // A later job's event arrives through the same exchange and queue: any event of
+    // crash-1 was published before it and would have arrived first.
+    sub.submit(&job("marker", 20_000), lastcall_worker::clock::now_ms())
+        .await
+        .unwrap();
+    events.wait_for("marker").await;
+    assert!(
+        events.of("crash-1").is_empty(),
+        "{:?}",
+        events.of("crash-1")
+    );
+    let rec = env.ledger.get("crash-1").await.unwrap().unwrap();
+    assert_eq!(rec.state, "completed", "the ledger keeps the outcome");
+    assert_eq!(rec.backend_calls, 1, "the redelivery made no second call");
+    w.stop().await;
+    env.cleanup().await;
+}
+
+struct Serve {
+    child: std::process::Child,
+    base: String,
+}
+
+impl Serve {
+    async fn start(env: &Env) -> Self {
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = env
+            .command()
+            .args(["serve", "--addr", &format!("127.0.0.1:{port}")])
+            .args(["--retry-delays-ms", "1000,5000", "--no-shed"])
+            .env("LASTCALL_HTTP_TOKEN", TOKEN)
+            .stdout(Stdio::null())
+            .stderr(Stdio::null())
+            .spawn()
+            .unwrap();
+        let base = format!("http://127.0.0.1:{port}");
+        let until = Instant::now() + Duration::from_secs(20);
+        while reqwest::get(format!("{base}/readyz"))
+            .await
+            .map(|r| r.status().as_u16())
+            .unwrap_or(0)
+            != 200
+        {
+            assert!(Instant::now() < until, "serve did not become ready");
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        Self { child, base }
+    }
+
+    async fn job_reads(&self, http: &reqwest::Client) -> u64 {
+        let text = http
+            .get(format!("{}/metrics", self.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
+        text.lines()
+            .find_map(|l| l.strip_prefix("lastcall_http_job_reads_total "))
+            .expect("lastcall_http_job_reads_total in /metrics")
+            .trim()
+            .parse()
+            .unwrap()
+    }
+}
+
+impl Drop for Serve {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
+}
+
+/// Hundreds of long-polls on one job: each reads the ledger once when it arrives and once
+/// when the job's outcome event wakes it — none while it waits. The wake delay after the
+/// outcome was recorded is printed (a figure, not a timed assertion).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn long_polls_wake_on_the_outcome_event_without_polling_the_ledger() {
+    const WAITERS: u64 = 200;
+    let env = Env::sqlite("longpoll").await;
+    let serve = Serve::start(&env).await;
+    let http = reqwest::Client::builder()
+        .pool_max_idle_per_host(0)
+        .build()
+        .unwrap();
+    let sub = env.submitter(0, true).await;
+    sub.submit(&job("lp-1", 60_000), lastcall_worker::clock::now_ms())
+        .await
+        .unwrap();
+    let before = serve.job_reads(&http).await;
+    let mut polls = tokio::task::JoinSet::new();
+    for _ in 0..WAITERS {
+        let (http, url) = (
+            http.clone(),
+            format!("{}/v1/jobs/lp-1?wait_ms=60000", serve.base),
+        );
+        polls.spawn(async move {
+            let r = http.get(url).bearer_auth(TOKEN).send().await.unwrap();
+            let status = r.status().as_u16();
+            let body: serde_json::Value = r.json().await.unwrap();
+            (status, body, lastcall_worker::clock::now_ms())
+        });
+    }
+    // Every waiter has made its first read (and waits) before the job can run.
+    let until = Instant::now() + Duration::from_secs(30);
+    while serve.job_reads(&http).await < before + WAITERS {
+        assert!(Instant::now() < until, "the long-polls did not all arrive");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let waiting_reads = serve.job_reads(&http).await;
+    let w = env
+        .start_worker(env.worker_config(1, 1), sim(50), system_clock())
+        .await;
+    let mut wakes = Vec::new();
+    while let Some(r) = polls.join_next().await {
+        let (status, body, at_ms) = r.unwrap();
+        assert_eq!(status, 200, "{body}");
+        assert_eq!(body["state"], "completed", "{body}");
+        wakes.push(at_ms - body["recorded_at_ms"].as_i64().unwrap());
+    }
+    let after = serve.job_reads(&http).await;
+    assert_eq!(waiting_reads, before + WAITERS, "no read while waiting");
+    assert_eq!(
+        after - before,
+        2 * WAITERS,
+        "one read on arrival and one on the event per long-poll"
+    );
+    wakes.sort_unstable();
+    println!(
+        "{WAITERS} long-polls woken after the outcome was recorded: p50 {} ms, max {} ms",
+        wakes[wakes.len() / 2],
+        wakes[wakes.len() - 1]
+    );
+    // A long-poll on a terminal job answers at once; on an unknown id it answers 404 at
+    // the end of its wait; a bad wait_ms is the documented JSON error naming the field.
+    let r = http
+        .get(format!("{}/v1/jobs/lp-1?wait_ms=60000", serve.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 200);
+    let r = http
+        .get(format!("{}/v1/jobs/nope?wait_ms=200", serve.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 404);
+    let r = http
+        .get(format!("{}/v1/jobs/lp-1?wait_ms=60001", serve.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(r.status().as_u16(), 400);
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(body["field"], "wait_ms", "{body}");
+    w.stop().await;
+    drop(serve);
+    env.cleanup().await;
+}
+
+/// The binary, off the runtime's threads (the worker under test runs on them).
+async fn cli(env: &Env, args: &[&str]) -> std::process::Output {
+    let mut c = env.command();
+    c.args(args);
+    tokio::task::spawn_blocking(move || c.output().expect("run the lastcall binary"))
+        .await
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn submit_wait_prints_the_outcome_and_exits_with_its_class() {
+    let env = Env::sqlite("submit-wait").await;
+    let w = env
+        .start_worker(env.worker_config(2, 4), sim(30), system_clock())
+        .await;
+    let out = cli(
+        &env,
+        &[
+            "submit",
+            "--kind",
+            "incident.summary",
+            "--prompt",
+            "hi",
+            "--deadline-ms",
+            "20000",
+            "--no-shed",
+            "--wait",
+        ],
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("state: completed"), "{stdout}");
+    assert!(stdout.contains("model calls: 1"), "{stdout}");
+    let id = stdout.lines().next().unwrap().trim().to_owned();
+    let rec = env.ledger.get(&id).await.unwrap().unwrap();
+    let text = rec.result.expect("a result text");
+    assert!(
+        stdout.contains(&text),
+        "the result text is printed: {stdout}"
+    );
+    let out = cli(
+        &env,
+        &[
+            "submit",
+            "--kind",
+            "sim.fail-terminal",
+            "--prompt",
+            "hi",
+            "--deadline-ms",
+            "20000",
+            "--no-shed",
+            "--wait",
+        ],
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(out.status.code(), Some(1), "{stdout}");
+    assert!(stdout.contains("state: failed"), "{stdout}");
+    w.stop().await;
+    // Past its deadline with no worker: the broker expires it and the dead-letter
+    // processor records it; `--wait` reads that outcome, exit status 3.
+    let dlq_stop = CancellationToken::new();
+    let dlq = lastcall_worker::dlq::DeadLetterProcessor::build(
+        lastcall_broker::Broker::connect(AMQP).await.unwrap(),
+        env.ledger.clone(),
+        env.topo.clone(),
+        system_clock(),
+        false,
+    )
+    .await
+    .unwrap();
+    let dlq_task = tokio::spawn({
+        let stop = dlq_stop.clone();
+        async move { dlq.run(stop, None).await }
+    });
+    let out = cli(
+        &env,
+        &[
+            "submit",
+            "--kind",
+            "incident.summary",
+            "--prompt",
+            "hi",
+            "--deadline-ms",
+            "1500",
+            "--no-shed",
+            "--wait",
+            "--wait-grace-ms",
+            "20000",
+        ],
+    )
+    .await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(3),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("state: expired_before_receive"), "{stdout}");
+    dlq_stop.cancel();
+    dlq_task.await.unwrap().unwrap();
+    env.cleanup().await;
+}
