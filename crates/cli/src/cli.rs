@@ -635,6 +635,10 @@ pub struct ServeArgs {
     /// Largest accepted request body, in bytes (413 above it)
     #[arg(long, default_value_t = 1_048_576)]
     pub max_body_bytes: usize,
+    /// Longest long-poll `GET /v1/jobs/{id}?wait_ms=N` may ask for, in ms (1–60000); the
+    /// served OpenAPI document states it
+    #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(i64).range(1..=60_000))]
+    pub max_wait_ms: i64,
     /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
     #[arg(long, default_value = "http://127.0.0.1:15672")]
     pub management_url: String,

@@ -221,8 +221,9 @@ async fn a_call_longer_than_the_consumer_timeout_never_crashes_the_worker() {
     .await;
 
     // Three long jobs for two slots in the known case: the third waits for a slot until
-    // its ack window has (nearly) closed: it is handed back and redelivered with a fresh
-    // window, or cut at what is left of it.
+    // its ack window has (nearly) closed: it is handed back (before its start, or when
+    // writing the start took the rest of the window, as on a loaded machine) and
+    // redelivered with a fresh window, or cut at what is left of it. Never failed unstarted.
     for id in ["ct-known-long", "ct-known-long-2", "ct-known-long-3"] {
         known.submit(id, 12_000).await;
     }

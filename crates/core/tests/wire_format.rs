@@ -62,3 +62,14 @@ fn the_documented_example_parses_and_its_signature_verifies() {
         .is_err()
     );
 }
+
+#[test]
+fn the_documented_event_is_what_the_code_writes() {
+    let body = block_after("<!-- wire-format-example-event -->");
+    let e = lastcall_core::OutcomeEvent::from_json(body.as_bytes())
+        .expect("the documented event parses as a v1 event");
+    assert_eq!(e.routing_key(), "completed.incident.summary");
+    assert_eq!(e.model_calls, 1);
+    // Field for field and in order: the page shows exactly what is published.
+    assert_eq!(String::from_utf8(e.to_json()).unwrap(), body);
+}

@@ -306,10 +306,11 @@ fn opt_u64(o: &mut Map<String, Value>, field: &str) -> Result<Option<u64>, ApiEr
     }
 }
 
-/// The longest `wait_ms` of a long-poll.
+/// The longest `wait_ms` of a long-poll (a server may set less: `AppState::max_wait_ms`).
 pub const MAX_WAIT_MS: i64 = 60_000;
 
-/// `GET /v1/jobs/{id}[?wait_ms=N]`. With `wait_ms` (0–60,000) a long-poll: it answers as
+/// `GET /v1/jobs/{id}[?wait_ms=N]`. With `wait_ms` (0 to the server's maximum, 60,000 by
+/// default) a long-poll: it answers as
 /// soon as the job is terminal, else at N with its current state (`404` if the ledger has
 /// no row for the id even then). It is woken by the job's outcome event
 /// ([`crate::waiters`]) and reads the ledger once at the start and once per wake.
@@ -318,7 +319,7 @@ pub async fn show(
     PathParam(id): PathParam,
     q: QueryParams,
 ) -> Result<Response, ApiError> {
-    let wait_ms = q.integer("wait_ms", 0..=MAX_WAIT_MS)?.unwrap_or(0);
+    let wait_ms = q.integer("wait_ms", 0..=state.max_wait_ms)?.unwrap_or(0);
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
     // Registered before the first read: an outcome recorded in between still wakes it.
     let mut waiter = (wait_ms > 0).then(|| state.waiters.subscribe(&id));

@@ -79,6 +79,9 @@ pub struct AppState {
     /// Long-polls waiting for outcome events (`GET /v1/jobs/{id}?wait_ms=N`); `serve`
     /// feeds it from `{prefix}.events` ([`waiters`]).
     pub waiters: Arc<waiters::Waiters>,
+    /// The longest `wait_ms` a long-poll may ask for (`serve --max-wait-ms`, default and
+    /// at most 60 s); `/openapi.json` states it.
+    pub max_wait_ms: i64,
 }
 
 impl std::fmt::Debug for AppState {
@@ -118,6 +121,7 @@ impl AppState {
             http_stats,
             claim_wait: std::time::Duration::from_secs(10),
             waiters: Arc::new(waiters::Waiters::default()),
+            max_wait_ms: jobs::MAX_WAIT_MS,
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()
@@ -258,6 +262,11 @@ pub fn openapi_document(state: &AppState) -> Result<String, serde_json::Error> {
     for field in ["deadline_ms", "min_runtime_ms"] {
         if job[field].is_object() {
             job[field]["maximum"] = state.horizon_ms.into();
+        }
+    }
+    if let Some(params) = doc["paths"]["/v1/jobs/{id}"]["get"]["parameters"].as_array_mut() {
+        for p in params.iter_mut().filter(|p| p["name"] == "wait_ms") {
+            p["schema"]["maximum"] = state.max_wait_ms.into();
         }
     }
     let too_large = &mut doc["components"]["responses"]["TooLarge"];

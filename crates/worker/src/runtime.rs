@@ -921,10 +921,29 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     ) {
         CallTimeout::Run { timeout_ms, capped } => (timeout_ms, capped),
         CallTimeout::AckWindowClosed => {
+            // The `running` row's write took the rest of the window (a loaded store). Not
+            // started: the attempt is recorded as handed back without a model call (so it
+            // counts toward no poison bound and holds no redelivery), and the job goes back
+            // to the broker with its deadline; the redelivery has a fresh window.
             drop(permit);
-            let d = ack_window_disposition(&ctx, &env, &job, started_at_ms);
-            job.note = Some(ack_window_note(&ctx, 0));
-            return settle(&ctx, job, d, None).await;
+            tracing::info!(job_id = %id, "the broker's ack window (consumer_timeout) closed while the start was written: handing the job back unstarted");
+            let rec = outcome_record(&ctx, &job, None, "handed_back", None);
+            if until_stored(
+                &ctx.health,
+                &ctx.shutdown,
+                || WorkerStats::inc(&ctx.stats.store_retries),
+                || ctx.commits.write(LedgerWrite::outcome(rec.clone())),
+            )
+            .await
+            .is_none()
+            {
+                return;
+            }
+            if !job.link.lost.is_cancelled() {
+                let _ = job.incoming.settler.requeue().await;
+            }
+            job.link.acks.forget(job.incoming.delivery_tag);
+            return;
         }
     };
     job.started_at_ms = Some(started_at_ms);
@@ -967,23 +986,6 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         rand_jitter(),
     );
     settle(&ctx, job, disposition, Some(call)).await;
-}
-
-/// The outcome of a job whose delivery's ack window closed between its admission and its
-/// call (the `running` row's write took the rest): `failed`/`consumer_timeout`, like a
-/// call cut at the window. (Before admission the job is handed back instead.)
-fn ack_window_disposition(ctx: &Ctx, env: &Envelope, job: &Job, now_ms: i64) -> Disposition {
-    ctx.cfg.policy.on_call_result(
-        env,
-        job.incoming.attempt,
-        &CallResult::Failed {
-            retryable: false,
-            reason: ack_window::REASON.to_owned(),
-            retry_after_ms: None,
-        },
-        now_ms,
-        0.0,
-    )
 }
 
 fn ack_window_note(ctx: &Ctx, ran_ms: u64) -> String {

@@ -51,6 +51,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         topo.names.clone(),
     );
     state.max_body_bytes = a.max_body_bytes;
+    state.max_wait_ms = a.max_wait_ms;
     // The served OpenAPI document states this server's own horizon.
     state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));
