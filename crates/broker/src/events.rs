@@ -240,6 +240,45 @@ pub async fn follow(
     broker: Broker,
     exchange: String,
     stop: CancellationToken,
+    on_event: impl FnMut(&str, &[u8]),
+    on_gap: impl FnMut(),
+) {
+    follow_exchange(
+        broker,
+        exchange,
+        ExchangeKind::Topic,
+        stop,
+        on_event,
+        on_gap,
+    )
+    .await;
+}
+
+/// [`follow`] for the fanout exchange `{prefix}.control` (a worker's control broadcasts:
+/// cancellations). Its queue is `{prefix}.control.follow.{nonce}`.
+pub async fn follow_control(
+    broker: Broker,
+    exchange: String,
+    stop: CancellationToken,
+    on_message: impl FnMut(&str, &[u8]),
+    on_gap: impl FnMut(),
+) {
+    follow_exchange(
+        broker,
+        exchange,
+        ExchangeKind::Fanout,
+        stop,
+        on_message,
+        on_gap,
+    )
+    .await;
+}
+
+async fn follow_exchange(
+    broker: Broker,
+    exchange: String,
+    kind: ExchangeKind,
+    stop: CancellationToken,
     mut on_event: impl FnMut(&str, &[u8]),
     mut on_gap: impl FnMut(),
 ) {
@@ -261,7 +300,7 @@ pub async fn follow(
                 None => return,
             },
         };
-        match subscribe(&b, &exchange, &queue).await {
+        match subscribe(&b, &exchange, kind.clone(), &queue).await {
             Ok((ch, mut consumer)) => {
                 backoff = Duration::from_millis(200);
                 if announced_loss {
@@ -330,13 +369,14 @@ fn follow_queue_name(exchange: &str) -> String {
 async fn subscribe(
     b: &Broker,
     exchange: &str,
+    kind: ExchangeKind,
     queue: &str,
 ) -> Result<(Channel, lapin::Consumer), BrokerError> {
     let amqp = |doing: &'static str| move |source| BrokerError::Amqp { doing, source };
     let ch = b.channel().await?;
     ch.exchange_declare(
         exchange.into(),
-        ExchangeKind::Topic,
+        kind,
         ExchangeDeclareOptions {
             durable: true,
             ..Default::default()

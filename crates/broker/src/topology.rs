@@ -45,6 +45,9 @@ pub struct Names {
     /// Topic exchange of outcome events (routing key `<state>.<kind>`), published after
     /// each durable terminal outcome; nothing is bound to it by the topology.
     pub events_exchange: String,
+    /// Fanout exchange of control broadcasts to every worker (cancellations); each worker
+    /// follows it through a queue of its own.
+    pub control_exchange: String,
 }
 
 impl Names {
@@ -56,6 +59,7 @@ impl Names {
             dlx: format!("{prefix}.dlx"),
             dead_queue: format!("{prefix}.dead"),
             events_exchange: format!("{prefix}.events"),
+            control_exchange: format!("{prefix}.control"),
         }
     }
 
@@ -142,6 +146,8 @@ impl Topology {
         self.exchange(broker, &n.jobs_exchange).await?;
         self.exchange(broker, &n.dlx).await?;
         self.exchange(broker, &n.events_exchange).await?;
+        self.exchange_of(broker, &n.control_exchange, ExchangeKind::Fanout)
+            .await?;
         self.queue(broker, &n.dead_queue, FieldTable::default())
             .await?;
         self.bind(broker, &n.dead_queue, &n.dlx, "#").await?;
@@ -185,7 +191,12 @@ impl Topology {
                 )
                 .await;
         }
-        for e in [&n.jobs_exchange, &n.dlx, &n.events_exchange] {
+        for e in [
+            &n.jobs_exchange,
+            &n.dlx,
+            &n.events_exchange,
+            &n.control_exchange,
+        ] {
             let _ = ch
                 .exchange_delete(
                     e.as_str().into(),
@@ -207,11 +218,20 @@ impl Topology {
     }
 
     async fn exchange(&self, broker: &Broker, name: &str) -> Result<(), TopologyError> {
+        self.exchange_of(broker, name, ExchangeKind::Topic).await
+    }
+
+    async fn exchange_of(
+        &self,
+        broker: &Broker,
+        name: &str,
+        kind: ExchangeKind,
+    ) -> Result<(), TopologyError> {
         let ch = broker.channel().await?;
         let r = ch
             .exchange_declare(
                 name.into(),
-                ExchangeKind::Topic,
+                kind,
                 ExchangeDeclareOptions {
                     durable: true,
                     ..Default::default()

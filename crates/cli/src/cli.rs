@@ -64,6 +64,16 @@ pub enum Command {
     /// Validate, stamp and publish one job (waits for the broker's confirm); prints its id.
     /// With --wait, then waits for its outcome and prints it with the result text
     Submit(SubmitArgs),
+    /// Cancel a job: before its start it ends `cancelled` with no model call; while it
+    /// runs, its worker aborts the call and records `cancelled`
+    ///
+    /// Writes the ledger first, then broadcasts to the workers on `{prefix}.control` (and
+    /// announces a job cancelled before its start on `{prefix}.events`). A job that has
+    /// already ended is left as it is.
+    ///
+    /// Exit codes: 0 cancelled (or, for a running job, requested); 3 the job had already
+    /// ended (nothing changed); 1 no such job or an error.
+    Cancel(CancelArgs),
     /// Run a worker: bounded buffer, model slots, last admission check, store-then-ack
     Worker(WorkerArgs),
     /// Look at job records in the ledger
@@ -231,6 +241,12 @@ pub struct SubmitArgs {
     pub admission: AdmissionArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
+}
+
+#[derive(Debug, Args)]
+pub struct CancelArgs {
+    /// The job's id
+    pub job_id: String,
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
@@ -402,7 +418,7 @@ pub enum JobsCommand {
     /// List job records
     List {
         /// Only this state (completed, failed, expired_not_started, expired_before_receive,
-        /// deadline_exceeded, rejected, unknown, accepted, running)
+        /// deadline_exceeded, rejected, unknown, cancelled, accepted, running)
         #[arg(long)]
         state: Option<String>,
         /// Only this kind

@@ -413,3 +413,157 @@ async fn submit_wait_prints_the_outcome_and_exits_with_its_class() {
     dlq_task.await.unwrap().unwrap();
     env.cleanup().await;
 }
+
+/// Cancelled before any worker had it: `cancelled` at once, announced as an event, and the
+/// worker that receives it later acks it without a model call. Cancelling again changes
+/// nothing and says so; an unknown id is an error.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_cancelled_before_its_start_is_never_run() {
+    let env = Env::sqlite("cancel-before").await;
+    let events = Events::follow(&env).await;
+    let sub = env.submitter(0, true).await;
+    sub.submit(&job("c-wait", 60_000), lastcall_worker::clock::now_ms())
+        .await
+        .unwrap();
+    let out = cli(&env, &["cancel", "c-wait"]).await;
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert_eq!(
+        out.status.code(),
+        Some(0),
+        "{stdout}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("cancelled before it started"), "{stdout}");
+    let (key, e) = events.wait_for("c-wait").await;
+    assert_eq!(
+        (key.as_str(), e.model_calls),
+        ("cancelled.incident.summary", 0)
+    );
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim(20), system_clock())
+        .await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while w.stats.duplicates.load(std::sync::atomic::Ordering::SeqCst) < 1 {
+        assert!(
+            Instant::now() < until,
+            "the worker never settled the cancelled job"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        w.stats
+            .backend_calls
+            .load(std::sync::atomic::Ordering::SeqCst),
+        0
+    );
+    let rec = env.ledger.get("c-wait").await.unwrap().unwrap();
+    assert_eq!(
+        (rec.state.as_str(), rec.reason.as_deref(), rec.backend_calls),
+        ("cancelled", Some("cancelled_before_start"), 0)
+    );
+    let out = cli(&env, &["cancel", "c-wait"]).await;
+    assert_eq!(out.status.code(), Some(3));
+    assert!(
+        String::from_utf8_lossy(&out.stdout).contains("already ended (cancelled); nothing changed")
+    );
+    let out = cli(&env, &["cancel", "no-such-job"]).await;
+    assert_eq!(out.status.code(), Some(1));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("no job `no-such-job`"));
+    w.stop().await;
+    env.cleanup().await;
+}
+
+/// A job waiting in the worker's buffer for a slot and a job whose call runs: both stop
+/// on `DELETE /v1/jobs/{id}` of the real `serve` binary — the waiting one with no model
+/// call, the running one aborted through the backend's cancellation (confirmed).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cancelling_over_http_stops_a_waiting_and_a_running_job() {
+    let env = Env::sqlite("cancel-http").await;
+    let serve = Serve::start(&env).await;
+    let http = reqwest::Client::new();
+    let w = env
+        .start_worker(env.worker_config(1, 4), sim(20), system_clock())
+        .await;
+    let sub = env.submitter(0, true).await;
+    let long = |id: &str| {
+        job_with(
+            id,
+            120_000,
+            serde_json::json!({"prompt": "x", "sim_latency_ms": 60_000}),
+        )
+    };
+    let now = lastcall_worker::clock::now_ms();
+    sub.submit(&long("c-run"), now).await.unwrap();
+    sub.submit(&long("c-buffered"), now).await.unwrap();
+    // c-run holds the one slot; c-buffered waits for it in the worker's buffer.
+    let until = Instant::now() + Duration::from_secs(20);
+    while env.ledger.get("c-run").await.unwrap().unwrap().state != "running"
+        || w.stats.waiting.load(std::sync::atomic::Ordering::SeqCst) < 1
+    {
+        assert!(
+            Instant::now() < until,
+            "c-run did not start or c-buffered did not wait"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let delete = async |id: &str| {
+        let r = http
+            .delete(format!("{}/v1/jobs/{id}", serve.base))
+            .bearer_auth(TOKEN)
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap(),
+        )
+    };
+    let (status, body) = delete("c-buffered").await;
+    assert_eq!(status, 200, "{body}");
+    assert_eq!(body["state"], "cancelled", "{body}");
+    let (status, body) = delete("c-run").await;
+    assert_eq!(status, 202, "{body}");
+    assert_eq!(body["cancel_requested"], true, "{body}");
+    // The long-poll returns the running job's outcome once its worker recorded it.
+    let r = http
+        .get(format!("{}/v1/jobs/c-run?wait_ms=20000", serve.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap();
+    let rec: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(rec["state"], "cancelled", "{rec}");
+    assert_eq!(rec["reason"], "cancel_requested", "{rec}");
+    assert_eq!(rec["cancel_confirmed"], true, "{rec}");
+    assert_eq!(rec["backend_calls"], 1, "{rec}");
+    // The buffered one left the buffer without a call (the worker acked it).
+    let until = Instant::now() + Duration::from_secs(20);
+    while w.stats.waiting.load(std::sync::atomic::Ordering::SeqCst) != 0
+        || env
+            .ledger
+            .get("c-buffered")
+            .await
+            .unwrap()
+            .unwrap()
+            .backend_calls
+            != 0
+    {
+        assert!(Instant::now() < until, "c-buffered still waits");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        w.stats
+            .backend_calls
+            .load(std::sync::atomic::Ordering::SeqCst),
+        1
+    );
+    let (status, body) = delete("c-run").await;
+    assert_eq!(status, 409, "{body}");
+    assert_eq!(
+        (body["error"].as_str(), body["state"].as_str()),
+        (Some("already_terminal"), Some("cancelled"))
+    );
+    w.stop().await;
+    drop(serve);
+    env.cleanup().await;
+}

@@ -37,7 +37,7 @@ struct Role {
 /// `lastcall topology apply` / `topology delete`.
 const DEPLOYER: Role = Role {
     name: "deployer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|parked|retry\..+|dead\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|parked|retry\..+|dead\..+)$",
     write: r"^(lastcall\.(work|dead|dlx)|amq\.default)$",
     read: r"^lastcall\.(jobs|dlx|work|retry\..+)$",
 };
@@ -45,23 +45,23 @@ const DEPLOYER: Role = Role {
 /// `lastcall submit` / `lastcall serve`.
 const PRODUCER: Role = Role {
     name: "producer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|events\.follow\..+|retry\..+)$",
-    write: r"^lastcall\.(jobs|work|dead|events\.follow\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|events\.follow\..+|retry\..+)$",
+    write: r"^lastcall\.(jobs|work|dead|events|control|events\.follow\..+)$",
     read: r"^lastcall\.(jobs|dlx|events|events\.follow\..+)$",
 };
 
 /// `lastcall worker`.
 const WORKER: Role = Role {
     name: "worker",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|retry\..+)$",
-    write: r"^(lastcall\.(jobs|work|dead|events)|amq\.default)$",
-    read: r"^lastcall\.(jobs|dlx|work|retry\.ready)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|control\.follow\..+|retry\..+)$",
+    write: r"^(lastcall\.(jobs|work|dead|events|control\.follow\..+)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|work|retry\.ready|control|control\.follow\..+)$",
 };
 
 /// `lastcall dlq --park --split-by-reason`.
 const DLQ: Role = Role {
     name: "dlq",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|parked|retry\..+|dead\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|parked|retry\..+|dead\..+)$",
     write: r"^(lastcall\.(work|dead|events)|amq\.default)$",
     read: r"^lastcall\.(jobs|dlx|dead)$",
 };
@@ -447,6 +447,31 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         !log().contains("ACCESS_REFUSED"),
         "the worker was refused something:\n{}",
         log()
+    );
+
+    // The producer cancels a job before its start (ledger, then the broadcast on
+    // `P.control` and the event on `P.events`); it was published, so the work queue holds
+    // it until a worker acks it without a call.
+    let (ok, _, err) = sb.run(
+        &producer,
+        &submit("lp-cancel", "incident.summary", "60000"),
+        long,
+    );
+    assert!(ok, "submit lp-cancel as the producer: {err}");
+    let (ok, out, err) = sb.run(&producer, &["cancel", "lp-cancel"], long);
+    assert!(
+        ok && out.contains("cancelled before it started"),
+        "cancel as the producer: {out}\n{err}"
+    );
+    assert!(!err.contains("ACCESS_REFUSED"), "{err}");
+    assert_eq!(
+        state("lp-cancel").await,
+        Some(("cancelled".into(), "cancelled_before_start".into()))
+    );
+    let inspect_purge = inspect.purge(work).await.unwrap();
+    assert_eq!(
+        inspect_purge, 1,
+        "the cancelled job was still in the work queue"
     );
 
     // The producer can neither read the work nor bypass the jobs exchange …

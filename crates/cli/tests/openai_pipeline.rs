@@ -100,6 +100,61 @@ async fn worker_with_a_real_openai_compatible_server() {
     assert!(r.latency_ms.unwrap_or(0) > 0);
     assert_eq!(r.backend_calls, 1);
 
+    // 2a. Cancelled while it runs (`DELETE /v1/jobs/{id}`, `lastcall cancel`, here the
+    //     library call): the worker aborts the request as at the deadline, records
+    //     `cancelled` with the server's confirmation, and the server is free right after.
+    s.submit(
+        &job_with(
+            "cancel-me",
+            120_000,
+            json!({"prompt": "Count from 1 to 500.", "max_tokens": 1000}),
+        ),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    let until = Instant::now() + Duration::from_secs(30);
+    while env.ledger.get("cancel-me").await.unwrap().map(|r| r.state) != Some("running".into()) {
+        assert!(Instant::now() < until, "cancel-me never started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let events = lastcall_broker::EventSink::spawn(&env.broker, &topo.names.events_exchange);
+    let control = lastcall_broker::EventSink::spawn(&env.broker, &topo.names.control_exchange);
+    let asked =
+        lastcall_worker::cancel::cancel(&env.ledger, &events, &control, "cancel-me", now_ms())
+            .await
+            .unwrap();
+    assert_eq!(asked, lastcall_store::CancelOutcome::Requested);
+    let r = &env
+        .wait_terminal(&["cancel-me".into()], Duration::from_secs(30))
+        .await[0];
+    assert_eq!(r.state, "cancelled", "{r:?}");
+    assert_eq!(r.reason.as_deref(), Some("cancel_requested"), "{r:?}");
+    assert!(r.cancel_requested);
+    assert_eq!(
+        r.cancel_confirmed,
+        Some(true),
+        "the server confirmed the stop: {r:?}"
+    );
+    assert_eq!(r.backend_calls, 1);
+    s.submit(
+        &job_with(
+            "after-cancel",
+            60_000,
+            json!({"prompt": "Say hi.", "max_tokens": 4}),
+        ),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    let r = &env
+        .wait_terminal(&["after-cancel".into()], Duration::from_secs(30))
+        .await[0];
+    assert_eq!(
+        r.state, "completed",
+        "the server is not stuck behind the cancelled request: {r:?}"
+    );
+
     // 2. A deadline shorter than the generation: deadline_exceeded, the request aborted,
     //    and the server free right after (not stuck behind the abandoned generation).
     s.submit(

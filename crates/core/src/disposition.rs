@@ -77,11 +77,17 @@ pub enum Slot {
 }
 
 /// How a model call ended, as the runtime observed it.
+/// The reason of a job cancelled on request once a worker had it (before its call, or by
+/// aborting the call); a job cancelled before any worker had it is `cancelled_before_start`.
+pub const CANCEL_REASON: &str = "cancel_requested";
+
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallResult {
     Completed,
     /// The call was still running at the deadline and was cancelled.
     DeadlineExceeded,
+    /// The call was aborted because its cancellation was requested (`DELETE /v1/jobs/{id}`).
+    Cancelled,
     /// The backend reported an error; `retry_after_ms` is a server's `Retry-After`.
     Failed {
         retryable: bool,
@@ -97,6 +103,8 @@ pub struct ReceiptFacts {
     pub already_recorded: bool,
     /// Model calls already started for this job (ledger attempt rows), over all deliveries.
     pub prior_starts: u32,
+    /// Its cancellation was requested and it has no outcome yet: record `cancelled`.
+    pub cancel_requested: bool,
     /// How long the job is expected to wait for a model slot ([`crate::wait`]); `0` when
     /// a slot is free or nothing is known yet.
     pub expected_wait_ms: u64,
@@ -210,6 +218,12 @@ impl WorkerPolicy {
         if facts.already_recorded {
             return Receipt::Settle(Disposition::AckDuplicate);
         }
+        if facts.cancel_requested {
+            return Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
+                State::Cancelled,
+                CANCEL_REASON,
+            )));
+        }
         if facts.prior_starts >= self.max_starts {
             return Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
                 State::Failed,
@@ -265,6 +279,9 @@ impl WorkerPolicy {
                 State::DeadlineExceeded,
                 "cancelled_at_deadline",
             )),
+            CallResult::Cancelled => {
+                Disposition::RecordThenAck(Terminal::new(State::Cancelled, CANCEL_REASON))
+            }
             CallResult::Failed {
                 retryable: false,
                 reason,
@@ -385,6 +402,34 @@ mod tests {
                 State::Failed,
                 "poison"
             )))
+        );
+        // A cancellation requested while it ran (or waited in a retry queue): recorded
+        // `cancelled`, never run again — but a recorded outcome stays a duplicate.
+        let cancel = ReceiptFacts {
+            cancel_requested: true,
+            ..ReceiptFacts::default()
+        };
+        assert_eq!(
+            p.on_receipt(&ok, cancel, 1_000),
+            Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
+                State::Cancelled,
+                CANCEL_REASON
+            )))
+        );
+        assert_eq!(
+            p.on_receipt(
+                &ok,
+                ReceiptFacts {
+                    already_recorded: true,
+                    ..cancel
+                },
+                1_000
+            ),
+            Receipt::Settle(Disposition::AckDuplicate)
+        );
+        assert_eq!(
+            p.on_call_result(&env(10_000), 0, &CallResult::Cancelled, 1_000, 0.0),
+            Disposition::RecordThenAck(Terminal::new(State::Cancelled, CANCEL_REASON))
         );
         let bad = Envelope::parse(b"nope", &EnvelopeLimits::default(), 0);
         assert_eq!(

@@ -57,6 +57,34 @@ impl OutcomeEvent {
     }
 }
 
+/// A control broadcast to every worker, on the fanout exchange `{prefix}.control`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ControlMessage {
+    /// Always [`EVENT_VERSION`].
+    pub v: u32,
+    /// Abort this job's model call (or its wait for a slot) where it runs.
+    pub cancel: String,
+}
+
+impl ControlMessage {
+    pub fn cancel(job_id: &str) -> Self {
+        Self {
+            v: EVENT_VERSION,
+            cancel: job_id.to_owned(),
+        }
+    }
+
+    pub fn to_json(&self) -> Vec<u8> {
+        serde_json::to_vec(self).unwrap_or_default()
+    }
+
+    pub fn from_json(body: &[u8]) -> Option<Self> {
+        serde_json::from_slice::<Self>(body)
+            .ok()
+            .filter(|m| m.v == EVENT_VERSION)
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -91,5 +119,8 @@ mod tests {
         other.v = 2;
         assert_eq!(OutcomeEvent::from_json(&other.to_json()), None);
         assert_eq!(OutcomeEvent::from_json(b"{}"), None);
+        let c = ControlMessage::cancel("j");
+        assert_eq!(ControlMessage::from_json(&c.to_json()), Some(c));
+        assert_eq!(ControlMessage::from_json(&ev().to_json()), None);
     }
 }

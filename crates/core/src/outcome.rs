@@ -17,11 +17,14 @@ pub enum State {
     DeadlineExceeded,
     Rejected,
     Unknown,
+    /// Cancelled on request (`DELETE /v1/jobs/{id}`, `lastcall cancel`): before its start
+    /// (no model call), or while running (the call aborted through the backend's cancellation).
+    Cancelled,
 }
 
 impl State {
     /// All states, in the order reports print them.
-    pub const ALL: [State; 9] = [
+    pub const ALL: [State; 10] = [
         State::Accepted,
         State::Running,
         State::Completed,
@@ -31,6 +34,7 @@ impl State {
         State::DeadlineExceeded,
         State::Rejected,
         State::Unknown,
+        State::Cancelled,
     ];
 
     pub const fn as_str(self) -> &'static str {
@@ -44,6 +48,7 @@ impl State {
             State::DeadlineExceeded => "deadline_exceeded",
             State::Rejected => "rejected",
             State::Unknown => "unknown",
+            State::Cancelled => "cancelled",
         }
     }
 
@@ -62,7 +67,7 @@ impl fmt::Display for State {
 /// An unknown state name; lists the valid ones so the caller can fix the input.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error(
-    "unknown state `{0}`; expected one of: accepted, running, completed, failed, expired_not_started, expired_before_receive, deadline_exceeded, rejected, unknown"
+    "unknown state `{0}`; expected one of: accepted, running, completed, failed, expired_not_started, expired_before_receive, deadline_exceeded, rejected, unknown, cancelled"
 )]
 pub struct UnknownState(pub String);
 

@@ -82,7 +82,7 @@ const ERROR_CHARS: usize = 120;
 
 /// A bounded classification of why a job did not complete, derived from state and reason:
 /// `deadline`, `invalid_input`, `poison`, `retries_exhausted`, `overflow`, `broker`,
-/// `backend_terminal`, `unaccounted`. `None` for completed and non-terminal jobs.
+/// `backend_terminal`, `unaccounted`, `cancelled`. `None` for completed and non-terminal jobs.
 pub fn error_class(state: &str, reason: Option<&str>) -> Option<&'static str> {
     let reason = reason.unwrap_or("");
     let class = match state.parse::<State>().ok()? {
@@ -92,6 +92,7 @@ pub fn error_class(state: &str, reason: Option<&str>) -> Option<&'static str> {
         }
         State::Rejected => "invalid_input",
         State::Unknown => "unaccounted",
+        State::Cancelled => "cancelled",
         State::Failed => match reason {
             "poison" | "delivery_limit" => "poison",
             "retries_exhausted" => "retries_exhausted",

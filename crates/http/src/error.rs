@@ -29,6 +29,9 @@ pub enum ApiError {
         "job `{0}` was already accepted with a different payload; use a new job id for new work"
     )]
     Conflict(String),
+    /// 409: a cancellation of a job that has already ended; nothing changed.
+    #[error("job `{job_id}` already ended ({state}); nothing was changed")]
+    AlreadyTerminal { job_id: String, state: String },
     /// 413: the body exceeds the limit.
     #[error("the request body exceeds {limit} bytes")]
     TooLarge { limit: usize },
@@ -99,7 +102,7 @@ impl ApiError {
             ApiError::BadField { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
-            ApiError::Conflict(_) => StatusCode::CONFLICT,
+            ApiError::Conflict(_) | ApiError::AlreadyTerminal { .. } => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
@@ -115,6 +118,7 @@ impl ApiError {
             ApiError::Unauthorized => "unauthorized",
             ApiError::NotFound(_) => "not_found",
             ApiError::Conflict(_) => "job_id_conflict",
+            ApiError::AlreadyTerminal { .. } => "already_terminal",
             ApiError::TooLarge { .. } => "body_too_large",
             ApiError::Expired { code, .. } => code,
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
@@ -146,6 +150,9 @@ impl IntoResponse for ApiError {
         });
         if let ApiError::WouldExpireInQueue { estimate, .. } = &self {
             body["estimate"] = estimate.clone();
+        }
+        if let ApiError::AlreadyTerminal { state, .. } = &self {
+            body["state"] = state.clone().into();
         }
         let mut resp = (status, Json(body)).into_response();
         if let ApiError::WouldExpireInQueue { retry_after_s, .. } = &self {

@@ -10,7 +10,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use lastcall_broker::PublishError;
 use lastcall_core::{RejectReason, State as JobState};
-use lastcall_store::{JobRecord, ListFilter};
+use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
 use lastcall_worker::submit::Submission;
 use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
 use serde_json::{Map, Value, json};
@@ -332,6 +332,39 @@ pub async fn show(
     match rec {
         Some(rec) => Ok(Json(rec).into_response()),
         None => Err(ApiError::NotFound(id)),
+    }
+}
+
+/// `DELETE /v1/jobs/{id}`: cancel a job (`lastcall_worker::cancel`). `200` with the
+/// `cancelled` record when it had not started (no model call); `202` when it is running
+/// (its worker is asked to abort the call; the outcome follows, see `?wait_ms`); `409`
+/// `already_terminal` naming its state when it had ended (nothing changes); `404` unknown.
+pub async fn cancel(
+    State(state): State<Arc<AppState>>,
+    PathParam(id): PathParam,
+) -> Result<Response, ApiError> {
+    let now = state.clock.now_ms();
+    let out =
+        lastcall_worker::cancel::cancel(&state.ledger, &state.events, &state.control, &id, now)
+            .await
+            .map_err(|e| ApiError::Internal(e.to_string()))?;
+    match out {
+        CancelOutcome::Cancelled => match read_job(&state, &id).await? {
+            Some(rec) => Ok(Json(rec).into_response()),
+            None => Err(ApiError::NotFound(id)),
+        },
+        CancelOutcome::Requested => Ok((
+            StatusCode::ACCEPTED,
+            Json(json!({
+                "job_id": id,
+                "state": "running",
+                "cancel_requested": true,
+                "message": "the job is running: its worker is asked to abort the call; GET /v1/jobs/{id}?wait_ms=N returns the outcome",
+            })),
+        )
+            .into_response()),
+        CancelOutcome::AlreadyTerminal(s) => Err(ApiError::AlreadyTerminal { job_id: id, state: s }),
+        CancelOutcome::NotFound => Err(ApiError::NotFound(id)),
     }
 }
 

@@ -82,6 +82,11 @@ pub struct AppState {
     /// The longest `wait_ms` a long-poll may ask for (`serve --max-wait-ms`, default and
     /// at most 60 s); `/openapi.json` states it.
     pub max_wait_ms: i64,
+    /// Where `DELETE /v1/jobs/{id}` announces a job cancelled before its start
+    /// (`{prefix}.events`) and asks the workers to stop a running one (`{prefix}.control`).
+    /// Disabled by default; `serve` connects both.
+    pub events: lastcall_broker::EventSink,
+    pub control: lastcall_broker::EventSink,
 }
 
 impl std::fmt::Debug for AppState {
@@ -122,6 +127,8 @@ impl AppState {
             claim_wait: std::time::Duration::from_secs(10),
             waiters: Arc::new(waiters::Waiters::default()),
             max_wait_ms: jobs::MAX_WAIT_MS,
+            events: lastcall_broker::EventSink::disabled(),
+            control: lastcall_broker::EventSink::disabled(),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()
@@ -136,7 +143,7 @@ pub fn app(state: Arc<AppState>) -> Router {
     let protected = Router::new()
         .route("/", get(dashboard::page))
         .route("/v1/jobs", get(jobs::list).post(jobs::create))
-        .route("/v1/jobs/{id}", get(jobs::show))
+        .route("/v1/jobs/{id}", get(jobs::show).delete(jobs::cancel))
         .route("/v1/dashboard", get(dashboard::data))
         .route("/metrics", get(metrics_handler))
         .route("/openapi.json", get(openapi_handler))

@@ -481,7 +481,7 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
             .as_object()
             .unwrap_or_else(|| panic!("{path} documented"));
         for (method, op) in item {
-            assert!(["get", "post"].contains(&method.as_str()));
+            assert!(["get", "post", "delete"].contains(&method.as_str()));
             assert!(
                 op["responses"].as_object().is_some_and(|r| !r.is_empty()),
                 "{path} {method}"
@@ -493,6 +493,13 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
         "200", "202", "400", "401", "409", "413", "422", "429", "503",
     ] {
         assert!(post[code].is_object(), "POST /v1/jobs documents {code}");
+    }
+    let delete = &doc["paths"]["/v1/jobs/{id}"]["delete"]["responses"];
+    for code in ["200", "202", "401", "404", "409"] {
+        assert!(
+            delete[code].is_object(),
+            "DELETE /v1/jobs/{{id}} documents {code}"
+        );
     }
     // The served document states this server's horizon as the bound of the relative fields.
     let job = &doc["components"]["schemas"]["NewJob"]["properties"];

@@ -40,8 +40,8 @@ use crate::batch::{Dialect, JsonRows, insert_from_json, json_array};
 use crate::error::db;
 use crate::migrate;
 use crate::{
-    AcceptedJob, AttemptRow, AttemptStart, JobRecord, ListFilter, OutcomeRecord, ReceiptInfo,
-    StoreError,
+    AcceptedJob, AttemptRow, AttemptStart, CancelOutcome, JobRecord, ListFilter, OutcomeRecord,
+    ReceiptInfo, StoreError,
 };
 
 /// How long a caller waits for a pooled connection before `Unavailable`: short, so an
@@ -695,25 +695,25 @@ impl Ledger {
             concat!(
                 "SELECT job_id, state, ",
                 backend_calls!(),
-                " FROM jobs WHERE {}"
+                ", cancel_requested FROM jobs WHERE {}"
             ),
             self.dialect().in_ids("job_id")
         );
         let ids = json_array(job_ids);
-        let rows: Vec<(String, String, i64)> = on_pool!(self, read, |pool| {
+        let rows: Vec<(String, String, i64, bool)> = on_pool!(self, read, |pool| {
             sqlx::query(AssertSqlSafe(sql))
                 .bind(ids)
                 .fetch_all(pool)
                 .await
                 .and_then(|rows| {
                     rows.iter()
-                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
                         .collect::<Result<Vec<_>, sqlx::Error>>()
                 })
                 .map_err(db("reading receipt info"))?
         });
-        for (id, state, calls) in rows {
-            out.insert(id, receipt(&state, calls));
+        for (id, state, calls, cancel) in rows {
+            out.insert(id, receipt(&state, calls, cancel));
         }
         Ok(out)
     }
@@ -1071,6 +1071,45 @@ impl Ledger {
     /// never stamped (`accepted_at_ms` NULL) and with the claimant's payload hash. A row a
     /// worker already moved on (the message did reach the broker) stays. `Ok(true)` if the
     /// claim was removed.
+    /// Cancel a job on request: a job not started yet (`accepted`) becomes `cancelled`
+    /// (`cancelled_before_start`) now, so no worker runs it (a later delivery finds it
+    /// recorded and acks it without a call); a `running` job is flagged (`cancel_requested`)
+    /// for the worker running it, which aborts the call and records `cancelled`, and for any
+    /// later delivery (a retry, a redelivery), which records `cancelled` without a call. A
+    /// terminal job is left as it is.
+    pub async fn cancel(&self, job_id: &str, now_ms: i64) -> Result<CancelOutcome, StoreError> {
+        const NOT_STARTED: &str = "UPDATE jobs SET state = 'cancelled',              reason = 'cancelled_before_start', recorded_at_ms = $2, cancel_requested = TRUE              WHERE job_id = $1 AND state = 'accepted'";
+        const RUNNING: &str =
+            "UPDATE jobs SET cancel_requested = TRUE WHERE job_id = $1 AND state = 'running'";
+        let cancelled = on_pool!(self, write, |pool| {
+            sqlx::query(NOT_STARTED)
+                .bind(job_id)
+                .bind(now_ms)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected() > 0)
+                .map_err(db("cancelling a job"))?
+        });
+        if cancelled {
+            return Ok(CancelOutcome::Cancelled);
+        }
+        let flagged = on_pool!(self, write, |pool| {
+            sqlx::query(RUNNING)
+                .bind(job_id)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected() > 0)
+                .map_err(db("requesting a running job's cancellation"))?
+        });
+        if flagged {
+            return Ok(CancelOutcome::Requested);
+        }
+        Ok(match self.get(job_id).await? {
+            Some(rec) => CancelOutcome::AlreadyTerminal(rec.state),
+            None => CancelOutcome::NotFound,
+        })
+    }
+
     pub async fn release_claim(
         &self,
         job_id: &str,
@@ -1090,10 +1129,12 @@ impl Ledger {
     }
 }
 
-fn receipt(state: &str, backend_calls: i64) -> ReceiptInfo {
+fn receipt(state: &str, backend_calls: i64, cancel_requested: bool) -> ReceiptInfo {
+    let terminal = state.parse::<State>().is_ok_and(State::is_terminal);
     ReceiptInfo {
-        already_recorded: state.parse::<State>().is_ok_and(State::is_terminal),
+        already_recorded: terminal,
         prior_starts: u32::try_from(backend_calls.max(0)).unwrap_or(u32::MAX),
+        cancel_requested: cancel_requested && !terminal,
     }
 }
 

@@ -125,6 +125,22 @@ pub struct ReceiptInfo {
     pub already_recorded: bool,
     /// Attempt rows with `model_called = true` for this job, over all deliveries.
     pub prior_starts: u32,
+    /// A cancellation was requested while the job ran ([`Ledger::cancel`]), and the job
+    /// has no terminal outcome yet: record `cancelled` without a call.
+    pub cancel_requested: bool,
+}
+
+/// What [`Ledger::cancel`] did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum CancelOutcome {
+    /// The job had not started: it is `cancelled` now, with no model call.
+    Cancelled,
+    /// The job is running: its worker is asked to abort the call (the outcome follows).
+    Requested,
+    /// The job already has this terminal state; nothing changed.
+    AlreadyTerminal(String),
+    /// The ledger has no such job.
+    NotFound,
 }
 
 /// A job's record (CONTRACT §3), as `jobs show --json` prints it.

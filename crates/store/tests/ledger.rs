@@ -234,6 +234,7 @@ both_backends!(
     late_outcomes_count_only_replaced_unknowns,
     a_running_attempt_is_live_while_its_worker_renews_its_lease,
     the_outcome_names_its_backend_model_and_min_runtime,
+    cancel_ends_a_waiting_job_and_flags_a_running_one,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -527,7 +528,8 @@ async fn accepted_then_outcome(db: &TestDb) {
         l.receipt_info("j1").await.unwrap(),
         ReceiptInfo {
             already_recorded: true,
-            prior_starts: 1
+            prior_starts: 1,
+            cancel_requested: false
         }
     );
     assert!(!l.record_accepted(&job).await.unwrap());
@@ -597,7 +599,8 @@ async fn start_then_outcome_counts_one_call(db: &TestDb) {
         l.receipt_info("j1").await.unwrap(),
         ReceiptInfo {
             already_recorded: false,
-            prior_starts: 1
+            prior_starts: 1,
+            cancel_requested: false
         }
     );
 
@@ -690,7 +693,8 @@ async fn prior_starts_count_every_started_call(db: &TestDb) {
         info,
         ReceiptInfo {
             already_recorded: false,
-            prior_starts: 2
+            prior_starts: 2,
+            cancel_requested: false
         }
     );
     let job = must_get(l, "j1").await;
@@ -1951,4 +1955,51 @@ async fn the_outcome_names_its_backend_model_and_min_runtime(db: &TestDb) {
     };
     assert!(!l.record_terminal(&other).await.unwrap());
     assert_eq!(must_get(l, "bm-1").await.backend.as_deref(), Some("openai"));
+}
+
+async fn cancel_ends_a_waiting_job_and_flags_a_running_one(db: &TestDb) {
+    use lastcall_store::CancelOutcome;
+    let l = &db.ledger;
+    // Not started: cancelled now, no model call; a later delivery finds it recorded.
+    l.record_accepted(&accepted("w1", "k", 100, 60_000))
+        .await
+        .unwrap();
+    assert_eq!(l.cancel("w1", 200).await.unwrap(), CancelOutcome::Cancelled);
+    let rec = must_get(l, "w1").await;
+    assert_eq!(
+        (rec.state.as_str(), rec.reason.as_deref(), rec.backend_calls),
+        ("cancelled", Some("cancelled_before_start"), 0)
+    );
+    assert!(l.receipt_info("w1").await.unwrap().already_recorded);
+    // A worker's outcome cannot replace it.
+    assert!(
+        !l.record_terminal(&completed("w1", "a:1", 300, "late"))
+            .await
+            .unwrap()
+    );
+    // Running: flagged for its worker and any later delivery; the state stays.
+    l.record_accepted(&accepted("r1", "k", 100, 60_000))
+        .await
+        .unwrap();
+    l.record_start(&start("r1", "a:2", 0, 150)).await.unwrap();
+    assert_eq!(l.cancel("r1", 200).await.unwrap(), CancelOutcome::Requested);
+    assert_eq!(must_get(l, "r1").await.state, "running");
+    let info = l.receipt_info("r1").await.unwrap();
+    assert!(info.cancel_requested && !info.already_recorded, "{info:?}");
+    // The worker's `cancelled` outcome ends it; the flag no longer reads as pending.
+    assert!(
+        l.record_terminal(&outcome("r1", "a:2", State::Cancelled, 400))
+            .await
+            .unwrap()
+    );
+    assert!(!l.receipt_info("r1").await.unwrap().cancel_requested);
+    // Terminal or unknown ids: nothing changes.
+    assert_eq!(
+        l.cancel("r1", 500).await.unwrap(),
+        CancelOutcome::AlreadyTerminal("cancelled".into())
+    );
+    assert_eq!(
+        l.cancel("nope", 500).await.unwrap(),
+        CancelOutcome::NotFound
+    );
 }

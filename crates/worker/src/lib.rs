@@ -12,6 +12,7 @@
 
 mod ack_batch;
 mod ack_log;
+pub mod cancel;
 pub mod clock;
 mod committer;
 pub mod dlq;

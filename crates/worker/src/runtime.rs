@@ -148,6 +148,10 @@ struct Ctx {
     waiting_work_ms: std::sync::atomic::AtomicU64,
     /// Outcome events, published after each durable terminal outcome (best-effort).
     events: lastcall_broker::EventSink,
+    /// Jobs in this process (waiting for a slot or running), by job id: a cancellation
+    /// broadcast (`{prefix}.control`) fires the token, which ends the wait or aborts the
+    /// call. The count is the deliveries sharing it.
+    cancels: std::sync::Mutex<std::collections::HashMap<String, (CancellationToken, usize)>>,
 }
 
 impl Ctx {
@@ -161,6 +165,15 @@ impl Ctx {
         let key = self.service_key(kind);
         let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
         service.estimate(&key, now_ms)
+    }
+
+    /// A cancellation broadcast for `job_id`: end its wait or abort its call here.
+    fn cancel_local(&self, job_id: &str) {
+        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((token, _)) = map.get(job_id) {
+            tracing::info!(job_id, "cancellation requested: stopping the job here");
+            token.cancel();
+        }
     }
 
     /// One call of `kind` took `ms` (completed, or cut at the deadline: a lower bound).
@@ -244,6 +257,7 @@ impl Worker {
             shutdown: CancellationToken::new(),
             nonce,
             events: lastcall_broker::EventSink::spawn(&broker, &names_events),
+            cancels: std::sync::Mutex::new(std::collections::HashMap::new()),
         };
         ctx.stats
             .metrics
@@ -274,6 +288,21 @@ impl Worker {
         ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
         let lease_stop = CancellationToken::new();
         let lease = tokio::spawn(renew_lease(ctx.clone(), lease_stop.clone()));
+        // Cancellation broadcasts (`{prefix}.control`), on a connection of their own.
+        let control = {
+            let ctx2 = ctx.clone();
+            tokio::spawn(lastcall_broker::events::follow_control(
+                broker.clone(),
+                cfg.topology.names.control_exchange.clone(),
+                lease_stop.clone(),
+                move |_, body| {
+                    if let Some(m) = lastcall_core::event::ControlMessage::from_json(body) {
+                        ctx2.cancel_local(&m.cancel);
+                    }
+                },
+                || {},
+            ))
+        };
         tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, node = %broker.node(), "worker started");
         let mut first = true;
         let last = loop {
@@ -343,6 +372,7 @@ impl Worker {
         }
         lease_stop.cancel();
         let _ = lease.await;
+        let _ = tokio::time::timeout(Duration::from_secs(2), control).await;
         // The events of the last outcomes (best-effort, bounded like every shutdown step).
         ctx.events.close(Duration::from_secs(2)).await;
         self.acks_done.cancel();
@@ -737,6 +767,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     let facts = ReceiptFacts {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
+        cancel_requested: info.cancel_requested,
         expected_wait_ms: expected_wait_ms(&ctx, learned.map(|e| e.mean_ms).unwrap_or(0)),
         learned_runtime_ms: learned.map(|e| e.quantile_ms),
     };
@@ -769,6 +800,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     // known, not when it reaches a slot: it is settled at its latest useful start, which
     // frees its prefetch place for a job that can still make it.
     let kind = env.kind().as_str().to_owned();
+    let cancel = CancelGuard::register(&ctx, &id);
     let mean_ms = learned.map(|e| e.mean_ms).unwrap_or(0);
     WorkerStats::add(&ctx.stats.waiting, 1);
     ctx.waiting_work_ms
@@ -798,6 +830,10 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             _ = lost.cancelled() => {
                 leave_buffer();
                 return hand_back(job).await;
+            }
+            _ = cancel.token.cancelled() => {
+                leave_buffer();
+                return settle(&ctx, job, cancelled_disposition(), None).await;
             }
             _ = tokio::time::sleep(until_latest), if watch_expiry => {
                 let now = ctx.clock.now_ms();
@@ -874,6 +910,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         // Another delivery of the same job got here first (a redelivery raced its first
         // delivery): start over from the receipt, which waits for that call.
         drop(permit);
+        drop(cancel);
         return Box::pin(process(ctx, job)).await;
     };
     // Durable "started" row first: makes crash loops countable (poison detection).
@@ -946,10 +983,14 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             return;
         }
     };
+    if cancel.token.is_cancelled() {
+        drop(permit);
+        return settle(&ctx, job, cancelled_disposition(), None).await;
+    }
     job.started_at_ms = Some(started_at_ms);
     WorkerStats::inc(&ctx.stats.backend_calls);
     WorkerStats::add(&ctx.stats.running, 1);
-    let mut call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms).await;
+    let mut call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms, &cancel.token).await;
     if cut_by_ack_window && call.result == CallResult::DeadlineExceeded {
         // Cut at the ack window, before the job's deadline: not `deadline_exceeded`.
         call.result = CallResult::Failed {
@@ -1135,6 +1176,50 @@ impl Drop for InFlight {
 
 /// Wait until no call of `id` runs in this process. `false`: shutdown or the job's
 /// connection was lost meanwhile (hand it back).
+/// This delivery's entry in [`Ctx::cancels`]; dropping it unregisters it.
+struct CancelGuard {
+    ctx: Arc<Ctx>,
+    id: String,
+    token: CancellationToken,
+}
+
+impl CancelGuard {
+    fn register(ctx: &Arc<Ctx>, id: &str) -> Self {
+        let mut map = ctx.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = map
+            .entry(id.to_owned())
+            .or_insert_with(|| (CancellationToken::new(), 0));
+        entry.1 += 1;
+        let token = entry.0.clone();
+        drop(map);
+        Self {
+            ctx: ctx.clone(),
+            id: id.to_owned(),
+            token,
+        }
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        let mut map = self.ctx.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = map.get_mut(&self.id) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                map.remove(&self.id);
+            }
+        }
+    }
+}
+
+/// The disposition of a job cancelled on request before its call.
+fn cancelled_disposition() -> Disposition {
+    Disposition::RecordThenAck(Terminal {
+        state: lastcall_core::State::Cancelled,
+        reason: Some(lastcall_core::disposition::CANCEL_REASON.to_owned()),
+    })
+}
+
 async fn wait_for_running_call(ctx: &Ctx, job: &Job, id: &str) -> bool {
     loop {
         let rx = {
@@ -1280,7 +1365,13 @@ struct Call {
     latency_ms: i64,
 }
 
-async fn call_backend(ctx: &Ctx, env: &Envelope, attempt: u32, budget_ms: u64) -> Call {
+async fn call_backend(
+    ctx: &Ctx,
+    env: &Envelope,
+    attempt: u32,
+    budget_ms: u64,
+    requested: &CancellationToken,
+) -> Call {
     let cancel = CancellationToken::new();
     let req = CallRequest {
         job_id: env.job_id().to_string(),
@@ -1296,6 +1387,25 @@ async fn call_backend(ctx: &Ctx, env: &Envelope, attempt: u32, budget_ms: u64) -
     let outcome = tokio::select! {
         r = &mut fut => Some(r),
         _ = deadline => None,
+        _ = requested.cancelled() => {
+            // Cancelled on request: abort through the backend's cancellation, as at the
+            // deadline, and wait briefly for it to confirm.
+            cancel.cancel();
+            let confirmed = match tokio::time::timeout(ctx.cfg.cancel_grace, &mut fut).await {
+                Ok(Err(BackendError::Cancelled { confirmed })) => confirmed,
+                Ok(_) => true,
+                Err(_) => false,
+            };
+            let latency_ms = t0.elapsed().as_millis() as i64;
+            return Call {
+                result: CallResult::Cancelled,
+                output: None,
+                error: Some(format!("cancelled on request after {latency_ms} ms")),
+                cancel_requested: true,
+                cancel_confirmed: Some(confirmed),
+                latency_ms,
+            };
+        }
     };
     let mut call = Call {
         result: CallResult::Completed,

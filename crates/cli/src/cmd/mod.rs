@@ -1,6 +1,7 @@
 //! One module per subcommand.
 
 pub(crate) mod bench;
+mod cancel;
 mod demo;
 mod dlq;
 mod jobs;
@@ -57,6 +58,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Demo(a) => demo::run(&settings, a).await,
         Command::Dlq(a) => dlq::run(&settings, a).await,
         Command::Reconcile(a) => reconcile::run(&settings, a).await,
+        Command::Cancel(a) => cancel::run(&settings, a).await,
         Command::Report(a) => report::run(&settings, a).await,
         Command::Serve(a) => serve::run(&settings, a).await,
         Command::Bench(c) => bench::run(&settings, c).await,

@@ -84,6 +84,9 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         let stop2 = stop.clone();
         dlq_task = Some(tokio::spawn(async move { dlq.run(stop2, None).await }));
     }
+    // `DELETE /v1/jobs/{id}` announces cancellations (best-effort, own connections).
+    state.events = lastcall_broker::EventSink::spawn(&broker, &topo.names.events_exchange);
+    state.control = lastcall_broker::EventSink::spawn(&broker, &topo.names.control_exchange);
     // Long-polls wake on the outcome events of `{prefix}.events`: one follower per process.
     let waiters = state.waiters.clone();
     let (on_event, on_gap) = (waiters.clone(), waiters);

@@ -1,0 +1,76 @@
+//! `lastcall cancel <id>`.
+
+use crate::cli::CancelArgs;
+use crate::config::Settings;
+use anyhow::Result;
+use lastcall_broker::{Broker, EventSink, Names};
+use lastcall_store::CancelOutcome;
+use lastcall_worker::clock::now_ms;
+use std::process::ExitCode;
+use std::time::Duration;
+
+/// Exit status when the job had already ended.
+pub const EXIT_ALREADY_ENDED: u8 = 3;
+
+pub async fn run(s: &Settings, a: CancelArgs) -> Result<ExitCode> {
+    let ledger = super::open_ledger(&s.store_url).await?;
+    // The broadcasts are best-effort; the ledger write alone cancels a job not started yet
+    // and flags a running one for its next delivery.
+    let broker = match tokio::time::timeout(Duration::from_secs(5), Broker::connect(&s.amqp_url))
+        .await
+    {
+        Ok(Ok(b)) => Some(b),
+        Ok(Err(e)) => {
+            eprintln!(
+                "warning: the broker is not reachable ({e}); a running call cannot be told to stop, the ledger is updated anyway"
+            );
+            None
+        }
+        Err(_) => {
+            eprintln!(
+                "warning: connecting to the broker timed out; a running call cannot be told to stop, the ledger is updated anyway"
+            );
+            None
+        }
+    };
+    let names = Names::new(&s.prefix);
+    let (events, control) = match &broker {
+        Some(b) => (
+            EventSink::spawn(b, &names.events_exchange),
+            EventSink::spawn(b, &names.control_exchange),
+        ),
+        None => (EventSink::disabled(), EventSink::disabled()),
+    };
+    let out =
+        lastcall_worker::cancel::cancel(&ledger, &events, &control, &a.job_id, now_ms()).await;
+    for sink in [&events, &control] {
+        sink.close(Duration::from_secs(5)).await;
+    }
+    if let Some(b) = broker {
+        b.close().await;
+    }
+    ledger.close().await;
+    let id = &a.job_id;
+    Ok(match out? {
+        CancelOutcome::Cancelled => {
+            println!("{id}: cancelled before it started (no model call)");
+            ExitCode::SUCCESS
+        }
+        CancelOutcome::Requested => {
+            println!(
+                "{id}: running; its worker is asked to abort the call (`lastcall jobs show {id}` shows the outcome)"
+            );
+            ExitCode::SUCCESS
+        }
+        CancelOutcome::AlreadyTerminal(state) => {
+            println!("{id}: already ended ({state}); nothing changed");
+            ExitCode::from(EXIT_ALREADY_ENDED)
+        }
+        CancelOutcome::NotFound => {
+            anyhow::bail!(
+                "no job `{id}` in the ledger ({})",
+                lastcall_broker::redact(&s.store_url)
+            )
+        }
+    })
+}
