@@ -75,7 +75,7 @@ pub enum Command {
     /// ended (nothing changed); 1 no such job or an error.
     Cancel(CancelArgs),
     /// Run a worker: bounded buffer, model slots, last admission check, store-then-ack
-    Worker(WorkerArgs),
+    Worker(Box<WorkerArgs>),
     /// Look at job records in the ledger
     #[command(subcommand)]
     Jobs(JobsCommand),
@@ -347,6 +347,18 @@ pub struct WorkerArgs {
     /// e.g. 127.0.0.1:9464
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// With --metrics-addr: RabbitMQ's management API, for the ready/unacked depth gauges
+    /// (when it does not answer, ready counts come from a passive declare)
+    #[arg(
+        long,
+        env = "LASTCALL_MANAGEMENT_URL",
+        default_value = "http://127.0.0.1:15672"
+    )]
+    pub management_url: String,
+    /// With --metrics-addr: the management API user (the password comes from
+    /// LASTCALL_MANAGEMENT_PASSWORD, default guest)
+    #[arg(long, default_value = "guest")]
+    pub management_user: String,
     /// Require signed jobs: with this key, a job whose x-lastcall-signature is missing or
     /// does not match its id, deadline and body is recorded `rejected`/`bad_signature`,
     /// dead-lettered and never run. A file holding at least 32 bytes (the same key as the

@@ -312,61 +312,52 @@ async fn cli(env: &Env, args: &[&str]) -> std::process::Output {
         .unwrap()
 }
 
+/// `lastcall submit --kind KIND --prompt hi --deadline-ms MS --no-shed --wait EXTRA…`:
+/// its exit status and stdout (stderr appended after a marker, for messages).
+async fn submit_wait(
+    env: &Env,
+    kind: &str,
+    deadline_ms: &str,
+    extra: &[&str],
+) -> (Option<i32>, String) {
+    let mut args = vec![
+        "submit",
+        "--kind",
+        kind,
+        "--prompt",
+        "hi",
+        "--deadline-ms",
+        deadline_ms,
+        "--no-shed",
+        "--wait",
+    ];
+    args.extend_from_slice(extra);
+    let out = cli(env, &args).await;
+    let text = format!(
+        "{}\n--- stderr ---\n{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    (out.status.code(), text)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn submit_wait_prints_the_outcome_and_exits_with_its_class() {
     let env = Env::sqlite("submit-wait").await;
     let w = env
         .start_worker(env.worker_config(2, 4), sim(30), system_clock())
         .await;
-    let out = cli(
-        &env,
-        &[
-            "submit",
-            "--kind",
-            "incident.summary",
-            "--prompt",
-            "hi",
-            "--deadline-ms",
-            "20000",
-            "--no-shed",
-            "--wait",
-        ],
-    )
-    .await;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(0),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(stdout.contains("state: completed"), "{stdout}");
-    assert!(stdout.contains("model calls: 1"), "{stdout}");
-    let id = stdout.lines().next().unwrap().trim().to_owned();
+    let (code, out) = submit_wait(&env, "incident.summary", "20000", &[]).await;
+    assert_eq!(code, Some(0), "{out}");
+    assert!(out.contains("state: completed"), "{out}");
+    assert!(out.contains("model calls: 1"), "{out}");
+    let id = out.lines().next().unwrap().trim().to_owned();
     let rec = env.ledger.get(&id).await.unwrap().unwrap();
     let text = rec.result.expect("a result text");
-    assert!(
-        stdout.contains(&text),
-        "the result text is printed: {stdout}"
-    );
-    let out = cli(
-        &env,
-        &[
-            "submit",
-            "--kind",
-            "sim.fail-terminal",
-            "--prompt",
-            "hi",
-            "--deadline-ms",
-            "20000",
-            "--no-shed",
-            "--wait",
-        ],
-    )
-    .await;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(out.status.code(), Some(1), "{stdout}");
-    assert!(stdout.contains("state: failed"), "{stdout}");
+    assert!(out.contains(&text), "the result text is printed: {out}");
+    let (code, out) = submit_wait(&env, "sim.fail-terminal", "20000", &[]).await;
+    assert_eq!(code, Some(1), "{out}");
+    assert!(out.contains("state: failed"), "{out}");
     w.stop().await;
     // Past its deadline with no worker: the broker expires it and the dead-letter
     // processor records it; `--wait` reads that outcome, exit status 3.
@@ -384,31 +375,15 @@ async fn submit_wait_prints_the_outcome_and_exits_with_its_class() {
         let stop = dlq_stop.clone();
         async move { dlq.run(stop, None).await }
     });
-    let out = cli(
+    let (code, out) = submit_wait(
         &env,
-        &[
-            "submit",
-            "--kind",
-            "incident.summary",
-            "--prompt",
-            "hi",
-            "--deadline-ms",
-            "1500",
-            "--no-shed",
-            "--wait",
-            "--wait-grace-ms",
-            "20000",
-        ],
+        "incident.summary",
+        "1500",
+        &["--wait-grace-ms", "20000"],
     )
     .await;
-    let stdout = String::from_utf8_lossy(&out.stdout);
-    assert_eq!(
-        out.status.code(),
-        Some(3),
-        "{stdout}{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(stdout.contains("state: expired_before_receive"), "{stdout}");
+    assert_eq!(code, Some(3), "{out}");
+    assert!(out.contains("state: expired_before_receive"), "{out}");
     dlq_stop.cancel();
     dlq_task.await.unwrap().unwrap();
     env.cleanup().await;
@@ -565,5 +540,46 @@ async fn cancelling_over_http_stops_a_waiting_and_a_running_job() {
     );
     w.stop().await;
     drop(serve);
+    env.cleanup().await;
+}
+
+/// The worker's `/readyz` (`--metrics-addr`) names the retry publisher's connection beside
+/// the consumer's and the ledger's, refreshed with the lease.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_readyz_checks_its_retry_publisher() {
+    let env = Env::sqlite("readyz").await;
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim(20), system_clock())
+        .await;
+    let stop = CancellationToken::new();
+    let (tx, rx) = tokio::sync::oneshot::channel();
+    tokio::spawn(lastcall_http::serve(
+        "127.0.0.1:0".parse().unwrap(),
+        lastcall_http::metrics_app(lastcall_http::MetricsSource {
+            worker: Some(w.stats.clone()),
+            ..Default::default()
+        }),
+        stop.clone(),
+        Some(tx),
+    ));
+    let addr = rx.await.unwrap();
+    let until = Instant::now() + Duration::from_secs(20);
+    let body = loop {
+        let r = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();
+        let status = r.status().as_u16();
+        let body: serde_json::Value = r.json().await.unwrap();
+        if status == 200 {
+            break body;
+        }
+        assert!(
+            Instant::now() < until,
+            "the worker never became ready: {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert_eq!(body["checks"]["retry_publisher"], true, "{body}");
+    assert_eq!(body["checks"]["broker"], true, "{body}");
+    w.stop().await;
+    stop.cancel();
     env.cleanup().await;
 }

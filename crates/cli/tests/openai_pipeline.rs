@@ -46,6 +46,23 @@ fn backend(base_url: &str) -> Arc<dyn Backend> {
     )
 }
 
+/// Submit one job and wait (at most `secs`) for its terminal record.
+async fn run(
+    s: &lastcall_worker::Submitter,
+    env: &Env,
+    id: &str,
+    budget_ms: u64,
+    payload: serde_json::Value,
+    secs: u64,
+) -> lastcall_store::JobRecord {
+    s.submit(&job_with(id, budget_ms, payload), now_ms())
+        .await
+        .unwrap();
+    env.wait_terminal(&[id.to_owned()], Duration::from_secs(secs))
+        .await
+        .remove(0)
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_with_a_real_openai_compatible_server() {
     let port = free_port();
@@ -75,19 +92,15 @@ async fn worker_with_a_real_openai_compatible_server() {
     let s = env.submitter(100, true).await;
 
     // 1. A completion that fits the deadline: completed, text and usage recorded.
-    s.submit(
-        &job_with(
-            "fits",
-            60_000,
-            json!({"prompt": "Say hello.", "max_tokens": 8}),
-        ),
-        now_ms(),
+    let r = &run(
+        &s,
+        &env,
+        "fits",
+        60_000,
+        json!({"prompt": "Say hello.", "max_tokens": 8}),
+        60,
     )
-    .await
-    .unwrap();
-    let r = &env
-        .wait_terminal(&["fits".into()], Duration::from_secs(60))
-        .await[0];
+    .await;
     assert_eq!(r.state, "completed", "{r:?}");
     assert!(
         !r.result.as_deref().unwrap_or("").trim().is_empty(),
@@ -137,19 +150,15 @@ async fn worker_with_a_real_openai_compatible_server() {
         "the server confirmed the stop: {r:?}"
     );
     assert_eq!(r.backend_calls, 1);
-    s.submit(
-        &job_with(
-            "after-cancel",
-            60_000,
-            json!({"prompt": "Say hi.", "max_tokens": 4}),
-        ),
-        now_ms(),
+    let r = &run(
+        &s,
+        &env,
+        "after-cancel",
+        60_000,
+        json!({"prompt": "Say hi.", "max_tokens": 4}),
+        30,
     )
-    .await
-    .unwrap();
-    let r = &env
-        .wait_terminal(&["after-cancel".into()], Duration::from_secs(30))
-        .await[0];
+    .await;
     assert_eq!(
         r.state, "completed",
         "the server is not stuck behind the cancelled request: {r:?}"
@@ -157,36 +166,28 @@ async fn worker_with_a_real_openai_compatible_server() {
 
     // 2. A deadline shorter than the generation: deadline_exceeded, the request aborted,
     //    and the server free right after (not stuck behind the abandoned generation).
-    s.submit(
-        &job_with(
-            "too-long",
-            1_500,
-            json!({"prompt": "Count from 1 to 500.", "max_tokens": 1000}),
-        ),
-        now_ms(),
+    let r = &run(
+        &s,
+        &env,
+        "too-long",
+        1_500,
+        json!({"prompt": "Count from 1 to 500.", "max_tokens": 1000}),
+        30,
     )
-    .await
-    .unwrap();
-    let r = &env
-        .wait_terminal(&["too-long".into()], Duration::from_secs(30))
-        .await[0];
+    .await;
     assert_eq!(r.state, "deadline_exceeded", "{r:?}");
     assert!(r.cancel_requested);
     assert_eq!(r.cancel_confirmed, Some(true));
     let t0 = Instant::now();
-    s.submit(
-        &job_with(
-            "after",
-            60_000,
-            json!({"prompt": "Say hi.", "max_tokens": 4}),
-        ),
-        now_ms(),
+    let r = &run(
+        &s,
+        &env,
+        "after",
+        60_000,
+        json!({"prompt": "Say hi.", "max_tokens": 4}),
+        30,
     )
-    .await
-    .unwrap();
-    let r = &env
-        .wait_terminal(&["after".into()], Duration::from_secs(30))
-        .await[0];
+    .await;
     assert_eq!(r.state, "completed", "{r:?}");
     assert!(
         t0.elapsed() < Duration::from_secs(15),

@@ -204,6 +204,7 @@ async fn source_checks(s: &MetricsSource) -> Vec<(&'static str, bool)> {
     if let Some(w) = &s.worker {
         checks.push(("broker", w.broker_connected.load(Relaxed)));
         checks.push(("ledger", w.ledger_healthy.load(Relaxed)));
+        checks.push(("retry_publisher", w.retry_publisher_connected.load(Relaxed)));
     }
     if let Some(d) = &s.dlq {
         checks.push(("dead_letter_processor", d.connected.load(Relaxed)));

@@ -1103,6 +1103,13 @@ async fn renew_lease(ctx: Arc<Ctx>, stop: CancellationToken) {
             }
             Err(_) => {}
         }
+        let publisher = ctx
+            .publisher
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone();
+        (ctx.stats.retry_publisher_connected)
+            .store(publisher.is_connected().await, Ordering::Relaxed);
         tokio::select! {
             _ = tokio::time::sleep(LEASE_RENEW) => {}
             _ = stop.cancelled() => return,

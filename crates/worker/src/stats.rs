@@ -39,6 +39,9 @@ pub struct WorkerStats {
     pub broker_connected: std::sync::atomic::AtomicBool,
     /// Whether the ledger took the last write (false while writes are being retried).
     pub ledger_healthy: std::sync::atomic::AtomicBool,
+    /// Whether the retry publisher's connection (its own, apart from the consumer's) is up,
+    /// refreshed with the lease every 2 s (`/readyz`: `retry_publisher`).
+    pub retry_publisher_connected: std::sync::atomic::AtomicBool,
     /// Job tasks that panicked (a bug: their deliveries stay unacked and are redelivered).
     pub task_panics: AtomicU64,
     /// Histograms, labelled outcomes and slot gauges for `/metrics`.

@@ -25,7 +25,7 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
     let settings = config::settings(&cli.global)?;
     match cli.command {
         Command::Submit(a) => submit::run(&settings, a).await,
-        Command::Worker(a) => worker::run(&settings, a).await,
+        Command::Worker(a) => worker::run(&settings, *a).await,
         Command::Jobs(c) => jobs::run(&settings, c).await,
         Command::Topology(TopologyCommand::Apply(t)) => {
             let broker = connect_broker(&settings).await?;

@@ -163,11 +163,13 @@ pub async fn spawn_worker_metrics(
     s: &Settings,
     topo: &Topology,
     stats: Arc<WorkerStats>,
+    management: (&str, &str),
 ) -> Result<()> {
     let probe_broker = super::connect_broker(s).await?;
+    let (base_url, user) = management;
     let management = Management {
-        base_url: "http://127.0.0.1:15672".into(),
-        user: "guest".into(),
+        base_url: base_url.to_owned(),
+        user: user.to_owned(),
         password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
         vhost: vhost_of(without_query(&s.amqp_url)),
     };

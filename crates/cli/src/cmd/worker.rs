@@ -45,7 +45,9 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
     });
     let stats = Arc::new(WorkerStats::default());
     if let Some(addr) = a.metrics_addr {
-        super::serve::spawn_worker_metrics(addr, s, &cfg.topology, stats.clone()).await?;
+        let management = (a.management_url.as_str(), a.management_user.as_str());
+        super::serve::spawn_worker_metrics(addr, s, &cfg.topology, stats.clone(), management)
+            .await?;
     }
     let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await?;
     worker.run(stop).await?;
