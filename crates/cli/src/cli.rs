@@ -667,6 +667,25 @@ pub struct ServeArgs {
     /// served OpenAPI document states it
     #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(i64).range(1..=60_000))]
     pub max_wait_ms: i64,
+    /// Allow webhooks (`callback_url` of POST /v1/jobs) to URLs under this prefix (same
+    /// scheme, host and port; a path under its path), e.g. https://hooks.example.com/lastcall/.
+    /// Repeatable, or comma-separated in LASTCALL_WEBHOOK_ALLOW. Without it, a job with a
+    /// `callback_url` is refused (422 callback_not_allowed)
+    #[arg(
+        long,
+        value_name = "URL",
+        env = "LASTCALL_WEBHOOK_ALLOW",
+        value_delimiter = ','
+    )]
+    pub webhook_allow: Vec<String>,
+    /// Sign every webhook body with this key (x-lastcall-webhook-signature: v1=<hex> of
+    /// HMAC-SHA256 over the body). A file holding at least 32 bytes; else the environment
+    /// variable LASTCALL_WEBHOOK_KEY; neither: unsigned
+    #[arg(long, value_name = "FILE")]
+    pub webhook_key_file: Option<PathBuf>,
+    /// Delivery attempts per webhook at most (backoff 1 s, doubling, at most 30 s apart)
+    #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=20))]
+    pub webhook_attempts: u32,
     /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
     #[arg(long, default_value = "http://127.0.0.1:15672")]
     pub management_url: String,

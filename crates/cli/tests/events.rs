@@ -159,6 +159,11 @@ struct Serve {
 
 impl Serve {
     async fn start(env: &Env) -> Self {
+        Self::start_with(env, &[], &[]).await
+    }
+
+    /// With more flags and environment variables.
+    async fn start_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> Self {
         let port = std::net::TcpListener::bind("127.0.0.1:0")
             .unwrap()
             .local_addr()
@@ -168,6 +173,8 @@ impl Serve {
             .command()
             .args(["serve", "--addr", &format!("127.0.0.1:{port}")])
             .args(["--retry-delays-ms", "1000,5000", "--no-shed"])
+            .args(args)
+            .envs(vars.iter().copied())
             .env("LASTCALL_HTTP_TOKEN", TOKEN)
             .stdout(Stdio::null())
             .stderr(Stdio::null())
@@ -581,5 +588,171 @@ async fn the_workers_readyz_checks_its_retry_publisher() {
     assert_eq!(body["checks"]["broker"], true, "{body}");
     w.stop().await;
     stop.cancel();
+    env.cleanup().await;
+}
+
+/// A webhook receiver on a real socket: answers each request with the next status of
+/// `script` (the last one after that), and keeps what it got.
+struct Receiver {
+    port: u16,
+    got: Arc<Mutex<Vec<Request>>>,
+}
+
+/// One request as the receiver got it: the lower-cased head, and the body.
+type Request = (String, Vec<u8>);
+
+impl Receiver {
+    async fn start(script: Vec<u16>) -> Self {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let port = listener.local_addr().unwrap().port();
+        let got = Arc::new(Mutex::new(Vec::new()));
+        let seen = got.clone();
+        tokio::spawn(async move {
+            loop {
+                let Ok((mut sock, _)) = listener.accept().await else {
+                    return;
+                };
+                let mut buf = Vec::new();
+                let mut chunk = [0u8; 4096];
+                // Headers, then Content-Length bytes of body.
+                let (head, body) = loop {
+                    let n = sock.read(&mut chunk).await.unwrap_or(0);
+                    if n == 0 {
+                        break (String::new(), Vec::new());
+                    }
+                    buf.extend_from_slice(&chunk[..n]);
+                    let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&buf[..end]).to_lowercase();
+                    let len = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .and_then(|v| v.trim().parse::<usize>().ok())
+                        .unwrap_or(0);
+                    while buf.len() < end + 4 + len {
+                        let n = sock.read(&mut chunk).await.unwrap_or(0);
+                        if n == 0 {
+                            break;
+                        }
+                        buf.extend_from_slice(&chunk[..n]);
+                    }
+                    break (head, buf[end + 4..].to_vec());
+                };
+                let status = {
+                    let mut g = seen.lock().unwrap();
+                    g.push((head, body));
+                    script
+                        .get(g.len() - 1)
+                        .or(script.last())
+                        .copied()
+                        .unwrap_or(200)
+                };
+                let reply = format!(
+                    "HTTP/1.1 {status} X\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"
+                );
+                let _ = sock.write_all(reply.as_bytes()).await;
+                let _ = sock.shutdown().await;
+            }
+        });
+        Self { port, got }
+    }
+
+    fn count(&self) -> usize {
+        self.got.lock().unwrap().len()
+    }
+}
+
+/// A job with a `callback_url` under the allowed prefix: its outcome event is POSTed there,
+/// signed, retried after two 500s, and every attempt is in the ledger. URLs outside the
+/// allow-list are refused at the ingress, naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn webhooks_are_signed_retried_recorded_and_allow_listed() {
+    const KEY: &str = "webhook-test-key-0123456789abcdef0123";
+    let env = Env::sqlite("webhooks").await;
+    let receiver = Receiver::start(vec![500, 500, 200]).await;
+    let allow = format!("http://127.0.0.1:{}/hooks/", receiver.port);
+    let serve = Serve::start_with(
+        &env,
+        &["--webhook-allow", &allow],
+        &[("LASTCALL_WEBHOOK_KEY", KEY)],
+    )
+    .await;
+    let http = reqwest::Client::new();
+    let post = async |body: serde_json::Value| {
+        let r = http
+            .post(format!("{}/v1/jobs", serve.base))
+            .bearer_auth(TOKEN)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        (
+            r.status().as_u16(),
+            r.json::<serde_json::Value>().await.unwrap(),
+        )
+    };
+    let job = |id: &str, url: &str| {
+        serde_json::json!({"job_id": id, "kind": "incident.summary", "deadline_ms": 60000,
+            "payload": {"prompt": "x"}, "callback_url": url})
+    };
+    for refused in [
+        format!("http://127.0.0.1:{}/elsewhere", receiver.port),
+        format!("http://127.0.0.1:{}/hooks/x", receiver.port + 1),
+        "https://hooks.example.com/hooks/".to_owned(),
+    ] {
+        let (status, body) = post(job("wh-refused", &refused)).await;
+        assert_eq!(status, 422, "{refused}: {body}");
+        assert_eq!(body["field"], "callback_url", "{body}");
+        assert_eq!(body["error"], "callback_not_allowed", "{body}");
+    }
+    assert!(
+        env.ledger.get("wh-refused").await.unwrap().is_none(),
+        "nothing accepted"
+    );
+    let (status, body) = post(job("wh-1", &format!("{allow}wh-1"))).await;
+    assert_eq!(status, 202, "{body}");
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim(20), system_clock())
+        .await;
+    let until = Instant::now() + Duration::from_secs(30);
+    while env
+        .ledger
+        .webhook_attempts("wh-1")
+        .await
+        .unwrap()
+        .last()
+        .is_none_or(|a| a.error.is_some())
+    {
+        assert!(
+            Instant::now() < until,
+            "not delivered: {:?}",
+            env.ledger.webhook_attempts("wh-1").await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let attempts = env.ledger.webhook_attempts("wh-1").await.unwrap();
+    let statuses: Vec<Option<i64>> = attempts.iter().map(|a| a.status).collect();
+    assert_eq!(statuses, [Some(500), Some(500), Some(200)], "{attempts:?}");
+    assert!(attempts[0].error.is_some() && attempts[2].error.is_none());
+    assert!(
+        attempts[1].at_ms - attempts[0].at_ms >= 1_000,
+        "backoff: {attempts:?}"
+    );
+    assert_eq!(receiver.count(), 3);
+    let key = lastcall_core::SigningKey::new(KEY).unwrap();
+    for (head, body) in receiver.got.lock().unwrap().iter() {
+        let e = OutcomeEvent::from_json(body).expect("the body is the outcome event");
+        assert_eq!((e.job_id.as_str(), e.state.as_str()), ("wh-1", "completed"));
+        let sig = lastcall_core::signature::sign_body(&key, body);
+        assert!(
+            head.contains(&format!("x-lastcall-webhook-signature: {sig}")),
+            "signed: {head}"
+        );
+        assert!(head.starts_with("post /hooks/wh-1 "), "{head}");
+    }
+    w.stop().await;
+    drop(serve);
     env.cleanup().await;
 }

@@ -36,7 +36,20 @@ pub async fn create(
     let bytes = axum::body::to_bytes(body, limit)
         .await
         .map_err(|_| ApiError::TooLarge { limit })?;
-    let job = parse_request(&bytes)?;
+    let (job, callback) = parse_request_with_callback(&bytes)?;
+    let callback = match callback {
+        Some(url) => Some(
+            state
+                .webhooks
+                .check(&url)
+                .map_err(|message| ApiError::Expired {
+                    field: "callback_url".into(),
+                    code: "callback_not_allowed",
+                    message,
+                })?,
+        ),
+        None => None,
+    };
     let spec = job.deadline;
     let now = state.clock.now_ms();
     let env = state
@@ -44,6 +57,18 @@ pub async fn create(
         .envelope(&job, now)
         .map_err(|e| submit_error(e, spec))?;
     let job_id = env.job_id().to_string();
+    // The webhook is in the ledger before the job is published: no outcome comes first.
+    if let Some(url) = &callback {
+        state
+            .ledger
+            .register_webhook(&job_id, url.as_str(), now)
+            .await
+            .map_err(|e| {
+                ApiError::Unavailable(format!(
+                    "not accepted: the ledger cannot record the webhook: {e}"
+                ))
+            })?;
+    }
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
     // same id again (even concurrently, even from another `serve`) is published at most
@@ -189,6 +214,11 @@ fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
 /// The request body of `POST /v1/jobs`, checked field by field so that errors name the
 /// field.
 pub fn parse_request(body: &[u8]) -> Result<NewJob, ApiError> {
+    parse_request_with_callback(body).map(|(job, _)| job)
+}
+
+/// [`parse_request`] and the optional `callback_url` (a string of at most 2,048 bytes).
+fn parse_request_with_callback(body: &[u8]) -> Result<(NewJob, Option<String>), ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad("body", "invalid_json", format!("not valid JSON: {e}")))?;
     let Value::Object(mut o) = v else {
@@ -251,14 +281,25 @@ pub fn parse_request(body: &[u8]) -> Result<NewJob, ApiError> {
             ));
         }
     };
-    Ok(NewJob {
-        job_id,
-        kind,
-        payload,
-        deadline,
-        min_runtime_ms: opt_u64(&mut o, "min_runtime_ms")?,
-        trace_id: trace_id(&mut o)?,
-    })
+    let callback = opt_string(&mut o, "callback_url")?;
+    if callback.as_ref().is_some_and(|u| u.len() > 2048) {
+        return Err(ApiError::bad(
+            "callback_url",
+            "invalid_field",
+            "`callback_url` is longer than 2048 bytes",
+        ));
+    }
+    Ok((
+        NewJob {
+            job_id,
+            kind,
+            payload,
+            deadline,
+            min_runtime_ms: opt_u64(&mut o, "min_runtime_ms")?,
+            trace_id: trace_id(&mut o)?,
+        },
+        callback,
+    ))
 }
 
 /// The longest `trace_id`, in characters (bytes: it is ASCII).

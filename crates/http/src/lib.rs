@@ -28,6 +28,7 @@ pub mod metrics;
 mod params;
 pub mod tls;
 pub mod waiters;
+pub mod webhooks;
 
 pub use auth::{Token, TokenError};
 pub use error::ApiError;
@@ -87,6 +88,8 @@ pub struct AppState {
     /// Disabled by default; `serve` connects both.
     pub events: lastcall_broker::EventSink,
     pub control: lastcall_broker::EventSink,
+    /// Which `callback_url`s the ingress takes (`serve --webhook-allow`; none: refused).
+    pub webhooks: webhooks::WebhookConfig,
 }
 
 impl std::fmt::Debug for AppState {
@@ -129,6 +132,7 @@ impl AppState {
             max_wait_ms: jobs::MAX_WAIT_MS,
             events: lastcall_broker::EventSink::disabled(),
             control: lastcall_broker::EventSink::disabled(),
+            webhooks: webhooks::WebhookConfig::default(),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()

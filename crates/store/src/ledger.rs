@@ -41,7 +41,7 @@ use crate::error::db;
 use crate::migrate;
 use crate::{
     AcceptedJob, AttemptRow, AttemptStart, CancelOutcome, JobRecord, ListFilter, OutcomeRecord,
-    ReceiptInfo, StoreError,
+    ReceiptInfo, StoreError, WebhookAttempt,
 };
 
 /// How long a caller waits for a pooled connection before `Unavailable`: short, so an
@@ -1107,6 +1107,99 @@ impl Ledger {
         Ok(match self.get(job_id).await? {
             Some(rec) => CancelOutcome::AlreadyTerminal(rec.state),
             None => CancelOutcome::NotFound,
+        })
+    }
+
+    /// Register `url` as the webhook of `job_id`, before the job is published (so no
+    /// outcome can come first). A registration not yet claimed takes the new URL (a
+    /// retried submission); a claimed one is kept.
+    pub async fn register_webhook(
+        &self,
+        job_id: &str,
+        url: &str,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        const REGISTER: &str = "INSERT INTO webhooks (job_id, url, registered_at_ms)              VALUES ($1, $2, $3) ON CONFLICT (job_id) DO UPDATE SET url = excluded.url              WHERE webhooks.claimed_by IS NULL";
+        on_pool!(self, write, |pool| {
+            sqlx::query(REGISTER)
+                .bind(job_id)
+                .bind(url)
+                .bind(now_ms)
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(db("registering a webhook"))
+        })
+    }
+
+    /// Claim the webhook of `job_id` for delivery by `me`: its URL if it has one that no one
+    /// claimed yet (exactly one claimer wins), else `None`.
+    pub async fn claim_webhook(
+        &self,
+        job_id: &str,
+        me: &str,
+    ) -> Result<Option<String>, StoreError> {
+        const CLAIM: &str = "UPDATE webhooks SET claimed_by = $2              WHERE job_id = $1 AND claimed_by IS NULL RETURNING url";
+        on_pool!(self, write, |pool| {
+            sqlx::query(CLAIM)
+                .bind(job_id)
+                .bind(me)
+                .fetch_optional(pool)
+                .await
+                .and_then(|row| row.map(|r| r.try_get(0)).transpose())
+                .map_err(db("claiming a webhook"))
+        })
+    }
+
+    /// Record one delivery attempt; a successful one (`error` is `None`) marks the webhook
+    /// delivered.
+    pub async fn record_webhook_attempt(&self, a: &WebhookAttempt) -> Result<(), StoreError> {
+        const ATTEMPT: &str = "INSERT INTO webhook_attempts (job_id, attempt, at_ms, status, error)              VALUES ($1, $2, $3, $4, $5) ON CONFLICT (job_id, attempt) DO NOTHING";
+        const DELIVERED: &str = "UPDATE webhooks SET delivered_at_ms = $2 WHERE job_id = $1";
+        on_pool!(self, write, |pool| {
+            sqlx::query(ATTEMPT)
+                .bind(&a.job_id)
+                .bind(a.attempt)
+                .bind(a.at_ms)
+                .bind(a.status)
+                .bind(&a.error)
+                .execute(pool)
+                .await
+                .map_err(db("recording a webhook attempt"))?;
+            if a.error.is_none() {
+                sqlx::query(DELIVERED)
+                    .bind(&a.job_id)
+                    .bind(a.at_ms)
+                    .execute(pool)
+                    .await
+                    .map_err(db("marking a webhook delivered"))?;
+            }
+            Ok(())
+        })
+    }
+
+    /// The delivery attempts of `job_id`'s webhook, in order.
+    pub async fn webhook_attempts(&self, job_id: &str) -> Result<Vec<WebhookAttempt>, StoreError> {
+        const SELECT: &str = "SELECT job_id, attempt, at_ms, status, error FROM webhook_attempts              WHERE job_id = $1 ORDER BY attempt";
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT)
+                .bind(job_id)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            Ok(WebhookAttempt {
+                                job_id: r.try_get(0)?,
+                                attempt: r.try_get(1)?,
+                                at_ms: r.try_get(2)?,
+                                status: r.try_get(3)?,
+                                error: r.try_get(4)?,
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading webhook attempts"))
         })
     }
 

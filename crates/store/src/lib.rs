@@ -130,6 +130,19 @@ pub struct ReceiptInfo {
     pub cancel_requested: bool,
 }
 
+/// One webhook delivery attempt (`webhook_attempts`).
+#[derive(Debug, Clone, PartialEq, Eq, Serialize)]
+pub struct WebhookAttempt {
+    pub job_id: String,
+    /// 1-based.
+    pub attempt: i64,
+    pub at_ms: i64,
+    /// The HTTP status, when the receiver answered.
+    pub status: Option<i64>,
+    /// Why it failed (no answer, a non-2xx status), `None` on success.
+    pub error: Option<String>,
+}
+
 /// What [`Ledger::cancel`] did.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CancelOutcome {

@@ -51,6 +51,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0005_backend_model.sql"),
         postgres: include_str!("../migrations/postgres/0005_backend_model.sql"),
     },
+    Migration {
+        version: 6,
+        name: "webhooks",
+        sqlite: include_str!("../migrations/sqlite/0006_webhooks.sql"),
+        postgres: include_str!("../migrations/postgres/0006_webhooks.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

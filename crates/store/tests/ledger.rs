@@ -19,7 +19,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 5;
+const LATEST_VERSION: i64 = 6;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -235,6 +235,7 @@ both_backends!(
     a_running_attempt_is_live_while_its_worker_renews_its_lease,
     the_outcome_names_its_backend_model_and_min_runtime,
     cancel_ends_a_waiting_job_and_flags_a_running_one,
+    a_webhook_is_claimed_once_and_its_attempts_recorded,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -362,7 +363,7 @@ async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
         Backend::Sqlite => include_str!("../migrations/sqlite/0001_init.sql"),
         Backend::Postgres => include_str!("../migrations/postgres/0001_init.sql"),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(
@@ -403,7 +404,7 @@ async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
             include_str!("../migrations/postgres/0002_counters_on_read.sql"),
         ),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(v2).await;
@@ -2002,4 +2003,40 @@ async fn cancel_ends_a_waiting_job_and_flags_a_running_one(db: &TestDb) {
         l.cancel("nope", 500).await.unwrap(),
         CancelOutcome::NotFound
     );
+}
+
+async fn a_webhook_is_claimed_once_and_its_attempts_recorded(db: &TestDb) {
+    use lastcall_store::WebhookAttempt;
+    let l = &db.ledger;
+    assert_eq!(l.claim_webhook("none", "s1").await.unwrap(), None);
+    l.register_webhook("h1", "http://a/1", 100).await.unwrap();
+    // A retried submission before any claim takes the new URL.
+    l.register_webhook("h1", "http://a/2", 110).await.unwrap();
+    assert_eq!(
+        l.claim_webhook("h1", "s1").await.unwrap().as_deref(),
+        Some("http://a/2")
+    );
+    assert_eq!(
+        l.claim_webhook("h1", "s2").await.unwrap(),
+        None,
+        "one claimer"
+    );
+    l.register_webhook("h1", "http://a/3", 120).await.unwrap();
+    let fail = WebhookAttempt {
+        job_id: "h1".into(),
+        attempt: 1,
+        at_ms: 200,
+        status: Some(500),
+        error: Some("the receiver answered 500".into()),
+    };
+    l.record_webhook_attempt(&fail).await.unwrap();
+    let ok = WebhookAttempt {
+        attempt: 2,
+        at_ms: 300,
+        status: Some(200),
+        error: None,
+        ..fail.clone()
+    };
+    l.record_webhook_attempt(&ok).await.unwrap();
+    assert_eq!(l.webhook_attempts("h1").await.unwrap(), vec![fail, ok]);
 }

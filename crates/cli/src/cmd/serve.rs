@@ -52,6 +52,16 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     );
     state.max_body_bytes = a.max_body_bytes;
     state.max_wait_ms = a.max_wait_ms;
+    state.webhooks = lastcall_http::webhooks::WebhookConfig {
+        allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
+            .map_err(anyhow::Error::msg)?,
+        key: lastcall_worker::submit::load_signing_key(
+            a.webhook_key_file.as_deref(),
+            "LASTCALL_WEBHOOK_KEY",
+        )?,
+        attempts: a.webhook_attempts,
+        ..Default::default()
+    };
     // The served OpenAPI document states this server's own horizon.
     state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));
@@ -74,7 +84,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
             super::connect_broker(s).await?,
             ledger.clone(),
             topo.clone(),
-            clock,
+            clock.clone(),
             false,
         )
         .await
@@ -88,13 +98,27 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     state.events = lastcall_broker::EventSink::spawn(&broker, &topo.names.events_exchange);
     state.control = lastcall_broker::EventSink::spawn(&broker, &topo.names.control_exchange);
     // Long-polls wake on the outcome events of `{prefix}.events`: one follower per process.
+    // Webhooks are delivered from the same events.
     let waiters = state.waiters.clone();
+    let webhooks = state.webhooks.enabled().then(|| {
+        lastcall_http::webhooks::Webhooks::spawn(
+            state.webhooks.clone(),
+            ledger.clone(),
+            clock.clone(),
+            format!("serve:{}", lastcall_worker::runtime::default_worker_name()),
+        )
+    });
     let (on_event, on_gap) = (waiters.clone(), waiters);
     let events_task = tokio::spawn(lastcall_broker::events::follow(
         broker.clone(),
         topo.names.events_exchange.clone(),
         stop.clone(),
-        move |_, body| on_event.on_event(body),
+        move |_, body| {
+            on_event.on_event(body);
+            if let Some(w) = &webhooks {
+                w.on_event(body);
+            }
+        },
         move || on_gap.gap(),
     ));
     let router = lastcall_http::app(Arc::new(state));

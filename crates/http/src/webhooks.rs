@@ -1,0 +1,258 @@
+//! Webhooks: a job submitted with `callback_url` gets its outcome event POSTed there.
+//!
+//! - **Allow-list.** Only URLs under a prefix the operator allowed (`serve --webhook-allow
+//!   URL`, same scheme, host and port, and a path under the prefix's) are taken: checked at
+//!   the ingress (`422 callback_not_allowed`) and again before every attempt. Without an
+//!   allow-list webhooks are off and `callback_url` is refused.
+//! - **Registration before publishing.** The ingress writes the URL to the ledger
+//!   (`webhooks`) before the job is published, so no outcome can come first.
+//! - **Delivery.** Each `serve` follows `{prefix}.events` once; for every event it tries to
+//!   claim the job's webhook in the ledger (`Ledger::claim_webhook`: one claimer wins, so
+//!   several `serve` processes never deliver twice), then POSTs the event JSON, signed
+//!   with HMAC-SHA256 when a key is set (`x-lastcall-webhook-signature: v1=<hex>` over the
+//!   body), retried with exponential backoff (1 s doubling, at most 30 s between attempts)
+//!   up to `--webhook-attempts` times. Every attempt is recorded (`webhook_attempts`); a 2xx
+//!   marks it delivered.
+//! - **Limits.** Best-effort like the events it rides on: an event the process never saw
+//!   (it was down or disconnected) delivers nothing, and a delivery in progress when the
+//!   process stops is not resumed; the ledger shows which webhooks were delivered. At most
+//!   1,024 events wait for a claim and 32 deliveries run at once; more are dropped and
+//!   counted.
+
+use lastcall_core::{OutcomeEvent, SigningKey};
+use lastcall_store::{Ledger, WebhookAttempt};
+use lastcall_worker::Clock;
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::Duration;
+use tokio::sync::{Semaphore, mpsc};
+
+/// The header carrying a webhook body's signature.
+pub const SIGNATURE_HEADER: &str = "x-lastcall-webhook-signature";
+
+/// What `serve` was told about webhooks.
+#[derive(Debug, Clone)]
+pub struct WebhookConfig {
+    /// URL prefixes callbacks may go to; empty: webhooks are off.
+    pub allow: Vec<reqwest::Url>,
+    pub key: Option<SigningKey>,
+    /// Attempts per webhook at most (≥ 1).
+    pub attempts: u32,
+    /// The wait before the second attempt; it doubles, up to 30 s.
+    pub first_backoff: Duration,
+    /// How long one attempt may take.
+    pub timeout: Duration,
+}
+
+impl Default for WebhookConfig {
+    fn default() -> Self {
+        Self {
+            allow: Vec::new(),
+            key: None,
+            attempts: 5,
+            first_backoff: Duration::from_secs(1),
+            timeout: Duration::from_secs(10),
+        }
+    }
+}
+
+impl WebhookConfig {
+    /// Parse `--webhook-allow` prefixes (http or https URLs).
+    pub fn parse_allow(prefixes: &[String]) -> Result<Vec<reqwest::Url>, String> {
+        prefixes
+            .iter()
+            .map(|p| {
+                let u = reqwest::Url::parse(p)
+                    .map_err(|e| format!("--webhook-allow `{p}` is not a URL: {e}"))?;
+                if !matches!(u.scheme(), "http" | "https") || u.host_str().is_none() {
+                    return Err(format!(
+                        "--webhook-allow `{p}` must be an http:// or https:// URL with a host"
+                    ));
+                }
+                Ok(u)
+            })
+            .collect()
+    }
+
+    pub fn enabled(&self) -> bool {
+        !self.allow.is_empty()
+    }
+
+    /// Whether callbacks may go to `url`; the refusal says why.
+    pub fn check(&self, url: &str) -> Result<reqwest::Url, String> {
+        if !self.enabled() {
+            return Err(
+                "webhooks are off on this server (start `lastcall serve` with --webhook-allow URL_PREFIX)"
+                    .into(),
+            );
+        }
+        let u =
+            reqwest::Url::parse(url).map_err(|e| format!("`callback_url` is not a URL: {e}"))?;
+        let allowed = self.allow.iter().any(|a| {
+            a.scheme() == u.scheme()
+                && a.host_str() == u.host_str()
+                && a.port_or_known_default() == u.port_or_known_default()
+                && u.path().starts_with(a.path())
+        });
+        if allowed {
+            Ok(u)
+        } else {
+            Err(format!(
+                "`callback_url` is not under an allowed prefix (serve --webhook-allow): {}",
+                crate::params::shorten(url)
+            ))
+        }
+    }
+}
+
+/// Counters for `/metrics` and tests.
+#[derive(Debug, Default)]
+pub struct WebhookStats {
+    pub delivered: AtomicU64,
+    pub failed: AtomicU64,
+    pub attempts: AtomicU64,
+    /// Events dropped because the claim queue or the delivery slots were full.
+    pub dropped: AtomicU64,
+}
+
+/// The delivery side: fed with event bodies by `serve`'s events follower.
+#[derive(Debug)]
+pub struct Webhooks {
+    tx: mpsc::Sender<String>,
+    pub stats: Arc<WebhookStats>,
+}
+
+impl Webhooks {
+    /// Start the claim-and-deliver task; `me` names this process in the ledger's claims.
+    pub fn spawn(
+        cfg: WebhookConfig,
+        ledger: Arc<Ledger>,
+        clock: Arc<dyn Clock>,
+        me: String,
+    ) -> Arc<Self> {
+        let (tx, rx) = mpsc::channel(1024);
+        let stats = Arc::new(WebhookStats::default());
+        let client = reqwest::Client::builder()
+            .timeout(cfg.timeout)
+            .redirect(reqwest::redirect::Policy::none())
+            .build()
+            .unwrap_or_default();
+        let ctx = Arc::new(Ctx {
+            cfg,
+            ledger,
+            clock,
+            me,
+            client,
+            stats: stats.clone(),
+        });
+        tokio::spawn(dispatch(ctx, rx));
+        Arc::new(Self { tx, stats })
+    }
+
+    /// One event body from the follower (never waits).
+    pub fn on_event(&self, body: &[u8]) {
+        let Ok(text) = std::str::from_utf8(body) else {
+            return;
+        };
+        if self.tx.try_send(text.to_owned()).is_err() {
+            self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+struct Ctx {
+    cfg: WebhookConfig,
+    ledger: Arc<Ledger>,
+    clock: Arc<dyn Clock>,
+    me: String,
+    client: reqwest::Client,
+    stats: Arc<WebhookStats>,
+}
+
+async fn dispatch(ctx: Arc<Ctx>, mut rx: mpsc::Receiver<String>) {
+    let slots = Arc::new(Semaphore::new(32));
+    while let Some(body) = rx.recv().await {
+        let Some(event) = OutcomeEvent::from_json(body.as_bytes()) else {
+            continue;
+        };
+        let url = match ctx.ledger.claim_webhook(&event.job_id, &ctx.me).await {
+            Ok(Some(url)) => url,
+            Ok(None) => continue, // no webhook, or another process has it
+            Err(e) => {
+                tracing::warn!(job_id = %event.job_id, error = %e, "cannot claim a webhook; not delivered");
+                continue;
+            }
+        };
+        let Ok(permit) = slots.clone().try_acquire_owned() else {
+            ctx.stats.dropped.fetch_add(1, Ordering::Relaxed);
+            tracing::warn!(job_id = %event.job_id, "32 webhook deliveries in flight; this one is dropped");
+            continue;
+        };
+        let ctx = ctx.clone();
+        tokio::spawn(async move {
+            deliver(&ctx, &event.job_id, &url, body).await;
+            drop(permit);
+        });
+    }
+}
+
+/// Attempt until a 2xx, or until the attempts are used up; record each one. A URL no
+/// longer allowed (the allow-list changed) is recorded once and not tried.
+async fn deliver(ctx: &Ctx, job_id: &str, url: &str, body: String) {
+    let cfg = &ctx.cfg;
+    let signature = cfg
+        .key
+        .as_ref()
+        .map(|k| lastcall_core::signature::sign_body(k, body.as_bytes()));
+    let attempts = cfg.attempts.max(1);
+    let mut backoff = cfg.first_backoff;
+    for attempt in 1..=attempts {
+        ctx.stats.attempts.fetch_add(1, Ordering::Relaxed);
+        let (status, error, retry) = match cfg.check(url) {
+            Err(why) => (None, Some(why), false),
+            Ok(u) => {
+                let mut req = ctx
+                    .client
+                    .post(u)
+                    .header(reqwest::header::CONTENT_TYPE, "application/json")
+                    .body(body.clone());
+                if let Some(sig) = &signature {
+                    req = req.header(SIGNATURE_HEADER, sig);
+                }
+                match req.send().await {
+                    Ok(r) if r.status().is_success() => {
+                        (Some(i64::from(r.status().as_u16())), None, false)
+                    }
+                    Ok(r) => (
+                        Some(i64::from(r.status().as_u16())),
+                        Some(format!("the receiver answered {}", r.status())),
+                        true,
+                    ),
+                    Err(e) => (None, Some(format!("no answer: {e}")), true),
+                }
+            }
+        };
+        let rec = WebhookAttempt {
+            job_id: job_id.to_owned(),
+            attempt: i64::from(attempt),
+            at_ms: ctx.clock.now_ms(),
+            status,
+            error: error.clone(),
+        };
+        if let Err(e) = ctx.ledger.record_webhook_attempt(&rec).await {
+            tracing::warn!(job_id, error = %e, "cannot record a webhook attempt");
+        }
+        let Some(error) = error else {
+            ctx.stats.delivered.fetch_add(1, Ordering::Relaxed);
+            tracing::info!(job_id, attempt, "webhook delivered");
+            return;
+        };
+        tracing::warn!(job_id, attempt, error = %error, "webhook attempt failed");
+        if !retry || attempt == attempts {
+            break;
+        }
+        tokio::time::sleep(backoff).await;
+        backoff = (backoff * 2).min(Duration::from_secs(30));
+    }
+    ctx.stats.failed.fetch_add(1, Ordering::Relaxed);
+}
