@@ -686,6 +686,15 @@ pub struct ServeArgs {
     /// Delivery attempts per webhook at most (backoff 1 s, doubling, at most 30 s apart)
     #[arg(long, default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..=20))]
     pub webhook_attempts: u32,
+    /// The OpenAI-compatible front door (`POST /v1/chat/completions`): map the request's
+    /// `model` to a job kind, NAME=KIND (repeatable, e.g. --model gpt-4o-mini=incident.summary).
+    /// Without any, every model maps to the kind `chat`; with some, other models get 404
+    #[arg(long = "model", value_name = "NAME=KIND")]
+    pub models: Vec<String>,
+    /// The front door's budget for a request that states none (no X-Lastcall-Deadline-Ms,
+    /// no SDK timeout header), in ms
+    #[arg(long, default_value_t = 60_000)]
+    pub default_deadline_ms: u64,
     /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
     #[arg(long, default_value = "http://127.0.0.1:15672")]
     pub management_url: String,

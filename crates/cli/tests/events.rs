@@ -756,3 +756,189 @@ async fn webhooks_are_signed_retried_recorded_and_allow_listed() {
     drop(serve);
     env.cleanup().await;
 }
+
+/// The official `openai` Python SDK (PyPI, pinned by scripts/setup-python-example.sh)
+/// against the front door: one JSON line per call.
+const SDK_CLIENT: &str = r#"
+import json, sys, openai
+base, token, case = sys.argv[1], sys.argv[2], sys.argv[3]
+def client(**kw):
+    return openai.OpenAI(base_url=base + "/v1", api_key=token, **kw)
+msgs = [{"role": "user", "content": "Summarise db-7's alerts."}]
+def out(**kw):
+    print(json.dumps(kw), flush=True)
+try:
+    if case == "complete":
+        r = client(timeout=20.0).chat.completions.with_raw_response.create(model="m", messages=msgs)
+        c = r.parse()
+        out(job=r.headers.get("x-lastcall-job-id"), state=r.headers.get("x-lastcall-state"),
+            text=c.choices[0].message.content, usage=c.usage.total_tokens)
+    elif case == "idempotent":
+        ids = []
+        for _ in range(2):
+            r = client(timeout=20.0).chat.completions.with_raw_response.create(
+                model="m", messages=msgs, extra_headers={"Idempotency-Key": "fd-idem"})
+            ids.append((r.headers.get("x-lastcall-job-id"), r.parse().choices[0].message.content))
+        out(ids=ids)
+    elif case == "expired":
+        client(timeout=10.0).chat.completions.create(
+            model="m", messages=msgs, extra_headers={"X-Lastcall-Deadline-Ms": "1500"})
+        out(unexpected="completed")
+    elif case == "disconnect":
+        client(timeout=1.0, max_retries=0).chat.completions.create(
+            model="m", messages=msgs, extra_headers={"X-Lastcall-Deadline-Ms": "60000",
+            "Idempotency-Key": "fd-gone"}, extra_body={"sim_latency_ms": 30000})
+        out(unexpected="completed")
+    elif case == "unknown-model":
+        client().chat.completions.create(model="nope", messages=msgs)
+    elif case == "models":
+        out(models=[m.id for m in client().models.list()])
+except openai.APIStatusError as e:
+    out(status=e.status_code, body=e.body, job=e.response.headers.get("x-lastcall-job-id"),
+        retry=e.response.headers.get("x-should-retry"))
+except openai.APITimeoutError:
+    out(timeout=True)
+"#;
+
+async fn sdk(script: &std::path::Path, base: &str, case: &str) -> serde_json::Value {
+    let mut c = std::process::Command::new(example_python("openai"));
+    c.arg(script).args([base, TOKEN, case]);
+    let out = tokio::task::spawn_blocking(move || c.output().unwrap())
+        .await
+        .unwrap();
+    let text = String::from_utf8_lossy(&out.stdout);
+    serde_json::from_str(text.lines().last().unwrap_or("")).unwrap_or_else(|e| {
+        panic!(
+            "{case}: {e}: {text}{}",
+            String::from_utf8_lossy(&out.stderr)
+        )
+    })
+}
+
+/// The counter of front-door responses with `status`, from `/metrics`.
+async fn front_door_responses(serve: &Serve, status: u16) -> u64 {
+    let text = reqwest::Client::new()
+        .get(format!("{}/metrics", serve.base))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    text.lines()
+        .filter(|l| {
+            l.starts_with("lastcall_http_responses_total")
+                && l.contains("/v1/chat/completions")
+                && l.contains(&format!("\"{status}\""))
+        })
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<u64>().ok())
+        .sum()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_gets_answers_deadlines_and_cancellation_through_the_front_door() {
+    let env = Env::sqlite("front-door").await;
+    let serve = Serve::start_with(&env, &["--model", "m=incident.summary"], &[]).await;
+    let script = env.dir.join("sdk.py");
+    std::fs::write(&script, SDK_CLIENT).unwrap();
+    let w = env
+        .start_worker(env.worker_config(1, 4), sim(20), system_clock())
+        .await;
+    let base = serve.base.clone();
+
+    // A completion with usage; the SDK's own timeout (20 s) is the job's deadline.
+    let r = sdk(&script, &base, "complete").await;
+    assert_eq!(r["state"], "completed", "{r}");
+    assert!(r["usage"].as_u64().unwrap() > 0, "{r}");
+    let rec = env
+        .ledger
+        .get(r["job"].as_str().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.result.as_deref(), r["text"].as_str());
+    assert_eq!(
+        rec.expires_at_ms.unwrap() - rec.created_at_ms.unwrap(),
+        20_000,
+        "{rec:?}"
+    );
+    assert_eq!(rec.kind, "incident.summary");
+
+    // The same Idempotency-Key twice: one job, one model call.
+    let r = sdk(&script, &base, "idempotent").await;
+    assert_eq!(r["ids"][0], r["ids"][1], "{r}");
+    assert_eq!(
+        env.ledger
+            .get("fd-idem")
+            .await
+            .unwrap()
+            .unwrap()
+            .backend_calls,
+        1
+    );
+
+    // Models: the mapped ones; another is a 404 in OpenAI's shape.
+    let r = sdk(&script, &base, "models").await;
+    assert_eq!(r["models"], serde_json::json!(["m"]), "{r}");
+    let r = sdk(&script, &base, "unknown-model").await;
+    assert_eq!(r["status"], 404, "{r}");
+    assert_eq!(r["body"]["code"], "model_not_found", "{r}");
+
+    // A client that gives up (its 1 s timeout, no retries) cancels its job.
+    let r = sdk(&script, &base, "disconnect").await;
+    assert_eq!(r["timeout"], true, "{r}");
+    let rec = env
+        .wait_terminal(&["fd-gone".to_owned()], Duration::from_secs(20))
+        .await
+        .remove(0);
+    assert_eq!(rec.state, "cancelled", "{rec:?}");
+
+    // Overloaded (the one slot busy for 30 s): the job expires in the buffer and the SDK
+    // gets one prompt deadline_expired answer — no retry, no model call.
+    sub_long(&env, "fd-busy").await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while env.ledger.get("fd-busy").await.unwrap().unwrap().state != "running" {
+        assert!(Instant::now() < until, "fd-busy did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let before = front_door_responses(&serve, 504).await;
+    let r = sdk(&script, &base, "expired").await;
+    assert_eq!(r["status"], 504, "{r}");
+    assert_eq!(r["body"]["type"], "deadline_expired", "{r}");
+    assert_eq!(r["retry"], "false", "{r}");
+    assert_eq!(
+        front_door_responses(&serve, 504).await - before,
+        1,
+        "the SDK asked once"
+    );
+    let rec = env
+        .ledger
+        .get(r["job"].as_str().unwrap())
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(
+        (rec.state.as_str(), rec.backend_calls),
+        ("expired_not_started", 0),
+        "{rec:?}"
+    );
+    w.stop().await;
+    drop(serve);
+    env.cleanup().await;
+}
+
+async fn sub_long(env: &Env, id: &str) {
+    env.submitter(0, true)
+        .await
+        .submit(
+            &job_with(
+                id,
+                120_000,
+                serde_json::json!({"prompt": "x", "sim_latency_ms": 30_000}),
+            ),
+            lastcall_worker::clock::now_ms(),
+        )
+        .await
+        .unwrap();
+}

@@ -30,30 +30,6 @@ fn producer_py() -> PathBuf {
     ))
 }
 
-/// The venv's python, with pika importable; panics saying how to install it otherwise.
-fn venv_python() -> PathBuf {
-    let cache = std::env::var_os("LASTCALL_CACHE")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/lastcall")
-        });
-    let python = cache.join("python-example-venv/bin/python");
-    let ok = python.is_file()
-        && Command::new(&python)
-            .args(["-c", "import pika"])
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .status()
-            .is_ok_and(|s| s.success());
-    assert!(
-        ok,
-        "no python with pika at {}: run scripts/setup-python-example.sh first \
-         (scripts/test.sh does)",
-        python.display()
-    );
-    python
-}
-
 /// A worker that requires signatures and `serve` (with the dead-letter processor, so a
 /// job the broker expires is recorded too), both holding the key; killed on drop.
 struct Stack {
@@ -149,7 +125,7 @@ fn show(out: &Output) -> String {
 
 #[test]
 fn self_test_reproduces_the_documented_signature_and_no_budget_is_refused() {
-    let python = venv_python();
+    let python = example_python("pika");
     let out = Command::new(&python)
         .arg(producer_py())
         .arg("--self-test")
@@ -180,7 +156,7 @@ fn self_test_reproduces_the_documented_signature_and_no_budget_is_refused() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_signed_python_job_completes_and_its_outcome_is_read_over_http() {
     // First, so that a missing venv fails before anything is set up.
-    let python = venv_python();
+    let python = example_python("pika");
     let env = Env::sqlite("py-example").await;
     let stack = Stack::start(&env, python).await;
     let out = stack
@@ -231,7 +207,7 @@ async fn a_signed_python_job_completes_and_its_outcome_is_read_over_http() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_python_job_that_cannot_finish_in_its_budget_exits_expired() {
     // First, so that a missing venv fails before anything is set up.
-    let python = venv_python();
+    let python = example_python("pika");
     let env = Env::sqlite("py-example-expired").await;
     let stack = Stack::start(&env, python).await;
     // The sim backend takes 30 s for this job; its budget is 1.5 s.

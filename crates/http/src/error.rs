@@ -112,7 +112,7 @@ impl ApiError {
         }
     }
 
-    fn code(&self) -> &str {
+    pub(crate) fn code(&self) -> &str {
         match self {
             ApiError::BadField { code, .. } => code,
             ApiError::Unauthorized => "unauthorized",
@@ -128,7 +128,7 @@ impl ApiError {
         }
     }
 
-    fn field(&self) -> Option<&str> {
+    pub(crate) fn field(&self) -> Option<&str> {
         match self {
             ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
             ApiError::Conflict(_) => Some("job_id"),

@@ -146,7 +146,7 @@ fn accepted(job_id: &str, body: Value) -> Response {
 /// the document (`deadline_ms` above the horizon) is a `400`; a well-formed one that the
 /// clock refuses (already passed, an `expires_at_ms` farther ahead than the horizon) is a
 /// `422`.
-fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
+pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
     let deadline_field = match spec {
         DeadlineSpec::RelativeMs(_) => "deadline_ms",
         DeadlineSpec::AbsoluteMs(_) => "expires_at_ms",
@@ -409,7 +409,7 @@ pub async fn cancel(
     }
 }
 
-async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRecord>, ApiError> {
+pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRecord>, ApiError> {
     state.http_stats.job_reads.fetch_add(1, Ordering::Relaxed);
     state
         .ledger
@@ -418,7 +418,7 @@ async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRecord>, ApiEr
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
-fn is_terminal(rec: &JobRecord) -> bool {
+pub(crate) fn is_terminal(rec: &JobRecord) -> bool {
     rec.state.parse::<JobState>().is_ok_and(|s| s.is_terminal())
 }
 

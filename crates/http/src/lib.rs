@@ -23,6 +23,7 @@ pub mod auth;
 pub mod dashboard;
 pub mod depth;
 mod error;
+pub mod front_door;
 mod jobs;
 pub mod metrics;
 mod params;
@@ -90,6 +91,8 @@ pub struct AppState {
     pub control: lastcall_broker::EventSink,
     /// Which `callback_url`s the ingress takes (`serve --webhook-allow`; none: refused).
     pub webhooks: webhooks::WebhookConfig,
+    /// The OpenAI-compatible front door's model map and default deadline.
+    pub front_door: front_door::FrontDoor,
 }
 
 impl std::fmt::Debug for AppState {
@@ -133,6 +136,7 @@ impl AppState {
             events: lastcall_broker::EventSink::disabled(),
             control: lastcall_broker::EventSink::disabled(),
             webhooks: webhooks::WebhookConfig::default(),
+            front_door: front_door::FrontDoor::default(),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()
@@ -148,6 +152,11 @@ pub fn app(state: Arc<AppState>) -> Router {
         .route("/", get(dashboard::page))
         .route("/v1/jobs", get(jobs::list).post(jobs::create))
         .route("/v1/jobs/{id}", get(jobs::show).delete(jobs::cancel))
+        .route(
+            "/v1/chat/completions",
+            axum::routing::post(front_door::chat_completions),
+        )
+        .route("/v1/models", get(front_door::models))
         .route("/v1/dashboard", get(dashboard::data))
         .route("/metrics", get(metrics_handler))
         .route("/openapi.json", get(openapi_handler))

@@ -471,6 +471,8 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
         "/v1/jobs",
         "/v1/jobs/{id}",
         "/v1/dashboard",
+        "/v1/chat/completions",
+        "/v1/models",
         "/metrics",
         "/openapi.json",
         "/healthz",

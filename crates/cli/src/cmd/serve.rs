@@ -52,6 +52,11 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     );
     state.max_body_bytes = a.max_body_bytes;
     state.max_wait_ms = a.max_wait_ms;
+    state.front_door = lastcall_http::front_door::FrontDoor {
+        models: lastcall_http::front_door::FrontDoor::parse_models(&a.models)
+            .map_err(anyhow::Error::msg)?,
+        default_deadline_ms: a.default_deadline_ms,
+    };
     state.webhooks = lastcall_http::webhooks::WebhookConfig {
         allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
             .map_err(anyhow::Error::msg)?,

@@ -399,3 +399,29 @@ pub fn job_of_kind(id: &str, kind: &str, budget_ms: u64) -> NewJob {
         ..job(id, budget_ms)
     }
 }
+
+/// The Python of `scripts/setup-python-example.sh`'s venv, with `module` importable;
+/// panics saying how to install it otherwise (never skips).
+#[allow(dead_code)]
+pub fn example_python(module: &str) -> PathBuf {
+    let cache = std::env::var_os("LASTCALL_CACHE")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| {
+            PathBuf::from(std::env::var_os("HOME").expect("HOME is set")).join(".cache/lastcall")
+        });
+    let python = cache.join("python-example-venv/bin/python");
+    let ok = python.is_file()
+        && std::process::Command::new(&python)
+            .args(["-c", &format!("import {module}")])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .status()
+            .is_ok_and(|s| s.success());
+    assert!(
+        ok,
+        "no python with {module} at {}: run scripts/setup-python-example.sh first \
+         (scripts/test.sh does)",
+        python.display()
+    );
+    python
+}

@@ -1,0 +1,439 @@
+//! The OpenAI-compatible front door: `POST /v1/chat/completions` and `GET /v1/models`.
+//!
+//! A chat request becomes a job with a deadline, goes through the broker to the workers
+//! under every rule of lastcall (the last admission check, the ledger, one outcome), and
+//! its outcome comes back in OpenAI's format:
+//! - `model` names a job kind through `serve --model NAME=KIND` (any model maps to kind
+//!   `chat` when none is given); an unknown model is a `404 model_not_found`;
+//! - the deadline: `X-Lastcall-Deadline-Ms` (a budget) or `X-Lastcall-Expires-At-Ms`
+//!   (absolute), else the client's own timeout that the official SDKs send with every
+//!   request (`X-Stainless-Read-Timeout` from Python, `X-Stainless-Timeout` from Node, in
+//!   seconds), else `serve --default-deadline-ms`;
+//! - `Idempotency-Key` becomes the job id, so a client's retry never queues a second job;
+//! - the answer: `completed` → a `chat.completion` with `usage`; the expired states and
+//!   `deadline_exceeded` → `504` (`type` `deadline_expired` / `deadline_exceeded`, `code` the
+//!   lastcall reason) with `x-should-retry: false` (a retry inside the same timeout cannot
+//!   cure a deadline); shed → `429` with `Retry-After`, `x-should-retry` true only when it
+//!   still fits the budget; `failed` → `502`; `rejected` → `400`; `cancelled` → `409` (with
+//!   `x-should-retry: false`). Headers `x-lastcall-job-id` and `x-lastcall-state` name the job and its outcome;
+//! - a client that disconnects before the answer cancels its job (never started if it had
+//!   not, aborted if it had): the handler is dropped, and its guard runs
+//!   `lastcall_worker::cancel`.
+//!
+//! Not yet: `"stream": true` is refused (`400`, `param` `stream`).
+
+use crate::AppState;
+use crate::error::ApiError;
+use crate::jobs::{is_terminal, read_job, submit_error};
+use axum::Json;
+use axum::body::Bytes;
+use axum::extract::State;
+use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
+use axum::response::{IntoResponse, Response};
+use lastcall_store::JobRecord;
+use lastcall_worker::submit::Submission;
+use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+
+/// What `serve` was told about the front door.
+#[derive(Debug, Clone)]
+pub struct FrontDoor {
+    /// `model` name → job kind; empty: every model maps to [`FrontDoor::DEFAULT_KIND`].
+    pub models: Vec<(String, String)>,
+    /// The budget of a request that states none (no header, no SDK timeout).
+    pub default_deadline_ms: u64,
+}
+
+impl Default for FrontDoor {
+    fn default() -> Self {
+        Self {
+            models: Vec::new(),
+            default_deadline_ms: 60_000,
+        }
+    }
+}
+
+impl FrontDoor {
+    /// The kind every model maps to when no `--model` mapping is given.
+    pub const DEFAULT_KIND: &'static str = "chat";
+
+    /// Parse `--model NAME=KIND` entries.
+    pub fn parse_models(entries: &[String]) -> Result<Vec<(String, String)>, String> {
+        entries
+            .iter()
+            .map(|e| match e.split_once('=') {
+                Some((name, kind)) if !name.is_empty() && !kind.is_empty() => {
+                    lastcall_core::Kind::parse(kind)
+                        .map_err(|err| format!("--model `{e}`: the kind {}", err.0))?;
+                    Ok((name.to_owned(), kind.to_owned()))
+                }
+                _ => Err(format!(
+                    "--model `{e}` must be NAME=KIND, e.g. smollm2=chat"
+                )),
+            })
+            .collect()
+    }
+
+    fn kind_for(&self, model: &str) -> Option<String> {
+        if self.models.is_empty() {
+            return Some(Self::DEFAULT_KIND.to_owned());
+        }
+        self.models
+            .iter()
+            .find(|(name, _)| name == model)
+            .map(|(_, kind)| kind.clone())
+    }
+}
+
+/// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
+fn oa_error(
+    status: StatusCode,
+    kind: &str,
+    code: Option<&str>,
+    param: Option<&str>,
+    message: impl Into<String>,
+) -> Response {
+    let body = json!({"error": {
+        "message": message.into(),
+        "type": kind,
+        "param": param,
+        "code": code,
+    }});
+    (status, Json(body)).into_response()
+}
+
+/// A lastcall refusal (validation, shedding, the broker) in OpenAI's shape.
+fn from_api_error(e: ApiError) -> Response {
+    let status = e.status();
+    let kind = match status {
+        StatusCode::TOO_MANY_REQUESTS => "rate_limit_exceeded",
+        s if s.is_server_error() => "server_error",
+        _ => "invalid_request_error",
+    };
+    let retry_after = match &e {
+        ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
+        _ => None,
+    };
+    let mut r = oa_error(status, kind, Some(e.code()), e.field(), e.to_string());
+    if let Some(s) = retry_after {
+        r.headers_mut()
+            .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(s));
+    }
+    r
+}
+
+/// `GET /v1/models`: the routed models (or the one default).
+pub async fn models(State(state): State<Arc<AppState>>) -> Response {
+    let names: Vec<String> = if state.front_door.models.is_empty() {
+        vec![FrontDoor::DEFAULT_KIND.to_owned()]
+    } else {
+        state
+            .front_door
+            .models
+            .iter()
+            .map(|(n, _)| n.clone())
+            .collect()
+    };
+    let data: Vec<Value> = names
+        .iter()
+        .map(|n| json!({"id": n, "object": "model", "created": 0, "owned_by": "lastcall"}))
+        .collect();
+    Json(json!({"object": "list", "data": data})).into_response()
+}
+
+/// `POST /v1/chat/completions`.
+pub async fn chat_completions(
+    State(state): State<Arc<AppState>>,
+    headers: HeaderMap,
+    body: Bytes,
+) -> Response {
+    match run(&state, &headers, &body).await {
+        Ok(r) | Err(r) => r,
+    }
+}
+
+async fn run(
+    state: &Arc<AppState>,
+    headers: &HeaderMap,
+    body: &[u8],
+) -> Result<Response, Response> {
+    let bad = |param: &str, msg: String| {
+        oa_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            None,
+            Some(param),
+            msg,
+        )
+    };
+    let v: Value = serde_json::from_slice(body)
+        .map_err(|e| bad("body", format!("the body is not valid JSON: {e}")))?;
+    let Value::Object(mut o) = v else {
+        return Err(bad("body", "the body must be a JSON object".into()));
+    };
+    let model = match o.remove("model") {
+        Some(Value::String(m)) => m,
+        _ => return Err(bad("model", "`model` is required (a string)".into())),
+    };
+    let Some(kind) = state.front_door.kind_for(&model) else {
+        return Err(oa_error(
+            StatusCode::NOT_FOUND,
+            "invalid_request_error",
+            Some("model_not_found"),
+            Some("model"),
+            format!(
+                "the model `{}` does not exist here (GET /v1/models lists them)",
+                crate::params::shorten(&model)
+            ),
+        ));
+    };
+    if o.get("stream").and_then(Value::as_bool) == Some(true) {
+        return Err(bad(
+            "stream",
+            "streaming (`stream: true`) is not supported yet".into(),
+        ));
+    }
+    o.remove("stream");
+    o.remove("stream_options");
+    if o.get("messages")
+        .and_then(Value::as_array)
+        .is_none_or(Vec::is_empty)
+    {
+        return Err(bad(
+            "messages",
+            "`messages` is required: a non-empty array".into(),
+        ));
+    }
+    let deadline =
+        deadline_of(headers, state.front_door.default_deadline_ms).map_err(|(h, m)| bad(h, m))?;
+    let job = NewJob {
+        job_id: header(headers, "idempotency-key").map(str::to_owned),
+        kind,
+        payload: o,
+        deadline,
+        min_runtime_ms: None,
+        trace_id: None,
+    };
+    let now = state.clock.now_ms();
+    let env = state
+        .submitter
+        .envelope(&job, now)
+        .map_err(|e| from_api_error(submit_error(e, deadline)))?;
+    let id = env.job_id().to_string();
+    let expires_at_ms = env.deadline().expires_at_ms();
+    // Subscribed before publishing: the outcome cannot come first.
+    let mut waiter = state.waiters.subscribe(&id);
+    let mut guard = CancelOnDrop {
+        state: state.clone(),
+        id: id.clone(),
+        armed: false,
+    };
+    match state
+        .submitter
+        .submit_once(&env, now, state.claim_wait)
+        .await
+    {
+        Ok(Submission::Published(_)) => guard.armed = true,
+        Ok(Submission::Duplicate(_)) => {} // an earlier request with this key owns the job
+        Err(SubmitError::Ledger(_)) => guard.armed = true,
+        Err(e) => return Err(shed_or_refuse(e, deadline, expires_at_ms, now)),
+    }
+    // The workers record an expiry at the deadline; a little after it the outcome is in.
+    let until = tokio::time::Instant::now()
+        + Duration::from_millis((expires_at_ms - now).max(0) as u64 + 5_000);
+    let mut rec = read_job(state, &id).await.map_err(from_api_error)?;
+    while !rec.as_ref().is_some_and(is_terminal) && waiter.wait(until).await {
+        rec = read_job(state, &id).await.map_err(from_api_error)?;
+    }
+    guard.armed = false;
+    let Some(rec) = rec.filter(is_terminal) else {
+        return Err(oa_error(
+            StatusCode::GATEWAY_TIMEOUT,
+            "deadline_expired",
+            Some("no_outcome"),
+            None,
+            format!(
+                "job `{id}` has no outcome yet after its deadline; `GET /v1/jobs/{id}` shows it later"
+            ),
+        ));
+    };
+    Ok(answer(&rec, &model, now))
+}
+
+/// A refusal before publishing: shedding says whether a retry could still fit the budget.
+fn shed_or_refuse(e: SubmitError, spec: DeadlineSpec, expires_at_ms: i64, now: i64) -> Response {
+    let fits = match &e {
+        SubmitError::WouldExpireInQueue(est) => {
+            Some(now + (est.retry_after_s as i64) * 1000 < expires_at_ms)
+        }
+        _ => None,
+    };
+    let mut r = from_api_error(submit_error(e, spec));
+    if let Some(fits) = fits {
+        r.headers_mut().insert(
+            "x-should-retry",
+            HeaderValue::from_static(if fits { "true" } else { "false" }),
+        );
+    }
+    r
+}
+
+/// The response for a terminal record.
+fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
+    let reason = rec.reason.as_deref().unwrap_or(&rec.state);
+    let mut r = match rec.state.as_str() {
+        "completed" => {
+            let (p, c) = (
+                rec.prompt_tokens.unwrap_or(0),
+                rec.completion_tokens.unwrap_or(0),
+            );
+            Json(json!({
+                "id": format!("chatcmpl-{}", rec.job_id),
+                "object": "chat.completion",
+                "created": now_ms / 1000,
+                "model": model,
+                "choices": [{
+                    "index": 0,
+                    "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
+                    "finish_reason": "stop",
+                }],
+                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
+            }))
+            .into_response()
+        }
+        "expired_not_started" | "expired_before_receive" | "deadline_exceeded" => {
+            let kind = if rec.state == "deadline_exceeded" {
+                "deadline_exceeded"
+            } else {
+                "deadline_expired"
+            };
+            let msg = format!(
+                "job `{}` ended {} ({reason}): {}",
+                rec.job_id,
+                rec.state,
+                rec.error.as_deref().unwrap_or("its deadline passed")
+            );
+            let mut r = oa_error(StatusCode::GATEWAY_TIMEOUT, kind, Some(reason), None, msg);
+            r.headers_mut()
+                .insert("x-should-retry", HeaderValue::from_static("false"));
+            r
+        }
+        "rejected" => oa_error(
+            StatusCode::BAD_REQUEST,
+            "invalid_request_error",
+            Some(reason),
+            None,
+            rec.error.clone().unwrap_or_else(|| "rejected".into()),
+        ),
+        "cancelled" => {
+            let mut r = oa_error(
+                StatusCode::CONFLICT,
+                "cancelled",
+                Some(reason),
+                None,
+                format!("job `{}` was cancelled", rec.job_id),
+            );
+            r.headers_mut()
+                .insert("x-should-retry", HeaderValue::from_static("false"));
+            r
+        }
+        _ => oa_error(
+            StatusCode::BAD_GATEWAY,
+            "model_error",
+            Some(reason),
+            None,
+            format!(
+                "job `{}` ended {} ({reason}): {}",
+                rec.job_id,
+                rec.state,
+                rec.error.as_deref().unwrap_or("")
+            ),
+        ),
+    };
+    for (name, value) in [
+        ("x-lastcall-job-id", &rec.job_id),
+        ("x-lastcall-state", &rec.state),
+    ] {
+        if let Ok(v) = HeaderValue::from_str(value) {
+            r.headers_mut().insert(HeaderName::from_static(name), v);
+        }
+    }
+    r
+}
+
+fn header<'a>(h: &'a HeaderMap, name: &str) -> Option<&'a str> {
+    h.get(name)
+        .and_then(|v| v.to_str().ok())
+        .map(str::trim)
+        .filter(|v| !v.is_empty())
+}
+
+/// The request's deadline, by precedence; a malformed header is named.
+fn deadline_of(h: &HeaderMap, default_ms: u64) -> Result<DeadlineSpec, (&'static str, String)> {
+    if let Some(v) = header(h, "x-lastcall-deadline-ms") {
+        return match v.parse::<u64>() {
+            Ok(ms) if ms > 0 => Ok(DeadlineSpec::RelativeMs(ms)),
+            _ => Err((
+                "X-Lastcall-Deadline-Ms",
+                format!(
+                    "`X-Lastcall-Deadline-Ms` must be a positive integer (ms), not `{}`",
+                    crate::params::shorten(v)
+                ),
+            )),
+        };
+    }
+    if let Some(v) = header(h, "x-lastcall-expires-at-ms") {
+        return v.parse::<i64>().map(DeadlineSpec::AbsoluteMs).map_err(|_| {
+            (
+                "X-Lastcall-Expires-At-Ms",
+                format!(
+                    "`X-Lastcall-Expires-At-Ms` must be ms since the epoch, not `{}`",
+                    crate::params::shorten(v)
+                ),
+            )
+        });
+    }
+    for name in ["x-stainless-read-timeout", "x-stainless-timeout"] {
+        if let Some(v) = header(h, name)
+            && let Ok(s) = v.parse::<f64>()
+            && s.is_finite()
+            && s > 0.0
+        {
+            return Ok(DeadlineSpec::RelativeMs(((s * 1000.0) as u64).max(1)));
+        }
+    }
+    Ok(DeadlineSpec::RelativeMs(default_ms))
+}
+
+/// Cancels the job when the request is dropped before its answer (the client went away).
+struct CancelOnDrop {
+    state: Arc<AppState>,
+    id: String,
+    armed: bool,
+}
+
+impl Drop for CancelOnDrop {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let (state, id) = (self.state.clone(), std::mem::take(&mut self.id));
+        tracing::info!(job_id = %id, "the client went away before the answer: cancelling its job");
+        tokio::spawn(async move {
+            let now = state.clock.now_ms();
+            if let Err(e) = lastcall_worker::cancel::cancel(
+                &state.ledger,
+                &state.events,
+                &state.control,
+                &id,
+                now,
+            )
+            .await
+            {
+                tracing::warn!(job_id = %id, error = %e, "cancelling the job of a departed client failed");
+            }
+        });
+    }
+}
