@@ -258,3 +258,23 @@ fn bench_help_teaches() {
         assert!(text.contains(word), "help lacks {word}: {text}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread")]
+async fn front_door_smoke_measures_both_paths() {
+    let env = Env::sqlite("bench-front-door").await;
+    let j = json_of(&env.cli(&["bench", "front-door", "--smoke", "--json"]));
+    assert_eq!(j["bench"], "front-door");
+    assert_eq!(j["requests"], 20);
+    for path in ["front_door", "direct"] {
+        assert_eq!(u(&j[path], "count"), 20, "every request answered: {j}");
+    }
+    // Through the queue, the worker and the ledger it cannot be faster than the model alone.
+    assert!(
+        j["front_door"]["p50_ms"].as_f64().unwrap() >= j["direct"]["p50_ms"].as_f64().unwrap(),
+        "{j}"
+    );
+    for q in ["p50_ms", "p90_ms", "p99_ms"] {
+        assert!(j["overhead"][q].as_f64().is_some(), "{j}");
+    }
+    env.cleanup().await;
+}

@@ -13,6 +13,7 @@
 //! `--smoke` shrinks the run to a few seconds (for CI; numbers from it mean nothing).
 
 mod ack_modes;
+mod front_door;
 mod goodput;
 mod ledger;
 mod svg;
@@ -78,6 +79,14 @@ pub enum BenchCommand {
     /// transaction, as "durable before ack" requires. SQLite uses a fresh file;
     /// PostgreSQL runs when --postgres-url is given (rows go to fresh job ids there).
     Ledger(ledger::LedgerArgs),
+    /// The OpenAI-compatible front door's overhead over calling the model directly
+    ///
+    /// An in-process worker (sim backend) and `serve` on a real socket; requests to
+    /// `POST /v1/chat/completions` one at a time (low load), each through the whole path
+    /// (claim and confirmed publish, the worker's reads and writes, the outcome event, the
+    /// waiter's read), against the same simulated model called directly. Prints both
+    /// latency distributions and the overhead (their difference) at p50, p90 and p99.
+    FrontDoor(front_door::FrontDoorArgs),
 }
 
 /// `lastcall bench goodput` options.
@@ -234,6 +243,7 @@ pub async fn run(s: &Settings, c: BenchCommand) -> Result<ExitCode> {
         BenchCommand::Goodput(a) => goodput::run(s, a).await,
         BenchCommand::AckModes(a) => ack_modes::run(s, a).await,
         BenchCommand::Ledger(a) => ledger::run(s, a).await,
+        BenchCommand::FrontDoor(a) => front_door::run(s, a).await,
     }
 }
 
