@@ -194,16 +194,20 @@ impl Serve {
         Self { child, base }
     }
 
-    async fn job_reads(&self, http: &reqwest::Client) -> u64 {
-        let text = http
-            .get(format!("{}/metrics", self.base))
+    /// Its `/metrics` text.
+    async fn metrics(&self, http: &reqwest::Client) -> String {
+        http.get(format!("{}/metrics", self.base))
             .bearer_auth(TOKEN)
             .send()
             .await
             .unwrap()
             .text()
             .await
-            .unwrap();
+            .unwrap()
+    }
+
+    async fn job_reads(&self, http: &reqwest::Client) -> u64 {
+        let text = self.metrics(http).await;
         text.lines()
             .find_map(|l| l.strip_prefix("lastcall_http_job_reads_total "))
             .expect("lastcall_http_job_reads_total in /metrics")
@@ -817,15 +821,7 @@ async fn sdk(script: &std::path::Path, base: &str, case: &str) -> serde_json::Va
 
 /// The counter of front-door responses with `status`, from `/metrics`.
 async fn front_door_responses(serve: &Serve, status: u16) -> u64 {
-    let text = reqwest::Client::new()
-        .get(format!("{}/metrics", serve.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let text = serve.metrics(&reqwest::Client::new()).await;
     text.lines()
         .filter(|l| {
             l.starts_with("lastcall_http_responses_total")
