@@ -164,11 +164,7 @@ impl Serve {
 
     /// With more flags and environment variables.
     async fn start_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> Self {
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::private_rabbit::free_port();
         let child = env
             .command()
             .args(["serve", "--addr", &format!("127.0.0.1:{port}")])
@@ -194,16 +190,18 @@ impl Serve {
         Self { child, base }
     }
 
-    /// Its `/metrics` text.
-    async fn metrics(&self, http: &reqwest::Client) -> String {
-        http.get(format!("{}/metrics", self.base))
+    /// `GET {base}{path}` with the token.
+    async fn get(&self, http: &reqwest::Client, path: &str) -> reqwest::Response {
+        http.get(format!("{}{path}", self.base))
             .bearer_auth(TOKEN)
             .send()
             .await
             .unwrap()
-            .text()
-            .await
-            .unwrap()
+    }
+
+    /// Its `/metrics` text.
+    async fn metrics(&self, http: &reqwest::Client) -> String {
+        self.get(http, "/metrics").await.text().await.unwrap()
     }
 
     async fn job_reads(&self, http: &reqwest::Client) -> u64 {
@@ -286,26 +284,11 @@ async fn long_polls_wake_on_the_outcome_event_without_polling_the_ledger() {
     );
     // A long-poll on a terminal job answers at once; on an unknown id it answers 404 at
     // the end of its wait; a bad wait_ms is the documented JSON error naming the field.
-    let r = http
-        .get(format!("{}/v1/jobs/lp-1?wait_ms=60000", serve.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = serve.get(&http, "/v1/jobs/lp-1?wait_ms=60000").await;
     assert_eq!(r.status().as_u16(), 200);
-    let r = http
-        .get(format!("{}/v1/jobs/nope?wait_ms=200", serve.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = serve.get(&http, "/v1/jobs/nope?wait_ms=200").await;
     assert_eq!(r.status().as_u16(), 404);
-    let r = http
-        .get(format!("{}/v1/jobs/lp-1?wait_ms=60001", serve.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = serve.get(&http, "/v1/jobs/lp-1?wait_ms=60001").await;
     assert_eq!(r.status().as_u16(), 400);
     let body: serde_json::Value = r.json().await.unwrap();
     assert_eq!(body["field"], "wait_ms", "{body}");
@@ -511,12 +494,7 @@ async fn cancelling_over_http_stops_a_waiting_and_a_running_job() {
     assert_eq!(status, 202, "{body}");
     assert_eq!(body["cancel_requested"], true, "{body}");
     // The long-poll returns the running job's outcome once its worker recorded it.
-    let r = http
-        .get(format!("{}/v1/jobs/c-run?wait_ms=20000", serve.base))
-        .bearer_auth(TOKEN)
-        .send()
-        .await
-        .unwrap();
+    let r = serve.get(&http, "/v1/jobs/c-run?wait_ms=20000").await;
     let rec: serde_json::Value = r.json().await.unwrap();
     assert_eq!(rec["state"], "cancelled", "{rec}");
     assert_eq!(rec["reason"], "cancel_requested", "{rec}");

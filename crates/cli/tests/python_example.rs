@@ -42,11 +42,7 @@ struct Stack {
 impl Stack {
     async fn start(env: &Env, python: PathBuf) -> Stack {
         let log = env.dir.join("calls.log");
-        let port = std::net::TcpListener::bind("127.0.0.1:0")
-            .unwrap()
-            .local_addr()
-            .unwrap()
-            .port();
+        let port = common::private_rabbit::free_port();
         let base = format!("http://127.0.0.1:{port}");
         let spawn = |c: &mut Command| {
             c.args(["--retry-delays-ms", "1000,5000"])

@@ -101,31 +101,28 @@ pub enum SignatureError {
 
 /// The signature of `(job_id, expires_at_ms, body)`: `v1=<hex>`.
 pub fn sign(key: &SigningKey, job_id: &str, expires_at_ms: i64, body: &[u8]) -> String {
-    let tag = key.mac(job_id, expires_at_ms, body).finalize().into_bytes();
+    v1_hex(&key.mac(job_id, expires_at_ms, body).finalize().into_bytes())
+}
+
+const HEX: &[u8; 16] = b"0123456789abcdef";
+
+/// `v1=` and the tag in lower-case hex.
+fn v1_hex(tag: &[u8]) -> String {
     let mut out = String::with_capacity(V1_PREFIX.len() + 2 * tag.len());
     out.push_str(V1_PREFIX);
-    for b in tag.iter() {
+    for b in tag {
         out.push(char::from(HEX[usize::from(b >> 4)]));
         out.push(char::from(HEX[usize::from(b & 0x0f)]));
     }
     out
 }
 
-const HEX: &[u8; 16] = b"0123456789abcdef";
-
 /// The signature of a webhook body (`x-lastcall-webhook-signature`): `v1=<hex>` of
 /// HMAC-SHA256 over the body bytes alone, with the operator's webhook key.
 pub fn sign_body(key: &SigningKey, body: &[u8]) -> String {
     let mut mac = HmacSha256::new_from_slice(&key.0).expect("HMAC accepts a key of any length");
     mac.update(body);
-    let tag = mac.finalize().into_bytes();
-    let mut out = String::with_capacity(V1_PREFIX.len() + 2 * tag.len());
-    out.push_str(V1_PREFIX);
-    for b in tag.iter() {
-        out.push(char::from(HEX[usize::from(b >> 4)]));
-        out.push(char::from(HEX[usize::from(b & 0x0f)]));
-    }
-    out
+    v1_hex(&mac.finalize().into_bytes())
 }
 
 /// Check `signature` against `(job_id, expires_at_ms, body)`. The comparison of the MAC is

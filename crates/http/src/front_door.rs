@@ -24,7 +24,7 @@
 
 use crate::AppState;
 use crate::error::ApiError;
-use crate::jobs::{is_terminal, read_job, submit_error};
+use crate::jobs::{read_job, submit_error};
 use axum::Json;
 use axum::body::Bytes;
 use axum::extract::State;
@@ -243,12 +243,12 @@ async fn run(
     // The workers record an expiry at the deadline; a little after it the outcome is in.
     let until = tokio::time::Instant::now()
         + Duration::from_millis((expires_at_ms - now).max(0) as u64 + 5_000);
-    let mut rec = read_job(state, &id).await.map_err(from_api_error)?;
-    while !rec.as_ref().is_some_and(is_terminal) && waiter.wait(until).await {
-        rec = read_job(state, &id).await.map_err(from_api_error)?;
-    }
+    let rec = waiter
+        .until_terminal(until, || read_job(state, &id))
+        .await
+        .map_err(from_api_error)?;
     guard.armed = false;
-    let Some(rec) = rec.filter(is_terminal) else {
+    let Some(rec) = rec.filter(JobRecord::is_terminal) else {
         return Err(oa_error(
             StatusCode::GATEWAY_TIMEOUT,
             "deadline_expired",

@@ -354,7 +354,8 @@ pub const MAX_WAIT_MS: i64 = 60_000;
 /// default) a long-poll: it answers as
 /// soon as the job is terminal, else at N with its current state (`404` if the ledger has
 /// no row for the id even then). It is woken by the job's outcome event
-/// ([`crate::waiters`]) and reads the ledger once at the start and once per wake.
+/// ([`crate::waiters`]) and reads the ledger once at the start, once per wake, and once
+/// more when the time is up.
 pub async fn show(
     State(state): State<Arc<AppState>>,
     PathParam(id): PathParam,
@@ -363,13 +364,14 @@ pub async fn show(
     let wait_ms = q.integer("wait_ms", 0..=state.max_wait_ms)?.unwrap_or(0);
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
     // Registered before the first read: an outcome recorded in between still wakes it.
-    let mut waiter = (wait_ms > 0).then(|| state.waiters.subscribe(&id));
-    let mut rec = read_job(&state, &id).await?;
-    if let Some(w) = &mut waiter {
-        while !rec.as_ref().is_some_and(is_terminal) && w.wait(until).await {
-            rec = read_job(&state, &id).await?;
-        }
-    }
+    let rec = if wait_ms > 0 {
+        let mut waiter = state.waiters.subscribe(&id);
+        waiter
+            .until_terminal(until, || read_job(&state, &id))
+            .await?
+    } else {
+        read_job(&state, &id).await?
+    };
     match rec {
         Some(rec) => Ok(Json(rec).into_response()),
         None => Err(ApiError::NotFound(id)),
@@ -416,10 +418,6 @@ pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRec
         .get(id)
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))
-}
-
-pub(crate) fn is_terminal(rec: &JobRecord) -> bool {
-    rec.state.parse::<JobState>().is_ok_and(|s| s.is_terminal())
 }
 
 /// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100). Each parameter at

@@ -8,6 +8,7 @@
 //! calls [`Waiters::gap`] and every waiter reads the ledger once more.
 
 use lastcall_core::OutcomeEvent;
+use lastcall_store::JobRecord;
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
@@ -71,6 +72,29 @@ impl Waiters {
         self.gaps.send_modify(|n| *n += 1);
     }
 
+    /// Feed this registry from the events exchange until `stop`: one follower
+    /// (`lastcall_broker::events::follow`); `also` sees every event body too (`serve`'s
+    /// webhooks).
+    pub fn follow(
+        self: &Arc<Self>,
+        broker: lastcall_broker::Broker,
+        exchange: String,
+        stop: tokio_util::sync::CancellationToken,
+        mut also: impl FnMut(&[u8]) + Send + 'static,
+    ) -> tokio::task::JoinHandle<()> {
+        let (on_event, on_gap) = (self.clone(), self.clone());
+        tokio::spawn(lastcall_broker::events::follow(
+            broker,
+            exchange,
+            stop,
+            move |_, body| {
+                on_event.on_event(body);
+                also(body);
+            },
+            move || on_gap.gap(),
+        ))
+    }
+
     /// Job ids with at least one waiter now.
     pub fn len(&self) -> usize {
         self.by_job.lock().unwrap_or_else(|e| e.into_inner()).len()
@@ -99,6 +123,29 @@ impl Waiter {
             r = self.gaps.changed() => r.is_ok(),
             () = tokio::time::sleep_until(until) => false,
         }
+    }
+}
+
+impl Waiter {
+    /// Read the job with `read` now and after every wake until its record is terminal or
+    /// `until` passes (then once more: an event may have been lost); the last record read.
+    /// No read happens while it waits.
+    pub async fn until_terminal<E, Fut>(
+        &mut self,
+        until: tokio::time::Instant,
+        mut read: impl FnMut() -> Fut,
+    ) -> Result<Option<JobRecord>, E>
+    where
+        Fut: std::future::Future<Output = Result<Option<JobRecord>, E>>,
+    {
+        let mut rec = read().await?;
+        while !rec.as_ref().is_some_and(JobRecord::is_terminal) {
+            if !self.wait(until).await {
+                return read().await;
+            }
+            rec = read().await?;
+        }
+        Ok(rec)
     }
 }
 

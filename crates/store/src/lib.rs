@@ -195,6 +195,15 @@ pub struct JobRecord {
     pub min_runtime_ms: Option<i64>,
 }
 
+impl JobRecord {
+    /// Whether the record holds a terminal outcome.
+    pub fn is_terminal(&self) -> bool {
+        self.state
+            .parse::<lastcall_core::State>()
+            .is_ok_and(lastcall_core::State::is_terminal)
+    }
+}
+
 /// One attempt (trace) row.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct AttemptRow {

@@ -3,7 +3,7 @@
 use crate::cli::CancelArgs;
 use crate::config::Settings;
 use anyhow::Result;
-use lastcall_broker::{Broker, EventSink, Names};
+use lastcall_broker::{EventSink, Names};
 use lastcall_store::CancelOutcome;
 use lastcall_worker::clock::now_ms;
 use std::process::ExitCode;
@@ -16,23 +16,11 @@ pub async fn run(s: &Settings, a: CancelArgs) -> Result<ExitCode> {
     let ledger = super::open_ledger(&s.store_url).await?;
     // The broadcasts are best-effort; the ledger write alone cancels a job not started yet
     // and flags a running one for its next delivery.
-    let broker = match tokio::time::timeout(Duration::from_secs(5), Broker::connect(&s.amqp_url))
-        .await
-    {
-        Ok(Ok(b)) => Some(b),
-        Ok(Err(e)) => {
-            eprintln!(
-                "warning: the broker is not reachable ({e}); a running call cannot be told to stop, the ledger is updated anyway"
-            );
-            None
-        }
-        Err(_) => {
-            eprintln!(
-                "warning: connecting to the broker timed out; a running call cannot be told to stop, the ledger is updated anyway"
-            );
-            None
-        }
-    };
+    let broker = super::connect_best_effort(
+        s,
+        "a running call cannot be told to stop, the ledger is updated anyway",
+    )
+    .await;
     let names = Names::new(&s.prefix);
     let (events, control) = match &broker {
         Some(b) => (

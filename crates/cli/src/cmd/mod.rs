@@ -74,6 +74,27 @@ pub async fn connect_broker(s: &Settings) -> Result<Broker> {
     })
 }
 
+/// A broker connection for best-effort publishing (events, broadcasts) by a command that
+/// works without one: within 5 s, else `None` after one line saying what is lost (`without`).
+pub async fn connect_best_effort(s: &Settings, without: &str) -> Option<Broker> {
+    match tokio::time::timeout(
+        std::time::Duration::from_secs(5),
+        Broker::connect(&s.amqp_url),
+    )
+    .await
+    {
+        Ok(Ok(b)) => Some(b),
+        Ok(Err(e)) => {
+            eprintln!("warning: the broker is not reachable ({e}); {without}");
+            None
+        }
+        Err(_) => {
+            eprintln!("warning: connecting to the broker timed out; {without}");
+            None
+        }
+    }
+}
+
 /// One line for a failed connection, without repeating the cause as a source: the URL
 /// (password masked), why, and what to check.
 fn connect_error(url: &str, e: &(dyn std::error::Error + 'static)) -> String {

@@ -89,23 +89,10 @@ async fn publish_events(s: &Settings, ledger: &lastcall_store::Ledger, marked: &
     if marked.is_empty() {
         return;
     }
-    let broker = match tokio::time::timeout(
-        std::time::Duration::from_secs(5),
-        lastcall_broker::Broker::connect(&s.amqp_url),
-    )
-    .await
-    {
-        Ok(Ok(b)) => b,
-        Ok(Err(e)) => {
-            tracing::warn!(error = %e, "no outcome events for the jobs marked unknown: the broker is not reachable");
-            return;
-        }
-        Err(_) => {
-            tracing::warn!(
-                "no outcome events for the jobs marked unknown: connecting to the broker timed out"
-            );
-            return;
-        }
+    let Some(broker) =
+        super::connect_best_effort(s, "no outcome events for the jobs marked unknown").await
+    else {
+        return;
     };
     let names = lastcall_broker::Names::new(&s.prefix);
     let sink = lastcall_broker::EventSink::spawn(&broker, &names.events_exchange);

@@ -113,19 +113,16 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
             format!("serve:{}", lastcall_worker::runtime::default_worker_name()),
         )
     });
-    let (on_event, on_gap) = (waiters.clone(), waiters);
-    let events_task = tokio::spawn(lastcall_broker::events::follow(
+    let events_task = waiters.follow(
         broker.clone(),
         topo.names.events_exchange.clone(),
         stop.clone(),
-        move |_, body| {
-            on_event.on_event(body);
+        move |body| {
             if let Some(w) = &webhooks {
                 w.on_event(body);
             }
         },
-        move || on_gap.gap(),
-    ));
+    );
     let router = lastcall_http::app(Arc::new(state));
     let stop2 = stop.clone();
     tokio::spawn(async move {

@@ -103,14 +103,7 @@ impl OutcomeWait {
         let hub = Arc::new(lastcall_http::waiters::Waiters::default());
         let mut waiter = hub.subscribe(job_id);
         let stop = tokio_util::sync::CancellationToken::new();
-        let (ev, gap) = (hub.clone(), hub);
-        tokio::spawn(lastcall_broker::events::follow(
-            broker.clone(),
-            exchange.to_owned(),
-            stop.clone(),
-            move |_, body| ev.on_event(body),
-            move || gap.gap(),
-        ));
+        hub.follow(broker.clone(), exchange.to_owned(), stop.clone(), |_| {});
         // The follower's first `gap` comes once its queue is bound: from then on no event
         // of this job can be missed. Without it, the wait still ends at the deadline.
         let bound = tokio::time::Instant::now() + Duration::from_secs(10);
@@ -132,20 +125,12 @@ impl OutcomeWait {
     ) -> Result<ExitCode> {
         let left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64);
         let until = tokio::time::Instant::now() + left;
-        let terminal = |r: &lastcall_store::JobRecord| {
-            r.state
-                .parse::<lastcall_core::State>()
-                .is_ok_and(|s| s.is_terminal())
-        };
-        let mut rec = ledger.get(job_id).await?;
-        while !rec.as_ref().is_some_and(terminal) && self.waiter.wait(until).await {
-            rec = ledger.get(job_id).await?;
-        }
-        if !rec.as_ref().is_some_and(terminal) {
-            rec = ledger.get(job_id).await?;
-        }
+        let rec = self
+            .waiter
+            .until_terminal(until, || ledger.get(job_id))
+            .await?;
         self.stop.cancel();
-        let Some(rec) = rec.filter(terminal) else {
+        let Some(rec) = rec.filter(lastcall_store::JobRecord::is_terminal) else {
             eprintln!(
                 "no outcome yet at the deadline + grace; `lastcall jobs show {job_id}` shows it later"
             );

@@ -99,15 +99,12 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
         Token::new(token)?,
         topo.names.clone(),
     );
-    let waiters = state.waiters.clone();
-    let (on_event, on_gap) = (waiters.clone(), waiters);
-    tokio::spawn(lastcall_broker::events::follow(
+    state.waiters.follow(
         broker.clone(),
         topo.names.events_exchange.clone(),
         stop.clone(),
-        move |_, body| on_event.on_event(body),
-        move || on_gap.gap(),
-    ));
+        |_| {},
+    );
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(lastcall_http::serve(
         "127.0.0.1:0".parse()?,
