@@ -29,6 +29,10 @@ pub struct XDeath {
 pub struct Incoming {
     pub body: Vec<u8>,
     pub delivery_tag: u64,
+    /// The [`IncomingStream`] (consumer channel) of this process that delivered it:
+    /// delivery tags start again at 1 on every channel, so only `(stream, delivery_tag)`
+    /// names a delivery once a consumer has reconnected.
+    pub stream: u64,
     pub redelivered: bool,
     pub routing_key: String,
     /// The `message_id` property (lastcall sets it to the job id).
@@ -115,7 +119,11 @@ impl Settler {
 pub struct IncomingStream {
     consumer: Consumer,
     channel: Channel,
+    /// Unique within the process ([`Incoming::stream`]).
+    stream: u64,
 }
+
+static STREAMS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
 
 impl std::fmt::Debug for IncomingStream {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -151,16 +159,25 @@ impl IncomingStream {
                 doing: "starting the consumer",
                 source,
             })?;
-        Ok(Self { consumer, channel })
+        let stream = STREAMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        Ok(Self {
+            consumer,
+            channel,
+            stream,
+        })
     }
 
     /// The next delivery; `None` when the consumer was cancelled or the channel closed.
     pub async fn next(&mut self) -> Option<Result<Incoming, BrokerError>> {
         let item = self.consumer.next().await?;
-        Some(item.map(convert).map_err(|source| BrokerError::Amqp {
-            doing: "consuming",
-            source,
-        }))
+        let stream = self.stream;
+        Some(
+            item.map(|d| convert(d, stream))
+                .map_err(|source| BrokerError::Amqp {
+                    doing: "consuming",
+                    source,
+                }),
+        )
     }
 
     /// Stop receiving new deliveries; unsettled ones stay with this channel until settled
@@ -181,7 +198,7 @@ impl IncomingStream {
     }
 }
 
-fn convert(d: lapin::message::Delivery) -> Incoming {
+fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
     let props = &d.properties;
     let headers = props.headers().clone().unwrap_or_default();
     let h = headers.inner();
@@ -205,6 +222,7 @@ fn convert(d: lapin::message::Delivery) -> Incoming {
     };
     Incoming {
         delivery_tag: d.delivery_tag,
+        stream,
         redelivered: d.redelivered,
         routing_key: d.routing_key.as_str().to_owned(),
         message_id: props.message_id().as_ref().map(|s| s.as_str().to_owned()),

@@ -693,7 +693,11 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i
         incoming.timestamp_s,
         received_at_ms,
     );
-    let attempt_key = format!("{}:{}:{}", ctx.cfg.name, ctx.nonce, incoming.delivery_tag);
+    // The stream too: delivery tags start again at 1 after a reconnect.
+    let attempt_key = format!(
+        "{}:{}-{}:{}",
+        ctx.cfg.name, ctx.nonce, incoming.stream, incoming.delivery_tag
+    );
     let job = Job {
         incoming,
         link,
