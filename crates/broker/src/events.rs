@@ -234,14 +234,15 @@ impl SinkTask {
 /// `{exchange}.follow.{nonce}` bound with `#` (capped at 10,000 messages, oldest dropped;
 /// named under the prefix so that least-privilege users can be given it, see
 /// docs/broker-permissions.md), declared again after every reconnect (exponential
-/// backoff, as the worker's). `on_event` gets each routing key and body; `on_gap` is called
-/// after every (re)connect, since events published meanwhile were missed.
+/// backoff, as the worker's). `on_event` gets each routing key and body; `on_gap(true)` is
+/// called after every (re)subscribe, since events published meanwhile were missed, and
+/// `on_gap(false)` when the subscription is lost.
 pub async fn follow(
     broker: Broker,
     exchange: String,
     stop: CancellationToken,
     on_event: impl FnMut(&str, &[u8]),
-    on_gap: impl FnMut(),
+    on_gap: impl FnMut(bool),
 ) {
     follow_exchange(
         broker,
@@ -261,7 +262,7 @@ pub async fn follow_control(
     exchange: String,
     stop: CancellationToken,
     on_message: impl FnMut(&str, &[u8]),
-    on_gap: impl FnMut(),
+    on_gap: impl FnMut(bool),
 ) {
     follow_exchange(
         broker,
@@ -280,7 +281,7 @@ async fn follow_exchange(
     kind: ExchangeKind,
     stop: CancellationToken,
     mut on_event: impl FnMut(&str, &[u8]),
-    mut on_gap: impl FnMut(),
+    mut on_gap: impl FnMut(bool),
 ) {
     let mut conn = match broker.another().await {
         Ok(b) => Some(b),
@@ -307,7 +308,7 @@ async fn follow_exchange(
                     tracing::info!(node = %b.node(), "outcome events: following again");
                 }
                 announced_loss = false;
-                on_gap();
+                on_gap(true);
                 loop {
                     let next = tokio::select! {
                         () = stop.cancelled() => {
@@ -339,7 +340,7 @@ async fn follow_exchange(
             );
             announced_loss = true;
         }
-        on_gap();
+        on_gap(false);
         if stop.is_cancelled() {
             return;
         }

@@ -261,6 +261,24 @@ pub enum BackendKind {
     Routed,
 }
 
+/// Which job waiting in the local buffer gets the next free model slot.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BufferOrderArg {
+    /// Earliest deadline first (ties: received first)
+    Edf,
+    /// Received first
+    Fifo,
+}
+
+impl From<BufferOrderArg> for lastcall_worker::BufferOrder {
+    fn from(a: BufferOrderArg) -> Self {
+        match a {
+            BufferOrderArg::Edf => Self::Edf,
+            BufferOrderArg::Fifo => Self::Fifo,
+        }
+    }
+}
+
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ExpiredActionArg {
     /// Record `expired_not_started`, then ack
@@ -280,6 +298,11 @@ pub struct WorkerArgs {
     /// Cap on the bytes of message bodies held locally (prefetch only bounds the count)
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
     pub max_buffer_bytes: usize,
+    /// Which job waiting in the local buffer gets the next free model slot (BENCHMARKS.md
+    /// §1 compares the two). Whatever the order, a job that can no longer finish leaves the
+    /// buffer as soon as that is known
+    #[arg(long, value_enum, default_value = "edf")]
+    pub buffer_order: BufferOrderArg,
     /// What to do with a job found expired before its model call
     #[arg(long, value_enum, default_value = "ack")]
     pub expired_action: ExpiredActionArg,

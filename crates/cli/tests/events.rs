@@ -34,7 +34,7 @@ impl Events {
                 let e = OutcomeEvent::from_json(body).expect("a v1 event body");
                 s.lock().unwrap().push((key.to_owned(), e));
             },
-            move || b.store(true, std::sync::atomic::Ordering::SeqCst),
+            move |following| b.store(following, std::sync::atomic::Ordering::SeqCst),
         ));
         let until = Instant::now() + Duration::from_secs(10);
         while !bound.load(std::sync::atomic::Ordering::SeqCst) {

@@ -219,3 +219,67 @@ async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_ca
     w.stop().await;
     env.cleanup().await;
 }
+
+/// One slot, held by a 4 s call; then "later" (60 s budget) and "soon" (30 s) arrive in
+/// that order and wait. Returns which of them got the slot first.
+async fn first_of_two_waiting(order: lastcall_worker::BufferOrder) -> String {
+    let env = Env::sqlite(&format!("order-{}", order.as_str())).await;
+    let mut cfg = env.worker_config(1, 8);
+    cfg.buffer_order = order;
+    let w = env.start_worker(cfg, sim(50), system_clock()).await;
+    let s = env.submitter(100, true).await;
+    s.submit(
+        &job_with("hold", 60_000, serde_json::json!({"sim_latency_ms": 4_000})),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    s.submit(&job("later", 60_000), now_ms()).await.unwrap();
+    s.submit(&job("soon", 30_000), now_ms()).await.unwrap();
+    let t0 = std::time::Instant::now();
+    while w.stats.waiting.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(20),
+            "the two jobs never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let hold = env.ledger.get("hold").await.unwrap().unwrap();
+    assert_eq!(
+        hold.state, "running",
+        "both jobs must be waiting while the slot is busy (machine too slow for this check)"
+    );
+    let ids: Vec<String> = ["hold", "later", "soon"].map(String::from).to_vec();
+    let recs = env.wait_terminal(&ids, Duration::from_secs(30)).await;
+    for r in &recs {
+        assert_eq!(r.state, "completed", "{r:?}");
+    }
+    let (later, soon) = (
+        recs[1].started_at_ms.unwrap(),
+        recs[2].started_at_ms.unwrap(),
+    );
+    assert_ne!(later, soon, "one after the other on one slot");
+    w.stop().await;
+    env.cleanup().await;
+    if soon < later { "soon" } else { "later" }.to_owned()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn by_default_the_waiting_job_with_the_earliest_deadline_gets_the_slot_first() {
+    assert_eq!(
+        lastcall_worker::WorkerConfig::new("x", 1).buffer_order,
+        lastcall_worker::BufferOrder::Edf
+    );
+    assert_eq!(
+        first_of_two_waiting(lastcall_worker::BufferOrder::Edf).await,
+        "soon"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_fifo_order_the_job_received_first_gets_the_slot_first() {
+    assert_eq!(
+        first_of_two_waiting(lastcall_worker::BufferOrder::Fifo).await,
+        "later"
+    );
+}

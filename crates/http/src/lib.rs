@@ -196,9 +196,13 @@ pub fn metrics_app(source: MetricsSource) -> Router {
 }
 
 /// `/readyz` of `lastcall serve`: the publisher's broker connection, the ledger (a read
-/// within 2 s), and the dead-letter task when it runs.
+/// within 2 s), the outcome-events follower that wakes long-polls and feeds webhooks, and
+/// the dead-letter task when it runs.
 async fn serve_readyz(State(state): State<Arc<AppState>>) -> Response {
     let mut checks = vec![("broker", state.submitter.broker_ready().await)];
+    if let Some(following) = state.waiters.following() {
+        checks.push(("events_follower", following));
+    }
     let ledger = tokio::time::timeout(
         std::time::Duration::from_secs(2),
         state.ledger.get("lastcall-readyz-probe"),

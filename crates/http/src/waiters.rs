@@ -10,7 +10,7 @@
 use lastcall_core::OutcomeEvent;
 use lastcall_store::JobRecord;
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use tokio::sync::watch;
 
@@ -19,6 +19,10 @@ use tokio::sync::watch;
 pub struct Waiters {
     by_job: Mutex<HashMap<String, watch::Sender<u64>>>,
     gaps: watch::Sender<u64>,
+    /// A follower was started ([`Waiters::follow`]).
+    followed: AtomicBool,
+    /// The follower's subscription is live now.
+    following: AtomicBool,
     /// Events received (any job).
     pub events: AtomicU64,
 }
@@ -28,6 +32,8 @@ impl Default for Waiters {
         Self {
             by_job: Mutex::new(HashMap::new()),
             gaps: watch::Sender::new(0),
+            followed: AtomicBool::new(false),
+            following: AtomicBool::new(false),
             events: AtomicU64::new(0),
         }
     }
@@ -67,9 +73,21 @@ impl Waiters {
         }
     }
 
-    /// Events may have been missed (the follower reconnected): wake every waiter.
-    pub fn gap(&self) {
+    /// Events may have been missed (the follower subscribed again, `following`, or lost
+    /// its subscription): wake every waiter. The waiters woken are those that arrived
+    /// before this call; the follower counts as live only after it.
+    pub fn gap(&self, following: bool) {
         self.gaps.send_modify(|n| *n += 1);
+        self.following.store(following, Ordering::SeqCst);
+    }
+
+    /// `None` when no follower was started (this registry is woken by hand); else whether
+    /// its subscription is live, so that a waiter arriving now misses no event. `serve`'s
+    /// `/readyz` reports it as `events_follower`.
+    pub fn following(&self) -> Option<bool> {
+        self.followed
+            .load(Ordering::SeqCst)
+            .then(|| self.following.load(Ordering::SeqCst))
     }
 
     /// Feed this registry from the events exchange until `stop`: one follower
@@ -83,6 +101,7 @@ impl Waiters {
         mut also: impl FnMut(&[u8]) + Send + 'static,
     ) -> tokio::task::JoinHandle<()> {
         let (on_event, on_gap) = (self.clone(), self.clone());
+        self.followed.store(true, Ordering::SeqCst);
         tokio::spawn(lastcall_broker::events::follow(
             broker,
             exchange,
@@ -91,7 +110,7 @@ impl Waiters {
                 on_event.on_event(body);
                 also(body);
             },
-            move || on_gap.gap(),
+            move |following| on_gap.gap(following),
         ))
     }
 
@@ -180,7 +199,7 @@ mod tests {
         assert_eq!(hub.len(), 2, "a2 still waits");
         drop(a2);
         assert_eq!(hub.len(), 1);
-        hub.gap();
+        hub.gap(true);
         assert!(
             b.wait(tokio::time::Instant::now() + Duration::from_secs(5))
                 .await

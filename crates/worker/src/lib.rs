@@ -5,6 +5,7 @@
 //! - [`submit`]: validate, stamp and publish jobs with confirm; record `accepted`.
 //! - [`runtime`]: the worker: bounded local buffer, model slots, the last admission check
 //!   right before the model call, store-then-ack, graceful shutdown.
+//! - [`slots`]: model slots, granted to waiting jobs earliest deadline first (or FIFO).
 //! - [`relay`]: republishes due retries with the remaining budget as their TTL.
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
@@ -20,11 +21,13 @@ pub mod events;
 pub mod relay;
 pub mod runtime;
 pub mod shed;
+pub mod slots;
 pub mod stats;
 pub mod store_retry;
 pub mod submit;
 
 pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
 pub use runtime::{DispatchPolicy, Fault, Worker, WorkerConfig};
+pub use slots::BufferOrder;
 pub use stats::WorkerStats;
 pub use submit::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};

@@ -7,6 +7,7 @@
 //! most `prefetch` deliveries (broker-enforced) and at most `max_buffer_bytes` of bodies.
 
 use crate::clock::{Clock, ClockSyncMode};
+use crate::slots::{BufferOrder, SlotPermit, Slots};
 use crate::stats::WorkerStats;
 use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_backend::{Backend, BackendError, CallOutput, CallRequest, CancellationToken};
@@ -22,7 +23,7 @@ use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use tokio::sync::{OwnedSemaphorePermit, Semaphore};
+use tokio::sync::Semaphore;
 use tokio::task::JoinSet;
 use tracing::Instrument;
 
@@ -80,6 +81,8 @@ pub struct WorkerConfig {
     pub hold_before_admission: Duration,
     /// Benchmark reference only: which deadline checks run (default: all of them).
     pub dispatch_policy: DispatchPolicy,
+    /// Which waiting job gets a free model slot ([`crate::slots`]).
+    pub buffer_order: BufferOrder,
     /// When set, a valid envelope whose `x-lastcall-signature` is missing or wrong is
     /// `rejected`/`bad_signature` (never run), so a producer cannot extend its deadline.
     pub signing_key: Option<lastcall_core::SigningKey>,
@@ -105,6 +108,7 @@ impl WorkerConfig {
             fault: None,
             hold_before_admission: Duration::ZERO,
             dispatch_policy: DispatchPolicy::Deadline,
+            buffer_order: BufferOrder::default(),
             signing_key: None,
             consumer_timeout: None,
         }
@@ -126,7 +130,7 @@ struct Ctx {
     backend: Arc<dyn Backend>,
     clock: Arc<dyn Clock>,
     stats: Arc<WorkerStats>,
-    slots: Arc<Semaphore>,
+    slots: Arc<Slots>,
     /// The retry publisher of the current broker connection (replaced on reconnect).
     publisher: std::sync::RwLock<Publisher>,
     health: StoreHealth,
@@ -144,8 +148,6 @@ struct Ctx {
     /// Learned model call durations per `kind|backend` ([`ServiceTimes`]): the admission
     /// rule's minimum useful runtime when a job sets none, and the expected wait.
     service: std::sync::Mutex<ServiceTimes>,
-    /// Σ of the learned mean call durations of the jobs waiting for a slot, in ms.
-    waiting_work_ms: std::sync::atomic::AtomicU64,
     /// Outcome events, published after each durable terminal outcome (best-effort).
     events: lastcall_broker::EventSink,
     /// Jobs in this process (waiting for a slot or running), by job id: a cancellation
@@ -244,9 +246,8 @@ impl Worker {
             acks,
             commits,
             service: std::sync::Mutex::new(ServiceTimes::new(ServiceTimeConfig::default())),
-            waiting_work_ms: std::sync::atomic::AtomicU64::new(0),
             in_flight: std::sync::Mutex::new(std::collections::HashMap::new()),
-            slots: Arc::new(Semaphore::new(cfg.slots.max(1))),
+            slots: Arc::new(Slots::new(cfg.slots.max(1), cfg.buffer_order)),
             cfg,
             ledger,
             backend,
@@ -261,7 +262,7 @@ impl Worker {
         };
         ctx.stats
             .metrics
-            .attach(ctx.slots.clone(), ctx.cfg.slots.max(1), ctx.cfg.prefetch);
+            .attach(ctx.slots.clone(), ctx.cfg.prefetch);
         Ok(Self {
             ctx: Arc::new(ctx),
             broker,
@@ -300,7 +301,7 @@ impl Worker {
                         ctx2.cancel_local(&m.cancel);
                     }
                 },
-                || {},
+                |_| {},
             ))
         };
         tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, node = %broker.node(), "worker started");
@@ -772,7 +773,13 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
         cancel_requested: info.cancel_requested,
-        expected_wait_ms: expected_wait_ms(&ctx, learned.map(|e| e.mean_ms).unwrap_or(0)),
+        expected_wait_ms: job.parsed.as_ref().map_or(0, |env| {
+            expected_wait_ms(
+                &ctx,
+                env.deadline().expires_at_ms(),
+                learned.map(|e| e.mean_ms).unwrap_or(0),
+            )
+        }),
         learned_runtime_ms: learned.map(|e| e.quantile_ms),
     };
     let receipt = ctx
@@ -799,22 +806,17 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         return settle(&ctx, job, disposition, None).await;
     };
 
-    // Wait for a model slot, in the bounded local buffer (FIFO: the slot semaphore is
-    // fair). A job that can no longer finish in time leaves the buffer as soon as that is
-    // known, not when it reaches a slot: it is settled at its latest useful start, which
-    // frees its prefetch place for a job that can still make it.
+    // Wait for a model slot, in the bounded local buffer (in `--buffer-order`: earliest
+    // deadline first or FIFO, `crate::slots`). A job that can no longer finish in time
+    // leaves the buffer as soon as that is known, not when it reaches a slot: it is settled
+    // at its latest useful start, which frees its prefetch place for a job that can still
+    // make it.
     let kind = env.kind().as_str().to_owned();
     let cancel = CancelGuard::register(&ctx, &id);
     let mean_ms = learned.map(|e| e.mean_ms).unwrap_or(0);
     WorkerStats::add(&ctx.stats.waiting, 1);
-    ctx.waiting_work_ms
-        .fetch_add(mean_ms, std::sync::atomic::Ordering::Relaxed);
-    let leave_buffer = || {
-        WorkerStats::add(&ctx.stats.waiting, -1);
-        ctx.waiting_work_ms
-            .fetch_sub(mean_ms, std::sync::atomic::Ordering::Relaxed);
-    };
-    let acquire = ctx.slots.clone().acquire_owned();
+    let leave_buffer = || WorkerStats::add(&ctx.stats.waiting, -1);
+    let acquire = ctx.slots.acquire(env.deadline().expires_at_ms(), mean_ms);
     tokio::pin!(acquire);
     let lost = job.link.lost.clone();
     let permit = loop {
@@ -826,7 +828,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         let until_latest = Duration::from_millis((latest - now).max(0) as u64 + 1);
         let watch_expiry = ctx.cfg.dispatch_policy == DispatchPolicy::Deadline;
         tokio::select! {
-            p = &mut acquire => break p.expect("slots never closed"),
+            p = &mut acquire => break p,
             _ = ctx.shutdown.cancelled() => {
                 leave_buffer();
                 return hand_back(job).await;
@@ -1261,32 +1263,21 @@ fn unreachable_rejection() -> Disposition {
     })
 }
 
-/// The expected wait for a slot of a job received now: jobs already waiting are ahead of
-/// it (the slot semaphore is FIFO), each with the learned mean duration of its own kind;
-/// `own_mean_ms` (this job's kind) stands in when none wait. Zero for the benchmark
-/// reference policies, and while nothing is learned.
-fn expected_wait_ms(ctx: &Ctx, own_mean_ms: u64) -> u64 {
+/// The expected wait for a slot of a job received now with deadline `expires_at_ms`: the
+/// jobs waiting that the buffer order serves first (all of them under FIFO, those with an
+/// earlier deadline under EDF) are ahead of it, each with the learned mean duration of its
+/// own kind; `own_mean_ms` (this job's kind) stands in when none wait. Zero for the
+/// benchmark reference policies, and while nothing is learned.
+fn expected_wait_ms(ctx: &Ctx, expires_at_ms: i64, own_mean_ms: u64) -> u64 {
     if ctx.cfg.dispatch_policy != DispatchPolicy::Deadline {
         return 0;
     }
-    let ahead = ctx
-        .stats
-        .waiting
-        .load(std::sync::atomic::Ordering::Relaxed)
-        .max(0) as usize;
-    let work_ms = ctx
-        .waiting_work_ms
-        .load(std::sync::atomic::Ordering::Relaxed);
+    let (ahead, work_ms) = ctx.slots.ahead_of(expires_at_ms);
     let mean_ms = match (ahead, work_ms) {
         (0, _) | (_, 0) => own_mean_ms,
         (n, w) => w / n as u64,
     };
-    lastcall_core::wait::expected_wait_ms(
-        ahead,
-        ctx.slots.available_permits(),
-        ctx.cfg.slots,
-        mean_ms,
-    )
+    lastcall_core::wait::expected_wait_ms(ahead, ctx.slots.available(), ctx.cfg.slots, mean_ms)
 }
 
 /// The ledger note of a refusal decided by the learned call duration: which estimate it
@@ -1326,7 +1317,7 @@ fn is_expiry(d: &Disposition) -> bool {
 /// How the wait for a trusted clock ended.
 enum ClockWait {
     /// The clock may be trusted and the job holds a slot again.
-    Ready(OwnedSemaphorePermit),
+    Ready(SlotPermit),
     /// The job can no longer pass the admission check: settle it without a call.
     Settle(Disposition),
     /// The worker is shutting down: hand the job back.
@@ -1338,7 +1329,7 @@ async fn wait_for_clock(
     ctx: &Ctx,
     env: &Envelope,
     lost: &CancellationToken,
-    permit: OwnedSemaphorePermit,
+    permit: SlotPermit,
 ) -> ClockWait {
     if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
         return ClockWait::Ready(permit);
@@ -1357,7 +1348,7 @@ async fn wait_for_clock(
         }
         if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
             break tokio::select! {
-                p = ctx.slots.clone().acquire_owned() => ClockWait::Ready(p.expect("slots never closed")),
+                p = ctx.slots.acquire(env.deadline().expires_at_ms(), 0) => ClockWait::Ready(p),
                 _ = ctx.shutdown.cancelled() => ClockWait::Shutdown,
             };
         }

@@ -4,7 +4,6 @@
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock};
-use tokio::sync::Semaphore;
 
 /// Counters and gauges of one worker process.
 #[derive(Debug, Default)]
@@ -226,7 +225,7 @@ pub struct WorkerMetrics {
     pub reasons: BoundedLabels,
     /// The learned call duration (the admission quantile) last used, by bounded kind label.
     pub learned_call_ms: Mutex<BTreeMap<String, u64>>,
-    slots: OnceLock<(Arc<Semaphore>, usize)>,
+    slots: OnceLock<Arc<crate::slots::Slots>>,
     prefetch: AtomicU64,
 }
 
@@ -250,9 +249,9 @@ impl Default for WorkerMetrics {
 }
 
 impl WorkerMetrics {
-    /// Called once by `Worker::build`: the slot semaphore (busy = total − available).
-    pub(crate) fn attach(&self, slots: Arc<Semaphore>, total: usize, prefetch: u16) {
-        let _ = self.slots.set((slots, total));
+    /// Called once by `Worker::build`: the model slots (busy = total − available).
+    pub(crate) fn attach(&self, slots: Arc<crate::slots::Slots>, prefetch: u16) {
+        let _ = self.slots.set(slots);
         self.prefetch.store(u64::from(prefetch), Ordering::Relaxed);
     }
 
@@ -260,7 +259,7 @@ impl WorkerMetrics {
     pub fn slots(&self) -> Option<(usize, usize)> {
         self.slots
             .get()
-            .map(|(s, total)| (total.saturating_sub(s.available_permits()), *total))
+            .map(|s| (s.total().saturating_sub(s.available()), s.total()))
     }
 
     pub fn prefetch(&self) -> u64 {

@@ -205,6 +205,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         cfg.name = n.clone();
     }
     cfg.max_buffer_bytes = a.max_buffer_bytes;
+    cfg.buffer_order = a.buffer_order.into();
     cfg.signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
     if cfg.signing_key.is_some() {
         tracing::info!(

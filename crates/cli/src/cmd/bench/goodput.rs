@@ -5,7 +5,7 @@
 //! after the deadline is one whose `started_at_ms` is after `expires_at_ms`. The sim
 //! backend's own call counter cross-checks the ledger's `backend_calls`.
 
-use super::{GoodputArgs, Percentiles, PolicyArg, f1, svg};
+use super::{GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1, svg};
 use crate::config::Settings;
 use anyhow::{Context, Result, bail};
 use lastcall_backend::Backend;
@@ -16,8 +16,8 @@ use lastcall_store::{JobRecord, ListFilter};
 use lastcall_worker::clock::now_ms;
 use lastcall_worker::dlq::DeadLetterProcessor;
 use lastcall_worker::{
-    Clock, DeadlineSpec, DispatchPolicy, NewJob, Submitter, SystemClock, Worker, WorkerConfig,
-    WorkerStats,
+    BufferOrder, Clock, DeadlineSpec, DispatchPolicy, NewJob, Submitter, SystemClock, Worker,
+    WorkerConfig, WorkerStats,
 };
 use serde::Serialize;
 use serde_json::json;
@@ -38,7 +38,8 @@ struct Setup {
     capacity_per_s: f64,
     overload: f64,
     arrival_per_s: f64,
-    deadline_ms: u64,
+    /// Each job draws one of these deadlines (ms after its submission), uniformly.
+    deadline_ms: Vec<u64>,
     duration_s: f64,
     /// `true`: the worker and the jobs are told the call time (`min_runtime_ms`); `false`:
     /// the worker's defaults, no hint anywhere (it learns the call time).
@@ -53,7 +54,8 @@ struct Setup {
 /// One policy's results.
 #[derive(Debug, Clone, Serialize)]
 struct PolicyResult {
-    policy: &'static str,
+    /// The dispatch policy, with its buffer order when several were run (`deadline-fifo`).
+    policy: String,
     overload: f64,
     submitted: u64,
     /// Submissions the publisher refused (nack, timeout); not counted as submitted.
@@ -97,23 +99,55 @@ struct PolicyResult {
 pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
     if a.smoke {
         a.duration_s = a.duration_s.min(2.0);
-        a.deadline_ms = a.deadline_ms.min(1_000);
+        a.deadline_ms.iter_mut().for_each(|d| *d = (*d).min(1_000));
         a.service = a.service.smoke();
     }
-    if a.slots == 0 || a.duration_s <= 0.0 || a.overload.iter().any(|o| *o <= 0.0) {
-        bail!("--slots, --overload and --duration-s must be positive");
+    if a.slots == 0
+        || a.duration_s <= 0.0
+        || a.overload.iter().any(|o| *o <= 0.0)
+        || a.deadline_ms.contains(&0)
+    {
+        bail!("--slots, --overload, --deadline-ms and --duration-s must be positive");
     }
-    let mean_ms = a.service.mean_ms();
+    // The embedded model is loaded once for every run; its mean call time (with every
+    // slot busy) sets the capacity and so the arrival rates.
+    let model = match a.service {
+        ServiceDist::SmolLm2 => Some(smollm2(&a).await?),
+        _ => None,
+    };
+    let mean_ms = match (&model, a.service.mean_ms()) {
+        (Some(m), _) => m.mean_ms,
+        (None, Some(m)) => m,
+        (None, None) => bail!("no mean call time for {}", a.service),
+    };
     let capacity = a.slots as f64 * 1000.0 / mean_ms;
-    let policies: Vec<(&'static str, DispatchPolicy)> = match a.policy {
-        PolicyArg::All => vec![
-            ("deadline", DispatchPolicy::Deadline),
-            ("receipt-only", DispatchPolicy::ReceiptOnly),
-            ("naive", DispatchPolicy::Naive),
-        ],
-        PolicyArg::Deadline => vec![("deadline", DispatchPolicy::Deadline)],
-        PolicyArg::ReceiptOnly => vec![("receipt-only", DispatchPolicy::ReceiptOnly)],
-        PolicyArg::Naive => vec![("naive", DispatchPolicy::Naive)],
+    let mut orders = a.order.clone();
+    orders.dedup();
+    let deadline_runs: Vec<(String, DispatchPolicy, BufferOrder)> = orders
+        .iter()
+        .map(|&o| {
+            let o = BufferOrder::from(o);
+            let name = if orders.len() > 1 {
+                format!("deadline-{}", o.as_str())
+            } else {
+                "deadline".to_owned()
+            };
+            (name, DispatchPolicy::Deadline, o)
+        })
+        .collect();
+    let first_order = BufferOrder::from(orders[0]);
+    let reference = |name: &str, p| (name.to_owned(), p, first_order);
+    let policies: Vec<(String, DispatchPolicy, BufferOrder)> = match a.policy {
+        PolicyArg::All => deadline_runs
+            .into_iter()
+            .chain([
+                reference("receipt-only", DispatchPolicy::ReceiptOnly),
+                reference("naive", DispatchPolicy::Naive),
+            ])
+            .collect(),
+        PolicyArg::Deadline => deadline_runs,
+        PolicyArg::ReceiptOnly => vec![reference("receipt-only", DispatchPolicy::ReceiptOnly)],
+        PolicyArg::Naive => vec![reference("naive", DispatchPolicy::Naive)],
     };
     let mut results = Vec::new();
     let mut setups = Vec::new();
@@ -125,7 +159,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
             capacity_per_s: capacity,
             overload,
             arrival_per_s: capacity * overload,
-            deadline_ms: a.deadline_ms,
+            deadline_ms: a.deadline_ms.clone(),
             duration_s: a.duration_s,
             oracle: a.oracle,
             min_runtime_ms: a
@@ -142,7 +176,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
         };
         if !a.json {
             println!(
-                "bench goodput: {} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}",
+                "bench goodput: {} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}",
                 setup.slots,
                 setup.service,
                 mean_ms,
@@ -150,17 +184,23 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 setup.arrival_per_s,
                 setup.overload,
                 setup.duration_s,
-                setup.deadline_ms,
+                deadlines_label(&setup.deadline_ms),
                 match setup.min_runtime_ms {
                     Some(m) => format!("ORACLE: min runtime {m} ms in the flags and every job"),
                     None => "worker defaults, no hint in the jobs (learned call time)".into(),
                 },
                 setup.clock_uncertainty_ms,
-                setup.prefetch
+                setup.prefetch,
+                orders
+                    .iter()
+                    .map(|&o| BufferOrder::from(o).as_str())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
-        for (name, policy) in &policies {
-            results.push(run_policy(s, &a, &setup, name, *policy).await?);
+        for (name, policy, order) in &policies {
+            let backend = model.as_ref().map(|m| m.backend.clone());
+            results.push(run_policy(s, &a, &setup, name, (*policy, *order), backend).await?);
         }
         setups.push(setup);
     }
@@ -186,7 +226,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 "On-time completions per second: {} slots × {} calls, {} ms deadlines{}",
                 setup.slots,
                 setup.service,
-                setup.deadline_ms,
+                deadlines_label(&setup.deadline_ms),
                 if setup.oracle { " (oracle)" } else { "" }
             ),
             x_label: "seconds since the first submission".into(),
@@ -220,7 +260,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
         .map(|r| {
             let n = |k: &str| r.outcomes.get(k).copied().unwrap_or(0).to_string();
             vec![
-                r.policy.to_owned(),
+                r.policy.clone(),
                 format!("{}×", r.overload),
                 r.submitted.to_string(),
                 r.on_time.to_string(),
@@ -298,8 +338,9 @@ async fn run_policy(
     s: &Settings,
     a: &GoodputArgs,
     setup: &Setup,
-    name: &'static str,
-    policy: DispatchPolicy,
+    name: &str,
+    (policy, order): (DispatchPolicy, BufferOrder),
+    model: Option<Arc<dyn Backend>>,
 ) -> Result<PolicyResult> {
     let nonce = format!("{:x}", now_ms());
     let name_o = format!("{name}-{}x", setup.overload);
@@ -321,6 +362,7 @@ async fn run_policy(
     cfg.prefetch = setup.prefetch;
     cfg.shutdown_grace = Duration::from_secs(5);
     cfg.dispatch_policy = policy;
+    cfg.buffer_order = order;
     // The worker's defaults (what `lastcall worker` runs with), unless the oracle tells
     // it the call time.
     cfg.policy.admission = AdmissionPolicy {
@@ -336,7 +378,10 @@ async fn run_policy(
         ..SimConfig::default()
     })?);
     let dist = a.service;
-    let backend: Arc<dyn Backend> = sim.clone();
+    let backend: Arc<dyn Backend> = match &model {
+        Some(m) => m.clone(),
+        None => sim.clone(),
+    };
     let worker = Worker::build(
         cfg,
         Broker::connect(&s.amqp_url).await?,
@@ -382,16 +427,18 @@ async fn run_policy(
     let first_ms = now_ms();
     for i in 0..total {
         tick.tick().await;
-        let call_ms = dist.draw(1.0 - rand::random::<f64>(), rand::random::<f64>());
+        let deadline_ms = setup.deadline_ms[rand::random_range(0..setup.deadline_ms.len())];
+        let payload = if model.is_some() {
+            model_payload()
+        } else {
+            let call_ms = dist.draw(1.0 - rand::random::<f64>(), rand::random::<f64>());
+            json!({"messages": [{"role": "user", "content": "bench"}], "sim_latency_ms": call_ms})
+        };
         let job = NewJob {
             job_id: Some(format!("b-{name}-{nonce}-{i}")),
             kind: "bench.goodput".into(),
-            payload: json!({"messages": [{"role": "user", "content": "bench"}],
-                            "sim_latency_ms": call_ms})
-            .as_object()
-            .cloned()
-            .expect("object"),
-            deadline: DeadlineSpec::RelativeMs(setup.deadline_ms),
+            payload: payload.as_object().cloned().expect("object"),
+            deadline: DeadlineSpec::RelativeMs(deadline_ms),
             min_runtime_ms: setup.min_runtime_ms,
             trace_id: None,
         };
@@ -412,7 +459,7 @@ async fn run_policy(
         .filter(|i| !failed.contains(i))
         .map(|i| format!("b-{name}-{nonce}-{i}"))
         .collect();
-    let last_deadline = now_ms() + setup.deadline_ms as i64;
+    let last_deadline = now_ms() + setup.deadline_ms.iter().max().copied().unwrap_or(0) as i64;
 
     bar.set_message(format!("{name_o}: outcomes"));
     bar.set_position(0);
@@ -509,7 +556,7 @@ async fn run_policy(
     }
     let bound = (setup.capacity_per_s * window_s).min(submitted.len() as f64);
     Ok(PolicyResult {
-        policy: name,
+        policy: name.to_owned(),
         overload: setup.overload,
         model_time_s: model_ms as f64 / 1000.0,
         wasted_model_time: wasted_ms as f64 / (model_ms.max(1) as f64),
@@ -522,7 +569,12 @@ async fn run_policy(
         capacity_bound: bound,
         window_s,
         goodput: on_time as f64 / bound.max(1.0),
-        model_calls: sim.calls(),
+        // The embedded model counts no calls of its own: the ledger's count stands.
+        model_calls: if model.is_some() {
+            calls_ledger
+        } else {
+            sim.calls()
+        },
         model_calls_ledger: calls_ledger,
         started_after_deadline: started_late,
         finished_after_deadline: finished_late,
@@ -530,6 +582,78 @@ async fn run_policy(
         dispatch: Percentiles::from_us(dispatch_us),
         on_time_per_s: per_s,
     })
+}
+
+/// The prompts of `--service smollm2`: different lengths and tasks.
+const PROMPTS: &[&str] = &[
+    "Summarize: the database primary failed over to the replica at 03:12 and writes resumed after 40 seconds.",
+    "Write a haiku about a queue.",
+    "List three causes of high latency in a web service.",
+    "Explain in one sentence what a deadline is.",
+    "Translate to French: the job finished on time.",
+    "What is 17 times 23? Answer briefly.",
+];
+
+/// One job for the embedded model: a drawn prompt and output length (8–48 tokens).
+fn model_payload() -> serde_json::Value {
+    let prompt = PROMPTS[rand::random_range(0..PROMPTS.len())];
+    let max_tokens = rand::random_range(8..=48u32);
+    json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens})
+}
+
+/// The embedded model, loaded once, and its mean call time with every slot busy.
+struct Model {
+    backend: Arc<dyn Backend>,
+    mean_ms: f64,
+}
+
+/// Load SmolLM2 with one instance per slot and measure its mean call time: every slot
+/// runs one warm-up call, then four measured calls with drawn jobs.
+async fn smollm2(a: &GoodputArgs) -> Result<Model> {
+    let backend = crate::cmd::worker::local(a.model_path.as_deref(), a.slots)?;
+    let lanes = (0..a.slots).map(|lane| {
+        let b = backend.clone();
+        async move {
+            let mut ms = Vec::new();
+            for n in 0..5 {
+                let req = lastcall_backend::CallRequest {
+                    job_id: format!("calibrate-{lane}-{n}"),
+                    kind: "bench.goodput".into(),
+                    attempt: 0,
+                    payload: model_payload().as_object().cloned().expect("object"),
+                    timeout: Duration::from_secs(300),
+                };
+                let t = std::time::Instant::now();
+                b.call(req, CancellationToken::new())
+                    .await
+                    .context("a calibration call of the embedded model failed")?;
+                if n > 0 {
+                    ms.push(t.elapsed().as_secs_f64() * 1000.0);
+                }
+            }
+            anyhow::Ok(ms)
+        }
+    });
+    let mut all = Vec::new();
+    for r in futures_util::future::join_all(lanes).await {
+        all.extend(r?);
+    }
+    let mean_ms = all.iter().sum::<f64>() / all.len().max(1) as f64;
+    eprintln!(
+        "bench goodput: SmolLM2, {} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy (8–48 tokens, {} prompts)",
+        a.slots,
+        all.len(),
+        PROMPTS.len()
+    );
+    Ok(Model {
+        backend,
+        mean_ms: mean_ms.max(1.0),
+    })
+}
+
+/// `2000`, or `500|2000|8000` for a mix.
+fn deadlines_label(d: &[u64]) -> String {
+    d.iter().map(u64::to_string).collect::<Vec<_>>().join("|")
 }
 
 fn is_terminal(state: &str) -> bool {

@@ -95,17 +95,29 @@ pub struct GoodputArgs {
     /// Model slots of the worker
     #[arg(long, default_value_t = 4)]
     pub slots: usize,
-    /// Model call durations (sim backend), drawn per job: `fixed:MS` or
-    /// `lognormal:MEAN_MS,SIGMA` (a lognormal with that mean and shape σ)
+    /// Model call durations, drawn per job: `fixed:MS` or `lognormal:MEAN_MS,SIGMA` (the
+    /// sim backend; a lognormal with that mean and shape σ), or `smollm2`: the embedded
+    /// SmolLM2 model (needs `scripts/setup-model.sh`), each job with one of a few prompts
+    /// and a drawn `max_tokens` (8–48), so its call time depends on both; its capacity is
+    /// measured first with every slot busy
     #[arg(long, default_value = "fixed:200")]
     pub service: ServiceDist,
+    /// The embedded model's GGUF file for `--service smollm2` [default: the one
+    /// `scripts/setup-model.sh` installed]
+    #[arg(long, env = "LASTCALL_MODEL_PATH")]
+    pub model_path: Option<PathBuf>,
     /// Arrival rates as multiples of capacity (slots × 1000 / mean call ms jobs/s); a
     /// comma-separated list runs each, e.g. `2,5,10`
     #[arg(long, value_delimiter = ',', default_value = "5")]
     pub overload: Vec<f64>,
-    /// Each job's deadline, in ms after its submission
-    #[arg(long, default_value_t = 2_000)]
-    pub deadline_ms: u64,
+    /// Each job's deadline, in ms after its submission; a comma-separated list draws one
+    /// of them per job, uniformly (mixed deadlines, e.g. `500,2000,8000`)
+    #[arg(long, value_delimiter = ',', default_value = "2000")]
+    pub deadline_ms: Vec<u64>,
+    /// The worker's local buffer order (`lastcall worker --buffer-order`); a
+    /// comma-separated list runs lastcall's policy once per order, e.g. `edf,fifo`
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "edf")]
+    pub order: Vec<crate::cli::BufferOrderArg>,
     /// How long jobs arrive, in seconds
     #[arg(long, default_value_t = 10.0)]
     pub duration_s: f64,
@@ -151,13 +163,18 @@ pub enum ServiceDist {
     Fixed { ms: u64 },
     /// Lognormal with this mean (ms) and shape σ.
     Lognormal { mean_ms: u64, sigma: f64 },
+    /// The embedded SmolLM2 model: call times follow from the prompt and the output
+    /// length; the mean is measured before the run.
+    SmolLm2,
 }
 
 impl ServiceDist {
-    pub fn mean_ms(&self) -> f64 {
+    /// The mean call time, when the distribution states it (not for a real model).
+    pub fn mean_ms(&self) -> Option<f64> {
         match *self {
-            ServiceDist::Fixed { ms } => ms as f64,
-            ServiceDist::Lognormal { mean_ms, .. } => mean_ms as f64,
+            ServiceDist::Fixed { ms } => Some(ms as f64),
+            ServiceDist::Lognormal { mean_ms, .. } => Some(mean_ms as f64),
+            ServiceDist::SmolLm2 => None,
         }
     }
 
@@ -165,6 +182,7 @@ impl ServiceDist {
     pub fn draw(&self, u1: f64, u2: f64) -> u64 {
         match *self {
             ServiceDist::Fixed { ms } => ms,
+            ServiceDist::SmolLm2 => 0,
             ServiceDist::Lognormal { mean_ms, sigma } => {
                 let z = (-2.0 * u1.max(f64::MIN_POSITIVE).ln()).sqrt()
                     * (2.0 * std::f64::consts::PI * u2).cos();
@@ -182,6 +200,7 @@ impl ServiceDist {
                 mean_ms: mean_ms.min(100),
                 sigma,
             },
+            ServiceDist::SmolLm2 => ServiceDist::SmolLm2,
         }
     }
 }
@@ -191,6 +210,7 @@ impl std::fmt::Display for ServiceDist {
         match self {
             ServiceDist::Fixed { ms } => write!(f, "fixed:{ms}"),
             ServiceDist::Lognormal { mean_ms, sigma } => write!(f, "lognormal:{mean_ms},{sigma}"),
+            ServiceDist::SmolLm2 => write!(f, "smollm2"),
         }
     }
 }
@@ -200,8 +220,13 @@ impl std::str::FromStr for ServiceDist {
 
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = || {
-            format!("`{s}`: expected fixed:MS or lognormal:MEAN_MS,SIGMA (e.g. lognormal:200,0.6)")
+            format!(
+                "`{s}`: expected fixed:MS, lognormal:MEAN_MS,SIGMA (e.g. lognormal:200,0.6) or smollm2"
+            )
         };
+        if s == "smollm2" {
+            return Ok(ServiceDist::SmolLm2);
+        }
         let (name, args) = s.split_once(':').ok_or_else(bad)?;
         match name {
             "fixed" => {
