@@ -2,6 +2,7 @@
 //! a real ledger (a fresh SQLite file, or a fresh PostgreSQL database).
 #![allow(dead_code)]
 
+pub mod chaos;
 pub mod http;
 pub mod private_pg;
 pub mod private_rabbit;

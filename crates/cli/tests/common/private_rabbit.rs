@@ -1,7 +1,10 @@
 //! A throwaway RabbitMQ node of the test's own, never the shared one (127.0.0.1:5672): its
 //! own node name, ports, data and log directories, config file, Erlang cookie (`HOME`) and
 //! no plugins, all in a temporary directory. Ready when `rabbitmqctl await_startup` says so;
-//! stopped and removed on drop, also when the test fails.
+//! stopped and removed on drop, also when the test fails. For fault drills a node can be
+//! killed (`kill -9` of its VM) and started again on the same ports and data
+//! ([`kill9`](PrivateRabbit::kill9), [`start_again`](PrivateRabbit::start_again)), and
+//! [`cluster`](PrivateRabbit::cluster) joins several such nodes into one cluster on this host.
 
 use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
@@ -14,6 +17,9 @@ pub struct PrivateRabbit {
     pub node: String,
     /// The port of the node's one AMQP listener (TLS for [`start_tls`](Self::start_tls)).
     pub port: u16,
+    /// The Erlang distribution and node ports, kept for [`start_again`](Self::start_again).
+    dist_port: u16,
+    node_port: u16,
     child: Option<Child>,
 }
 
@@ -48,50 +54,161 @@ impl PrivateRabbit {
 
     /// A node with the `rabbitmq.conf` that `conf(port)` returns (its listeners on `port`).
     pub fn start(conf: impl FnOnce(u16) -> String) -> Self {
+        let mut me = Self::prepare(conf, None);
+        me.spawn();
+        me.wait_ready(Duration::from_secs(120));
+        me
+    }
+
+    /// The node's directory, config and (when given) Erlang cookie, not started yet.
+    fn prepare(conf: impl FnOnce(u16) -> String, cookie: Option<&str>) -> Self {
         let port = free_port();
         let node = format!("lastcall-test-{}-{port}@localhost", std::process::id());
         let dir =
             std::env::temp_dir().join(format!("lastcall-rabbit-{}-{port}", std::process::id()));
         std::fs::create_dir_all(&dir).unwrap();
-        let mut me = Self {
+        let me = Self {
             dir,
             node,
             port,
+            dist_port: free_port(),
+            node_port: free_port(),
             child: None,
         };
-        let conf_file = me.dir.join("rabbitmq.conf");
-        std::fs::write(&conf_file, conf(port)).unwrap();
+        std::fs::write(me.dir.join("rabbitmq.conf"), conf(port)).unwrap();
         std::fs::write(me.dir.join("enabled_plugins"), "[].\n").unwrap();
         // Not /etc/rabbitmq/rabbitmq-env.conf, which names the shared node.
         std::fs::write(me.dir.join("rabbitmq-env.conf"), "").unwrap();
-        let log = std::fs::File::create(me.dir.join("server.out")).unwrap();
-        let child = me
+        if let Some(cookie) = cookie {
+            use std::os::unix::fs::PermissionsExt;
+            let path = me.dir.join(".erlang.cookie");
+            std::fs::write(&path, cookie).unwrap();
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o400)).unwrap();
+        }
+        me
+    }
+
+    /// Start `rabbitmq-server` for this node (its data directory is kept between starts).
+    fn spawn(&mut self) {
+        let conf_file = self.dir.join("rabbitmq.conf");
+        let log = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(self.dir.join("server.out"))
+            .unwrap();
+        let child = self
             .env(&mut Command::new(format!("{RABBIT_BIN}/rabbitmq-server")))
-            .env("RABBITMQ_NODE_PORT", free_port().to_string())
-            .env("RABBITMQ_DIST_PORT", free_port().to_string())
+            .env("RABBITMQ_NODE_PORT", self.node_port.to_string())
+            .env("RABBITMQ_DIST_PORT", self.dist_port.to_string())
             .env(
                 "RABBITMQ_SERVER_ADDITIONAL_ERL_ARGS",
                 "-kernel inet_dist_use_interface {127,0,0,1}",
             )
-            .env("RABBITMQ_MNESIA_BASE", me.dir.join("mnesia"))
-            .env("RABBITMQ_LOG_BASE", me.dir.join("log"))
+            .env("RABBITMQ_MNESIA_BASE", self.dir.join("mnesia"))
+            .env("RABBITMQ_LOG_BASE", self.dir.join("log"))
             .env("RABBITMQ_CONFIG_FILE", &conf_file)
             .env(
                 "RABBITMQ_ADVANCED_CONFIG_FILE",
-                me.dir.join("advanced.config"),
+                self.dir.join("advanced.config"),
             )
             .env(
                 "RABBITMQ_ENABLED_PLUGINS_FILE",
-                me.dir.join("enabled_plugins"),
+                self.dir.join("enabled_plugins"),
             )
             .stdin(Stdio::null())
             .stdout(log.try_clone().unwrap())
             .stderr(log)
             .spawn()
             .expect("rabbitmq-server (RabbitMQ must be installed)");
-        me.child = Some(child);
-        me.wait_ready(Duration::from_secs(120));
-        me
+        self.child = Some(child);
+    }
+
+    /// `amqp://guest:guest@127.0.0.1:PORT/%2f`, with `query` (e.g. `?heartbeat=2`) appended.
+    pub fn url(&self, query: &str) -> String {
+        format!("amqp://guest:guest@127.0.0.1:{}/%2f{query}", self.port)
+    }
+
+    /// The node's VM pid (from its pid file), if it is this node's VM and alive.
+    fn vm_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.dir.join("pid"))
+            .ok()
+            .and_then(|p| p.trim().parse::<u32>().ok())
+            // Still this node's VM, not a reused pid: its command line names the node's
+            // home (`-home DIR`), not the node name.
+            .filter(|pid| {
+                std::fs::read(format!("/proc/{pid}/cmdline"))
+                    .is_ok_and(|c| String::from_utf8_lossy(&c).contains(self.dir.to_str().unwrap()))
+            })
+    }
+
+    /// `kill -9` the node's Erlang VM (a crashed node: no clean shutdown, nothing flushed
+    /// on purpose) and wait until the process is gone. [`start_again`](Self::start_again)
+    /// brings it back.
+    pub fn kill9(&mut self) {
+        let pid = self.vm_pid().expect("the node's VM is running");
+        let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
+        if let Some(mut child) = self.child.take() {
+            let _ = child.kill();
+            let _ = child.wait();
+        }
+        let until = Instant::now() + Duration::from_secs(30);
+        while std::path::Path::new(&format!("/proc/{pid}")).exists() {
+            assert!(
+                Instant::now() < until,
+                "the node's VM {pid} outlived kill -9"
+            );
+            std::thread::sleep(Duration::from_millis(50));
+        }
+    }
+
+    /// Start the node again on the same ports, data and name (after [`kill9`](Self::kill9)),
+    /// and wait until it is ready.
+    pub fn start_again(&mut self) {
+        assert!(self.child.is_none(), "the node is still running");
+        self.spawn();
+        self.wait_ready(Duration::from_secs(120));
+    }
+
+    /// `n` nodes on this host joined into one cluster (the first is the seed): each with
+    /// its own name, ports and directory, all with one Erlang cookie. Dropping them stops
+    /// every node.
+    pub fn cluster(n: usize) -> Vec<Self> {
+        let cookie = format!("LASTCALLCHAOS{}{}", std::process::id(), free_port());
+        let mut nodes: Vec<Self> = (0..n)
+            .map(|_| {
+                Self::prepare(
+                    |port| format!("listeners.tcp.default = 127.0.0.1:{port}\n"),
+                    Some(&cookie),
+                )
+            })
+            .collect();
+        for node in &mut nodes {
+            node.spawn();
+        }
+        for node in &mut nodes {
+            node.wait_ready(Duration::from_secs(180));
+        }
+        let seed = nodes[0].node.clone();
+        for node in &nodes[1..] {
+            for args in [
+                vec!["stop_app"],
+                vec!["join_cluster", seed.as_str()],
+                vec!["start_app"],
+            ] {
+                let out = node.ctl(&args);
+                assert!(
+                    out.status.success(),
+                    "{} {args:?}: {}{}",
+                    node.node,
+                    String::from_utf8_lossy(&out.stdout),
+                    String::from_utf8_lossy(&out.stderr)
+                );
+            }
+        }
+        for node in &mut nodes {
+            node.wait_ready(Duration::from_secs(120));
+        }
+        nodes
     }
 
     /// `HOME` (the Erlang cookie), node name, env file and pid file: what the server and
@@ -169,14 +286,11 @@ impl Drop for PrivateRabbit {
     fn drop(&mut self) {
         // `stop PIDFILE` returns once the node's process is gone.
         let pid_file = self.dir.join("pid");
-        let _ = self.ctl(&["stop", pid_file.to_str().unwrap()]);
-        if let Some(pid) = std::fs::read_to_string(&pid_file)
-            .ok()
-            .and_then(|p| p.trim().parse::<u32>().ok())
-            // Still this node's VM (stop failed), not a reused pid.
-            && std::fs::read(format!("/proc/{pid}/cmdline"))
-                .is_ok_and(|c| String::from_utf8_lossy(&c).contains(&self.node))
-        {
+        if self.child.is_some() {
+            let _ = self.ctl(&["stop", pid_file.to_str().unwrap()]);
+        }
+        if let Some(pid) = self.vm_pid() {
+            // stop failed
             let _ = Command::new("kill").args(["-9", &pid.to_string()]).status();
         }
         if let Some(mut child) = self.child.take() {

@@ -1,0 +1,314 @@
+//! The fault suite (#12): one test per scenario, each on services of its own (a private
+//! RabbitMQ node or cluster, a private PostgreSQL cluster when the ledger is faulted; never
+//! the shared broker or database), the real binaries (`lastcall serve --dlq` taking POSTs,
+//! `lastcall worker --backend sim`), a steady load while one fault is injected, and one
+//! accounting row per scenario computed from the ledger, the sim's call log, the outcome
+//! events and the producer's confirmed publishes (`common::chaos`). Every scenario asserts
+//! lost = 0, duplicate outcomes = 0, model calls started after the deadline = 0, and
+//! duplicate model calls within the at-least-once bound; the row is printed.
+//!
+//! Short tier (every run, CI): `cargo nextest run -p lastcall --test chaos --no-capture`.
+//! Slow tier (the 3-node cluster): `cargo nextest run -p lastcall --test chaos
+//! --run-ignored all --no-capture`. `LASTCALL_CHAOS_ROWS=FILE` appends each row to FILE.
+//! RELIABILITY.md has the results.
+
+mod common;
+
+use common::chaos::{Run, Spec};
+use common::private_pg::PrivatePg;
+use common::private_rabbit::PrivateRabbit;
+use common::proxy::FreezableProxy;
+use std::path::Path;
+use std::time::Duration;
+
+/// Load before the fault, the fault, load after it.
+const BEFORE: Duration = Duration::from_secs(3);
+const FAULT: Duration = Duration::from_secs(5);
+const AFTER: Duration = Duration::from_secs(5);
+
+fn sqlite(dir: &Path) -> String {
+    format!("sqlite://{}", dir.join("ledger.db").display())
+}
+
+fn node() -> PrivateRabbit {
+    PrivateRabbit::start(|port| format!("listeners.tcp.default = 127.0.0.1:{port}\n"))
+}
+
+fn ctl_ok(rabbit: &PrivateRabbit, args: &[&str]) {
+    let out = rabbit.ctl(args);
+    assert!(
+        out.status.success(),
+        "rabbitmqctl {args:?}: {}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+/// Runs the restoring command on drop unless [`done`](Restore::done) was called: a failing
+/// assertion never leaves the fault in place.
+struct Restore<'r> {
+    rabbit: &'r PrivateRabbit,
+    args: &'static [&'static str],
+    armed: bool,
+}
+
+impl<'r> Restore<'r> {
+    /// Inject the fault (`fault`), arming the restore (`restore`).
+    fn inject(rabbit: &'r PrivateRabbit, fault: &[&str], restore: &'static [&'static str]) -> Self {
+        let me = Self {
+            rabbit,
+            args: restore,
+            armed: true,
+        };
+        ctl_ok(rabbit, fault);
+        me
+    }
+
+    fn done(mut self) {
+        self.armed = false;
+        ctl_ok(self.rabbit, self.args);
+    }
+}
+
+impl Drop for Restore<'_> {
+    fn drop(&mut self) {
+        if self.armed {
+            let _ = self.rabbit.ctl(self.args);
+        }
+    }
+}
+
+/// A run on one private node and a SQLite ledger, loaded and flowing.
+async fn loaded(scenario: &str, rabbit: &PrivateRabbit, worker_url: &str, spec: Spec) -> Run {
+    let mut run = Run::start(scenario, &rabbit.url(""), worker_url, sqlite, spec).await;
+    run.start_load();
+    run.run_for(BEFORE).await;
+    run.wait_completed(5, Duration::from_secs(60)).await;
+    run
+}
+
+/// Every running call of every worker may run again after one fault event: the
+/// at-least-once bound on duplicate model calls.
+fn bound(events: usize, spec: &Spec) -> usize {
+    events * spec.workers * spec.slots
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_stop_app_then_start_app() {
+    let rabbit = node();
+    let spec = Spec::default();
+    let mut run = loaded("stop_app", &rabbit, &rabbit.url(""), spec.clone()).await;
+    let fault = Restore::inject(&rabbit, &["stop_app"], &["start_app"]);
+    run.run_for(FAULT).await;
+    fault.done();
+    ctl_ok(&rabbit, &["await_startup", "--timeout", "60"]);
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(1, &spec)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_node_killed_then_started_again() {
+    let mut rabbit = node();
+    let spec = Spec::default();
+    let mut run = loaded("kill9_node", &rabbit, &rabbit.url(""), spec.clone()).await;
+    rabbit.kill9();
+    run.run_for(Duration::from_secs(2)).await;
+    rabbit.start_again();
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(1, &spec)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn broker_closes_all_connections() {
+    let rabbit = node();
+    let spec = Spec::default();
+    let mut run = loaded(
+        "close_all_connections",
+        &rabbit,
+        &rabbit.url(""),
+        spec.clone(),
+    )
+    .await;
+    // Three times, a second apart: the reconnects themselves are cut too.
+    for _ in 0..3 {
+        ctl_ok(&rabbit, &["close_all_connections", "chaos drill"]);
+        run.run_for(Duration::from_secs(1)).await;
+    }
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(3, &spec)).await;
+}
+
+/// The workers reach the node through the in-repo fault proxy (2 s heartbeats); serve
+/// reaches it directly. The proxy resets every connection (and refuses new ones for a
+/// second), then delays every chunk by 300 ms both ways, then blackholes the traffic for
+/// longer than two heartbeats (both sides give the connection up), then heals.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxy_resets_delays_and_blackholes_the_workers_traffic() {
+    let rabbit = node();
+    let proxy = FreezableProxy::start(format!("127.0.0.1:{}", rabbit.port).parse().unwrap()).await;
+    let worker_url = format!("amqp://guest:guest@{}/%2f?heartbeat=2", proxy.addr);
+    let spec = Spec::default();
+    let mut run = loaded("proxy", &rabbit, &worker_url, spec.clone()).await;
+    proxy.refuse(true);
+    proxy.reset();
+    run.run_for(Duration::from_secs(1)).await;
+    proxy.refuse(false);
+    run.run_for(Duration::from_secs(2)).await;
+    proxy.delay(300);
+    run.run_for(Duration::from_secs(3)).await;
+    proxy.delay(0);
+    proxy.blackhole();
+    run.run_for(Duration::from_secs(6)).await;
+    proxy.thaw();
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(3, &spec)).await;
+}
+
+/// The ledger is a private PostgreSQL cluster, stopped (`-m immediate`) and started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn postgres_stopped_then_started() {
+    let rabbit = node();
+    let pg = PrivatePg::start();
+    let url = pg.url();
+    let spec = Spec::default();
+    let mut run = Run::start(
+        "postgres_restart",
+        &rabbit.url(""),
+        &rabbit.url(""),
+        |_| url.clone(),
+        spec.clone(),
+    )
+    .await;
+    run.start_load();
+    run.run_for(BEFORE).await;
+    run.wait_completed(5, Duration::from_secs(60)).await;
+    pg.stop_immediate();
+    assert!(!pg.is_up());
+    run.run_for(FAULT).await;
+    pg.ctl_start();
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(1, &spec)).await;
+}
+
+/// SIGSTOP the worker for longer than its 1 s heartbeat allows (the broker closes its
+/// connection and requeues its deliveries), then SIGCONT.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_sigstop_then_sigcont() {
+    let rabbit = node();
+    let spec = Spec::default();
+    let mut run = loaded(
+        "sigstop",
+        &rabbit,
+        &rabbit.url("?heartbeat=1"),
+        spec.clone(),
+    )
+    .await;
+    run.signal_worker(0, "-STOP");
+    run.run_for(FAULT).await;
+    run.signal_worker(0, "-CONT");
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(1, &spec)).await;
+}
+
+/// Three workers on one PostgreSQL ledger; one after another is SIGKILLed (mid-call) and
+/// started again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn worker_sigkill_loop_three_workers_one_postgres_ledger() {
+    let rabbit = node();
+    let pg = PrivatePg::start();
+    let url = pg.url();
+    let spec = Spec {
+        workers: 3,
+        interval_ms: 100,
+        sim_latency_ms: 400,
+        ..Spec::default()
+    };
+    let mut run = Run::start(
+        "sigkill_loop",
+        &rabbit.url(""),
+        &rabbit.url(""),
+        |_| url.clone(),
+        spec.clone(),
+    )
+    .await;
+    run.start_load();
+    run.run_for(BEFORE).await;
+    run.wait_completed(5, Duration::from_secs(60)).await;
+    let kills = 4;
+    for k in 0..kills {
+        let w = k % spec.workers;
+        run.kill_worker(w);
+        run.run_for(Duration::from_millis(1_500)).await;
+        run.restart_worker(w);
+        run.run_for(Duration::from_millis(1_500)).await;
+    }
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    // A kill can repeat only the calls that ran on the killed worker.
+    run.finish(kills * spec.slots).await;
+}
+
+/// The memory alarm (`set_vm_memory_high_watermark 0.0001`, then 0.4 again) while serve
+/// takes POSTs: publishers are blocked (POSTs answer 503, unconfirmed), deliveries and
+/// acks go on.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn memory_alarm_while_serve_takes_posts() {
+    let rabbit = node();
+    let spec = Spec::default();
+    let mut run = loaded("memory_alarm", &rabbit, &rabbit.url(""), spec.clone()).await;
+    let fault = Restore::inject(
+        &rabbit,
+        &["set_vm_memory_high_watermark", "0.0001"],
+        &["set_vm_memory_high_watermark", "0.4"],
+    );
+    run.wait_for("the memory alarm", Duration::from_secs(30), async |_| {
+        String::from_utf8_lossy(&rabbit.ctl(&["eval", "rabbit_alarm:get_alarms()."]).stdout)
+            .contains("memory")
+    })
+    .await;
+    run.run_for(FAULT).await;
+    fault.done();
+    run.wait_for("the alarm to clear", Duration::from_secs(30), async |_| {
+        !String::from_utf8_lossy(&rabbit.ctl(&["eval", "rabbit_alarm:get_alarms()."]).stdout)
+            .contains("memory")
+    })
+    .await;
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound(1, &spec)).await;
+}
+
+/// Slow tier: a 3-node cluster on this host (own node names and ports, join_cluster), a
+/// quorum work queue, serve and the workers given the node list; the node they are
+/// connected to (the first) is killed (`kill -9` of its VM) mid-run and stays down.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
+async fn cluster_of_three_one_node_killed() {
+    let mut nodes = PrivateRabbit::cluster(3);
+    // Serve and the workers try the nodes in this order; the events are read on the last.
+    let urls = nodes
+        .iter()
+        .map(|n| n.url("?heartbeat=2"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let spec = Spec {
+        workers: 2,
+        queue_type: "quorum",
+        deadline_ms: 15_000,
+        ..Spec::default()
+    };
+    let mut run = Run::start("cluster_kill", &urls, &urls, sqlite, spec.clone()).await;
+    run.start_load();
+    run.run_for(BEFORE).await;
+    run.wait_completed(5, Duration::from_secs(60)).await;
+    nodes[0].kill9();
+    run.fault_ended();
+    run.run_for(Duration::from_secs(10)).await;
+    run.finish(bound(1, &spec)).await;
+}
