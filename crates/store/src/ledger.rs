@@ -403,17 +403,30 @@ enum Backend {
 /// (the write lock is taken up front, so a transaction never fails half-way on lock
 /// upgrade), or a PostgreSQL pooled connection. An early `?` drops the transaction, which
 /// rolls it back.
+///
+/// A SQLite writer whose transaction failed is closed, not returned to the pool: after a
+/// failed `COMMIT` (`SQLITE_FULL` on a full disk) SQLite may already have rolled back,
+/// sqlx's queued rollback then fails, and the connection stays at transaction depth 1 —
+/// every later `BEGIN` failed with "begin_with at non-zero transaction depth" even after
+/// space was freed (`tests/sqlite_full.rs`). The pool opens a fresh writer instead.
 macro_rules! write_tx {
     ($self:ident, $ctx:literal, |$tx:ident| $body:block) => {
         match &$self.backend {
             Backend::Sqlite { writer, .. } => {
-                let mut $tx = writer
-                    .begin_with("BEGIN IMMEDIATE")
-                    .await
-                    .map_err(db($ctx))?;
-                let out = $body;
-                $tx.commit().await.map_err(db($ctx))?;
-                out
+                let mut conn = writer.acquire().await.map_err(db($ctx))?;
+                let result: Result<_, StoreError> = async {
+                    let mut $tx = sqlx::Connection::begin_with(&mut *conn, "BEGIN IMMEDIATE")
+                        .await
+                        .map_err(db($ctx))?;
+                    let out = $body;
+                    $tx.commit().await.map_err(db($ctx))?;
+                    Ok(out)
+                }
+                .await;
+                if result.is_err() {
+                    conn.close_on_drop();
+                }
+                result?
             }
             Backend::Postgres(pool) => {
                 let mut $tx = pool.begin().await.map_err(db($ctx))?;

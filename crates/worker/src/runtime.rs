@@ -150,6 +150,8 @@ struct Ctx {
     service: std::sync::Mutex<ServiceTimes>,
     /// Outcome events, published after each durable terminal outcome (best-effort).
     events: lastcall_broker::EventSink,
+    /// Token deltas of streaming calls, to each job's `reply_to` (best-effort, bounded).
+    deltas: lastcall_broker::DeltaSink,
     /// Jobs in this process (waiting for a slot or running), by job id: a cancellation
     /// broadcast (`{prefix}.control`) fires the token, which ends the wait or aborts the
     /// call. The count is the deliveries sharing it.
@@ -258,6 +260,7 @@ impl Worker {
             shutdown: CancellationToken::new(),
             nonce,
             events: lastcall_broker::EventSink::spawn(&broker, &names_events),
+            deltas: lastcall_broker::DeltaSink::spawn(&broker),
             cancels: std::sync::Mutex::new(std::collections::HashMap::new()),
         };
         ctx.stats
@@ -289,6 +292,17 @@ impl Worker {
         ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
         let lease_stop = CancellationToken::new();
         let lease = tokio::spawn(renew_lease(ctx.clone(), lease_stop.clone()));
+        // `/readyz`'s ledger check follows every write's result at once, also while the
+        // receive loop waits for a delivery (a full buffer of jobs whose writes fail).
+        let mirror = {
+            let (mut health, stats) = (ctx.health.subscribe(), ctx.stats.clone());
+            tokio::spawn(async move {
+                while health.changed().await.is_ok() {
+                    let healthy = *health.borrow_and_update();
+                    stats.ledger_healthy.store(healthy, Ordering::Relaxed);
+                }
+            })
+        };
         // Cancellation broadcasts (`{prefix}.control`), on a connection of their own.
         let control = {
             let ctx2 = ctx.clone();
@@ -311,6 +325,7 @@ impl Worker {
                 Ok(g) => g,
                 Err(e) if first => {
                     lease_stop.cancel();
+                    mirror.abort();
                     return Err(e);
                 }
                 Err(e) => {
@@ -372,6 +387,7 @@ impl Worker {
             bounded("closing the channel", g.stream.close()).await;
         }
         lease_stop.cancel();
+        mirror.abort();
         let _ = lease.await;
         let _ = tokio::time::timeout(Duration::from_secs(2), control).await;
         // The events of the last outcomes (best-effort, bounded like every shutdown step).
@@ -996,7 +1012,21 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     job.started_at_ms = Some(started_at_ms);
     WorkerStats::inc(&ctx.stats.backend_calls);
     WorkerStats::add(&ctx.stats.running, 1);
-    let mut call = call_backend(&ctx, &env, job.incoming.attempt, budget_ms, &cancel.token).await;
+    let stream = (job.incoming.reply_to.as_deref()).map(|to| {
+        crate::stream::CallStream::new(&ctx.deltas, to, id.as_str(), job.incoming.attempt)
+    });
+    let mut call = call_backend(
+        &ctx,
+        &env,
+        job.incoming.attempt,
+        budget_ms,
+        &cancel.token,
+        stream.as_ref(),
+    )
+    .await;
+    if let Some(s) = &stream {
+        s.end();
+    }
     if cut_by_ack_window && call.result == CallResult::DeadlineExceeded {
         // Cut at the ack window, before the job's deadline: not `deadline_exceeded`.
         call.result = CallResult::Failed {
@@ -1373,6 +1403,7 @@ async fn call_backend(
     attempt: u32,
     budget_ms: u64,
     requested: &CancellationToken,
+    stream: Option<&crate::stream::CallStream>,
 ) -> Call {
     let cancel = CancellationToken::new();
     let req = CallRequest {
@@ -1383,7 +1414,10 @@ async fn call_backend(
         timeout: Duration::from_millis(budget_ms),
     };
     let t0 = Instant::now();
-    let fut = ctx.backend.call(req, cancel.clone());
+    let fut = match stream {
+        Some(s) => ctx.backend.call_streaming(req, cancel.clone(), s.deltas()),
+        None => ctx.backend.call(req, cancel.clone()),
+    };
     tokio::pin!(fut);
     let deadline = tokio::time::sleep(Duration::from_millis(budget_ms));
     let outcome = tokio::select! {

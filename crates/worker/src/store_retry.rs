@@ -28,6 +28,11 @@ impl StoreHealth {
         *self.tx.borrow()
     }
 
+    /// Every change of the health, as it happens.
+    pub fn subscribe(&self) -> watch::Receiver<bool> {
+        self.tx.subscribe()
+    }
+
     fn set(&self, healthy: bool) {
         self.tx.send_if_modified(|h| {
             let changed = *h != healthy;
