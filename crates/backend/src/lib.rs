@@ -6,7 +6,8 @@
 //! period for the backend to confirm that it stopped ([`BackendError::Cancelled`]).
 //!
 //! # Layout
-//! - this file: [`Backend`], [`CallRequest`], [`CallOutput`], [`BackendError`].
+//! - this file: [`Backend`], [`CallRequest`], [`CallOutput`], [`BackendError`], [`Deltas`]
+//!   (where a streaming call's text goes as it is generated).
 //! - [`sim`]: the simulated backend, a load generator that counts every call it receives.
 
 pub mod route;
@@ -16,6 +17,7 @@ use serde::Serialize;
 use serde_json::{Map, Value};
 use std::future::Future;
 use std::pin::Pin;
+use std::sync::Arc;
 use std::time::Duration;
 pub use tokio_util::sync::CancellationToken;
 
@@ -92,6 +94,31 @@ impl BackendError {
 pub type CallFuture<'a> =
     Pin<Box<dyn Future<Output = Result<CallOutput, BackendError>> + Send + 'a>>;
 
+/// Where a streaming call's text goes while it is generated: a callback that never
+/// blocks (the worker queues each piece for the broker, or drops it). The pieces a
+/// completed call sent concatenate to its [`CallOutput::text`]; a backend sends each piece
+/// once, in order, and stops sending when [`Deltas::send`] says nobody takes them.
+#[derive(Clone)]
+pub struct Deltas(Arc<dyn Fn(&str) -> bool + Send + Sync>);
+
+impl Deltas {
+    /// `f` takes one piece and answers whether more are wanted.
+    pub fn new(f: impl Fn(&str) -> bool + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// Hand over one piece (empty pieces are not sent); `false`: stop sending.
+    pub fn send(&self, text: &str) -> bool {
+        text.is_empty() || (self.0)(text)
+    }
+}
+
+impl std::fmt::Debug for Deltas {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("Deltas")
+    }
+}
+
 /// A model backend. Implementations are shared between the worker's slots.
 pub trait Backend: Send + Sync {
     /// A short name for logs and metrics (`sim`, `openai`, `local`).
@@ -100,4 +127,20 @@ pub trait Backend: Send + Sync {
     /// Run one call. Must return promptly with [`BackendError::Cancelled`] once `cancel`
     /// fires, and must not run past `req.timeout`.
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_>;
+
+    /// [`call`](Self::call), sending the text to `deltas` as it is generated. The default
+    /// sends the whole text once the call completed; streaming backends override it.
+    fn call_streaming(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Deltas,
+    ) -> CallFuture<'_> {
+        let call = self.call(req, cancel);
+        Box::pin(async move {
+            let out = call.await?;
+            deltas.send(&out.text);
+            Ok(out)
+        })
+    }
 }

@@ -193,7 +193,27 @@ impl Backend for RoutedBackend {
         "routed"
     }
 
-    fn call(&self, mut req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+    fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+        self.routed(req, cancel, None)
+    }
+
+    fn call_streaming(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: crate::Deltas,
+    ) -> CallFuture<'_> {
+        self.routed(req, cancel, Some(deltas))
+    }
+}
+
+impl RoutedBackend {
+    fn routed(
+        &self,
+        mut req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<crate::Deltas>,
+    ) -> CallFuture<'_> {
         let Some(route) = self.table.resolve(&req.kind) else {
             let kind = req.kind.clone();
             return Box::pin(async move {
@@ -217,7 +237,10 @@ impl Backend for RoutedBackend {
             req.payload
                 .insert("model".into(), Value::String(model.to_string()));
         }
-        backend.call(req, cancel)
+        match deltas {
+            Some(d) => backend.call_streaming(req, cancel, d),
+            None => backend.call(req, cancel),
+        }
     }
 }
 

@@ -11,7 +11,9 @@
 //!   job, for crash-loop tests). Off, these kinds are simulated like any other, so a
 //!   producer cannot crash a worker by naming a kind.
 
-use crate::{Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Usage};
+use crate::{
+    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas, Usage,
+};
 use rand::Rng;
 use std::collections::HashMap;
 use std::io::Write;
@@ -113,60 +115,91 @@ impl Backend for SimBackend {
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
-        Box::pin(async move {
-            self.count(&req);
-            let fault_kind = if self.cfg.faults {
-                req.kind.as_str()
-            } else {
-                ""
-            };
-            match fault_kind {
-                "sim.crash" => {
-                    tracing::error!(job_id = %req.job_id, "sim.crash job: aborting the worker process");
-                    std::process::abort();
-                }
-                "sim.fail-terminal" => {
-                    return Err(BackendError::Terminal {
-                        reason: "sim_400".into(),
-                        message: "simulated bad request".into(),
-                    });
-                }
-                "sim.fail-retryable" => {
-                    return Err(BackendError::Retryable {
-                        reason: "sim_503".into(),
-                        message: "simulated overload".into(),
-                        retry_after: None,
-                    });
-                }
-                _ => {}
+        Box::pin(self.run(req, cancel, None))
+    }
+
+    /// The text in a few word-sized deltas spread evenly over the latency.
+    fn call_streaming(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Deltas,
+    ) -> CallFuture<'_> {
+        Box::pin(self.run(req, cancel, Some(deltas)))
+    }
+}
+
+impl SimBackend {
+    async fn run(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        mut deltas: Option<Deltas>,
+    ) -> Result<CallOutput, BackendError> {
+        self.count(&req);
+        let fault_kind = if self.cfg.faults {
+            req.kind.as_str()
+        } else {
+            ""
+        };
+        match fault_kind {
+            "sim.crash" => {
+                tracing::error!(job_id = %req.job_id, "sim.crash job: aborting the worker process");
+                std::process::abort();
             }
-            let latency = self.latency(&req);
-            tokio::select! {
-                _ = cancel.cancelled() => return Err(BackendError::Cancelled { confirmed: true }),
-                _ = tokio::time::sleep(latency) => {}
+            "sim.fail-terminal" => {
+                return Err(BackendError::Terminal {
+                    reason: "sim_400".into(),
+                    message: "simulated bad request".into(),
+                });
             }
-            if self.cfg.fail_rate > 0.0
-                && rand::rng().random_bool(self.cfg.fail_rate.clamp(0.0, 1.0))
-            {
+            "sim.fail-retryable" => {
                 return Err(BackendError::Retryable {
                     reason: "sim_503".into(),
-                    message: "simulated failure".into(),
+                    message: "simulated overload".into(),
                     retry_after: None,
                 });
             }
-            Ok(CallOutput {
-                text: format!(
-                    "sim output for {} after {} ms",
-                    req.job_id,
-                    latency.as_millis()
-                ),
-                usage: Some(Usage {
-                    prompt_tokens: 8,
-                    completion_tokens: 8,
-                }),
-                model: Some("sim".into()),
-                tokens_per_second: None,
-            })
+            _ => {}
+        }
+        let latency = self.latency(&req);
+        let text = format!(
+            "sim output for {} after {} ms",
+            req.job_id,
+            latency.as_millis()
+        );
+        let pieces: Vec<&str> = if deltas.is_some() {
+            text.split_inclusive(' ').collect()
+        } else {
+            vec![text.as_str()]
+        };
+        let step = latency / pieces.len() as u32;
+        for piece in &pieces {
+            tokio::select! {
+                _ = cancel.cancelled() => return Err(BackendError::Cancelled { confirmed: true }),
+                _ = tokio::time::sleep(step) => {}
+            }
+            if let Some(d) = &deltas
+                && !d.send(piece)
+            {
+                deltas = None;
+            }
+        }
+        if self.cfg.fail_rate > 0.0 && rand::rng().random_bool(self.cfg.fail_rate.clamp(0.0, 1.0)) {
+            return Err(BackendError::Retryable {
+                reason: "sim_503".into(),
+                message: "simulated failure".into(),
+                retry_after: None,
+            });
+        }
+        Ok(CallOutput {
+            text,
+            usage: Some(Usage {
+                prompt_tokens: 8,
+                completion_tokens: 8,
+            }),
+            model: Some("sim".into()),
+            tokens_per_second: None,
         })
     }
 }
@@ -244,5 +277,27 @@ mod tests {
         }
         assert_eq!(std::fs::read_to_string(&dir).unwrap().lines().count(), 4);
         let _ = std::fs::remove_file(dir);
+    }
+
+    #[tokio::test]
+    async fn streams_its_text_in_a_few_deltas() {
+        let b = SimBackend::new(SimConfig::default()).unwrap();
+        let got = std::sync::Arc::new(Mutex::new(Vec::<String>::new()));
+        let g = got.clone();
+        let deltas = Deltas::new(move |t| {
+            g.lock().unwrap().push(t.to_owned());
+            true
+        });
+        let out = b
+            .call_streaming(
+                req("chat", json!({"sim_latency_ms": 20})),
+                CancellationToken::new(),
+                deltas,
+            )
+            .await
+            .unwrap();
+        let got = got.lock().unwrap();
+        assert!(got.len() > 3, "{got:?}");
+        assert_eq!(got.concat(), out.text);
     }
 }

@@ -48,6 +48,9 @@ pub struct Incoming {
     pub x_death: Vec<XDeath>,
     /// `x-delivery-count` (quorum queues).
     pub delivery_count: Option<i64>,
+    /// The `reply_to` property: where a streaming call's token deltas go (set by the
+    /// front door through direct reply-to, see [`crate::deltas`]).
+    pub reply_to: Option<String>,
     pub settler: Settler,
 }
 
@@ -232,6 +235,7 @@ fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
         timestamp_s: *props.timestamp(),
         x_death,
         delivery_count,
+        reply_to: props.reply_to().as_ref().map(|s| s.as_str().to_owned()),
         body: d.data,
         settler: Settler { acker: d.acker },
     }

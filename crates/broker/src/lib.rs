@@ -12,11 +12,14 @@
 //!   requeue.
 //! - [`bench`]: raw publisher and bare consumers for `lastcall bench ack-modes` (auto-ack,
 //!   manual, `multiple` acks, consumer crashes); never used by the worker.
+//! - [`deltas`]: a worker's token deltas to a job's `reply_to` (bounded, best-effort);
+//!   [`publish::ReplyChannel`] is the receiving side (direct reply-to).
 //! - [`tls`]: the URL as lapin gets it: `amqps://` with `cacertfile` (a private CA),
 //!   `certfile`/`keyfile` (a client certificate) read from the URL's query.
 
 pub mod bench;
 pub mod consume;
+pub mod deltas;
 pub mod events;
 pub mod management;
 pub mod publish;
@@ -24,8 +27,9 @@ pub mod tls;
 pub mod topology;
 
 pub use consume::{Incoming, IncomingStream, Settler, XDeath};
+pub use deltas::{DeltaSink, DeltaTarget};
 pub use events::EventSink;
-pub use publish::{PublishError, PublishProps, Publisher};
+pub use publish::{PublishError, PublishProps, Publisher, ReplyChannel};
 pub use topology::{Names, QueueType, Topology, TopologyError};
 
 use lapin::{Connection, ConnectionProperties};

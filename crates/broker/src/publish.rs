@@ -1,8 +1,9 @@
 //! Confirmed publishing.
 
 use crate::{Broker, BrokerError};
+use futures_util::StreamExt;
 use lapin::Confirmation;
-use lapin::options::{BasicPublishOptions, ConfirmSelectOptions};
+use lapin::options::{BasicConsumeOptions, BasicPublishOptions, ConfirmSelectOptions};
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel};
 use std::time::Duration;
@@ -11,6 +12,10 @@ use std::time::Duration;
 pub const ATTEMPT_HEADER: &str = "x-lastcall-attempt";
 /// Header carrying the ingress signature (CONTRACT §1).
 pub const SIGNATURE_HEADER: &str = "x-lastcall-signature";
+
+/// RabbitMQ's direct reply-to pseudo-queue: a consumer on it (no-ack) gets what is
+/// published to the `reply_to` address of the messages its channel published.
+pub const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
 
 /// Per-message properties set by lastcall.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -139,67 +144,186 @@ impl Publisher {
         body: &[u8],
         props: &PublishProps,
     ) -> Result<(), PublishError> {
-        let mut headers = FieldTable::default();
-        headers.insert(
-            ATTEMPT_HEADER.into(),
-            AMQPValue::LongLongInt(i64::from(props.attempt)),
-        );
-        if let Some(sig) = &props.signature {
-            headers.insert(
-                SIGNATURE_HEADER.into(),
-                AMQPValue::LongString(LongString::from(sig.as_bytes().to_vec())),
-            );
-        }
-        let mut properties = BasicProperties::default()
-            .with_delivery_mode(2)
-            .with_content_type("application/json".into())
-            .with_message_id(props.job_id.as_str().into())
-            .with_timestamp(props.timestamp_s)
-            .with_headers(headers);
-        if let Some(ttl) = props.ttl_ms {
-            properties = properties.with_expiration(ttl.to_string().into());
-        }
         let (channel, broker) = self.channel().await?;
-        let confirmed = async {
-            let confirm = channel
-                .basic_publish(
-                    exchange.into(),
-                    routing_key.into(),
-                    BasicPublishOptions {
-                        mandatory: true,
-                        ..Default::default()
-                    },
-                    body,
-                    properties,
-                )
-                .await
-                .map_err(|source| BrokerError::Amqp {
-                    doing: "publishing",
-                    source,
-                })?;
-            tokio::time::timeout(self.confirm_timeout, confirm)
-                .await
-                .map_err(|_| PublishError::ConfirmTimeout(self.confirm_timeout))?
-                .map_err(|source| {
-                    PublishError::from(BrokerError::Amqp {
-                        doing: "waiting for the publisher confirm",
-                        source,
-                    })
-                })
-        };
-        // RabbitMQ blocks a connection at its first publish under an alarm and stops reading
-        // from it: that publish would wait for the whole confirm timeout. Answer as soon as
-        // the broker says `connection.blocked` instead.
-        let confirmation = tokio::select! {
-            c = confirmed => c?,
-            () = became_blocked(&broker) => return Err(PublishError::BlockedInFlight),
-        };
-        match confirmation {
-            Confirmation::Ack(None) => Ok(()),
-            Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(routing_key.to_owned())),
-            Confirmation::Nack(_) => Err(PublishError::Nacked),
-            Confirmation::NotRequested => unreachable!("confirm mode is enabled in Publisher::new"),
+        publish_confirmed(
+            &channel,
+            &broker,
+            self.confirm_timeout,
+            exchange,
+            routing_key,
+            body,
+            props,
+            None,
+        )
+        .await
+    }
+
+    /// A channel of its own on the publisher's connection (healed first, refused under a
+    /// resource alarm), in confirm mode and consuming [`DIRECT_REPLY_TO`]: what it
+    /// publishes carries that `reply_to`, and whatever the consumer of such a message
+    /// publishes to the address RabbitMQ put there arrives on this channel. Closed when
+    /// dropped (later replies are then discarded by the broker).
+    pub async fn reply_channel(&self) -> Result<ReplyChannel, PublishError> {
+        let (_, broker) = self.channel().await?;
+        let channel = confirm_channel(&broker).await?;
+        let consumer = channel
+            .basic_consume(
+                DIRECT_REPLY_TO.into(),
+                "lastcall-reply".into(),
+                BasicConsumeOptions {
+                    no_ack: true,
+                    ..Default::default()
+                },
+                FieldTable::default(),
+            )
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "consuming direct reply-to",
+                source,
+            })?;
+        Ok(ReplyChannel {
+            channel,
+            broker,
+            consumer,
+            confirm_timeout: self.confirm_timeout,
+        })
+    }
+}
+
+/// A per-request channel that publishes a job with `reply_to` set and receives what the
+/// worker sends back there ([`Publisher::reply_channel`]). The broker pushes replies
+/// without acks; they stay in this process until [`ReplyChannel::next`] takes them, which
+/// a caller does as it forwards them (a reply stream is bounded by its job's output).
+pub struct ReplyChannel {
+    channel: Channel,
+    broker: Broker,
+    consumer: lapin::Consumer,
+    confirm_timeout: Duration,
+}
+
+impl std::fmt::Debug for ReplyChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ReplyChannel").finish_non_exhaustive()
+    }
+}
+
+impl ReplyChannel {
+    /// [`Publisher::publish`] on this channel, with `reply_to` = [`DIRECT_REPLY_TO`].
+    pub async fn publish(
+        &self,
+        exchange: &str,
+        routing_key: &str,
+        body: &[u8],
+        props: &PublishProps,
+    ) -> Result<(), PublishError> {
+        publish_confirmed(
+            &self.channel,
+            &self.broker,
+            self.confirm_timeout,
+            exchange,
+            routing_key,
+            body,
+            props,
+            Some(DIRECT_REPLY_TO),
+        )
+        .await
+    }
+
+    /// The next reply's body; `None` once the channel or its connection is gone.
+    pub async fn next(&mut self) -> Option<Vec<u8>> {
+        match self.consumer.next().await? {
+            Ok(d) => Some(d.data),
+            Err(_) => None,
         }
+    }
+}
+
+impl Drop for ReplyChannel {
+    fn drop(&mut self) {
+        let ch = self.channel.clone();
+        if let Ok(rt) = tokio::runtime::Handle::try_current() {
+            rt.spawn(async move {
+                let _ = ch.close(200, "bye".into()).await;
+            });
+        }
+    }
+}
+
+/// Publish on `channel` (confirm mode) and wait for its confirm, or for the broker to
+/// block `broker`'s connection.
+#[allow(clippy::too_many_arguments)]
+async fn publish_confirmed(
+    channel: &Channel,
+    broker: &Broker,
+    confirm_timeout: Duration,
+    exchange: &str,
+    routing_key: &str,
+    body: &[u8],
+    props: &PublishProps,
+    reply_to: Option<&str>,
+) -> Result<(), PublishError> {
+    let mut headers = FieldTable::default();
+    headers.insert(
+        ATTEMPT_HEADER.into(),
+        AMQPValue::LongLongInt(i64::from(props.attempt)),
+    );
+    if let Some(sig) = &props.signature {
+        headers.insert(
+            SIGNATURE_HEADER.into(),
+            AMQPValue::LongString(LongString::from(sig.as_bytes().to_vec())),
+        );
+    }
+    let mut properties = BasicProperties::default()
+        .with_delivery_mode(2)
+        .with_content_type("application/json".into())
+        .with_message_id(props.job_id.as_str().into())
+        .with_timestamp(props.timestamp_s)
+        .with_headers(headers);
+    if let Some(ttl) = props.ttl_ms {
+        properties = properties.with_expiration(ttl.to_string().into());
+    }
+    if let Some(r) = reply_to {
+        properties = properties.with_reply_to(r.into());
+    }
+    let confirmed = async {
+        let confirm = channel
+            .basic_publish(
+                exchange.into(),
+                routing_key.into(),
+                BasicPublishOptions {
+                    mandatory: true,
+                    ..Default::default()
+                },
+                body,
+                properties,
+            )
+            .await
+            .map_err(|source| BrokerError::Amqp {
+                doing: "publishing",
+                source,
+            })?;
+        tokio::time::timeout(confirm_timeout, confirm)
+            .await
+            .map_err(|_| PublishError::ConfirmTimeout(confirm_timeout))?
+            .map_err(|source| {
+                PublishError::from(BrokerError::Amqp {
+                    doing: "waiting for the publisher confirm",
+                    source,
+                })
+            })
+    };
+    // RabbitMQ blocks a connection at its first publish under an alarm and stops reading
+    // from it: that publish would wait for the whole confirm timeout. Answer as soon as
+    // the broker says `connection.blocked` instead.
+    let confirmation = tokio::select! {
+        c = confirmed => c?,
+        () = became_blocked(broker) => return Err(PublishError::BlockedInFlight),
+    };
+    match confirmation {
+        Confirmation::Ack(None) => Ok(()),
+        Confirmation::Ack(Some(_)) => Err(PublishError::Unroutable(routing_key.to_owned())),
+        Confirmation::Nack(_) => Err(PublishError::Nacked),
+        Confirmation::NotRequested => unreachable!("confirm mode is enabled in Publisher::new"),
     }
 }
 

@@ -284,31 +284,48 @@ async fn memory_alarm_while_serve_takes_posts() {
     run.finish(bound(1, &spec)).await;
 }
 
-/// Slow tier: a 3-node cluster on this host (own node names and ports, join_cluster), a
-/// quorum work queue, serve and the workers given the node list; the node they are
-/// connected to (the first) is killed (`kill -9` of its VM) mid-run and stays down.
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
-async fn cluster_of_three_one_node_killed() {
+/// A 3-node cluster on this host (own node names and ports, join_cluster), a quorum work
+/// queue, serve given the node list A,B,C and the workers the list starting at node
+/// `kill`; node `kill` is killed (`kill -9` of its VM) mid-run and stays down.
+async fn cluster_one_node_killed(scenario: &str, kill: usize) {
     let mut nodes = PrivateRabbit::cluster(3);
-    // Serve and the workers try the nodes in this order; the events are read on the last.
-    let urls = nodes
-        .iter()
-        .map(|n| n.url("?heartbeat=2"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let url = |i: usize| nodes[i % 3].url("?heartbeat=2");
+    // The events are read on the last node of serve's list (C), never the killed one.
+    let serve_urls = (0..3).map(url).collect::<Vec<_>>().join(",");
+    let worker_urls = (kill..kill + 3).map(url).collect::<Vec<_>>().join(",");
     let spec = Spec {
         workers: 2,
         queue_type: "quorum",
         deadline_ms: 15_000,
         ..Spec::default()
     };
-    let mut run = Run::start("cluster_kill", &urls, &urls, sqlite, spec.clone()).await;
+    let mut run = Run::start(scenario, &serve_urls, &worker_urls, sqlite, spec.clone()).await;
     run.start_load();
     run.run_for(BEFORE).await;
     run.wait_completed(5, Duration::from_secs(60)).await;
-    nodes[0].kill9();
+    nodes[kill].kill9();
     run.fault_ended();
     run.run_for(Duration::from_secs(10)).await;
     run.finish(bound(1, &spec)).await;
+}
+
+/// Slow tier: the node the workers are connected to (B; serve and the classic queues are
+/// on A) is killed; the workers fail over to the next node of their list.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
+async fn cluster_of_three_the_workers_node_killed() {
+    cluster_one_node_killed("cluster_kill_workers_node", 1).await;
+}
+
+/// Slow tier, and a FINDING (not fixed, see RELIABILITY.md): the node that declared the
+/// topology (A: serve and the workers are connected to it) is killed. Only the work
+/// queue is a quorum queue; the dead-letter, retry-ready and retry queues are classic
+/// queues homed on A, so every reconnect on B or C fails to declare the topology
+/// (`NOT_FOUND - home node … of durable queue ….dead … is down`) and serve and the
+/// workers stay down while A is: nothing is lost (POSTs answer 503) but nothing
+/// completes, and this test fails on "no job completed after the fault ended".
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier; FINDING: classic dead/retry queues homed on the killed node block every reconnect"]
+async fn cluster_of_three_the_topology_home_node_killed() {
+    cluster_one_node_killed("cluster_kill_home_node", 0).await;
 }

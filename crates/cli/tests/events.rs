@@ -771,6 +771,39 @@ try:
             model="m", messages=msgs, extra_headers={"X-Lastcall-Deadline-Ms": "60000",
             "Idempotency-Key": "fd-gone"}, extra_body={"sim_latency_ms": 30000})
         out(unexpected="completed")
+    elif case == "stream":
+        r = client(timeout=20.0).chat.completions.with_raw_response.create(
+            model="m", messages=msgs, stream=True, stream_options={"include_usage": True},
+            extra_body={"sim_latency_ms": 600})
+        chunks = [c.model_dump() for c in r.parse()]
+        content = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
+        out(job=r.headers.get("x-lastcall-job-id"), type=r.headers.get("content-type"),
+            role=chunks[0]["choices"][0]["delta"].get("role"),
+            pieces=[t for t in content if t], text="".join(t for t in content if t),
+            finish=[c["choices"][0]["finish_reason"] for c in chunks if c["choices"]][-1],
+            usage=chunks[-1]["usage"] and chunks[-1]["usage"]["total_tokens"],
+            objects=sorted({c["object"] for c in chunks}))
+    elif case == "stream-raw":
+        import urllib.request
+        req = urllib.request.Request(base + "/v1/chat/completions", method="POST",
+            data=json.dumps({"model": "m", "messages": msgs, "stream": True}).encode(),
+            headers={"Authorization": "Bearer " + token, "Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=20) as resp:
+            lines = [l.decode().rstrip("\n") for l in resp]
+        out(status=resp.status, data=[l for l in lines if l.startswith("data: ")])
+    elif case == "stream-disconnect":
+        s = client(timeout=30.0, max_retries=0).chat.completions.create(
+            model="m", messages=msgs, stream=True, extra_headers={"Idempotency-Key": "fd-stream-gone"},
+            extra_body={"sim_latency_ms": 20000})
+        for c in s:
+            if c.choices and c.choices[0].delta.content:
+                break
+        s.close()
+        out(closed=True)
+    elif case == "stream-expired":
+        s = client(timeout=10.0).chat.completions.create(
+            model="m", messages=msgs, stream=True, extra_headers={"X-Lastcall-Deadline-Ms": "1500"})
+        out(unexpected=[c.model_dump() for c in s])
     elif case == "unknown-model":
         client().chat.completions.create(model="nope", messages=msgs)
     elif case == "models":
@@ -897,6 +930,96 @@ async fn the_openai_sdk_gets_answers_deadlines_and_cancellation_through_the_fron
         ("expired_not_started", 0),
         "{rec:?}"
     );
+    w.stop().await;
+    drop(serve);
+    env.cleanup().await;
+}
+
+/// `stream: true` through the front door (the sim backend streams its text in a few
+/// deltas over direct reply-to): the SDK's chunks carry exactly the ledger's text, the raw
+/// event stream ends in `data: [DONE]`, a client that leaves mid-stream cancels its job,
+/// and an expiry before the first byte is a plain 504.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_streams_exactly_the_ledgers_text() {
+    let env = Env::sqlite("front-door-stream").await;
+    let serve = Serve::start_with(&env, &["--model", "m=incident.summary"], &[]).await;
+    let script = env.dir.join("sdk.py");
+    std::fs::write(&script, SDK_CLIENT).unwrap();
+    let w = env
+        .start_worker(env.worker_config(1, 4), sim(300), system_clock())
+        .await;
+    let base = serve.base.clone();
+
+    let r = sdk(&script, &base, "stream").await;
+    let rec = env
+        .ledger
+        .get(r["job"].as_str().expect("x-lastcall-job-id"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.state, "completed", "{rec:?}");
+    assert_eq!(rec.result.as_deref(), r["text"].as_str(), "{r}");
+    assert!(
+        r["pieces"].as_array().unwrap().len() > 3,
+        "streamed in deltas: {r}"
+    );
+    assert_eq!(r["role"], "assistant", "{r}");
+    assert_eq!(r["finish"], "stop", "{r}");
+    assert!(r["usage"].as_u64().unwrap() > 0, "{r}");
+    assert_eq!(r["objects"], serde_json::json!(["chat.completion.chunk"]));
+    assert!(r["type"].as_str().unwrap().starts_with("text/event-stream"));
+
+    let r = sdk(&script, &base, "stream-raw").await;
+    let data: Vec<&str> = r["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|d| d.as_str().unwrap())
+        .collect();
+    assert_eq!(data.last(), Some(&"data: [DONE]"), "{r}");
+    let mut text = String::new();
+    for d in &data[..data.len() - 1] {
+        let v: serde_json::Value = serde_json::from_str(&d["data: ".len()..]).unwrap();
+        if let Some(t) = v["choices"][0]["delta"]["content"].as_str() {
+            text.push_str(t);
+        }
+    }
+    let id = serde_json::from_str::<serde_json::Value>(&data[0]["data: ".len()..]).unwrap()["id"]
+        .as_str()
+        .unwrap()
+        .trim_start_matches("chatcmpl-")
+        .to_owned();
+    let rec = env.ledger.get(&id).await.unwrap().unwrap();
+    assert_eq!(rec.result.as_deref(), Some(text.as_str()), "{r}");
+
+    // A client that closes the stream after its first content chunk cancels the job.
+    let r = sdk(&script, &base, "stream-disconnect").await;
+    assert_eq!(r["closed"], true, "{r}");
+    let rec = env
+        .wait_terminal(&["fd-stream-gone".to_owned()], Duration::from_secs(30))
+        .await
+        .remove(0);
+    assert_eq!(rec.state, "cancelled", "{rec:?}");
+
+    // The one slot busy: the job expires before any byte was sent, so the SDK gets the
+    // non-streaming 504 deadline_expired.
+    sub_long(&env, "fd-stream-busy").await;
+    let until = Instant::now() + Duration::from_secs(20);
+    while env
+        .ledger
+        .get("fd-stream-busy")
+        .await
+        .unwrap()
+        .unwrap()
+        .state
+        != "running"
+    {
+        assert!(Instant::now() < until, "fd-stream-busy did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let r = sdk(&script, &base, "stream-expired").await;
+    assert_eq!(r["status"], 504, "{r}");
+    assert_eq!(r["body"]["type"], "deadline_expired", "{r}");
     w.stop().await;
     drop(serve);
     env.cleanup().await;

@@ -20,11 +20,13 @@
 //! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
 //! - [`ack_window`]: the model call's timeout capped inside the broker's consumer timeout.
 //! - [`event`]: the outcome event published to `{prefix}.events` after a durable outcome.
+//! - [`delta`]: token deltas of a streaming call, sent to the job's `reply_to`.
 
 pub mod ack_window;
 pub mod admission;
 pub mod deadletter;
 pub mod deadline;
+pub mod delta;
 pub mod disposition;
 pub mod envelope;
 pub mod event;

@@ -20,7 +20,7 @@
 //!   not, aborted if it had): the handler is dropped, and its guard runs
 //!   `lastcall_worker::cancel`.
 //!
-//! Not yet: `"stream": true` is refused (`400`, `param` `stream`).
+//! - `"stream": true` answers with server-sent events (`front_door_stream.rs`).
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -88,7 +88,7 @@ impl FrontDoor {
 }
 
 /// An error in OpenAI's shape: `{"error": {"message", "type", "param", "code"}}`.
-fn oa_error(
+pub(crate) fn oa_error(
     status: StatusCode,
     kind: &str,
     code: Option<&str>,
@@ -105,7 +105,7 @@ fn oa_error(
 }
 
 /// A lastcall refusal (validation, shedding, the broker) in OpenAI's shape.
-fn from_api_error(e: ApiError) -> Response {
+pub(crate) fn from_api_error(e: ApiError) -> Response {
     let status = e.status();
     let kind = match status {
         StatusCode::TOO_MANY_REQUESTS => "rate_limit_exceeded",
@@ -189,14 +189,15 @@ async fn run(
             ),
         ));
     };
-    if o.get("stream").and_then(Value::as_bool) == Some(true) {
-        return Err(bad(
-            "stream",
-            "streaming (`stream: true`) is not supported yet".into(),
-        ));
-    }
-    o.remove("stream");
-    o.remove("stream_options");
+    let stream = match o.remove("stream") {
+        None | Some(Value::Null) => false,
+        Some(Value::Bool(b)) => b,
+        Some(_) => return Err(bad("stream", "`stream` must be a boolean".into())),
+    };
+    let include_usage = o
+        .remove("stream_options")
+        .and_then(|v| v.get("include_usage").and_then(Value::as_bool))
+        == Some(true);
     if o.get("messages")
         .and_then(Value::as_array)
         .is_none_or(Vec::is_empty)
@@ -223,6 +224,19 @@ async fn run(
         .map_err(|e| from_api_error(submit_error(e, deadline)))?;
     let id = env.job_id().to_string();
     let expires_at_ms = env.deadline().expires_at_ms();
+    // A channel of its own whose direct reply-to address the job carries: the worker's
+    // token deltas come back on it.
+    let reply = if stream {
+        Some(
+            state
+                .submitter
+                .reply_channel()
+                .await
+                .map_err(|e| from_api_error(submit_error(e, deadline)))?,
+        )
+    } else {
+        None
+    };
     // Subscribed before publishing: the outcome cannot come first.
     let mut waiter = state.waiters.subscribe(&id);
     let mut guard = CancelOnDrop {
@@ -230,11 +244,21 @@ async fn run(
         id: id.clone(),
         armed: false,
     };
-    match state
-        .submitter
-        .submit_once(&env, now, state.claim_wait)
-        .await
-    {
+    let submitted = match &reply {
+        Some(r) => {
+            state
+                .submitter
+                .submit_once_replying(&env, now, state.claim_wait, r)
+                .await
+        }
+        None => {
+            state
+                .submitter
+                .submit_once(&env, now, state.claim_wait)
+                .await
+        }
+    };
+    match submitted {
         Ok(Submission::Published(_)) => guard.armed = true,
         Ok(Submission::Duplicate(_)) => {} // an earlier request with this key owns the job
         Err(SubmitError::Ledger(_)) => guard.armed = true,
@@ -243,6 +267,20 @@ async fn run(
     // The workers record an expiry at the deadline; a little after it the outcome is in.
     let until = tokio::time::Instant::now()
         + Duration::from_millis((expires_at_ms - now).max(0) as u64 + 5_000);
+    if let Some(reply) = reply {
+        let s = crate::front_door_stream::Streaming::new(
+            state.clone(),
+            waiter,
+            guard,
+            reply,
+            id,
+            model,
+            now / 1000,
+            include_usage,
+            until,
+        );
+        return Ok(s.respond().await);
+    }
     let rec = waiter
         .until_terminal(until, || read_job(state, &id))
         .await
@@ -280,8 +318,19 @@ fn shed_or_refuse(e: SubmitError, spec: DeadlineSpec, expires_at_ms: i64, now: i
     r
 }
 
+/// The OpenAI error `type` of a terminal state other than `completed`.
+pub(crate) fn error_kind(state: &str) -> &'static str {
+    match state {
+        "deadline_exceeded" => "deadline_exceeded",
+        "expired_not_started" | "expired_before_receive" => "deadline_expired",
+        "rejected" => "invalid_request_error",
+        "cancelled" => "cancelled",
+        _ => "model_error",
+    }
+}
+
 /// The response for a terminal record.
-fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
+pub(crate) fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
     let reason = rec.reason.as_deref().unwrap_or(&rec.state);
     let mut r = match rec.state.as_str() {
         "completed" => {
@@ -304,11 +353,7 @@ fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
             .into_response()
         }
         "expired_not_started" | "expired_before_receive" | "deadline_exceeded" => {
-            let kind = if rec.state == "deadline_exceeded" {
-                "deadline_exceeded"
-            } else {
-                "deadline_expired"
-            };
+            let kind = error_kind(&rec.state);
             let msg = format!(
                 "job `{}` ended {} ({reason}): {}",
                 rec.job_id,
@@ -408,10 +453,10 @@ fn deadline_of(h: &HeaderMap, default_ms: u64) -> Result<DeadlineSpec, (&'static
 }
 
 /// Cancels the job when the request is dropped before its answer (the client went away).
-struct CancelOnDrop {
+pub(crate) struct CancelOnDrop {
     state: Arc<AppState>,
     id: String,
-    armed: bool,
+    pub(crate) armed: bool,
 }
 
 impl Drop for CancelOnDrop {

@@ -24,6 +24,7 @@ pub mod dashboard;
 pub mod depth;
 mod error;
 pub mod front_door;
+mod front_door_stream;
 mod jobs;
 pub mod metrics;
 mod params;

@@ -8,7 +8,7 @@ use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
 use candle_transformers::models::quantized_llama::ModelWeights;
 use lastcall_backend::{
-    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Usage,
+    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas, Usage,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -192,6 +192,7 @@ impl LocalBackend {
         &self,
         req: CallRequest,
         cancel: CancellationToken,
+        deltas: Option<Deltas>,
     ) -> Result<CallOutput, BackendError> {
         let deadline = Instant::now() + req.timeout;
         let chat = ChatRequest::from_payload(&req.payload).map_err(|e| BackendError::Terminal {
@@ -231,9 +232,25 @@ impl LocalBackend {
             repeat_penalty: chat.repeat_penalty,
         };
         let should_stop = move || stop.is_cancelled() || Instant::now() >= deadline;
+        let mut streamer = deltas.map(|d| TextStreamer::new(d, tokenizer.clone()));
         let task = tokio::task::spawn_blocking(move || {
             let mut model = model;
-            let out = generate(&mut model, &tokenizer, &prompt, &params, &should_stop);
+            let mut on_token = |ids: &[u32]| {
+                if let Some(s) = &mut streamer {
+                    s.on_tokens(ids);
+                }
+            };
+            let out = generate(
+                &mut model,
+                &tokenizer,
+                &prompt,
+                &params,
+                &should_stop,
+                &mut on_token,
+            );
+            if let (Ok(g), Some(s)) = (&out, &mut streamer) {
+                s.finish(&g.completion); // the rest, whatever it ends with
+            }
             // The next call starts at position 0, which ignores the cache anyway: dropping it
             // now keeps an idle instance from holding its last conversation's KV tensors.
             model.clear_kv_cache();
@@ -283,7 +300,64 @@ impl Backend for LocalBackend {
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
-        Box::pin(self.run(req, cancel))
+        Box::pin(self.run(req, cancel, None))
+    }
+
+    /// The text as it is decoded, a delta per token (held back while a token ends inside
+    /// a UTF-8 character).
+    fn call_streaming(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Deltas,
+    ) -> CallFuture<'_> {
+        Box::pin(self.run(req, cancel, Some(deltas)))
+    }
+}
+
+/// Turns the growing list of generated ids into text deltas: the decoded text beyond what
+/// was sent, once it does not end in a partial character.
+struct TextStreamer {
+    deltas: Option<Deltas>,
+    tokenizer: Arc<Tokenizer>,
+    sent: String,
+}
+
+impl TextStreamer {
+    fn new(deltas: Deltas, tokenizer: Arc<Tokenizer>) -> Self {
+        Self {
+            deltas: Some(deltas),
+            tokenizer,
+            sent: String::new(),
+        }
+    }
+
+    fn on_tokens(&mut self, completion: &[u32]) {
+        let text = self.tokenizer.decode(completion);
+        if !text.ends_with('\u{FFFD}') {
+            self.send_rest(&text);
+        }
+    }
+
+    /// The final text: whatever was held back.
+    fn finish(&mut self, completion: &[u32]) {
+        let text = self.tokenizer.decode(completion);
+        self.send_rest(&text);
+    }
+
+    fn send_rest(&mut self, text: &str) {
+        let Some(d) = &self.deltas else { return };
+        let Some(rest) = text.strip_prefix(self.sent.as_str()) else {
+            return; // cannot happen with byte-level decoding; the reader completes the text
+        };
+        if rest.is_empty() {
+            return;
+        }
+        if d.send(rest) {
+            self.sent.push_str(rest);
+        } else {
+            self.deltas = None;
+        }
     }
 }
 
@@ -340,6 +414,7 @@ fn generate(
     prompt: &[u32],
     params: &Params,
     should_stop: &dyn Fn() -> bool,
+    on_token: &mut dyn FnMut(&[u32]),
 ) -> Result<Generation, GenError> {
     let device = Device::Cpu;
     let mut sampler = LogitsProcessor::new(SEED, Some(params.temperature), None);
@@ -375,6 +450,7 @@ fn generate(
         }
         completion.push(next);
         all.push(next);
+        on_token(&completion);
         if completion.len() >= params.max_tokens {
             break;
         }

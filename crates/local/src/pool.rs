@@ -8,7 +8,7 @@
 //! costs its KV cache, not another copy of the model.
 
 use crate::{LocalBackend, LocalError};
-use lastcall_backend::{Backend, BackendError, CallFuture, CallRequest, CancellationToken};
+use lastcall_backend::{Backend, BackendError, CallFuture, CallRequest, CancellationToken, Deltas};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -73,6 +73,26 @@ impl Backend for LocalPool {
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+        self.leased(req, cancel, None)
+    }
+
+    fn call_streaming(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Deltas,
+    ) -> CallFuture<'_> {
+        self.leased(req, cancel, Some(deltas))
+    }
+}
+
+impl LocalPool {
+    fn leased(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<Deltas>,
+    ) -> CallFuture<'_> {
         let index = self.free.lock().expect("pool lock").pop();
         Box::pin(async move {
             let Some(index) = index else {
@@ -87,7 +107,11 @@ impl Backend for LocalPool {
                 });
             };
             let _lease = Lease { pool: self, index };
-            self.instances[index].call(req, cancel).await
+            let instance = &self.instances[index];
+            match deltas {
+                Some(d) => instance.call_streaming(req, cancel, d).await,
+                None => instance.call(req, cancel).await,
+            }
         })
     }
 }

@@ -8,7 +8,7 @@ use crate::sse::SseDecoder;
 use crate::stream::{Assembly, Step};
 use futures_util::StreamExt;
 use lastcall_backend::{
-    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken,
+    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas,
 };
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderValue, RETRY_AFTER};
 use std::time::Instant;
@@ -98,10 +98,12 @@ impl OpenAiBackend {
 
     /// The whole exchange, without the deadline: the caller races it against the timeout
     /// and the token and drops it when either wins.
+    /// Each content chunk's text goes to `deltas` (until it says stop) as it arrives.
     async fn exchange(
         &self,
         body: serde_json::Value,
         started: Instant,
+        mut deltas: Option<Deltas>,
     ) -> Result<CallOutput, BackendError> {
         let mut request = self
             .client
@@ -139,9 +141,15 @@ impl OpenAiBackend {
                 retry_after: None,
             })?;
             for data in events {
+                let before = assembly.text.len();
                 match assembly.on_event(&data)? {
                     Step::Content => {
                         first_token.get_or_insert_with(Instant::now);
+                        if let Some(d) = &deltas
+                            && !d.send(&assembly.text[before..])
+                        {
+                            deltas = None;
+                        }
                     }
                     Step::Quiet => {}
                     Step::Done => break 'read,
@@ -200,6 +208,27 @@ impl Backend for OpenAiBackend {
     /// estimated when the server reports none (llama-cpp-python's server, for one).
     /// Latency, time to first token and tokens/s are logged with the call's span.
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+        self.streamed(req, cancel, None)
+    }
+
+    /// [`call`](Backend::call), each content chunk's text forwarded as it arrives.
+    fn call_streaming(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Deltas,
+    ) -> CallFuture<'_> {
+        self.streamed(req, cancel, Some(deltas))
+    }
+}
+
+impl OpenAiBackend {
+    fn streamed(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<Deltas>,
+    ) -> CallFuture<'_> {
         let span = tracing::info_span!(
             "openai_call",
             job_id = %req.job_id,
@@ -214,7 +243,7 @@ impl Backend for OpenAiBackend {
                     biased;
                     _ = cancel.cancelled() => "cancelled",
                     _ = tokio::time::sleep(req.timeout) => "timeout",
-                    result = self.exchange(body, started) => {
+                    result = self.exchange(body, started, deltas) => {
                         if let Err(e) = &result {
                             tracing::warn!(
                                 reason = e.reason(),

@@ -8,6 +8,7 @@
 //! - [`slots`]: model slots, granted to waiting jobs earliest deadline first (or FIFO).
 //! - [`relay`]: republishes due retries with the remaining budget as their TTL.
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
+//! - [`stream`]: a streaming call's token deltas to the job's `reply_to`.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
 //! - `committer`: group commit of starts and outcomes (one transaction per batch).
 
@@ -24,6 +25,7 @@ pub mod shed;
 pub mod slots;
 pub mod stats;
 pub mod store_retry;
+pub mod stream;
 pub mod submit;
 
 pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};

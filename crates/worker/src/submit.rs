@@ -3,7 +3,7 @@
 
 use crate::clock::{Clock, SystemClock};
 use crate::shed::{ShedEstimate, Shedder, Verdict};
-use lastcall_broker::{Names, PublishError, PublishProps, Publisher};
+use lastcall_broker::{Names, PublishError, PublishProps, Publisher, ReplyChannel};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
 use lastcall_core::signature::{KeyError, sign_envelope};
 use lastcall_core::{Deadline, Envelope, EnvelopeLimits, JobId, Kind, RejectError, SigningKey};
@@ -214,7 +214,7 @@ impl Submitter {
             }
         }
         self.shed(env, now_ms).await?;
-        let submitted = self.publish_envelope(env, signature, now_ms).await?;
+        let submitted = self.publish_envelope(env, signature, now_ms, None).await?;
         if let Some(ledger) = &self.ledger {
             // The job is published: a passing ledger fault (a busy SQLite writer, a
             // PostgreSQL restart) must not leave it without its inventory row.
@@ -245,7 +245,45 @@ impl Submitter {
         now_ms: i64,
         claim_wait: Duration,
     ) -> Result<Submission, SubmitError> {
+        self.submit_once_via(env, now_ms, claim_wait, None).await
+    }
+
+    /// A channel of its own for one streaming request ([`Publisher::reply_channel`]):
+    /// the job published through [`submit_once_replying`](Self::submit_once_replying)
+    /// carries its direct reply-to address, and the worker's token deltas come back on it.
+    pub async fn reply_channel(&self) -> Result<ReplyChannel, SubmitError> {
+        Ok(self.publisher.reply_channel().await?)
+    }
+
+    /// [`submit_once`](Self::submit_once), publishing on `reply` (with `reply_to` set).
+    /// A duplicate (the id was claimed by an earlier request) is not published again, so
+    /// no deltas come back for it.
+    pub async fn submit_once_replying(
+        &self,
+        env: &Envelope,
+        now_ms: i64,
+        claim_wait: Duration,
+        reply: &ReplyChannel,
+    ) -> Result<Submission, SubmitError> {
+        self.submit_once_via(env, now_ms, claim_wait, Some(reply))
+            .await
+    }
+
+    async fn submit_once_via(
+        &self,
+        env: &Envelope,
+        now_ms: i64,
+        claim_wait: Duration,
+        reply: Option<&ReplyChannel>,
+    ) -> Result<Submission, SubmitError> {
         let Some(ledger) = &self.ledger else {
+            if let Some(reply) = reply {
+                self.shed(env, now_ms).await?;
+                return Ok(Submission::Published(
+                    self.publish_envelope(env, None, now_ms, Some(reply))
+                        .await?,
+                ));
+            }
             return Ok(Submission::Published(
                 self.submit_envelope(env, None, now_ms).await?,
             ));
@@ -296,7 +334,7 @@ impl Submitter {
             }
             tokio::time::sleep(CLAIM_POLL).await;
         }
-        match self.publish_envelope(env, None, now_ms).await {
+        match self.publish_envelope(env, None, now_ms, reply).await {
             Ok(submitted) => {
                 // The claim row already is the inventory record; the stamp only marks the
                 // publish as confirmed. If it fails, the job is still accepted (and seen by
@@ -371,6 +409,7 @@ impl Submitter {
         env: &Envelope,
         signature: Option<String>,
         now_ms: i64,
+        via: Option<&ReplyChannel>,
     ) -> Result<Submitted, SubmitError> {
         let now_ms = self.clock.now_ms().max(now_ms);
         let ttl_ms = self.admit(env, now_ms)?;
@@ -385,14 +424,11 @@ impl Submitter {
             timestamp_s: (now_ms / 1000).max(0) as u64,
             signature,
         };
-        self.publisher
-            .publish(
-                &self.names.jobs_exchange,
-                env.kind().as_str(),
-                &body,
-                &props,
-            )
-            .await?;
+        let (exchange, key) = (&self.names.jobs_exchange, env.kind().as_str());
+        match via {
+            Some(reply) => reply.publish(exchange, key, &body, &props).await?,
+            None => self.publisher.publish(exchange, key, &body, &props).await?,
+        }
         Ok(Submitted {
             job_id: env.job_id().to_string(),
             created_at_ms: deadline.created_at_ms(),

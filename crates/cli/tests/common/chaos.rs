@@ -16,7 +16,8 @@
 //! - **model calls / duplicate calls**: from the sim backend's call log, which every
 //!   worker process appends to before each call (independent of the ledger), against the
 //!   ledger's `backend_calls`; a duplicate call is any call after a job's first;
-//! - **recovery**: from the end of the fault to the first `completed` recorded after it.
+//! - **recovery**: from the end of the fault to the first `completed` of a job delivered
+//!   after it.
 //!
 //! The services a scenario faults are private (`private_rabbit`, `private_pg`); their
 //! guards restore and remove them on drop, also when an assertion fails.
@@ -634,11 +635,12 @@ impl Run {
         dups.sort();
         dups.dedup();
         row.duplicate_outcomes = dups;
+        // Recovery: the fault's end to the first completion of a job delivered after it
+        // (calls that ran through the fault and finish at once do not count).
         row.recovery_ms = self.fault_end_ms.and_then(|end| {
             recs.values()
-                .filter(|r| r.state == "completed")
+                .filter(|r| r.state == "completed" && r.received_at_ms.is_some_and(|t| t >= end))
                 .filter_map(|r| r.recorded_at_ms)
-                .filter(|t| *t >= end)
                 .min()
                 .map(|t| t - end)
         });
