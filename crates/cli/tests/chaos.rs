@@ -78,13 +78,28 @@ impl Drop for Restore<'_> {
     }
 }
 
-/// A run on one private node and a SQLite ledger, loaded and flowing.
-async fn loaded(scenario: &str, rabbit: &PrivateRabbit, worker_url: &str, spec: Spec) -> Run {
-    let mut run = Run::start(scenario, &rabbit.url(""), worker_url, sqlite, spec).await;
+/// A run (serve on `serve_url`, the workers on `worker_url`, the ledger `store`), loaded
+/// for a while and flowing.
+async fn loaded(
+    scenario: &str,
+    serve_url: &str,
+    worker_url: &str,
+    store: impl FnOnce(&Path) -> String,
+    spec: Spec,
+) -> Run {
+    let mut run = Run::start(scenario, serve_url, worker_url, store, spec).await;
     run.start_load();
     run.run_for(BEFORE).await;
     run.wait_completed(5, Duration::from_secs(60)).await;
     run
+}
+
+/// The fault is over: load for a while more, then account (duplicate model calls within
+/// `bound`).
+async fn after_fault(mut run: Run, bound: usize) {
+    run.fault_ended();
+    run.run_for(AFTER).await;
+    run.finish(bound).await;
 }
 
 /// Every running call of every worker may run again after one fault event: the
@@ -97,37 +112,48 @@ fn bound(events: usize, spec: &Spec) -> usize {
 async fn broker_stop_app_then_start_app() {
     let rabbit = node();
     let spec = Spec::default();
-    let mut run = loaded("stop_app", &rabbit, &rabbit.url(""), spec.clone()).await;
+    let run = loaded(
+        "stop_app",
+        &rabbit.url(""),
+        &rabbit.url(""),
+        sqlite,
+        spec.clone(),
+    )
+    .await;
     let fault = Restore::inject(&rabbit, &["stop_app"], &["start_app"]);
     run.run_for(FAULT).await;
     fault.done();
     ctl_ok(&rabbit, &["await_startup", "--timeout", "60"]);
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(1, &spec)).await;
+    after_fault(run, bound(1, &spec)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_node_killed_then_started_again() {
     let mut rabbit = node();
     let spec = Spec::default();
-    let mut run = loaded("kill9_node", &rabbit, &rabbit.url(""), spec.clone()).await;
+    let run = loaded(
+        "kill9_node",
+        &rabbit.url(""),
+        &rabbit.url(""),
+        sqlite,
+        spec.clone(),
+    )
+    .await;
     rabbit.kill9();
     run.run_for(Duration::from_secs(2)).await;
     rabbit.start_again();
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(1, &spec)).await;
+    after_fault(run, bound(1, &spec)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn broker_closes_all_connections() {
     let rabbit = node();
     let spec = Spec::default();
-    let mut run = loaded(
+    let run = loaded(
         "close_all_connections",
-        &rabbit,
         &rabbit.url(""),
+        &rabbit.url(""),
+        sqlite,
         spec.clone(),
     )
     .await;
@@ -136,9 +162,7 @@ async fn broker_closes_all_connections() {
         ctl_ok(&rabbit, &["close_all_connections", "chaos drill"]);
         run.run_for(Duration::from_secs(1)).await;
     }
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(3, &spec)).await;
+    after_fault(run, bound(3, &spec)).await;
 }
 
 /// The workers reach the node through the in-repo fault proxy (2 s heartbeats); serve
@@ -151,7 +175,7 @@ async fn proxy_resets_delays_and_blackholes_the_workers_traffic() {
     let proxy = FreezableProxy::start(format!("127.0.0.1:{}", rabbit.port).parse().unwrap()).await;
     let worker_url = format!("amqp://guest:guest@{}/%2f?heartbeat=2", proxy.addr);
     let spec = Spec::default();
-    let mut run = loaded("proxy", &rabbit, &worker_url, spec.clone()).await;
+    let run = loaded("proxy", &rabbit.url(""), &worker_url, sqlite, spec.clone()).await;
     proxy.refuse(true);
     proxy.reset();
     run.run_for(Duration::from_secs(1)).await;
@@ -163,9 +187,7 @@ async fn proxy_resets_delays_and_blackholes_the_workers_traffic() {
     proxy.blackhole();
     run.run_for(Duration::from_secs(6)).await;
     proxy.thaw();
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(3, &spec)).await;
+    after_fault(run, bound(3, &spec)).await;
 }
 
 /// The ledger is a private PostgreSQL cluster, stopped (`-m immediate`) and started again.
@@ -175,7 +197,7 @@ async fn postgres_stopped_then_started() {
     let pg = PrivatePg::start();
     let url = pg.url();
     let spec = Spec::default();
-    let mut run = Run::start(
+    let run = loaded(
         "postgres_restart",
         &rabbit.url(""),
         &rabbit.url(""),
@@ -183,16 +205,11 @@ async fn postgres_stopped_then_started() {
         spec.clone(),
     )
     .await;
-    run.start_load();
-    run.run_for(BEFORE).await;
-    run.wait_completed(5, Duration::from_secs(60)).await;
     pg.stop_immediate();
     assert!(!pg.is_up());
     run.run_for(FAULT).await;
     pg.ctl_start();
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(1, &spec)).await;
+    after_fault(run, bound(1, &spec)).await;
 }
 
 /// SIGSTOP the worker for longer than its 1 s heartbeat allows (the broker closes its
@@ -201,19 +218,18 @@ async fn postgres_stopped_then_started() {
 async fn worker_sigstop_then_sigcont() {
     let rabbit = node();
     let spec = Spec::default();
-    let mut run = loaded(
+    let run = loaded(
         "sigstop",
-        &rabbit,
+        &rabbit.url(""),
         &rabbit.url("?heartbeat=1"),
+        sqlite,
         spec.clone(),
     )
     .await;
     run.signal_worker(0, "-STOP");
     run.run_for(FAULT).await;
     run.signal_worker(0, "-CONT");
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(1, &spec)).await;
+    after_fault(run, bound(1, &spec)).await;
 }
 
 /// Three workers on one PostgreSQL ledger; one after another is SIGKILLed (mid-call) and
@@ -229,7 +245,7 @@ async fn worker_sigkill_loop_three_workers_one_postgres_ledger() {
         sim_latency_ms: 400,
         ..Spec::default()
     };
-    let mut run = Run::start(
+    let mut run = loaded(
         "sigkill_loop",
         &rabbit.url(""),
         &rabbit.url(""),
@@ -237,9 +253,6 @@ async fn worker_sigkill_loop_three_workers_one_postgres_ledger() {
         spec.clone(),
     )
     .await;
-    run.start_load();
-    run.run_for(BEFORE).await;
-    run.wait_completed(5, Duration::from_secs(60)).await;
     let kills = 4;
     for k in 0..kills {
         let w = k % spec.workers;
@@ -248,10 +261,8 @@ async fn worker_sigkill_loop_three_workers_one_postgres_ledger() {
         run.restart_worker(w);
         run.run_for(Duration::from_millis(1_500)).await;
     }
-    run.fault_ended();
-    run.run_for(AFTER).await;
     // A kill can repeat only the calls that ran on the killed worker.
-    run.finish(kills * spec.slots).await;
+    after_fault(run, kills * spec.slots).await;
 }
 
 /// The memory alarm (`set_vm_memory_high_watermark 0.0001`, then 0.4 again) while serve
@@ -261,7 +272,14 @@ async fn worker_sigkill_loop_three_workers_one_postgres_ledger() {
 async fn memory_alarm_while_serve_takes_posts() {
     let rabbit = node();
     let spec = Spec::default();
-    let mut run = loaded("memory_alarm", &rabbit, &rabbit.url(""), spec.clone()).await;
+    let run = loaded(
+        "memory_alarm",
+        &rabbit.url(""),
+        &rabbit.url(""),
+        sqlite,
+        spec.clone(),
+    )
+    .await;
     let fault = Restore::inject(
         &rabbit,
         &["set_vm_memory_high_watermark", "0.0001"],
@@ -279,9 +297,7 @@ async fn memory_alarm_while_serve_takes_posts() {
             .contains("memory")
     })
     .await;
-    run.fault_ended();
-    run.run_for(AFTER).await;
-    run.finish(bound(1, &spec)).await;
+    after_fault(run, bound(1, &spec)).await;
 }
 
 /// A 3-node cluster on this host (own node names and ports, join_cluster), a quorum work
@@ -299,10 +315,7 @@ async fn cluster_one_node_killed(scenario: &str, kill: usize) {
         deadline_ms: 15_000,
         ..Spec::default()
     };
-    let mut run = Run::start(scenario, &serve_urls, &worker_urls, sqlite, spec.clone()).await;
-    run.start_load();
-    run.run_for(BEFORE).await;
-    run.wait_completed(5, Duration::from_secs(60)).await;
+    let mut run = loaded(scenario, &serve_urls, &worker_urls, sqlite, spec.clone()).await;
     nodes[kill].kill9();
     run.fault_ended();
     run.run_for(Duration::from_secs(10)).await;
