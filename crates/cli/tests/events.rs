@@ -771,10 +771,11 @@ try:
             model="m", messages=msgs, extra_headers={"X-Lastcall-Deadline-Ms": "60000",
             "Idempotency-Key": "fd-gone"}, extra_body={"sim_latency_ms": 30000})
         out(unexpected="completed")
-    elif case == "stream":
-        r = client(timeout=20.0).chat.completions.with_raw_response.create(
+    elif case in ("stream", "stream-model"):
+        extra = {"sim_latency_ms": 600} if case == "stream" else {"max_tokens": 16}
+        r = client(timeout=60.0).chat.completions.with_raw_response.create(
             model="m", messages=msgs, stream=True, stream_options={"include_usage": True},
-            extra_body={"sim_latency_ms": 600})
+            extra_body=extra)
         chunks = [c.model_dump() for c in r.parse()]
         content = [c["choices"][0]["delta"].get("content") for c in chunks if c["choices"]]
         out(job=r.headers.get("x-lastcall-job-id"), type=r.headers.get("content-type"),
@@ -1020,6 +1021,69 @@ async fn the_openai_sdk_streams_exactly_the_ledgers_text() {
     let r = sdk(&script, &base, "stream-expired").await;
     assert_eq!(r["status"], 504, "{r}");
     assert_eq!(r["body"]["type"], "deadline_expired", "{r}");
+    w.stop().await;
+    drop(serve);
+    env.cleanup().await;
+}
+
+/// `stream: true` through a worker with the OpenAI-compatible backend against a real
+/// llama.cpp server (llama-cpp-python, SmolLM2-135M, `scripts/llama-server.sh`): the
+/// server's streamed chunks reach the SDK as deltas, and their text is the ledger's.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_openai_sdk_streams_a_real_llama_cpp_generation() {
+    let script_path =
+        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/llama-server.sh");
+    let port = common::private_rabbit::free_port();
+    let out = std::process::Command::new("bash")
+        .arg(&script_path)
+        .args(["start", &port.to_string()])
+        .stdin(Stdio::null())
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "could not start the llama.cpp server: run `scripts/llama-server.sh start 8080` to see why"
+    );
+    struct Stop(std::path::PathBuf, u16);
+    impl Drop for Stop {
+        fn drop(&mut self) {
+            let _ = std::process::Command::new("bash")
+                .arg(&self.0)
+                .args(["stop", &self.1.to_string()])
+                .stdin(Stdio::null())
+                .status();
+        }
+    }
+    let _server = Stop(script_path, port);
+    let base_url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let backend = Arc::new(
+        lastcall_openai::OpenAiBackend::new(
+            lastcall_openai::OpenAiConfig::new(&base_url, "smollm2").with_max_tokens(16),
+        )
+        .unwrap(),
+    );
+    let env = Env::sqlite("front-door-llama").await;
+    let serve = Serve::start_with(&env, &["--model", "m=incident.summary"], &[]).await;
+    let script = env.dir.join("sdk.py");
+    std::fs::write(&script, SDK_CLIENT).unwrap();
+    let w = env
+        .start_worker(env.worker_config(1, 2), backend, system_clock())
+        .await;
+    let r = sdk(&script, &serve.base, "stream-model").await;
+    let rec = env
+        .ledger
+        .get(r["job"].as_str().expect("x-lastcall-job-id"))
+        .await
+        .unwrap()
+        .unwrap();
+    assert_eq!(rec.state, "completed", "{rec:?}");
+    assert_eq!(rec.result.as_deref(), r["text"].as_str(), "{r}");
+    assert!(
+        r["pieces"].as_array().unwrap().len() > 1,
+        "the server's chunks arrive as deltas: {r}"
+    );
+    assert_eq!(r["finish"], "stop", "{r}");
     w.stop().await;
     drop(serve);
     env.cleanup().await;

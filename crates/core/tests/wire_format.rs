@@ -73,3 +73,12 @@ fn the_documented_event_is_what_the_code_writes() {
     // Field for field and in order: the page shows exactly what is published.
     assert_eq!(String::from_utf8(e.to_json()).unwrap(), body);
 }
+
+#[test]
+fn the_documented_delta_is_what_a_worker_sends() {
+    let body = block_after("<!-- wire-format-example-delta -->");
+    let d = lastcall_core::delta::Delta::from_json(body.as_bytes())
+        .expect("the documented delta parses as a v1 delta");
+    assert_eq!((d.seq, d.end), (0, false));
+    assert_eq!(String::from_utf8(d.to_json()).unwrap(), body);
+}
