@@ -594,10 +594,10 @@ const PROMPTS: &[&str] = &[
     "What is 17 times 23? Answer briefly.",
 ];
 
-/// One job for the embedded model: a drawn prompt and output length (8–48 tokens).
+/// One job for the embedded model: a drawn prompt and output length (4–24 tokens).
 fn model_payload() -> serde_json::Value {
     let prompt = PROMPTS[rand::random_range(0..PROMPTS.len())];
-    let max_tokens = rand::random_range(8..=48u32);
+    let max_tokens = rand::random_range(4..=24u32);
     json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens})
 }
 
@@ -640,7 +640,7 @@ async fn smollm2(a: &GoodputArgs) -> Result<Model> {
     }
     let mean_ms = all.iter().sum::<f64>() / all.len().max(1) as f64;
     eprintln!(
-        "bench goodput: SmolLM2, {} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy (8–48 tokens, {} prompts)",
+        "bench goodput: SmolLM2, {} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy (4–24 tokens, {} prompts)",
         a.slots,
         all.len(),
         PROMPTS.len()

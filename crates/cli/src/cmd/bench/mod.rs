@@ -98,7 +98,7 @@ pub struct GoodputArgs {
     /// Model call durations, drawn per job: `fixed:MS` or `lognormal:MEAN_MS,SIGMA` (the
     /// sim backend; a lognormal with that mean and shape σ), or `smollm2`: the embedded
     /// SmolLM2 model (needs `scripts/setup-model.sh`), each job with one of a few prompts
-    /// and a drawn `max_tokens` (8–48), so its call time depends on both; its capacity is
+    /// and a drawn `max_tokens` (4–24), so its call time depends on both; its capacity is
     /// measured first with every slot busy
     #[arg(long, default_value = "fixed:200")]
     pub service: ServiceDist,
