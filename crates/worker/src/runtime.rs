@@ -539,12 +539,10 @@ async fn receive(
         // Stop taking new work while the ledger is failing.
         if !ctx.health.is_healthy() {
             tracing::warn!("ledger unavailable: pausing intake until it recovers");
-            ctx.stats.ledger_healthy.store(false, Ordering::Relaxed);
             ctx.health.wait_healthy(stop).await;
             if stop.is_cancelled() {
                 return End::Stop;
             }
-            ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
             tracing::info!("ledger available again: intake resumed");
         }
         while let Some(done) = tasks.try_join_next() {

@@ -157,10 +157,6 @@ impl Slots {
         }
     }
 
-    pub fn order(&self) -> BufferOrder {
-        self.inner.order
-    }
-
     pub fn total(&self) -> usize {
         self.inner.total
     }
