@@ -291,7 +291,6 @@ async fn follow_exchange(
         }
     };
     let mut announced_loss = false;
-    let queue = follow_queue_name(&exchange);
     let mut backoff = Duration::from_millis(200);
     loop {
         let b = match conn.take() {
@@ -301,6 +300,11 @@ async fn follow_exchange(
                 None => return,
             },
         };
+        // A fresh name at every subscribe: the exclusive queue of the lost connection may
+        // still be registered, locked, while the node that held it is down (a cluster
+        // node killed): declaring it again would fail with RESOURCE_LOCKED until that
+        // node returns.
+        let queue = follow_queue_name(&exchange);
         match subscribe(&b, &exchange, kind.clone(), &queue).await {
             Ok((ch, mut consumer)) => {
                 backoff = Duration::from_millis(200);

@@ -139,6 +139,19 @@ impl Management {
             .map(|v| QueueStats::from_json(&v)))
     }
 
+    /// The cluster's active resource alarms (`GET /api/nodes`): one line per alarm, e.g.
+    /// `memory alarm on rabbit@host`; empty when none is on. While one is on, RabbitMQ
+    /// blocks every connection that publishes (3.10 sends `connection.blocked` only at a
+    /// connection's first publish, so a publisher cannot see the alarm before it tries).
+    pub async fn alarms(&self) -> Result<Vec<String>, ManagementError> {
+        let url = format!(
+            "{}/api/nodes?columns=name,mem_alarm,disk_free_alarm",
+            self.base_url
+        );
+        let nodes = self.send("the node list", self.client.get(url)).await?;
+        Ok(alarms_of(nodes.as_ref().unwrap_or(&Value::Null)))
+    }
+
     /// The policies lastcall wants for `topo`: name → (pattern, definition).
     pub fn policies(topo: &Topology) -> Vec<(String, String, Value)> {
         let n = &topo.names;
@@ -190,6 +203,74 @@ impl Management {
     }
 }
 
+/// The cluster's resource alarms as last read from the management API, refreshed in the
+/// background every `every` (`serve`'s `/readyz` reports `broker_alarm` while one is on,
+/// before any publish has been blocked). An unreachable API leaves the last answer and
+/// logs once; the task ends when the last clone of the watch is dropped.
+#[derive(Debug, Clone, Default)]
+pub struct AlarmWatch {
+    alarms: std::sync::Arc<std::sync::Mutex<Vec<String>>>,
+}
+
+impl AlarmWatch {
+    pub fn spawn(management: Management, every: std::time::Duration) -> Self {
+        let me = Self::default();
+        let weak = std::sync::Arc::downgrade(&me.alarms);
+        let management = management.with_timeout(every.max(std::time::Duration::from_secs(1)));
+        tokio::spawn(async move {
+            let mut reachable = true;
+            loop {
+                let read = management.alarms().await;
+                let Some(alarms) = weak.upgrade() else { return };
+                match read {
+                    Ok(now) => {
+                        reachable = true;
+                        let mut held = alarms.lock().unwrap_or_else(|p| p.into_inner());
+                        if *held != now {
+                            if now.is_empty() {
+                                tracing::info!("the broker's resource alarms cleared");
+                            } else {
+                                tracing::warn!(alarms = ?now, "the broker has a resource alarm: it blocks publishers");
+                            }
+                            *held = now;
+                        }
+                    }
+                    Err(e) if reachable => {
+                        reachable = false;
+                        tracing::warn!(error = %e, "cannot read the broker's resource alarms");
+                    }
+                    Err(_) => {}
+                }
+                drop(alarms);
+                tokio::time::sleep(every).await;
+            }
+        });
+        me
+    }
+
+    /// The alarms on now (empty: none, or none known).
+    pub fn current(&self) -> Vec<String> {
+        self.alarms
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone()
+    }
+}
+
+/// The alarms in `GET /api/nodes`'s answer (see [`Management::alarms`]).
+fn alarms_of(nodes: &Value) -> Vec<String> {
+    let mut out = Vec::new();
+    for node in nodes.as_array().into_iter().flatten() {
+        let name = node["name"].as_str().unwrap_or("?");
+        for (field, what) in [("mem_alarm", "memory"), ("disk_free_alarm", "disk")] {
+            if node[field].as_bool() == Some(true) {
+                out.push(format!("{what} alarm on {name}"));
+            }
+        }
+    }
+    out
+}
+
 /// One queue's numbers from the management API.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct QueueStats {
@@ -232,6 +313,21 @@ fn encode_segment(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn alarms_name_the_kind_and_the_node() {
+        let nodes = json!([
+            {"name": "rabbit@a", "mem_alarm": false, "disk_free_alarm": false},
+            {"name": "rabbit@b", "mem_alarm": true, "disk_free_alarm": true},
+            {"name": "rabbit@c"}
+        ]);
+        assert_eq!(
+            alarms_of(&nodes),
+            ["memory alarm on rabbit@b", "disk alarm on rabbit@b"]
+        );
+        assert!(alarms_of(&json!([])).is_empty());
+        assert!(alarms_of(&Value::Null).is_empty());
+    }
 
     #[test]
     fn credentials_and_vhost_come_from_the_amqp_url() {

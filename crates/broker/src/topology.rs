@@ -12,8 +12,11 @@ pub enum QueueType {
     /// target cannot take it.
     #[default]
     Classic,
-    /// Quorum queue with `dead-letter-strategy = at-least-once`, `overflow = reject-publish`
-    /// and a delivery limit.
+    /// Quorum queues, for a RabbitMQ cluster: the work queue with `dead-letter-strategy =
+    /// at-least-once`, `overflow = reject-publish` and a delivery limit, and every other
+    /// queue of the topology (dead letters, retry delays, retry-ready, parked, the
+    /// dead-letter copies) quorum too, so that no queue is homed on one node: with any
+    /// node down, a reconnect to a surviving node declares the topology and goes on.
     Quorum,
 }
 
@@ -122,8 +125,37 @@ impl Topology {
         t
     }
 
+    /// Quorum mode: `x-queue-type = quorum` for a queue other than the work queue, with
+    /// at-least-once dead-lettering where it dead-letters (`dead_letters`), which needs
+    /// `overflow = reject-publish`.
+    fn quorum_args(&self, t: &mut FieldTable, dead_letters: bool) {
+        if self.queue_type == QueueType::Quorum {
+            t.insert("x-queue-type".into(), long("quorum"));
+            if dead_letters {
+                t.insert("x-dead-letter-strategy".into(), long("at-least-once"));
+                t.insert("x-overflow".into(), long("reject-publish"));
+            }
+        }
+    }
+
+    /// The arguments of a queue that only holds messages (dead letters, parked bodies,
+    /// the per-reason copies): none, or the quorum type in quorum mode.
+    fn holding_args(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        self.quorum_args(&mut t, false);
+        t
+    }
+
+    fn retry_ready_args(&self) -> FieldTable {
+        let mut t = FieldTable::default();
+        t.insert("x-dead-letter-exchange".into(), long(&self.names.dlx));
+        self.quorum_args(&mut t, true);
+        t
+    }
+
     fn retry_args(&self, delay_ms: u64) -> FieldTable {
         let mut t = FieldTable::default();
+        self.quorum_args(&mut t, true);
         t.insert(
             "x-message-ttl".into(),
             AMQPValue::LongLongInt(delay_ms as i64),
@@ -148,20 +180,54 @@ impl Topology {
         self.exchange(broker, &n.events_exchange).await?;
         self.exchange_of(broker, &n.control_exchange, ExchangeKind::Fanout)
             .await?;
-        self.queue(broker, &n.dead_queue, FieldTable::default())
+        self.side_queue(broker, &n.dead_queue, self.holding_args())
             .await?;
         self.bind(broker, &n.dead_queue, &n.dlx, "#").await?;
         self.queue(broker, &n.work_queue, self.work_args()).await?;
         self.bind(broker, &n.work_queue, &n.jobs_exchange, "#")
             .await?;
-        let mut ready = FieldTable::default();
-        ready.insert("x-dead-letter-exchange".into(), long(&n.dlx));
-        self.queue(broker, &n.retry_ready_queue(), ready).await?;
+        self.side_queue(broker, &n.retry_ready_queue(), self.retry_ready_args())
+            .await?;
         for d in &self.retry_delays_ms {
-            self.queue(broker, &n.retry_queue(*d), self.retry_args(*d))
+            self.side_queue(broker, &n.retry_queue(*d), self.retry_args(*d))
                 .await?;
         }
         Ok(())
+    }
+
+    /// Declare a queue other than the work queue. In quorum mode a deployment made before
+    /// these queues became quorum queues holds them as classic queues: redeclaring them as
+    /// quorum fails (`inequivalent arg 'x-queue-type'`), so the classic declaration is
+    /// accepted then, with a warning that the queue is homed on one node (delete it when
+    /// it is empty and apply the topology again to make it a quorum queue).
+    async fn side_queue(
+        &self,
+        broker: &Broker,
+        name: &str,
+        args: FieldTable,
+    ) -> Result<(), TopologyError> {
+        match self.queue(broker, name, args.clone()).await {
+            Err(TopologyError::Conflict { detail, .. })
+                if self.queue_type == QueueType::Quorum && detail.contains("x-queue-type") =>
+            {
+                const QUORUM_ONLY: [&str; 3] =
+                    ["x-queue-type", "x-dead-letter-strategy", "x-overflow"];
+                let classic: FieldTable = args
+                    .inner()
+                    .iter()
+                    .filter(|(k, _)| !QUORUM_ONLY.contains(&k.as_str()))
+                    .map(|(k, v)| (k.clone(), v.clone()))
+                    .collect::<std::collections::BTreeMap<_, _>>()
+                    .into();
+                self.queue(broker, name, classic).await?;
+                tracing::warn!(
+                    queue = name,
+                    "a classic queue from an earlier version in quorum mode: it lives on one node, and while that node is down the topology cannot be declared; delete it when it is empty (rabbitmqctl delete_queue {name} --if-empty) and apply the topology again to make it a quorum queue"
+                );
+                Ok(())
+            }
+            r => r,
+        }
     }
 
     /// Delete every queue and exchange of this topology (tests and demo clean-up).
@@ -208,13 +274,14 @@ impl Topology {
         Ok(())
     }
 
-    /// Declare a plain durable queue with no arguments (e.g. the parked queue).
+    /// Declare a durable queue that only holds messages (the parked queue, the
+    /// dead-letter copies): no arguments, a quorum queue in quorum mode.
     pub async fn declare_plain_queue(
         &self,
         broker: &Broker,
         name: &str,
     ) -> Result<(), TopologyError> {
-        self.queue(broker, name, FieldTable::default()).await
+        self.side_queue(broker, name, self.holding_args()).await
     }
 
     async fn exchange(&self, broker: &Broker, name: &str) -> Result<(), TopologyError> {

@@ -4,7 +4,9 @@
 //! alarm and the broker blocks publishing connections (`connection.blocked`):
 //! - `POST /v1/jobs` answers 503 at once (well under the confirm timeout) with the clear
 //!   "blocking publishers" error, and nothing is recorded for that job;
-//! - `/readyz` answers 503 naming the broker, `/healthz` stays 200;
+//! - `/readyz` answers 503 naming `broker_alarm` as soon as the alarm is on, before any
+//!   publish (serve reads the alarms from the node's management API), then also `broker`
+//!   once a publish was blocked; `/healthz` stays 200;
 //! - jobs already delivered to the worker complete and are acked during the alarm (the
 //!   worker publishes on a connection of its own, so its consumer connection is never held
 //!   back): the queue's unacked count goes to 0 and the ledger has their `acked_at_ms`
@@ -45,7 +47,8 @@ impl Drop for Watermark<'_> {
     }
 }
 
-/// `(ready, unacked)` of `queue` on the private node (its management plugin is off).
+/// `(ready, unacked)` of `queue` on the private node, from `rabbitmqctl` (exact now; the
+/// management API samples every few seconds).
 fn queue_counts(rabbit: &PrivateRabbit, queue: &str) -> Option<(u64, u64)> {
     let out = rabbit.ctl(&[
         "list_queues",
@@ -97,7 +100,8 @@ async fn wait_until(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
-    let rabbit = PrivateRabbit::start(|port| format!("listeners.tcp.default = 127.0.0.1:{port}\n"));
+    let rabbit = PrivateRabbit::start_with_management();
+    let management_url = rabbit.management_url();
     let dir: PathBuf = rabbit.dir.join("lastcall");
     std::fs::create_dir_all(&dir).unwrap();
     let amqp = format!("amqp://guest:guest@127.0.0.1:{}/%2f", rabbit.port);
@@ -143,7 +147,8 @@ async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
             "serve",
             "--addr",
             &format!("127.0.0.1:{port}"),
-            "--no-management",
+            "--management-url",
+            &management_url,
             "--retry-delays-ms",
             "1000,5000",
         ],
@@ -221,6 +226,19 @@ async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
         || alarms(&rabbit),
     )
     .await;
+    // Readiness sees the alarm before anything was published: the publisher's connection
+    // is not blocked yet (`broker` is up), the alarm is (`broker_alarm`).
+    wait_until(
+        "/readyz to report the alarm before any publish",
+        Duration::from_secs(20),
+        async || {
+            let (code, body) = curl(&[&format!("{base}/readyz")]);
+            code == 503 && body.contains(r#""down":["broker_alarm"]"#)
+        },
+        || format!("{:?}\n{}", curl(&[&format!("{base}/readyz")]), logs()),
+    )
+    .await;
+    assert_eq!(curl(&[&format!("{base}/healthz")]).0, 200);
     // RabbitMQ blocks a connection only when it publishes during the alarm: the first POST
     // is what the broker blocks, and it is answered at once too (the broker's
     // `connection.blocked` ends the wait for its confirm), well under the 5 s confirm
@@ -237,7 +255,7 @@ async fn a_memory_alarm_blocks_the_ingress_but_never_the_workers_acks() {
         Duration::from_secs(10),
         async || {
             let (code, body) = curl(&[&format!("{base}/readyz")]);
-            code == 503 && body.contains(r#""down":["broker"]"#)
+            code == 503 && body.contains(r#""down":["broker","broker_alarm"]"#)
         },
         || format!("{:?}\n{}", curl(&[&format!("{base}/readyz")]), logs()),
     )

@@ -322,23 +322,20 @@ async fn cluster_one_node_killed(scenario: &str, kill: usize) {
     run.finish(bound(1, &spec)).await;
 }
 
-/// Slow tier: the node the workers are connected to (B; serve and the classic queues are
-/// on A) is killed; the workers fail over to the next node of their list.
+/// Slow tier: the node the workers are connected to (B; serve is on A) is killed; the workers fail over to the next node of their list.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
 async fn cluster_of_three_the_workers_node_killed() {
     cluster_one_node_killed("cluster_kill_workers_node", 1).await;
 }
 
-/// Slow tier, and a FINDING (not fixed, see RELIABILITY.md): the node that declared the
-/// topology (A: serve and the workers are connected to it) is killed. Only the work
-/// queue is a quorum queue; the dead-letter, retry-ready and retry queues are classic
-/// queues homed on A, so every reconnect on B or C fails to declare the topology
-/// (`NOT_FOUND - home node … of durable queue ….dead … is down`) and serve and the
-/// workers stay down while A is: nothing is lost (POSTs answer 503) but nothing
-/// completes, and this test fails on "no job completed after the fault ended".
+/// Slow tier: the node that declared the topology (A: serve and the workers are
+/// connected to it) is killed. It was a finding (RELIABILITY.md): with only the work queue
+/// a quorum queue, the classic dead-letter and retry queues homed on A made every
+/// reconnect on B or C fail to declare the topology, and nothing completed while A was
+/// down. In quorum mode every queue of the topology is now a quorum queue.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "slow tier; FINDING: classic dead/retry queues homed on the killed node block every reconnect"]
+#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
 async fn cluster_of_three_the_topology_home_node_killed() {
     cluster_one_node_killed("cluster_kill_home_node", 0).await;
 }

@@ -17,6 +17,24 @@ async fn quorum_flow(postgres: bool) {
         t.queue_type = QueueType::Quorum;
     })
     .await;
+    // Every queue of the topology is a quorum queue, not only the work queue: none is
+    // homed on one node of a cluster.
+    let types = queue_types(&env.topo.names.prefix);
+    let n = &env.topo.names;
+    for q in [
+        n.work_queue.clone(),
+        n.dead_queue.clone(),
+        n.retry_ready_queue(),
+    ]
+    .into_iter()
+    .chain(env.topo.retry_delays_ms.iter().map(|d| n.retry_queue(*d)))
+    {
+        assert_eq!(
+            types.get(&q).map(String::as_str),
+            Some("quorum"),
+            "{q}: {types:?}"
+        );
+    }
     let sim = sim(0);
     let s = env.submitter(0, true).await;
     // Expires in the quorum work queue before any worker runs.
@@ -49,6 +67,26 @@ async fn quorum_flow(postgres: bool) {
     assert_eq!(sim.calls_for("q-exp"), 0);
     assert_eq!(sim.calls_for("q-ok"), 1);
     env.cleanup().await;
+}
+
+/// name → type (`classic`, `quorum`) of the shared broker's queues whose name starts with
+/// `prefix.` (read-only: `rabbitmqctl list_queues`).
+fn queue_types(prefix: &str) -> std::collections::HashMap<String, String> {
+    let out = std::process::Command::new("rabbitmqctl")
+        .args(["list_queues", "--quiet", "--no-table-headers", "name", "type"])
+        .output()
+        .expect("rabbitmqctl");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8_lossy(&out.stdout)
+        .lines()
+        .filter_map(|l| l.split_once(char::is_whitespace))
+        .filter(|(name, _)| name.starts_with(&format!("{prefix}.")))
+        .map(|(name, ty)| (name.to_owned(), ty.trim().to_owned()))
+        .collect()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

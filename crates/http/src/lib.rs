@@ -94,6 +94,9 @@ pub struct AppState {
     pub webhooks: webhooks::WebhookConfig,
     /// The OpenAI-compatible front door's model map and default deadline.
     pub front_door: front_door::FrontDoor,
+    /// The broker's resource alarms from its management API (`serve` without
+    /// `--no-management`): `/readyz` reports `broker_alarm` while one is on.
+    pub alarms: Option<lastcall_broker::management::AlarmWatch>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -138,6 +141,7 @@ impl AppState {
             control: lastcall_broker::EventSink::disabled(),
             webhooks: webhooks::WebhookConfig::default(),
             front_door: front_door::FrontDoor::default(),
+            alarms: None,
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()
@@ -196,11 +200,15 @@ pub fn metrics_app(source: MetricsSource) -> Router {
         .with_state(Arc::new(source))
 }
 
-/// `/readyz` of `lastcall serve`: the publisher's broker connection, the ledger (a read
-/// within 2 s), the outcome-events follower that wakes long-polls and feeds webhooks, and
-/// the dead-letter task when it runs.
+/// `/readyz` of `lastcall serve`: the publisher's broker connection, the broker's resource
+/// alarms (when the management API is known), the ledger (a read within 2 s), the
+/// outcome-events follower that wakes long-polls and feeds webhooks, and the dead-letter
+/// task when it runs.
 async fn serve_readyz(State(state): State<Arc<AppState>>) -> Response {
     let mut checks = vec![("broker", state.submitter.broker_ready().await)];
+    if let Some(alarms) = &state.alarms {
+        checks.push(("broker_alarm", alarms.current().is_empty()));
+    }
     if let Some(following) = state.waiters.following() {
         checks.push(("events_follower", following));
     }

@@ -77,6 +77,14 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
         vhost: vhost_of(without_query(&s.amqp_url)),
     });
+    // The broker's resource alarms, read every 2 s: `/readyz` reports one before any
+    // publish is blocked (RabbitMQ 3.10 tells a connection only when it publishes).
+    state.alarms = (!a.no_management).then(|| {
+        lastcall_broker::management::AlarmWatch::spawn(
+            management_api(s, &a),
+            Duration::from_secs(2),
+        )
+    });
     state.depth = Some(DepthProbe::new(
         queues(&topo),
         management,
@@ -158,14 +166,18 @@ fn shedder(s: &Settings, a: &ServeArgs, topo: &Topology) -> Option<Arc<Shedder>>
         tracing::info!("shedding at the door is off");
         return None;
     }
-    let password = std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into());
-    let management =
-        lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url)
-            .with_login(&a.management_user, &password);
     Some(Arc::new(Shedder::new(
-        management,
+        management_api(s, a),
         topo.names.work_queue.clone(),
     )))
+}
+
+/// The broker's management API as `serve --management-url/--management-user` name it
+/// (password: `LASTCALL_MANAGEMENT_PASSWORD`, default guest).
+fn management_api(s: &Settings, a: &ServeArgs) -> lastcall_broker::management::Management {
+    let password = std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into());
+    lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url)
+        .with_login(&a.management_user, &password)
 }
 
 /// The broker URL without its query: `?cacertfile=/path/ca.pem` holds slashes that are no

@@ -17,6 +17,9 @@ pub struct PrivateRabbit {
     pub node: String,
     /// The port of the node's one AMQP listener (TLS for [`start_tls`](Self::start_tls)).
     pub port: u16,
+    /// The management API's port, for a node made by
+    /// [`start_with_management`](Self::start_with_management).
+    pub management_port: Option<u16>,
     /// The Erlang distribution and node ports, kept for [`start_again`](Self::start_again).
     dist_port: u16,
     node_port: u16,
@@ -60,6 +63,35 @@ impl PrivateRabbit {
         me
     }
 
+    /// A node listening on `127.0.0.1:port` for AMQP with the management plugin enabled
+    /// on a port of its own (`http://127.0.0.1:{management_port}`, guest/guest).
+    pub fn start_with_management() -> Self {
+        let management_port = free_port();
+        let mut me = Self::prepare(
+            |port| {
+                format!(
+                    "listeners.tcp.default = 127.0.0.1:{port}\n\
+                     management.tcp.ip = 127.0.0.1\n\
+                     management.tcp.port = {management_port}\n"
+                )
+            },
+            None,
+        );
+        std::fs::write(me.dir.join("enabled_plugins"), "[rabbitmq_management].\n").unwrap();
+        me.management_port = Some(management_port);
+        me.spawn();
+        me.wait_ready(Duration::from_secs(120));
+        me
+    }
+
+    /// `http://127.0.0.1:{management_port}` of a node with the management plugin.
+    pub fn management_url(&self) -> String {
+        format!(
+            "http://127.0.0.1:{}",
+            self.management_port.expect("a node started with management")
+        )
+    }
+
     /// The node's directory, config and (when given) Erlang cookie, not started yet.
     fn prepare(conf: impl FnOnce(u16) -> String, cookie: Option<&str>) -> Self {
         let port = free_port();
@@ -71,6 +103,7 @@ impl PrivateRabbit {
             dir,
             node,
             port,
+            management_port: None,
             dist_port: free_port(),
             node_port: free_port(),
             child: None,
