@@ -239,6 +239,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         retry,
         max_starts: a.max_starts,
         refuse_on_expected_wait: !a.no_wait_refusal,
+        dispatch: lastcall_core::DispatchPolicy::Deadline,
     };
     Ok(cfg)
 }
