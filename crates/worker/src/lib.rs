@@ -10,17 +10,16 @@
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`stream`]: a streaming call's token deltas to the job's `reply_to`.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
-//! - `committer`: group commit of starts and outcomes (one transaction per batch).
+//! - `settle`: the one settlement door — group commit of starts and outcomes, coalesced
+//!   acks over `lastcall_core::ack_plan`, acked-at marks.
 
-mod ack_batch;
-mod ack_log;
 pub mod cancel;
 pub mod clock;
-mod committer;
 pub mod dlq;
 pub mod events;
 pub mod relay;
 pub mod runtime;
+mod settle;
 pub mod shed;
 pub mod slots;
 pub mod stats;

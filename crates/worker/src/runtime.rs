@@ -7,11 +7,14 @@
 //! most `prefetch` deliveries (broker-enforced) and at most `max_buffer_bytes` of bodies.
 
 use crate::clock::{Clock, ClockSyncMode};
+use crate::settle::{AckBatch, Door, Ticket};
 use crate::slots::{BufferOrder, SlotPermit, Slots};
 use crate::stats::WorkerStats;
-use crate::store_retry::{StoreHealth, until_stored};
+use crate::store_retry::StoreHealth;
 use lastcall_backend::{Backend, BackendError, CallOutput, CallRequest, CancellationToken};
-use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
+use lastcall_broker::{
+    Broker, Incoming, IncomingStream, PublishProps, Publisher, Settler, Topology,
+};
 use lastcall_core::ack_window::{self, CallTimeout};
 use lastcall_core::disposition::ReceiptFacts;
 use lastcall_core::disposition::{Receipt, Slot};
@@ -49,9 +52,6 @@ pub enum DispatchPolicy {
     /// No deadline check at all: every valid job runs to the end.
     Naive,
 }
-
-/// Most starts and outcomes written in one group-commit transaction.
-const GROUP_COMMIT_MAX: usize = 256;
 
 /// The call budget of the reference policies, which have no deadline timeout.
 const UNBOUNDED_BUDGET_MS: u64 = 3_600_000;
@@ -137,10 +137,9 @@ struct Ctx {
     /// Fires on shutdown: waiting jobs are handed back, store retries stop.
     shutdown: CancellationToken,
     nonce: String,
-    /// Best-effort `acked_at_ms` trace writes, folded into the group commits.
-    acks: crate::ack_log::AckLog,
-    /// Group commit of the starts and outcomes that must be durable before a call or an ack.
-    commits: crate::committer::Committer,
+    /// The settlement door: group commit of the starts and outcomes that must be durable
+    /// before a call or an ack, and every ack, reject and requeue.
+    door: Door,
     /// Jobs whose model call runs in this process now, by job id: a redelivery of one of
     /// them (after a reconnect) waits for that call to settle instead of calling again.
     in_flight:
@@ -198,9 +197,6 @@ impl Ctx {
 pub struct Worker {
     ctx: Arc<Ctx>,
     broker: Broker,
-    /// Ends the acked-at trace writer once the last delivery is settled.
-    acks_done: CancellationToken,
-    acks_task: tokio::task::JoinHandle<()>,
 }
 
 impl std::fmt::Debug for Worker {
@@ -238,15 +234,17 @@ impl Worker {
             "{:x}",
             crate::clock::now_ms() ^ (std::process::id() as i64) << 20
         );
-        let acks_done = CancellationToken::new();
-        let acks = crate::ack_log::AckLog::default();
-        let acks_task = acks.spawn_idle_writer(ledger.clone(), acks_done.clone());
-        let commits =
-            crate::committer::Committer::spawn(ledger.clone(), GROUP_COMMIT_MAX, acks.clone());
         let names_events = cfg.topology.names.events_exchange.clone();
+        let (health, shutdown) = (StoreHealth::default(), CancellationToken::new());
+        let door = Door::spawn(
+            ledger.clone(),
+            health.clone(),
+            shutdown.clone(),
+            stats.clone(),
+            clock.clone(),
+        );
         let ctx = Ctx {
-            acks,
-            commits,
+            door,
             service: std::sync::Mutex::new(ServiceTimes::new(ServiceTimeConfig::default())),
             in_flight: std::sync::Mutex::new(std::collections::HashMap::new()),
             slots: Arc::new(Slots::new(cfg.slots.max(1), cfg.buffer_order)),
@@ -256,8 +254,8 @@ impl Worker {
             clock,
             stats,
             publisher: std::sync::RwLock::new(publisher),
-            health: StoreHealth::default(),
-            shutdown: CancellationToken::new(),
+            health,
+            shutdown,
             nonce,
             events: lastcall_broker::EventSink::spawn(&broker, &names_events),
             deltas: lastcall_broker::DeltaSink::spawn(&broker),
@@ -269,8 +267,6 @@ impl Worker {
         Ok(Self {
             ctx: Arc::new(ctx),
             broker,
-            acks_done,
-            acks_task,
         })
     }
 
@@ -320,8 +316,10 @@ impl Worker {
         };
         tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %cfg.topology.names.work_queue, node = %broker.node(), "worker started");
         let mut first = true;
+        let mut number = 0;
         let last = loop {
-            let generation = match Generation::open(&ctx, &broker).await {
+            number += 1;
+            let generation = match Generation::open(&ctx, &broker, number).await {
                 Ok(g) => g,
                 Err(e) if first => {
                     lease_stop.cancel();
@@ -392,13 +390,7 @@ impl Worker {
         let _ = tokio::time::timeout(Duration::from_secs(2), control).await;
         // The events of the last outcomes (best-effort, bounded like every shutdown step).
         ctx.events.close(Duration::from_secs(2)).await;
-        self.acks_done.cancel();
-        if tokio::time::timeout(Duration::from_secs(5), self.acks_task)
-            .await
-            .is_err()
-        {
-            tracing::warn!("acked-at trace writes did not finish within 5 s");
-        }
+        ctx.door.close().await;
         bounded("closing the connection", broker.close()).await;
         ctx.stats.broker_connected.store(false, Ordering::Relaxed);
         tracing::info!(worker = %cfg.name, "worker stopped");
@@ -444,7 +436,7 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
 struct Generation {
     stream: IncomingStream,
     /// The deliveries of this channel, for coalesced acks; tags are per channel.
-    acks: crate::ack_batch::AckBatch,
+    acks: AckBatch,
     flusher: tokio::task::JoinHandle<()>,
     flush_stop: CancellationToken,
     relay_task: tokio::task::JoinHandle<Result<(), String>>,
@@ -461,7 +453,7 @@ enum End {
 }
 
 impl Generation {
-    async fn open(ctx: &Arc<Ctx>, broker: &Broker) -> Result<Self, WorkerError> {
+    async fn open(ctx: &Arc<Ctx>, broker: &Broker, number: u64) -> Result<Self, WorkerError> {
         let cfg = &ctx.cfg;
         let stream = IncomingStream::open(
             broker,
@@ -491,14 +483,10 @@ impl Generation {
         .with_events(ctx.events.clone());
         let relay_stop = CancellationToken::new();
         let relay_task = tokio::spawn(relay.run(relay_stop.clone()));
-        let acks = crate::ack_batch::AckBatch::new();
-        let flush_stop = CancellationToken::new();
-        let flusher = acks.spawn_flusher(
-            ctx.stats.clone(),
-            ctx.acks.clone(),
-            ctx.clock.clone(),
-            flush_stop.clone(),
-        );
+        let (lost, flush_stop) = (CancellationToken::new(), CancellationToken::new());
+        let (acks, flusher) = ctx
+            .door
+            .open_generation(number, lost.clone(), flush_stop.clone());
         Ok(Self {
             stream,
             acks,
@@ -506,7 +494,7 @@ impl Generation {
             flush_stop,
             relay_task,
             relay_stop,
-            lost: CancellationToken::new(),
+            lost,
         })
     }
 
@@ -559,7 +547,13 @@ async fn receive(
         };
         let received_at_ms = ctx.clock.now_ms();
         WorkerStats::inc(&ctx.stats.received);
-        g.acks.register(incoming.delivery_tag);
+        // The stream too: delivery tags start again at 1 after a reconnect.
+        let attempt_key = format!(
+            "{}:{}-{}:{}",
+            ctx.cfg.name, ctx.nonce, incoming.stream, incoming.delivery_tag
+        );
+        let (incoming, settler) = Msg::split(incoming);
+        let ticket = g.acks.register(incoming.delivery_tag, settler, attempt_key);
         // Bound local memory by bytes; a body over the limit is rejected without buffering.
         let size = incoming.body.len();
         let permit = if size > cfg.policy.limits.max_body_bytes {
@@ -569,8 +563,7 @@ async fn receive(
             tokio::select! {
                 p = bytes.clone().acquire_many_owned(n) => Some(p.expect("semaphore never closed")),
                 _ = stop.cancelled() => {
-                    let _ = incoming.settler.requeue().await;
-                    g.acks.forget(incoming.delivery_tag);
+                    ctx.door.hand_back(ticket).await;
                     return End::Stop;
                 }
             }
@@ -578,12 +571,11 @@ async fn receive(
         WorkerStats::add(&ctx.stats.buffered_bytes, size as i64);
         let ctx2 = ctx.clone();
         let link = Link {
-            acks: g.acks.clone(),
             lost: g.lost.clone(),
         };
         tasks.spawn(async move {
             let _permit = permit;
-            handle(ctx2.clone(), incoming, link, received_at_ms).await;
+            handle(ctx2.clone(), incoming, ticket, link, received_at_ms).await;
             WorkerStats::add(&ctx2.stats.buffered_bytes, -(size as i64));
         });
     }
@@ -591,8 +583,35 @@ async fn receive(
 
 /// What ties a job to the generation (channel) its delivery came on.
 struct Link {
-    acks: crate::ack_batch::AckBatch,
     lost: CancellationToken,
+}
+
+/// A delivery's properties; its [`Settler`] goes into its [`Ticket`].
+struct Msg {
+    body: Vec<u8>,
+    delivery_tag: u64,
+    redelivered: bool,
+    message_id: Option<String>,
+    attempt: u32,
+    signature: Option<String>,
+    timestamp_s: Option<u64>,
+    reply_to: Option<String>,
+}
+
+impl Msg {
+    fn split(i: Incoming) -> (Self, Settler) {
+        let msg = Msg {
+            body: i.body,
+            delivery_tag: i.delivery_tag,
+            redelivered: i.redelivered,
+            message_id: i.message_id,
+            attempt: i.attempt,
+            signature: i.signature,
+            timestamp_s: i.timestamp_s,
+            reply_to: i.reply_to,
+        };
+        (msg, i.settler)
+    }
 }
 
 /// Longest wait for one broker step of the shutdown.
@@ -631,7 +650,9 @@ pub enum WorkerError {
 
 /// Facts gathered about one delivery, carried into the ledger record.
 struct Job {
-    incoming: Incoming,
+    incoming: Msg,
+    /// The delivery's place in its channel's ack bookkeeping; consumed by its settlement.
+    ticket: Ticket,
     /// The generation (channel) the delivery came on.
     link: Link,
     parsed: Result<Envelope, RejectError>,
@@ -640,7 +661,6 @@ struct Job {
     checked_at_ms: Option<i64>,
     started_at_ms: Option<i64>,
     finished_at_ms: Option<i64>,
-    attempt_key: String,
     /// Why the admission rule decided as it did, when a number explains it (the learned
     /// call duration); recorded as the outcome's error text.
     note: Option<String>,
@@ -675,7 +695,7 @@ pub(crate) fn job_id_for(
     }
 }
 
-async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i64) {
+async fn handle(ctx: Arc<Ctx>, incoming: Msg, ticket: Ticket, link: Link, received_at_ms: i64) {
     let parsed = Envelope::parse(&incoming.body, &ctx.cfg.policy.limits, received_at_ms);
     let parsed = lastcall_core::signature::require_signature(
         ctx.cfg.signing_key.as_ref(),
@@ -708,13 +728,9 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i
         incoming.timestamp_s,
         received_at_ms,
     );
-    // The stream too: delivery tags start again at 1 after a reconnect.
-    let attempt_key = format!(
-        "{}:{}-{}:{}",
-        ctx.cfg.name, ctx.nonce, incoming.stream, incoming.delivery_tag
-    );
     let job = Job {
         incoming,
+        ticket,
         link,
         parsed,
         job_id,
@@ -722,7 +738,6 @@ async fn handle(ctx: Arc<Ctx>, incoming: Incoming, link: Link, received_at_ms: i
         checked_at_ms: None,
         started_at_ms: None,
         finished_at_ms: None,
-        attempt_key,
         note: None,
         min_runtime_ms: None,
         prior_starts: 0,
@@ -739,14 +754,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     if job.parsed.is_ok() && !wait_for_running_call(&ctx, &job, &id).await {
         return hand_back(job).await;
     }
-    let Some(info) = until_stored(
-        &ctx.health,
-        &ctx.shutdown,
-        || WorkerStats::inc(&ctx.stats.store_retries),
-        || ctx.commits.receipt_info(id.clone()),
-    )
-    .await
-    else {
+    let Some(info) = ctx.door.receipt_info(&id).await else {
         return; // shutting down: leave unacked, the broker redelivers
     };
     // A call of this job may still run on another worker (whose connection was lost, so
@@ -756,14 +764,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         match wait_for_live_attempt_elsewhere(&ctx, &job, &id).await {
             None => return hand_back(job).await,
             Some(true) => {
-                let Some(again) = until_stored(
-                    &ctx.health,
-                    &ctx.shutdown,
-                    || WorkerStats::inc(&ctx.stats.store_retries),
-                    || ctx.commits.receipt_info(id.clone()),
-                )
-                .await
-                else {
+                let Some(again) = ctx.door.receipt_info(&id).await else {
                     return;
                 };
                 again
@@ -918,11 +919,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     {
         drop(permit);
         tracing::info!(job_id = %id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
-        if !job.link.lost.is_cancelled() {
-            let _ = job.incoming.settler.requeue().await;
-        }
-        job.link.acks.forget(job.incoming.delivery_tag);
-        return;
+        return ctx.door.hand_back(job.ticket).await;
     }
 
     // From here the call is this process's: a redelivery of the job waits for it.
@@ -935,7 +932,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
     };
     // Durable "started" row first: makes crash loops countable (poison detection).
     let start = AttemptStart {
-        attempt_key: job.attempt_key.clone(),
+        attempt_key: job.ticket.attempt_key().to_owned(),
         job_id: id.clone(),
         kind: env.kind().to_string(),
         attempt: job.incoming.attempt,
@@ -947,15 +944,7 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
         checked_at_ms,
         started_at_ms: checked_at_ms,
     };
-    if until_stored(
-        &ctx.health,
-        &ctx.shutdown,
-        || WorkerStats::inc(&ctx.stats.store_retries),
-        || ctx.commits.write(LedgerWrite::Start(start.clone())),
-    )
-    .await
-    .is_none()
-    {
+    if ctx.door.commit(LedgerWrite::Start(start)).await.is_none() {
         return;
     }
     // The store write took time: re-check so that the call truly starts in time.
@@ -985,22 +974,10 @@ async fn process(ctx: Arc<Ctx>, mut job: Job) {
             drop(permit);
             tracing::info!(job_id = %id, "the broker's ack window (consumer_timeout) closed while the start was written: handing the job back unstarted");
             let rec = outcome_record(&ctx, &job, None, "handed_back", None);
-            if until_stored(
-                &ctx.health,
-                &ctx.shutdown,
-                || WorkerStats::inc(&ctx.stats.store_retries),
-                || ctx.commits.write(LedgerWrite::outcome(rec.clone())),
-            )
-            .await
-            .is_none()
-            {
+            if ctx.door.commit(LedgerWrite::outcome(rec)).await.is_none() {
                 return;
             }
-            if !job.link.lost.is_cancelled() {
-                let _ = job.incoming.settler.requeue().await;
-            }
-            job.link.acks.forget(job.incoming.delivery_tag);
-            return;
+            return ctx.door.hand_back(job.ticket).await;
         }
     };
     if cancel.token.is_cancelled() {
@@ -1107,9 +1084,8 @@ async fn hand_back(job: Job) {
         );
     } else {
         tracing::info!("shutdown: handing a waiting job back to the broker");
-        let _ = job.incoming.settler.requeue().await;
     }
-    job.link.acks.forget(job.incoming.delivery_tag);
+    job.ticket.requeue().await;
 }
 
 /// How often a worker renews its lease in the ledger, and how old a lease may be before
@@ -1557,13 +1533,7 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
     }
     let rec = outcome_record(ctx, &job, terminal.as_ref(), decision, call.as_ref());
     if disposition != Disposition::AckDuplicate {
-        let stored = until_stored(
-            &ctx.health,
-            &ctx.shutdown,
-            || WorkerStats::inc(&ctx.stats.store_retries),
-            || ctx.commits.write(LedgerWrite::outcome(rec.clone())),
-        )
-        .await;
+        let stored = ctx.door.commit(LedgerWrite::outcome(rec.clone())).await;
         match stored {
             None => return, // shutting down before the write succeeded: no ack
             Some(true) => {
@@ -1597,25 +1567,12 @@ async fn settle(ctx: &Ctx, job: Job, disposition: Disposition, call: Option<Call
         WorkerStats::inc(&ctx.stats.duplicates);
         tracing::info!("redelivery of a job with a recorded outcome: acking without running");
     }
-    let tag = job.incoming.delivery_tag;
     if let Disposition::RecordThenDeadLetter(_) = &disposition {
-        let r = job.incoming.settler.dead_letter().await;
-        // Only now: a `multiple` ack must not be sent ahead of this reject.
-        job.link.acks.forget(tag);
-        match r {
-            Ok(()) => {
-                WorkerStats::inc(&ctx.stats.settled);
-                ctx.acks.record(job.attempt_key.clone(), ctx.clock.now_ms());
-            }
-            Err(e) => {
-                tracing::warn!(error = %e, "settling failed after the durable write; the broker will redeliver and the duplicate is acked")
-            }
-        }
+        // The reject is sent before its tag is released: no `multiple` ack overtakes it.
+        ctx.door.dead_letter(job.ticket).await;
     } else {
         // Acked by the flusher, possibly together with other finished deliveries.
-        job.link
-            .acks
-            .done(tag, job.incoming.settler, job.attempt_key);
+        ctx.door.ack(job.ticket);
     }
 }
 
@@ -1642,7 +1599,7 @@ fn outcome_record(
     };
     let output = call.and_then(|c| c.output.as_ref());
     OutcomeRecord {
-        attempt_key: job.attempt_key.clone(),
+        attempt_key: job.ticket.attempt_key().to_owned(),
         job_id: job.job_id.to_string(),
         kind,
         state: terminal
