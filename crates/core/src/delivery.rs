@@ -379,6 +379,12 @@ impl Admitted {
         &self.facts
     }
 
+    /// The admission budget of the last check (the call's timeout before the re-check
+    /// after the start write and the ack window).
+    pub fn budget_ms(&self) -> u64 {
+        self.budget_ms
+    }
+
     /// Another delivery of the same job is already running here (a redelivery raced its
     /// first delivery): start over from the receipt, which waits for that call.
     pub fn already_running_here(self) -> Received {
