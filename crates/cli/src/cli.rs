@@ -287,6 +287,21 @@ pub enum ExpiredActionArg {
     DeadLetter,
 }
 
+// Test-only flags exist only in a build whose `lastcall-worker` has the `test-hooks`
+// feature (the CLI's own tests); a release build has no such flag.
+lastcall_worker::with_test_hooks!({
+    #[derive(Debug, Args)]
+    pub struct TestHookArgs {
+        /// Test only: inject a fault (`pause-after-store` stops after the durable write,
+        /// before the ack, for kill tests)
+        #[arg(long, hide = true)]
+        pub fault: Option<String>,
+    }
+} else {
+    #[derive(Debug, Args)]
+    pub struct TestHookArgs {}
+});
+
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     /// Model slots: how many model calls run at once
@@ -356,13 +371,8 @@ pub struct WorkerArgs {
     pub admission: AdmissionArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
-    /// Test only: inject a fault (`pause-after-store` stops after the durable write, before the ack, for kill tests)
-    #[arg(long, hide = true)]
-    pub fault: Option<String>,
-    /// Test only: wait this long between getting a slot and the admission check (reproduces
-    /// work that was delivered in time but waited locally)
-    #[arg(long, hide = true, default_value_t = 0)]
-    pub debug_hold_before_admission_ms: u64,
+    #[command(flatten)]
+    pub hooks: TestHookArgs,
     /// Test only: shift this worker's clock by this many ms (clock-skew drills)
     #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
     pub clock_offset_ms: i64,

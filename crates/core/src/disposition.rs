@@ -21,6 +21,26 @@ pub enum ExpiredAction {
     DeadLetter,
 }
 
+/// Which deadline checks a worker runs. **A benchmark reference only** (`lastcall bench
+/// goodput` compares them): production workers always use [`DispatchPolicy::Deadline`],
+/// and the CLI's `worker` command has no flag for the others. Policy data, so the runtime
+/// has no branch of its own for them: [`WorkerPolicy::on_receipt`], [`WorkerPolicy::on_slot`]
+/// and [`WorkerPolicy::watches_latest_start`] apply it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum DispatchPolicy {
+    /// lastcall's rule: check at receipt and again immediately before the model call.
+    #[default]
+    Deadline,
+    /// Check at receipt only, as Celery does with `expires`; a job that waited for a slot
+    /// past its deadline still runs, and its call runs to the end (no deadline timeout).
+    ReceiptOnly,
+    /// No deadline check at all: every valid job runs to the end.
+    Naive,
+}
+
+/// The call budget of the reference policies, which have no deadline timeout.
+pub const UNBOUNDED_BUDGET_MS: u64 = 3_600_000;
+
 /// A terminal outcome chosen by the core, before the runtime adds timings and results.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Terminal {
@@ -131,6 +151,8 @@ pub struct WorkerPolicy {
     /// Refuse at receipt a job that would no longer pass the admission check after its
     /// expected wait for a slot ([`ReceiptFacts::expected_wait_ms`]). On by default.
     pub refuse_on_expected_wait: bool,
+    /// Which deadline checks run (benchmark references aside, always `Deadline`).
+    pub dispatch: DispatchPolicy,
 }
 
 impl Default for WorkerPolicy {
@@ -142,6 +164,7 @@ impl Default for WorkerPolicy {
             retry: RetryPolicy::default(),
             max_starts: 5,
             refuse_on_expected_wait: true,
+            dispatch: DispatchPolicy::Deadline,
         }
     }
 }
@@ -191,6 +214,12 @@ impl WorkerPolicy {
             .saturating_sub(i64::try_from(min_runtime.max(1)).unwrap_or(i64::MAX))
     }
 
+    /// Whether a job waiting for a slot leaves the buffer at its latest useful start
+    /// ([`Self::latest_start_ms`]); the reference policies keep it waiting.
+    pub fn watches_latest_start(&self) -> bool {
+        self.dispatch == DispatchPolicy::Deadline
+    }
+
     fn expired(&self, reason: String) -> Disposition {
         let t = Terminal::new(State::ExpiredNotStarted, reason);
         match self.expired_action {
@@ -231,11 +260,12 @@ impl WorkerPolicy {
             )));
         }
         let learned = facts.learned_runtime_ms;
+        let predicts = self.refuse_on_expected_wait && self.dispatch == DispatchPolicy::Deadline;
         match self.admit(env, learned, Stage::Receipt, now_ms) {
+            // The naive reference runs every valid job, expired or not.
+            Err(_) if self.dispatch == DispatchPolicy::Naive => Receipt::WaitForSlot,
             Err(reason) => Receipt::Settle(self.expired(reason)),
-            Ok(_) if facts.expected_wait_ms == 0 || !self.refuse_on_expected_wait => {
-                Receipt::WaitForSlot
-            }
+            Ok(_) if facts.expected_wait_ms == 0 || !predicts => Receipt::WaitForSlot,
             Ok(_) => {
                 // Would it still pass the last admission check once a slot is expected?
                 let then = now_ms
@@ -254,7 +284,13 @@ impl WorkerPolicy {
 
     /// A model slot is free: the last admission check, immediately before the call.
     /// `learned_ms` is the learned duration of this kind's calls (`None`: nothing learned).
+    /// The reference policies skip it: their call runs with [`UNBOUNDED_BUDGET_MS`].
     pub fn on_slot(&self, env: &Envelope, learned_ms: Option<u64>, now_ms: i64) -> Slot {
+        if self.dispatch != DispatchPolicy::Deadline {
+            return Slot::Run {
+                budget_ms: UNBOUNDED_BUDGET_MS,
+            };
+        }
         match self.admit(env, learned_ms, Stage::Admission, now_ms) {
             Err(reason) => Slot::Settle(self.expired(reason)),
             Ok(budget_ms) => Slot::Run { budget_ms },
@@ -361,6 +397,61 @@ mod tests {
             },
             ..WorkerPolicy::default()
         }
+    }
+
+    #[test]
+    fn reference_policies_skip_their_checks() {
+        let expired = Ok(env(1_000));
+        let facts = ReceiptFacts {
+            expected_wait_ms: 60_000,
+            ..ReceiptFacts::default()
+        };
+        let naive = WorkerPolicy {
+            dispatch: DispatchPolicy::Naive,
+            ..policy()
+        };
+        let receipt_only = WorkerPolicy {
+            dispatch: DispatchPolicy::ReceiptOnly,
+            ..policy()
+        };
+        // Naive: an expired job waits for a slot; receipt-only refuses it at receipt.
+        assert_eq!(
+            naive.on_receipt(&expired, facts, 5_000),
+            Receipt::WaitForSlot
+        );
+        assert!(matches!(
+            receipt_only.on_receipt(&expired, facts, 5_000),
+            Receipt::Settle(Disposition::RecordThenAck(_))
+        ));
+        // Neither predicts the wait; both skip the last check and never watch the wait.
+        let fresh = Ok(env(10_000));
+        assert_eq!(
+            receipt_only.on_receipt(&fresh, facts, 1_000),
+            Receipt::WaitForSlot
+        );
+        assert!(matches!(
+            policy().on_receipt(&fresh, facts, 1_000),
+            Receipt::Settle(Disposition::RecordThenAck(_))
+        ));
+        for p in [&naive, &receipt_only] {
+            assert_eq!(
+                p.on_slot(&env(1_000), None, 5_000),
+                Slot::Run {
+                    budget_ms: UNBOUNDED_BUDGET_MS
+                }
+            );
+            assert!(!p.watches_latest_start());
+            // Poison and duplicates are not deadline checks: every policy keeps them.
+            let dup = ReceiptFacts {
+                already_recorded: true,
+                ..ReceiptFacts::default()
+            };
+            assert_eq!(
+                p.on_receipt(&fresh, dup, 1_000),
+                Receipt::Settle(Disposition::AckDuplicate)
+            );
+        }
+        assert!(policy().watches_latest_start());
     }
 
     #[test]

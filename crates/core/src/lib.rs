@@ -12,6 +12,8 @@
 //! - [`admission`]: the last admission check before a model call.
 //! - [`retry`]: exponential backoff with jitter, clipped to the deadline.
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
+//! - [`delivery`]: the life of one delivery as a state machine over those decisions.
+//! - [`ack_plan`]: which coalesced acks are safe now, over plain delivery tags.
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
@@ -22,10 +24,12 @@
 //! - [`event`]: the outcome event published to `{prefix}.events` after a durable outcome.
 //! - [`delta`]: token deltas of a streaming call, sent to the job's `reply_to`.
 
+pub mod ack_plan;
 pub mod ack_window;
 pub mod admission;
 pub mod deadletter;
 pub mod deadline;
+pub mod delivery;
 pub mod delta;
 pub mod disposition;
 pub mod envelope;
@@ -41,7 +45,7 @@ pub mod wait;
 pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};
 pub use deadline::Deadline;
 pub use disposition::{
-    CallResult, Disposition, ExpiredAction, ReceiptFacts, Terminal, WorkerPolicy,
+    CallResult, DispatchPolicy, Disposition, ExpiredAction, ReceiptFacts, Terminal, WorkerPolicy,
 };
 pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
 pub use event::OutcomeEvent;

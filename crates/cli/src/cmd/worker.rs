@@ -8,7 +8,7 @@ use lastcall_backend::route::RoutedBackend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_core::{ExpiredAction, RetryPolicy, WorkerPolicy};
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
-use lastcall_worker::{ClockSyncMode, Fault, SystemClock, Worker, WorkerConfig, WorkerStats};
+use lastcall_worker::{ClockSyncMode, SystemClock, Worker, WorkerConfig, WorkerStats};
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::time::Duration;
@@ -212,18 +212,21 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
             "signed jobs required: a missing or wrong x-lastcall-signature is rejected (bad_signature)"
         );
     }
-    cfg.hold_before_admission = Duration::from_millis(a.debug_hold_before_admission_ms);
     cfg.shutdown_grace = Duration::from_millis(a.shutdown_grace_ms);
     cfg.consumer_timeout = consumer_timeout(a.consumer_timeout_ms, limits.horizon_ms);
     cfg.clock_sync = a
         .clock_sync
         .parse::<ClockSyncMode>()
         .map_err(anyhow::Error::msg)?;
-    cfg.fault = match a.fault.as_deref() {
-        None => None,
-        Some("pause-after-store") => Some(Fault::PauseAfterStore),
-        Some(other) => bail!("unknown --fault `{other}`"),
-    };
+    lastcall_worker::with_test_hooks!({
+        cfg.fault = match a.hooks.fault.as_deref() {
+            None => None,
+            Some("pause-after-store") => Some(lastcall_worker::Fault::PauseAfterStore),
+            Some(other) => bail!("unknown --fault `{other}`"),
+        };
+    } else {
+        let _ = &a.hooks;
+    });
     let retry = RetryPolicy::new(
         a.max_attempts,
         cfg.topology.retry_delays_ms[0],
@@ -239,6 +242,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         retry,
         max_starts: a.max_starts,
         refuse_on_expected_wait: !a.no_wait_refusal,
+        dispatch: lastcall_core::DispatchPolicy::Deadline,
     };
     Ok(cfg)
 }

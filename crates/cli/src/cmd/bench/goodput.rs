@@ -361,7 +361,7 @@ async fn run_policy(
     cfg.name = format!("bench-{name}");
     cfg.prefetch = setup.prefetch;
     cfg.shutdown_grace = Duration::from_secs(5);
-    cfg.dispatch_policy = policy;
+    cfg.policy.dispatch = policy;
     cfg.buffer_order = order;
     // The worker's defaults (what `lastcall worker` runs with), unless the oracle tells
     // it the call time.

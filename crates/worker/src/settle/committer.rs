@@ -18,7 +18,7 @@
 //! batch fails every request in it; each task retries its own request
 //! ([`crate::store_retry::until_stored`]) and none of them acks meanwhile.
 
-use crate::ack_log::AckLog;
+use super::ack_log::AckLog;
 use lastcall_store::{Ledger, LedgerWrite, ReceiptInfo, StoreError};
 use std::future::Future;
 use std::sync::Arc;

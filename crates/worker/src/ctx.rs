@@ -1,0 +1,185 @@
+//! The shared state of one running worker, and the per-job registrations in it.
+
+use crate::clock::Clock;
+use crate::runtime::WorkerConfig;
+use crate::settle::Door;
+use crate::slots::Slots;
+use crate::stats::WorkerStats;
+use crate::store_retry::StoreHealth;
+use lastcall_backend::{Backend, CancellationToken};
+use lastcall_broker::Publisher;
+use lastcall_core::service_time::{Estimate, ServiceTimes};
+use lastcall_store::Ledger;
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, RwLock};
+use tokio::sync::watch;
+
+/// Shared state of one running worker.
+pub(crate) struct Ctx {
+    pub(crate) cfg: WorkerConfig,
+    pub(crate) ledger: Arc<Ledger>,
+    pub(crate) backend: Arc<dyn Backend>,
+    pub(crate) clock: Arc<dyn Clock>,
+    pub(crate) stats: Arc<WorkerStats>,
+    pub(crate) slots: Arc<Slots>,
+    /// The retry publisher of the current broker connection (replaced on reconnect).
+    pub(crate) publisher: RwLock<Publisher>,
+    pub(crate) health: StoreHealth,
+    /// Fires on shutdown: waiting jobs are handed back, store retries stop.
+    pub(crate) shutdown: CancellationToken,
+    /// Makes this process's consumer tags and attempt keys unique.
+    pub(crate) nonce: String,
+    /// The settlement door: group commit of the starts and outcomes that must be durable
+    /// before a call or an ack, and every ack, reject and requeue.
+    pub(crate) door: Door,
+    /// Jobs whose model call runs in this process now, by job id: a redelivery of one of
+    /// them (after a reconnect) waits for that call to settle instead of calling again.
+    pub(crate) in_flight: Mutex<HashMap<String, watch::Receiver<()>>>,
+    /// Learned model call durations per `kind|backend` ([`ServiceTimes`]): the admission
+    /// rule's minimum useful runtime when a job sets none, and the expected wait.
+    pub(crate) service: Mutex<ServiceTimes>,
+    /// Outcome events, published after each durable terminal outcome (best-effort).
+    pub(crate) events: lastcall_broker::EventSink,
+    /// Token deltas of streaming calls, to each job's `reply_to` (best-effort, bounded).
+    pub(crate) deltas: lastcall_broker::DeltaSink,
+    /// Jobs in this process (waiting for a slot or running), by job id: a cancellation
+    /// broadcast (`{prefix}.control`) fires the token, which ends the wait or aborts the
+    /// call. The count is the deliveries sharing it.
+    pub(crate) cancels: Mutex<HashMap<String, (CancellationToken, usize)>>,
+}
+
+impl Ctx {
+    /// The estimator key of a kind: one backend per worker (or per kind when routed).
+    fn service_key(&self, kind: &str) -> String {
+        format!("{kind}|{}", self.backend.name())
+    }
+
+    /// What is learned about `kind`'s calls at `now_ms`.
+    pub(crate) fn learned(&self, kind: &str, now_ms: i64) -> Option<Estimate> {
+        let key = self.service_key(kind);
+        let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.estimate(&key, now_ms)
+    }
+
+    /// A cancellation broadcast for `job_id`: end its wait or abort its call here.
+    pub(crate) fn cancel_local(&self, job_id: &str) {
+        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some((token, _)) = map.get(job_id) {
+            tracing::info!(job_id, "cancellation requested: stopping the job here");
+            token.cancel();
+        }
+    }
+
+    /// One call of `kind` took `ms` (completed, or cut at the deadline: a lower bound).
+    pub(crate) fn observe_call(&self, kind: &str, ms: i64, now_ms: i64) {
+        let key = self.service_key(kind);
+        let estimate = {
+            let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+            service.observe(&key, ms.max(0) as u64, now_ms);
+            service.estimate(&key, now_ms)
+        };
+        if let Some(e) = estimate {
+            self.stats.metrics.set_learned(kind, e.quantile_ms);
+        }
+    }
+
+    /// The expected wait for a slot of a job received now with deadline `expires_at_ms`:
+    /// the jobs waiting that the buffer order serves first (all of them under FIFO, those
+    /// with an earlier deadline under EDF) are ahead of it, each with the learned mean
+    /// duration of its own kind; `own_mean_ms` (this job's kind) stands in when none wait.
+    /// Zero while nothing is learned. (The reference policies ignore it.)
+    pub(crate) fn expected_wait_ms(&self, expires_at_ms: i64, own_mean_ms: u64) -> u64 {
+        let (ahead, work_ms) = self.slots.ahead_of(expires_at_ms);
+        let mean_ms = match (ahead, work_ms) {
+            (0, _) | (_, 0) => own_mean_ms,
+            (n, w) => w / n as u64,
+        };
+        lastcall_core::wait::expected_wait_ms(
+            ahead,
+            self.slots.available(),
+            self.cfg.slots,
+            mean_ms,
+        )
+    }
+
+    /// The retry publisher of the current connection.
+    pub(crate) fn publisher(&self) -> Publisher {
+        self.publisher
+            .read()
+            .unwrap_or_else(|e| e.into_inner())
+            .clone()
+    }
+}
+
+/// A model call running in this process, registered by job id until it has settled.
+pub(crate) struct InFlight {
+    ctx: Arc<Ctx>,
+    id: String,
+    _done: watch::Sender<()>,
+}
+
+impl InFlight {
+    /// Register `id`'s call; `None` when one is already registered.
+    pub(crate) fn claim(ctx: &Arc<Ctx>, id: &str) -> Option<Self> {
+        let mut map = ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        if map.contains_key(id) {
+            return None;
+        }
+        let (tx, rx) = watch::channel(());
+        map.insert(id.to_owned(), rx);
+        Some(Self {
+            ctx: ctx.clone(),
+            id: id.to_owned(),
+            _done: tx,
+        })
+    }
+
+    /// The running call of `id` here, if any: its receiver changes (closes) when it settled.
+    pub(crate) fn running(ctx: &Ctx, id: &str) -> Option<watch::Receiver<()>> {
+        let map = ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        map.get(id).cloned()
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let mut map = self.ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
+        map.remove(&self.id);
+    }
+}
+
+/// This delivery's entry in [`Ctx::cancels`]; dropping it unregisters it.
+pub(crate) struct CancelGuard {
+    ctx: Arc<Ctx>,
+    id: String,
+    pub(crate) token: CancellationToken,
+}
+
+impl CancelGuard {
+    pub(crate) fn register(ctx: &Arc<Ctx>, id: &str) -> Self {
+        let mut map = ctx.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        let entry = map
+            .entry(id.to_owned())
+            .or_insert_with(|| (CancellationToken::new(), 0));
+        entry.1 += 1;
+        let token = entry.0.clone();
+        drop(map);
+        Self {
+            ctx: ctx.clone(),
+            id: id.to_owned(),
+            token,
+        }
+    }
+}
+
+impl Drop for CancelGuard {
+    fn drop(&mut self) {
+        let mut map = self.ctx.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        if let Some(entry) = map.get_mut(&self.id) {
+            entry.1 -= 1;
+            if entry.1 == 0 {
+                map.remove(&self.id);
+            }
+        }
+    }
+}

@@ -1,0 +1,253 @@
+//! The driver of one delivery: it feeds the core's state machine
+//! ([`lastcall_core::delivery`]) with what happens (ledger answers, slots, the clock, the
+//! call's end, shutdown, a lost channel, a cancellation) and carries out each step it
+//! asks for. The decisions are the core's; this module only does the IO.
+//!
+//! - `look_up`: the receipt (the holds of `crate::lease`, then the ledger lookup);
+//! - [`wait`]: the wait for a slot (EDF, latest useful start, cancel) and for the clock;
+//! - [`call`]: the model call; [`settle`]: publish a retry, record, finish with the broker;
+//! - [`record`]: the ledger rows.
+
+mod call;
+mod record;
+mod settle;
+mod wait;
+
+use crate::ctx::{CancelGuard, Ctx, InFlight};
+use crate::lease::{self, Interrupted};
+use crate::settle::Ticket;
+use lastcall_backend::CancellationToken;
+use lastcall_core::delivery::{self, Finish, Looked, Received, Settle, Started};
+use lastcall_core::service_time::Estimate;
+use lastcall_core::{Envelope, JobId, ReceiptFacts, RejectError, synthetic_job_id};
+use lastcall_store::{LedgerWrite, ReceiptInfo};
+use std::sync::Arc;
+use tracing::Instrument;
+
+/// A delivery's properties; its `Settler` went into its [`Ticket`].
+pub(crate) struct Msg {
+    pub(crate) body: Vec<u8>,
+    pub(crate) redelivered: bool,
+    pub(crate) message_id: Option<String>,
+    pub(crate) attempt: u32,
+    pub(crate) signature: Option<String>,
+    pub(crate) timestamp_s: Option<u64>,
+    pub(crate) reply_to: Option<String>,
+}
+
+/// What the driver holds of one delivery besides the state machine.
+pub(crate) struct Job {
+    msg: Msg,
+    /// The delivery's place in its channel's ack bookkeeping; consumed by its settlement.
+    ticket: Ticket,
+    /// Fires when the delivery's channel (generation) is lost.
+    lost: CancellationToken,
+    id: String,
+    /// Why the admission rule decided as it did, when a number explains it (the learned
+    /// call duration); recorded as the outcome's error text.
+    note: Option<String>,
+    /// Model calls of earlier deliveries of this job (the ledger's count at receipt).
+    prior_starts: u32,
+}
+
+/// One delivery, from receipt to its settlement.
+pub(crate) async fn handle(
+    ctx: Arc<Ctx>,
+    msg: Msg,
+    ticket: Ticket,
+    lost: CancellationToken,
+    received_at_ms: i64,
+) {
+    let parsed = Envelope::parse(&msg.body, &ctx.cfg.policy.limits, received_at_ms);
+    let parsed = lastcall_core::signature::require_signature(
+        ctx.cfg.signing_key.as_ref(),
+        parsed,
+        &msg.body,
+        msg.signature.as_deref(),
+        msg.message_id.as_deref(),
+    );
+    let signing = ctx.cfg.signing_key.is_some();
+    let job_id: JobId = job_id_for(&parsed, msg.message_id.as_deref(), &msg.body, signing);
+    let span = tracing::info_span!(
+        "job",
+        job_id = %job_id,
+        attempt = msg.attempt,
+        received_at_ms,
+        checked_at_ms = tracing::field::Empty,
+        expires_at_ms = tracing::field::Empty,
+        redelivered = msg.redelivered,
+    );
+    if let Ok(e) = &parsed {
+        span.record("expires_at_ms", e.deadline().expires_at_ms());
+    }
+    ctx.stats.metrics.observe_receipt(
+        parsed.as_ref().ok().map(|e| e.deadline().created_at_ms()),
+        msg.attempt,
+        msg.timestamp_s,
+        received_at_ms,
+    );
+    let ct = ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64);
+    let received = delivery::receive(parsed, msg.attempt, received_at_ms, ct);
+    let job = Job {
+        msg,
+        ticket,
+        lost,
+        id: job_id.to_string(),
+        note: None,
+        prior_starts: 0,
+    };
+    drive(ctx, job, received).instrument(span).await;
+}
+
+/// Run the state machine to the delivery's end.
+async fn drive(ctx: Arc<Ctx>, mut job: Job, mut received: Received) {
+    loop {
+        let (waiting, learned) = match look_up(&ctx, &mut job, received).await {
+            Err(finish) => return settle::finish(&ctx, job, finish).await,
+            Ok((Looked::Settle(s), _)) => return settle::settle(&ctx, job, s, None).await,
+            Ok((Looked::AwaitSlot(w), learned)) => (w, learned),
+        };
+        let cancel = CancelGuard::register(&ctx, &job.id);
+        let mean_ms = learned.map_or(0, |e| e.mean_ms);
+        let (admitted, permit) =
+            match wait::for_slot(&ctx, &mut job, waiting, mean_ms, &cancel).await {
+                wait::Waited::Admitted(a, permit) => (a, permit),
+                wait::Waited::Settle(s) => return settle::settle(&ctx, job, s, None).await,
+                wait::Waited::Finish(f) => return settle::finish(&ctx, job, f).await,
+            };
+        // From here the call is this process's: a redelivery of the job waits for it.
+        let Some(_running) = InFlight::claim(&ctx, &job.id) else {
+            // Another delivery of the same job got here first (a redelivery raced its
+            // first delivery): start over from the receipt, which waits for that call.
+            received = admitted.already_running_here();
+            continue;
+        };
+        let row = record::start_row(&ctx, &job, &admitted);
+        if ctx.door.commit(LedgerWrite::Start(row)).await.is_none() {
+            return settle::finish(&ctx, job, admitted.shutdown()).await;
+        }
+        // The store write took time: the core checks again so the call truly starts in time.
+        let now = ctx.clock.now_ms();
+        let learned = ctx.learned(admitted.env().kind().as_str(), now);
+        let admitted = if job.lost.is_cancelled() {
+            admitted.channel_lost()
+        } else {
+            admitted
+        };
+        let cancelled = cancel.token.is_cancelled();
+        match admitted.start_durable(
+            &ctx.cfg.policy,
+            learned.map(|e| e.quantile_ms),
+            cancelled,
+            now,
+        ) {
+            Started::Settle(s) => {
+                drop(permit);
+                return settle::settle(&ctx, job, s, None).await;
+            }
+            Started::HandBack(r) => {
+                drop(permit);
+                tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the start was written: handing the job back unstarted");
+                return settle::record(&ctx, job, r, None).await;
+            }
+            Started::Call(c) => {
+                return settle::call_and_settle(&ctx, job, c, permit, &cancel).await;
+            }
+        }
+    }
+}
+
+/// The receipt: hold the job while a call of it still runs (here or on another live
+/// worker), look it up, and let the core decide. `Err`: it ends here (shutdown, lost).
+async fn look_up(
+    ctx: &Ctx,
+    job: &mut Job,
+    received: Received,
+) -> Result<(Looked, Option<Estimate>), Finish> {
+    let interrupted = |r: Received, why: Interrupted| match why {
+        Interrupted::Shutdown => r.shutdown(),
+        Interrupted::ChannelLost => r.channel_lost(),
+    };
+    let valid = received.parsed().is_ok();
+    // A redelivery of a job whose call still runs here (its first delivery's channel was
+    // lost): hold it, without a slot, until that call has settled; the ledger then says it
+    // is recorded and it is acked as a duplicate — no second model call.
+    if valid && let Err(why) = lease::hold_while_running_here(ctx, &job.id, &job.lost).await {
+        return Err(interrupted(received, why));
+    }
+    let Some(info) = ctx.door.receipt_info(&job.id).await else {
+        return Err(received.shutdown());
+    };
+    let info = match held_elsewhere(ctx, job, valid, info).await {
+        Ok(Some(info)) => info,
+        Ok(None) => return Err(received.shutdown()),
+        Err(why) => return Err(interrupted(received, why)),
+    };
+    job.prior_starts = info.prior_starts;
+    let env = received.parsed().as_ref().ok();
+    let learned = env.and_then(|e| ctx.learned(e.kind().as_str(), received.facts().received_at_ms));
+    let facts = ReceiptFacts {
+        already_recorded: info.already_recorded,
+        prior_starts: info.prior_starts,
+        cancel_requested: info.cancel_requested,
+        expected_wait_ms: env.map_or(0, |e| {
+            ctx.expected_wait_ms(
+                e.deadline().expires_at_ms(),
+                learned.map_or(0, |l| l.mean_ms),
+            )
+        }),
+        learned_runtime_ms: learned.map(|e| e.quantile_ms),
+    };
+    if let Err(e) = received.parsed() {
+        tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
+    }
+    let now = received.facts().received_at_ms;
+    let looked = received.looked(&ctx.cfg.policy, facts, now);
+    if let Looked::Settle(Settle::Record(r)) = &looked {
+        job.note = record::learned_note(learned, r.terminal());
+    }
+    Ok((looked, learned))
+}
+
+/// A call of this job may still run on another worker (whose connection was lost, so the
+/// broker redelivered the job here): hold it, without a slot, while that worker's lease
+/// is fresh and its attempt unsettled; then read the ledger again. `Ok(None)`: shutdown.
+async fn held_elsewhere(
+    ctx: &Ctx,
+    job: &Job,
+    valid: bool,
+    info: ReceiptInfo,
+) -> Result<Option<ReceiptInfo>, Interrupted> {
+    if info.prior_starts == 0 || info.already_recorded || !valid {
+        return Ok(Some(info));
+    }
+    if lease::hold_while_running_elsewhere(ctx, &job.id, &job.lost).await? {
+        return Ok(ctx.door.receipt_info(&job.id).await);
+    }
+    Ok(Some(info))
+}
+
+/// The ledger key of a delivery: the envelope's id; else the `message_id` property the
+/// publisher set; else a synthetic id derived from the body, so nothing goes unrecorded.
+///
+/// A badly signed message is always recorded under a synthetic id, and so is *any*
+/// invalid message while signatures are required (`signing`): the id it claims is not to
+/// be trusted, and writing `rejected` under it would let anyone who can publish block a
+/// real pending job with that id (outcomes are write-once). Its error names the claimed id.
+pub(crate) fn job_id_for(
+    parsed: &Result<Envelope, RejectError>,
+    message_id: Option<&str>,
+    body: &[u8],
+    signing: bool,
+) -> JobId {
+    match parsed {
+        Ok(e) => e.job_id().clone(),
+        Err(_) if signing => synthetic_job_id(body),
+        Err(e) if e.reason == lastcall_core::RejectReason::BadSignature => synthetic_job_id(body),
+        Err(e) => e
+            .job_id
+            .clone()
+            .or_else(|| message_id.and_then(|m| JobId::parse(m).ok()))
+            .unwrap_or_else(|| synthetic_job_id(body)),
+    }
+}

@@ -1,0 +1,101 @@
+//! The ledger rows of a delivery: its attempt start and its outcome.
+
+use super::Job;
+use super::call::Call;
+use crate::ctx::Ctx;
+use lastcall_core::Terminal;
+use lastcall_core::delivery::{Admitted, Recording};
+use lastcall_core::service_time::{Estimate, EstimateSource};
+use lastcall_store::{AttemptStart, OutcomeRecord};
+
+/// The durable `running` row written before the call (makes crash loops countable).
+pub(crate) fn start_row(ctx: &Ctx, job: &Job, a: &Admitted) -> AttemptStart {
+    let (env, facts) = (a.env(), a.facts());
+    let checked_at_ms = facts.checked_at_ms.unwrap_or(facts.received_at_ms);
+    AttemptStart {
+        attempt_key: job.ticket.attempt_key().to_owned(),
+        job_id: job.id.clone(),
+        kind: env.kind().to_string(),
+        attempt: facts.attempt,
+        created_at_ms: env.deadline().created_at_ms(),
+        expires_at_ms: env.deadline().expires_at_ms(),
+        worker: ctx.cfg.name.clone(),
+        redelivered: job.msg.redelivered,
+        received_at_ms: facts.received_at_ms,
+        checked_at_ms,
+        started_at_ms: checked_at_ms,
+    }
+}
+
+/// The outcome row of `r` (a terminal outcome, or a retry's or hand-back's attempt).
+pub(crate) fn outcome_row(
+    ctx: &Ctx,
+    job: &Job,
+    r: &Recording,
+    call: Option<&Call>,
+) -> OutcomeRecord {
+    let (facts, terminal) = (r.facts(), r.terminal());
+    let env = r.parsed().as_ref().ok();
+    let error = match (r.parsed(), call) {
+        (Err(e), _) => Some(e.to_string()),
+        (_, Some(c)) => c.error.clone(),
+        _ => job.note.clone(),
+    };
+    let output = call.and_then(|c| c.output.as_ref());
+    let usage = output.and_then(|o| o.usage);
+    OutcomeRecord {
+        attempt_key: job.ticket.attempt_key().to_owned(),
+        job_id: job.id.clone(),
+        kind: env.map_or_else(|| "invalid".to_owned(), |e| e.kind().to_string()),
+        state: terminal.map_or("running", |t| t.state.as_str()).to_owned(),
+        reason: terminal.and_then(|t| t.reason.clone()),
+        decision: r.decision().as_str().to_owned(),
+        attempt: facts.attempt,
+        created_at_ms: env.map(|e| e.deadline().created_at_ms()),
+        expires_at_ms: env.map(|e| e.deadline().expires_at_ms()),
+        received_at_ms: Some(facts.received_at_ms),
+        checked_at_ms: facts.checked_at_ms,
+        started_at_ms: facts.started_at_ms,
+        finished_at_ms: facts.finished_at_ms,
+        recorded_at_ms: ctx.clock.now_ms(),
+        worker: ctx.cfg.name.clone(),
+        redelivered: job.msg.redelivered,
+        model_called: facts.started_at_ms.is_some(),
+        result: output.map(|o| o.text.clone()),
+        error,
+        prompt_tokens: usage.map(|u| u.prompt_tokens as i64),
+        completion_tokens: usage.map(|u| u.completion_tokens as i64),
+        latency_ms: call.map(|c| c.latency_ms),
+        cancel_requested: call.is_some_and(|c| c.cancel_requested),
+        cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
+        backend: Some(ctx.backend.name().to_owned()),
+        model: output.and_then(|o| o.model.clone()),
+        min_runtime_ms: facts
+            .min_runtime_ms
+            .map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
+    }
+}
+
+/// The ledger note of a refusal decided by the learned call duration: which estimate it
+/// was, so an operator can see why a job with budget left was not started.
+pub(crate) fn learned_note(
+    learned: Option<Estimate>,
+    terminal: Option<&Terminal>,
+) -> Option<String> {
+    let (e, t) = (learned?, terminal?);
+    let reason = t.reason.as_deref().unwrap_or_default();
+    (reason.ends_with(lastcall_core::disposition::BELOW_LEARNED_REASON)
+        || reason.ends_with(lastcall_core::disposition::EXPECTED_WAIT_REASON))
+    .then(|| {
+        format!(
+            "learned call duration for this kind: p99 {} ms, mean {} ms over {} calls ({})",
+            e.quantile_ms,
+            e.mean_ms,
+            e.samples,
+            match e.source {
+                EstimateSource::Key => "this kind",
+                EstimateSource::AllKeys => "all kinds, none yet of this one",
+            }
+        )
+    })
+}

@@ -1,0 +1,193 @@
+//! The end of a delivery: the model call's aftermath, a retry's publish, the durable
+//! outcome, and the one way out through the settlement door.
+
+use super::Job;
+use super::call::{Call, call_backend, jitter};
+use super::record::outcome_row;
+use crate::ctx::{CancelGuard, Ctx};
+use crate::slots::SlotPermit;
+use crate::stats::WorkerStats;
+use lastcall_broker::PublishProps;
+use lastcall_core::CallResult;
+use lastcall_core::delivery::{Calling, Finish, PublishFailed, Publishing, Recording, Settle};
+use lastcall_store::LedgerWrite;
+use std::sync::atomic::Ordering;
+
+/// Call the model with the budget the core gave, then settle what it decides.
+pub(crate) async fn call_and_settle(
+    ctx: &Ctx,
+    job: Job,
+    c: Calling,
+    permit: SlotPermit,
+    cancel: &CancelGuard,
+) {
+    WorkerStats::inc(&ctx.stats.backend_calls);
+    WorkerStats::add(&ctx.stats.running, 1);
+    let stream = (job.msg.reply_to.as_deref())
+        .map(|to| crate::stream::CallStream::new(&ctx.deltas, to, &job.id, job.msg.attempt));
+    let mut call = call_backend(
+        ctx,
+        c.env(),
+        job.msg.attempt,
+        c.budget_ms(),
+        &cancel.token,
+        stream.as_ref(),
+    )
+    .await;
+    if let Some(s) = &stream {
+        s.end();
+    }
+    WorkerStats::add(&ctx.stats.running, -1);
+    (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
+    drop(permit);
+    let kind = c.env().kind().as_str().to_owned();
+    let c = if job.lost.is_cancelled() {
+        c.channel_lost()
+    } else {
+        c
+    };
+    let now = ctx.clock.now_ms();
+    let ended = c.call_ended(&ctx.cfg.policy, call.result.clone(), now, jitter());
+    call.result = ended.result;
+    if ended.note.is_some() {
+        call.error = ended.note;
+    }
+    if matches!(
+        call.result,
+        CallResult::Completed | CallResult::DeadlineExceeded
+    ) {
+        // A failed call says nothing about how long a useful one takes.
+        ctx.observe_call(&kind, call.latency_ms, now);
+    }
+    if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
+        let m = &ctx.stats.metrics;
+        m.prompt_tokens
+            .fetch_add(u.prompt_tokens, Ordering::Relaxed);
+        m.completion_tokens
+            .fetch_add(u.completion_tokens, Ordering::Relaxed);
+    }
+    settle(ctx, job, ended.settle, Some(call)).await;
+}
+
+/// Carry out the core's settlement: publish a retry first, record, then finish.
+pub(crate) async fn settle(ctx: &Ctx, job: Job, s: Settle, call: Option<Call>) {
+    match s {
+        Settle::Record(r) => record(ctx, job, r, call).await,
+        Settle::Duplicate(f) => {
+            WorkerStats::inc(&ctx.stats.duplicates);
+            tracing::info!("redelivery of a job with a recorded outcome: acking without running");
+            finish(ctx, job, f).await;
+        }
+        Settle::PublishRetry(p) => match publish_retry(ctx, &job, &p).await {
+            Ok(()) => record(ctx, job, p.published(), call).await,
+            Err(e) => {
+                let p = if job.lost.is_cancelled() {
+                    p.channel_lost()
+                } else {
+                    p
+                };
+                match p.failed() {
+                    PublishFailed::Drop => {
+                        // The connection is gone: this delivery cannot be settled anyway.
+                        tracing::warn!(error = %e, "retry publish failed with the connection lost; the broker redelivers the job");
+                        finish(ctx, job, Finish::Drop).await;
+                    }
+                    PublishFailed::Record(r) => {
+                        tracing::error!(error = %e, "retry publish not confirmed; failing the job");
+                        record(ctx, job, r, call).await;
+                    }
+                }
+            }
+        },
+    }
+}
+
+/// Publish the retry with confirm: the body byte for byte (the deadline cannot change),
+/// the remaining budget as its TTL, on the retry queue of its delay.
+async fn publish_retry(ctx: &Ctx, job: &Job, p: &Publishing) -> Result<(), String> {
+    let retry = p.retry();
+    let delay = ctx.cfg.policy.retry.queue_delays_ms[retry.queue_index];
+    let queue = ctx.cfg.topology.names.retry_queue(delay);
+    let props = PublishProps {
+        job_id: job.id.clone(),
+        ttl_ms: Some(retry.ttl_ms),
+        attempt: retry.next_attempt,
+        timestamp_s: (ctx.clock.now_ms() / 1000) as u64,
+        signature: job.msg.signature.clone(),
+    };
+    let publisher = ctx.publisher();
+    publisher
+        .publish("", &queue, &job.msg.body, &props)
+        .await
+        .map_err(|e| e.to_string())?;
+    tracing::info!(queue = %queue, delay_ms = retry.delay_ms, next_attempt = retry.next_attempt, "retry published");
+    WorkerStats::inc(&ctx.stats.retries);
+    Ok(())
+}
+
+/// Write the outcome durably (group commit, retried), then finish with the broker.
+pub(crate) async fn record(ctx: &Ctx, job: Job, r: Recording, call: Option<Call>) {
+    let rec = outcome_row(ctx, &job, &r, call.as_ref());
+    let stored = ctx.door.commit(LedgerWrite::outcome(rec.clone())).await;
+    let Some(newly) = stored else {
+        // Shutting down before the write succeeded: no ack.
+        return finish(ctx, job, r.shutdown()).await;
+    };
+    let terminal = r.terminal();
+    if newly {
+        if let Some(t) = terminal {
+            ctx.stats.count_state(t.state.as_str());
+            (ctx.stats.metrics).count_outcome(t.state.as_str(), &rec.kind, t.reason.as_deref());
+            tracing::info!(
+                state = t.state.as_str(),
+                reason = t.reason.as_deref().unwrap_or(""),
+                "outcome recorded"
+            );
+        }
+        crate::hooks::pause_after_store(&ctx.cfg).await;
+        if terminal.is_some() {
+            let calls = job.prior_starts + u32::from(rec.model_called);
+            crate::events::emit(&ctx.events, &rec, calls);
+        }
+    } else if terminal.is_some() {
+        tracing::info!("outcome already recorded earlier; keeping the first");
+    }
+    let r = if job.lost.is_cancelled() {
+        r.channel_lost()
+    } else {
+        r
+    };
+    finish(ctx, job, r.durable()).await;
+}
+
+/// The delivery's one way out, through the settlement door.
+pub(crate) async fn finish(ctx: &Ctx, job: Job, f: Finish) {
+    match f {
+        // Acked by the flusher, possibly together with other finished deliveries.
+        Finish::Ack => ctx.door.ack(job.ticket),
+        // The reject is sent before its tag is released: no `multiple` ack overtakes it.
+        Finish::DeadLetter => ctx.door.dead_letter(job.ticket).await,
+        // It never started: back to the broker unrecorded, checked again at its next
+        // delivery. On a lost channel the requeue cannot be sent; the broker requeues it.
+        Finish::HandBack if job.ticket.channel_lost() => {
+            tracing::info!(
+                "connection lost: dropping a waiting job locally (the broker redelivers it)"
+            );
+            ctx.door.hand_back(job.ticket).await;
+        }
+        Finish::HandBack => {
+            tracing::info!("handing a job that never started back to the broker");
+            ctx.door.hand_back(job.ticket).await;
+        }
+        // Nothing is sent: the ticket stays held (no `multiple` ack covers it) until the
+        // channel closes and the broker redelivers it.
+        Finish::Drop => {
+            if job.lost.is_cancelled() {
+                tracing::info!(
+                    "connection lost: dropping the delivery locally (the broker redelivers it)"
+                );
+            }
+            drop(job.ticket);
+        }
+    }
+}

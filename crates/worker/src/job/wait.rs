@@ -1,0 +1,165 @@
+//! The wait for a model slot in the bounded local buffer (in `--buffer-order`: earliest
+//! deadline first or FIFO, [`crate::slots`]), and for a trusted clock.
+//!
+//! A job that can no longer finish in time leaves the buffer as soon as that is known,
+//! not when it reaches a slot: it is settled at its latest useful start, which frees its
+//! prefetch place for a job that can still make it.
+
+use super::Job;
+use super::record::learned_note;
+use crate::ctx::{CancelGuard, Ctx};
+use crate::slots::SlotPermit;
+use crate::stats::WorkerStats;
+use lastcall_core::delivery::{
+    Admission, Admitted, ClockState, ClockTick, ClockWait, Finish, Settle, WaitTick, Waiting,
+};
+use std::time::Duration;
+
+/// How the wait ended.
+pub(crate) enum Waited {
+    /// Admitted, holding a slot: write the start, then call.
+    Admitted(Admitted, SlotPermit),
+    Settle(Settle),
+    Finish(Finish),
+}
+
+/// How one wait for a slot ended, before the admission check.
+enum Slotted {
+    Slot(Waiting, SlotPermit),
+    Settle(Settle),
+    Finish(Finish),
+}
+
+/// Wait for a slot, then ask the core (the last admission check); wait for the clock when
+/// it may not be trusted (without holding a slot), then for a slot again.
+pub(crate) async fn for_slot(
+    ctx: &Ctx,
+    job: &mut Job,
+    mut waiting: Waiting,
+    mean_ms: u64,
+    cancel: &CancelGuard,
+) -> Waited {
+    loop {
+        let (w, permit) = match buffered(ctx, job, waiting, mean_ms, cancel).await {
+            Slotted::Slot(w, permit) => (w, permit),
+            Slotted::Settle(s) => return Waited::Settle(s),
+            Slotted::Finish(f) => return Waited::Finish(f),
+        };
+        crate::hooks::hold_before_admission(&ctx.cfg).await;
+        // Fail closed while the clock's sync state forbids admission.
+        let clock = if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
+            ClockState::Trusted
+        } else {
+            ClockState::Untrusted
+        };
+        let now = ctx.clock.now_ms();
+        let learned = ctx.learned(w.env().kind().as_str(), now);
+        let received_at_ms = w.facts().received_at_ms;
+        let admission = w.slot_granted(clock, &ctx.cfg.policy, learned.map(|e| e.quantile_ms), now);
+        if clock == ClockState::Trusted {
+            tracing::Span::current().record("checked_at_ms", now);
+            (ctx.stats.metrics.consumer_dwell).observe_ms(now - received_at_ms);
+        }
+        match admission {
+            Admission::Start(a) => {
+                (ctx.stats.metrics.remaining_budget).observe_ms(a.budget_ms() as i64);
+                return Waited::Admitted(a, permit);
+            }
+            Admission::Settle(s) => {
+                if let Settle::Record(r) = &s {
+                    job.note = learned_note(learned, r.terminal());
+                }
+                return Waited::Settle(s);
+            }
+            // The broker's ack window (its consumer timeout, when known) closed while the
+            // job waited: not started, handed back; the redelivery has a fresh window.
+            Admission::HandBack => {
+                tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
+                return Waited::Finish(Finish::HandBack);
+            }
+            Admission::ClockWait(c) => {
+                drop(permit);
+                waiting = match for_clock(ctx, job, c).await {
+                    Ok(w) => w,
+                    Err(end) => return end,
+                };
+            }
+        }
+    }
+}
+
+/// One wait in the buffer: until a slot, the latest useful start, a cancellation, a
+/// shutdown or the loss of the channel.
+async fn buffered(
+    ctx: &Ctx,
+    job: &mut Job,
+    mut waiting: Waiting,
+    mean_ms: u64,
+    cancel: &CancelGuard,
+) -> Slotted {
+    let policy = &ctx.cfg.policy;
+    let kind = waiting.env().kind().as_str().to_owned();
+    let acquire = ctx
+        .slots
+        .acquire(waiting.env().deadline().expires_at_ms(), mean_ms);
+    tokio::pin!(acquire);
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    let end = loop {
+        let now = ctx.clock.now_ms();
+        let latest =
+            waiting.latest_start_ms(policy, ctx.learned(&kind, now).map(|e| e.quantile_ms));
+        let until = Duration::from_millis((latest.unwrap_or(now) - now).max(0) as u64 + 1);
+        tokio::select! {
+            p = &mut acquire => break Slotted::Slot(waiting, p),
+            _ = ctx.shutdown.cancelled() => break Slotted::Finish(waiting.shutdown()),
+            _ = job.lost.cancelled() => break Slotted::Finish(waiting.channel_lost()),
+            _ = cancel.token.cancelled() => break Slotted::Settle(waiting.cancel()),
+            _ = tokio::time::sleep(until), if latest.is_some() => {
+                let now = ctx.clock.now_ms();
+                let learned = ctx.learned(&kind, now);
+                match waiting.latest_start_reached(policy, learned.map(|e| e.quantile_ms), now) {
+                    // Still admissible (the estimate changed): keep waiting.
+                    WaitTick::Keep(w) => waiting = w,
+                    WaitTick::Settle(s) => {
+                        // This is the job's last admission check: it counts as one, like
+                        // the check at a slot (the dwell histogram matches the ledger).
+                        if let Settle::Record(r) = &s {
+                            let dwell = now - r.facts().received_at_ms;
+                            (ctx.stats.metrics.consumer_dwell).observe_ms(dwell);
+                            job.note = learned_note(learned, r.terminal());
+                        }
+                        break Slotted::Settle(s);
+                    }
+                }
+            }
+        }
+    };
+    WorkerStats::add(&ctx.stats.waiting, -1);
+    end
+}
+
+/// Hold the job until the clock may be trusted, without holding a slot meanwhile.
+/// `Ok`: wait for a slot again.
+async fn for_clock(ctx: &Ctx, job: &Job, mut c: ClockWait) -> Result<Waiting, Waited> {
+    tracing::warn!(state = ?ctx.clock.sync_state(), "clock not known to be synchronised: admission stopped (--clock-sync require)");
+    let kind = c.env().kind().as_str().to_owned();
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    let end = loop {
+        let now = ctx.clock.now_ms();
+        let learned = ctx.learned(&kind, now).map(|e| e.quantile_ms);
+        c = match c.tick(&ctx.cfg.policy, learned, now) {
+            ClockTick::Keep(c) => c,
+            ClockTick::Settle(s) => break Err(Waited::Settle(s)),
+        };
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
+            _ = ctx.shutdown.cancelled() => break Err(Waited::Finish(c.shutdown())),
+            _ = job.lost.cancelled() => break Err(Waited::Finish(c.channel_lost())),
+        }
+        if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
+            break Ok(c.trusted());
+        }
+    };
+    WorkerStats::add(&ctx.stats.waiting, -1);
+    end
+}

@@ -1,0 +1,110 @@
+//! The holds that keep a redelivered job from running twice: its call still runs in this
+//! process (after a reconnect), or on another live worker (whose lease is fresh).
+//!
+//! Each worker renews a lease row (`workers`, one per worker) every [`LEASE_RENEW`]; a
+//! redelivery whose job has a `running` attempt under another worker with a lease under
+//! [`LEASE_TTL_MS`] old waits, without a slot, until that attempt settles. A worker whose
+//! lease expired is presumed dead.
+
+use crate::ctx::{Ctx, InFlight};
+use lastcall_backend::CancellationToken;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+/// How often a worker renews its lease in the ledger, and how old a lease may be before
+/// the worker is presumed dead (its `running` attempts no longer hold redeliveries back).
+const LEASE_RENEW: Duration = Duration::from_secs(2);
+const LEASE_TTL_MS: i64 = 10_000;
+
+/// Why a hold ended early.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Interrupted {
+    Shutdown,
+    ChannelLost,
+}
+
+/// Renew this worker's lease until `stop` fires (one row per worker, not per job), and
+/// mirror the retry publisher's connection into the stats.
+pub(crate) async fn renew(ctx: Arc<Ctx>, stop: CancellationToken) {
+    let mut failing = false;
+    loop {
+        match ctx
+            .ledger
+            .heartbeat(&ctx.cfg.name, ctx.clock.now_ms())
+            .await
+        {
+            Ok(()) if failing => {
+                failing = false;
+                tracing::info!("worker lease renewed again");
+            }
+            Ok(()) => {}
+            Err(e) if !failing => {
+                failing = true;
+                tracing::warn!(error = %e, "cannot renew the worker lease; other workers may run this worker's jobs again once it expires");
+            }
+            Err(_) => {}
+        }
+        let connected = ctx.publisher().is_connected().await;
+        (ctx.stats.retry_publisher_connected).store(connected, Ordering::Relaxed);
+        tokio::select! {
+            _ = tokio::time::sleep(LEASE_RENEW) => {}
+            _ = stop.cancelled() => return,
+        }
+    }
+}
+
+/// While another live worker runs a call of `id`, wait (polling the ledger). `Ok(true)`:
+/// it did and has settled now (read the ledger again); `Ok(false)`: nothing ran elsewhere.
+pub(crate) async fn hold_while_running_elsewhere(
+    ctx: &Ctx,
+    id: &str,
+    lost: &CancellationToken,
+) -> Result<bool, Interrupted> {
+    let mut waited = false;
+    loop {
+        let fresh_since = ctx.clock.now_ms() - LEASE_TTL_MS;
+        let live = match (ctx.ledger)
+            .live_attempt_elsewhere(id, &ctx.cfg.name, fresh_since)
+            .await
+        {
+            Ok(w) => w,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read worker leases; not holding the job");
+                None
+            }
+        };
+        let Some(worker) = live else {
+            return Ok(waited);
+        };
+        if !waited {
+            tracing::info!(%worker, "a call of this job still runs on another live worker: holding the redelivery until it settles");
+            waited = true;
+        }
+        tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(500)) => {}
+            _ = ctx.shutdown.cancelled() => return Err(Interrupted::Shutdown),
+            _ = lost.cancelled() => return Err(Interrupted::ChannelLost),
+        }
+    }
+}
+
+/// Wait until no call of `id` runs in this process (a redelivery of a job whose call
+/// still runs here: its first delivery's channel was lost).
+pub(crate) async fn hold_while_running_here(
+    ctx: &Ctx,
+    id: &str,
+    lost: &CancellationToken,
+) -> Result<(), Interrupted> {
+    while let Some(mut rx) = InFlight::running(ctx, id) {
+        tracing::info!(
+            "redelivery of a job whose model call still runs here: holding it until that call settles"
+        );
+        tokio::select! {
+            _ = rx.changed() => {} // the sender is dropped when the call has settled
+            _ = ctx.shutdown.cancelled() => return Err(Interrupted::Shutdown),
+            _ = lost.cancelled() => return Err(Interrupted::ChannelLost),
+        }
+    }
+    Ok(())
+}
