@@ -26,8 +26,10 @@ use std::sync::Arc;
 /// parsed command line (`config show` reports the sources of values from them).
 pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Result<ExitCode> {
     let settings = crate::config::settings(&cli.global, &loaded.file);
+    // The wall clock of the one-shot commands (the worker, serve and dlq build their own).
+    let clock = lastcall_worker::SystemClock::default();
     match cli.command {
-        Command::Submit(a) => submit::run(&settings, a).await,
+        Command::Submit(a) => submit::run(&settings, a, &clock).await,
         Command::Worker(a) => worker::run(&settings, *a).await,
         Command::Jobs(c) => jobs::run(&settings, c).await,
         Command::Topology(TopologyCommand::Apply(t)) => {
@@ -60,9 +62,9 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
         Command::Topology(TopologyCommand::Delete(d)) => topology::delete(&settings, d).await,
         Command::Demo(a) => demo::run(&settings, a).await,
         Command::Dlq(a) => dlq::run(&settings, a).await,
-        Command::Reconcile(a) => reconcile::run(&settings, a).await,
-        Command::Cancel(a) => cancel::run(&settings, a).await,
-        Command::Report(a) => report::run(&settings, a).await,
+        Command::Reconcile(a) => reconcile::run(&settings, a, &clock).await,
+        Command::Cancel(a) => cancel::run(&settings, a, &clock).await,
+        Command::Report(a) => report::run(&settings, a, &clock).await,
         Command::Serve(a) => serve::run(&settings, a).await,
         Command::Bench(c) => bench::run(&settings, c).await,
         Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),
