@@ -201,6 +201,60 @@ impl IncomingStream {
     }
 }
 
+/// How an [`IncomingStream::for_each`] loop ended.
+#[derive(Debug)]
+pub enum Ended {
+    /// `stop` fired, or the handler stopped before it could settle a delivery. The
+    /// consumer is cancelled and its channel closed (the broker requeues what is unsettled).
+    Stopped,
+    /// No delivery arrived for the idle time; cancelled and closed as for `Stopped`.
+    Idle,
+    /// The stream ended: the broker cancelled the consumer or the channel closed.
+    Closed,
+    /// Consuming failed, e.g. the connection was lost.
+    Failed(BrokerError),
+}
+
+impl IncomingStream {
+    /// The consume loop of the queues lastcall drains itself (dead letters, due retries):
+    /// hand each delivery to `handle` until `stop` fires, no delivery arrives for `idle`
+    /// (never without it), `handle` returns `false` (stopping before it could settle the
+    /// delivery: it stays unacked), or the consumer is lost. Settling is `handle`'s: it
+    /// acks only after its durable write. After [`Ended::Closed`] and [`Ended::Failed`]
+    /// the caller decides between reconnecting and giving up.
+    pub async fn for_each<F, Fut>(
+        &mut self,
+        stop: &tokio_util::sync::CancellationToken,
+        idle: Option<std::time::Duration>,
+        mut handle: F,
+    ) -> Ended
+    where
+        F: FnMut(Incoming) -> Fut,
+        Fut: std::future::Future<Output = bool>,
+    {
+        let idle = idle.unwrap_or(std::time::Duration::from_secs(u64::MAX / 4));
+        let ended = loop {
+            let next = tokio::select! {
+                _ = stop.cancelled() => break Ended::Stopped,
+                _ = tokio::time::sleep(idle) => break Ended::Idle,
+                n = self.next() => n,
+            };
+            match next {
+                None => return Ended::Closed,
+                Some(Err(e)) => return Ended::Failed(e),
+                Some(Ok(m)) => {
+                    if !handle(m).await {
+                        break Ended::Stopped;
+                    }
+                }
+            }
+        };
+        self.cancel().await;
+        self.close().await;
+        ended
+    }
+}
+
 fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
     let props = &d.properties;
     let headers = props.headers().clone().unwrap_or_default();

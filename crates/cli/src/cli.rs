@@ -43,7 +43,9 @@ pub struct Global {
     /// Prefix of every exchange and queue name [default: lastcall]
     #[arg(long, env = "LASTCALL_PREFIX", global = true, hide_env_values = true)]
     pub prefix: Option<String>,
-    /// Config file with the same keys (amqp_url, store_url, prefix) [default: ./lastcall.toml if present]
+    /// Config file: the keys amqp_url, store_url and prefix, and a section per command
+    /// ([worker], [serve], [dlq], [submit]) whose keys are its flags; `lastcall config show`
+    /// prints what is in effect [default: ./lastcall.toml if present]
     #[arg(long, env = "LASTCALL_CONFIG", global = true)]
     pub config: Option<PathBuf>,
     /// Log format on stderr: `text` or `json`
@@ -134,6 +136,56 @@ pub enum Command {
     /// `--smoke` runs a few seconds. Build with `--release` for numbers worth quoting.
     #[command(subcommand)]
     Bench(crate::cmd::bench::BenchCommand),
+    /// Look at the configuration: `config show [worker|serve|dlq|submit]`
+    #[command(subcommand)]
+    Config(ConfigCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum ConfigCommand {
+    /// Print the effective settings of a command, each with its source (flag, env, file,
+    /// default); passwords in URLs and secrets are masked
+    ///
+    /// Without a command: the connection settings every command shares and the config file
+    /// in use. With one, also each of its flags; that command's flags may follow (e.g.
+    /// `lastcall config show worker --slots 8`) and show as `flag`. Nothing is connected to.
+    Show(ConfigShowArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct ConfigShowArgs {
+    /// The command whose settings to show
+    #[arg(value_enum)]
+    pub command: Option<ConfigTarget>,
+    /// That command's flags, as they would be given to it
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        requires = "command",
+        value_name = "FLAGS"
+    )]
+    pub flags: Vec<std::ffi::OsString>,
+}
+
+/// The commands whose flags `lastcall.toml` may set.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ConfigTarget {
+    Worker,
+    Serve,
+    Dlq,
+    Submit,
+}
+
+impl ConfigTarget {
+    /// The command's (and the file section's) name.
+    pub fn name(self) -> &'static str {
+        match self {
+            ConfigTarget::Worker => "worker",
+            ConfigTarget::Serve => "serve",
+            ConfigTarget::Dlq => "dlq",
+            ConfigTarget::Submit => "submit",
+        }
+    }
 }
 
 /// Admission rule options shared by `submit`, `worker` and `demo`.
@@ -175,6 +227,11 @@ pub struct TopologyArgs {
 }
 
 #[derive(Debug, Args)]
+#[command(group(
+    clap::ArgGroup::new("deadline")
+        .args(["deadline_ms", "expires_at_ms"])
+        .required(true)
+))]
 pub struct SubmitArgs {
     /// Job kind (routes the job to a model), e.g. `incident.summary`
     #[arg(long)]
@@ -186,11 +243,7 @@ pub struct SubmitArgs {
     #[arg(long)]
     pub prompt: Option<String>,
     /// Deadline relative to now, in ms
-    #[arg(
-        long,
-        conflicts_with = "expires_at_ms",
-        required_unless_present = "expires_at_ms"
-    )]
+    #[arg(long, conflicts_with = "expires_at_ms")]
     pub deadline_ms: Option<u64>,
     /// Absolute deadline, ms since the Unix epoch
     #[arg(long)]

@@ -12,8 +12,17 @@ mod table;
 use clap::{CommandFactory, FromArgMatches};
 
 fn main() -> std::process::ExitCode {
-    let mut command = command();
-    let matches = command.clone().get_matches();
+    let argv: Vec<std::ffi::OsString> = std::env::args_os().collect();
+    // lastcall.toml's sections become the defaults of their commands' flags.
+    let loaded = match config::load(command(), &argv) {
+        Ok(l) => l,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            return std::process::ExitCode::FAILURE;
+        }
+    };
+    let mut command = loaded.command.clone();
+    let matches = loaded.parse(&argv).unwrap_or_else(|e| e.exit());
     if let Some(demo) = matches.subcommand_matches("demo")
         && [&matches, demo]
             .iter()
@@ -54,7 +63,7 @@ fn main() -> std::process::ExitCode {
             return std::process::ExitCode::FAILURE;
         }
     };
-    match rt.block_on(cmd::run(args)) {
+    match rt.block_on(cmd::run(args, &loaded, &matches)) {
         Ok(code) => code,
         Err(e) => {
             eprintln!("error: {e:#}");

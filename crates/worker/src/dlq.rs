@@ -7,6 +7,7 @@
 
 use crate::clock::Clock;
 use crate::store_retry::{StoreHealth, until_stored};
+use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
 use lastcall_core::deadletter::{DeathReason, classify};
 use lastcall_core::{Envelope, EnvelopeLimits};
@@ -185,40 +186,26 @@ impl DeadLetterProcessor {
                 }
             };
             self.stats.connected.store(true, Ordering::Relaxed);
-            let lost = loop {
-                let idle = idle_exit.unwrap_or(Duration::from_secs(u64::MAX / 4));
-                let next = tokio::select! {
-                    _ = stop.cancelled() => break None,
-                    _ = tokio::time::sleep(idle) => break None,
-                    n = stream.next() => n,
-                };
-                let incoming = match next {
-                    None => {
-                        break Some(
-                            "the dead-letter consumer was cancelled or its channel closed"
-                                .to_owned(),
-                        );
-                    }
-                    Some(Err(e)) => break Some(e.to_string()),
-                    Some(Ok(i)) => i,
-                };
-                if !self.handle(&incoming, &health, &stop).await {
-                    break None; // stopping before the write: leave it unacked
-                }
-            };
-            match lost {
-                None => {
-                    stream.cancel().await;
-                    stream.close().await;
+            let ended = stream
+                .for_each(&stop, idle_exit, |m| async {
+                    let m = m;
+                    self.handle(&m, &health, &stop).await
+                })
+                .await;
+            let why = match ended {
+                // Stopping (a delivery not yet written stays unacked), or idle.
+                Ended::Stopped | Ended::Idle => {
                     self.events.flush(Duration::from_secs(2)).await;
                     return Ok(());
                 }
-                Some(why) => {
-                    self.stats.connected.store(false, Ordering::Relaxed);
-                    if !self.reconnect(&why, &stop).await {
-                        return Ok(());
-                    }
+                Ended::Closed => {
+                    "the dead-letter consumer was cancelled or its channel closed".to_owned()
                 }
+                Ended::Failed(e) => e.to_string(),
+            };
+            self.stats.connected.store(false, Ordering::Relaxed);
+            if !self.reconnect(&why, &stop).await {
+                return Ok(());
             }
         }
     }

@@ -11,6 +11,7 @@
 
 use crate::clock::Clock;
 use crate::store_retry::{StoreHealth, until_stored};
+use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, Names, PublishProps, Publisher};
 use lastcall_core::{Admission, AdmissionPolicy, Envelope, EnvelopeLimits, Stage, State};
 use lastcall_store::{Ledger, OutcomeRecord};
@@ -81,24 +82,21 @@ impl RetryRelay {
         .await
         .map_err(|e| e.to_string())?;
         let health = StoreHealth::default();
-        loop {
-            let next = tokio::select! {
-                _ = stop.cancelled() => break,
-                n = stream.next() => n,
-            };
-            match next {
-                None => break,
-                Some(Err(e)) => return Err(e.to_string()),
-                Some(Ok(m)) => {
-                    if !self.handle(&m, &health, &stop).await {
-                        break;
-                    }
-                }
+        let ended = stream
+            .for_each(&stop, None, |m| async {
+                let m = m;
+                self.handle(&m, &health, &stop).await
+            })
+            .await;
+        match ended {
+            Ended::Stopped | Ended::Idle => Ok(()),
+            Ended::Closed => {
+                stream.cancel().await;
+                stream.close().await;
+                Ok(())
             }
+            Ended::Failed(e) => Err(e.to_string()),
         }
-        stream.cancel().await;
-        stream.close().await;
-        Ok(())
     }
 
     /// Returns `false` when stopping before the delivery could be settled.

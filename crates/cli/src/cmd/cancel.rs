@@ -5,14 +5,14 @@ use crate::config::Settings;
 use anyhow::Result;
 use lastcall_broker::{EventSink, Names};
 use lastcall_store::CancelOutcome;
-use lastcall_worker::clock::now_ms;
+use lastcall_worker::Clock;
 use std::process::ExitCode;
 use std::time::Duration;
 
 /// Exit status when the job had already ended.
 pub const EXIT_ALREADY_ENDED: u8 = 3;
 
-pub async fn run(s: &Settings, a: CancelArgs) -> Result<ExitCode> {
+pub async fn run(s: &Settings, a: CancelArgs, clock: &dyn Clock) -> Result<ExitCode> {
     let ledger = super::open_ledger(&s.store_url).await?;
     // The broadcasts are best-effort; the ledger write alone cancels a job not started yet
     // and flags a running one for its next delivery.
@@ -30,7 +30,8 @@ pub async fn run(s: &Settings, a: CancelArgs) -> Result<ExitCode> {
         None => (EventSink::disabled(), EventSink::disabled()),
     };
     let out =
-        lastcall_worker::cancel::cancel(&ledger, &events, &control, &a.job_id, now_ms()).await;
+        lastcall_worker::cancel::cancel(&ledger, &events, &control, &a.job_id, clock.now_ms())
+            .await;
     for sink in [&events, &control] {
         sink.close(Duration::from_secs(5)).await;
     }

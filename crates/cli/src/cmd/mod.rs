@@ -2,6 +2,7 @@
 
 pub(crate) mod bench;
 mod cancel;
+mod config;
 mod demo;
 mod dlq;
 mod jobs;
@@ -12,8 +13,8 @@ mod submit;
 mod topology;
 mod worker;
 
-use crate::cli::{AdmissionArgs, Cli, Command, TopologyArgs, TopologyCommand};
-use crate::config::{self, Settings};
+use crate::cli::{AdmissionArgs, Cli, Command, ConfigCommand, TopologyArgs, TopologyCommand};
+use crate::config::{Loaded, Settings};
 use anyhow::{Context, Result, bail};
 use lastcall_broker::{Broker, QueueType, Topology};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
@@ -21,10 +22,14 @@ use lastcall_store::Ledger;
 use std::process::ExitCode;
 use std::sync::Arc;
 
-pub async fn run(cli: Cli) -> Result<ExitCode> {
-    let settings = config::settings(&cli.global)?;
+/// Run the parsed command. `loaded` is the config file in effect and `matches` the
+/// parsed command line (`config show` reports the sources of values from them).
+pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Result<ExitCode> {
+    let settings = crate::config::settings(&cli.global, &loaded.file);
+    // The wall clock of the one-shot commands (the worker, serve and dlq build their own).
+    let clock = lastcall_worker::SystemClock::default();
     match cli.command {
-        Command::Submit(a) => submit::run(&settings, a).await,
+        Command::Submit(a) => submit::run(&settings, a, &clock).await,
         Command::Worker(a) => worker::run(&settings, *a).await,
         Command::Jobs(c) => jobs::run(&settings, c).await,
         Command::Topology(TopologyCommand::Apply(t)) => {
@@ -57,11 +62,12 @@ pub async fn run(cli: Cli) -> Result<ExitCode> {
         Command::Topology(TopologyCommand::Delete(d)) => topology::delete(&settings, d).await,
         Command::Demo(a) => demo::run(&settings, a).await,
         Command::Dlq(a) => dlq::run(&settings, a).await,
-        Command::Reconcile(a) => reconcile::run(&settings, a).await,
-        Command::Cancel(a) => cancel::run(&settings, a).await,
-        Command::Report(a) => report::run(&settings, a).await,
+        Command::Reconcile(a) => reconcile::run(&settings, a, &clock).await,
+        Command::Cancel(a) => cancel::run(&settings, a, &clock).await,
+        Command::Report(a) => report::run(&settings, a, &clock).await,
         Command::Serve(a) => serve::run(&settings, a).await,
         Command::Bench(c) => bench::run(&settings, c).await,
+        Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),
     }
 }
 

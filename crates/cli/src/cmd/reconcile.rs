@@ -5,19 +5,19 @@ use crate::config::Settings;
 use crate::table;
 use anyhow::{Result, bail};
 use lastcall_core::State;
-use lastcall_worker::clock::now_ms;
+use lastcall_worker::Clock;
 use serde_json::json;
 use std::process::ExitCode;
 
 /// Exit code when the ledger holds `unknown` jobs (without `--allow-unknown`).
 pub const EXIT_UNKNOWN: u8 = 3;
 
-pub async fn run(s: &Settings, a: ReconcileArgs) -> Result<ExitCode> {
+pub async fn run(s: &Settings, a: ReconcileArgs, clock: &dyn Clock) -> Result<ExitCode> {
     let Ok(grace_ms) = i64::try_from(a.grace_ms) else {
         bail!("--grace-ms is too large: {}", a.grace_ms);
     };
     let ledger = super::open_ledger(&s.store_url).await?;
-    let marked = ledger.mark_unknown(now_ms(), grace_ms).await?;
+    let marked = ledger.mark_unknown(clock.now_ms(), grace_ms).await?;
     publish_events(s, &ledger, &marked).await;
     let counts = ledger.counts_by_state().await?;
     // Jobs marked `unknown` by an earlier run whose real outcome arrived since.

@@ -6,7 +6,7 @@ use crate::config::Settings;
 use crate::table;
 use anyhow::{Result, bail};
 use lastcall_core::report::{self, Count, Report, ReportRow};
-use lastcall_worker::clock::now_ms;
+use lastcall_worker::Clock;
 use std::process::ExitCode;
 
 /// Parse a window length like `24h`, `90m`, `3600s`, `500ms` or `7d` into ms.
@@ -32,9 +32,9 @@ pub fn parse_window(s: &str) -> Result<i64> {
     }
 }
 
-pub async fn run(s: &Settings, a: ReportArgs) -> Result<ExitCode> {
+pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitCode> {
     let window = parse_window(&a.since)?;
-    let until = now_ms();
+    let until = clock.now_ms();
     let since = until.saturating_sub(window);
     let ledger = super::open_ledger(&s.store_url).await?;
     let recs = ledger.records_since(since).await?;

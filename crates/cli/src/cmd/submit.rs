@@ -4,7 +4,7 @@ use crate::cli::SubmitArgs;
 use crate::config::Settings;
 use anyhow::{Context, Result, bail};
 use lastcall_broker::Publisher;
-use lastcall_worker::clock::now_ms;
+use lastcall_worker::Clock;
 use lastcall_worker::shed::Shedder;
 use lastcall_worker::submit::load_signing_key;
 use lastcall_worker::{DeadlineSpec, NewJob, SubmitError, Submitter};
@@ -16,7 +16,7 @@ use std::time::Duration;
 /// Exit status of a job shed at the door (`EX_TEMPFAIL`: try again later).
 pub const EXIT_SHED: u8 = 75;
 
-pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
+pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitCode> {
     let payload = payload(a.payload.as_deref(), a.prompt.as_deref())?;
     let deadline = match (a.deadline_ms, a.expires_at_ms) {
         (Some(ms), None) => DeadlineSpec::RelativeMs(ms),
@@ -59,13 +59,13 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
     let waiting = if a.wait {
         let id = job
             .job_id
-            .get_or_insert_with(|| lastcall_worker::submit::new_job_id(now_ms()))
+            .get_or_insert_with(|| lastcall_worker::submit::new_job_id(clock.now_ms()))
             .clone();
         Some(OutcomeWait::start(&broker, &topo.names.events_exchange, &id).await)
     } else {
         None
     };
-    let submitted = match submitter.submit(&job, now_ms()).await {
+    let submitted = match submitter.submit(&job, clock.now_ms()).await {
         Ok(submitted) => submitted,
         Err(SubmitError::WouldExpireInQueue(estimate)) => {
             eprintln!("error: not accepted: {estimate} (--no-shed publishes it anyway)");
@@ -84,7 +84,8 @@ pub async fn run(s: &Settings, a: SubmitArgs) -> Result<ExitCode> {
             let until_ms = submitted
                 .expires_at_ms
                 .saturating_add(i64::try_from(a.wait_grace_ms).unwrap_or(i64::MAX));
-            w.outcome(ledger, &submitted.job_id, until_ms).await?
+            w.outcome(ledger, &submitted.job_id, until_ms, clock)
+                .await?
         }
         _ => ExitCode::SUCCESS,
     };
@@ -122,8 +123,10 @@ impl OutcomeWait {
         ledger: &lastcall_store::Ledger,
         job_id: &str,
         until_ms: i64,
+        clock: &dyn Clock,
     ) -> Result<ExitCode> {
-        let left = Duration::from_millis(until_ms.saturating_sub(now_ms()).max(0) as u64);
+        // The wall-clock deadline as a span on the monotonic clock the wait runs on.
+        let left = Duration::from_millis(until_ms.saturating_sub(clock.now_ms()).max(0) as u64);
         let until = tokio::time::Instant::now() + left;
         let rec = self
             .waiter
