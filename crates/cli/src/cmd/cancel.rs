@@ -4,8 +4,8 @@ use crate::cli::CancelArgs;
 use crate::config::Settings;
 use anyhow::Result;
 use lastcall_broker::{EventSink, Names};
+use lastcall_clock::now_ms;
 use lastcall_store::CancelOutcome;
-use lastcall_worker::clock::now_ms;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -30,7 +30,7 @@ pub async fn run(s: &Settings, a: CancelArgs) -> Result<ExitCode> {
         None => (EventSink::disabled(), EventSink::disabled()),
     };
     let out =
-        lastcall_worker::cancel::cancel(&ledger, &events, &control, &a.job_id, now_ms()).await;
+        lastcall_producer::cancel::cancel(&ledger, &events, &control, &a.job_id, now_ms()).await;
     for sink in [&events, &control] {
         sink.close(Duration::from_secs(5)).await;
     }
