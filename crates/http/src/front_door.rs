@@ -18,7 +18,7 @@
 //!   `x-should-retry: false`). Headers `x-lastcall-job-id` and `x-lastcall-state` name the job and its outcome;
 //! - a client that disconnects before the answer cancels its job (never started if it had
 //!   not, aborted if it had): the handler is dropped, and its guard runs
-//!   `lastcall_worker::cancel`.
+//!   `lastcall_producer::cancel`.
 //!
 //! - `"stream": true` answers with server-sent events (`front_door_stream.rs`).
 
@@ -30,9 +30,8 @@ use axum::body::Bytes;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::JobRecord;
-use lastcall_worker::submit::Submission;
-use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -468,7 +467,7 @@ impl Drop for CancelOnDrop {
         tracing::info!(job_id = %id, "the client went away before the answer: cancelling its job");
         tokio::spawn(async move {
             let now = state.clock.now_ms();
-            if let Err(e) = lastcall_worker::cancel::cancel(
+            if let Err(e) = lastcall_producer::cancel::cancel(
                 &state.ledger,
                 &state.events,
                 &state.control,

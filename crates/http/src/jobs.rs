@@ -10,9 +10,8 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use lastcall_broker::PublishError;
 use lastcall_core::{RejectReason, State as JobState};
+use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
-use lastcall_worker::submit::Submission;
-use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -378,7 +377,7 @@ pub async fn show(
     }
 }
 
-/// `DELETE /v1/jobs/{id}`: cancel a job (`lastcall_worker::cancel`). `200` with the
+/// `DELETE /v1/jobs/{id}`: cancel a job (`lastcall_producer::cancel`). `200` with the
 /// `cancelled` record when it had not started (no model call); `202` when it is running
 /// (its worker is asked to abort the call; the outcome follows, see `?wait_ms`); `409`
 /// `already_terminal` naming its state when it had ended (nothing changes); `404` unknown.
@@ -388,7 +387,7 @@ pub async fn cancel(
 ) -> Result<Response, ApiError> {
     let now = state.clock.now_ms();
     let out =
-        lastcall_worker::cancel::cancel(&state.ledger, &state.events, &state.control, &id, now)
+        lastcall_producer::cancel::cancel(&state.ledger, &state.events, &state.control, &id, now)
             .await
             .map_err(|e| ApiError::Internal(e.to_string()))?;
     match out {

@@ -15,7 +15,7 @@
 //! - [`depth`]: broker queue depths (management API, else a passive declare).
 //! - [`dashboard`]: the page and its JSON.
 //!
-//! **Boundary:** handlers only call `lastcall_worker::Submitter` (validate, stamp,
+//! **Boundary:** handlers only call `lastcall_producer::Submitter` (validate, stamp,
 //! publish with confirm, record `accepted`) and read the ledger; they make no decision of
 //! their own about deadlines.
 
@@ -44,8 +44,9 @@ use axum::middleware::{self, Next};
 use axum::response::{IntoResponse, Response};
 use axum::routing::get;
 use lastcall_broker::Names;
+use lastcall_clock::Clock;
+use lastcall_producer::Submitter;
 use lastcall_store::Ledger;
-use lastcall_worker::{Clock, Submitter};
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;

@@ -19,9 +19,9 @@
 //!   1,024 events wait for a claim and 32 deliveries run at once; more are dropped and
 //!   counted.
 
+use lastcall_clock::Clock;
 use lastcall_core::{OutcomeEvent, SigningKey};
 use lastcall_store::{Ledger, WebhookAttempt};
-use lastcall_worker::Clock;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::Duration;

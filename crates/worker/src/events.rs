@@ -44,20 +44,5 @@ pub async fn emit_counting(sink: &EventSink, ledger: &lastcall_store::Ledger, re
     emit(sink, rec, calls);
 }
 
-/// The event of a job as the ledger holds it now (for `reconcile`, which marks jobs in bulk).
-pub fn job_event(rec: &lastcall_store::JobRecord, recorded_by: &str) -> OutcomeEvent {
-    OutcomeEvent {
-        v: EVENT_VERSION,
-        job_id: rec.job_id.clone(),
-        kind: rec.kind.clone(),
-        state: rec.state.clone(),
-        reason: rec.reason.clone(),
-        attempt: u32::try_from(rec.attempts.saturating_sub(1).max(0)).unwrap_or(0),
-        model_calls: u32::try_from(rec.backend_calls).unwrap_or(0),
-        created_at_ms: rec.created_at_ms,
-        expires_at_ms: rec.expires_at_ms,
-        finished_at_ms: rec.finished_at_ms,
-        recorded_at_ms: rec.recorded_at_ms.unwrap_or_default(),
-        recorded_by: recorded_by.to_owned(),
-    }
-}
+/// The event of a job as the ledger holds it now (`lastcall_producer`, which cancels).
+pub use lastcall_producer::job_event;

@@ -1,8 +1,6 @@
-//! The lastcall worker runtime and the publisher library API.
+//! The lastcall worker runtime.
 //!
 //! # Layout
-//! - [`clock`]: the one clock abstraction, with the kernel's sync state.
-//! - [`submit`]: validate, stamp and publish jobs with confirm; record `accepted`.
 //! - [`runtime`]: [`Worker::build`] then [`Worker::run`]: the connections (one
 //!   generation each), reconnection, graceful shutdown.
 //! - `generation`: one connection's consumer, ack batch, flusher and retry relay; the
@@ -20,9 +18,12 @@
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`stream`]: a streaming call's token deltas to the job's `reply_to`.
 //! - [`store_retry`]: retrying ledger writes with backoff while pausing intake.
+//!
+//! The clock (`lastcall-clock`) and the producer API (`lastcall-producer`: submit, shed,
+//! cancel) are crates of their own; they are re-exported here ([`clock`], [`submit`],
+//! [`shed`], [`cancel`]) so that existing callers keep their paths. New code imports them
+//! from their own crates.
 
-pub mod cancel;
-pub mod clock;
 mod ctx;
 pub mod dlq;
 pub mod events;
@@ -33,18 +34,19 @@ mod lease;
 pub mod relay;
 pub mod runtime;
 mod settle;
-pub mod shed;
 mod sidecars;
 pub mod slots;
 pub mod stats;
 pub mod store_retry;
 pub mod stream;
-pub mod submit;
+
+pub use lastcall_clock as clock;
+pub use lastcall_producer::{cancel, shed, submit};
 
 pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
 #[cfg(feature = "test-hooks")]
 pub use hooks::Fault;
+pub use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};
 pub use runtime::{DispatchPolicy, Worker, WorkerConfig};
 pub use slots::BufferOrder;
 pub use stats::WorkerStats;
-pub use submit::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};

@@ -5,7 +5,7 @@ use crate::config::Settings;
 use anyhow::Result;
 use lastcall_broker::{EventSink, Names};
 use lastcall_store::CancelOutcome;
-use lastcall_worker::Clock;
+use lastcall_clock::Clock;
 use std::process::ExitCode;
 use std::time::Duration;
 
@@ -30,7 +30,7 @@ pub async fn run(s: &Settings, a: CancelArgs, clock: &dyn Clock) -> Result<ExitC
         None => (EventSink::disabled(), EventSink::disabled()),
     };
     let out =
-        lastcall_worker::cancel::cancel(&ledger, &events, &control, &a.job_id, clock.now_ms())
+        lastcall_producer::cancel::cancel(&ledger, &events, &control, &a.job_id, clock.now_ms())
             .await;
     for sink in [&events, &control] {
         sink.close(Duration::from_secs(5)).await;

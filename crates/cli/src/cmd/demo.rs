@@ -12,13 +12,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::{Broker, Publisher};
+use lastcall_clock::now_ms;
+use lastcall_clock::{Clock, SystemClock};
 use lastcall_core::State;
+use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_store::ListFilter;
-use lastcall_worker::clock::now_ms;
 use lastcall_worker::dlq::DeadLetterProcessor;
-use lastcall_worker::{
-    Clock, DeadlineSpec, NewJob, Submitter, SystemClock, Worker, WorkerConfig, WorkerStats,
-};
+use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
 use serde_json::json;
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -3,7 +3,7 @@
 use crate::cli::DlqArgs;
 use crate::config::Settings;
 use anyhow::{Context, Result, anyhow};
-use lastcall_worker::SystemClock;
+use lastcall_clock::SystemClock;
 use lastcall_worker::dlq::DeadLetterProcessor;
 use std::process::ExitCode;
 use std::sync::Arc;

@@ -4,8 +4,9 @@ use crate::cli::ReconcileArgs;
 use crate::config::Settings;
 use crate::table;
 use anyhow::{Result, bail};
+use lastcall_clock::now_ms;
 use lastcall_core::State;
-use lastcall_worker::Clock;
+use lastcall_clock::Clock;
 use serde_json::json;
 use std::process::ExitCode;
 
@@ -98,7 +99,7 @@ async fn publish_events(s: &Settings, ledger: &lastcall_store::Ledger, marked: &
     let sink = lastcall_broker::EventSink::spawn(&broker, &names.events_exchange);
     for id in marked {
         if let Ok(Some(rec)) = ledger.get(id).await {
-            let e = lastcall_worker::events::job_event(&rec, "reconcile");
+            let e = lastcall_producer::job_event(&rec, "reconcile");
             sink.emit(e.routing_key(), e.to_json());
         }
     }

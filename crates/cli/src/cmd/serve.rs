@@ -4,11 +4,13 @@ use crate::cli::ServeArgs;
 use crate::config::Settings;
 use anyhow::{Context, Result};
 use lastcall_broker::{Publisher, Topology};
+use lastcall_clock::SystemClock;
 use lastcall_http::depth::{DepthProbe, Management, vhost_of};
 use lastcall_http::{AppState, MetricsSource, Token};
+use lastcall_producer::Submitter;
+use lastcall_producer::shed::Shedder;
+use lastcall_worker::WorkerStats;
 use lastcall_worker::dlq::DeadLetterProcessor;
-use lastcall_worker::shed::Shedder;
-use lastcall_worker::{Submitter, SystemClock, WorkerStats};
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -60,7 +62,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     state.webhooks = lastcall_http::webhooks::WebhookConfig {
         allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
             .map_err(anyhow::Error::msg)?,
-        key: lastcall_worker::submit::load_signing_key(
+        key: lastcall_producer::load_signing_key(
             a.webhook_key_file.as_deref(),
             "LASTCALL_WEBHOOK_KEY",
         )?,

@@ -4,10 +4,9 @@ use crate::cli::SubmitArgs;
 use crate::config::Settings;
 use anyhow::{Context, Result, bail};
 use lastcall_broker::Publisher;
-use lastcall_worker::Clock;
-use lastcall_worker::shed::Shedder;
-use lastcall_worker::submit::load_signing_key;
-use lastcall_worker::{DeadlineSpec, NewJob, SubmitError, Submitter};
+use lastcall_clock::Clock;
+use lastcall_producer::shed::Shedder;
+use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitter, load_signing_key};
 use serde_json::{Map, Value, json};
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -59,7 +58,7 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
     let waiting = if a.wait {
         let id = job
             .job_id
-            .get_or_insert_with(|| lastcall_worker::submit::new_job_id(clock.now_ms()))
+            .get_or_insert_with(|| lastcall_producer::new_job_id(clock.now_ms()))
             .clone();
         Some(OutcomeWait::start(&broker, &topo.names.events_exchange, &id).await)
     } else {

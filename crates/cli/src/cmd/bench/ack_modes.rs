@@ -11,11 +11,11 @@ use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::bench::{self as raw, AckMode, ConsumeSpec, RunConfig};
 use lastcall_broker::{Broker, Publisher, QueueType};
+use lastcall_clock::now_ms;
+use lastcall_clock::{Clock, SystemClock};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
-use lastcall_worker::clock::now_ms;
-use lastcall_worker::{
-    Clock, DeadlineSpec, NewJob, Submitter, SystemClock, Worker, WorkerConfig, WorkerStats,
-};
+use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
+use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
 use serde::Serialize;
 use serde_json::json;
 use std::process::ExitCode;

@@ -13,9 +13,11 @@ use clap::Args;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_backend::{Backend, CallRequest};
 use lastcall_broker::{Broker, Publisher};
+use lastcall_clock::{Clock, SystemClock};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_http::{AppState, Token};
-use lastcall_worker::{Clock, Submitter, SystemClock, Worker, WorkerConfig, WorkerStats};
+use lastcall_producer::Submitter;
+use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
 use serde_json::json;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -52,7 +54,7 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
     let prefix = format!(
         "{}-bench-front-door-{:x}",
         s.prefix,
-        lastcall_worker::clock::now_ms()
+        lastcall_clock::now_ms()
     );
     let dir = super::temp_dir("front-door")?;
     let ledger_url = a

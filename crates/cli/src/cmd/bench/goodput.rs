@@ -11,14 +11,13 @@ use anyhow::{Context, Result, bail};
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::{Broker, Publisher};
+use lastcall_clock::now_ms;
+use lastcall_clock::{Clock, SystemClock};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
+use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_store::{JobRecord, ListFilter};
-use lastcall_worker::clock::now_ms;
 use lastcall_worker::dlq::DeadLetterProcessor;
-use lastcall_worker::{
-    BufferOrder, Clock, DeadlineSpec, DispatchPolicy, NewJob, Submitter, SystemClock, Worker,
-    WorkerConfig, WorkerStats,
-};
+use lastcall_worker::{BufferOrder, DispatchPolicy, Worker, WorkerConfig, WorkerStats};
 use serde::Serialize;
 use serde_json::json;
 use std::collections::BTreeMap;

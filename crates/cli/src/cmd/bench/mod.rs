@@ -343,7 +343,7 @@ pub(crate) fn temp_dir(tag: &str) -> Result<PathBuf> {
     let d = std::env::temp_dir().join(format!(
         "lastcall-bench-{tag}-{}-{}",
         std::process::id(),
-        lastcall_worker::clock::now_ms()
+        lastcall_clock::now_ms()
     ));
     std::fs::create_dir_all(&d)?;
     Ok(d)

@@ -5,6 +5,10 @@
 //! (`--clock-uncertainty-ms`). That allowance is a rule you set from measured clock sync;
 //! it is not a measured bound. Where the sync state is unknown, `--clock-sync require`
 //! stops admission instead of trusting the constant.
+//!
+//! A crate of its own because both sides read it: the producer (`lastcall-producer`: the
+//! broker TTL is the budget left at the publish) and the worker (`lastcall-worker`, which
+//! re-exports it as `lastcall_worker::clock`).
 
 use std::time::{SystemTime, UNIX_EPOCH};
 
@@ -121,6 +125,7 @@ fn kernel_sync_state() -> SyncState {
     }
 }
 
+/// The host's clock now, in ms since the Unix epoch (`SystemClock` without an offset).
 pub fn now_ms() -> i64 {
     SystemClock::default().now_ms()
 }

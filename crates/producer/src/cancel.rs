@@ -29,7 +29,7 @@ pub async fn cancel(
             // A worker may hold it in its buffer already (received before the write).
             control.emit(String::new(), ControlMessage::cancel(job_id).to_json());
             if let Ok(Some(rec)) = ledger.get(job_id).await {
-                let e = crate::events::job_event(&rec, "cancel");
+                let e = crate::job_event(&rec, "cancel");
                 events.emit(e.routing_key(), e.to_json());
             }
         }

@@ -1,9 +1,9 @@
 //! The publisher library API: validate, stamp the deadline, refuse stale work before it is
 //! published, publish with confirm, and record `accepted` in the ledger.
 
-use crate::clock::{Clock, SystemClock};
 use crate::shed::{ShedEstimate, Shedder, Verdict};
 use lastcall_broker::{Names, PublishError, PublishProps, Publisher, ReplyChannel};
+use lastcall_clock::{Clock, SystemClock};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
 use lastcall_core::signature::{KeyError, sign_envelope};
 use lastcall_core::{Deadline, Envelope, EnvelopeLimits, JobId, Kind, RejectError, SigningKey};
