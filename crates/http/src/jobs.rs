@@ -15,7 +15,6 @@ use lastcall_worker::submit::Submission;
 use lastcall_worker::{DeadlineSpec, NewJob, SubmitError};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 /// `POST /v1/jobs`: validate, stamp the deadline, shed a job the queue wait would make
 /// expire (`429 would_expire_in_queue` with `Retry-After`, when the submitter sheds), claim
@@ -123,10 +122,7 @@ pub async fn create(
         }
         Err(e) => {
             if matches!(e, SubmitError::WouldExpireInQueue(_)) {
-                state
-                    .http_stats
-                    .shed
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                state.http_stats.shed.inc();
             }
             Err(submit_error(e, spec))
         }
@@ -412,7 +408,7 @@ pub async fn cancel(
 }
 
 pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRecord>, ApiError> {
-    state.http_stats.job_reads.fetch_add(1, Ordering::Relaxed);
+    state.http_stats.job_reads.inc();
     state
         .ledger
         .get(id)
