@@ -544,10 +544,14 @@ async fn the_workers_readyz_checks_its_retry_publisher() {
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(lastcall_http::serve(
         "127.0.0.1:0".parse().unwrap(),
-        lastcall_http::metrics_app(lastcall_http::MetricsSource {
-            worker: Some(w.stats.clone()),
-            ..Default::default()
-        }),
+        lastcall_http::metrics_app(
+            lastcall_http::MetricsSource::default()
+                .with_ready({
+                    let stats = w.stats.clone();
+                    move || stats.readiness()
+                })
+                .with_collector(lastcall_worker::stats::WorkerCollector(w.stats.clone())),
+        ),
         stop.clone(),
         Some(tx),
     ));

@@ -151,12 +151,10 @@ async fn mixed_run(env: Env) {
         text(&show.stdout)
     );
     // The ledger part of `serve`'s /metrics.
-    let metrics = lastcall_http::MetricsSource {
-        ledger: Some(env.ledger.clone()),
-        ..Default::default()
-    }
-    .render()
-    .await;
+    let metrics = lastcall_http::MetricsSource::default()
+        .with_ledger(env.ledger.clone())
+        .render()
+        .await;
     assert_eq!(
         lastcall_http::metrics::sample_value(&metrics, "lastcall_ledger_late_outcomes"),
         Some(2.0),

@@ -11,10 +11,15 @@ use axum::extract::State;
 use axum::response::Html;
 use lastcall_core::State as JobState;
 use lastcall_store::JobRecord;
-use lastcall_worker::stats::DWELL_BUCKETS_MS;
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
+
+/// Upper bounds (ms) of the dashboard's dwell histograms, the same as the worker's
+/// `lastcall_*_dwell_seconds` buckets (`crates/http/tests/metrics.rs` checks).
+pub const DWELL_BUCKETS_MS: &[u64] = &[
+    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
+];
 
 /// The page, behind the same auth as the API: a browser answers the `Basic` challenge of
 /// the `401` (any user name, the token as password) and the page's same-origin polls of the

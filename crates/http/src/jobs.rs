@@ -14,7 +14,6 @@ use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
 use serde_json::{Map, Value, json};
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 
 /// `POST /v1/jobs`: validate, stamp the deadline, shed a job the queue wait would make
 /// expire (`429 would_expire_in_queue` with `Retry-After`, when the submitter sheds), claim
@@ -122,10 +121,7 @@ pub async fn create(
         }
         Err(e) => {
             if matches!(e, SubmitError::WouldExpireInQueue(_)) {
-                state
-                    .http_stats
-                    .shed
-                    .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+                state.http_stats.shed.inc();
             }
             Err(submit_error(e, spec))
         }
@@ -411,7 +407,7 @@ pub async fn cancel(
 }
 
 pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRecord>, ApiError> {
-    state.http_stats.job_reads.fetch_add(1, Ordering::Relaxed);
+    state.http_stats.job_reads.inc();
     state
         .ledger
         .get(id)

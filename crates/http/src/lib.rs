@@ -11,7 +11,8 @@
 //!   Basic credentials (constant time).
 //! - [`OPENAPI`]: the document, served at `/openapi.json` with this server's limits filled
 //!   in; `crates/http/tests/contract.rs` runs schemathesis against the served document.
-//! - [`metrics`]: the Prometheus text format, rendered by hand with bounded labels.
+//! - [`metrics`]: `/metrics` from one `prometheus-client` registry per process (bounded
+//!   labels), and the readiness checks of `/readyz`.
 //! - [`depth`]: broker queue depths (management API, else a passive declare).
 //! - [`dashboard`]: the page and its JSON.
 //!
@@ -121,11 +122,9 @@ impl AppState {
         let http_stats = Arc::new(HttpStats::default());
         Self {
             submitter,
-            metrics: MetricsSource {
-                ledger: Some(ledger.clone()),
-                http: Some(http_stats.clone()),
-                ..MetricsSource::default()
-            },
+            metrics: MetricsSource::default()
+                .with_ledger(ledger.clone())
+                .with_http(&http_stats),
             ledger,
             clock,
             token,
@@ -223,20 +222,11 @@ async fn serve_readyz(State(state): State<Arc<AppState>>) -> Response {
     readiness(checks)
 }
 
-/// Readiness of what a [`MetricsSource`] holds: the worker's broker connection and ledger,
-/// the dead-letter processor's connection.
+/// Readiness of what a [`MetricsSource`] holds (registered with
+/// [`MetricsSource::with_ready`]): the worker's broker connection, ledger and retry
+/// publisher, the dead-letter processor's connection.
 async fn source_checks(s: &MetricsSource) -> Vec<(&'static str, bool)> {
-    use std::sync::atomic::Ordering::Relaxed;
-    let mut checks = Vec::new();
-    if let Some(w) = &s.worker {
-        checks.push(("broker", w.broker_connected.load(Relaxed)));
-        checks.push(("ledger", w.ledger_healthy.load(Relaxed)));
-        checks.push(("retry_publisher", w.retry_publisher_connected.load(Relaxed)));
-    }
-    if let Some(d) = &s.dlq {
-        checks.push(("dead_letter_processor", d.connected.load(Relaxed)));
-    }
-    checks
+    s.checks()
 }
 
 /// `200 {"ready": true, …}` when every check passes, else `503` naming what is down.
@@ -358,18 +348,15 @@ async fn json_errors(req: Request, next: Next) -> Response {
 }
 
 async fn metrics_handler(State(state): State<Arc<AppState>>) -> Response {
-    let mut source = state.metrics.clone();
-    if source.depth.is_none() {
-        source.depth = state.depth.clone();
-    }
-    exposition(source.render().await)
+    let depth = state.metrics.depth.as_ref().or(state.depth.as_ref());
+    exposition(state.metrics.render_with(depth).await)
 }
 
 fn exposition(text: String) -> Response {
     (
         [(
             header::CONTENT_TYPE,
-            "text/plain; version=0.0.4; charset=utf-8",
+            prometheus_client::encoding::prometheus_text::CONTENT_TYPE,
         )],
         text,
     )
@@ -387,14 +374,12 @@ async fn count_responses(State(state): State<Arc<AppState>>, req: Request, next:
     let resp = next.run(req).await;
     let status = resp.status();
     if is_post_jobs && status == axum::http::StatusCode::ACCEPTED {
-        state
-            .http_stats
-            .accepted
-            .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+        state.http_stats.accepted.inc();
     }
-    state
-        .http_stats
-        .responses
-        .inc(vec![route, status.as_u16().to_string()]);
+    let labels = metrics::ResponseLabels {
+        route,
+        status: status.as_u16(),
+    };
+    state.http_stats.responses.get_or_create(&labels).inc();
     resp
 }

@@ -8,6 +8,7 @@ use common::*;
 use lastcall_http::MetricsSource;
 use lastcall_http::depth::{DepthProbe, Management};
 use lastcall_worker::clock::now_ms;
+use lastcall_worker::stats::WorkerCollector;
 use lastcall_worker::{DeadlineSpec, NewJob};
 use serde_json::json;
 use std::path::Path;
@@ -85,10 +86,7 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
     let (tx, rx) = tokio::sync::oneshot::channel();
     tokio::spawn(lastcall_http::serve(
         "127.0.0.1:0".parse().unwrap(),
-        lastcall_http::metrics_app(MetricsSource {
-            worker: Some(stats),
-            ..Default::default()
-        }),
+        lastcall_http::metrics_app(MetricsSource::default().with_collector(WorkerCollector(stats))),
         stop.clone(),
         Some(tx),
     ));

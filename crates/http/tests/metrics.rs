@@ -7,6 +7,7 @@ use common::*;
 use lastcall_http::MetricsSource;
 use lastcall_http::metrics::sample_value;
 use lastcall_worker::clock::now_ms;
+use lastcall_worker::stats::{DlqCollector, WorkerCollector};
 use lastcall_worker::{DeadlineSpec, NewJob};
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -90,12 +91,10 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
             .unwrap();
     }
     env.wait_settled(Duration::from_secs(15)).await;
-    let source = MetricsSource {
-        worker: Some(stats.clone()),
-        dlq: Some(dlq.clone()),
-        ledger: Some(env.ledger.clone()),
-        ..MetricsSource::default()
-    };
+    let source = MetricsSource::default()
+        .with_collector(WorkerCollector(stats.clone()))
+        .with_collector(DlqCollector(dlq.clone()))
+        .with_ledger(env.ledger.clone());
     let text = source.render().await;
     let ledger: BTreeMap<String, i64> = env
         .ledger
@@ -232,4 +231,13 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
     stop.cancel();
     handle.await.unwrap();
     env.cleanup().await;
+}
+
+/// The dashboard bins the ledger's dwell times with the worker histograms' bounds.
+#[test]
+fn the_dashboard_uses_the_workers_dwell_buckets() {
+    assert_eq!(
+        lastcall_http::dashboard::DWELL_BUCKETS_MS,
+        lastcall_worker::stats::DWELL_BUCKETS_MS
+    );
 }

@@ -1,9 +1,18 @@
-//! Live counters and gauges of a worker. Read by the CLI (progress, summaries) and by the
-//! metrics endpoint. No job ids here: only bounded, aggregate numbers.
+//! Live counters and gauges of a worker, and their Prometheus exposition. The CLI reads
+//! the counters (progress, summaries); [`WorkerCollector`] and [`DlqCollector`] encode
+//! them with `prometheus-client` into the process's registry (`lastcall-http`'s
+//! `MetricsSource`), with the crate's histograms and label families. No job ids here:
+//! only bounded, aggregate numbers.
 
+use crate::dlq::DlqStats;
+use prometheus_client::collector::Collector;
+use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
+use prometheus_client::metrics::counter::{ConstCounter, Counter};
+use prometheus_client::metrics::family::Family;
+use prometheus_client::metrics::gauge::{ConstGauge, Gauge};
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicI64, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, Mutex, OnceLock, RwLock};
 
 /// Counters and gauges of one worker process.
 #[derive(Debug, Default)]
@@ -71,6 +80,19 @@ impl WorkerStats {
         };
         Self::inc(c);
     }
+
+    /// What `/readyz` reports for a worker: its consuming connection, the ledger, and the
+    /// retry publisher's own connection.
+    pub fn readiness(&self) -> Vec<(&'static str, bool)> {
+        vec![
+            ("broker", self.broker_connected.load(Ordering::Relaxed)),
+            ("ledger", self.ledger_healthy.load(Ordering::Relaxed)),
+            (
+                "retry_publisher",
+                self.retry_publisher_connected.load(Ordering::Relaxed),
+            ),
+        ]
+    }
 }
 
 /// Upper bounds (ms) of the dwell histograms (queue dwell, consumer dwell).
@@ -86,62 +108,26 @@ pub const BUDGET_BUCKETS_MS: &[u64] = &[
     50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000, 300_000, 3_600_000,
 ];
 
-/// A histogram with fixed bucket bounds, in ms. Lock-free; exported in seconds.
-#[derive(Debug)]
-pub struct Histogram {
-    bounds_ms: &'static [u64],
-    /// One counter per bound plus the `+Inf` bucket (not cumulative).
-    buckets: Vec<AtomicU64>,
-    sum_ms: AtomicU64,
-    count: AtomicU64,
-}
-
-/// A consistent-enough copy of a histogram: cumulative counts per bound, then `+Inf`.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct HistogramSnapshot {
-    pub bounds_ms: &'static [u64],
-    pub cumulative: Vec<u64>,
-    pub sum_ms: u64,
-    pub count: u64,
-}
+/// A `prometheus-client` histogram with fixed bounds given in ms, observed in ms and
+/// exported in seconds. Clones share the same series.
+#[derive(Debug, Clone)]
+pub struct Histogram(prometheus_client::metrics::histogram::Histogram);
 
 impl Histogram {
-    pub fn new(bounds_ms: &'static [u64]) -> Self {
-        Self {
-            bounds_ms,
-            buckets: (0..=bounds_ms.len()).map(|_| AtomicU64::new(0)).collect(),
-            sum_ms: AtomicU64::new(0),
-            count: AtomicU64::new(0),
-        }
+    pub fn new(bounds_ms: &[u64]) -> Self {
+        Self(prometheus_client::metrics::histogram::Histogram::new(
+            bounds_ms.iter().map(|b| *b as f64 / 1000.0),
+        ))
     }
 
     /// Record one value; negative values (clock differences) count as 0.
     pub fn observe_ms(&self, ms: i64) {
-        let v = ms.max(0) as u64;
-        let i = self.bounds_ms.partition_point(|b| *b < v);
-        self.buckets[i].fetch_add(1, Ordering::Relaxed);
-        self.sum_ms.fetch_add(v, Ordering::Relaxed);
-        self.count.fetch_add(1, Ordering::Relaxed);
-    }
-
-    pub fn snapshot(&self) -> HistogramSnapshot {
-        let mut acc = 0;
-        let cumulative = self
-            .buckets
-            .iter()
-            .map(|b| {
-                acc += b.load(Ordering::Relaxed);
-                acc
-            })
-            .collect();
-        HistogramSnapshot {
-            bounds_ms: self.bounds_ms,
-            cumulative,
-            sum_ms: self.sum_ms.load(Ordering::Relaxed),
-            count: self.count.load(Ordering::Relaxed),
-        }
+        self.0.observe(ms.max(0) as f64 / 1000.0);
     }
 }
+
+/// A label value: shared, so recording a known value allocates nothing.
+pub type Label = Arc<str>;
 
 /// A bounded label vocabulary: the first `cap` distinct values (or only an allow-list)
 /// become labels, anything else is `other`. Producers choose `kind`; this keeps a
@@ -150,7 +136,8 @@ impl Histogram {
 pub struct BoundedLabels {
     cap: usize,
     fixed: bool,
-    seen: Mutex<Vec<String>>,
+    seen: RwLock<Vec<Label>>,
+    other: Label,
 }
 
 impl BoundedLabels {
@@ -159,7 +146,8 @@ impl BoundedLabels {
         Self {
             cap,
             fixed: false,
-            seen: Mutex::new(Vec::new()),
+            seen: RwLock::new(Vec::new()),
+            other: Label::from("other"),
         }
     }
 
@@ -168,25 +156,37 @@ impl BoundedLabels {
         Self {
             cap: values.len(),
             fixed: true,
-            seen: Mutex::new(values.iter().map(|v| (*v).to_owned()).collect()),
+            seen: RwLock::new(values.iter().map(|v| Label::from(*v)).collect()),
+            other: Label::from("other"),
         }
     }
 
-    /// The label for `value`.
-    pub fn label(&self, value: &str) -> String {
-        let mut seen = self.seen.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.iter().any(|s| s == value) {
-            return value.to_owned();
+    /// The label for `value` (a value seen before costs a shared read, no allocation).
+    pub fn label(&self, value: &str) -> Label {
+        fn known(seen: &[Label], value: &str) -> Option<Label> {
+            seen.iter().find(|s| &***s == value).cloned()
         }
-        if !self.fixed && seen.len() < self.cap {
-            seen.push(value.to_owned());
-            return value.to_owned();
+        if let Some(l) = known(&self.seen.read().unwrap_or_else(|e| e.into_inner()), value) {
+            return l;
         }
-        "other".to_owned()
+        if self.fixed {
+            return self.other.clone();
+        }
+        let mut seen = self.seen.write().unwrap_or_else(|e| e.into_inner());
+        if let Some(l) = known(&seen, value) {
+            return l;
+        }
+        if seen.len() < self.cap {
+            let l = Label::from(value);
+            seen.push(l.clone());
+            return l;
+        }
+        self.other.clone()
     }
 }
 
-/// Counters keyed by a fixed tuple of bounded labels.
+/// Counters keyed by a fixed tuple of bounded labels (the dead-letter processor's
+/// `by_reason`; the names of the labels are given when it is encoded).
 #[derive(Debug, Default)]
 pub struct LabeledCounter {
     map: Mutex<BTreeMap<Vec<String>, u64>>,
@@ -204,6 +204,11 @@ impl LabeledCounter {
     }
 }
 
+/// The labels of `lastcall_outcomes_total`: `state`, `kind`, `reason`.
+pub type OutcomeLabels = [(&'static str, Label); 3];
+/// The label of `lastcall_learned_call_seconds`: `kind`.
+pub type KindLabel = [(&'static str, Label); 1];
+
 /// What the metrics endpoint adds to the plain counters: histograms, outcomes by
 /// (state, kind, reason), and the slot and prefetch configuration. No job ids.
 #[derive(Debug)]
@@ -219,18 +224,26 @@ pub struct WorkerMetrics {
     /// Prompt and completion tokens reported by the backends.
     pub prompt_tokens: AtomicU64,
     pub completion_tokens: AtomicU64,
-    /// Terminal outcomes recorded by this worker: labels `[state, kind, reason]`.
-    pub outcomes: LabeledCounter,
+    /// Terminal outcomes recorded by this worker, by `[state, kind, reason]`.
+    pub outcomes: Family<OutcomeLabels, Counter>,
+    pub states: BoundedLabels,
     pub kinds: BoundedLabels,
     pub reasons: BoundedLabels,
-    /// The learned call duration (the admission quantile) last used, by bounded kind label.
-    pub learned_call_ms: Mutex<BTreeMap<String, u64>>,
+    /// The learned call duration (the admission quantile) last used, in seconds, by
+    /// bounded kind label.
+    pub learned_call: Family<KindLabel, Gauge<f64, AtomicU64>>,
+    /// The kind of an envelope that did not parse (never counted against the cap).
+    invalid_kind: Label,
     slots: OnceLock<Arc<crate::slots::Slots>>,
     prefetch: AtomicU64,
 }
 
 impl Default for WorkerMetrics {
     fn default() -> Self {
+        let states: Vec<&str> = lastcall_core::State::ALL
+            .iter()
+            .map(|s| s.as_str())
+            .collect();
         Self {
             queue_dwell: Histogram::new(DWELL_BUCKETS_MS),
             consumer_dwell: Histogram::new(DWELL_BUCKETS_MS),
@@ -238,10 +251,12 @@ impl Default for WorkerMetrics {
             remaining_budget: Histogram::new(BUDGET_BUCKETS_MS),
             prompt_tokens: AtomicU64::new(0),
             completion_tokens: AtomicU64::new(0),
-            outcomes: LabeledCounter::default(),
+            outcomes: Family::default(),
+            states: BoundedLabels::only(&states),
             kinds: BoundedLabels::first(32),
             reasons: BoundedLabels::first(64),
-            learned_call_ms: Mutex::new(BTreeMap::new()),
+            learned_call: Family::default(),
+            invalid_kind: Label::from("invalid"),
             slots: OnceLock::new(),
             prefetch: AtomicU64::new(0),
         }
@@ -287,61 +302,362 @@ impl WorkerMetrics {
 
     /// The learned call duration of `kind` after a call ended (the gauge).
     pub(crate) fn set_learned(&self, kind: &str, ms: u64) {
-        let kind = self.kinds.label(kind);
-        let mut m = self
-            .learned_call_ms
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        m.insert(kind, ms);
-    }
-
-    /// `(kind, learned ms)` pairs for the gauge.
-    pub fn learned(&self) -> Vec<(String, u64)> {
-        let m = self
-            .learned_call_ms
-            .lock()
-            .unwrap_or_else(|e| e.into_inner());
-        m.iter().map(|(k, v)| (k.clone(), *v)).collect()
+        let labels = [("kind", self.kinds.label(kind))];
+        self.learned_call
+            .get_or_create(&labels)
+            .set(ms as f64 / 1000.0);
     }
 
     pub(crate) fn count_outcome(&self, state: &str, kind: &str, reason: Option<&str>) {
         let kind = if kind == "invalid" {
-            kind.to_owned()
+            self.invalid_kind.clone()
         } else {
             self.kinds.label(kind)
         };
-        let reason = self.reasons.label(reason.unwrap_or(""));
-        self.outcomes.inc(vec![state.to_owned(), kind, reason]);
+        let labels = [
+            ("state", self.states.label(state)),
+            ("kind", kind),
+            ("reason", self.reasons.label(reason.unwrap_or(""))),
+        ];
+        self.outcomes.get_or_create(&labels).inc();
+    }
+}
+
+/// One family with one unlabelled sample.
+fn one(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    m: &impl EncodeMetric,
+) -> std::fmt::Result {
+    m.encode(enc.encode_descriptor(name, help, None, m.metric_type())?)
+}
+
+/// One family with one sample per `(label value, value)`.
+fn labelled<M: EncodeMetric>(
+    enc: &mut DescriptorEncoder,
+    name: &str,
+    help: &str,
+    label: &'static str,
+    samples: impl IntoIterator<Item = (String, M)>,
+    metric_type: prometheus_client::metrics::MetricType,
+) -> std::fmt::Result {
+    let mut family = enc.encode_descriptor(name, help, None, metric_type)?;
+    for (value, m) in samples {
+        m.encode(family.encode_family(&[(label, value.as_str())])?)?;
+    }
+    Ok(())
+}
+
+/// The worker's metrics for one scrape, as a `prometheus-client` collector: register it
+/// in the process's registry. Counter names get their `_total` from the encoder.
+#[derive(Debug, Clone)]
+pub struct WorkerCollector(pub Arc<WorkerStats>);
+
+impl Collector for WorkerCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let w = &*self.0;
+        let counters: [(&str, &AtomicU64, &str); 8] = [
+            (
+                "lastcall_worker_reconnects",
+                &w.reconnects,
+                "Broker connections lost and re-established",
+            ),
+            (
+                "lastcall_worker_received",
+                &w.received,
+                "Deliveries received from the broker",
+            ),
+            (
+                "lastcall_worker_backend_calls",
+                &w.backend_calls,
+                "Model calls started",
+            ),
+            (
+                "lastcall_worker_retries",
+                &w.retries,
+                "Retries published to a retry queue",
+            ),
+            (
+                "lastcall_worker_duplicates",
+                &w.duplicates,
+                "Redeliveries acked without running (outcome already recorded)",
+            ),
+            (
+                "lastcall_worker_store_retries",
+                &w.store_retries,
+                "Ledger writes that failed and were retried",
+            ),
+            (
+                "lastcall_worker_settled",
+                &w.settled,
+                "Deliveries acked or rejected after the durable write",
+            ),
+            (
+                "lastcall_worker_rejected",
+                &w.rejected,
+                "Invalid envelopes recorded as rejected",
+            ),
+        ];
+        for (name, c, help) in counters {
+            one(
+                &mut enc,
+                name,
+                help,
+                &ConstCounter::new(WorkerStats::get(c)),
+            )?;
+        }
+        let m = &w.metrics;
+        let (busy, total) = m.slots().unwrap_or((0, 0));
+        let gauges: [(&str, i64, &str); 8] = [
+            (
+                "lastcall_worker_broker_connected",
+                i64::from(w.broker_connected.load(Ordering::Relaxed)),
+                "1 while the worker consumes on a live broker connection",
+            ),
+            (
+                "lastcall_worker_ledger_healthy",
+                i64::from(w.ledger_healthy.load(Ordering::Relaxed)),
+                "1 unless ledger writes are failing (intake paused)",
+            ),
+            (
+                "lastcall_worker_jobs_waiting",
+                w.waiting.load(Ordering::Relaxed),
+                "Jobs received and waiting locally for a model slot",
+            ),
+            (
+                "lastcall_worker_jobs_running",
+                w.running.load(Ordering::Relaxed),
+                "Model calls in progress",
+            ),
+            (
+                "lastcall_worker_slots_busy",
+                busy as i64,
+                "Model slots held by a job",
+            ),
+            (
+                "lastcall_worker_slots_total",
+                total as i64,
+                "Model slots configured",
+            ),
+            (
+                "lastcall_worker_prefetch",
+                m.prefetch() as i64,
+                "Unacked deliveries the broker may push to this worker",
+            ),
+            (
+                "lastcall_worker_buffered_bytes",
+                w.buffered_bytes.load(Ordering::Relaxed),
+                "Bytes of message bodies held locally",
+            ),
+        ];
+        for (name, v, help) in gauges {
+            one(&mut enc, name, help, &ConstGauge::new(v))?;
+        }
+        one(
+            &mut enc,
+            "lastcall_outcomes",
+            "Terminal outcomes recorded by this worker, by state, kind and reason",
+            &m.outcomes,
+        )?;
+        one(
+            &mut enc,
+            "lastcall_learned_call_seconds",
+            "Learned model call duration by kind (the high quantile the admission rule uses as the minimum useful runtime)",
+            &m.learned_call,
+        )?;
+        labelled(
+            &mut enc,
+            "lastcall_model_tokens",
+            "Tokens reported by the model backends, by type",
+            "type",
+            [
+                ("prompt", &m.prompt_tokens),
+                ("completion", &m.completion_tokens),
+            ]
+            .map(|(ty, c)| (ty.to_owned(), ConstCounter::new(c.load(Ordering::Relaxed)))),
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        for (name, help, h) in [
+            (
+                "lastcall_queue_dwell_seconds",
+                "Publish to receipt by a worker",
+                &m.queue_dwell,
+            ),
+            (
+                "lastcall_consumer_dwell_seconds",
+                "Receipt to the last admission check (waiting locally)",
+                &m.consumer_dwell,
+            ),
+            (
+                "lastcall_model_call_seconds",
+                "Model call duration",
+                &m.model_call,
+            ),
+            (
+                "lastcall_remaining_budget_at_admission_seconds",
+                "Budget left when a job was admitted",
+                &m.remaining_budget,
+            ),
+        ] {
+            one(&mut enc, name, help, &h.0)?;
+        }
+        Ok(())
+    }
+}
+
+/// The dead-letter processor's metrics as a `prometheus-client` collector.
+#[derive(Debug, Clone)]
+pub struct DlqCollector(pub Arc<DlqStats>);
+
+impl DlqCollector {
+    /// What `/readyz` reports for the processor: its consuming connection.
+    pub fn readiness(&self) -> Vec<(&'static str, bool)> {
+        vec![(
+            "dead_letter_processor",
+            self.0.connected.load(Ordering::Relaxed),
+        )]
+    }
+}
+
+impl Collector for DlqCollector {
+    fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
+        let d = &*self.0;
+        labelled(
+            &mut enc,
+            "lastcall_dead_letters",
+            "Dead letters processed, by broker reason",
+            "reason",
+            d.by_reason.snapshot().into_iter().filter_map(|(mut l, v)| {
+                let reason = l.pop()?;
+                Some((reason, ConstCounter::new(v)))
+            }),
+            prometheus_client::metrics::MetricType::Counter,
+        )?;
+        one(
+            &mut enc,
+            "lastcall_dlq_connected",
+            "1 while the dead-letter processor consumes on a live connection",
+            &ConstGauge::new(i64::from(d.connected.load(Ordering::Relaxed))),
+        )?;
+        one(
+            &mut enc,
+            "lastcall_dlq_reconnects",
+            "Broker connections the dead-letter processor lost and re-established",
+            &ConstCounter::new(d.reconnects.load(Ordering::Relaxed)),
+        )
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use prometheus_client::encoding::prometheus_text::encode;
+    use prometheus_client::registry::Registry;
+
+    fn exposition(c: impl Collector) -> String {
+        let mut r = Registry::default();
+        r.register_collector(Box::new(c));
+        let mut out = String::new();
+        encode(&mut out, &r).unwrap();
+        out
+    }
 
     #[test]
     fn labels_stay_bounded_whatever_producers_send() {
         let kinds = BoundedLabels::first(3);
-        let labels: std::collections::BTreeSet<String> = (0..100)
+        let labels: std::collections::BTreeSet<Label> = (0..100)
             .map(|i| kinds.label(&format!("kind-{i}")))
             .collect();
         assert_eq!(labels.len(), 4, "{labels:?}");
         assert!(labels.contains("other"));
-        assert_eq!(kinds.label("kind-1"), "kind-1");
+        assert_eq!(&*kinds.label("kind-1"), "kind-1");
         let only = BoundedLabels::only(&["a"]);
-        assert_eq!(only.label("a"), "a");
-        assert_eq!(only.label("b"), "other");
+        assert_eq!(&*only.label("a"), "a");
+        assert_eq!(&*only.label("b"), "other");
     }
 
     #[test]
-    fn histogram_buckets_are_cumulative() {
-        let h = Histogram::new(&[10, 100]);
-        for v in [-5, 10, 11, 100, 5_000] {
-            h.observe_ms(v);
+    fn histogram_buckets_are_cumulative_in_seconds() {
+        let stats = Arc::new(WorkerStats::default());
+        for v in [-5, 10, 11, 100, 5_000, 60_001] {
+            stats.metrics.model_call.observe_ms(v);
         }
-        let s = h.snapshot();
-        assert_eq!(s.cumulative, vec![2, 4, 5]);
-        assert_eq!(s.count, 5);
-        assert_eq!(s.sum_ms, 10 + 11 + 100 + 5_000);
+        let text = exposition(WorkerCollector(stats));
+        for line in [
+            "# TYPE lastcall_model_call_seconds histogram",
+            "lastcall_model_call_seconds_bucket{le=\"0.01\"} 2",
+            "lastcall_model_call_seconds_bucket{le=\"0.05\"} 3",
+            "lastcall_model_call_seconds_bucket{le=\"0.1\"} 4",
+            "lastcall_model_call_seconds_bucket{le=\"5\"} 5",
+            "lastcall_model_call_seconds_bucket{le=\"60\"} 5",
+            "lastcall_model_call_seconds_bucket{le=\"120\"} 6",
+            "lastcall_model_call_seconds_bucket{le=\"+Inf\"} 6",
+            "lastcall_model_call_seconds_count 6",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        let sum = text
+            .lines()
+            .find_map(|l| l.strip_prefix("lastcall_model_call_seconds_sum "))
+            .unwrap();
+        assert!((sum.parse::<f64>().unwrap() - 65.122).abs() < 1e-9, "{sum}");
+    }
+
+    #[test]
+    fn the_exposition_keeps_the_names_and_bounded_labels() {
+        let stats = Arc::new(WorkerStats::default());
+        WorkerStats::inc(&stats.received);
+        WorkerStats::add(&stats.waiting, 3);
+        stats.count_state("completed");
+        for i in 0..100 {
+            let kind = format!("kind-{i}");
+            stats.metrics.count_outcome("completed", &kind, None);
+            stats.metrics.set_learned(&kind, 1_500);
+        }
+        stats
+            .metrics
+            .count_outcome("rejected", "invalid", Some("format"));
+        stats.metrics.count_outcome("no-such-state", "kind-0", None);
+        (stats.metrics.prompt_tokens).fetch_add(7, Ordering::Relaxed);
+        let text = exposition(WorkerCollector(stats));
+        for line in [
+            "# TYPE lastcall_worker_received_total counter",
+            "lastcall_worker_received_total 1",
+            "# TYPE lastcall_worker_jobs_waiting gauge",
+            "lastcall_worker_jobs_waiting 3",
+            "lastcall_outcomes_total{state=\"completed\",kind=\"kind-0\",reason=\"\"} 1",
+            "lastcall_outcomes_total{state=\"completed\",kind=\"other\",reason=\"\"} 68",
+            "lastcall_outcomes_total{state=\"rejected\",kind=\"invalid\",reason=\"format\"} 1",
+            "lastcall_outcomes_total{state=\"other\",kind=\"kind-0\",reason=\"\"} 1",
+            "lastcall_learned_call_seconds{kind=\"other\"} 1.5",
+            "lastcall_model_tokens_total{type=\"prompt\"} 7",
+            "lastcall_model_tokens_total{type=\"completion\"} 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        let outcome_series = text
+            .lines()
+            .filter(|l| l.starts_with("lastcall_outcomes_total{"))
+            .count();
+        assert_eq!(outcome_series, 32 + 1 + 1 + 1, "{text}");
+    }
+
+    #[test]
+    fn dead_letters_by_reason_and_the_processor_flags() {
+        let d = Arc::new(DlqStats::default());
+        d.by_reason.inc(vec!["expired".into()]);
+        d.by_reason.inc(vec!["expired".into()]);
+        d.connected.store(true, Ordering::Relaxed);
+        let c = DlqCollector(d);
+        let text = exposition(c.clone());
+        for line in [
+            "lastcall_dead_letters_total{reason=\"expired\"} 2",
+            "lastcall_dlq_connected 1",
+            "lastcall_dlq_reconnects_total 0",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        assert_eq!(c.readiness(), vec![("dead_letter_processor", true)]);
     }
 }

@@ -11,6 +11,7 @@ use lastcall_producer::Submitter;
 use lastcall_producer::shed::Shedder;
 use lastcall_worker::WorkerStats;
 use lastcall_worker::dlq::DeadLetterProcessor;
+use lastcall_worker::stats::{DlqCollector, WorkerCollector};
 use std::net::SocketAddr;
 use std::process::ExitCode;
 use std::sync::Arc;
@@ -105,7 +106,13 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         .await
         .map_err(anyhow::Error::msg)?
         .with_signing_key(signing_key);
-        state.metrics.dlq = Some(dlq.stats.clone());
+        let dlq_metrics = DlqCollector(dlq.stats.clone());
+        state.metrics = std::mem::take(&mut state.metrics)
+            .with_ready({
+                let m = dlq_metrics.clone();
+                move || m.readiness()
+            })
+            .with_collector(dlq_metrics);
         let stop2 = stop.clone();
         dlq_task = Some(tokio::spawn(async move { dlq.run(stop2, None).await }));
     }
@@ -213,15 +220,17 @@ pub async fn spawn_worker_metrics(
         password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
         vhost: vhost_of(without_query(&s.amqp_url)),
     };
-    let source = MetricsSource {
-        worker: Some(stats),
-        depth: Some(DepthProbe::new(
+    let source = MetricsSource::default()
+        .with_ready({
+            let stats = stats.clone();
+            move || stats.readiness()
+        })
+        .with_collector(WorkerCollector(stats))
+        .with_depth(DepthProbe::new(
             queues(topo),
             Some(management),
             Some(probe_broker),
-        )),
-        ..MetricsSource::default()
-    };
+        ));
     let listener_check = tokio::net::TcpListener::bind(addr)
         .await
         .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
