@@ -73,7 +73,13 @@ async fn quorum_flow(postgres: bool) {
 /// `prefix.` (read-only: `rabbitmqctl list_queues`).
 fn queue_types(prefix: &str) -> std::collections::HashMap<String, String> {
     let out = std::process::Command::new("rabbitmqctl")
-        .args(["list_queues", "--quiet", "--no-table-headers", "name", "type"])
+        .args([
+            "list_queues",
+            "--quiet",
+            "--no-table-headers",
+            "name",
+            "type",
+        ])
         .output()
         .expect("rabbitmqctl");
     assert!(

@@ -4,8 +4,8 @@ use crate::cli::CancelArgs;
 use crate::config::Settings;
 use anyhow::Result;
 use lastcall_broker::{EventSink, Names};
-use lastcall_store::CancelOutcome;
 use lastcall_clock::Clock;
+use lastcall_store::CancelOutcome;
 use std::process::ExitCode;
 use std::time::Duration;
 

@@ -4,9 +4,8 @@ use crate::cli::ReconcileArgs;
 use crate::config::Settings;
 use crate::table;
 use anyhow::{Result, bail};
-use lastcall_clock::now_ms;
-use lastcall_core::State;
 use lastcall_clock::Clock;
+use lastcall_core::State;
 use serde_json::json;
 use std::process::ExitCode;
 

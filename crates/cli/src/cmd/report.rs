@@ -5,9 +5,8 @@ use crate::cli::{ReportArgs, ReportFormat};
 use crate::config::Settings;
 use crate::table;
 use anyhow::{Result, bail};
-use lastcall_clock::now_ms;
-use lastcall_core::report::{self, Count, Report, ReportRow};
 use lastcall_clock::Clock;
+use lastcall_core::report::{self, Count, Report, ReportRow};
 use std::process::ExitCode;
 
 /// Parse a window length like `24h`, `90m`, `3600s`, `500ms` or `7d` into ms.

@@ -126,7 +126,7 @@ impl Proc {
 
     fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let start = s.len().saturating_sub(3_000);
+        let start = s.len().saturating_sub(12_000);
         format!("--- {}:\n{}", self.name, &s[s.ceil_char_boundary(start)..])
     }
 }

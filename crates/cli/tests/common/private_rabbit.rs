@@ -88,7 +88,8 @@ impl PrivateRabbit {
     pub fn management_url(&self) -> String {
         format!(
             "http://127.0.0.1:{}",
-            self.management_port.expect("a node started with management")
+            self.management_port
+                .expect("a node started with management")
         )
     }
 
