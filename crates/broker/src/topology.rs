@@ -15,8 +15,8 @@ pub enum QueueType {
     /// Quorum queues, for a RabbitMQ cluster: the work queue with `dead-letter-strategy =
     /// at-least-once`, `overflow = reject-publish` and a delivery limit, and every other
     /// queue of the topology (dead letters, retry delays, retry-ready, parked, the
-    /// dead-letter copies) quorum too, so that no queue is homed on one node: with any
-    /// node down, a reconnect to a surviving node declares the topology and goes on.
+    /// dead-letter copies) quorum too, so that no queue is homed on one node (a classic
+    /// queue homed on a dead node makes every declaration of the topology fail).
     Quorum,
 }
 

@@ -329,13 +329,15 @@ async fn cluster_of_three_the_workers_node_killed() {
     cluster_one_node_killed("cluster_kill_workers_node", 1).await;
 }
 
-/// Slow tier: the node that declared the topology (A: serve and the workers are
-/// connected to it) is killed. It was a finding (RELIABILITY.md): with only the work queue
-/// a quorum queue, the classic dead-letter and retry queues homed on A made every
-/// reconnect on B or C fail to declare the topology, and nothing completed while A was
-/// down. In quorum mode every queue of the topology is now a quorum queue.
+/// Slow tier, and an OPEN FINDING (RELIABILITY.md): the node that declared the topology
+/// (A: serve and the workers are connected to it) is killed. With only the work queue a
+/// quorum queue, the classic dead-letter and retry queues homed on A made every reconnect
+/// on B or C fail to declare the topology (NOT_FOUND, retried and logged). In quorum mode
+/// every queue is now a quorum queue; the reconnects now stop silently after the
+/// connection loss (no error, no "restored" line), nothing completes while A is down, and
+/// this test fails on "no job completed after the fault ended" (nothing is lost).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
+#[ignore = "slow tier; FINDING: after the topology's home node is killed, reconnects hang"]
 async fn cluster_of_three_the_topology_home_node_killed() {
     cluster_one_node_killed("cluster_kill_home_node", 0).await;
 }
