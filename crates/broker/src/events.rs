@@ -309,7 +309,7 @@ async fn follow_exchange(
             Ok((ch, mut consumer)) => {
                 backoff = Duration::from_millis(200);
                 if announced_loss {
-                    tracing::info!(node = %b.node(), "outcome events: following again");
+                    tracing::warn!(node = %b.node(), "outcome events: following again");
                 }
                 announced_loss = false;
                 on_gap(true);

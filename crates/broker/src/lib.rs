@@ -171,7 +171,8 @@ impl Broker {
         loop {
             match Self::connect_list(urls.clone(), first).await {
                 Ok(b) => {
-                    tracing::info!(
+                    // At warn, like the loss it answers: a default log shows both.
+                    tracing::warn!(
                         node = %redact(&b.urls[b.node]),
                         attempts,
                         after_ms = started.elapsed().as_millis() as u64,

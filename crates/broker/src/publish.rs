@@ -129,7 +129,7 @@ impl Publisher {
         }
         if !c.broker.is_connected() {
             let fresh = c.broker.reconnect_once().await?;
-            tracing::info!(node = %fresh.node(), "publisher reconnected to the broker");
+            tracing::warn!(node = %fresh.node(), "publisher reconnected to the broker");
             c.broker = fresh;
         }
         c.channel = confirm_channel(&c.broker).await?;
@@ -145,7 +145,7 @@ impl Publisher {
         props: &PublishProps,
     ) -> Result<(), PublishError> {
         let (channel, broker) = self.channel().await?;
-        publish_confirmed(
+        let r = publish_confirmed(
             &channel,
             &broker,
             self.confirm_timeout,
@@ -155,7 +155,30 @@ impl Publisher {
             props,
             None,
         )
-        .await
+        .await;
+        if matches!(
+            r,
+            Err(PublishError::Nacked | PublishError::ConfirmTimeout(_))
+        ) {
+            self.retire(&channel).await;
+        }
+        r
+    }
+
+    /// Close `channel` if it is still the one publishes go to, so that the next publish
+    /// opens a fresh one. After a nack or a lost confirm the channel's own view of a queue
+    /// may be stale: on a cluster whose quorum-queue leader died, a channel opened before
+    /// the new leader was known went on nacking every publish while a new channel on the
+    /// same connection was confirmed (RELIABILITY.md, finding 2).
+    async fn retire(&self, channel: &Channel) {
+        let c = self.inner.lock().await;
+        if c.channel.id() == channel.id() && c.channel.status().connected() {
+            tracing::info!(
+                channel = channel.id(),
+                "publisher: a publish was nacked or not confirmed; the next one uses a new channel"
+            );
+            let _ = c.channel.close(200, "renewing after a nack".into()).await;
+        }
     }
 
     /// A channel of its own on the publisher's connection (healed first, refused under a

@@ -329,15 +329,13 @@ async fn cluster_of_three_the_workers_node_killed() {
     cluster_one_node_killed("cluster_kill_workers_node", 1).await;
 }
 
-/// Slow tier, and an OPEN FINDING (RELIABILITY.md): the node that declared the topology
-/// (A: serve and the workers are connected to it) is killed. With only the work queue a
-/// quorum queue, the classic dead-letter and retry queues homed on A made every reconnect
-/// on B or C fail to declare the topology (NOT_FOUND, retried and logged). In quorum mode
-/// every queue is now a quorum queue; the reconnects now stop silently after the
-/// connection loss (no error, no "restored" line), nothing completes while A is down, and
-/// this test fails on "no job completed after the fault ended" (nothing is lost).
+/// Slow tier: the node that declared the topology (A: serve and the workers are connected
+/// to it, and it leads every quorum queue) is killed. Every process fails over to B; the
+/// publisher's first publish after the failover can be nacked by the quorum queue while its
+/// new leader is being elected, and the publisher then opens a fresh channel (a channel
+/// that saw that nack went on nacking every publish: RELIABILITY.md, finding 2).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "slow tier; FINDING: after the topology's home node is killed, reconnects hang"]
+#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
 async fn cluster_of_three_the_topology_home_node_killed() {
     cluster_one_node_killed("cluster_kill_home_node", 0).await;
 }

@@ -233,7 +233,7 @@ impl DeadLetterProcessor {
                     self.publisher = p;
                     self.broker = broker;
                     self.stats.reconnects.fetch_add(1, Ordering::Relaxed);
-                    tracing::info!("dead-letter processor reconnected; consuming again");
+                    tracing::warn!("dead-letter processor reconnected; consuming again");
                     return true;
                 }
                 Err(e) => {

@@ -296,7 +296,7 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
         match ready.await {
             Ok(p) => {
                 *ctx.publisher.write().unwrap_or_else(|e| e.into_inner()) = p;
-                tracing::info!(node = %broker.node(), "broker connection restored: topology declared, consuming again");
+                tracing::warn!(node = %broker.node(), "broker connection restored: topology declared, consuming again");
                 return Some(broker);
             }
             Err(e) => {

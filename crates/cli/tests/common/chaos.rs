@@ -86,7 +86,10 @@ impl Proc {
             Command::new(env!("CARGO_BIN_EXE_lastcall"))
                 .args(&self.args)
                 .env("LASTCALL_HTTP_TOKEN", TOKEN)
-                .env("RUST_LOG", "info")
+                .env(
+                    "LASTCALL_LOG",
+                    std::env::var("LASTCALL_CHAOS_LOG").unwrap_or_else(|_| "info".into()),
+                )
                 .stdin(Stdio::null())
                 .stdout(Stdio::null())
                 .stderr(log)
@@ -126,7 +129,11 @@ impl Proc {
 
     fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        let start = s.len().saturating_sub(12_000);
+        let tail = std::env::var("LASTCALL_CHAOS_TAIL")
+            .ok()
+            .and_then(|t| t.parse().ok())
+            .unwrap_or(12_000);
+        let start = s.len().saturating_sub(tail);
         format!("--- {}:\n{}", self.name, &s[s.ceil_char_boundary(start)..])
     }
 }
@@ -149,6 +156,8 @@ pub struct Row {
     pub scenario: String,
     pub attempted: usize,
     pub confirmed: usize,
+    /// The HTTP answers to the POSTs, by status (0: no answer).
+    pub statuses: BTreeMap<u16, usize>,
     /// Outcomes of the confirmed jobs, by state (`accepted`/`running`/none when open).
     pub states: BTreeMap<String, usize>,
     pub lost: Vec<String>,
@@ -556,6 +565,10 @@ impl Run {
             scenario: self.scenario.clone(),
             attempted: posts.len() + 1,
             confirmed: confirmed.len() + 1,
+            statuses: posts.iter().fold(BTreeMap::new(), |mut m, p| {
+                *m.entry(p.status).or_insert(0) += 1;
+                m
+            }),
             duplicate_bound,
             ..Row::default()
         };
@@ -735,11 +748,12 @@ async fn post(http: &reqwest::Client, base: &str, id: &str, deadline_ms: u64) ->
     let body = format!(
         r#"{{"job_id":"{id}","kind":"incident.summary","deadline_ms":{deadline_ms},"payload":{{"messages":[]}}}}"#
     );
-    http.post(format!("{base}/v1/jobs"))
+    let r = http
+        .post(format!("{base}/v1/jobs"))
         .bearer_auth(TOKEN)
         .header("content-type", "application/json")
         .body(body)
         .send()
-        .await
-        .map_or(0, |r| r.status().as_u16())
+        .await;
+    r.map_or(0, |r| r.status().as_u16())
 }

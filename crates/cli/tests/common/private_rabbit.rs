@@ -331,6 +331,8 @@ impl Drop for PrivateRabbit {
             let _ = child.kill();
             let _ = child.wait();
         }
-        let _ = std::fs::remove_dir_all(&self.dir);
+        if std::env::var_os("LASTCALL_KEEP_RABBIT_DIRS").is_none() {
+            let _ = std::fs::remove_dir_all(&self.dir);
+        }
     }
 }
