@@ -5,7 +5,7 @@ mod common;
 
 use axum::http::StatusCode;
 use common::*;
-use lastcall_worker::clock::now_ms;
+use lastcall_clock::now_ms;
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::Duration;
@@ -504,7 +504,7 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
         );
     }
     // The served document states this server's horizon as the bound of the relative fields.
-    let job = &doc["components"]["schemas"]["NewJob"]["properties"];
+    let job = &doc["components"]["schemas"]["NewJob"]["allOf"][0]["properties"];
     assert_eq!(job["deadline_ms"]["maximum"], 86_400_000);
     assert_eq!(job["min_runtime_ms"]["maximum"], 86_400_000);
     let mut state = env.state_with(Duration::from_secs(5)).await;
@@ -518,7 +518,7 @@ async fn openapi_document_is_valid_and_covers_the_routes() {
         None,
     )
     .await;
-    let job = &short["components"]["schemas"]["NewJob"]["properties"];
+    let job = &short["components"]["schemas"]["NewJob"]["allOf"][0]["properties"];
     assert_eq!(job["deadline_ms"]["maximum"], 3_600_000);
     assert_eq!(job["min_runtime_ms"]["maximum"], 3_600_000);
     assert!(
@@ -572,7 +572,8 @@ fn openapi_document_passes_openapi_spec_validator() {
         py.display()
     );
     let file = std::env::temp_dir().join(format!("lastcall-openapi-{}.json", std::process::id()));
-    std::fs::write(&file, lastcall_http::OPENAPI).unwrap();
+    let doc = lastcall_http::openapi::document(86_400_000, 60_000, 1_048_576).unwrap();
+    std::fs::write(&file, doc).unwrap();
     let out = std::process::Command::new(&py)
         .args(["-c", "import sys, json; from openapi_spec_validator import validate; validate(json.load(open(sys.argv[1]))); print('valid')"])
         .arg(&file)
