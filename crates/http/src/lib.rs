@@ -53,6 +53,9 @@ use lastcall_store::Ledger;
 use std::net::SocketAddr;
 use std::sync::Arc;
 use tokio_util::sync::CancellationToken;
+use utoipa::OpenApi;
+use utoipa_axum::router::OpenApiRouter;
+use utoipa_axum::routes;
 
 /// Everything the handlers share.
 pub struct AppState {
@@ -151,25 +154,14 @@ impl AppState {
 /// The router of `lastcall serve`. Every route but `/healthz` needs the token (Bearer, or
 /// Basic with the token as password, see [`auth`]).
 pub fn app(state: Arc<AppState>) -> Router {
-    let protected = Router::new()
-        .route("/", get(dashboard::page))
-        .route("/v1/jobs", get(jobs::list).post(jobs::create))
-        .route("/v1/jobs/{id}", get(jobs::show).delete(jobs::cancel))
-        .route(
-            "/v1/chat/completions",
-            axum::routing::post(front_door::chat_completions),
-        )
-        .route("/v1/models", get(front_door::models))
-        .route("/v1/dashboard", get(dashboard::data))
-        .route("/metrics", get(metrics_handler))
-        .route("/openapi.json", get(openapi_handler))
+    let (protected, _) = protected_routes()
         .route_layer(middleware::from_fn_with_state(
             state.clone(),
             auth::require_token,
-        ));
-    Router::new()
-        .route("/healthz", get(healthz))
-        .route("/readyz", get(serve_readyz))
+        ))
+        .split_for_parts();
+    let (public, _) = public_routes().split_for_parts();
+    public
         .merge(protected)
         .fallback(|| async { ApiError::NotFound("no such route".into()) })
         .layer(middleware::from_fn(json_errors))
@@ -178,6 +170,39 @@ pub fn app(state: Arc<AppState>) -> Router {
             count_responses,
         ))
         .with_state(state)
+}
+
+/// The routes behind the token. Each handler is routed at the path and methods of its
+/// `#[utoipa::path]`, which also puts its operation in the document: a route cannot be
+/// served undocumented (`routes!`, never `.route`).
+fn protected_routes() -> OpenApiRouter<Arc<AppState>> {
+    OpenApiRouter::new()
+        .routes(routes!(dashboard::page))
+        .routes(routes!(jobs::list, jobs::create))
+        .routes(routes!(jobs::show, jobs::cancel))
+        .routes(routes!(front_door::chat_completions))
+        .routes(routes!(front_door::models))
+        .routes(routes!(dashboard::data))
+        .routes(routes!(metrics_handler))
+        .routes(routes!(openapi_handler))
+}
+
+/// The routes without auth: the probes.
+fn public_routes() -> OpenApiRouter<Arc<AppState>> {
+    OpenApiRouter::new()
+        .routes(routes!(healthz))
+        .routes(routes!(serve_readyz))
+}
+
+/// The document of exactly the routes [`app`] serves ([`openapi::ApiDoc`] for the rest).
+pub fn api_doc() -> utoipa::openapi::OpenApi {
+    let public = public_routes().into_openapi();
+    let open: Vec<String> = public.paths.paths.keys().cloned().collect();
+    let mut doc = openapi::ApiDoc::openapi();
+    doc.merge(public);
+    doc.merge(protected_routes().into_openapi());
+    openapi::finish(&mut doc, &open);
+    doc
 }
 
 /// `/metrics` and `/healthz` only, without auth: for a worker's `--metrics-addr`, which

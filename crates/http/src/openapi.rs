@@ -19,9 +19,11 @@ use std::borrow::Cow;
 use utoipa::openapi::schema::{AllOfBuilder, ObjectBuilder, OneOfBuilder, Schema, Type};
 use utoipa::openapi::security::{HttpAuthScheme, HttpBuilder, SecurityScheme};
 use utoipa::openapi::{ContentBuilder, HeaderBuilder, Ref, RefOr, ResponseBuilder};
-use utoipa::{IntoParams, Modify, OpenApi, PartialSchema, ToResponse, ToSchema};
+use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
 
-/// The document as `utoipa` generates it.
+/// What the document says besides the operations: the title, the servers, the security,
+/// the shared schemas and responses. The operations come from the routes themselves
+/// (`crate::api_doc`: each handler's `#[utoipa::path]`, routed at its path).
 #[derive(OpenApi)]
 #[openapi(
     info(
@@ -31,76 +33,52 @@ use utoipa::{IntoParams, Modify, OpenApi, PartialSchema, ToResponse, ToSchema};
     ),
     servers((url = "http://127.0.0.1:8080")),
     security(("bearer" = []), ("basic" = [])),
-    paths(
-        crate::jobs::create,
-        crate::jobs::list,
-        crate::jobs::show,
-        crate::jobs::cancel,
-        crate::dashboard::data,
-        crate::metrics_handler,
-        crate::openapi_handler,
-        crate::healthz,
-        crate::serve_readyz,
-        crate::dashboard::page,
-        crate::front_door::chat_completions,
-        crate::front_door::models,
-    ),
     components(
         schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError),
         responses(Unauthorized, TooLarge, LedgerError),
     ),
-    modifiers(&Finish),
 )]
 pub struct ApiDoc;
 
 /// What the attributes cannot say: the two ways in (`components.securitySchemes`), no
 /// auth on the probes; and what they add that this document does not want: tags named
 /// after Rust modules, empty descriptions (set so that a handler's maintainer doc comment
-/// does not become the operation's description).
-struct Finish;
-
-impl Modify for Finish {
-    fn modify(&self, doc: &mut utoipa::openapi::OpenApi) {
-        let components = doc.components.get_or_insert_with(Default::default);
-        components.add_security_scheme(
-            "bearer",
-            SecurityScheme::Http(
-                HttpBuilder::new()
-                    .scheme(HttpAuthScheme::Bearer)
-                    .description(Some("The token from LASTCALL_HTTP_TOKEN or --token-file."))
-                    .build(),
-            ),
-        );
-        components.add_security_scheme(
-            "basic",
-            SecurityScheme::Http(
-                HttpBuilder::new()
-                    .scheme(HttpAuthScheme::Basic)
-                    .description(Some(
-                        "Any user name; the password is the token. For browsers (the dashboard).",
-                    ))
-                    .build(),
-            ),
-        );
-        for path in ["/healthz", "/readyz"] {
-            if let Some(op) = doc
-                .paths
-                .paths
-                .get_mut(path)
-                .and_then(|item| item.get.as_mut())
-            {
+/// does not become the operation's description). Applied once the routes' operations are
+/// in (`crate::api_doc`); `public` are the paths served without the token.
+pub(crate) fn finish(doc: &mut utoipa::openapi::OpenApi, public: &[String]) {
+    let components = doc.components.get_or_insert_with(Default::default);
+    components.add_security_scheme(
+        "bearer",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Bearer)
+                .description(Some("The token from LASTCALL_HTTP_TOKEN or --token-file."))
+                .build(),
+        ),
+    );
+    components.add_security_scheme(
+        "basic",
+        SecurityScheme::Http(
+            HttpBuilder::new()
+                .scheme(HttpAuthScheme::Basic)
+                .description(Some(
+                    "Any user name; the password is the token. For browsers (the dashboard).",
+                ))
+                .build(),
+        ),
+    );
+    for (path, item) in doc.paths.paths.iter_mut() {
+        let open = public.contains(path);
+        for op in [&mut item.get, &mut item.post, &mut item.delete]
+            .into_iter()
+            .flatten()
+        {
+            if open {
                 op.security = Some(Vec::new());
             }
-        }
-        for item in doc.paths.paths.values_mut() {
-            for op in [&mut item.get, &mut item.post, &mut item.delete]
-                .into_iter()
-                .flatten()
-            {
-                op.tags = None;
-                if op.description.as_deref() == Some("") {
-                    op.description = None;
-                }
+            op.tags = None;
+            if op.description.as_deref() == Some("") {
+                op.description = None;
             }
         }
     }
@@ -114,7 +92,7 @@ pub fn document(
     max_wait_ms: i64,
     max_body_bytes: usize,
 ) -> Result<String, serde_json::Error> {
-    let mut doc = serde_json::to_value(ApiDoc::openapi())?;
+    let mut doc = serde_json::to_value(crate::api_doc())?;
     for field in ["deadline_ms", "min_runtime_ms"] {
         if let Some(p) = doc.pointer_mut(&format!(
             "/components/schemas/NewJob/allOf/0/properties/{field}"
@@ -591,7 +569,7 @@ mod tests {
             .keys()
             .cloned()
             .collect();
-        let doc = serde_json::to_value(ApiDoc::openapi()).unwrap();
+        let doc = serde_json::to_value(crate::api_doc()).unwrap();
         let documented: std::collections::BTreeSet<String> = doc
             .pointer("/components/schemas/JobRecord/properties")
             .and_then(|p| p.as_object())
