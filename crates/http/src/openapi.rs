@@ -6,7 +6,7 @@
 //! - [`NewJob`]: `POST /v1/jobs` is read field by field (`jobs::parse_request`, so that
 //!   every refusal names its field); `crates/http/tests/contract.rs` (schemathesis) checks
 //!   that the schema and the parser agree, both ways.
-//! - [`JobRecord`]: the ledger's `lastcall_store::JobRecord` as it serializes; a unit test
+//! - `JobRecord`: the ledger's `lastcall_store::JobRecord` as it serializes; a unit test
 //!   below checks that every field it has is documented and nothing more.
 //! - [`JobState`]: the states of `lastcall_core::State::ALL`.
 //!
@@ -528,8 +528,6 @@ pub(crate) struct RetryAfter(u64);
 
 #[cfg(test)]
 mod tests {
-    use super::*;
-
     /// Every field the ledger's record serializes is documented, and nothing else.
     #[test]
     fn the_job_record_schema_has_the_ledgers_fields() {
