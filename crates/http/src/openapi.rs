@@ -269,7 +269,6 @@ pub struct ErrorBody {
     /// Only with `would_expire_in_queue` (429): the numbers behind the estimate
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
-    #[schema(inline)]
     pub estimate: Option<ShedEstimate>,
     /// With `already_terminal`: the job's terminal state
     #[serde(skip_serializing_if = "Option::is_none")]
@@ -277,7 +276,7 @@ pub struct ErrorBody {
     pub state: Option<String>,
 }
 
-// Why a job was shed at the door (`429 would_expire_in_queue`).
+/// Why a job was shed at the door (`429 would_expire_in_queue`)
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ShedEstimate {
     /// Messages ready ÷ recent ack rate, in ms
