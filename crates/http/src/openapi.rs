@@ -344,7 +344,7 @@ pub struct JobList {
 #[derive(Debug, Serialize, ToSchema)]
 pub struct Readiness {
     pub ready: bool,
-    /// The checks that fail: broker, ledger, dead_letter_processor
+    /// The checks that fail (e.g. broker, broker_alarm, ledger, events_follower, dead_letter_processor)
     pub down: Vec<&'static str>,
     pub checks: std::collections::BTreeMap<&'static str, bool>,
 }
