@@ -24,11 +24,36 @@ pub const DWELL_BUCKETS_MS: &[u64] = &[
 /// The page, behind the same auth as the API: a browser answers the `Basic` challenge of
 /// the `401` (any user name, the token as password) and the page's same-origin polls of the
 /// JSON carry the cached credentials. The page itself holds no data.
+#[utoipa::path(
+    get,
+    path = "/",
+    operation_id = "dashboardPage",
+    summary = "The live dashboard page (static, no data; its same-origin requests carry the browser's cached Basic credentials)",
+    description = "",
+    responses(
+        (status = 200, description = "HTML", body = String, content_type = "text/html"),
+        (status = 401, response = crate::openapi::Unauthorized),
+    ),
+)]
 pub async fn page() -> Html<&'static str> {
     Html(include_str!("../assets/dashboard.html"))
 }
 
 /// `GET /v1/dashboard?minutes=15` (1–1440, at most once).
+#[utoipa::path(
+    get,
+    path = "/v1/dashboard",
+    operation_id = "dashboard",
+    summary = "The JSON the dashboard polls",
+    description = "",
+    params(crate::openapi::DashboardParams),
+    responses(
+        (status = 200, description = "Where work waits, outcomes, dwell histograms, dead letters", body = Object),
+        (status = 400, description = "`minutes` is not an integer from 1 to 1440, or is given more than once; `field` names it", body = crate::openapi::ErrorBody),
+        (status = 401, response = crate::openapi::Unauthorized),
+        (status = 500, response = crate::openapi::LedgerError),
+    ),
+)]
 pub async fn data(
     State(state): State<Arc<AppState>>,
     q: QueryParams,

@@ -1,11 +1,11 @@
 //! The one error type of the HTTP API. Every error is a JSON body
-//! `{"error": code, "field": name-or-null, "message": text}`; internals are logged, never
-//! sent.
+//! `{"error": code, "field": name-or-null, "message": text}` ([`ErrorBody`], the document's
+//! `Error`); internals are logged, never sent.
 
+use crate::openapi::{ErrorBody, ShedEstimate};
 use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
-use serde_json::json;
 
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
@@ -51,7 +51,7 @@ pub enum ApiError {
     WouldExpireInQueue {
         message: String,
         retry_after_s: u64,
-        estimate: serde_json::Value,
+        estimate: ShedEstimate,
     },
     /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
     #[error("{0}")]
@@ -143,17 +143,19 @@ impl IntoResponse for ApiError {
             tracing::error!(error = %detail, "internal error answering an HTTP request");
         }
         let status = self.status();
-        let mut body = json!({
-            "error": self.code(),
-            "field": self.field(),
-            "message": self.to_string(),
-        });
-        if let ApiError::WouldExpireInQueue { estimate, .. } = &self {
-            body["estimate"] = estimate.clone();
-        }
-        if let ApiError::AlreadyTerminal { state, .. } = &self {
-            body["state"] = state.clone().into();
-        }
+        let body = ErrorBody {
+            error: self.code().to_owned(),
+            field: self.field().map(str::to_owned),
+            message: self.to_string(),
+            estimate: match &self {
+                ApiError::WouldExpireInQueue { estimate, .. } => Some(estimate.clone()),
+                _ => None,
+            },
+            state: match &self {
+                ApiError::AlreadyTerminal { state, .. } => Some(state.clone()),
+                _ => None,
+            },
+        };
         let mut resp = (status, Json(body)).into_response();
         if let ApiError::WouldExpireInQueue { retry_after_s, .. } = &self {
             resp.headers_mut().insert(

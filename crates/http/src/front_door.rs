@@ -124,6 +124,17 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
 }
 
 /// `GET /v1/models`: the routed models (or the one default).
+#[utoipa::path(
+    get,
+    path = "/v1/models",
+    operation_id = "listModels",
+    summary = "The models the front door maps (OpenAI format)",
+    description = "",
+    responses(
+        (status = 200, description = "`{object: list, data: [{id, object: model, …}]}`", body = inline(crate::openapi::ModelList)),
+        (status = 401, response = crate::openapi::Unauthorized),
+    ),
+)]
 pub async fn models(State(state): State<Arc<AppState>>) -> Response {
     let names: Vec<String> = if state.front_door.models.is_empty() {
         vec![FrontDoor::DEFAULT_KIND.to_owned()]
@@ -143,6 +154,36 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
 }
 
 /// `POST /v1/chat/completions`.
+#[utoipa::path(
+    post,
+    path = "/v1/chat/completions",
+    operation_id = "chatCompletions",
+    summary = "OpenAI-compatible chat completion, run as a job with a deadline",
+    description = "The OpenAI chat request becomes a job: `model` maps to a job kind (`serve --model NAME=KIND`; without any mapping every model is kind `chat`), the deadline comes from `X-Lastcall-Deadline-Ms` or `X-Lastcall-Expires-At-Ms`, else the SDK's own timeout (`X-Stainless-Read-Timeout` / `X-Stainless-Timeout`, seconds), else `serve --default-deadline-ms`; `Idempotency-Key` becomes the job id. The request waits for the outcome. With `stream: true` the answer is server-sent events in OpenAI's `chat.completion.chunk` format (a chunk with `delta.role`, content deltas as the model generates them, a final chunk with `finish_reason`, a `usage` chunk when `stream_options.include_usage`, then `data: [DONE]`); the streamed text equals the ledger's result. An outcome that is not `completed` before the first byte gets the same status as without streaming; after it, the stream ends with an event `data: {\"error\": {…}}` and no `[DONE]`. A client that disconnects before the end cancels its job.",
+    params(
+        ("X-Lastcall-Deadline-Ms" = Option<i64>, Header, nullable = false, minimum = 1),
+        ("X-Lastcall-Expires-At-Ms" = Option<i64>, Header, nullable = false),
+        ("X-Stainless-Read-Timeout" = Option<f64>, Header, nullable = false),
+        ("Idempotency-Key" = Option<String>, Header, nullable = false),
+    ),
+    request_body(content = inline(crate::openapi::ChatCompletionRequest), content_type = "application/json"),
+    responses(
+        (status = 200, description = "Completed: a `chat.completion` with `usage`; headers `x-lastcall-job-id`, `x-lastcall-state`. With `stream: true`: `text/event-stream` of `chat.completion.chunk` events ending in `data: [DONE]` (header `x-lastcall-job-id`)", content(
+            (inline(crate::openapi::ChatCompletion) = "application/json"),
+            (String = "text/event-stream"),
+        )),
+        (status = 400, description = "Not an OpenAI chat request, a malformed deadline header, `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
+        (status = 401, response = crate::openapi::Unauthorized),
+        (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),
+        (status = 409, description = "The job was cancelled (`x-should-retry: false`)", body = crate::openapi::OpenAiError),
+        (status = 413, description = "The job as published would be too large", body = crate::openapi::OpenAiError),
+        (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
+        (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
+        (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
+        (status = 503, description = "Not accepted: the broker did not confirm", body = crate::openapi::OpenAiError),
+        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), or no outcome after the deadline", body = crate::openapi::OpenAiError),
+    ),
+)]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,

@@ -2,6 +2,7 @@
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::openapi::{Accepted, CancelRequested, JobList, Running, ShedEstimate};
 use crate::params::{PathParam, QueryParams, shorten};
 use axum::Json;
 use axum::body::Body;
@@ -12,12 +13,31 @@ use lastcall_broker::PublishError;
 use lastcall_core::{RejectReason, State as JobState};
 use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
-use serde_json::{Map, Value, json};
+use serde_json::{Map, Value};
 use std::sync::Arc;
 
 /// `POST /v1/jobs`: validate, stamp the deadline, shed a job the queue wait would make
 /// expire (`429 would_expire_in_queue` with `Retry-After`, when the submitter sheds), claim
 /// the id, publish with confirm, stamp `accepted` (or release the claim and answer 503).
+#[utoipa::path(
+    post,
+    path = "/v1/jobs",
+    operation_id = "submitJob",
+    summary = "Validate, stamp the deadline, claim the job id, publish with confirm, record accepted",
+    description = "",
+    request_body(content = crate::openapi::NewJob, content_type = "application/json"),
+    responses(
+        (status = 200, description = "The job id already has an outcome (with the same payload, or recorded by a worker): nothing is published; the answer carries `duplicate: true` and the terminal state", body = crate::openapi::Accepted),
+        (status = 202, description = "Claimed in the ledger, published, confirmed by the broker and recorded as accepted. The same job id with the same payload again (also concurrently) is answered `duplicate: true` with the ledger's state and is not published twice", body = crate::openapi::Accepted, headers(("Location" = String))),
+        (status = 400, description = "The body breaks the document: not JSON, not an object, a field missing, of the wrong type or outside its bounds (`deadline_ms` above the horizon, `min_runtime_ms` above the horizon, a `job_id` or `kind` outside its pattern), or both or neither of `deadline_ms` and `expires_at_ms`. `error` is the reason (`missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon`), `field` names the field", body = crate::openapi::ErrorBody),
+        (status = 401, response = crate::openapi::Unauthorized),
+        (status = 409, description = "The job id was accepted before (or is being accepted concurrently) with a different payload", body = crate::openapi::ErrorBody),
+        (status = 413, response = crate::openapi::TooLarge),
+        (status = 422, description = "The deadline is well-formed but the clock refuses it, nothing was published: it has already passed or lies within the clock margin (`already_expired`; also a `deadline_ms` shorter than the margin), or an `expires_at_ms` lies farther ahead than the horizon (`deadline_beyond_horizon`). `field` names the deadline field the request sent; or a `callback_url` this server does not allow (`callback_not_allowed`, `field` is `callback_url`)", body = crate::openapi::ErrorBody),
+        (status = 429, description = "Shed at the door, nothing published or recorded: the estimated wait in the work queue (messages ready ÷ the queue's recent ack rate, from RabbitMQ's management API, read at most once a second) plus the job's `min_runtime_ms` exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no recent ack rate (no consumer, idle queue), when the management API does not answer (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent ack rate, would leave room for the same budget (1–3600)"))),
+        (status = 503, description = "Not accepted, nothing recorded for the job id: the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody),
+    ),
+)]
 pub async fn create(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
@@ -76,23 +96,18 @@ pub async fn create(
         .submit_once(&env, now, state.claim_wait)
         .await
     {
-        Ok(Submission::Published(s)) => Ok(accepted(
-            &s.job_id,
-            json!({
-                "job_id": s.job_id,
-                "state": "accepted",
-                "created_at_ms": s.created_at_ms,
-                "expires_at_ms": s.expires_at_ms,
-                "ttl_ms": s.ttl_ms,
-            }),
-        )),
+        Ok(Submission::Published(s)) => Ok(accepted(Accepted {
+            created_at_ms: Some(s.created_at_ms),
+            expires_at_ms: Some(s.expires_at_ms),
+            ttl_ms: Some(s.ttl_ms),
+            ..Accepted::new(s.job_id, "accepted")
+        })),
         Ok(Submission::Duplicate(rec)) => {
-            let body = json!({
-                "job_id": job_id,
-                "state": rec.state,
-                "expires_at_ms": rec.expires_at_ms,
-                "duplicate": true,
-            });
+            let body = Accepted {
+                expires_at_ms: rec.expires_at_ms,
+                duplicate: Some(true),
+                ..Accepted::new(job_id, rec.state.clone())
+            };
             // A job that already has its outcome is not "accepted" again: 200 with the
             // outcome, nothing published.
             let finished = rec
@@ -102,22 +117,18 @@ pub async fn create(
             Ok(if finished {
                 (StatusCode::OK, Json(body)).into_response()
             } else {
-                accepted(&job_id, body)
+                accepted(body)
             })
         }
         Err(SubmitError::Ledger(e)) => {
             // Published and confirmed: the job will run. Say so rather than invite a retry.
             tracing::error!(job_id = %job_id, error = %e, "published, but recording `accepted` failed");
-            Ok(accepted(
-                &job_id,
-                json!({
-                    "job_id": job_id,
-                    "state": "accepted",
-                    "expires_at_ms": env.deadline().expires_at_ms(),
-                    "ledger_recorded": false,
-                    "warning": "published and confirmed, but the ledger write failed; reconciliation cannot see this job",
-                }),
-            ))
+            Ok(accepted(Accepted {
+                expires_at_ms: Some(env.deadline().expires_at_ms()),
+                ledger_recorded: Some(false),
+                warning: Some("published and confirmed, but the ledger write failed; reconciliation cannot see this job".into()),
+                ..Accepted::new(job_id, "accepted")
+            }))
         }
         Err(e) => {
             if matches!(e, SubmitError::WouldExpireInQueue(_)) {
@@ -128,9 +139,10 @@ pub async fn create(
     }
 }
 
-fn accepted(job_id: &str, body: Value) -> Response {
+fn accepted(body: Accepted) -> Response {
+    let location = format!("/v1/jobs/{}", body.job_id);
     let mut resp = (StatusCode::ACCEPTED, Json(body)).into_response();
-    if let Ok(v) = format!("/v1/jobs/{job_id}").parse() {
+    if let Ok(v) = location.parse() {
         resp.headers_mut().insert(header::LOCATION, v);
     }
     resp
@@ -177,14 +189,14 @@ pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
         SubmitError::WouldExpireInQueue(est) => ApiError::WouldExpireInQueue {
             message: format!("not accepted: {est}"),
             retry_after_s: est.retry_after_s,
-            estimate: json!({
-                "queue_wait_ms": est.queue_wait_ms,
-                "ready": est.ready,
-                "ack_rate_per_s": est.ack_rate_per_s,
-                "min_runtime_ms": est.min_runtime_ms,
-                "remaining_ms": est.remaining_ms,
-                "retry_after_s": est.retry_after_s,
-            }),
+            estimate: ShedEstimate {
+                queue_wait_ms: est.queue_wait_ms,
+                ready: est.ready,
+                ack_rate_per_s: est.ack_rate_per_s,
+                min_runtime_ms: est.min_runtime_ms,
+                remaining_ms: est.remaining_ms,
+                retry_after_s: est.retry_after_s,
+            },
         },
         SubmitError::Publish(PublishError::ConfirmTimeout(t)) => ApiError::Unavailable(format!(
             "not accepted: the broker did not confirm the publish within {} ms; nothing is recorded for this job id. The message may still reach the queue: retry with the same job_id",
@@ -329,10 +341,13 @@ fn opt_string(o: &mut Map<String, Value>, field: &str) -> Result<Option<String>,
     }
 }
 
+/// An optional non-negative integer. A number with a zero fraction (`40.0`) is the
+/// integer it equals, as JSON Schema counts it (the document is OpenAPI 3.1, whose
+/// `"type": "integer"` takes `40.0`).
 fn opt_u64(o: &mut Map<String, Value>, field: &str) -> Result<Option<u64>, ApiError> {
     match o.remove(field) {
         None | Some(Value::Null) => Ok(None),
-        Some(v) => v.as_u64().map(Some).ok_or_else(|| {
+        Some(v) => integral(&v).map(Some).ok_or_else(|| {
             ApiError::bad(
                 field,
                 "invalid_field",
@@ -340,6 +355,14 @@ fn opt_u64(o: &mut Map<String, Value>, field: &str) -> Result<Option<u64>, ApiEr
             )
         }),
     }
+}
+
+fn integral(v: &Value) -> Option<u64> {
+    v.as_u64().or_else(|| {
+        let f = v.as_f64()?;
+        // `u64::MAX as f64` is 2^64, one above the largest u64.
+        (f.fract() == 0.0 && (0.0..u64::MAX as f64).contains(&f)).then_some(f as u64)
+    })
 }
 
 /// The longest `wait_ms` of a long-poll (a server may set less: `AppState::max_wait_ms`).
@@ -351,6 +374,24 @@ pub const MAX_WAIT_MS: i64 = 60_000;
 /// no row for the id even then). It is woken by the job's outcome event
 /// ([`crate::waiters`]) and reads the ledger once at the start, once per wake, and once
 /// more when the time is up.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs/{id}",
+    operation_id = "getJob",
+    summary = "One job's record; with wait_ms, wait for its outcome (long-poll)",
+    description = "Without `wait_ms` the record as the ledger holds it now. With `wait_ms` (0 to this server's maximum, 60000 unless `serve --max-wait-ms` lowers it) a long-poll: the answer comes as soon as the job is terminal (woken by its outcome event on `{prefix}.events`, not by polling the ledger), or after `wait_ms` with the job's current state; `404` only if the ledger has no row for the id even then.",
+    params(
+        ("id" = String, Path),
+        ("wait_ms" = Option<i64>, Query, nullable = false, minimum = 0, maximum = 60000, description = "Wait up to this many ms for the job to reach a terminal state (long-poll). 0 or absent: answer at once."),
+    ),
+    responses(
+        (status = 200, description = "The record", body = crate::openapi::JobRecord),
+        (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8; `field` is `id`), or `wait_ms` is not an integer from 0 to this server's maximum or is given twice (`field` is `wait_ms`)", body = crate::openapi::ErrorBody),
+        (status = 401, response = crate::openapi::Unauthorized),
+        (status = 404, description = "No such job (after waiting, with `wait_ms`)", body = crate::openapi::ErrorBody),
+        (status = 500, response = crate::openapi::LedgerError),
+    ),
+)]
 pub async fn show(
     State(state): State<Arc<AppState>>,
     PathParam(id): PathParam,
@@ -377,6 +418,23 @@ pub async fn show(
 /// `cancelled` record when it had not started (no model call); `202` when it is running
 /// (its worker is asked to abort the call; the outcome follows, see `?wait_ms`); `409`
 /// `already_terminal` naming its state when it had ended (nothing changes); `404` unknown.
+#[utoipa::path(
+    delete,
+    path = "/v1/jobs/{id}",
+    operation_id = "cancelJob",
+    summary = "Cancel a job",
+    description = "A job that has not started ends `cancelled` at once, with no model call (`200`, its record; a worker that receives it later acks it without a call). A running job's worker is asked to abort the call through the backend's cancellation and records `cancelled` (`202`; `GET /v1/jobs/{id}?wait_ms=N` returns the outcome). A job that has already ended is left as it is (`409` `already_terminal`, with its `state`).",
+    params(("id" = String, Path)),
+    responses(
+        (status = 200, description = "Cancelled before it started: the record (state `cancelled`, reason `cancelled_before_start`)", body = crate::openapi::JobRecord),
+        (status = 202, description = "The job is running: its worker is asked to abort the call", body = inline(crate::openapi::CancelRequested)),
+        (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8); `field` is `id`", body = crate::openapi::ErrorBody),
+        (status = 401, response = crate::openapi::Unauthorized),
+        (status = 404, description = "No such job", body = crate::openapi::ErrorBody),
+        (status = 409, description = "The job has already ended (`already_terminal`; `state` names its outcome); nothing changed", body = crate::openapi::ErrorBody),
+        (status = 500, response = crate::openapi::LedgerError),
+    ),
+)]
 pub async fn cancel(
     State(state): State<Arc<AppState>>,
     PathParam(id): PathParam,
@@ -393,12 +451,12 @@ pub async fn cancel(
         },
         CancelOutcome::Requested => Ok((
             StatusCode::ACCEPTED,
-            Json(json!({
-                "job_id": id,
-                "state": "running",
-                "cancel_requested": true,
-                "message": "the job is running: its worker is asked to abort the call; GET /v1/jobs/{id}?wait_ms=N returns the outcome",
-            })),
+            Json(CancelRequested {
+                job_id: id,
+                state: Running::Running,
+                cancel_requested: true,
+                message: "the job is running: its worker is asked to abort the call; GET /v1/jobs/{id}?wait_ms=N returns the outcome",
+            }),
         )
             .into_response()),
         CancelOutcome::AlreadyTerminal(s) => Err(ApiError::AlreadyTerminal { job_id: id, state: s }),
@@ -417,6 +475,20 @@ pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRec
 
 /// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100). Each parameter at
 /// most once.
+#[utoipa::path(
+    get,
+    path = "/v1/jobs",
+    operation_id = "listJobs",
+    summary = "List job records",
+    description = "",
+    params(crate::openapi::ListParams),
+    responses(
+        (status = 200, description = "Records", body = inline(crate::openapi::JobList)),
+        (status = 400, description = "An unknown `state`, a `limit` that is not an integer from 1 to 1000, or a parameter given more than once; `field` names it", body = crate::openapi::ErrorBody),
+        (status = 401, response = crate::openapi::Unauthorized),
+        (status = 500, response = crate::openapi::LedgerError),
+    ),
+)]
 pub async fn list(
     State(state): State<Arc<AppState>>,
     q: QueryParams,
@@ -447,5 +519,27 @@ pub async fn list(
         })
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))?;
-    Ok(Json(json!({ "jobs": recs, "count": recs.len() })).into_response())
+    Ok(Json(JobList {
+        count: recs.len(),
+        jobs: recs,
+    })
+    .into_response())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `40.0` is the integer 40 (JSON Schema's reading, which the 3.1 document follows);
+    /// `40.5`, `-1` and `1e20` are no deadline.
+    #[test]
+    fn a_whole_number_with_a_fraction_part_is_an_integer() {
+        let body = |d: &str| format!(r#"{{"kind": "k", "payload": {{}}, "deadline_ms": {d}}}"#);
+        let job = parse_request(body("40.0").as_bytes()).unwrap();
+        assert!(matches!(job.deadline, DeadlineSpec::RelativeMs(40)));
+        for bad in ["40.5", "-1", "-1.0", "1e20", "\"40\""] {
+            let e = parse_request(body(bad).as_bytes()).unwrap_err();
+            assert_eq!(e.field(), Some("deadline_ms"), "{bad}");
+        }
+    }
 }

@@ -5,11 +5,11 @@
 mod common;
 
 use common::*;
+use lastcall_clock::now_ms;
 use lastcall_http::MetricsSource;
 use lastcall_http::depth::{DepthProbe, Management};
-use lastcall_worker::clock::now_ms;
+use lastcall_producer::{DeadlineSpec, NewJob};
 use lastcall_worker::stats::WorkerCollector;
-use lastcall_worker::{DeadlineSpec, NewJob};
 use serde_json::json;
 use std::path::Path;
 use std::process::Command;

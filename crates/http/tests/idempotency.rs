@@ -160,9 +160,9 @@ async fn a_refused_publish_releases_the_id_for_a_retry() {
 /// `200` with that outcome, never "accepted" again, and nothing is published.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_ttl_is_taken_at_the_publish_and_finished_jobs_are_not_accepted_again() {
-    use lastcall_worker::clock::now_ms;
-    use lastcall_worker::submit::Submission;
-    use lastcall_worker::{DeadlineSpec, NewJob};
+    use lastcall_clock::now_ms;
+    use lastcall_producer::Submission;
+    use lastcall_producer::{DeadlineSpec, NewJob};
     let env = Env::new("ttl-at-publish").await;
     let sub = env.submitter(Duration::from_secs(5)).await;
     // The request arrived 5 s before its publish (a slow claim, say); the deadline is

@@ -4,11 +4,11 @@
 mod common;
 
 use common::*;
+use lastcall_clock::now_ms;
 use lastcall_http::MetricsSource;
 use lastcall_http::metrics::sample_value;
-use lastcall_worker::clock::now_ms;
+use lastcall_producer::{DeadlineSpec, NewJob};
 use lastcall_worker::stats::{DlqCollector, WorkerCollector};
-use lastcall_worker::{DeadlineSpec, NewJob};
 use serde_json::json;
 use std::collections::BTreeMap;
 use std::time::Duration;

@@ -12,8 +12,8 @@ use axum::http::{Request, StatusCode};
 use common::*;
 use lastcall_broker::management::{Management, QueueStats};
 use lastcall_http::metrics::sample_value;
-use lastcall_worker::shed::Shedder;
-use lastcall_worker::{DeadlineSpec, NewJob};
+use lastcall_producer::shed::Shedder;
+use lastcall_producer::{DeadlineSpec, NewJob};
 use serde_json::{Value, json};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
@@ -117,7 +117,7 @@ async fn fill(env: &Env, n: usize) -> Vec<String> {
 }
 
 fn now_ms() -> i64 {
-    lastcall_worker::clock::now_ms()
+    lastcall_clock::now_ms()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
