@@ -355,6 +355,15 @@ async fn migrations_are_idempotent(db: &TestDb) {
             .await,
         LATEST_VERSION
     );
+    // `applied_at_ms` is the database's clock in ms since the epoch (not seconds, not 0).
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let applied = db
+        .scalar("SELECT MIN(applied_at_ms) FROM schema_migrations")
+        .await;
+    assert!((now - applied).abs() < 600_000, "{applied} vs {now}");
 }
 
 /// A ledger written by a version-1 binary (stored, here stale, counters) is upgraded in
