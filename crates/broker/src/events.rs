@@ -359,15 +359,11 @@ async fn follow_exchange(
 /// `{exchange}.follow.{nonce}`: unique per process and call.
 fn follow_queue_name(exchange: &str) -> String {
     static N: AtomicU64 = AtomicU64::new(0);
-    let t = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_nanos() as u64;
     let n = N.fetch_add(1, Ordering::Relaxed);
     format!(
         "{exchange}.follow.{:x}{:x}{n:x}",
         std::process::id(),
-        t & 0xffff_ffff
+        rand::random::<u32>()
     )
 }
 

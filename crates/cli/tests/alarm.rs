@@ -50,23 +50,7 @@ impl Drop for Watermark<'_> {
 /// `(ready, unacked)` of `queue` on the private node, from `rabbitmqctl` (exact now; the
 /// management API samples every few seconds).
 fn queue_counts(rabbit: &PrivateRabbit, queue: &str) -> Option<(u64, u64)> {
-    let out = rabbit.ctl(&[
-        "list_queues",
-        "--quiet",
-        "--no-table-headers",
-        "name",
-        "messages_ready",
-        "messages_unacknowledged",
-    ]);
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        (f.len() == 3 && f[0] == queue).then(|| (f[1].parse().unwrap(), f[2].parse().unwrap()))
-    })
+    common::rabbitmqctl::queue_counts(|a| rabbit.ctl(a), queue)
 }
 
 /// The node's active resource alarms, as `rabbitmqctl eval` prints them (`[]` when none).

@@ -53,18 +53,7 @@ fn eval(rabbit: &PrivateRabbit, expr: &str) -> String {
 
 /// `(ready, unacked)` of `queue` on the private node (its management plugin is off).
 fn queue_counts(rabbit: &PrivateRabbit, queue: &str) -> Option<(u64, u64)> {
-    let out = rabbit.ctl(&[
-        "list_queues",
-        "--quiet",
-        "--no-table-headers",
-        "name",
-        "messages_ready",
-        "messages_unacknowledged",
-    ]);
-    String::from_utf8_lossy(&out.stdout).lines().find_map(|l| {
-        let f: Vec<&str> = l.split_whitespace().collect();
-        (f.len() == 3 && f[0] == queue).then(|| (f[1].parse().unwrap(), f[2].parse().unwrap()))
-    })
+    common::rabbitmqctl::queue_counts(|a| rabbit.ctl(a), queue)
 }
 
 async fn wait_until(

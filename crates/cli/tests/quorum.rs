@@ -72,26 +72,10 @@ async fn quorum_flow(postgres: bool) {
 /// name → type (`classic`, `quorum`) of the shared broker's queues whose name starts with
 /// `prefix.` (read-only: `rabbitmqctl list_queues`).
 fn queue_types(prefix: &str) -> std::collections::HashMap<String, String> {
-    let out = std::process::Command::new("rabbitmqctl")
-        .args([
-            "list_queues",
-            "--quiet",
-            "--no-table-headers",
-            "name",
-            "type",
-        ])
-        .output()
-        .expect("rabbitmqctl");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8_lossy(&out.stdout)
-        .lines()
-        .filter_map(|l| l.split_once(char::is_whitespace))
+    rabbitmqctl::list_queues(rabbitmqctl::shared_ctl, &["type"])
+        .into_iter()
         .filter(|(name, _)| name.starts_with(&format!("{prefix}.")))
-        .map(|(name, ty)| (name.to_owned(), ty.trim().to_owned()))
+        .map(|(name, mut ty)| (name, ty.remove(0)))
         .collect()
 }
 

@@ -4,7 +4,9 @@
 //! classification only decides which terminal outcome the dead-letter processor records
 //! when the worker has not already recorded one. Stale work is never republished.
 
+use crate::envelope::RejectReason;
 use crate::outcome::State;
+use crate::reason::Reason;
 
 /// The broker's dead-letter reasons.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -48,7 +50,7 @@ impl DeathReason {
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeadLetterOutcome {
     pub state: State,
-    pub reason: String,
+    pub reason: Reason,
 }
 
 /// Decide the outcome for a dead letter whose most recent death is `reason`.
@@ -57,23 +59,20 @@ pub struct DeadLetterOutcome {
 pub fn classify(
     reason: &DeathReason,
     envelope_valid: bool,
-    reject_reason: Option<&str>,
+    reject_reason: Option<RejectReason>,
 ) -> DeadLetterOutcome {
     if !envelope_valid {
         return DeadLetterOutcome {
             state: State::Rejected,
-            reason: reject_reason.unwrap_or("invalid_envelope").to_owned(),
+            reason: reject_reason.map_or(Reason::InvalidEnvelope, Reason::Rejected),
         };
     }
     let (state, reason) = match reason {
-        DeathReason::Expired => (State::ExpiredBeforeReceive, "broker_ttl_expired".to_owned()),
-        DeathReason::Rejected => (State::Failed, "rejected_without_outcome".to_owned()),
-        DeathReason::MaxLen => (State::Failed, "maxlen".to_owned()),
-        DeathReason::DeliveryLimit => (State::Failed, "delivery_limit".to_owned()),
-        DeathReason::Other(r) => (
-            State::Failed,
-            format!("dead_lettered:{}", r.chars().take(32).collect::<String>()),
-        ),
+        DeathReason::Expired => (State::ExpiredBeforeReceive, Reason::BrokerTtlExpired),
+        DeathReason::Rejected => (State::Failed, Reason::RejectedWithoutOutcome),
+        DeathReason::MaxLen => (State::Failed, Reason::MaxLen),
+        DeathReason::DeliveryLimit => (State::Failed, Reason::DeliveryLimit),
+        DeathReason::Other(r) => (State::Failed, Reason::dead_lettered(r)),
     };
     DeadLetterOutcome { state, reason }
 }
@@ -98,7 +97,7 @@ pub const SPLIT_LABELS: [&str; 7] = [
 /// in different queues.
 pub fn split_label(
     death: &DeathReason,
-    reject: Option<&str>,
+    reject: Option<RejectReason>,
     recorded: Option<(&str, Option<&str>)>,
 ) -> &'static str {
     match death {
@@ -106,7 +105,7 @@ pub fn split_label(
         DeathReason::MaxLen => "maxlen",
         DeathReason::DeliveryLimit => "poison",
         DeathReason::Rejected | DeathReason::Other(_) => match (reject, recorded) {
-            (Some("bad_signature"), _) => "signature",
+            (Some(RejectReason::BadSignature), _) => "signature",
             (Some(_), _) => "format",
             (None, Some((state, reason))) => match (state, reason) {
                 ("rejected", Some("bad_signature")) => "signature",
@@ -132,22 +131,36 @@ mod tests {
         let c = |r: &str| classify(&DeathReason::parse(r), true, None);
         assert_eq!(c("expired").state, State::ExpiredBeforeReceive);
         assert_eq!(c("rejected").state, State::Failed);
-        assert_eq!(c("maxlen").reason, "maxlen");
-        assert_eq!(c("delivery_limit").reason, "delivery_limit");
-        assert_eq!(c("weird").reason, "dead_lettered:weird");
-        let bad = classify(&DeathReason::Expired, false, Some("invalid_json"));
+        assert_eq!(c("expired").reason.to_string(), "broker_ttl_expired");
+        assert_eq!(c("rejected").reason.to_string(), "rejected_without_outcome");
+        assert_eq!(c("maxlen").reason.to_string(), "maxlen");
+        assert_eq!(c("delivery_limit").reason.to_string(), "delivery_limit");
+        assert_eq!(c("weird").reason.to_string(), "dead_lettered:weird");
+        let bad = classify(
+            &DeathReason::Expired,
+            false,
+            Some(RejectReason::InvalidJson),
+        );
         assert_eq!(
-            (bad.state, bad.reason.as_str()),
+            (bad.state, bad.reason.to_string().as_str()),
             (State::Rejected, "invalid_json")
         );
+        let no_code = classify(&DeathReason::Expired, false, None);
+        assert_eq!(no_code.reason.to_string(), "invalid_envelope");
     }
 
     #[test]
     fn rejections_are_split_by_what_the_ledger_says() {
         use super::{SPLIT_LABELS, split_label};
         let r = DeathReason::Rejected;
-        assert_eq!(split_label(&r, Some("invalid_json"), None), "format");
-        assert_eq!(split_label(&r, Some("bad_signature"), None), "signature");
+        assert_eq!(
+            split_label(&r, Some(RejectReason::InvalidJson), None),
+            "format"
+        );
+        assert_eq!(
+            split_label(&r, Some(RejectReason::BadSignature), None),
+            "signature"
+        );
         assert_eq!(
             split_label(&r, None, Some(("rejected", Some("bad_signature")))),
             "signature"
@@ -179,7 +192,7 @@ mod tests {
             "poison"
         );
         assert_eq!(
-            split_label(&DeathReason::MaxLen, Some("invalid_json"), None),
+            split_label(&DeathReason::MaxLen, Some(RejectReason::InvalidJson), None),
             "maxlen"
         );
         // Every label is one of the declared queues.

@@ -42,10 +42,11 @@
 
 use crate::ack_window::{self, CallTimeout};
 use crate::disposition::{
-    CANCEL_REASON, CallResult, Disposition, Receipt, ReceiptFacts, Slot, Terminal, WorkerPolicy,
+    CallResult, Disposition, Receipt, ReceiptFacts, Slot, Terminal, WorkerPolicy,
 };
 use crate::envelope::{Envelope, RejectError};
 use crate::outcome::State;
+use crate::reason::Reason;
 
 /// What is known of the delivery, for the ledger record.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -81,27 +82,7 @@ pub enum Finish {
 }
 
 /// What the ledger row of a [`Recording`] says was decided.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Decision {
-    Ack,
-    DeadLetter,
-    /// A retry was published; the attempt is recorded `running`, not terminal.
-    Retry,
-    /// Handed back unstarted after its `running` row (the ack window closed meanwhile).
-    HandedBack,
-}
-
-impl Decision {
-    /// The ledger's `decision` column.
-    pub const fn as_str(self) -> &'static str {
-        match self {
-            Decision::Ack => "ack",
-            Decision::DeadLetter => "dead_letter",
-            Decision::Retry => "retry",
-            Decision::HandedBack => "handed_back",
-        }
-    }
-}
+pub use crate::reason::Decision;
 
 /// A delivery just received: the driver looks its job up in the ledger (and holds it
 /// while a call of the same job still runs here or on another live worker).
@@ -161,7 +142,7 @@ impl Received {
             (Receipt::WaitForSlot, Err(e)) => {
                 let t = Terminal {
                     state: State::Rejected,
-                    reason: Some(e.reason.as_str().to_owned()),
+                    reason: Some(Reason::Rejected(e.reason)),
                 };
                 Looked::Settle(settle(
                     Err(e),
@@ -504,7 +485,7 @@ impl Calling {
             // Cut at the ack window, before the job's deadline: not `deadline_exceeded`.
             result = CallResult::Failed {
                 retryable: false,
-                reason: ack_window::REASON.to_owned(),
+                reason: Reason::ConsumerTimeout,
                 retry_after_ms: None,
             };
             let ct = self.facts.consumer_timeout_ms.unwrap_or(0);
@@ -583,7 +564,7 @@ impl Publishing {
         }
         let t = Terminal {
             state: State::Failed,
-            reason: Some("retry_publish_failed".into()),
+            reason: Some(Reason::RetryPublishFailed),
         };
         PublishFailed::Record(Recording {
             parsed: self.parsed,
@@ -687,7 +668,7 @@ fn settle(parsed: Result<Envelope, RejectError>, facts: Facts, d: Disposition) -
 fn cancelled() -> Disposition {
     Disposition::RecordThenAck(Terminal {
         state: State::Cancelled,
-        reason: Some(CANCEL_REASON.to_owned()),
+        reason: Some(Reason::CancelRequested),
     })
 }
 

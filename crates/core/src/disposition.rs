@@ -9,6 +9,7 @@
 use crate::admission::{Admission, AdmissionPolicy, Refusal, Stage};
 use crate::envelope::{Envelope, EnvelopeLimits, RejectError};
 use crate::outcome::State;
+use crate::reason::{Reason, RefusalCause};
 use crate::retry::{RetryDecision, RetryPolicy};
 
 /// What to do with an expired job besides recording it.
@@ -45,14 +46,14 @@ pub const UNBOUNDED_BUDGET_MS: u64 = 3_600_000;
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Terminal {
     pub state: State,
-    pub reason: Option<String>,
+    pub reason: Option<Reason>,
 }
 
 impl Terminal {
-    fn new(state: State, reason: impl Into<String>) -> Self {
+    fn new(state: State, reason: Reason) -> Self {
         Self {
             state,
-            reason: Some(reason.into()),
+            reason: Some(reason),
         }
     }
 }
@@ -97,10 +98,6 @@ pub enum Slot {
 }
 
 /// How a model call ended, as the runtime observed it.
-/// The reason of a job cancelled on request once a worker had it (before its call, or by
-/// aborting the call); a job cancelled before any worker had it is `cancelled_before_start`.
-pub const CANCEL_REASON: &str = "cancel_requested";
-
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub enum CallResult {
     Completed,
@@ -109,9 +106,11 @@ pub enum CallResult {
     /// The call was aborted because its cancellation was requested (`DELETE /v1/jobs/{id}`).
     Cancelled,
     /// The backend reported an error; `retry_after_ms` is a server's `Retry-After`.
+    /// `reason` is the backend's code ([`Reason::Backend`]), or [`Reason::ConsumerTimeout`]
+    /// for a call cut at the ack window.
     Failed {
         retryable: bool,
-        reason: String,
+        reason: Reason,
         retry_after_ms: Option<u64>,
     },
 }
@@ -132,11 +131,6 @@ pub struct ReceiptFacts {
     /// [`crate::service_time`]); `None` while nothing is learned.
     pub learned_runtime_ms: Option<u64>,
 }
-
-/// The second half of the refusal reason when the budget left is below the *learned*
-/// call duration (the job set no `min_runtime_ms` of its own), e.g.
-/// `admission:below_learned_runtime`.
-pub const BELOW_LEARNED_REASON: &str = "below_learned_runtime";
 
 /// The worker's whole decision policy.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -190,15 +184,15 @@ impl WorkerPolicy {
         learned_ms: Option<u64>,
         stage: Stage,
         now_ms: i64,
-    ) -> Result<u64, String> {
+    ) -> Result<u64, Reason> {
         let (min_runtime, learned) = self.min_runtime(env, learned_ms);
         match self.admission.check(env.deadline(), min_runtime, now_ms) {
             Admission::Admit { budget_ms } => Ok(budget_ms),
             Admission::Refuse {
                 refusal: Refusal::BelowMinRuntime,
                 ..
-            } if learned => Err(format!("{}:{BELOW_LEARNED_REASON}", stage.as_str())),
-            Admission::Refuse { refusal, .. } => Err(refusal.reason(stage)),
+            } if learned => Err(Reason::Refused(stage, RefusalCause::BelowLearnedRuntime)),
+            Admission::Refuse { refusal, .. } => Err(Reason::Refused(stage, refusal.into())),
         }
     }
 
@@ -220,7 +214,7 @@ impl WorkerPolicy {
         self.dispatch == DispatchPolicy::Deadline
     }
 
-    fn expired(&self, reason: String) -> Disposition {
+    fn expired(&self, reason: Reason) -> Disposition {
         let t = Terminal::new(State::ExpiredNotStarted, reason);
         match self.expired_action {
             ExpiredAction::Ack => Disposition::RecordThenAck(t),
@@ -239,7 +233,7 @@ impl WorkerPolicy {
             Err(e) => {
                 return Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
                     State::Rejected,
-                    e.reason.as_str(),
+                    Reason::Rejected(e.reason),
                 )));
             }
             Ok(env) => env,
@@ -250,13 +244,13 @@ impl WorkerPolicy {
         if facts.cancel_requested {
             return Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
                 State::Cancelled,
-                CANCEL_REASON,
+                Reason::CancelRequested,
             )));
         }
         if facts.prior_starts >= self.max_starts {
             return Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
                 State::Failed,
-                "poison",
+                Reason::Poison,
             )));
         }
         let learned = facts.learned_runtime_ms;
@@ -272,10 +266,9 @@ impl WorkerPolicy {
                     .saturating_add(i64::try_from(facts.expected_wait_ms).unwrap_or(i64::MAX));
                 match self.admit(env, learned, Stage::Receipt, then) {
                     Ok(_) => Receipt::WaitForSlot,
-                    Err(_) => Receipt::Settle(self.expired(format!(
-                        "{}:{}",
-                        Stage::Receipt.as_str(),
-                        EXPECTED_WAIT_REASON
+                    Err(_) => Receipt::Settle(self.expired(Reason::Refused(
+                        Stage::Receipt,
+                        RefusalCause::ExpectedWaitExceedsBudget,
                     ))),
                 }
             }
@@ -313,10 +306,10 @@ impl WorkerPolicy {
             }),
             CallResult::DeadlineExceeded => Disposition::RecordThenAck(Terminal::new(
                 State::DeadlineExceeded,
-                "cancelled_at_deadline",
+                Reason::CancelledAtDeadline,
             )),
             CallResult::Cancelled => {
-                Disposition::RecordThenAck(Terminal::new(State::Cancelled, CANCEL_REASON))
+                Disposition::RecordThenAck(Terminal::new(State::Cancelled, Reason::CancelRequested))
             }
             CallResult::Failed {
                 retryable: false,
@@ -349,25 +342,16 @@ impl WorkerPolicy {
                         ttl_ms,
                     },
                     RetryDecision::WouldOvershoot { .. } => {
-                        self.expired(format!("{}:would_overshoot", Stage::Retry.as_str()))
+                        self.expired(Reason::Refused(Stage::Retry, RefusalCause::WouldOvershoot))
                     }
                     RetryDecision::Exhausted => Disposition::RecordThenDeadLetter(Terminal::new(
                         State::Failed,
-                        "retries_exhausted",
+                        Reason::RetriesExhausted,
                     )),
                 }
             }
         }
     }
-}
-
-/// The second half of the reason `receipt:expected_wait_exceeds_budget`: the budget is
-/// enough now, but not after the expected wait for a slot.
-pub const EXPECTED_WAIT_REASON: &str = "expected_wait_exceeds_budget";
-
-/// The refusal reason used when the clock's sync state forbids admission.
-pub fn clock_unsynced_reason() -> String {
-    format!("{}:clock_unsynchronized", Stage::Admission.as_str())
 }
 
 #[cfg(test)]
@@ -477,7 +461,7 @@ mod tests {
             p.on_receipt(&ok, ReceiptFacts::default(), 9_950),
             Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
                 State::ExpiredNotStarted,
-                "receipt:deadline_passed"
+                Reason::Refused(Stage::Receipt, RefusalCause::DeadlinePassed)
             )))
         );
         assert_eq!(
@@ -491,7 +475,7 @@ mod tests {
             ),
             Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
                 State::Failed,
-                "poison"
+                Reason::Poison
             )))
         );
         // A cancellation requested while it ran (or waited in a retry queue): recorded
@@ -504,7 +488,7 @@ mod tests {
             p.on_receipt(&ok, cancel, 1_000),
             Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
                 State::Cancelled,
-                CANCEL_REASON
+                Reason::CancelRequested
             )))
         );
         assert_eq!(
@@ -520,14 +504,14 @@ mod tests {
         );
         assert_eq!(
             p.on_call_result(&env(10_000), 0, &CallResult::Cancelled, 1_000, 0.0),
-            Disposition::RecordThenAck(Terminal::new(State::Cancelled, CANCEL_REASON))
+            Disposition::RecordThenAck(Terminal::new(State::Cancelled, Reason::CancelRequested))
         );
         let bad = Envelope::parse(b"nope", &EnvelopeLimits::default(), 0);
         assert_eq!(
             p.on_receipt(&bad, ReceiptFacts::default(), 0),
             Receipt::Settle(Disposition::RecordThenDeadLetter(Terminal::new(
                 State::Rejected,
-                "invalid_json"
+                Reason::Rejected(crate::envelope::RejectReason::InvalidJson)
             )))
         );
     }
@@ -546,13 +530,16 @@ mod tests {
             p.on_receipt(&ok, waiting(900), 9_000),
             Receipt::Settle(Disposition::RecordThenAck(Terminal::new(
                 State::ExpiredNotStarted,
-                "receipt:expected_wait_exceeds_budget"
+                Reason::Refused(Stage::Receipt, RefusalCause::ExpectedWaitExceedsBudget)
             )))
         );
         // Already too late now: the plain receipt reason wins.
         assert_eq!(
             p.on_receipt(&ok, waiting(5_000), 9_950),
-            Receipt::Settle(p.expired("receipt:deadline_passed".into()))
+            Receipt::Settle(p.expired(Reason::Refused(
+                Stage::Receipt,
+                RefusalCause::DeadlinePassed
+            )))
         );
         // Switched off: only the plain check.
         let off = WorkerPolicy {
@@ -579,7 +566,10 @@ mod tests {
         let mut p = policy();
         assert_eq!(
             p.on_slot(&env(10_080), None, 10_000),
-            Slot::Settle(p.expired("admission:deadline_passed".into()))
+            Slot::Settle(p.expired(Reason::Refused(
+                Stage::Admission,
+                RefusalCause::DeadlinePassed
+            )))
         );
         assert_eq!(
             p.on_slot(&env(10_200), None, 10_000),
@@ -604,7 +594,10 @@ mod tests {
         // 150 ms left: the call cannot finish; the reason names the learned estimate.
         assert_eq!(
             p.on_slot(&e, Some(200), 9_750),
-            Slot::Settle(p.expired("admission:below_learned_runtime".into()))
+            Slot::Settle(p.expired(Reason::Refused(
+                Stage::Admission,
+                RefusalCause::BelowLearnedRuntime
+            )))
         );
         assert_eq!(
             p.on_receipt(
@@ -615,7 +608,10 @@ mod tests {
                 },
                 9_750
             ),
-            Receipt::Settle(p.expired("receipt:below_learned_runtime".into()))
+            Receipt::Settle(p.expired(Reason::Refused(
+                Stage::Receipt,
+                RefusalCause::BelowLearnedRuntime
+            )))
         );
         // Nothing learned yet: the floor (0 here) applies.
         assert_eq!(p.on_slot(&e, None, 9_750), Slot::Run { budget_ms: 150 });
@@ -636,7 +632,10 @@ mod tests {
         };
         assert_eq!(
             floor.on_slot(&e, Some(200), 9_500),
-            Slot::Settle(floor.expired("admission:below_min_runtime".into()))
+            Slot::Settle(floor.expired(Reason::Refused(
+                Stage::Admission,
+                RefusalCause::BelowMinRuntime
+            )))
         );
         // The last moment a start is still useful.
         assert_eq!(p.latest_start_ms(&e, Some(200)), 9_700);
@@ -664,16 +663,19 @@ mod tests {
         ));
         let terminal = CallResult::Failed {
             retryable: false,
-            reason: "http_400".into(),
+            reason: Reason::Backend("http_400".into()),
             retry_after_ms: None,
         };
         assert_eq!(
             p.on_call_result(&e, 0, &terminal, 0, 0.5),
-            Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "http_400"))
+            Disposition::RecordThenDeadLetter(Terminal::new(
+                State::Failed,
+                Reason::Backend("http_400".into())
+            ))
         );
         let retryable = CallResult::Failed {
             retryable: true,
-            reason: "http_503".into(),
+            reason: Reason::Backend("http_503".into()),
             retry_after_ms: None,
         };
         assert!(matches!(
@@ -685,11 +687,14 @@ mod tests {
         ));
         assert_eq!(
             p.on_call_result(&e, 2, &retryable, 0, 0.5),
-            Disposition::RecordThenDeadLetter(Terminal::new(State::Failed, "retries_exhausted"))
+            Disposition::RecordThenDeadLetter(Terminal::new(
+                State::Failed,
+                Reason::RetriesExhausted
+            ))
         );
         assert_eq!(
             p.on_call_result(&env(1_500), 0, &retryable, 1_000, 0.5),
-            p.expired("retry:would_overshoot".into())
+            p.expired(Reason::Refused(Stage::Retry, RefusalCause::WouldOvershoot))
         );
     }
 
@@ -721,7 +726,7 @@ mod tests {
             if p.on_receipt(&Ok(e.clone()), ReceiptFacts::default(), now) == Receipt::WaitForSlot {
                 prop_assert!(now + unc as i64 + (min_rt as i64) <= expires);
             }
-            let r = CallResult::Failed { retryable: true, reason: "x".into(), retry_after_ms: None };
+            let r = CallResult::Failed { retryable: true, reason: Reason::Backend("x".into()), retry_after_ms: None };
             if let Disposition::Retry { delay_ms, ttl_ms, .. } = p.on_call_result(&e, attempt, &r, now, jitter) {
                 prop_assert!(now + delay_ms as i64 + unc as i64 + min_rt as i64 <= expires);
                 prop_assert!(ttl_ms as i64 <= expires - now);

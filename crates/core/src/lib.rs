@@ -15,6 +15,7 @@
 //! - [`delivery`]: the life of one delivery as a state machine over those decisions.
 //! - [`ack_plan`]: which coalesced acks are safe now, over plain delivery tags.
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
+//! - [`reason`]: the ledger's outcome reasons and attempt decisions, typed up to the store.
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
 //! - [`wait`]: the expected wait for a model slot, for the refusal at receipt.
@@ -36,6 +37,7 @@ pub mod envelope;
 pub mod event;
 pub mod ids;
 pub mod outcome;
+pub mod reason;
 pub mod report;
 pub mod retry;
 pub mod service_time;
@@ -51,6 +53,7 @@ pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
 pub use event::OutcomeEvent;
 pub use ids::{JobId, Kind, fingerprint, synthetic_job_id};
 pub use outcome::State;
+pub use reason::{Decision, Reason, RefusalCause};
 pub use retry::{RetryDecision, RetryPolicy};
 pub use service_time::{Estimate, EstimateSource, ServiceTimeConfig, ServiceTimes};
 pub use signature::SigningKey;

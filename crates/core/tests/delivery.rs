@@ -2,6 +2,7 @@
 //! clock: each row is a script of events (time moves only by `At`) and the steps the
 //! machine must ask for, down to how the delivery ends with the broker.
 
+use lastcall_core::Reason;
 use lastcall_core::delivery::{
     self, Admission, ClockState, ClockTick, Finish, Looked, PublishFailed, Settle, Started,
     WaitTick,
@@ -75,7 +76,8 @@ impl Run {
         let state = r.terminal().map_or("running", |t| t.state.as_str());
         let reason = r
             .terminal()
-            .and_then(|t| t.reason.clone())
+            .and_then(|t| t.reason.as_ref())
+            .map(ToString::to_string)
             .unwrap_or_default();
         self.steps.push(format!(
             "record({state},{reason},{},called={})",
@@ -236,7 +238,7 @@ fn start() -> Ev {
 fn retryable() -> CallResult {
     CallResult::Failed {
         retryable: true,
-        reason: "http_503".into(),
+        reason: Reason::Backend("http_503".into()),
         retry_after_ms: None,
     }
 }
@@ -309,7 +311,7 @@ fn the_happy_paths() {
                 start(),
                 Ev::CallEnded(CallResult::Failed {
                     retryable: false,
-                    reason: "http_400".into(),
+                    reason: Reason::Backend("http_400".into()),
                     retry_after_ms: None,
                 }),
                 Ev::Durable,
@@ -671,7 +673,7 @@ fn the_channel_lost_at_each_step() {
                 Ev::Lost,
                 Ev::CallEnded(CallResult::Failed {
                     retryable: false,
-                    reason: "http_400".into(),
+                    reason: Reason::Backend("http_400".into()),
                     retry_after_ms: None,
                 }),
                 Ev::Durable,

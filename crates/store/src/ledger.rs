@@ -278,8 +278,8 @@ fn run_params(
         job_terminal.row(|r| {
             r.v(&rec.job_id)
                 .v(&rec.kind)
-                .v(&rec.state)
-                .v(&rec.reason)
+                .v(&rec.state.as_str())
+                .v(&reason_text(rec))
                 .v(&rec.created_at_ms)
                 .v(&rec.expires_at_ms)
                 .v(&rec.received_at_ms)
@@ -305,7 +305,7 @@ fn run_params(
         job_live.row(|r| {
             r.v(&rec.job_id)
                 .v(&rec.kind)
-                .v(&rec.state)
+                .v(&rec.state.as_str())
                 .v(&rec.created_at_ms)
                 .v(&rec.expires_at_ms)
                 .v(&non_empty(&rec.worker));
@@ -323,9 +323,9 @@ fn run_params(
                 .v(&rec.checked_at_ms)
                 .v(&rec.started_at_ms)
                 .v(&rec.finished_at_ms)
-                .v(&non_empty(&rec.decision))
-                .v(&rec.state)
-                .v(&rec.reason)
+                .v(&rec.decision.as_str())
+                .v(&rec.state.as_str())
+                .v(&reason_text(rec))
                 .v(&rec.model_called);
         });
     }
@@ -469,8 +469,8 @@ impl LedgerWrite {
         LedgerWrite::Outcome(Box::new(rec))
     }
 
-    /// The checks [`Ledger::write_batch`] runs before its transaction: a known state name
-    /// and a non-empty `attempt_key`. Callers that batch writes from many tasks run it
+    /// The check [`Ledger::write_batch`] runs before its transaction: a non-empty
+    /// `attempt_key` (state, reason and decision are typed, so always valid). Callers that batch writes from many tasks run it
     /// first, so one bad item cannot fail the others' commit.
     pub fn validate(&self) -> Result<(), StoreError> {
         match self {
@@ -490,7 +490,7 @@ impl LedgerWrite {
                 rec.job_id
             )));
         }
-        parse_state(&rec.state).map(|_| ())
+        Ok(())
     }
 }
 
@@ -748,7 +748,7 @@ impl Ledger {
     ///
     /// `Ok(true)` if this call wrote the terminal outcome (also a real outcome replacing
     /// `unknown`); `Ok(false)` if one existed (it is kept unchanged) or `rec.state` is not
-    /// terminal. An unknown state name or an empty `attempt_key` is `Fatal`.
+    /// terminal. An empty `attempt_key` is `Fatal`.
     pub async fn record_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
         LedgerWrite::validate_outcome(rec)?;
         self.write_outcome(rec).await
@@ -759,7 +759,7 @@ impl Ledger {
     /// rule as [`record_outcome`](Self::record_outcome); an attempt row is written only when
     /// `rec.attempt_key` is not empty. A non-terminal `rec.state` is `Fatal`.
     pub async fn record_terminal(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
-        if !parse_state(&rec.state)?.is_terminal() {
+        if !rec.state.is_terminal() {
             return Err(StoreError::Fatal(format!(
                 "record_terminal needs a terminal state, got `{}`",
                 rec.state
@@ -769,7 +769,7 @@ impl Ledger {
     }
 
     async fn write_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
-        let terminal = parse_state(&rec.state)?.is_terminal();
+        let terminal = rec.state.is_terminal();
         tracing::debug!(job_id = %rec.job_id, state = %rec.state, "record outcome");
         let wrote = self
             .write_all(&[LedgerWrite::outcome(rec.clone())], &[])
@@ -806,8 +806,8 @@ impl Ledger {
     }
 
     /// The one write path for starts, outcomes and ack marks (single or batched), in one
-    /// transaction. Checks only the state names; an outcome with an empty `attempt_key`
-    /// writes no attempt row (`record_terminal`).
+    /// transaction. An outcome with an empty `attempt_key` writes no attempt row
+    /// (`record_terminal`).
     async fn write_all(
         &self,
         writes: &[LedgerWrite],
@@ -817,7 +817,7 @@ impl Ledger {
         for w in writes {
             terminal.push(match w {
                 LedgerWrite::Start(_) => false,
-                LedgerWrite::Outcome(rec) => parse_state(&rec.state)?.is_terminal(),
+                LedgerWrite::Outcome(rec) => rec.state.is_terminal(),
             });
         }
         if writes.is_empty() && acked.is_empty() {
@@ -1244,9 +1244,9 @@ fn receipt(state: &str, backend_calls: i64, cancel_requested: bool) -> ReceiptIn
     }
 }
 
-fn parse_state(name: &str) -> Result<State, StoreError> {
-    name.parse::<State>()
-        .map_err(|e| StoreError::Fatal(e.to_string()))
+/// The ledger text of `rec.reason`: the one place a typed reason becomes text.
+fn reason_text(rec: &OutcomeRecord) -> Option<String> {
+    rec.reason.as_ref().map(ToString::to_string)
 }
 
 /// Empty strings are stored as NULL in optional columns.

@@ -31,6 +31,7 @@ mod migrate;
 
 pub use ledger::{Ledger, LedgerWrite};
 
+use lastcall_core::{Decision, Reason, State};
 use serde::Serialize;
 
 /// Errors of the store. `Unavailable` is worth retrying (connection refused, pool timeout,
@@ -82,16 +83,22 @@ pub struct AttemptStart {
 }
 
 /// One delivery's decision, and the terminal outcome when `state` is terminal.
-#[derive(Debug, Clone, PartialEq, Default)]
+///
+/// The write side is typed: `state`, `reason` and `decision` become their ledger texts
+/// (`State::as_str`, `Reason`'s `Display`, `Decision::as_str`) only where the store binds
+/// them. The read side ([`JobRecord`], [`AttemptRow`]) keeps them as text: a database can
+/// hold values written by other versions.
+#[derive(Debug, Clone, PartialEq)]
 pub struct OutcomeRecord {
     pub attempt_key: String,
     pub job_id: String,
     pub kind: String,
-    /// A `lastcall_core::State` name; terminal states are written once.
-    pub state: String,
-    pub reason: Option<String>,
-    /// The decision as a short word: `ack`, `dead_letter`, `retry`, `duplicate`.
-    pub decision: String,
+    /// Terminal states are written once; a non-terminal one (`running`) records only the
+    /// attempt (a published retry, a hand-back).
+    pub state: State,
+    pub reason: Option<Reason>,
+    /// What was done with the delivery (the attempt row's `decision`).
+    pub decision: Decision,
     pub attempt: u32,
     pub created_at_ms: Option<i64>,
     pub expires_at_ms: Option<i64>,
@@ -117,6 +124,49 @@ pub struct OutcomeRecord {
     pub model: Option<String>,
     /// The minimum useful runtime the admission decision used (own, learned or floor).
     pub min_runtime_ms: Option<i64>,
+}
+
+impl OutcomeRecord {
+    /// A record of `state` for `job_id` with no attempt key, timings, result or call facts:
+    /// the base of the records written without a delivery's whole story (the dead-letter
+    /// processor's, the relay's); fill in the rest with struct update syntax.
+    pub fn new(
+        job_id: impl Into<String>,
+        kind: impl Into<String>,
+        state: State,
+        decision: Decision,
+        recorded_at_ms: i64,
+    ) -> Self {
+        Self {
+            attempt_key: String::new(),
+            job_id: job_id.into(),
+            kind: kind.into(),
+            state,
+            reason: None,
+            decision,
+            attempt: 0,
+            created_at_ms: None,
+            expires_at_ms: None,
+            received_at_ms: None,
+            checked_at_ms: None,
+            started_at_ms: None,
+            finished_at_ms: None,
+            recorded_at_ms,
+            worker: String::new(),
+            redelivered: false,
+            model_called: false,
+            result: None,
+            error: None,
+            prompt_tokens: None,
+            completion_tokens: None,
+            latency_ms: None,
+            cancel_requested: false,
+            cancel_confirmed: None,
+            backend: None,
+            model: None,
+            min_runtime_ms: None,
+        }
+    }
 }
 
 /// What the worker needs to know about a job when a delivery arrives.

@@ -6,7 +6,7 @@
 //! database's writer lock (SQLite `BEGIN IMMEDIATE`, PostgreSQL advisory lock), so two
 //! processes starting at once do not race.
 
-use sqlx::{PgPool, Row, SqlitePool};
+use sqlx::{AssertSqlSafe, PgPool, Row, SqlitePool};
 
 use crate::StoreError;
 use crate::error::db;
@@ -67,12 +67,11 @@ const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\
 /// Arbitrary but fixed key of the PostgreSQL advisory lock held while migrating.
 const PG_LOCK_KEY: i64 = 0x6c61_7374_6361_6c6c; // "lastcall"
 
-fn now_ms() -> i64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map(|d| i64::try_from(d.as_millis()).unwrap_or(i64::MAX))
-        .unwrap_or(0)
-}
+/// `applied_at_ms` is the database's own clock (an audit note, never compared with the
+/// ledger's times), so the store reads no clock: lastcall's clock reads all go through
+/// `lastcall_clock`.
+const SQLITE_NOW_MS: &str = "CAST(ROUND((julianday('now') - 2440587.5) * 86400000) AS INTEGER)";
+const POSTGRES_NOW_MS: &str = "(extract(epoch FROM clock_timestamp()) * 1000)::bigint";
 
 /// Refuses a database that a newer binary already migrated further than we know.
 fn check_not_newer(applied: &[i64]) -> Result<(), StoreError> {
@@ -87,7 +86,7 @@ fn check_not_newer(applied: &[i64]) -> Result<(), StoreError> {
 
 /// Applies the pending migrations; returns the versions applied now.
 macro_rules! run_migrations {
-    ($tx:ident, $sql:ident) => {{
+    ($tx:ident, $sql:ident, $now_ms:expr) => {{
         sqlx::query(CREATE_TABLE)
             .execute(&mut *$tx)
             .await
@@ -109,12 +108,12 @@ macro_rules! run_migrations {
                 .map_err(|e| {
                     crate::error::classify(&format!("migration {} ({})", m.version, m.name), e)
                 })?;
-            sqlx::query(
-                "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, $3)",
-            )
+            sqlx::query(AssertSqlSafe(format!(
+                "INSERT INTO schema_migrations (version, name, applied_at_ms) VALUES ($1, $2, {})",
+                $now_ms
+            )))
             .bind(m.version)
             .bind(m.name)
-            .bind(now_ms())
             .execute(&mut *$tx)
             .await
             .map_err(db("recording a migration"))?;
@@ -130,7 +129,7 @@ pub(crate) async fn migrate_sqlite(pool: &SqlitePool) -> Result<Vec<i64>, StoreE
         .begin_with("BEGIN IMMEDIATE")
         .await
         .map_err(db("starting the migration transaction"))?;
-    run_migrations!(tx, sqlite)
+    run_migrations!(tx, sqlite, SQLITE_NOW_MS)
 }
 
 pub(crate) async fn migrate_postgres(pool: &PgPool) -> Result<Vec<i64>, StoreError> {
@@ -143,7 +142,7 @@ pub(crate) async fn migrate_postgres(pool: &PgPool) -> Result<Vec<i64>, StoreErr
         .execute(&mut *tx)
         .await
         .map_err(db("taking the migration lock"))?;
-    run_migrations!(tx, postgres)
+    run_migrations!(tx, postgres, POSTGRES_NOW_MS)
 }
 
 #[cfg(test)]

@@ -10,7 +10,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-use lastcall_core::State;
+use lastcall_core::envelope::RejectReason;
+use lastcall_core::{Decision, Reason, RefusalCause, Stage, State};
 use lastcall_store::{
     AcceptedJob, AttemptStart, JobRecord, Ledger, LedgerWrite, ListFilter, OutcomeRecord,
     ReceiptInfo, StoreError,
@@ -274,9 +275,9 @@ fn outcome(job_id: &str, attempt_key: &str, state: State, recorded_at_ms: i64) -
         attempt_key: attempt_key.to_owned(),
         job_id: job_id.to_owned(),
         kind: "chat".to_owned(),
-        state: state.as_str().to_owned(),
+        state,
         reason: None,
-        decision: "ack".to_owned(),
+        decision: Decision::Ack,
         attempt: 1,
         created_at_ms: Some(1_000),
         expires_at_ms: Some(60_000),
@@ -354,6 +355,15 @@ async fn migrations_are_idempotent(db: &TestDb) {
             .await,
         LATEST_VERSION
     );
+    // `applied_at_ms` is the database's clock in ms since the epoch (not seconds, not 0).
+    let now = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    let applied = db
+        .scalar("SELECT MIN(applied_at_ms) FROM schema_migrations")
+        .await;
+    assert!((now - applied).abs() < 600_000, "{applied} vs {now}");
 }
 
 /// A ledger written by a version-1 binary (stored, here stale, counters) is upgraded in
@@ -449,7 +459,7 @@ async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
     assert!(
         upgraded
             .record_terminal(&OutcomeRecord {
-                reason: Some("broker_ttl_expired".into()),
+                reason: Some(Reason::BrokerTtlExpired),
                 ..outcome("lost", "", State::ExpiredBeforeReceive, 2_000)
             })
             .await
@@ -550,7 +560,7 @@ async fn terminal_outcome_is_written_once(db: &TestDb) {
     let first = must_get(l, "j1").await;
 
     let second = OutcomeRecord {
-        reason: Some("backend_error".to_owned()),
+        reason: Some(Reason::Backend("backend_error".into())),
         error: Some("boom".to_owned()),
         ..outcome("j1", "a2", State::Failed, 900)
     };
@@ -562,7 +572,7 @@ async fn terminal_outcome_is_written_once(db: &TestDb) {
             .unwrap()
     );
     let third = OutcomeRecord {
-        reason: Some("expired".to_owned()),
+        reason: Some(Reason::Backend("expired".into())),
         ..outcome("j1", "", State::ExpiredBeforeReceive, 1_000)
     };
     assert!(!l.record_terminal(&third).await.unwrap());
@@ -655,7 +665,7 @@ async fn redelivery_after_a_stored_outcome(db: &TestDb) {
     assert!(info.already_recorded);
     assert_eq!(info.prior_starts, 1);
     let dup = OutcomeRecord {
-        decision: "duplicate".to_owned(),
+        decision: Decision::Ack,
         redelivered: true,
         attempt: 2,
         worker: "w2".to_owned(),
@@ -668,7 +678,7 @@ async fn redelivery_after_a_stored_outcome(db: &TestDb) {
     assert_eq!(job.recorded_at_ms, Some(400));
     assert_eq!((job.attempts, job.backend_calls), (2, 1));
     let rows = l.attempts("j1").await.unwrap();
-    assert_eq!(rows[1].decision.as_deref(), Some("duplicate"));
+    assert_eq!(rows[1].decision.as_deref(), Some("ack"));
     assert!(rows[1].redelivered);
     assert!(!rows[1].model_called);
 }
@@ -704,9 +714,9 @@ async fn prior_starts_count_every_started_call(db: &TestDb) {
 
     // The third delivery gives up without calling the model.
     let rec = OutcomeRecord {
-        reason: Some("crash_loop".to_owned()),
+        reason: Some(Reason::Backend("crash_loop".into())),
         attempt: 3,
-        decision: "dead_letter".to_owned(),
+        decision: Decision::DeadLetter,
         ..outcome("j1", "w1:c3:1", State::Failed, 500)
     };
     assert!(l.record_outcome(&rec).await.unwrap());
@@ -751,8 +761,8 @@ async fn non_terminal_outcome_moves_the_live_state_only(db: &TestDb) {
     l.record_start(&start("j1", "a1", 1, 200)).await.unwrap();
     // A retryable failure: back to the queue, the job is `accepted` again.
     let retry = OutcomeRecord {
-        decision: "retry".to_owned(),
-        reason: Some("backend_unavailable".to_owned()),
+        decision: Decision::Retry,
+        reason: Some(Reason::Backend("backend_unavailable".into())),
         model_called: true,
         ..outcome("j1", "a1", State::Accepted, 300)
     };
@@ -783,8 +793,8 @@ async fn non_terminal_outcome_moves_the_live_state_only(db: &TestDb) {
 async fn record_terminal_without_accepted_row(db: &TestDb) {
     let l = &db.ledger;
     let rec = OutcomeRecord {
-        reason: Some("expired".to_owned()),
-        decision: "ack".to_owned(),
+        reason: Some(Reason::Backend("expired".into())),
+        decision: Decision::Ack,
         worker: String::new(),
         ..outcome("j1", "", State::ExpiredBeforeReceive, 700)
     };
@@ -802,8 +812,8 @@ async fn record_terminal_without_accepted_row(db: &TestDb) {
     // A rejected body, traced with its delivery.
     let rejected = OutcomeRecord {
         kind: String::new(),
-        reason: Some("invalid_json".to_owned()),
-        decision: "dead_letter".to_owned(),
+        reason: Some(Reason::Rejected(RejectReason::InvalidJson)),
+        decision: Decision::DeadLetter,
         ..outcome("synthetic-1", "w1:c1:5", State::Rejected, 800)
     };
     assert!(l.record_terminal(&rejected).await.unwrap());
@@ -1046,7 +1056,7 @@ async fn concurrent_terminal_writes_have_one_winner(db: &TestDb) {
                 )
             } else {
                 OutcomeRecord {
-                    reason: Some(format!("r{i}")),
+                    reason: Some(Reason::Backend(format!("r{i}"))),
                     ..outcome(
                         "j1",
                         &format!("w{i}:c:1"),
@@ -1083,19 +1093,11 @@ async fn concurrent_terminal_writes_have_one_winner(db: &TestDb) {
 
 async fn invalid_input_is_fatal(db: &TestDb) {
     let l = &db.ledger;
-    let bad_state = OutcomeRecord {
-        state: "done".to_owned(),
-        ..outcome("j1", "a1", State::Completed, 10)
-    };
-    let err = l.record_outcome(&bad_state).await.unwrap_err();
-    assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
-    assert!(err.to_string().contains("done"), "{err}");
-
+    // (An unknown state, reason or decision cannot be written: they are typed.)
     let no_key = outcome("j1", "", State::Completed, 10);
-    assert!(matches!(
-        l.record_outcome(&no_key).await,
-        Err(StoreError::Fatal(_))
-    ));
+    let err = l.record_outcome(&no_key).await.unwrap_err();
+    assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
+    assert!(err.to_string().contains("attempt_key"), "{err}");
     let live = outcome("j1", "a1", State::Running, 10);
     assert!(matches!(
         l.record_terminal(&live).await,
@@ -1109,13 +1111,16 @@ async fn group_commit_writes_many_in_one_batch(db: &TestDb) {
     let batch = vec![
         LedgerWrite::Start(start("g1", "w1:c1:1", 1, 200)),
         LedgerWrite::outcome(OutcomeRecord {
-            reason: Some("receipt:deadline_passed".into()),
+            reason: Some(Reason::Refused(
+                Stage::Receipt,
+                RefusalCause::DeadlinePassed,
+            )),
             ..outcome("g2", "w1:c1:2", State::ExpiredNotStarted, 210)
         }),
         LedgerWrite::outcome(completed("g3", "w1:c1:3", 220, "three")),
         // A second delivery of g3 in the same batch: the first outcome stays.
         LedgerWrite::outcome(OutcomeRecord {
-            reason: Some("boom".into()),
+            reason: Some(Reason::Backend("boom".into())),
             ..outcome("g3", "w1:c1:4", State::Failed, 230)
         }),
         LedgerWrite::outcome(outcome("g4", "w1:c1:5", State::Running, 240)),
@@ -1162,7 +1167,7 @@ async fn group_commit_of_a_large_batch_uses_several_statements(db: &TestDb) {
     }
     for i in 0..300 {
         batch.push(LedgerWrite::outcome(OutcomeRecord {
-            reason: Some("late".into()),
+            reason: Some(Reason::Backend("late".into())),
             ..outcome(
                 &format!("old{i}"),
                 &format!("o{i}-again"),
@@ -1236,10 +1241,7 @@ async fn receipt_info_many_matches_receipt_info(db: &TestDb) {
 
 async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {
     let l = &db.ledger;
-    let bad = OutcomeRecord {
-        state: "done".to_owned(),
-        ..outcome("b2", "k2", State::Completed, 10)
-    };
+    let bad = outcome("b2", "", State::Completed, 10);
     assert!(LedgerWrite::outcome(bad.clone()).validate().is_err());
     assert!(
         LedgerWrite::Start(start("b1", "", 1, 5))
@@ -1252,7 +1254,7 @@ async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {
     ];
     let err = l.write_batch(&batch).await.unwrap_err();
     assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
-    assert!(err.to_string().contains("done"), "{err}");
+    assert!(err.to_string().contains("`b2`"), "{err}");
     assert_eq!(l.get("b1").await.unwrap(), None, "all or nothing");
 }
 
@@ -1400,8 +1402,7 @@ async fn ack_marks_ride_along_with_a_group_commit(db: &TestDb) {
     assert_eq!(l.attempts("late").await.unwrap()[0].acked_at_ms, None);
     assert_eq!(l.get("late").await.unwrap().unwrap().state, "completed");
     // An invalid write fails the call before anything, the marks included, is written.
-    let mut bad = completed("bad", "w:c:3", 300, "ok");
-    bad.state = "nonsense".into();
+    let bad = completed("bad", "", 300, "ok");
     assert!(
         l.write_batch_marking_acked(&[LedgerWrite::outcome(bad)], &[("w:c:2".into(), 250)])
             .await
@@ -1497,8 +1498,8 @@ async fn ingress_claims_an_id_once_then_stamps_or_releases_it(db: &TestDb) {
 /// processor writes one: no attempt row.
 fn expired_late(job_id: &str, recorded_at_ms: i64) -> OutcomeRecord {
     OutcomeRecord {
-        reason: Some("broker_ttl_expired".into()),
-        decision: "dead_letter_processed".into(),
+        reason: Some(Reason::BrokerTtlExpired),
+        decision: Decision::DeadLetterProcessed,
         ..outcome(job_id, "", State::ExpiredBeforeReceive, recorded_at_ms)
     }
 }
@@ -1546,7 +1547,7 @@ async fn a_late_outcome_replaces_unknown_once(db: &TestDb) {
 
     // A second late outcome does not replace the first real one.
     let second = OutcomeRecord {
-        reason: Some("backend_error".into()),
+        reason: Some(Reason::Backend("backend_error".into())),
         error: Some("boom".into()),
         ..outcome("j1", "w2:c1:1", State::Failed, 7_000)
     };
@@ -1639,13 +1640,16 @@ async fn a_slow_workers_completion_replaces_unknown_through_a_group_commit(db: &
     // for `done` (already real), a retry for `slow`'s other delivery (non-terminal).
     let batch = [
         LedgerWrite::outcome(OutcomeRecord {
-            decision: "retry".into(),
+            decision: Decision::Retry,
             ..outcome("fresh", "w2:c1:9", State::Accepted, 70_100)
         }),
         LedgerWrite::outcome(completed("slow", "w1:c1:1", 70_500, "slow but done")),
         LedgerWrite::outcome(completed("done", "w2:c1:3", 70_500, "again")),
         LedgerWrite::outcome(OutcomeRecord {
-            reason: Some("admission:deadline_passed".into()),
+            reason: Some(Reason::Refused(
+                Stage::Admission,
+                RefusalCause::DeadlinePassed,
+            )),
             ..outcome("fresh", "w2:c1:4", State::ExpiredNotStarted, 70_600)
         }),
     ];
@@ -1704,7 +1708,7 @@ async fn unknown_over_unknown_changes_nothing(db: &TestDb) {
     assert_eq!(l.mark_unknown(3_000, 0).await.unwrap(), ["u1"]);
     let before = must_get(l, "u1").await;
     let again = OutcomeRecord {
-        reason: Some("someone_else".into()),
+        reason: Some(Reason::Backend("someone_else".into())),
         ..outcome("u1", "", State::Unknown, 9_000)
     };
     assert!(!l.record_terminal(&again).await.unwrap());
@@ -1775,7 +1779,7 @@ async fn concurrent_late_outcomes_have_one_winner(db: &TestDb) {
                 // A concurrent second reconciliation's `unknown` never wins over a truth.
                 2 => outcome("j1", &format!("w{i}:c:1"), State::Unknown, at),
                 _ => OutcomeRecord {
-                    reason: Some(format!("r{i}")),
+                    reason: Some(Reason::Backend(format!("r{i}"))),
                     ..outcome("j1", &format!("w{i}:c:1"), State::Failed, at)
                 },
             };

@@ -9,8 +9,8 @@ use crate::clock::Clock;
 use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
-use lastcall_core::deadletter::{DeathReason, classify};
-use lastcall_core::{Envelope, EnvelopeLimits};
+use lastcall_core::deadletter::{DeadLetterOutcome, DeathReason, classify};
+use lastcall_core::{Decision, Envelope, EnvelopeLimits, JobId, RejectError, RejectReason};
 use lastcall_store::{Ledger, OutcomeRecord};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
@@ -247,8 +247,42 @@ impl DeadLetterProcessor {
         }
     }
 
+    /// One dead letter: read it, record its outcome (the first one wins), count it, copy
+    /// it where it is to be kept, then ack. `false`: stopping before the write.
     async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {
         let now = self.clock.now_ms();
+        let letter = self.read(m, now);
+        let rec = letter.record(m, &self.name, now);
+        let Some(written) =
+            until_stored(health, stop, || {}, || self.ledger.record_terminal(&rec)).await
+        else {
+            return false;
+        };
+        self.count(&letter, &rec, written).await;
+        let Some(copies) = self.copies(&letter).await else {
+            let _ = m.settler.requeue().await;
+            return true;
+        };
+        for queue in &copies {
+            if let Err(e) = self.copy_to(queue, m, letter.job_id.as_str(), now).await {
+                tracing::error!(error = %e, queue = %queue, "copying a dead letter failed; leaving it in the dead-letter queue");
+                let _ = m.settler.requeue().await;
+                return true;
+            }
+        }
+        if self.park && letter.parsed.is_err() {
+            self.stats.parked.fetch_add(1, Ordering::Relaxed);
+        }
+        if let Err(e) = m.settler.ack().await {
+            tracing::warn!(error = %e, "ack of a dead letter failed after the write; it will be seen again and kept once");
+        }
+        tracing::info!(job_id = %letter.job_id, reason = letter.death.label(), state = letter.outcome.state.as_str(), written, "dead letter processed");
+        true
+    }
+
+    /// Parse the body (checking its signature with a key), name the job and classify the
+    /// death.
+    fn read(&self, m: &Incoming, now: i64) -> Letter {
         let limits = EnvelopeLimits {
             horizon_ms: i64::MAX / 4,
             max_body_bytes: usize::MAX,
@@ -268,8 +302,76 @@ impl DeadLetterProcessor {
         );
         let death = m.x_death.first();
         let reason = DeathReason::parse(death.map(|d| d.reason.as_str()).unwrap_or("none"));
-        let reject = parsed.as_ref().err().map(|e| e.reason.as_str());
+        let reject = parsed.as_ref().err().map(|e| e.reason);
         let outcome = classify(&reason, parsed.is_ok(), reject);
+        Letter {
+            parsed,
+            job_id,
+            death: reason,
+            reject,
+            outcome,
+        }
+    }
+
+    /// The processor's counters and, when this record was the one written, its event.
+    async fn count(&self, letter: &Letter, rec: &OutcomeRecord, written: bool) {
+        self.stats.processed.fetch_add(1, Ordering::Relaxed);
+        (self.stats.by_reason).inc(vec![letter.death.label().to_owned()]);
+        if written {
+            crate::events::emit_counting(&self.events, &self.ledger, rec).await;
+            self.stats.recorded.fetch_add(1, Ordering::Relaxed);
+        } else {
+            self.stats.kept_existing.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    /// The queues the dead letter is copied to before its ack: the parked queue (an
+    /// invalid body, with `park`) and its class queue (with `split_by_reason`, classed by
+    /// the outcome the ledger keeps). `None`: the ledger could not be read.
+    async fn copies(&self, letter: &Letter) -> Option<Vec<String>> {
+        let prefix = &self.topology.names.prefix;
+        let mut copies = Vec::new();
+        if self.park && letter.parsed.is_err() {
+            copies.push(parked_queue(prefix));
+        }
+        if self.split_by_reason {
+            // The outcome the ledger keeps (the worker's, when it wrote one first).
+            let kept = match self.ledger.get(letter.job_id.as_str()).await {
+                Ok(r) => r,
+                Err(e) => {
+                    tracing::warn!(error = %e, "reading the outcome to class a dead letter failed; leaving it in the dead-letter queue");
+                    return None;
+                }
+            };
+            let label = lastcall_core::deadletter::split_label(
+                &letter.death,
+                letter.reject,
+                kept.as_ref()
+                    .map(|r| (r.state.as_str(), r.reason.as_deref())),
+            );
+            copies.push(reason_queue(prefix, label));
+        }
+        Some(copies)
+    }
+}
+
+/// A dead letter as the processor reads it.
+struct Letter {
+    parsed: Result<Envelope, RejectError>,
+    /// The id its outcome is recorded under (synthetic for an unverified body).
+    job_id: JobId,
+    /// The broker's reason of its most recent death.
+    death: DeathReason,
+    /// The parser's code when the body is not a valid envelope.
+    reject: Option<RejectReason>,
+    outcome: DeadLetterOutcome,
+}
+
+impl Letter {
+    /// Its ledger record: the classified outcome, the `x-death` facts in `error`, and an
+    /// attempt key per death (a redelivery of the same dead letter writes the same row).
+    fn record(&self, m: &Incoming, worker: &str, now: i64) -> OutcomeRecord {
+        let death = m.x_death.first();
         let detail = match death {
             Some(d) => format!(
                 "dead-lettered: reason={} queue={} count={} original-expiration={}",
@@ -280,7 +382,7 @@ impl DeadLetterProcessor {
             ),
             None => "dead letter without x-death".to_owned(),
         };
-        let (kind, created, expires) = match &parsed {
+        let (kind, created, expires) = match &self.parsed {
             Ok(e) => (
                 e.kind().to_string(),
                 Some(e.deadline().created_at_ms()),
@@ -288,81 +390,31 @@ impl DeadLetterProcessor {
             ),
             Err(_) => ("invalid".into(), None, None),
         };
-        let rec = OutcomeRecord {
+        OutcomeRecord {
             attempt_key: format!(
                 "dlq:{}:{}:{}",
-                job_id,
+                self.job_id,
                 death.map(|d| d.count).unwrap_or(0),
                 death.and_then(|d| d.time_s).unwrap_or(0)
             ),
-            job_id: job_id.to_string(),
-            kind,
-            state: outcome.state.as_str().to_owned(),
-            reason: Some(outcome.reason),
-            decision: "dead_letter_processed".into(),
+            reason: Some(self.outcome.reason.clone()),
             attempt: m.attempt,
             created_at_ms: created,
             expires_at_ms: expires,
             received_at_ms: Some(now),
-            recorded_at_ms: now,
-            worker: self.name.clone(),
+            worker: worker.to_owned(),
             redelivered: m.redelivered,
-            error: Some(match &parsed {
+            error: Some(match &self.parsed {
                 Err(e) => format!("{detail}; {e}"),
                 Ok(_) => detail,
             }),
-            ..OutcomeRecord::default()
-        };
-        let Some(written) =
-            until_stored(health, stop, || {}, || self.ledger.record_terminal(&rec)).await
-        else {
-            return false;
-        };
-        self.stats.processed.fetch_add(1, Ordering::Relaxed);
-        (self.stats.by_reason).inc(vec![reason.label().to_owned()]);
-        if written {
-            crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
-            self.stats.recorded.fetch_add(1, Ordering::Relaxed);
-        } else {
-            self.stats.kept_existing.fetch_add(1, Ordering::Relaxed);
+            ..OutcomeRecord::new(
+                self.job_id.to_string(),
+                kind,
+                self.outcome.state,
+                Decision::DeadLetterProcessed,
+                now,
+            )
         }
-        let prefix = &self.topology.names.prefix;
-        let mut copies = Vec::new();
-        if self.park && parsed.is_err() {
-            copies.push(parked_queue(prefix));
-        }
-        if self.split_by_reason {
-            // The outcome the ledger keeps (the worker's, when it wrote one first).
-            let kept = match self.ledger.get(job_id.as_str()).await {
-                Ok(r) => r,
-                Err(e) => {
-                    tracing::warn!(error = %e, "reading the outcome to class a dead letter failed; leaving it in the dead-letter queue");
-                    let _ = m.settler.requeue().await;
-                    return true;
-                }
-            };
-            let label = lastcall_core::deadletter::split_label(
-                &reason,
-                reject,
-                kept.as_ref()
-                    .map(|r| (r.state.as_str(), r.reason.as_deref())),
-            );
-            copies.push(reason_queue(prefix, label));
-        }
-        for queue in &copies {
-            if let Err(e) = self.copy_to(queue, m, job_id.as_str(), now).await {
-                tracing::error!(error = %e, queue = %queue, "copying a dead letter failed; leaving it in the dead-letter queue");
-                let _ = m.settler.requeue().await;
-                return true;
-            }
-        }
-        if self.park && parsed.is_err() {
-            self.stats.parked.fetch_add(1, Ordering::Relaxed);
-        }
-        if let Err(e) = m.settler.ack().await {
-            tracing::warn!(error = %e, "ack of a dead letter failed after the write; it will be seen again and kept once");
-        }
-        tracing::info!(job_id = %job_id, reason = reason.label(), state = outcome.state.as_str(), written, "dead letter processed");
-        true
     }
 }

@@ -13,7 +13,9 @@ use crate::clock::Clock;
 use crate::store_retry::{StoreHealth, until_stored};
 use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, Names, PublishProps, Publisher};
-use lastcall_core::{Admission, AdmissionPolicy, Envelope, EnvelopeLimits, Stage, State};
+use lastcall_core::{
+    Admission, AdmissionPolicy, Decision, Envelope, EnvelopeLimits, Reason, Refusal, Stage, State,
+};
 use lastcall_store::{Ledger, OutcomeRecord};
 use std::sync::Arc;
 use std::time::Duration;
@@ -102,11 +104,7 @@ impl RetryRelay {
     /// Returns `false` when stopping before the delivery could be settled.
     async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {
         let now = self.clock.now_ms();
-        let limits = EnvelopeLimits {
-            horizon_ms: i64::MAX / 4,
-            max_body_bytes: usize::MAX,
-        };
-        let env = match Envelope::parse(&m.body, &limits, now) {
+        let env = match Envelope::parse(&m.body, &RELAYED, now) {
             Ok(env) => env,
             Err(e) => {
                 // Only valid envelopes are ever retried; anything else goes to the DLX.
@@ -115,46 +113,74 @@ impl RetryRelay {
                 return true;
             }
         };
-        let refusal = match self
-            .admission
-            .check(env.deadline(), env.min_runtime_ms, now)
-        {
-            Admission::Refuse { refusal, .. } => Some(refusal),
-            Admission::Admit { .. } => None,
-        };
-        let ttl_ms = env.deadline().broker_ttl_ms(now);
-        let (None, Some(ttl_ms)) = (refusal, ttl_ms) else {
-            let reason = refusal
-                .unwrap_or(lastcall_core::Refusal::DeadlinePassed)
-                .reason(Stage::Retry);
-            let rec = OutcomeRecord {
-                attempt_key: format!("relay:{}:{}", env.job_id(), m.attempt),
-                job_id: env.job_id().to_string(),
-                kind: env.kind().to_string(),
-                state: State::ExpiredNotStarted.as_str().into(),
-                reason: Some(reason.clone()),
-                decision: "ack".into(),
-                attempt: m.attempt,
-                created_at_ms: Some(env.deadline().created_at_ms()),
-                expires_at_ms: Some(env.deadline().expires_at_ms()),
-                received_at_ms: Some(now),
-                checked_at_ms: Some(now),
-                recorded_at_ms: now,
-                worker: self.name.clone(),
-                redelivered: m.redelivered,
-                ..OutcomeRecord::default()
-            };
-            if until_stored(health, stop, || {}, || self.ledger.record_outcome(&rec))
-                .await
-                .is_none()
-            {
-                return false;
+        match self.useful_ttl(&env, now) {
+            Ok(ttl_ms) => {
+                self.republish(m, &env, ttl_ms, now).await;
+                true
             }
-            crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
-            let _ = m.settler.ack().await;
-            tracing::info!(job_id = %env.job_id(), reason, "retry can no longer be useful after its delay: recorded, not republished");
-            return true;
+            Err(refusal) => self.record_stale(m, &env, refusal, health, stop, now).await,
+        }
+    }
+
+    /// The broker TTL of the republish when the retry still passes the admission rule of
+    /// every publish, else why not.
+    fn useful_ttl(&self, env: &Envelope, now: i64) -> Result<u64, Refusal> {
+        if let Admission::Refuse { refusal, .. } =
+            self.admission
+                .check(env.deadline(), env.min_runtime_ms, now)
+        {
+            return Err(refusal);
+        }
+        env.deadline()
+            .broker_ttl_ms(now)
+            .ok_or(Refusal::DeadlinePassed)
+    }
+
+    /// A retry that can no longer be useful: record `expired_not_started`
+    /// (`retry:<refusal>`), then ack. `false`: stopping before the write.
+    async fn record_stale(
+        &self,
+        m: &Incoming,
+        env: &Envelope,
+        refusal: Refusal,
+        health: &StoreHealth,
+        stop: &CancellationToken,
+        now: i64,
+    ) -> bool {
+        let reason = Reason::Refused(Stage::Retry, refusal.into());
+        let rec = OutcomeRecord {
+            attempt_key: format!("relay:{}:{}", env.job_id(), m.attempt),
+            reason: Some(reason.clone()),
+            attempt: m.attempt,
+            created_at_ms: Some(env.deadline().created_at_ms()),
+            expires_at_ms: Some(env.deadline().expires_at_ms()),
+            received_at_ms: Some(now),
+            checked_at_ms: Some(now),
+            worker: self.name.clone(),
+            redelivered: m.redelivered,
+            ..OutcomeRecord::new(
+                env.job_id().to_string(),
+                env.kind().to_string(),
+                State::ExpiredNotStarted,
+                Decision::Ack,
+                now,
+            )
         };
+        if until_stored(health, stop, || {}, || self.ledger.record_outcome(&rec))
+            .await
+            .is_none()
+        {
+            return false;
+        }
+        crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
+        let _ = m.settler.ack().await;
+        tracing::info!(job_id = %env.job_id(), %reason, "retry can no longer be useful after its delay: recorded, not republished");
+        true
+    }
+
+    /// Republish the retry byte for byte with `ttl_ms` (with confirm), then ack; a publish
+    /// that is not confirmed hands the retry back.
+    async fn republish(&self, m: &Incoming, env: &Envelope, ttl_ms: u64, now: i64) {
         let props = PublishProps {
             job_id: env.job_id().to_string(),
             ttl_ms: Some(ttl_ms),
@@ -182,6 +208,11 @@ impl RetryRelay {
                 let _ = m.settler.requeue().await;
             }
         }
-        true
     }
 }
+
+/// A relayed retry was checked at its first publish: no horizon or size limit again.
+const RELAYED: EnvelopeLimits = EnvelopeLimits {
+    horizon_ms: i64::MAX / 4,
+    max_body_bytes: usize::MAX,
+};

@@ -357,153 +357,165 @@ pub struct WorkerCollector(pub Arc<WorkerStats>);
 impl Collector for WorkerCollector {
     fn encode(&self, mut enc: DescriptorEncoder) -> std::fmt::Result {
         let w = &*self.0;
-        let counters: [(&str, &AtomicU64, &str); 8] = [
-            (
-                "lastcall_worker_reconnects",
-                &w.reconnects,
-                "Broker connections lost and re-established",
-            ),
-            (
-                "lastcall_worker_received",
-                &w.received,
-                "Deliveries received from the broker",
-            ),
-            (
-                "lastcall_worker_backend_calls",
-                &w.backend_calls,
-                "Model calls started",
-            ),
-            (
-                "lastcall_worker_retries",
-                &w.retries,
-                "Retries published to a retry queue",
-            ),
-            (
-                "lastcall_worker_duplicates",
-                &w.duplicates,
-                "Redeliveries acked without running (outcome already recorded)",
-            ),
-            (
-                "lastcall_worker_store_retries",
-                &w.store_retries,
-                "Ledger writes that failed and were retried",
-            ),
-            (
-                "lastcall_worker_settled",
-                &w.settled,
-                "Deliveries acked or rejected after the durable write",
-            ),
-            (
-                "lastcall_worker_rejected",
-                &w.rejected,
-                "Invalid envelopes recorded as rejected",
-            ),
-        ];
-        for (name, c, help) in counters {
-            one(
-                &mut enc,
-                name,
-                help,
-                &ConstCounter::new(WorkerStats::get(c)),
-            )?;
-        }
-        let m = &w.metrics;
-        let (busy, total) = m.slots().unwrap_or((0, 0));
-        let gauges: [(&str, i64, &str); 8] = [
-            (
-                "lastcall_worker_broker_connected",
-                i64::from(w.broker_connected.load(Ordering::Relaxed)),
-                "1 while the worker consumes on a live broker connection",
-            ),
-            (
-                "lastcall_worker_ledger_healthy",
-                i64::from(w.ledger_healthy.load(Ordering::Relaxed)),
-                "1 unless ledger writes are failing (intake paused)",
-            ),
-            (
-                "lastcall_worker_jobs_waiting",
-                w.waiting.load(Ordering::Relaxed),
-                "Jobs received and waiting locally for a model slot",
-            ),
-            (
-                "lastcall_worker_jobs_running",
-                w.running.load(Ordering::Relaxed),
-                "Model calls in progress",
-            ),
-            (
-                "lastcall_worker_slots_busy",
-                busy as i64,
-                "Model slots held by a job",
-            ),
-            (
-                "lastcall_worker_slots_total",
-                total as i64,
-                "Model slots configured",
-            ),
-            (
-                "lastcall_worker_prefetch",
-                m.prefetch() as i64,
-                "Unacked deliveries the broker may push to this worker",
-            ),
-            (
-                "lastcall_worker_buffered_bytes",
-                w.buffered_bytes.load(Ordering::Relaxed),
-                "Bytes of message bodies held locally",
-            ),
-        ];
-        for (name, v, help) in gauges {
-            one(&mut enc, name, help, &ConstGauge::new(v))?;
-        }
-        one(
-            &mut enc,
-            "lastcall_outcomes",
-            "Terminal outcomes recorded by this worker, by state, kind and reason",
-            &m.outcomes,
-        )?;
-        one(
-            &mut enc,
-            "lastcall_learned_call_seconds",
-            "Learned model call duration by kind (the high quantile the admission rule uses as the minimum useful runtime)",
-            &m.learned_call,
-        )?;
-        labelled(
-            &mut enc,
-            "lastcall_model_tokens",
-            "Tokens reported by the model backends, by type",
-            "type",
-            [
-                ("prompt", &m.prompt_tokens),
-                ("completion", &m.completion_tokens),
-            ]
-            .map(|(ty, c)| (ty.to_owned(), ConstCounter::new(c.load(Ordering::Relaxed)))),
-            prometheus_client::metrics::MetricType::Counter,
-        )?;
-        for (name, help, h) in [
-            (
-                "lastcall_queue_dwell_seconds",
-                "Publish to receipt by a worker",
-                &m.queue_dwell,
-            ),
-            (
-                "lastcall_consumer_dwell_seconds",
-                "Receipt to the last admission check (waiting locally)",
-                &m.consumer_dwell,
-            ),
-            (
-                "lastcall_model_call_seconds",
-                "Model call duration",
-                &m.model_call,
-            ),
-            (
-                "lastcall_remaining_budget_at_admission_seconds",
-                "Budget left when a job was admitted",
-                &m.remaining_budget,
-            ),
-        ] {
-            one(&mut enc, name, help, &h.0)?;
-        }
-        Ok(())
+        encode_counters(w, &mut enc)?;
+        encode_gauges(w, &mut enc)?;
+        encode_distributions(&w.metrics, &mut enc)
     }
+}
+
+/// The worker's plain counters (`lastcall_worker_*_total`).
+fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+    let counters: [(&str, &AtomicU64, &str); 8] = [
+        (
+            "lastcall_worker_reconnects",
+            &w.reconnects,
+            "Broker connections lost and re-established",
+        ),
+        (
+            "lastcall_worker_received",
+            &w.received,
+            "Deliveries received from the broker",
+        ),
+        (
+            "lastcall_worker_backend_calls",
+            &w.backend_calls,
+            "Model calls started",
+        ),
+        (
+            "lastcall_worker_retries",
+            &w.retries,
+            "Retries published to a retry queue",
+        ),
+        (
+            "lastcall_worker_duplicates",
+            &w.duplicates,
+            "Redeliveries acked without running (outcome already recorded)",
+        ),
+        (
+            "lastcall_worker_store_retries",
+            &w.store_retries,
+            "Ledger writes that failed and were retried",
+        ),
+        (
+            "lastcall_worker_settled",
+            &w.settled,
+            "Deliveries acked or rejected after the durable write",
+        ),
+        (
+            "lastcall_worker_rejected",
+            &w.rejected,
+            "Invalid envelopes recorded as rejected",
+        ),
+    ];
+    for (name, c, help) in counters {
+        one(enc, name, help, &ConstCounter::new(WorkerStats::get(c)))?;
+    }
+    Ok(())
+}
+
+/// The worker's gauges: connection and ledger health, jobs, slots, prefetch, buffer.
+fn encode_gauges(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+    let m = &w.metrics;
+    let (busy, total) = m.slots().unwrap_or((0, 0));
+    let gauges: [(&str, i64, &str); 8] = [
+        (
+            "lastcall_worker_broker_connected",
+            i64::from(w.broker_connected.load(Ordering::Relaxed)),
+            "1 while the worker consumes on a live broker connection",
+        ),
+        (
+            "lastcall_worker_ledger_healthy",
+            i64::from(w.ledger_healthy.load(Ordering::Relaxed)),
+            "1 unless ledger writes are failing (intake paused)",
+        ),
+        (
+            "lastcall_worker_jobs_waiting",
+            w.waiting.load(Ordering::Relaxed),
+            "Jobs received and waiting locally for a model slot",
+        ),
+        (
+            "lastcall_worker_jobs_running",
+            w.running.load(Ordering::Relaxed),
+            "Model calls in progress",
+        ),
+        (
+            "lastcall_worker_slots_busy",
+            busy as i64,
+            "Model slots held by a job",
+        ),
+        (
+            "lastcall_worker_slots_total",
+            total as i64,
+            "Model slots configured",
+        ),
+        (
+            "lastcall_worker_prefetch",
+            m.prefetch() as i64,
+            "Unacked deliveries the broker may push to this worker",
+        ),
+        (
+            "lastcall_worker_buffered_bytes",
+            w.buffered_bytes.load(Ordering::Relaxed),
+            "Bytes of message bodies held locally",
+        ),
+    ];
+    for (name, v, help) in gauges {
+        one(enc, name, help, &ConstGauge::new(v))?;
+    }
+    Ok(())
+}
+
+/// Outcomes by label, learned call durations, token counts and the latency histograms.
+fn encode_distributions(m: &WorkerMetrics, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+    one(
+        enc,
+        "lastcall_outcomes",
+        "Terminal outcomes recorded by this worker, by state, kind and reason",
+        &m.outcomes,
+    )?;
+    one(
+        enc,
+        "lastcall_learned_call_seconds",
+        "Learned model call duration by kind (the high quantile the admission rule uses as the minimum useful runtime)",
+        &m.learned_call,
+    )?;
+    labelled(
+        enc,
+        "lastcall_model_tokens",
+        "Tokens reported by the model backends, by type",
+        "type",
+        [
+            ("prompt", &m.prompt_tokens),
+            ("completion", &m.completion_tokens),
+        ]
+        .map(|(ty, c)| (ty.to_owned(), ConstCounter::new(c.load(Ordering::Relaxed)))),
+        prometheus_client::metrics::MetricType::Counter,
+    )?;
+    for (name, help, h) in [
+        (
+            "lastcall_queue_dwell_seconds",
+            "Publish to receipt by a worker",
+            &m.queue_dwell,
+        ),
+        (
+            "lastcall_consumer_dwell_seconds",
+            "Receipt to the last admission check (waiting locally)",
+            &m.consumer_dwell,
+        ),
+        (
+            "lastcall_model_call_seconds",
+            "Model call duration",
+            &m.model_call,
+        ),
+        (
+            "lastcall_remaining_budget_at_admission_seconds",
+            "Budget left when a job was admitted",
+            &m.remaining_budget,
+        ),
+    ] {
+        one(enc, name, help, &h.0)?;
+    }
+    Ok(())
 }
 
 /// The dead-letter processor's metrics as a `prometheus-client` collector.

@@ -7,6 +7,7 @@ pub mod http;
 pub mod private_pg;
 pub mod private_rabbit;
 pub mod proxy;
+pub mod rabbitmqctl;
 
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};

@@ -3,7 +3,7 @@
 
 use crate::ctx::Ctx;
 use lastcall_backend::{BackendError, CallOutput, CallRequest, CancellationToken};
-use lastcall_core::{CallResult, Envelope};
+use lastcall_core::{CallResult, Envelope, Reason};
 use std::future::Future;
 use std::time::{Duration, Instant};
 
@@ -116,7 +116,7 @@ fn from_result(r: Result<CallOutput, BackendError>) -> Call {
             };
             let result = CallResult::Failed {
                 retryable: e.is_retryable(),
-                reason: e.reason().to_owned(),
+                reason: Reason::Backend(e.reason().to_owned()),
                 retry_after_ms,
             };
             Call::ended(result, Some(e.to_string()), None)
@@ -124,12 +124,7 @@ fn from_result(r: Result<CallOutput, BackendError>) -> Call {
     }
 }
 
-/// Jitter for the retry backoff without a RNG dependency: sub-millisecond clock noise
-/// (only its fraction is used, never as a time).
+/// Jitter for the retry backoff: uniform in `[0, 1)`.
 pub(crate) fn jitter() -> f64 {
-    let n = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .subsec_nanos();
-    f64::from(n % 1_000_000) / 1_000_000.0
+    rand::random::<f64>()
 }

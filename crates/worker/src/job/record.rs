@@ -3,9 +3,9 @@
 use super::Job;
 use super::call::Call;
 use crate::ctx::Ctx;
-use lastcall_core::Terminal;
 use lastcall_core::delivery::{Admitted, Recording};
 use lastcall_core::service_time::{Estimate, EstimateSource};
+use lastcall_core::{Reason, State, Terminal};
 use lastcall_store::{AttemptStart, OutcomeRecord};
 
 /// The durable `running` row written before the call (makes crash loops countable).
@@ -47,9 +47,9 @@ pub(crate) fn outcome_row(
         attempt_key: job.ticket.attempt_key().to_owned(),
         job_id: job.id.clone(),
         kind: env.map_or_else(|| "invalid".to_owned(), |e| e.kind().to_string()),
-        state: terminal.map_or("running", |t| t.state.as_str()).to_owned(),
+        state: terminal.map_or(State::Running, |t| t.state),
         reason: terminal.and_then(|t| t.reason.clone()),
-        decision: r.decision().as_str().to_owned(),
+        decision: r.decision(),
         attempt: facts.attempt,
         created_at_ms: env.map(|e| e.deadline().created_at_ms()),
         expires_at_ms: env.map(|e| e.deadline().expires_at_ms()),
@@ -83,19 +83,18 @@ pub(crate) fn learned_note(
     terminal: Option<&Terminal>,
 ) -> Option<String> {
     let (e, t) = (learned?, terminal?);
-    let reason = t.reason.as_deref().unwrap_or_default();
-    (reason.ends_with(lastcall_core::disposition::BELOW_LEARNED_REASON)
-        || reason.ends_with(lastcall_core::disposition::EXPECTED_WAIT_REASON))
-    .then(|| {
-        format!(
-            "learned call duration for this kind: p99 {} ms, mean {} ms over {} calls ({})",
-            e.quantile_ms,
-            e.mean_ms,
-            e.samples,
-            match e.source {
-                EstimateSource::Key => "this kind",
-                EstimateSource::AllKeys => "all kinds, none yet of this one",
-            }
-        )
-    })
+    (t.reason.as_ref())
+        .is_some_and(Reason::is_learned_refusal)
+        .then(|| {
+            format!(
+                "learned call duration for this kind: p99 {} ms, mean {} ms over {} calls ({})",
+                e.quantile_ms,
+                e.mean_ms,
+                e.samples,
+                match e.source {
+                    EstimateSource::Key => "this kind",
+                    EstimateSource::AllKeys => "all kinds, none yet of this one",
+                }
+            )
+        })
 }

@@ -136,11 +136,12 @@ pub(crate) async fn record(ctx: &Ctx, job: Job, r: Recording, call: Option<Call>
     let terminal = r.terminal();
     if newly {
         if let Some(t) = terminal {
+            let reason = t.reason.as_ref().map(ToString::to_string);
             ctx.stats.count_state(t.state.as_str());
-            (ctx.stats.metrics).count_outcome(t.state.as_str(), &rec.kind, t.reason.as_deref());
+            (ctx.stats.metrics).count_outcome(t.state.as_str(), &rec.kind, reason.as_deref());
             tracing::info!(
                 state = t.state.as_str(),
-                reason = t.reason.as_deref().unwrap_or(""),
+                reason = reason.as_deref().unwrap_or(""),
                 "outcome recorded"
             );
         }

@@ -9,6 +9,7 @@ use crate::config::Settings;
 use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_clock::now_ms;
+use lastcall_core::{Decision, State};
 use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use serde::Serialize;
 use serde_json::json;
@@ -234,10 +235,6 @@ fn outcome(job_id: &str, model_called: bool) -> OutcomeRecord {
     let now = now_ms();
     OutcomeRecord {
         attempt_key: format!("{job_id}:a"),
-        job_id: job_id.to_owned(),
-        kind: "bench.ledger".into(),
-        state: "completed".into(),
-        decision: "ack".into(),
         created_at_ms: Some(now),
         expires_at_ms: Some(now + 60_000),
         received_at_ms: Some(now),
@@ -247,6 +244,6 @@ fn outcome(job_id: &str, model_called: bool) -> OutcomeRecord {
         worker: "bench".into(),
         model_called,
         result: Some("ok".into()),
-        ..OutcomeRecord::default()
+        ..OutcomeRecord::new(job_id, "bench.ledger", State::Completed, Decision::Ack, now)
     }
 }
