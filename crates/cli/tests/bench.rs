@@ -83,7 +83,10 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
             p["overload"].as_f64().unwrap(),
             p["goodput"].as_f64().unwrap() * 100.0
         );
-        assert!(texts.contains(&legend.as_str()), "`{legend}` not in {texts:?}");
+        assert!(
+            texts.contains(&legend.as_str()),
+            "`{legend}` not in {texts:?}"
+        );
     }
     env.cleanup().await;
 }
