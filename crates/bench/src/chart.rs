@@ -3,6 +3,7 @@
 //! font crate is built.
 
 use anyhow::{Result, anyhow};
+use plotters::element::DashedPathElement;
 use plotters::prelude::*;
 
 /// One chart: a line per series over x = 0, 1, 2, …, and an optional dashed reference.
@@ -76,7 +77,9 @@ pub fn line_chart(c: &Chart) -> Result<String> {
                 ))
                 .map_err(|e| fail(&e))?
                 .label(format!("{label} ({})", trim(*v)))
-                .legend(|(x, y)| PathElement::new([(x, y), (x + 20, y)], BLACK.stroke_width(1)));
+                .legend(|(x, y)| {
+                    DashedPathElement::new([(x, y), (x + 20, y)], 6, 4, BLACK.stroke_width(1))
+                });
         }
         for (k, (label, values)) in c.series.iter().enumerate() {
             let color = COLORS[k % COLORS.len()];
