@@ -10,14 +10,11 @@
 //! - [`consume`]: a manual-ack consumer yielding [`consume::Incoming`] deliveries with the
 //!   attempt header and the parsed `x-death` history, and settle operations that never
 //!   requeue.
-//! - [`bench`]: raw publisher and bare consumers for `lastcall bench ack-modes` (auto-ack,
-//!   manual, `multiple` acks, consumer crashes); never used by the worker.
 //! - [`deltas`]: a worker's token deltas to a job's `reply_to` (bounded, best-effort);
 //!   [`publish::ReplyChannel`] is the receiving side (direct reply-to).
 //! - [`tls`]: the URL as lapin gets it: `amqps://` with `cacertfile` (a private CA),
 //!   `certfile`/`keyfile` (a client certificate) read from the URL's query.
 
-pub mod bench;
 pub mod consume;
 pub mod deltas;
 pub mod events;

@@ -89,7 +89,7 @@ pub enum Command {
     /// Declares its own queues (`lastcall-demo.*`, purged first), keeps its outcomes in a
     /// fresh ledger of its own (`./lastcall-demo.db`, or --demo-store-url; never the one of
     /// --store-url), and runs a worker and the dead-letter processor in this process.
-    Demo(DemoArgs),
+    Demo(lastcall_bench::demo::DemoArgs),
     /// Run the dead-letter processor: record an outcome for every dead letter, then ack
     ///
     /// Consumes `{prefix}.dead` with manual acks and records one outcome per dead letter,
@@ -135,7 +135,7 @@ pub enum Command {
     /// `bench ledger` (outcome writes per second). Each prints a table, `--json` prints JSON,
     /// `--smoke` runs a few seconds. Build with `--release` for numbers worth quoting.
     #[command(subcommand)]
-    Bench(crate::cmd::bench::BenchCommand),
+    Bench(lastcall_bench::BenchCommand),
     /// Look at the configuration: `config show [worker|serve|dlq|submit]`
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -581,72 +581,6 @@ pub struct TopologyApplyArgs {
         default_value = "http://127.0.0.1:15672"
     )]
     pub management_url: String,
-}
-
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Model backend: `local` runs the embedded SmolLM2 model (real inference, needs
-    /// `scripts/setup-model.sh`), `sim` a simulated model with a fixed latency
-    #[arg(long, value_enum, default_value_t = DemoBackend::default())]
-    pub backend: DemoBackend,
-    /// Jobs to submit [default: 10 local, 30 sim]
-    #[arg(long)]
-    pub jobs: Option<usize>,
-    /// Each job's deadline, in ms from its submission [default: 10000 local, 2000 sim]
-    #[arg(long)]
-    pub deadline_ms: Option<u64>,
-    /// The first jobs are urgent pages (kind `incident.page`) sent while the worker is still
-    /// starting: they get this deadline, and expire at the broker before any worker
-    /// receives them
-    #[arg(long, default_value_t = 1_500)]
-    pub early_deadline_ms: u64,
-    /// How many of the jobs are such early, urgent pages
-    #[arg(long, default_value_t = 3)]
-    pub early_jobs: usize,
-    /// Model slots of the demo worker [default: 1 local, 2 sim]
-    #[arg(long)]
-    pub slots: Option<usize>,
-    /// Sim latency per call, in ms
-    #[arg(long, default_value_t = 600)]
-    pub sim_latency_ms: u64,
-    /// Local model: tokens to generate per job
-    #[arg(long, default_value_t = 24)]
-    pub max_tokens: u64,
-    /// Submission rate, in jobs per second [default: 1 local, 8 sim; over twice the capacity]
-    #[arg(long)]
-    pub rate: Option<f64>,
-    /// Minimum useful runtime per job, in ms: no call starts with less budget left
-    /// [default: 3000 local, the sim latency for sim]
-    #[arg(long)]
-    pub min_runtime_ms: Option<u64>,
-    /// Start the worker this long after the first submission, in ms, as after a restart
-    #[arg(long, default_value_t = 2_500)]
-    pub worker_delay_ms: u64,
-    /// Local backend: the GGUF file [default: the one `scripts/setup-model.sh` installed]
-    #[arg(long, env = "LASTCALL_MODEL_PATH")]
-    pub model_path: Option<PathBuf>,
-    /// Keep the demo's ledger here instead of a fresh file
-    #[arg(long)]
-    pub demo_store_url: Option<String>,
-}
-
-/// The demo's model backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DemoBackend {
-    /// The embedded SmolLM2-135M model (real inference on the CPU)
-    Local,
-    /// A simulated model with a fixed latency
-    Sim,
-}
-
-impl Default for DemoBackend {
-    fn default() -> Self {
-        if cfg!(feature = "local-model") {
-            DemoBackend::Local
-        } else {
-            DemoBackend::Sim
-        }
-    }
 }
 
 /// `lastcall dlq` (see the subcommand's help).

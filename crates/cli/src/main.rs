@@ -81,7 +81,8 @@ fn main() -> std::process::ExitCode {
 /// - `demo --help` does not list the global `--store-url` and `--prefix`: the demo keeps
 ///   its own ledger and its own queues (`{prefix}-demo.*`). The demo gets hidden
 ///   arguments of the same ids, which clap then does not replace with the global ones;
-///   their values still reach the global options (clap matches global values by id).
+///   their values still reach the global options (clap matches global values by id);
+/// - `demo --backend` defaults to `sim` in a build without the embedded model.
 fn command() -> clap::Command {
     fn hide_env_values(c: clap::Command) -> clap::Command {
         c.mut_args(|a| a.hide_env_values(true))
@@ -108,5 +109,12 @@ fn command() -> clap::Command {
                 .value_name("PREFIX")
                 .hide(true),
         )
+        .mut_arg("backend", |a| {
+            if cfg!(feature = "local-model") {
+                a
+            } else {
+                a.default_value("sim")
+            }
+        })
     })
 }

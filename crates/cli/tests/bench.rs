@@ -68,9 +68,26 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
     // The default run gives the worker no hint about the call time.
     assert_eq!(j["setup"]["oracle"], false);
     assert!(j["setup"]["min_runtime_ms"].is_null(), "{}", j["setup"]);
+    // The chart names every policy's series in its legend, with the run's goodput.
     let doc = std::fs::read_to_string(&svg).unwrap();
     assert!(doc.starts_with("<svg") && doc.trim_end().ends_with("</svg>"));
-    assert_eq!(doc.matches("<polyline").count(), 3);
+    let texts: Vec<&str> = doc
+        .split("<text")
+        .skip(1)
+        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim()))
+        .collect();
+    for p in policies {
+        let legend = format!(
+            "{} at {}× ({:.0}% goodput)",
+            p["policy"].as_str().unwrap(),
+            p["overload"].as_f64().unwrap(),
+            p["goodput"].as_f64().unwrap() * 100.0
+        );
+        assert!(
+            texts.contains(&legend.as_str()),
+            "`{legend}` not in {texts:?}"
+        );
+    }
     env.cleanup().await;
 }
 

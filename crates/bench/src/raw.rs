@@ -1,27 +1,64 @@
 //! Raw broker loops for `lastcall bench ack-modes`: a PerfTest-style publisher and bare
-//! consumers that do nothing but settle. They live here because this is the only crate
-//! that knows lapin; the CLI only sees plain numbers.
+//! consumers that do nothing but settle, on lapin itself. They bypass lastcall's broker
+//! adapter (`lastcall-broker`) on purpose: what they measure is the broker's ceiling, the
+//! baseline the worker's pipeline is compared with. Besides the adapter, this is the one
+//! place that knows lapin; it reads the URL as the adapter does
+//! (`lastcall_broker::tls::Target`: TLS settings, IP hosts).
 //!
-//! Every message body starts with its publish time (µs since the epoch, 8 bytes
+//! Every message body starts with its publish time (µs since the run's `origin`, a
+//! monotonic instant the publisher and the consumers of this process share; 8 bytes
 //! little-endian) and is padded to the configured size, so a consumer can measure
 //! publish→consume latency without a header.
 
-use crate::topology::QueueType;
-use crate::{Broker, BrokerError};
+use anyhow::{Context, Result, anyhow};
 use futures_util::StreamExt;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
     ConfirmSelectOptions, QueueDeclareOptions, QueueDeleteOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
-use lapin::{BasicProperties, Confirmation};
+use lapin::{BasicProperties, Channel, Confirmation, Connection, ConnectionProperties};
+use lastcall_broker::QueueType;
 use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
-fn amqp(doing: &'static str) -> impl Fn(lapin::Error) -> BrokerError {
-    move |source| BrokerError::Amqp { doing, source }
+/// A raw connection to the first node of `urls` (one URL or a comma-separated list) that
+/// answers.
+pub async fn connect(urls: &str) -> Result<Connection> {
+    let mut last = None;
+    for url in urls.split(',').map(str::trim).filter(|u| !u.is_empty()) {
+        let target = lastcall_broker::tls::Target::parse(url)
+            .map_err(|m| anyhow!("invalid broker URL {}: {m}", lastcall_broker::redact(url)))?;
+        let runtime = lapin::runtime::default_runtime()?;
+        match Connection::connect_uri_with_config(
+            target.uri,
+            ConnectionProperties::default(),
+            target.tls,
+            runtime,
+        )
+        .await
+        {
+            Ok(c) => return Ok(c),
+            Err(e) => {
+                last = Some(anyhow::Error::new(e).context(format!(
+                    "cannot connect to RabbitMQ at {}",
+                    lastcall_broker::redact(url)
+                )))
+            }
+        }
+    }
+    Err(last.unwrap_or_else(|| anyhow!("no broker URL given")))
+}
+
+async fn channel(conn: &Connection) -> Result<Channel> {
+    conn.create_channel().await.context("opening a channel")
+}
+
+/// Microseconds from `origin` to now (monotonic).
+fn micros_since(origin: Instant) -> u64 {
+    origin.elapsed().as_micros() as u64
 }
 
 /// How a bench consumer acknowledges.
@@ -60,11 +97,13 @@ pub struct RunConfig {
     pub confirm_window: usize,
     pub consumers: usize,
     pub messages: u64,
+    /// The instant the bodies' publish stamps count from.
+    pub origin: Instant,
 }
 
 /// Declare the bench queue fresh (deleted first).
-pub async fn declare_queue(broker: &Broker, cfg: &RunConfig) -> Result<(), BrokerError> {
-    let ch = broker.channel().await?;
+pub async fn declare_queue(conn: &Connection, cfg: &RunConfig) -> Result<()> {
+    let ch = channel(conn).await?;
     let _ = ch
         .queue_delete(cfg.queue.as_str().into(), QueueDeleteOptions::default())
         .await;
@@ -84,27 +123,19 @@ pub async fn declare_queue(broker: &Broker, cfg: &RunConfig) -> Result<(), Broke
         args,
     )
     .await
-    .map_err(amqp("declaring the bench queue"))?;
+    .context("declaring the bench queue")?;
     let _ = ch.close(200, "ok".into()).await;
     Ok(())
 }
 
 /// Delete the bench queue.
-pub async fn delete_queue(broker: &Broker, queue: &str) -> Result<(), BrokerError> {
-    let ch = broker.channel().await?;
+pub async fn delete_queue(conn: &Connection, queue: &str) -> Result<()> {
+    let ch = channel(conn).await?;
     let _ = ch
         .queue_delete(queue.into(), QueueDeleteOptions::default())
         .await;
     let _ = ch.close(200, "ok".into()).await;
     Ok(())
-}
-
-/// Microseconds since the epoch.
-pub fn now_us() -> u64 {
-    std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .unwrap_or_default()
-        .as_micros() as u64
 }
 
 /// The publisher's side of a run.
@@ -120,15 +151,15 @@ pub struct Published {
 /// overwritten with the publish time unless a template is given). `progress` counts
 /// confirmed publishes.
 pub async fn publish(
-    broker: &Broker,
+    conn: &Connection,
     cfg: &RunConfig,
     body: Option<&[u8]>,
     progress: Arc<AtomicU64>,
-) -> Result<Published, BrokerError> {
-    let ch = broker.channel().await?;
+) -> Result<Published> {
+    let ch = channel(conn).await?;
     ch.confirm_select(ConfirmSelectOptions::default())
         .await
-        .map_err(amqp("enabling publisher confirms"))?;
+        .context("enabling publisher confirms")?;
     let mut template = body
         .map(<[u8]>::to_vec)
         .unwrap_or_else(|| vec![b'x'; cfg.message_bytes.max(8)]);
@@ -146,7 +177,7 @@ pub async fn publish(
     let mut nacked = 0u64;
     for _ in 0..cfg.messages {
         if stamp {
-            template[..8].copy_from_slice(&now_us().to_le_bytes());
+            template[..8].copy_from_slice(&micros_since(cfg.origin).to_le_bytes());
         }
         let c = ch
             .basic_publish(
@@ -157,7 +188,7 @@ pub async fn publish(
                 props.clone(),
             )
             .await
-            .map_err(amqp("publishing"))?;
+            .context("publishing")?;
         pending.push_back(c);
         while pending.len() >= cfg.confirm_window.max(1) {
             wait_confirm(pending.pop_front().expect("non-empty"), &mut nacked).await?;
@@ -173,8 +204,8 @@ pub async fn publish(
     Ok(Published { elapsed, nacked })
 }
 
-async fn wait_confirm(c: lapin::PublisherConfirm, nacked: &mut u64) -> Result<(), BrokerError> {
-    if let Confirmation::Nack(_) = c.await.map_err(amqp("waiting for a confirm"))? {
+async fn wait_confirm(c: lapin::PublisherConfirm, nacked: &mut u64) -> Result<()> {
+    if let Confirmation::Nack(_) = c.await.context("waiting for a confirm")? {
         *nacked += 1;
     }
     Ok(())
@@ -205,6 +236,8 @@ pub struct ConsumeSpec {
     pub work: Duration,
     /// Record publish→consume latency from the body's timestamp.
     pub record_latency: bool,
+    /// The instant the publisher's stamps count from (its `RunConfig::origin`).
+    pub origin: Instant,
 }
 
 /// A bare consumer: take deliveries and settle them per `mode` until `stop_after`
@@ -217,16 +250,17 @@ pub async fn consume(
     queue: &str,
     spec: ConsumeSpec,
     shared: Arc<AtomicU64>,
-) -> Result<ConsumeResult, BrokerError> {
+) -> Result<ConsumeResult> {
     let ConsumeSpec {
         mode,
         stop_after,
         crash_after,
         work,
         record_latency,
+        origin,
     } = spec;
-    let broker = Broker::connect(url).await?;
-    let ch = broker.channel().await?;
+    let conn = connect(url).await?;
+    let ch = channel(&conn).await?;
     let (no_ack, prefetch) = match mode {
         AckMode::Auto => (true, 0),
         AckMode::Manual { prefetch } | AckMode::Multiple { prefetch, .. } => (false, prefetch),
@@ -234,7 +268,7 @@ pub async fn consume(
     if !no_ack {
         ch.basic_qos(prefetch, BasicQosOptions::default())
             .await
-            .map_err(amqp("setting prefetch"))?;
+            .context("setting prefetch")?;
     }
     let mut consumer = ch
         .basic_consume(
@@ -247,7 +281,7 @@ pub async fn consume(
             FieldTable::default(),
         )
         .await
-        .map_err(amqp("starting a bench consumer"))?;
+        .context("starting a bench consumer")?;
     let mut out = ConsumeResult::default();
     let mut first: Option<Instant> = None;
     let mut since_ack = 0u16;
@@ -259,12 +293,13 @@ pub async fn consume(
         let d = match next {
             Err(_) => continue, // idle: re-check the shared counter
             Ok(None) => break,
-            Ok(Some(d)) => d.map_err(amqp("consuming"))?,
+            Ok(Some(d)) => d.context("consuming")?,
         };
         first.get_or_insert_with(Instant::now);
         if record_latency && d.data.len() >= 8 {
             let sent = u64::from_le_bytes(d.data[..8].try_into().expect("8 bytes"));
-            out.latencies_us.push(now_us().saturating_sub(sent));
+            out.latencies_us
+                .push(micros_since(origin).saturating_sub(sent));
         }
         if d.redelivered {
             out.redelivered += 1;
@@ -282,7 +317,7 @@ pub async fn consume(
                 d.acker
                     .ack(BasicAckOptions::default())
                     .await
-                    .map_err(amqp("acking"))?;
+                    .context("acking")?;
             }
             AckMode::Multiple { every, .. } => {
                 since_ack += 1;
@@ -290,14 +325,14 @@ pub async fn consume(
                     d.acker
                         .ack(BasicAckOptions { multiple: true })
                         .await
-                        .map_err(amqp("acking"))?;
+                        .context("acking")?;
                     since_ack = 0;
                 } else if shared.load(Ordering::Relaxed) + 1 >= stop_after {
                     // The last delivery of the run settles everything before it.
                     d.acker
                         .ack(BasicAckOptions { multiple: true })
                         .await
-                        .map_err(amqp("acking"))?;
+                        .context("acking")?;
                     since_ack = 0;
                 }
             }
@@ -306,14 +341,23 @@ pub async fn consume(
         shared.fetch_add(1, Ordering::Relaxed);
     }
     out.elapsed = first.map(|t| t.elapsed()).unwrap_or_default();
-    broker.close().await;
+    let _ = conn.close(200, "ok".into()).await;
     Ok(out)
 }
 
-/// Messages ready in `queue` (passive declare).
-pub async fn ready(broker: &Broker, queue: &str) -> Result<u64, BrokerError> {
-    Ok(crate::topology::queue_depth(broker, queue)
-        .await?
-        .map(|(m, _)| u64::from(m))
-        .unwrap_or(0))
+/// Messages ready in `queue` (passive declare; 0 if it does not exist).
+pub async fn ready(conn: &Connection, queue: &str) -> Result<u64> {
+    let ch = channel(conn).await?;
+    let declared = ch
+        .queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    let _ = ch.close(200, "ok".into()).await;
+    Ok(declared.map(|q| u64::from(q.message_count())).unwrap_or(0))
 }

@@ -1,31 +1,78 @@
-//! `lastcall bench …`: measured numbers against the real broker and ledgers.
+//! `lastcall bench …` and `lastcall demo`: measured numbers and a walkthrough against the
+//! real broker and ledgers. The `lastcall` binary only parses the command line (the clap
+//! types here) and calls [`run`] or [`demo::run`]; nothing in the worker, the broker
+//! adapter or the ingress depends on this crate.
 //!
 //! # Layout
 //! - [`goodput`]: the headline: useful work under overload for the deadline policy and
-//!   two reference policies (naive, receipt-only), with an SVG chart.
+//!   two reference policies (naive, receipt-only), with an SVG chart ([`chart`]).
 //! - [`ack_modes`]: PerfTest-style runs of acknowledgement modes and prefetch, a consumer
-//!   crash, and the worker pipeline as a fraction of a bare consumer. The lapin loops
-//!   live in `lastcall_broker::bench`.
+//!   crash, and the worker pipeline as a fraction of a bare consumer, on the raw lapin
+//!   loops of [`raw`].
+//! - [`raw`]: a publisher and bare consumers on lapin itself, bypassing lastcall's broker
+//!   adapter on purpose: they measure the broker's ceiling. With `lastcall-broker`, the
+//!   only crate that knows lapin.
 //! - [`ledger`]: outcome writes per second on SQLite and PostgreSQL.
-//! - [`svg`]: a small hand-written SVG line chart (no plotting dependency).
+//! - [`front_door`]: what the OpenAI-compatible front door adds to a model call.
+//! - [`chart`]: the goodput line chart (`plotters`, SVG backend only).
+//! - [`demo`]: `lastcall demo`, the whole pipeline end to end on the local defaults.
 //!
-//! Every command prints a table at the end, `--json` prints one JSON object instead, and
-//! `--smoke` shrinks the run to a few seconds (for CI; numbers from it mean nothing).
+//! Every bench command prints a table at the end, `--json` prints one JSON object instead,
+//! and `--smoke` shrinks the run to a few seconds (for CI; numbers from it mean nothing).
+//! Wall-clock instants come from the [`Env`]'s [`Clock`]; durations are measured with
+//! [`std::time::Instant`].
 
-mod ack_modes;
-mod front_door;
-mod goodput;
-mod ledger;
-mod svg;
+pub mod ack_modes;
+pub mod chart;
+pub mod demo;
+pub mod front_door;
+pub mod goodput;
+pub mod ledger;
+pub mod raw;
 
-use crate::config::Settings;
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
 use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
+use lastcall_backend::Backend;
+use lastcall_clock::Clock;
+use lastcall_store::{JobRecord, Ledger};
 use serde::Serialize;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::sync::Arc;
+
+/// What a run needs from the binary that starts it: where the broker is, the clock, and
+/// the parts only the binary has.
+pub struct Env {
+    /// The broker URL (one node, or a comma-separated list).
+    pub amqp_url: String,
+    /// The queue prefix; every run declares its own queues under it.
+    pub prefix: String,
+    /// Every wall-clock instant of a run (deadlines, job ids, outcome polls) comes from here.
+    pub clock: Arc<dyn Clock>,
+    /// Loads the embedded model with one instance per slot (`--service smollm2`, `demo
+    /// --backend local`). The binary's loader: only it knows whether it was built with
+    /// the model.
+    pub local_model: LoadModel,
+    /// The binary's plain-text table, so that bench output looks like every other command's.
+    pub table: fn(&[&str], &[Vec<String>]) -> String,
+    /// The outcome table of `lastcall jobs list`, which the demo prints too.
+    pub outcome_table: fn(&[JobRecord]) -> String,
+}
+
+/// Loads the embedded model from a GGUF file (`None`: the installed one) with this many
+/// instances (slots).
+pub type LoadModel = fn(Option<&Path>, usize) -> Result<Arc<dyn Backend>>;
+
+impl std::fmt::Debug for Env {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Env")
+            .field("amqp_url", &lastcall_broker::redact(&self.amqp_url))
+            .field("prefix", &self.prefix)
+            .finish_non_exhaustive()
+    }
+}
 
 /// `lastcall bench` subcommands.
 #[derive(Debug, Subcommand)]
@@ -117,7 +164,7 @@ pub struct GoodputArgs {
     /// The worker's local buffer order (`lastcall worker --buffer-order`); a
     /// comma-separated list runs lastcall's policy once per order, e.g. `edf,fifo`
     #[arg(long, value_enum, value_delimiter = ',', default_value = "edf")]
-    pub order: Vec<crate::cli::BufferOrderArg>,
+    pub order: Vec<BufferOrderArg>,
     /// How long jobs arrive, in seconds
     #[arg(long, default_value_t = 10.0)]
     pub duration_s: f64,
@@ -263,13 +310,44 @@ pub enum PolicyArg {
     Naive,
 }
 
-pub async fn run(s: &Settings, c: BenchCommand) -> Result<ExitCode> {
-    match c {
-        BenchCommand::Goodput(a) => goodput::run(s, a).await,
-        BenchCommand::AckModes(a) => ack_modes::run(s, a).await,
-        BenchCommand::Ledger(a) => ledger::run(s, a).await,
-        BenchCommand::FrontDoor(a) => front_door::run(s, a).await,
+/// Which job waiting in the worker's local buffer gets the next free model slot (the
+/// values of `lastcall worker --buffer-order`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BufferOrderArg {
+    /// Earliest deadline first (ties: received first)
+    Edf,
+    /// Received first
+    Fifo,
+}
+
+impl From<BufferOrderArg> for lastcall_worker::BufferOrder {
+    fn from(a: BufferOrderArg) -> Self {
+        match a {
+            BufferOrderArg::Edf => Self::Edf,
+            BufferOrderArg::Fifo => Self::Fifo,
+        }
     }
+}
+
+/// Run one `lastcall bench` subcommand.
+pub async fn run(env: &Env, c: BenchCommand) -> Result<ExitCode> {
+    match c {
+        BenchCommand::Goodput(a) => goodput::run(env, a).await,
+        BenchCommand::AckModes(a) => ack_modes::run(env, a).await,
+        BenchCommand::Ledger(a) => ledger::run(env, a).await,
+        BenchCommand::FrontDoor(a) => front_door::run(env, a).await,
+    }
+}
+
+/// Open a ledger, with the message every command gives for one that cannot be opened.
+pub(crate) async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
+    let l = Ledger::connect(url).await.with_context(|| {
+        format!(
+            "cannot open the ledger at {} (set --store-url or LASTCALL_STORE_URL)",
+            lastcall_broker::redact(url)
+        )
+    })?;
+    Ok(Arc::new(l))
 }
 
 /// A progress bar on stderr (hidden when stderr is not a terminal, e.g. under `--json`
@@ -339,11 +417,11 @@ pub(crate) fn machine() -> Machine {
 }
 
 /// A fresh temporary directory for bench ledgers.
-pub(crate) fn temp_dir(tag: &str) -> Result<PathBuf> {
+pub(crate) fn temp_dir(tag: &str, clock: &dyn Clock) -> Result<PathBuf> {
     let d = std::env::temp_dir().join(format!(
         "lastcall-bench-{tag}-{}-{}",
         std::process::id(),
-        lastcall_clock::now_ms()
+        clock.now_ms()
     ));
     std::fs::create_dir_all(&d)?;
     Ok(d)

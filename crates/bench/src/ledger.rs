@@ -4,11 +4,11 @@
 //! "durable before ack" needs per delivery. Batched commits (ack a contiguous range with
 //! `multiple` after one transaction) are not implemented in the ledger yet.
 
-use super::{Percentiles, f1};
-use crate::config::Settings;
+use crate::Env;
+use crate::{Percentiles, f1};
 use anyhow::{Result, bail};
 use clap::Args;
-use lastcall_clock::now_ms;
+use lastcall_clock::Clock;
 use lastcall_core::{Decision, State};
 use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use serde::Serialize;
@@ -60,7 +60,7 @@ struct Row {
     latency: Percentiles,
 }
 
-pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
+pub async fn run(env: &Env, mut a: LedgerArgs) -> Result<ExitCode> {
     if a.smoke {
         a.writes = a.writes.min(100);
     }
@@ -69,7 +69,7 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
     }
     let mut targets: Vec<(String, Option<std::path::PathBuf>)> = Vec::new();
     if !a.no_sqlite {
-        let d = super::temp_dir("ledger")?;
+        let d = crate::temp_dir("ledger", &*env.clock)?;
         targets.push((
             format!("sqlite://{}", d.join("ledger.db").display()),
             Some(d),
@@ -80,9 +80,9 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
     }
     let mut rows = Vec::new();
     for (url, dir) in targets {
-        let ledger = Arc::new(super::super::open_ledger(&url).await?);
+        let ledger = crate::open_ledger(&url).await?;
         for what in ["outcome", "grouped_outcome", "worker_sequence"] {
-            rows.push(measure(&ledger, what, &a).await?);
+            rows.push(measure(&ledger, what, &a, &env.clock).await?);
         }
         ledger.close().await;
         if let Some(d) = dir {
@@ -95,7 +95,7 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
             serde_json::to_string_pretty(&json!({
                 "bench": "ledger",
                 "smoke": a.smoke,
-                "machine": super::machine(),
+                "machine": crate::machine(),
                 "results": rows,
             }))?
         );
@@ -118,7 +118,7 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
         .collect();
     print!(
         "{}",
-        crate::table::render(
+        (env.table)(
             &[
                 "backend", "what", "writers", "ok", "errors", "per_s", "p50_ms", "p99_ms"
             ],
@@ -132,9 +132,14 @@ pub async fn run(_s: &Settings, mut a: LedgerArgs) -> Result<ExitCode> {
     Ok(ExitCode::SUCCESS)
 }
 
-async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Result<Row> {
-    let nonce = format!("{:x}", now_ms());
-    let bar = super::bar(a.writes, &format!("{} {what}", ledger.backend_name()));
+async fn measure(
+    ledger: &Arc<Ledger>,
+    what: &'static str,
+    a: &LedgerArgs,
+    clock: &Arc<dyn Clock>,
+) -> Result<Row> {
+    let nonce = format!("{:x}", clock.now_ms());
+    let bar = crate::bar(a.writes, &format!("{} {what}", ledger.backend_name()));
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -148,6 +153,7 @@ async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Re
     let mut set = JoinSet::new();
     for _ in 0..a.writers {
         let (ledger, next, bar, nonce) = (ledger.clone(), next.clone(), bar.clone(), nonce.clone());
+        let clock = clock.clone();
         let n = a.writes;
         set.spawn(async move {
             let (mut ok, mut err, mut lat) = (0u64, 0u64, Vec::new());
@@ -163,11 +169,11 @@ async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Re
                 let r = if what == "grouped_outcome" {
                     let writes: Vec<LedgerWrite> = ids
                         .iter()
-                        .map(|id| LedgerWrite::outcome(outcome(id, false)))
+                        .map(|id| LedgerWrite::outcome(outcome(id, false, clock.now_ms())))
                         .collect();
                     ledger.write_batch(&writes).await.map(|_| ())
                 } else {
-                    one(&ledger, what, &ids[0]).await
+                    one(&ledger, what, &ids[0], &*clock).await
                 };
                 lat.push(t.elapsed().as_micros() as u64);
                 match r {
@@ -200,8 +206,13 @@ async fn measure(ledger: &Arc<Ledger>, what: &'static str, a: &LedgerArgs) -> Re
     })
 }
 
-async fn one(ledger: &Ledger, what: &str, job_id: &str) -> Result<(), lastcall_store::StoreError> {
-    let now = now_ms();
+async fn one(
+    ledger: &Ledger,
+    what: &str,
+    job_id: &str,
+    clock: &dyn Clock,
+) -> Result<(), lastcall_store::StoreError> {
+    let now = clock.now_ms();
     let key = format!("{job_id}:a");
     if what == "worker_sequence" {
         ledger.receipt_info(job_id).await?;
@@ -222,17 +233,16 @@ async fn one(ledger: &Ledger, what: &str, job_id: &str) -> Result<(), lastcall_s
             .await?;
     }
     ledger
-        .record_outcome(&outcome(job_id, what == "worker_sequence"))
+        .record_outcome(&outcome(job_id, what == "worker_sequence", clock.now_ms()))
         .await?;
     if what == "worker_sequence" {
-        ledger.mark_acked(&key, now_ms()).await?;
+        ledger.mark_acked(&key, clock.now_ms()).await?;
     }
     Ok(())
 }
 
-/// A completed outcome for `job_id` (attempt key `{job_id}:a`).
-fn outcome(job_id: &str, model_called: bool) -> OutcomeRecord {
-    let now = now_ms();
+/// A completed outcome for `job_id` (attempt key `{job_id}:a`), recorded at `now`.
+fn outcome(job_id: &str, model_called: bool, now: i64) -> OutcomeRecord {
     OutcomeRecord {
         attempt_key: format!("{job_id}:a"),
         created_at_ms: Some(now),

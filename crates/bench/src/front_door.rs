@@ -6,14 +6,14 @@
 //! calling the same simulated model directly. The overhead is the difference of the two
 //! latency distributions' percentiles.
 
-use super::{Percentiles, f1};
-use crate::config::Settings;
+use crate::Env;
+use crate::{Percentiles, f1};
 use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_backend::{Backend, CallRequest};
 use lastcall_broker::{Broker, Publisher};
-use lastcall_clock::{Clock, SystemClock};
+
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_http::{AppState, Token};
 use lastcall_producer::Submitter;
@@ -44,25 +44,21 @@ pub struct FrontDoorArgs {
     pub smoke: bool,
 }
 
-pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
+pub async fn run(env: &Env, mut a: FrontDoorArgs) -> Result<ExitCode> {
     if a.smoke {
         a.requests = a.requests.min(20);
     }
     if a.requests == 0 {
         bail!("--requests must be positive");
     }
-    let prefix = format!(
-        "{}-bench-front-door-{:x}",
-        s.prefix,
-        lastcall_clock::now_ms()
-    );
-    let dir = super::temp_dir("front-door")?;
+    let prefix = format!("{}-bench-front-door-{:x}", env.prefix, env.clock.now_ms());
+    let dir = crate::temp_dir("front-door", &*env.clock)?;
     let ledger_url = a
         .ledger_url
         .clone()
         .unwrap_or_else(|| format!("sqlite://{}", dir.join("ledger.db").display()));
-    let ledger = super::super::open_ledger(&ledger_url).await?;
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let ledger = crate::open_ledger(&ledger_url).await?;
+    let clock = env.clock.clone();
     let sim = || {
         SimBackend::new(SimConfig {
             latency_ms: a.sim_latency_ms,
@@ -72,10 +68,10 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
     let mut cfg = WorkerConfig::new(&prefix, 4);
     cfg.name = "bench-front-door".into();
     let topo = cfg.topology.clone();
-    let broker = Broker::connect(&s.amqp_url).await?;
+    let broker = Broker::connect(&env.amqp_url).await?;
     let worker = Worker::build(
         cfg,
-        Broker::connect(&s.amqp_url).await?,
+        Broker::connect(&env.amqp_url).await?,
         ledger.clone(),
         Arc::new(sim()?),
         clock.clone(),
@@ -141,7 +137,7 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
     for _ in 0..5 {
         call().await?;
     }
-    let bar = super::bar(a.requests, "front door");
+    let bar = crate::bar(a.requests, "front door");
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -191,7 +187,7 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
             "front_door": v,
             "direct": d,
             "overhead": overhead,
-            "machine": super::machine(),
+            "machine": crate::machine(),
         });
         println!("{}", serde_json::to_string_pretty(&j)?);
     } else {
@@ -199,8 +195,8 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
             "front door, {} requests one at a time, sim model at {} ms ({} cores, {} build)",
             a.requests,
             a.sim_latency_ms,
-            super::machine().cores,
-            super::machine().build
+            crate::machine().cores,
+            crate::machine().build
         );
         let rows = vec![
             vec![
@@ -227,7 +223,7 @@ pub async fn run(s: &Settings, mut a: FrontDoorArgs) -> Result<ExitCode> {
         ];
         print!(
             "{}",
-            crate::table::render(&["ms", "p50", "p90", "p99", "max"], &rows)
+            (env.table)(&["ms", "p50", "p90", "p99", "max"], &rows)
         );
     }
     Ok(ExitCode::SUCCESS)

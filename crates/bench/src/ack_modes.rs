@@ -1,18 +1,18 @@
 //! `lastcall bench ack-modes`: the seed's comparison table, measured.
 //!
-//! All lapin work happens in `lastcall_broker::bench`; this module only orchestrates runs
-//! and turns the numbers into a table, JSON and percentiles.
+//! All lapin work happens in [`crate::raw`]; this module only orchestrates runs and turns
+//! the numbers into a table, JSON and percentiles.
 
-use super::{Percentiles, f1};
-use crate::config::Settings;
+use crate::Env;
+use crate::raw::{self, AckMode, ConsumeSpec, RunConfig};
+use crate::{Percentiles, f1};
 use anyhow::{Result, bail};
 use clap::Args;
+use lapin::Connection;
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
-use lastcall_broker::bench::{self as raw, AckMode, ConsumeSpec, RunConfig};
 use lastcall_broker::{Broker, Publisher, QueueType};
-use lastcall_clock::now_ms;
-use lastcall_clock::{Clock, SystemClock};
+
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
@@ -145,7 +145,7 @@ struct PipelineRow {
     cpu_budget_us_per_job_at_80: Option<f64>,
 }
 
-pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
+pub async fn run(env: &Env, mut a: AckModesArgs) -> Result<ExitCode> {
     if a.smoke {
         a.messages = a.messages.min(300);
         a.prefetch = vec![1, 64];
@@ -160,15 +160,17 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
         bail!("--consumers and --messages must be positive, --crash-after below --crash-messages");
     }
     let queue_type: QueueType = a.queue_type.parse().map_err(anyhow::Error::msg)?;
-    let broker = Broker::connect(&s.amqp_url).await?;
+    let broker = Broker::connect(&env.amqp_url).await?;
+    let conn = Arc::new(raw::connect(&env.amqp_url).await?);
     let base = RunConfig {
-        queue: format!("{}-bench-ack-{:x}", s.prefix, now_ms()),
+        queue: format!("{}-bench-ack-{:x}", env.prefix, env.clock.now_ms()),
         queue_type,
         durable: !a.transient,
         message_bytes: a.message_bytes.max(8),
         confirm_window: a.confirm_window.max(1),
         consumers: a.consumers,
         messages: a.messages,
+        origin: Instant::now(),
     };
     let fixed = json!({
         "message_bytes": base.message_bytes,
@@ -203,7 +205,7 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
     let mut rows = Vec::new();
     if !a.skip_modes {
         for m in modes {
-            rows.push(run_mode(s, &broker, &base, m, a.json).await?);
+            rows.push(run_mode(env, &conn, &base, m, a.json).await?);
         }
     }
     let mut crash = Vec::new();
@@ -213,10 +215,11 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
             prefetch: a.crash_prefetch,
         },
     ] {
-        crash.push(run_crash(s, &broker, &base, m, &a).await?);
+        crash.push(run_crash(env, &conn, &base, m, &a).await?);
     }
-    let pipeline = run_pipeline(s, &broker, &base, &a).await?;
-    raw::delete_queue(&broker, &base.queue).await?;
+    let pipeline = run_pipeline(env, &broker, &base, &a).await?;
+    raw::delete_queue(&conn, &base.queue).await?;
+    let _ = conn.close(200, "bye".into()).await;
     broker.close().await;
 
     if a.json {
@@ -226,7 +229,7 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
                 "bench": "ack-modes",
                 "smoke": a.smoke,
                 "fixed": fixed,
-                "machine": super::machine(),
+                "machine": crate::machine(),
                 "modes": rows,
                 "crash": crash,
                 "pipeline": pipeline,
@@ -253,7 +256,7 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
             .collect();
         print!(
             "{}",
-            crate::table::render(
+            (env.table)(
                 &[
                     "mode",
                     "consumed",
@@ -284,7 +287,7 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
         .collect();
     print!(
         "{}",
-        crate::table::render(
+        (env.table)(
             &[
                 "crash: mode",
                 "messages",
@@ -335,14 +338,14 @@ pub async fn run(s: &Settings, mut a: AckModesArgs) -> Result<ExitCode> {
 }
 
 async fn run_mode(
-    s: &Settings,
-    broker: &Broker,
+    env: &Env,
+    conn: &Arc<Connection>,
     base: &RunConfig,
     mode: AckMode,
     quiet: bool,
 ) -> Result<ModeRow> {
-    raw::declare_queue(broker, base).await?;
-    let bar = super::bar(base.messages, &mode.to_string());
+    raw::declare_queue(conn, base).await?;
+    let bar = crate::bar(base.messages, &mode.to_string());
     if quiet {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
@@ -350,19 +353,20 @@ async fn run_mode(
     let t0 = Instant::now();
     let mut consumers = JoinSet::new();
     for _ in 0..base.consumers {
-        let (url, q, shared) = (s.amqp_url.clone(), base.queue.clone(), shared.clone());
+        let (url, q, shared) = (env.amqp_url.clone(), base.queue.clone(), shared.clone());
         let spec = ConsumeSpec {
             mode,
             stop_after: base.messages,
             crash_after: None,
             work: Duration::ZERO,
             record_latency: true,
+            origin: base.origin,
         };
         consumers.spawn(async move { raw::consume(&url, &q, spec, shared).await });
     }
     let published = Arc::new(AtomicU64::new(0));
-    let (b2, cfg2, p2) = (broker.clone(), base.clone(), published.clone());
-    let publisher = tokio::spawn(async move { raw::publish(&b2, &cfg2, None, p2).await });
+    let (c2, cfg2, p2) = (conn.clone(), base.clone(), published.clone());
+    let publisher = tokio::spawn(async move { raw::publish(&c2, &cfg2, None, p2).await });
     // A consumer that finishes while the publisher still waits for its last confirms is
     // taken out of the set here: keep its samples (dropping them lost every latency of a
     // one-consumer run whenever the consumer beat the confirms, as on a loaded machine).
@@ -396,8 +400,8 @@ async fn run_mode(
 }
 
 async fn run_crash(
-    s: &Settings,
-    broker: &Broker,
+    env: &Env,
+    conn: &Connection,
     base: &RunConfig,
     mode: AckMode,
     a: &AckModesArgs,
@@ -406,11 +410,11 @@ async fn run_crash(
         messages: a.crash_messages,
         ..base.clone()
     };
-    raw::declare_queue(broker, &cfg).await?;
-    raw::publish(broker, &cfg, None, Arc::new(AtomicU64::new(0))).await?;
+    raw::declare_queue(conn, &cfg).await?;
+    raw::publish(conn, &cfg, None, Arc::new(AtomicU64::new(0))).await?;
     // A slow consumer (1 ms per delivery) killed after `crash_after` deliveries.
     let killed = raw::consume(
-        &s.amqp_url,
+        &env.amqp_url,
         &cfg.queue,
         ConsumeSpec {
             mode,
@@ -418,16 +422,17 @@ async fn run_crash(
             crash_after: Some(a.crash_after),
             work: Duration::from_millis(1),
             record_latency: false,
+            origin: cfg.origin,
         },
         Arc::new(AtomicU64::new(0)),
     )
     .await?;
     // Let the broker notice the closed connection and requeue.
     tokio::time::sleep(Duration::from_millis(300)).await;
-    let left = raw::ready(broker, &cfg.queue).await?;
+    let left = raw::ready(conn, &cfg.queue).await?;
     let drain = if left > 0 {
         raw::consume(
-            &s.amqp_url,
+            &env.amqp_url,
             &cfg.queue,
             ConsumeSpec {
                 mode: AckMode::Manual { prefetch: 256 },
@@ -435,6 +440,7 @@ async fn run_crash(
                 crash_after: None,
                 work: Duration::ZERO,
                 record_latency: false,
+                origin: base.origin,
             },
             Arc::new(AtomicU64::new(0)),
         )
@@ -453,7 +459,7 @@ async fn run_crash(
 }
 
 async fn run_pipeline(
-    s: &Settings,
+    env: &Env,
     broker: &Broker,
     base: &RunConfig,
     a: &AckModesArgs,
@@ -461,8 +467,8 @@ async fn run_pipeline(
     let n = a.pipeline_messages.max(1);
     let slots = a.pipeline_slots.max(1);
     let prefetch = (slots * 2).clamp(1, u16::MAX as usize) as u16;
-    let stamp = now_ms();
-    let prefix = format!("{}-bench-pipe-{stamp:x}", s.prefix);
+    let stamp = env.clock.now_ms();
+    let prefix = format!("{}-bench-pipe-{stamp:x}", env.prefix);
     // Ids unique to this run: a shared ledger (--pipeline-ledger-url) must not turn a
     // later run's jobs into duplicates of an earlier run's.
     let id_prefix = format!("pipe-{stamp:x}-");
@@ -500,7 +506,7 @@ async fn run_pipeline(
     // exactly these messages. The queue is filled first, then drained.
     let fill = |what: &'static str, ids: String| {
         let submitter = submitter.clone();
-        let bar = super::bar(n, what);
+        let bar = crate::bar(n, what);
         if a.json {
             bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
         }
@@ -508,7 +514,8 @@ async fn run_pipeline(
             let mut set = JoinSet::new();
             for i in 0..n {
                 let (sub, j) = (submitter.clone(), job(&ids, i));
-                set.spawn(async move { sub.submit(&j, now_ms()).await });
+                let now = env.clock.now_ms();
+                set.spawn(async move { sub.submit(&j, now).await });
                 if set.len() >= 64
                     && let Some(r) = set.join_next().await
                 {
@@ -544,7 +551,7 @@ async fn run_pipeline(
             .finish_and_clear();
         let from = CpuTimes::now();
         let r = raw::consume(
-            &s.amqp_url,
+            &env.amqp_url,
             &topo.names.work_queue,
             ConsumeSpec {
                 mode,
@@ -552,6 +559,7 @@ async fn run_pipeline(
                 crash_after: None,
                 work: Duration::ZERO,
                 record_latency: false,
+                origin: base.origin,
             },
             Arc::new(AtomicU64::new(0)),
         )
@@ -571,21 +579,21 @@ async fn run_pipeline(
     let (ledger_url, dir) = match &a.pipeline_ledger_url {
         Some(u) => (u.clone(), None),
         None => {
-            let d = super::temp_dir("pipeline")?;
+            let d = crate::temp_dir("pipeline", &*env.clock)?;
             (
                 format!("sqlite://{}", d.join("ledger.db").display()),
                 Some(d),
             )
         }
     };
-    let ledger = super::super::open_ledger(&ledger_url).await?;
+    let ledger = crate::open_ledger(&ledger_url).await?;
     let sim = Arc::new(SimBackend::new(SimConfig::default())?);
     let backend: Arc<dyn Backend> = sim.clone();
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let clock = env.clock.clone();
     let stats = Arc::new(WorkerStats::default());
     let worker = Worker::build(
         cfg,
-        Broker::connect(&s.amqp_url).await?,
+        Broker::connect(&env.amqp_url).await?,
         ledger.clone(),
         backend,
         clock,

@@ -5,14 +5,14 @@
 //! after the deadline is one whose `started_at_ms` is after `expires_at_ms`. The sim
 //! backend's own call counter cross-checks the ledger's `backend_calls`.
 
-use super::{GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1, svg};
-use crate::config::Settings;
+use crate::Env;
+use crate::chart::{Chart, line_chart};
+use crate::{GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1};
 use anyhow::{Context, Result, bail};
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::{Broker, Publisher};
-use lastcall_clock::now_ms;
-use lastcall_clock::{Clock, SystemClock};
+
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
 use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_store::{JobRecord, ListFilter};
@@ -95,7 +95,7 @@ struct PolicyResult {
     on_time_per_s: Vec<u64>,
 }
 
-pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
+pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     if a.smoke {
         a.duration_s = a.duration_s.min(2.0);
         a.deadline_ms.iter_mut().for_each(|d| *d = (*d).min(1_000));
@@ -111,7 +111,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
     // The embedded model is loaded once for every run; its mean call time (with every
     // slot busy) sets the capacity and so the arrival rates.
     let model = match a.service {
-        ServiceDist::SmolLm2 => Some(smollm2(&a).await?),
+        ServiceDist::SmolLm2 => Some(smollm2(env, &a).await?),
         _ => None,
     };
     let mean_ms = match (&model, a.service.mean_ms()) {
@@ -199,7 +199,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
         }
         for (name, policy, order) in &policies {
             let backend = model.as_ref().map(|m| m.backend.clone());
-            results.push(run_policy(s, &a, &setup, name, (*policy, *order), backend).await?);
+            results.push(run_policy(env, &a, &setup, name, (*policy, *order), backend).await?);
         }
         setups.push(setup);
     }
@@ -220,7 +220,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 )
             })
             .collect();
-        let doc = svg::line_chart(&svg::Chart {
+        let doc = line_chart(&Chart {
             title: format!(
                 "On-time completions per second: {} slots × {} calls, {} ms deadlines{}",
                 setup.slots,
@@ -232,7 +232,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
             y_label: "jobs completed before their deadline / s".into(),
             series,
             reference: Some(("capacity".into(), capacity)),
-        });
+        })?;
         std::fs::write(&a.svg, doc)
             .with_context(|| format!("writing the chart to {}", a.svg.display()))?;
         chart = Some(a.svg.display().to_string());
@@ -246,7 +246,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
                 "smoke": a.smoke,
                 "setup": setup,
                 "setups": setups,
-                "machine": super::machine(),
+                "machine": crate::machine(),
                 "policies": results,
                 "chart": chart,
             }))?
@@ -288,7 +288,7 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
         .collect();
     print!(
         "{}",
-        crate::table::render(
+        (env.table)(
             &[
                 "policy",
                 "overload",
@@ -334,28 +334,28 @@ pub async fn run(s: &Settings, mut a: GoodputArgs) -> Result<ExitCode> {
 }
 
 async fn run_policy(
-    s: &Settings,
+    env: &Env,
     a: &GoodputArgs,
     setup: &Setup,
     name: &str,
     (policy, order): (DispatchPolicy, BufferOrder),
     model: Option<Arc<dyn Backend>>,
 ) -> Result<PolicyResult> {
-    let nonce = format!("{:x}", now_ms());
+    let nonce = format!("{:x}", env.clock.now_ms());
     let name_o = format!("{name}-{}x", setup.overload);
-    let prefix = format!("{}-bench-{name}-{nonce}", s.prefix);
-    let broker = Broker::connect(&s.amqp_url).await?;
+    let prefix = format!("{}-bench-{name}-{nonce}", env.prefix);
+    let broker = Broker::connect(&env.amqp_url).await?;
     let (ledger_url, dir) = match &a.ledger_url {
         Some(u) => (u.clone(), None),
         None => {
-            let d = super::temp_dir(name)?;
+            let d = crate::temp_dir(name, &*env.clock)?;
             (
                 format!("sqlite://{}", d.join("ledger.db").display()),
                 Some(d),
             )
         }
     };
-    let ledger = super::super::open_ledger(&ledger_url).await?;
+    let ledger = crate::open_ledger(&ledger_url).await?;
     let mut cfg = WorkerConfig::new(&prefix, setup.slots);
     cfg.name = format!("bench-{name}");
     cfg.prefetch = setup.prefetch;
@@ -369,7 +369,7 @@ async fn run_policy(
         default_min_runtime_ms: setup.min_runtime_ms.unwrap_or(0),
     };
     let topo = cfg.topology.clone();
-    let clock: Arc<dyn Clock> = Arc::new(SystemClock::default());
+    let clock = env.clock.clone();
     // Each job carries its drawn call time for the sim backend (`sim_latency_ms`); the
     // worker never reads it.
     let sim = Arc::new(SimBackend::new(SimConfig {
@@ -383,7 +383,7 @@ async fn run_policy(
     };
     let worker = Worker::build(
         cfg,
-        Broker::connect(&s.amqp_url).await?,
+        Broker::connect(&env.amqp_url).await?,
         ledger.clone(),
         backend,
         clock.clone(),
@@ -393,7 +393,7 @@ async fn run_policy(
     let stop = CancellationToken::new();
     let worker_task = tokio::spawn(worker.run(stop.clone()));
     let dlq = DeadLetterProcessor::build(
-        Broker::connect(&s.amqp_url).await?,
+        Broker::connect(&env.amqp_url).await?,
         ledger.clone(),
         topo.clone(),
         clock.clone(),
@@ -416,14 +416,14 @@ async fn run_policy(
         EnvelopeLimits::default(),
     );
     let total = (setup.arrival_per_s * setup.duration_s).round().max(1.0) as u64;
-    let bar = super::bar(total, &format!("{name_o}: submitting"));
+    let bar = crate::bar(total, &format!("{name_o}: submitting"));
     if a.json {
         bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
     }
     let gap = Duration::from_secs_f64(1.0 / setup.arrival_per_s);
     let mut tick = tokio::time::interval(gap);
     let mut pubs = JoinSet::new();
-    let first_ms = now_ms();
+    let first_ms = env.clock.now_ms();
     for i in 0..total {
         tick.tick().await;
         let deadline_ms = setup.deadline_ms[rand::random_range(0..setup.deadline_ms.len())];
@@ -442,7 +442,8 @@ async fn run_policy(
             trace_id: None,
         };
         let sub = submitter.clone();
-        pubs.spawn(async move { (i, sub.submit(&job, now_ms()).await.is_ok()) });
+        let now = env.clock.now_ms();
+        pubs.spawn(async move { (i, sub.submit(&job, now).await.is_ok()) });
         bar.inc(1);
     }
     // Wait for every confirm; a refused publish is an error of the run, not a job.
@@ -458,7 +459,8 @@ async fn run_policy(
         .filter(|i| !failed.contains(i))
         .map(|i| format!("b-{name}-{nonce}-{i}"))
         .collect();
-    let last_deadline = now_ms() + setup.deadline_ms.iter().max().copied().unwrap_or(0) as i64;
+    let last_deadline =
+        env.clock.now_ms() + setup.deadline_ms.iter().max().copied().unwrap_or(0) as i64;
 
     bar.set_message(format!("{name_o}: outcomes"));
     bar.set_position(0);
@@ -476,7 +478,7 @@ async fn run_policy(
             .collect();
         let done = recs.iter().filter(|r| is_terminal(&r.state)).count() as u64;
         bar.set_position(done);
-        if done >= submitted.len() as u64 || now_ms() > give_up {
+        if done >= submitted.len() as u64 || env.clock.now_ms() > give_up {
             break;
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
@@ -608,8 +610,8 @@ struct Model {
 
 /// Load SmolLM2 with one instance per slot and measure its mean call time: every slot
 /// runs one warm-up call, then four measured calls with drawn jobs.
-async fn smollm2(a: &GoodputArgs) -> Result<Model> {
-    let backend = crate::cmd::worker::local(a.model_path.as_deref(), a.slots)?;
+async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
+    let backend = (env.local_model)(a.model_path.as_deref(), a.slots)?;
     let lanes = (0..a.slots).map(|lane| {
         let b = backend.clone();
         async move {
