@@ -82,6 +82,8 @@ pub struct Publisher {
 struct Conn {
     broker: Broker,
     channel: Channel,
+    /// The channel saw a nack or a lost confirm: the next publish opens a new one.
+    retired: bool,
 }
 
 impl std::fmt::Debug for Publisher {
@@ -99,6 +101,7 @@ impl Publisher {
             inner: std::sync::Arc::new(tokio::sync::Mutex::new(Conn {
                 broker: broker.clone(),
                 channel,
+                retired: false,
             })),
             confirm_timeout,
         })
@@ -124,7 +127,7 @@ impl Publisher {
         if c.broker.is_connected() && c.broker.is_blocked() {
             return Err(PublishError::Blocked);
         }
-        if c.channel.status().connected() {
+        if c.channel.status().connected() && !c.retired {
             return Ok((c.channel.clone(), c.broker.clone()));
         }
         if !c.broker.is_connected() {
@@ -133,6 +136,7 @@ impl Publisher {
             c.broker = fresh;
         }
         c.channel = confirm_channel(&c.broker).await?;
+        c.retired = false;
         Ok((c.channel.clone(), c.broker.clone()))
     }
 
@@ -171,13 +175,23 @@ impl Publisher {
     /// the new leader was known went on nacking every publish while a new channel on the
     /// same connection was confirmed (RELIABILITY.md, finding 2).
     async fn retire(&self, channel: &Channel) {
-        let c = self.inner.lock().await;
-        if c.channel.id() == channel.id() && c.channel.status().connected() {
+        let mut c = self.inner.lock().await;
+        if c.channel.id() == channel.id() && !c.retired {
             tracing::info!(
                 channel = channel.id(),
                 "publisher: a publish was nacked or not confirmed; the next one uses a new channel"
             );
-            let _ = c.channel.close(200, "renewing after a nack".into()).await;
+            c.retired = true;
+            // Not awaited here: after a lost confirm the broker may not answer the close
+            // either, and the caller must hear its error now.
+            let old = c.channel.clone();
+            tokio::spawn(async move {
+                let _ = tokio::time::timeout(
+                    Duration::from_secs(5),
+                    old.close(200, "renewing after a nack".into()),
+                )
+                .await;
+            });
         }
     }
 
