@@ -11,10 +11,12 @@ use crate::{GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1};
 use anyhow::{Context, Result, bail};
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
+use lastcall_broker::management::Management;
 use lastcall_broker::{Broker, Publisher};
 
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
-use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
+use lastcall_producer::shed::Shedder;
+use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitter};
 use lastcall_store::{JobRecord, ListFilter};
 use lastcall_worker::dlq::DeadLetterProcessor;
 use lastcall_worker::{BufferOrder, DispatchPolicy, Worker, WorkerConfig, WorkerStats};
@@ -48,6 +50,8 @@ struct Setup {
     clock_uncertainty_ms: u64,
     prefetch: u16,
     ledger: String,
+    /// The producer sheds at the door (the default of `lastcall submit` and `serve`).
+    shed: bool,
 }
 
 /// One policy's results.
@@ -59,6 +63,8 @@ struct PolicyResult {
     submitted: u64,
     /// Submissions the publisher refused (nack, timeout); not counted as submitted.
     submit_errors: u64,
+    /// Jobs the producer refused at the door (`would_expire_in_queue`): never published.
+    shed_at_door: u64,
     /// Terminal outcomes by state.
     outcomes: BTreeMap<String, u64>,
     /// Submitted jobs without a terminal outcome when the run ended.
@@ -172,10 +178,11 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 .ledger_url
                 .clone()
                 .unwrap_or_else(|| "fresh SQLite file per policy".into()),
+            shed: !a.no_shed,
         };
         if !a.json {
             println!(
-                "bench goodput: {} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}",
+                "bench goodput: {} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
                 setup.slots,
                 setup.service,
                 mean_ms,
@@ -194,7 +201,12 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                     .iter()
                     .map(|&o| BufferOrder::from(o).as_str())
                     .collect::<Vec<_>>()
-                    .join(", ")
+                    .join(", "),
+                if setup.shed {
+                    "the producer sheds at the door (as lastcall submit does)"
+                } else {
+                    "no shedding at the door (--no-shed)"
+                }
             );
         }
         for (name, policy, order) in &policies {
@@ -262,6 +274,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 r.policy.clone(),
                 format!("{}×", r.overload),
                 r.submitted.to_string(),
+                r.shed_at_door.to_string(),
                 r.on_time.to_string(),
                 format!("{:.1}%", r.goodput * 100.0),
                 r.completed_late.to_string(),
@@ -293,6 +306,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 "policy",
                 "overload",
                 "submitted",
+                "shed",
                 "on_time",
                 "goodput",
                 "late_done",
@@ -414,7 +428,16 @@ async fn run_policy(
             default_min_runtime_ms: 0,
         },
         EnvelopeLimits::default(),
-    );
+    )
+    .with_shedder(setup.shed.then(|| {
+        Arc::new(
+            Shedder::new(
+                Management::from_amqp_url(&env.amqp_url, &a.management_url),
+                topo.names.work_queue.clone(),
+            )
+            .with_ledger(Some(ledger.clone())),
+        )
+    }));
     let total = (setup.arrival_per_s * setup.duration_s).round().max(1.0) as u64;
     let bar = crate::bar(total, &format!("{name_o}: submitting"));
     if a.json {
@@ -443,18 +466,23 @@ async fn run_policy(
         };
         let sub = submitter.clone();
         let now = env.clock.now_ms();
-        pubs.spawn(async move { (i, sub.submit(&job, now).await.is_ok()) });
+        pubs.spawn(async move {
+            let r = sub.submit(&job, now).await;
+            (i, r.is_ok(), matches!(r, Err(SubmitError::WouldExpireInQueue(_))))
+        });
         bar.inc(1);
     }
     // Wait for every confirm; a refused publish is an error of the run, not a job.
     let mut failed = std::collections::HashSet::new();
+    let mut shed_at_door = 0u64;
     while let Some(r) = pubs.join_next().await {
-        let (i, ok) = r?;
+        let (i, ok, shed) = r?;
         if !ok {
             failed.insert(i);
+            shed_at_door += u64::from(shed);
         }
     }
-    let submit_errors = failed.len() as u64;
+    let submit_errors = failed.len() as u64 - shed_at_door;
     let submitted: Vec<String> = (0..total)
         .filter(|i| !failed.contains(i))
         .map(|i| format!("b-{name}-{nonce}-{i}"))
@@ -563,6 +591,7 @@ async fn run_policy(
         wasted_model_time: wasted_ms as f64 / (model_ms.max(1) as f64),
         submitted: submitted.len() as u64,
         submit_errors,
+        shed_at_door,
         outcomes,
         no_outcome,
         on_time,

@@ -189,6 +189,15 @@ pub struct GoodputArgs {
     /// Ledger for the runs [default: a fresh SQLite file per policy in a temp directory]
     #[arg(long)]
     pub ledger_url: Option<String>,
+    /// Publish every job, as `lastcall submit --no-shed` does. By default the producer
+    /// sheds at the door like `lastcall submit` and `serve`: a job whose estimated queue
+    /// wait (management API) plus its kind's call time (from the ledger) exceeds its budget
+    /// is refused before it is published, and counted as shed
+    #[arg(long)]
+    pub no_shed: bool,
+    /// The broker's management API, for shedding at the door
+    #[arg(long, default_value = "http://127.0.0.1:15672")]
+    pub management_url: String,
     /// Where to write the SVG chart (all policies on one chart)
     #[arg(long, default_value = "bench-goodput.svg")]
     pub svg: PathBuf,

@@ -9,17 +9,20 @@
 //!
 //! # The call time at the door
 //!
-//! The worker learns the call time per kind (`lastcall_core::service_time`, p99), but the
-//! ingress has no such estimate, and asking the user for one is what issue #13 set out to
-//! remove. The stand-in needs no hint: **the ack rate already carries the call time.** With
-//! `c` busy slots and calls of `T` ms, a saturated queue acks `c / T` messages per ms, so
-//! `ready / ack_rate` is the time until the last job ahead of this one has finished — the
-//! moment a slot frees for it. Its own call is *not* added, except the job's own
-//! `min_runtime_ms` when it sets one. The estimate is therefore a lower bound of the time
-//! to completion: shedding errs towards admitting, and the worker, which knows the learned
-//! p99, still refuses at receipt or at the last admission check whatever cannot finish —
-//! before any model call. A shed job, on the other hand, is one the queue alone would have
-//! made miss its deadline.
+//! `ready / ack_rate` is the time until the jobs ahead of this one have left the queue —
+//! the moment a worker takes it. It still needs its own call after that. The worker learns
+//! the call time per kind (`lastcall_core::service_time`, p99) and records, with every
+//! outcome, the minimum runtime it held the job to (`min_runtime_ms`: the job's own, else
+//! the learned call time, else the worker's floor). The door reads it back from the ledger:
+//! the newest `completed` job of the same kind in the last 10 minutes
+//! ([`LEARNED_WINDOW_MS`]; cached per kind for [`Shedder::FRESH_FOR`]), so a job is shed
+//! when `queue wait + that call time` exceeds its budget, with no hint from the user. A
+//! job's own `min_runtime_ms` wins; without a ledger or a recent completion the call time
+//! is 0 and the estimate is a lower bound (shedding errs towards admitting; the worker
+//! still refuses at receipt or at the last admission check what cannot finish, before any
+//! model call). Without the call time, a queue under heavy overload filled to the full
+//! budget: every job reached a worker with less budget left than its call needs and was
+//! refused there, after its broker and ledger costs.
 //!
 //! # When it does not shed
 //!
@@ -47,8 +50,17 @@
 //! requests costs the management API one query per second at most.
 
 use lastcall_broker::management::{Management, QueueStats};
+use lastcall_store::Ledger;
+use std::collections::HashMap;
 use std::time::Duration;
 use tokio::time::Instant;
+
+/// How far back the door looks for a kind's call time in the ledger (as the worker's own
+/// learning window).
+pub const LEARNED_WINDOW_MS: i64 = 10 * 60 * 1_000;
+
+/// At most this many kinds' call times are cached (kinds come from producers: bounded).
+const MAX_CACHED_KINDS: usize = 256;
 
 /// Longest `Retry-After` ever suggested: the rate is a sample of a few seconds, not a
 /// forecast.
@@ -63,7 +75,8 @@ pub struct ShedEstimate {
     pub ready: u64,
     /// The queue's recent acks per second.
     pub ack_rate_per_s: f64,
-    /// The job's own minimum runtime (0 when it sets none).
+    /// The call time set aside after the queue wait: the job's own minimum runtime, else
+    /// the one the workers recently held its kind to (0 when neither is known).
     pub min_runtime_ms: u64,
     /// The budget the job had left when it was estimated.
     pub remaining_ms: i64,
@@ -87,7 +100,7 @@ impl std::fmt::Display for ShedEstimate {
             self.queue_wait_ms, self.ready, self.ack_rate_per_s
         )?;
         if self.min_runtime_ms > 0 {
-            write!(f, " + min_runtime_ms {}", self.min_runtime_ms)?;
+            write!(f, " + call time {} ms", self.min_runtime_ms)?;
         }
         write!(
             f,
@@ -206,6 +219,11 @@ pub struct Shedder {
     management: Management,
     queue: String,
     cache: tokio::sync::Mutex<Cache>,
+    /// Where the workers' recorded call times are read (none: only a job's own minimum
+    /// runtime is set aside).
+    ledger: Option<std::sync::Arc<Ledger>>,
+    /// Per kind: when the call time was read from the ledger, and what it was.
+    learned: tokio::sync::Mutex<HashMap<String, (Instant, Option<u64>)>>,
 }
 
 impl Shedder {
@@ -224,7 +242,44 @@ impl Shedder {
             management: management.with_timeout(Self::TIMEOUT),
             queue: queue.into(),
             cache: tokio::sync::Mutex::new(Cache::default()),
+            ledger: None,
+            learned: tokio::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Read each kind's call time from `ledger` (the one the workers record to), to set
+    /// it aside after the queue wait for a job without its own minimum runtime.
+    pub fn with_ledger(mut self, ledger: Option<std::sync::Arc<Ledger>>) -> Self {
+        self.ledger = ledger;
+        self
+    }
+
+    /// The call time the workers recently held `kind` to, from the ledger (module doc),
+    /// cached for [`Self::FRESH_FOR`]; `None` without a ledger, when unknown, or when the
+    /// ledger does not answer.
+    pub async fn learned_call_ms(&self, kind: &str, now_ms: i64) -> Option<u64> {
+        let ledger = self.ledger.as_ref()?;
+        let mut cache = self.learned.lock().await;
+        if let Some((at, v)) = cache.get(kind)
+            && at.elapsed() < Self::FRESH_FOR
+        {
+            return *v;
+        }
+        let v = match ledger
+            .recent_min_runtime_ms(kind, now_ms.saturating_sub(LEARNED_WINDOW_MS))
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!(error = %e, "the door could not read the learned call time; none used");
+                None
+            }
+        };
+        if cache.len() >= MAX_CACHED_KINDS && !cache.contains_key(kind) {
+            cache.clear();
+        }
+        cache.insert(kind.to_owned(), (Instant::now(), v));
+        v
     }
 
     /// The work queue's numbers, at most [`Self::FRESH_FOR`] old; `None` when the
@@ -263,23 +318,25 @@ impl Shedder {
         c.reading
     }
 
-    /// The verdict for a job with this deadline and minimum runtime at `now_ms`.
+    /// The verdict for a job of `kind` with this deadline and minimum runtime at `now_ms`.
+    /// Without its own minimum runtime, the call time the workers recently held its kind to
+    /// is read from the ledger ([`Self::with_ledger`]) and set aside after the queue wait.
     pub async fn check(
         &self,
+        kind: &str,
         expires_at_ms: i64,
         min_runtime_ms: Option<u64>,
         now_ms: i64,
     ) -> Verdict {
-        match self.reading().await {
-            Some(q) => decide(
-                q.ready,
-                q.ack_rate_per_s,
-                expires_at_ms,
-                min_runtime_ms,
-                now_ms,
-            ),
-            None => Verdict::Admit(Admit::NoReading),
-        }
+        let Some(q) = self.reading().await else {
+            return Verdict::Admit(Admit::NoReading);
+        };
+        let call_ms = match min_runtime_ms {
+            Some(own) => Some(own),
+            None if q.ready > 0 => self.learned_call_ms(kind, now_ms).await,
+            None => None,
+        };
+        decide(q.ready, q.ack_rate_per_s, expires_at_ms, call_ms, now_ms)
     }
 }
 

@@ -366,7 +366,8 @@ impl Submitter {
     }
 
     /// Shedding at the door: refuse the job when the estimated queue wait plus its
-    /// minimum runtime exceeds its remaining budget ([`crate::shed`]; admits without an
+    /// call time (its own minimum runtime, else its kind's from the ledger) exceeds its
+    /// remaining budget ([`crate::shed`]; admits without an
     /// estimate).
     async fn shed(&self, env: &Envelope, now_ms: i64) -> Result<(), SubmitError> {
         let Some(shedder) = &self.shedder else {
@@ -374,7 +375,12 @@ impl Submitter {
         };
         let now_ms = self.clock.now_ms().max(now_ms);
         match shedder
-            .check(env.deadline().expires_at_ms(), env.min_runtime_ms, now_ms)
+            .check(
+                env.kind().as_str(),
+                env.deadline().expires_at_ms(),
+                env.min_runtime_ms,
+                now_ms,
+            )
             .await
         {
             Verdict::Shed(estimate) => Err(SubmitError::WouldExpireInQueue(estimate)),

@@ -375,6 +375,11 @@ const SELECT_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY stat
 /// Late truths (the `jobs_reconciled` partial index covers it).
 const SELECT_LATE_OUTCOMES: &str = "SELECT COUNT(*) FROM jobs \
      WHERE reconciled_at_ms IS NOT NULL AND state <> 'unknown'";
+/// The newest minimum runtime a completed job of a kind was held to (`$1` kind, `$2` since):
+/// newest first through the `recorded_at_ms` index.
+const SELECT_RECENT_MIN_RUNTIME: &str = "SELECT min_runtime_ms FROM jobs \
+     WHERE recorded_at_ms >= $2 AND kind = $1 AND state = 'completed' \
+     AND min_runtime_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 1";
 const SELECT_SINCE: &str = concat!(
     "SELECT ",
     job_columns!(),
@@ -1029,6 +1034,27 @@ impl Ledger {
                 .and_then(|row| row.try_get(0))
                 .map_err(db("counting late outcomes"))
         })
+    }
+
+    /// The minimum runtime the workers held the newest `completed` job of `kind` to (the
+    /// learned call time of that kind, or the job's own `min_runtime_ms`, or the worker's
+    /// floor), among outcomes recorded since `since_ms`; `None` when there is none. The
+    /// door's shedder uses it as the call time a new job of that kind will need.
+    pub async fn recent_min_runtime_ms(
+        &self,
+        kind: &str,
+        since_ms: i64,
+    ) -> Result<Option<u64>, StoreError> {
+        let v: Option<i64> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_RECENT_MIN_RUNTIME)
+                .bind(kind)
+                .bind(since_ms)
+                .fetch_optional(pool)
+                .await
+                .and_then(|row| row.map(|r| r.try_get(0)).transpose())
+                .map_err(db("reading the recent minimum runtime"))?
+        });
+        Ok(v.and_then(|v| u64::try_from(v).ok()))
     }
 
     /// Records with `recorded_at_ms >= since_ms`, by recorded time then job id.

@@ -9,6 +9,7 @@ use lastcall_http::depth::{DepthProbe, Management, vhost_of};
 use lastcall_http::{AppState, MetricsSource, Token};
 use lastcall_producer::Submitter;
 use lastcall_producer::shed::Shedder;
+use lastcall_store::Ledger;
 use lastcall_worker::WorkerStats;
 use lastcall_worker::dlq::DeadLetterProcessor;
 use lastcall_worker::stats::{DlqCollector, WorkerCollector};
@@ -44,7 +45,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         limits,
     )
     .with_signing_key(signing_key.clone())
-    .with_shedder(shedder(s, &a, &topo));
+    .with_shedder(shedder(s, &a, &topo, &ledger));
     let clock = Arc::new(SystemClock::default());
     let mut state = AppState::new(
         submitter,
@@ -170,15 +171,21 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
 
 /// Shedding at the door (`429 would_expire_in_queue`) from the work queue's numbers in the
 /// management API; off with `--no-shed` or `--no-management`. An unreachable API admits.
-fn shedder(s: &Settings, a: &ServeArgs, topo: &Topology) -> Option<Arc<Shedder>> {
+/// Each kind's call time comes from the ledger the workers record to.
+fn shedder(
+    s: &Settings,
+    a: &ServeArgs,
+    topo: &Topology,
+    ledger: &Arc<Ledger>,
+) -> Option<Arc<Shedder>> {
     if a.no_shed || a.no_management {
         tracing::info!("shedding at the door is off");
         return None;
     }
-    Some(Arc::new(Shedder::new(
-        management_api(s, a),
-        topo.names.work_queue.clone(),
-    )))
+    Some(Arc::new(
+        Shedder::new(management_api(s, a), topo.names.work_queue.clone())
+            .with_ledger(Some(ledger.clone())),
+    ))
 }
 
 /// The broker's management API as `serve --management-url/--management-user` name it

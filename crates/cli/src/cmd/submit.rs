@@ -52,7 +52,8 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         // Credentials and vhost from the AMQP URL; an unreachable API admits the job.
         let m =
             lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url);
-        Arc::new(Shedder::new(m, topo.names.work_queue.clone()))
+        // Each kind's call time from the ledger the workers record to (when one is open).
+        Arc::new(Shedder::new(m, topo.names.work_queue.clone()).with_ledger(ledger.clone()))
     }));
     // --wait: follow the outcome events *before* publishing, so none can be missed.
     let waiting = if a.wait {

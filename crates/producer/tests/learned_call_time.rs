@@ -1,0 +1,81 @@
+//! The door's call time: the shedder reads, per kind, the minimum runtime the workers held
+//! the newest completed job to, from a real SQLite ledger.
+
+use lastcall_broker::management::Management;
+use lastcall_core::{Decision, State};
+use lastcall_producer::shed::{LEARNED_WINDOW_MS, Shedder};
+use lastcall_store::{Ledger, OutcomeRecord};
+use std::sync::Arc;
+
+const NOW: i64 = 1_800_000_000_000;
+
+/// A shedder whose management API is unreachable (port 9): the call time needs only the
+/// ledger.
+fn shedder(ledger: Option<Arc<Ledger>>) -> Shedder {
+    Shedder::new(
+        Management::from_amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f", "http://127.0.0.1:9"),
+        "q",
+    )
+    .with_ledger(ledger)
+}
+
+async fn record(ledger: &Ledger, id: &str, kind: &str, state: State, min: Option<i64>, at: i64) {
+    let rec = OutcomeRecord {
+        attempt_key: format!("{id}:a"),
+        min_runtime_ms: min,
+        ..OutcomeRecord::new(id, kind, state, Decision::Ack, at)
+    };
+    assert!(ledger.record_outcome(&rec).await.unwrap(), "{id} recorded");
+}
+
+#[tokio::test]
+async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
+    let dir = std::env::temp_dir().join(format!("lastcall-learned-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ledger = Arc::new(
+        Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
+            .await
+            .unwrap(),
+    );
+    assert_eq!(
+        shedder(Some(ledger.clone())).learned_call_ms("summary", NOW).await,
+        None,
+        "nothing recorded yet"
+    );
+
+    let too_old = NOW - LEARNED_WINDOW_MS - 1;
+    record(&ledger, "old", "summary", State::Completed, Some(7_000), too_old).await;
+    record(&ledger, "a", "summary", State::Completed, Some(900), NOW - 5_000).await;
+    record(&ledger, "b", "summary", State::Completed, Some(400), NOW - 1_000).await;
+    // Newer, but not a completion (a refusal records the minimum it was refused against).
+    record(&ledger, "c", "summary", State::ExpiredNotStarted, Some(5_000), NOW - 500).await;
+    record(&ledger, "d", "code", State::Completed, Some(50), NOW - 200).await;
+    record(&ledger, "e", "code", State::Completed, None, NOW - 100).await;
+    record(&ledger, "f", "lonely", State::Completed, Some(3_000), too_old).await;
+
+    let door = shedder(Some(ledger.clone()));
+    assert_eq!(door.learned_call_ms("summary", NOW).await, Some(400));
+    assert_eq!(
+        door.learned_call_ms("code", NOW).await,
+        Some(50),
+        "a completion without a minimum is skipped"
+    );
+    assert_eq!(door.learned_call_ms("other", NOW).await, None);
+    assert_eq!(
+        door.learned_call_ms("lonely", NOW).await,
+        None,
+        "only the last 10 minutes count"
+    );
+    // A reading is reused for a second (the same answer at a later `now`).
+    assert_eq!(
+        door.learned_call_ms("summary", NOW + LEARNED_WINDOW_MS).await,
+        Some(400)
+    );
+    assert_eq!(
+        shedder(None).learned_call_ms("summary", NOW).await,
+        None,
+        "no ledger, no call time"
+    );
+    ledger.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
