@@ -367,10 +367,10 @@ mod tests {
         for part in ["10000 ms", "100 ready", "10.00 acks/s", "5000 ms", "5 s"] {
             assert!(msg.contains(part), "{msg} names {part}");
         }
-        // The job's own minimum runtime counts.
+        // The call time (the job's own minimum runtime, or its kind's learned one) counts.
         let e = shed(decide(40, Some(10.0), NOW + 5_000, Some(2_000), NOW));
         assert_eq!((e.needed_ms(), e.retry_after_s), (6_000, 1));
-        assert!(e.to_string().contains("min_runtime_ms 2000"));
+        assert!(e.to_string().contains("call time 2000 ms"));
         assert_eq!(
             decide(30, Some(10.0), NOW + 5_000, Some(2_000), NOW),
             Verdict::Admit(Admit::Fits {
