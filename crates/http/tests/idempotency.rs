@@ -141,12 +141,22 @@ async fn a_refused_publish_releases_the_id_for_a_retry() {
         env.ledger.get(&refused).await.unwrap().is_none(),
         "the claim was released"
     );
-    // Make room: a consumer takes the first job.
-    assert_eq!(env.take_one().await, "r0");
+    // Make room: a consumer takes the queued jobs (a quorum queue may overshoot its
+    // length limit by one, so there can be two).
+    let mut taken = Vec::new();
+    while env.ready(&env.topo.names.work_queue).await > 0 {
+        taken.push(env.take_one().await);
+    }
+    assert!(!taken.is_empty() && !taken.contains(&refused), "{taken:?}");
     let (s, b) = post(&app, &job(&refused, "x")).await;
     assert_eq!(s, StatusCode::ACCEPTED, "{b}");
     assert!(b.get("duplicate").is_none(), "published this time: {b}");
-    assert_eq!(env.ready(&env.topo.names.work_queue).await, 1);
+    // It is in the queue now (behind any job the ready count had not shown yet).
+    let mut later = Vec::new();
+    while later.last() != Some(&refused) {
+        later.push(env.take_one().await);
+        assert!(later.len() <= 3, "{refused} is not in the queue: {later:?}");
+    }
     let rec = env.ledger.get(&refused).await.unwrap().unwrap();
     assert!(rec.accepted_at_ms.is_some());
     env.cleanup().await;
