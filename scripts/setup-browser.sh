@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Headless Chromium for the dashboard test (crates/http/tests/dashboard.rs): Debian's
+# Headless Chromium for the dashboard test (crates/cli/tests/http_views.rs): Debian's
 # `chromium` package. Idempotent; installing needs root or password-less sudo (or an
 # existing install).
 set -euo pipefail

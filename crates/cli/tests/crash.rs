@@ -58,7 +58,8 @@ async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
         .wait_terminal(&["k1".into()], Duration::from_secs(20))
         .await;
     assert_eq!(recs[0].state, "completed");
-    // The outcome is durable and the worker is paused before its ack: kill it hard.
+    // The outcome is durable and the worker is paused before its ack: kill it hard. (The
+    // sleep lets time pass on purpose: the paused worker must not move on by itself.)
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(
         first.try_wait().unwrap().is_none(),
@@ -76,17 +77,45 @@ async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
     // A fresh worker gets the redelivery and acks it without running it again.
-    let mut second = worker(&env, &[], &log);
+    // Its info log says when it settled the duplicate (no ledger write marks that).
+    let second_log = env.dir.join("second.log");
+    let mut second = env
+        .command()
+        .args([
+            "worker",
+            "--verbose",
+            "--backend",
+            "sim",
+            "--slots",
+            "1",
+            "--sim-latency-ms",
+            "50",
+            "--retry-delays-ms",
+            "1000,5000",
+        ])
+        .arg("--sim-call-log")
+        .arg(&log)
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&second_log).unwrap())
+        .spawn()
+        .expect("spawn the lastcall binary");
     let until = Instant::now() + Duration::from_secs(20);
-    while env.ready(&env.topo.names.work_queue).await != 0 {
-        assert!(Instant::now() < until, "the redelivery was not consumed");
+    while !std::fs::read_to_string(&second_log)
+        .unwrap_or_default()
+        .contains("redelivery of a job with a recorded outcome")
+    {
+        assert!(
+            Instant::now() < until,
+            "the redelivery was not settled as a duplicate: {}",
+            std::fs::read_to_string(&second_log).unwrap_or_default()
+        );
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
-    tokio::time::sleep(Duration::from_millis(500)).await;
     nix_term(&second);
     let status = wait_exit(&mut second, Duration::from_secs(15));
     assert!(status.success(), "graceful shutdown exits 0: {status:?}");
-    // Had the second worker not acked, closing its channel would have requeued the job.
+    // Had the second worker not acked, closing its channel would have requeued the job:
+    // the sleep gives the broker time to show that wrong outcome, so the check can fail.
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert_eq!(
         env.ready(&env.topo.names.work_queue).await,
@@ -133,11 +162,9 @@ async fn sigterm_drains_running_work_and_hands_back_waiting_work() {
     // The slot is busy for 6 s: these two are delivered and wait locally for it.
     s.submit(&job("wait-1", 60_000), now_ms()).await.unwrap();
     s.submit(&job("wait-2", 60_000), now_ms()).await.unwrap();
-    let until = Instant::now() + Duration::from_secs(10);
-    while env.ready(&env.topo.names.work_queue).await != 0 {
-        assert!(Instant::now() < until, "both were delivered to the worker");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    // Both are delivered to the worker (polled: the broker delivers asynchronously).
+    env.wait_ready(&env.topo.names.work_queue, 0).await;
+    assert_eq!(calls_in(&log, "wait-1") + calls_in(&log, "wait-2"), 0);
     // The call must still be running when the signal arrives, or this proves nothing.
     assert_eq!(
         env.ledger.get("run").await.unwrap().unwrap().state,

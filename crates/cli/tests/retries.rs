@@ -134,6 +134,8 @@ async fn a_retry_that_cannot_fit_the_budget_is_never_published() {
         rows.iter().any(|a| a.model_called),
         "the failed attempt is recorded: {rows:?}"
     );
+    // The outcome is recorded (above); the sleep lets the 1 s retry delay pass on purpose,
+    // so a retry published by mistake would be back in a queue or at the backend.
     tokio::time::sleep(Duration::from_millis(1_500)).await;
     for d in &env.topo.retry_delays_ms {
         assert_eq!(env.ready(&env.topo.names.retry_queue(*d)).await, 0);

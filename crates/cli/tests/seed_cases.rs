@@ -25,6 +25,29 @@ fn assert_no_calls(sim: &lastcall_backend::sim::SimBackend, recs: &[lastcall_sto
     }
 }
 
+/// A live worker on `sim`, proven live: a control job with a long budget is called and
+/// completed. The cases' "no model call" checks run against it, so they cannot pass only
+/// because nothing was listening.
+async fn live_worker(
+    env: &Env,
+    sim: &std::sync::Arc<lastcall_backend::sim::SimBackend>,
+) -> Running {
+    let w = env
+        .start_worker(env.worker_config(1, 1), sim.clone(), system_clock())
+        .await;
+    env.submitter(0, true)
+        .await
+        .submit(&job("control", 60_000), now_ms())
+        .await
+        .unwrap();
+    let recs = env
+        .wait_terminal(&["control".into()], Duration::from_secs(15))
+        .await;
+    assert_eq!(recs[0].state, "completed", "{:?}", recs[0]);
+    assert_eq!(sim.calls_for("control"), 1, "the worker calls the model");
+    w
+}
+
 /// Case 1: a job with 600 ms TTL left in the queue for over 600 ms is dead-lettered with
 /// reason `expired`; its `expiration` property is gone and its body's deadline unchanged.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -67,7 +90,9 @@ async fn case1_queue_dwell_past_ttl_is_dead_lettered_as_expired() {
         "deadline unchanged"
     );
 
+    // A worker runs from here on: the expired job never reaches it.
     let sim = sim(0);
+    let w = live_worker(&env, &sim).await;
     let dlq = env.drain_dead_letters(false).await;
     assert_eq!(dlq.recorded.load(std::sync::atomic::Ordering::Relaxed), 1);
     let recs = env
@@ -76,6 +101,12 @@ async fn case1_queue_dwell_past_ttl_is_dead_lettered_as_expired() {
     assert_eq!(recs[0].state, "expired_before_receive");
     assert_eq!(recs[0].expires_at_ms, Some(sub.expires_at_ms));
     assert_no_calls(&sim, &recs);
+    assert_eq!(
+        w.stats.received.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the worker received only the control job"
+    );
+    w.stop().await;
     env.cleanup().await;
 }
 
@@ -200,15 +231,20 @@ async fn case4_requeue_after_expiry_ends_in_the_dlx() {
         .unwrap()
         .unwrap()
         .unwrap();
+    // Hold it past its 600 ms deadline (the sleep lets the deadline pass on purpose).
     tokio::time::sleep(Duration::from_millis(800)).await;
     m.settler.requeue().await.unwrap();
-    let again = tokio::time::timeout(Duration::from_millis(800), raw.next()).await;
+    // First the positive event (it reached the dead-letter queue), then the negative one.
+    env.wait_ready(&env.topo.names.dead_queue, 1).await;
+    let again = tokio::time::timeout(Duration::from_millis(300), raw.next()).await;
     assert!(
         again.is_err(),
         "the stale job must not come back from the work queue"
     );
     raw.close().await;
     assert_eq!(env.ready(&env.topo.names.work_queue).await, 0);
+    // A worker runs from here on: the stale job never reaches it.
+    let w = live_worker(&env, &sim).await;
 
     let d = env.peek_dead_letter().await;
     assert_eq!(d.x_death[0].reason, "expired");
@@ -226,5 +262,11 @@ async fn case4_requeue_after_expiry_ends_in_the_dlx() {
     assert_eq!(recs[0].state, "expired_before_receive");
     assert_eq!(recs[0].expires_at_ms, Some(sub.expires_at_ms));
     assert_no_calls(&sim, &recs);
+    assert_eq!(
+        w.stats.received.load(std::sync::atomic::Ordering::Relaxed),
+        1,
+        "the worker received only the control job"
+    );
+    w.stop().await;
     env.cleanup().await;
 }

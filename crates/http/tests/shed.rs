@@ -141,10 +141,11 @@ async fn ingress_sheds_with_429_while_the_queue_is_deep_and_admits_again_once_it
         "no ack rate: admitted: {resp}"
     );
 
-    // A worker drains ~20 jobs/s (2 slots, 100 ms calls). Once the broker has sampled
-    // its acks, a 1 s budget behind the backlog is shed (the backlog lasts ~20 s; more than
-    // 100 ready is at least 5 s of queue, also one 5 s sample later).
-    let (stop, handle, _stats) = env.start_worker(2, 100).await;
+    // A consumer drains ~20 jobs/s (one ack every 50 ms; no worker is needed, only an ack
+    // rate). Once the broker has sampled its acks, a 1 s budget behind the backlog is shed
+    // (the backlog lasts ~20 s; more than 100 ready is at least 5 s of queue, also one 5 s
+    // sample later).
+    let consumer = env.paced_consumer(Duration::from_millis(50)).await;
     let s = wait_for_stats(&env, "an ack rate", Duration::from_secs(20), |s| {
         s.ack_rate_per_s.is_some_and(|r| r > 0.0) && s.ready > 100
     })
@@ -229,18 +230,23 @@ async fn ingress_sheds_with_429_while_the_queue_is_deep_and_admits_again_once_it
         Some(shed as f64)
     );
 
-    stop.cancel();
-    handle.await.unwrap();
-    // Every shed id stayed out of the ledger, also after the worker ran the queue.
-    assert!(env.ledger.get("shed-1").await.unwrap().is_none());
-    for i in 1..n {
+    // Every shed id stayed out of the ledger and out of the queue: once the consumer has
+    // taken the admitted job (queued behind every shed attempt), none of them was delivered.
+    let until = Instant::now() + Duration::from_secs(60);
+    while !consumer.has_seen(&admitted_id) {
         assert!(
-            env.ledger
-                .get(&format!("retry-{i}"))
-                .await
-                .unwrap()
-                .is_none()
+            Instant::now() < until,
+            "the consumer never reached {admitted_id}"
         );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let delivered = consumer.stop().await;
+    let shed_ids: Vec<String> = std::iter::once("shed-1".to_owned())
+        .chain((1..n).map(|i| format!("retry-{i}")))
+        .collect();
+    for id in &shed_ids {
+        assert!(env.ledger.get(id).await.unwrap().is_none(), "{id} recorded");
+        assert!(!delivered.contains(id), "{id} was published");
     }
     env.cleanup().await;
 }

@@ -5,17 +5,16 @@
 use axum::Router;
 use axum::body::Body;
 use axum::http::{Request, StatusCode};
-use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::{Broker, Publisher, Topology};
 use lastcall_clock::{SystemClock, now_ms};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_http::{AppState, Token};
 use lastcall_producer::Submitter;
 use lastcall_store::Ledger;
-use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
 use serde_json::Value;
 use std::path::PathBuf;
 use std::sync::Arc;
+use std::sync::Mutex;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 use tower::ServiceExt;
@@ -97,86 +96,6 @@ impl Env {
         lastcall_http::app(Arc::new(self.state_with(Duration::from_secs(5)).await))
     }
 
-    /// A worker in this process with the sim backend; stop it with the token.
-    pub async fn start_worker(
-        &self,
-        slots: usize,
-        latency_ms: u64,
-    ) -> (
-        CancellationToken,
-        tokio::task::JoinHandle<()>,
-        Arc<WorkerStats>,
-    ) {
-        let mut cfg = WorkerConfig::new(&self.prefix, slots);
-        cfg.topology = self.topo.clone();
-        cfg.prefetch = (slots * 4) as u16;
-        cfg.name = "http-test-worker".into();
-        cfg.shutdown_grace = Duration::from_secs(3);
-        let stats = Arc::new(WorkerStats::default());
-        let sim = Arc::new(
-            SimBackend::new(SimConfig {
-                latency_ms,
-                faults: true,
-                ..SimConfig::default()
-            })
-            .unwrap(),
-        );
-        let w = Worker::build(
-            cfg,
-            Broker::connect(AMQP).await.unwrap(),
-            self.ledger.clone(),
-            sim,
-            Arc::new(SystemClock::default()),
-            stats.clone(),
-        )
-        .await
-        .unwrap();
-        let stop = CancellationToken::new();
-        let s2 = stop.clone();
-        let h = tokio::spawn(async move { w.run(s2).await.unwrap() });
-        (stop, h, stats)
-    }
-
-    /// Run the dead-letter processor until the dead queue was idle for 1.5 s.
-    pub async fn drain_dead_letters(&self) -> Arc<lastcall_worker::dlq::DlqStats> {
-        let broker = Broker::connect(AMQP).await.unwrap();
-        let dlq = lastcall_worker::dlq::DeadLetterProcessor::build(
-            broker.clone(),
-            self.ledger.clone(),
-            self.topo.clone(),
-            Arc::new(SystemClock::default()),
-            false,
-        )
-        .await
-        .unwrap();
-        let stats = dlq.stats.clone();
-        dlq.run(CancellationToken::new(), Some(Duration::from_millis(1_500)))
-            .await
-            .unwrap();
-        broker.close().await;
-        stats
-    }
-
-    /// Wait until the ledger holds no `accepted`/`running` job.
-    pub async fn wait_settled(&self, timeout: Duration) {
-        let until = std::time::Instant::now() + timeout;
-        loop {
-            let counts = self.ledger.counts_by_state().await.unwrap();
-            if !counts
-                .iter()
-                .any(|(s, n)| (s == "accepted" || s == "running") && *n > 0)
-            {
-                return;
-            }
-            assert!(
-                std::time::Instant::now() < until,
-                "jobs still open: {counts:?}"
-            );
-            tokio::time::sleep(Duration::from_millis(100)).await;
-        }
-    }
-
-    /// Ready messages in `queue` (0 if it does not exist).
     /// Poll the ready count of `queue` until it is `n` (e.g. messages the broker expired
     /// into the dead-letter queue); panics after 30 s with the count last seen.
     pub async fn wait_ready(&self, queue: &str, n: u32) {
@@ -194,6 +113,7 @@ impl Env {
         }
     }
 
+    /// Ready messages in `queue` (0 if it does not exist).
     pub async fn ready(&self, queue: &str) -> u32 {
         lastcall_broker::topology::queue_depth(&self.broker, queue)
             .await
@@ -202,11 +122,88 @@ impl Env {
             .unwrap_or(0)
     }
 
+    /// A plain consumer of the work queue (no worker, no ledger writes) that acks one
+    /// delivery every `pace`: the sleep paces it on purpose, so the broker measures an ack
+    /// rate of about `1 / pace`. Stop it with the token.
+    pub async fn paced_consumer(&self, pace: Duration) -> PacedConsumer {
+        let mut stream = lastcall_broker::IncomingStream::open(
+            &self.broker,
+            &self.topo.names.work_queue,
+            1,
+            "paced-consumer",
+        )
+        .await
+        .unwrap();
+        let stop = CancellationToken::new();
+        let seen = Arc::new(Mutex::new(Vec::new()));
+        let handle = tokio::spawn({
+            let (stop, seen) = (stop.clone(), seen.clone());
+            async move {
+                loop {
+                    let msg = tokio::select! {
+                        () = stop.cancelled() => break,
+                        msg = stream.next() => msg,
+                    };
+                    let msg = msg.expect("the consumer was cancelled").unwrap();
+                    tokio::time::sleep(pace).await;
+                    msg.settler.ack().await.unwrap();
+                    seen.lock()
+                        .unwrap()
+                        .push(msg.message_id.unwrap_or_default());
+                }
+                stream.close().await;
+            }
+        });
+        PacedConsumer { stop, handle, seen }
+    }
+
+    /// Take the next message off the work queue with a plain consumer and ack it (the
+    /// space a worker would make); returns its job id.
+    pub async fn take_one(&self) -> String {
+        let mut stream = lastcall_broker::IncomingStream::open(
+            &self.broker,
+            &self.topo.names.work_queue,
+            1,
+            "take-one",
+        )
+        .await
+        .unwrap();
+        let msg = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("a message in the work queue")
+            .unwrap()
+            .unwrap();
+        msg.settler.ack().await.unwrap();
+        stream.close().await;
+        msg.message_id.unwrap_or_default()
+    }
+
     pub async fn cleanup(self) {
         self.topo.delete(&self.broker).await.unwrap();
         self.broker.close().await;
         self.ledger.close().await;
         let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// A running [`Env::paced_consumer`].
+pub struct PacedConsumer {
+    pub stop: CancellationToken,
+    pub handle: tokio::task::JoinHandle<()>,
+    /// The job ids (`message_id`) it acked, in order.
+    pub seen: Arc<Mutex<Vec<String>>>,
+}
+
+impl PacedConsumer {
+    /// Whether it has acked `id`.
+    pub fn has_seen(&self, id: &str) -> bool {
+        self.seen.lock().unwrap().iter().any(|s| s == id)
+    }
+
+    pub async fn stop(self) -> Vec<String> {
+        self.stop.cancel();
+        self.handle.await.unwrap();
+        Arc::try_unwrap(self.seen).unwrap().into_inner().unwrap()
     }
 }
 
