@@ -468,7 +468,11 @@ async fn run_policy(
         let now = env.clock.now_ms();
         pubs.spawn(async move {
             let r = sub.submit(&job, now).await;
-            (i, r.is_ok(), matches!(r, Err(SubmitError::WouldExpireInQueue(_))))
+            (
+                i,
+                r.is_ok(),
+                matches!(r, Err(SubmitError::WouldExpireInQueue(_))),
+            )
         });
         bar.inc(1);
     }

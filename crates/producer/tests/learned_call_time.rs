@@ -13,7 +13,10 @@ const NOW: i64 = 1_800_000_000_000;
 /// ledger.
 fn shedder(ledger: Option<Arc<Ledger>>) -> Shedder {
     Shedder::new(
-        Management::from_amqp_url("amqp://guest:guest@127.0.0.1:5672/%2f", "http://127.0.0.1:9"),
+        Management::from_amqp_url(
+            "amqp://guest:guest@127.0.0.1:5672/%2f",
+            "http://127.0.0.1:9",
+        ),
         "q",
     )
     .with_ledger(ledger)
@@ -38,20 +41,62 @@ async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
             .unwrap(),
     );
     assert_eq!(
-        shedder(Some(ledger.clone())).learned_call_ms("summary", NOW).await,
+        shedder(Some(ledger.clone()))
+            .learned_call_ms("summary", NOW)
+            .await,
         None,
         "nothing recorded yet"
     );
 
     let too_old = NOW - LEARNED_WINDOW_MS - 1;
-    record(&ledger, "old", "summary", State::Completed, Some(7_000), too_old).await;
-    record(&ledger, "a", "summary", State::Completed, Some(900), NOW - 5_000).await;
-    record(&ledger, "b", "summary", State::Completed, Some(400), NOW - 1_000).await;
+    record(
+        &ledger,
+        "old",
+        "summary",
+        State::Completed,
+        Some(7_000),
+        too_old,
+    )
+    .await;
+    record(
+        &ledger,
+        "a",
+        "summary",
+        State::Completed,
+        Some(900),
+        NOW - 5_000,
+    )
+    .await;
+    record(
+        &ledger,
+        "b",
+        "summary",
+        State::Completed,
+        Some(400),
+        NOW - 1_000,
+    )
+    .await;
     // Newer, but not a completion (a refusal records the minimum it was refused against).
-    record(&ledger, "c", "summary", State::ExpiredNotStarted, Some(5_000), NOW - 500).await;
+    record(
+        &ledger,
+        "c",
+        "summary",
+        State::ExpiredNotStarted,
+        Some(5_000),
+        NOW - 500,
+    )
+    .await;
     record(&ledger, "d", "code", State::Completed, Some(50), NOW - 200).await;
     record(&ledger, "e", "code", State::Completed, None, NOW - 100).await;
-    record(&ledger, "f", "lonely", State::Completed, Some(3_000), too_old).await;
+    record(
+        &ledger,
+        "f",
+        "lonely",
+        State::Completed,
+        Some(3_000),
+        too_old,
+    )
+    .await;
 
     let door = shedder(Some(ledger.clone()));
     assert_eq!(door.learned_call_ms("summary", NOW).await, Some(400));
@@ -68,7 +113,8 @@ async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
     );
     // A reading is reused for a second (the same answer at a later `now`).
     assert_eq!(
-        door.learned_call_ms("summary", NOW + LEARNED_WINDOW_MS).await,
+        door.learned_call_ms("summary", NOW + LEARNED_WINDOW_MS)
+            .await,
         Some(400)
     );
     assert_eq!(
