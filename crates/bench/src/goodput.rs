@@ -447,6 +447,9 @@ async fn run_policy(
     let mut tick = tokio::time::interval(gap);
     let mut pubs = JoinSet::new();
     let first_ms = env.clock.now_ms();
+    // The last deadline of any job offered, shed at the door or not: the window (and so
+    // the capacity bound) covers the whole offered load.
+    let mut offered_until = first_ms;
     for i in 0..total {
         tick.tick().await;
         let deadline_ms = setup.deadline_ms[rand::random_range(0..setup.deadline_ms.len())];
@@ -466,6 +469,7 @@ async fn run_policy(
         };
         let sub = submitter.clone();
         let now = env.clock.now_ms();
+        offered_until = offered_until.max(now + deadline_ms as i64);
         pubs.spawn(async move {
             let r = sub.submit(&job, now).await;
             (
@@ -542,7 +546,8 @@ async fn run_policy(
         .iter()
         .filter_map(|r| r.expires_at_ms)
         .max()
-        .unwrap_or(last_deadline);
+        .unwrap_or(last_deadline)
+        .max(offered_until);
     let window_s = ((window_end - first_ms) as f64 / 1000.0).max(0.001);
     let mut per_s = vec![0u64; window_s.ceil() as usize + 1];
     let mut no_outcome = missing;
@@ -587,7 +592,9 @@ async fn run_policy(
             }
         }
     }
-    let bound = (setup.capacity_per_s * window_s).min(submitted.len() as f64);
+    // Shed jobs were offered too: they count towards the bound like published ones.
+    let bound =
+        (setup.capacity_per_s * window_s).min((submitted.len() as u64 + shed_at_door) as f64);
     Ok(PolicyResult {
         policy: name.to_owned(),
         overload: setup.overload,
