@@ -314,23 +314,9 @@ pub enum BackendKind {
     Routed,
 }
 
-/// Which job waiting in the local buffer gets the next free model slot.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum BufferOrderArg {
-    /// Earliest deadline first (ties: received first)
-    Edf,
-    /// Received first
-    Fifo,
-}
-
-impl From<BufferOrderArg> for lastcall_worker::BufferOrder {
-    fn from(a: BufferOrderArg) -> Self {
-        match a {
-            BufferOrderArg::Edf => Self::Edf,
-            BufferOrderArg::Fifo => Self::Fifo,
-        }
-    }
-}
+/// Which job waiting in the local buffer gets the next free model slot (`worker
+/// --buffer-order`; the bench crate defines it for `bench goodput --order` too).
+pub use lastcall_bench::BufferOrderArg;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ExpiredActionArg {

@@ -11,23 +11,30 @@ use serde_json::json;
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
+/// `lastcall worker` on the sim (one slot, 50 ms calls) logging its calls to `call_log`,
+/// with `extra` flags; stdout discarded.
+fn worker_command(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Command {
+    let mut cmd = env.command();
+    cmd.args([
+        "worker",
+        "--backend",
+        "sim",
+        "--slots",
+        "1",
+        "--sim-latency-ms",
+        "50",
+        "--retry-delays-ms",
+        "1000,5000",
+    ])
+    .arg("--sim-call-log")
+    .arg(call_log)
+    .args(extra)
+    .stdout(Stdio::null());
+    cmd
+}
+
 fn worker(env: &Env, extra: &[&str], call_log: &std::path::Path) -> Child {
-    env.command()
-        .args([
-            "worker",
-            "--backend",
-            "sim",
-            "--slots",
-            "1",
-            "--sim-latency-ms",
-            "50",
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .arg("--sim-call-log")
-        .arg(call_log)
-        .args(extra)
-        .stdout(Stdio::null())
+    worker_command(env, extra, call_log)
         .stderr(Stdio::null())
         .spawn()
         .expect("spawn the lastcall binary")
@@ -79,23 +86,7 @@ async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
     // A fresh worker gets the redelivery and acks it without running it again.
     // Its info log says when it settled the duplicate (no ledger write marks that).
     let second_log = env.dir.join("second.log");
-    let mut second = env
-        .command()
-        .args([
-            "worker",
-            "--verbose",
-            "--backend",
-            "sim",
-            "--slots",
-            "1",
-            "--sim-latency-ms",
-            "50",
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .arg("--sim-call-log")
-        .arg(&log)
-        .stdout(Stdio::null())
+    let mut second = worker_command(&env, &["--verbose"], &log)
         .stderr(std::fs::File::create(&second_log).unwrap())
         .spawn()
         .expect("spawn the lastcall binary");

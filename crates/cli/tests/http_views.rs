@@ -63,6 +63,16 @@ fn series(text: &str) -> usize {
         .count()
 }
 
+/// Jobs alternate between two kinds: the even ones `incident.summary`, the odd ones
+/// `code.answer`.
+fn two_kinds(i: usize) -> &'static str {
+    if i.is_multiple_of(2) {
+        "incident.summary"
+    } else {
+        "code.answer"
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn metrics_match_the_ledger_and_series_stay_bounded() {
     let env = Env::sqlite("metrics").await;
@@ -96,11 +106,7 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
     // One slot, 250 ms per call, 900 ms budgets: at most 4 of these 8 fit (by the clock,
     // not by the machine's speed), so the rest expire waiting.
     for i in 0..8 {
-        let kind = if i % 2 == 0 {
-            "incident.summary"
-        } else {
-            "code.answer"
-        };
+        let kind = two_kinds(i);
         sub.submit(&job_of_kind(&format!("m{i}"), kind, 900), now_ms())
             .await
             .unwrap();
@@ -202,11 +208,7 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
     // have): the same number of series.
     let before = series(&text);
     for i in 0..20 {
-        let kind = if i % 2 == 0 {
-            "incident.summary"
-        } else {
-            "code.answer"
-        };
+        let kind = two_kinds(i);
         // A budget far beyond any wait: every one of these completes.
         sub.submit(&job_of_kind(&format!("n{i}"), kind, 600_000), now_ms())
             .await

@@ -273,32 +273,14 @@ fn start(job_id: &str, attempt_key: &str, attempt: u32, at_ms: i64) -> AttemptSt
 fn outcome(job_id: &str, attempt_key: &str, state: State, recorded_at_ms: i64) -> OutcomeRecord {
     OutcomeRecord {
         attempt_key: attempt_key.to_owned(),
-        job_id: job_id.to_owned(),
-        kind: "chat".to_owned(),
-        state,
-        reason: None,
-        decision: Decision::Ack,
         attempt: 1,
         created_at_ms: Some(1_000),
         expires_at_ms: Some(60_000),
         received_at_ms: Some(recorded_at_ms - 30),
         checked_at_ms: Some(recorded_at_ms - 29),
-        started_at_ms: None,
         finished_at_ms: Some(recorded_at_ms - 1),
-        recorded_at_ms,
         worker: "w1".to_owned(),
-        redelivered: false,
-        model_called: false,
-        result: None,
-        error: None,
-        prompt_tokens: None,
-        completion_tokens: None,
-        latency_ms: None,
-        cancel_requested: false,
-        cancel_confirmed: None,
-        backend: None,
-        model: None,
-        min_runtime_ms: None,
+        ..OutcomeRecord::new(job_id, "chat", state, Decision::Ack, recorded_at_ms)
     }
 }
 
