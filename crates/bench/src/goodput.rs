@@ -419,8 +419,9 @@ async fn run_policy(
 
     // The submitter records nothing in the ledger: the ledger load is the worker's (and
     // the dead-letter processor's) alone; the submitted count comes from the confirms.
+    let publisher = Publisher::new(&broker, Duration::from_secs(5)).await?;
     let submitter = Submitter::new(
-        Publisher::new(&broker, Duration::from_secs(5)).await?,
+        publisher.clone(),
         topo.names.clone(),
         None,
         AdmissionPolicy {
@@ -435,7 +436,8 @@ async fn run_policy(
                 Management::from_amqp_url(&env.amqp_url, &a.management_url),
                 topo.names.work_queue.clone(),
             )
-            .with_ledger(Some(ledger.clone())),
+            .with_ledger(Some(ledger.clone()))
+            .with_live_depth(publisher),
         )
     }));
     let total = (setup.arrival_per_s * setup.duration_s).round().max(1.0) as u64;

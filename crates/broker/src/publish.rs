@@ -195,6 +195,17 @@ impl Publisher {
         }
     }
 
+    /// The messages ready in `queue` now (not yet delivered to a consumer), read with a
+    /// passive `queue.declare` on a short-lived channel of the publisher's connection
+    /// (healed first): the broker's live count, unlike the management API's, which is
+    /// sampled every few seconds. `None` when the queue does not exist.
+    pub async fn queue_ready(&self, queue: &str) -> Result<Option<u32>, PublishError> {
+        let (_, broker) = self.channel().await?;
+        Ok(crate::topology::queue_depth(&broker, queue)
+            .await?
+            .map(|(ready, _consumers)| ready))
+    }
+
     /// A channel of its own on the publisher's connection (healed first, refused under a
     /// resource alarm), in confirm mode and consuming [`DIRECT_REPLY_TO`]: what it
     /// publishes carries that `reply_to`, and whatever the consumer of such a message

@@ -130,7 +130,7 @@ async fn submit_and_serve_shed_a_job_that_would_expire_in_the_queue_unless_no_sh
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{stderr}");
     assert!(
-        stderr.contains("would expire in the queue") && stderr.contains("acks/s"),
+        stderr.contains("would expire in the queue") && stderr.contains(" ready at "),
         "{stderr}"
     );
     assert!(env.ledger.get("cli-shed").await.unwrap().is_none());

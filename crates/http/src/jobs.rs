@@ -192,6 +192,7 @@ pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
             estimate: ShedEstimate {
                 queue_wait_ms: est.queue_wait_ms,
                 ready: est.ready,
+                doomed: est.doomed,
                 ack_rate_per_s: est.ack_rate_per_s,
                 min_runtime_ms: est.min_runtime_ms,
                 remaining_ms: est.remaining_ms,

@@ -279,11 +279,15 @@ pub struct ErrorBody {
 /// Why a job was shed at the door (`429 would_expire_in_queue`)
 #[derive(Debug, Clone, Serialize, ToSchema)]
 pub struct ShedEstimate {
-    /// Messages ready ÷ recent ack rate, in ms
+    /// Messages ready that can still finish ÷ the rate the queue drains at, in ms
     pub queue_wait_ms: u64,
-    /// Messages ready in the work queue
+    /// Messages ready in the work queue that can still finish (counted in the wait)
     pub ready: u64,
-    /// The work queue's acks per second over the broker's last sampling interval
+    /// Messages ready in the work queue that can no longer finish (not counted: a worker
+    /// refuses them without a call)
+    pub doomed: u64,
+    /// Messages leaving the work queue per second, recently (the higher of the rate the
+    /// door measured from live counts and the broker's ack rate)
     pub ack_rate_per_s: f64,
     /// The job's own minimum runtime (0 if it sets none)
     pub min_runtime_ms: u64,

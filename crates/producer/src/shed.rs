@@ -1,8 +1,8 @@
 //! Shedding at the door: refuse, before publishing, a job that would expire in the queue.
 //!
 //! `POST /v1/jobs` and `lastcall submit` estimate how long a new job would wait in the work
-//! queue — the messages ready in the broker divided by the queue's recent ack rate, both
-//! from RabbitMQ's management API — and refuse the job (`429 would_expire_in_queue`, or
+//! queue — the messages ready in the broker that can still finish, divided by the rate
+//! the queue drains at (live counts and RabbitMQ's management API, below) — and refuse the job (`429 would_expire_in_queue`, or
 //! exit 75 for the CLI) when that wait plus its minimum runtime exceeds the budget it has
 //! left. The caller learns at once instead of at the deadline, and the job costs the
 //! broker and the workers nothing. Shed jobs are never published and never recorded.
@@ -24,34 +24,58 @@
 //! budget: every job reached a worker with less budget left than its call needs and was
 //! refused there, after its broker and ledger costs.
 //!
+//! # The live count (`serve`, `submit`, `bench goodput`)
+//!
+//! The management API's numbers are sampled every `collect_statistics_interval` (5 s by
+//! default): longer than a typical budget. Measured under overload, a door that read only
+//! them swung between shedding everything (an old, deep count) and admitting everything
+//! (an old, shallow one), and the workers idled behind it (BENCHMARKS.md §1). So with a
+//! live source ([`Shedder::with_live_depth`]) the door:
+//! - counts the ready messages live, with a passive `queue.declare` on its publisher's
+//!   connection, at most every [`Shedder::LIVE_FRESH_FOR`], adding the jobs it admitted
+//!   since;
+//! - remembers the jobs it admitted (deadline and call time, bounded) and, the queue being
+//!   FIFO, takes the newest `ready` of them as the ones in the queue. **It does not count
+//!   those that can no longer finish** (less budget left than their call time): the worker
+//!   refuses them at once without a call, so they are no wait. Messages beyond what it
+//!   remembers (another producer's, or from before this process) all count;
+//! - measures the rate the queue drains at from its counts (`before + admitted − now`,
+//!   over the last [`Shedder::RATE_WINDOW`]) and uses the higher of that and the
+//!   management API's ack rate, erring towards admitting. A job refused at receipt leaves
+//!   the queue faster than a call, so this rate overstates the pace at which calls start.
+//!
+//! Without a live source, or when the broker does not answer the count, the management
+//! API's `ready` and ack rate are used as they are. A job whose publish fails after the
+//! door admitted it is still remembered; it only makes a count of the door's own jobs
+//! one higher than the truth.
+//!
 //! # When it does not shed
 //!
 //! It never sheds on a guess. It admits when:
-//! - nothing is ready (`ready == 0`): nothing waits ahead of the job;
-//! - there is no recent ack rate (no consumer, the queue idle, the first calls still
-//!   running, or statistics not sampled yet — RabbitMQ samples every
-//!   `collect_statistics_interval`, 5 s by default). This includes a backlog with **no
+//! - nothing counted is ready: nothing that can still finish waits ahead of the job;
+//! - there is no rate (no consumer, the queue idle, the first calls still
+//!   running, or statistics not sampled yet). This includes a backlog with **no
 //!   consumer at all**: workers may be starting or scaling from zero, and a user may submit
 //!   before starting one; if none comes, the broker TTL (the remaining budget) expires the
 //!   job in the queue and the dead-letter processor records `expired_before_receive`, still
 //!   without any model time spent;
-//! - the management API does not answer (down, plugin disabled, wrong credentials, queue
-//!   missing): fail open, logged once per outage (and once when it answers again);
+//! - neither the broker's count nor the management API answers (down, plugin disabled,
+//!   wrong credentials, queue missing): fail open, logged once per outage (and once when
+//!   it answers again);
 //! - it is turned off (`--no-shed`; `serve --no-management` also turns it off).
 //!
-//! The ack rate is a sample of the last few seconds: at the start of a burst after an
-//! idle period it still reflects the idle arrivals and overstates the wait; a queue whose
-//! jobs are refused at receipt (acked without a call) acks faster than it computes and
-//! understates it. Only `ready` counts: jobs already delivered to a worker (unacked) are
-//! ahead too, which again errs towards admitting.
+//! Only `ready` counts: jobs already delivered to a worker (unacked) are ahead too, which
+//! again errs towards admitting.
 //!
-//! The reading is cached ([`Shedder::FRESH_FOR`], 1 s; a failure for
-//! [`Shedder::RETRY_FAILED_AFTER`]) and fetched by one request at a time, so a burst of
-//! requests costs the management API one query per second at most.
+//! The management reading is cached ([`Shedder::FRESH_FOR`], 1 s; a failure for
+//! [`Shedder::RETRY_FAILED_AFTER`]) and the live count for [`Shedder::LIVE_FRESH_FOR`];
+//! each is fetched by one request at a time, so a burst of requests costs the management
+//! API one query per second and the broker five passive declares per second at most.
 
 use lastcall_broker::management::{Management, QueueStats};
+use lastcall_broker::publish::Publisher;
 use lastcall_store::Ledger;
-use std::collections::HashMap;
+use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
 use tokio::time::Instant;
 
@@ -71,9 +95,12 @@ pub const MAX_RETRY_AFTER_S: u64 = 3_600;
 pub struct ShedEstimate {
     /// `ready / ack_rate`, in ms (rounded up).
     pub queue_wait_ms: u64,
-    /// Messages ready in the work queue.
+    /// Messages ready in the work queue that can still finish: the wait counts these.
     pub ready: u64,
-    /// The queue's recent acks per second.
+    /// Messages ready in the work queue that can no longer finish (not counted: the
+    /// worker refuses them without a call). Known only with the live count.
+    pub doomed: u64,
+    /// Messages leaving the queue per second, recently.
     pub ack_rate_per_s: f64,
     /// The call time set aside after the queue wait: the job's own minimum runtime, else
     /// the one the workers recently held its kind to (0 when neither is known).
@@ -96,9 +123,13 @@ impl std::fmt::Display for ShedEstimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         write!(
             f,
-            "would expire in the queue: estimated queue wait {} ms ({} ready at {:.2} acks/s)",
+            "would expire in the queue: estimated queue wait {} ms ({} ready at {:.2}/s",
             self.queue_wait_ms, self.ready, self.ack_rate_per_s
         )?;
+        if self.doomed > 0 {
+            write!(f, "; {} more that cannot finish not counted", self.doomed)?;
+        }
+        write!(f, ")")?;
         if self.min_runtime_ms > 0 {
             write!(f, " + call time {} ms", self.min_runtime_ms)?;
         }
@@ -196,6 +227,7 @@ pub fn decide(
     Verdict::Shed(ShedEstimate {
         queue_wait_ms,
         ready,
+        doomed: 0,
         ack_rate_per_s: rate,
         min_runtime_ms,
         remaining_ms,
@@ -212,13 +244,170 @@ struct Cache {
     failing: bool,
 }
 
-/// Reads the work queue's numbers from the management API (cached) and decides with
-/// [`decide`]. Shared by all requests of a `serve` process.
+/// One job this door admitted: what it needs to tell, later, whether it can still finish.
+#[derive(Debug, Clone, Copy)]
+struct Sent {
+    expires_at_ms: i64,
+    /// Its call time and the clock margin: it can start while this much budget is left.
+    need_ms: u64,
+}
+
+impl Sent {
+    /// Whether it can still start `wait_ms` after `now_ms`.
+    fn can_start(&self, now_ms: i64, wait_ms: f64) -> bool {
+        (self.expires_at_ms.saturating_sub(now_ms) as f64 - wait_ms) >= self.need_ms as f64
+    }
+}
+
+/// The broker's live count of the work queue, as this door last read it, and what it
+/// makes of the jobs in it.
+#[derive(Debug, Clone, Copy)]
+struct Live {
+    at: Instant,
+    /// Messages ready in the queue (passive `queue.declare`).
+    ready: u64,
+    /// Of those, the ones a worker will get to in time, at [`Door::rate_per_s`] (all of
+    /// them when there is no rate yet).
+    served: u64,
+    /// The others: this door's own jobs that will have too little budget left by the
+    /// time a worker gets to them. The worker refuses them at once; they cost no slot time.
+    doomed: u64,
+    /// The rate the counts were judged at.
+    rate_per_s: Option<f64>,
+    /// [`Door::sent_total`] when it was read.
+    sent_total: u64,
+}
+
+/// The door's live view ([`Shedder::with_live_depth`]): the jobs it admitted, in order,
+/// and its recent readings of the queue.
+#[derive(Debug, Default)]
+struct Door {
+    /// The jobs this door admitted, oldest first (bounded: [`MAX_REMEMBERED`], and none
+    /// kept [`FORGET_AFTER_MS`] past its deadline). `sent[i]` is job number
+    /// `sent_total − sent.len() + i`.
+    sent: VecDeque<Sent>,
+    /// How many jobs this door ever admitted.
+    sent_total: u64,
+    last: Option<Live>,
+    /// Per interval between two counts with a backlog at both ends (the workers kept
+    /// busy): when it ended, how long it was, and how many jobs that could still finish
+    /// left the queue in it. Only the last [`Shedder::RATE_WINDOW`].
+    busy: VecDeque<(Instant, Duration, u64)>,
+    /// A failed live read was logged and not yet its recovery.
+    failing: bool,
+}
+
+/// At most this many admitted jobs are remembered (a queue deeper than that counts its
+/// oldest messages as able to finish, which errs towards shedding).
+const MAX_REMEMBERED: usize = 100_000;
+/// How long after its deadline an admitted job is still remembered: until then, a message
+/// of it still in the queue is known to be doomed.
+const FORGET_AFTER_MS: i64 = 60_000;
+
+impl Door {
+    /// The pace at which the workers take jobs that can still finish: such jobs leaving
+    /// the queue per second, over the intervals of the last [`Shedder::RATE_WINDOW`] in
+    /// which the queue never ran empty (at least [`Shedder::RATE_MIN_SPAN`] of them).
+    /// Doomed jobs leave faster (refused without a call) and are not counted, nor is an
+    /// idle queue's pace, which is the arrivals'.
+    fn rate_per_s(&self) -> Option<f64> {
+        let span: Duration = self.busy.iter().map(|b| b.1).sum();
+        let left: u64 = self.busy.iter().map(|b| b.2).sum();
+        (span >= Shedder::RATE_MIN_SPAN && left > 0).then(|| left as f64 / span.as_secs_f64())
+    }
+
+    /// The remembered job number `seq`, if remembered.
+    fn get(&self, seq: i64) -> Option<&Sent> {
+        let first = self.sent_total as i64 - self.sent.len() as i64;
+        usize::try_from(seq - first)
+            .ok()
+            .and_then(|i| self.sent.get(i))
+    }
+
+    /// Take a new live count of `ready` messages at `at` (`now_ms`): which jobs left the
+    /// queue since the last count and how many of those could still finish (the pace),
+    /// then which of the jobs now in it a worker will get to in time.
+    fn observe(&mut self, ready: u64, at: Instant, now_ms: i64) {
+        if let Some(last) = self.last {
+            // The queue is FIFO and holds the newest `ready` jobs published: those that
+            // left are the oldest of the last count's. Jobs this door does not remember
+            // (another producer's, or from before this process) count as able to finish.
+            let head = last.sent_total as i64 - last.ready as i64;
+            let sent_between = self.sent_total - last.sent_total;
+            let left = (last.ready + sent_between).saturating_sub(ready);
+            let useful = (head..head + left as i64)
+                .filter(|&seq| self.get(seq).is_none_or(|s| s.can_start(now_ms, 0.0)))
+                .count() as u64;
+            if last.ready > 0 && ready > 0 {
+                self.busy
+                    .push_back((at, at.duration_since(last.at), useful));
+            }
+        }
+        while self
+            .busy
+            .front()
+            .is_some_and(|b| at.duration_since(b.0) > Shedder::RATE_WINDOW)
+        {
+            self.busy.pop_front();
+        }
+        while self.sent.front().is_some_and(|s| {
+            self.sent.len() > MAX_REMEMBERED
+                || s.expires_at_ms.saturating_add(FORGET_AFTER_MS) < now_ms
+        }) {
+            self.sent.pop_front();
+        }
+        // Walk the queue from its head as a worker will: each job that can still start
+        // when reached takes 1/rate of the workers' time; one that cannot is refused at
+        // once. Without a rate, every job that can start now counts.
+        let rate = self.rate_per_s();
+        let per_job_ms = rate.map_or(0.0, |r| 1000.0 / r);
+        let head = self.sent_total as i64 - ready as i64;
+        let first = self.sent_total as i64 - self.sent.len() as i64;
+        let unknown = (first - head).clamp(0, ready as i64) as u64;
+        let mut served = unknown;
+        let mut wait_ms = unknown as f64 * per_job_ms;
+        for seq in head.max(first)..self.sent_total as i64 {
+            if self.get(seq).is_some_and(|s| s.can_start(now_ms, wait_ms)) {
+                served += 1;
+                wait_ms += per_job_ms;
+            }
+        }
+        self.last = Some(Live {
+            at,
+            ready,
+            served,
+            doomed: ready - served,
+            rate_per_s: rate,
+            sent_total: self.sent_total,
+        });
+    }
+
+    fn remember(&mut self, sent: Sent) {
+        self.sent.push_back(sent);
+        self.sent_total += 1;
+    }
+}
+
+/// What the door counts for a decision: jobs ahead that can still finish, those that
+/// cannot, and the rate the queue drains at.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Ahead {
+    pub counted: u64,
+    pub doomed: u64,
+    pub rate_per_s: Option<f64>,
+}
+
+/// Reads the work queue's numbers (live from the broker, and from the management API;
+/// cached) and decides with [`decide`]. Shared by all requests of a `serve` process.
 #[derive(Debug)]
 pub struct Shedder {
     management: Management,
     queue: String,
     cache: tokio::sync::Mutex<Cache>,
+    /// Where the live count is read ([`Self::with_live_depth`]); none: the management
+    /// API's sampled count only.
+    live: Option<Publisher>,
+    door: tokio::sync::Mutex<Door>,
     /// Where the workers' recorded call times are read (none: only a job's own minimum
     /// runtime is set aside).
     ledger: Option<std::sync::Arc<Ledger>>,
@@ -227,13 +416,19 @@ pub struct Shedder {
 }
 
 impl Shedder {
-    /// How long a reading is reused. The broker itself refreshes its numbers only every
-    /// `collect_statistics_interval` (5 s by default).
+    /// How long a management reading is reused. The broker itself refreshes those numbers
+    /// only every `collect_statistics_interval` (5 s by default).
     pub const FRESH_FOR: Duration = Duration::from_secs(1);
+    /// How long a live count is reused: a small fraction of a typical budget.
+    pub const LIVE_FRESH_FOR: Duration = Duration::from_millis(200);
+    /// The live counts of this long are the rate's window.
+    pub const RATE_WINDOW: Duration = Duration::from_secs(3);
+    /// The shortest span of live counts a rate is taken from.
+    pub const RATE_MIN_SPAN: Duration = Duration::from_millis(500);
     /// How long a failed read is remembered (all jobs admitted meanwhile) before the next
     /// attempt, so that an unreachable API does not slow every request.
     pub const RETRY_FAILED_AFTER: Duration = Duration::from_secs(5);
-    /// Timeout of one management query.
+    /// Timeout of one management query or live count.
     pub const TIMEOUT: Duration = Duration::from_secs(1);
 
     /// Estimate the wait in `queue` (the work queue) through `management`.
@@ -242,6 +437,8 @@ impl Shedder {
             management: management.with_timeout(Self::TIMEOUT),
             queue: queue.into(),
             cache: tokio::sync::Mutex::new(Cache::default()),
+            live: None,
+            door: tokio::sync::Mutex::new(Door::default()),
             ledger: None,
             learned: tokio::sync::Mutex::new(HashMap::new()),
         }
@@ -254,17 +451,26 @@ impl Shedder {
         self
     }
 
+    /// Count the queue live through `publisher`'s connection (module doc, "The live
+    /// count"): what the door publishes is remembered, so that the jobs in the queue that
+    /// can no longer finish are not counted as a wait, and the rate the queue drains at is
+    /// measured from the counts.
+    pub fn with_live_depth(mut self, publisher: Publisher) -> Self {
+        self.live = Some(publisher);
+        self
+    }
+
     /// The call time the workers recently held `kind` to, from the ledger (module doc),
     /// cached for [`Self::FRESH_FOR`]; `None` without a ledger, when unknown, or when the
     /// ledger does not answer.
     pub async fn learned_call_ms(&self, kind: &str, now_ms: i64) -> Option<u64> {
         let ledger = self.ledger.as_ref()?;
-        let mut cache = self.learned.lock().await;
-        if let Some((at, v)) = cache.get(kind)
+        if let Some((at, v)) = self.learned.lock().await.get(kind)
             && at.elapsed() < Self::FRESH_FOR
         {
             return *v;
         }
+        // Not under the lock: requests of other kinds do not wait for this query.
         let v = match ledger
             .recent_min_runtime_ms(kind, now_ms.saturating_sub(LEARNED_WINDOW_MS))
             .await
@@ -275,6 +481,7 @@ impl Shedder {
                 None
             }
         };
+        let mut cache = self.learned.lock().await;
         if cache.len() >= MAX_CACHED_KINDS && !cache.contains_key(kind) {
             cache.clear();
         }
@@ -282,9 +489,9 @@ impl Shedder {
         v
     }
 
-    /// The work queue's numbers, at most [`Self::FRESH_FOR`] old; `None` when the
-    /// management API did not answer (fail open). One request at a time refreshes them;
-    /// the others wait for that reading instead of querying too.
+    /// The work queue's numbers from the management API, at most [`Self::FRESH_FOR`] old;
+    /// `None` when the API did not answer (fail open). One request at a time refreshes
+    /// them; the others wait for that reading instead of querying too.
     pub async fn reading(&self) -> Option<QueueStats> {
         let mut c = self.cache.lock().await;
         let keep = if c.reading.is_some() {
@@ -310,7 +517,7 @@ impl Shedder {
                         Err(e) => e.to_string(),
                         _ => format!("the queue {} does not exist", self.queue),
                     };
-                    tracing::warn!(queue = %self.queue, error = %why, "cannot estimate the queue wait: admitting every job (fail open) until the management API answers");
+                    tracing::warn!(queue = %self.queue, error = %why, "cannot estimate the queue wait from the management API");
                 }
                 None
             }
@@ -318,25 +525,125 @@ impl Shedder {
         c.reading
     }
 
+    /// The jobs ahead by the live count, and the rate measured from the counts: `None`
+    /// without a live source or when the broker did not answer. A count at most
+    /// [`Self::LIVE_FRESH_FOR`] old is reused, plus the jobs admitted since (each of
+    /// which could finish when admitted).
+    async fn live_ahead(&self, now_ms: i64) -> Option<Ahead> {
+        let publisher = self.live.as_ref()?;
+        let mut door = self.door.lock().await;
+        let fresh = door
+            .last
+            .is_some_and(|l| l.at.elapsed() < Self::LIVE_FRESH_FOR);
+        if !fresh {
+            let read =
+                tokio::time::timeout(Self::TIMEOUT, publisher.queue_ready(&self.queue)).await;
+            match read {
+                Ok(Ok(Some(ready))) => {
+                    if std::mem::take(&mut door.failing) {
+                        tracing::info!(queue = %self.queue, "the broker answers the live queue count again");
+                    }
+                    door.observe(u64::from(ready), Instant::now(), now_ms);
+                }
+                other => {
+                    if !std::mem::replace(&mut door.failing, true) {
+                        let why = match other {
+                            Ok(Err(e)) => e.to_string(),
+                            Err(_) => format!("no answer within {:?}", Self::TIMEOUT),
+                            _ => format!("the queue {} does not exist", self.queue),
+                        };
+                        tracing::warn!(queue = %self.queue, error = %why, "cannot count the queue live; using the management API's sampled count");
+                    }
+                    door.last = None;
+                    return None;
+                }
+            }
+        }
+        let last = door.last?;
+        // Each job admitted since was judged able to finish.
+        let since = door.sent_total - last.sent_total;
+        Some(Ahead {
+            counted: last.served + since,
+            doomed: last.doomed,
+            rate_per_s: last.rate_per_s,
+        })
+    }
+
+    /// The jobs ahead of a new one that a worker will get to in time, and the pace the
+    /// workers take them at: from the live count when it can (the management API's ack
+    /// rate stands in while the door has measured no pace yet), else from the management
+    /// API alone; `None` (fail open) when neither answers.
+    pub async fn ahead(&self, now_ms: i64) -> Option<Ahead> {
+        let live = self.live_ahead(now_ms).await;
+        if let Some(l) = live
+            && l.rate_per_s.is_some()
+        {
+            return live;
+        }
+        let managed = self.reading().await;
+        match (live, managed) {
+            (Some(l), m) => Some(Ahead {
+                rate_per_s: m.and_then(|m| m.ack_rate_per_s),
+                ..l
+            }),
+            (None, Some(m)) => Some(Ahead {
+                counted: m.ready,
+                doomed: 0,
+                rate_per_s: m.ack_rate_per_s,
+            }),
+            (None, None) => None,
+        }
+    }
+
     /// The verdict for a job of `kind` with this deadline and minimum runtime at `now_ms`.
     /// Without its own minimum runtime, the call time the workers recently held its kind to
     /// is read from the ledger ([`Self::with_ledger`]) and set aside after the queue wait.
+    /// An admitted job is remembered (with a live source) as one the queue now holds.
+    /// `margin_ms` (the producer's clock margin, which a worker also keeps) is added to
+    /// the call time.
     pub async fn check(
         &self,
         kind: &str,
         expires_at_ms: i64,
         min_runtime_ms: Option<u64>,
+        margin_ms: u64,
         now_ms: i64,
     ) -> Verdict {
-        let Some(q) = self.reading().await else {
-            return Verdict::Admit(Admit::NoReading);
-        };
+        let ahead = self.ahead(now_ms).await;
+        // The call time is wanted for a wait to add it to, or to remember the job by.
+        let wanted = self.live.is_some() || ahead.is_some_and(|a| a.counted > 0);
         let call_ms = match min_runtime_ms {
             Some(own) => Some(own),
-            None if q.ready > 0 => self.learned_call_ms(kind, now_ms).await,
+            None if wanted => self.learned_call_ms(kind, now_ms).await,
             None => None,
+        }
+        .map(|c| c.saturating_add(margin_ms))
+        .or((margin_ms > 0).then_some(margin_ms));
+        let verdict = match ahead {
+            None => Verdict::Admit(Admit::NoReading),
+            Some(a) => match decide(a.counted, a.rate_per_s, expires_at_ms, call_ms, now_ms) {
+                Verdict::Shed(e) => Verdict::Shed(ShedEstimate {
+                    doomed: a.doomed,
+                    ..e
+                }),
+                admit => admit,
+            },
         };
-        decide(q.ready, q.ack_rate_per_s, expires_at_ms, call_ms, now_ms)
+        tracing::trace!(
+            kind,
+            remaining_ms = expires_at_ms - now_ms,
+            ?call_ms,
+            ?ahead,
+            shed = verdict.is_shed(),
+            "shedding at the door"
+        );
+        if !verdict.is_shed() && self.live.is_some() {
+            self.door.lock().await.remember(Sent {
+                expires_at_ms,
+                need_ms: call_ms.unwrap_or(0),
+            });
+        }
+        verdict
     }
 }
 
@@ -364,7 +671,7 @@ mod tests {
         );
         assert!(!decide(50, Some(10.0), NOW + 5_000, None, NOW).is_shed());
         let msg = e.to_string();
-        for part in ["10000 ms", "100 ready", "10.00 acks/s", "5000 ms", "5 s"] {
+        for part in ["10000 ms", "100 ready", "10.00/s", "5000 ms", "5 s"] {
             assert!(msg.contains(part), "{msg} names {part}");
         }
         // The call time (the job's own minimum runtime, or its kind's learned one) counts.
@@ -378,6 +685,87 @@ mod tests {
                 remaining_ms: 5_000
             })
         );
+    }
+
+    fn sent(expires_at_ms: i64, need_ms: u64) -> Sent {
+        Sent {
+            expires_at_ms,
+            need_ms,
+        }
+    }
+
+    #[test]
+    fn without_a_pace_the_live_count_skips_what_cannot_start_now() {
+        let t0 = Instant::now();
+        let mut door = Door::default();
+        // Ten jobs: the first two (100 and 150 ms left) can no longer fit a 200 ms need.
+        for i in 0..10 {
+            door.remember(sent(NOW + 100 + i * 50, 200));
+        }
+        door.observe(10, t0, NOW);
+        let l = door.last.unwrap();
+        assert_eq!(
+            (l.ready, l.served, l.doomed, l.rate_per_s),
+            (10, 8, 2, None)
+        );
+    }
+
+    #[test]
+    fn the_pace_counts_only_jobs_that_could_still_finish_while_the_queue_was_busy() {
+        let t0 = Instant::now();
+        let mut door = Door::default();
+        for _ in 0..5 {
+            door.remember(sent(NOW + 50, 200)); // doomed
+        }
+        for _ in 0..15 {
+            door.remember(sent(NOW + 10_000, 200));
+        }
+        door.observe(20, t0, NOW);
+        assert_eq!(door.rate_per_s(), None, "one count is no pace");
+        // Ten left in 500 ms: the five doomed ones do not count.
+        door.observe(10, t0 + Duration::from_millis(500), NOW);
+        assert_eq!(door.rate_per_s(), Some(10.0));
+        let l = door.last.unwrap();
+        assert_eq!((l.served, l.doomed), (10, 0));
+        // The queue ran empty: that interval is the arrivals' pace, not the workers'.
+        door.observe(0, t0 + Duration::from_millis(1_500), NOW);
+        door.remember(sent(NOW + 10_000, 200));
+        door.observe(1, t0 + Duration::from_millis(2_000), NOW);
+        assert_eq!(door.busy.len(), 1);
+        assert_eq!(door.rate_per_s(), Some(10.0));
+        // Intervals older than the window are dropped.
+        door.observe(1, t0 + Duration::from_millis(3_600), NOW);
+        assert_eq!(door.busy.len(), 1);
+        assert_eq!(door.rate_per_s(), None, "1.6 s, nothing left");
+    }
+
+    #[test]
+    fn the_walk_skips_jobs_that_will_be_too_late_when_reached() {
+        let t0 = Instant::now();
+        let mut door = Door::default();
+        // A measured pace of 10 jobs/s: 100 ms of the workers' time per job.
+        door.busy.push_back((t0, Duration::from_secs(1), 10));
+        // Twelve of the door's jobs with 1000 ms left and a 200 ms need, behind two it does
+        // not remember (counted, 200 ms): its jobs start at 200, 300, … ms; those reached
+        // after 800 ms cannot finish.
+        for _ in 0..12 {
+            door.remember(sent(NOW + 1_000, 200));
+        }
+        door.observe(14, t0, NOW);
+        let l = door.last.unwrap();
+        assert_eq!((l.ready, l.served, l.doomed), (14, 2 + 7, 5));
+        assert_eq!(l.rate_per_s, Some(10.0));
+    }
+
+    #[test]
+    fn the_door_forgets_a_minute_after_the_deadline() {
+        let mut door = Door::default();
+        door.remember(sent(NOW, 0));
+        door.remember(sent(NOW + FORGET_AFTER_MS, 0));
+        door.observe(0, Instant::now(), NOW + FORGET_AFTER_MS + 1);
+        assert_eq!(door.sent.len(), 1);
+        assert_eq!(door.sent_total, 2);
+        assert!(door.get(0).is_none() && door.get(1).is_some() && door.get(2).is_none());
     }
 
     #[test]

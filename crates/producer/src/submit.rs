@@ -379,6 +379,7 @@ impl Submitter {
                 env.kind().as_str(),
                 env.deadline().expires_at_ms(),
                 env.min_runtime_ms,
+                self.admission.clock_uncertainty_ms,
                 now_ms,
             )
             .await

@@ -37,6 +37,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     let (admission, limits) = super::admission(&a.admission);
     let horizon_ms = limits.horizon_ms;
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
+    let shedder = shedder(s, &a, &topo, &ledger, &publisher);
     let submitter = Submitter::new(
         publisher,
         topo.names.clone(),
@@ -45,7 +46,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         limits,
     )
     .with_signing_key(signing_key.clone())
-    .with_shedder(shedder(s, &a, &topo, &ledger));
+    .with_shedder(shedder);
     let clock = Arc::new(SystemClock::default());
     let mut state = AppState::new(
         submitter,
@@ -177,6 +178,7 @@ fn shedder(
     a: &ServeArgs,
     topo: &Topology,
     ledger: &Arc<Ledger>,
+    publisher: &Publisher,
 ) -> Option<Arc<Shedder>> {
     if a.no_shed || a.no_management {
         tracing::info!("shedding at the door is off");
@@ -184,7 +186,8 @@ fn shedder(
     }
     Some(Arc::new(
         Shedder::new(management_api(s, a), topo.names.work_queue.clone())
-            .with_ledger(Some(ledger.clone())),
+            .with_ledger(Some(ledger.clone()))
+            .with_live_depth(publisher.clone()),
     ))
 }
 

@@ -40,6 +40,7 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         Some(super::open_ledger(&s.store_url).await?)
     };
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
+    let live = publisher.clone();
     let submitter = Submitter::new(
         publisher,
         topo.names.clone(),
@@ -53,7 +54,12 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         let m =
             lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url);
         // Each kind's call time from the ledger the workers record to (when one is open).
-        Arc::new(Shedder::new(m, topo.names.work_queue.clone()).with_ledger(ledger.clone()))
+        // The live count of the queue through the publisher's connection.
+        Arc::new(
+            Shedder::new(m, topo.names.work_queue.clone())
+                .with_ledger(ledger.clone())
+                .with_live_depth(live),
+        )
     }));
     // --wait: follow the outcome events *before* publishing, so none can be missed.
     let waiting = if a.wait {
