@@ -34,20 +34,30 @@
 //! - counts the ready messages live, with a passive `queue.declare` on its publisher's
 //!   connection, at most every [`Shedder::LIVE_FRESH_FOR`], adding the jobs it admitted
 //!   since;
-//! - remembers the jobs it admitted (deadline and call time, bounded) and, the queue being
-//!   FIFO, takes the newest `ready` of them as the ones in the queue. **It does not count
-//!   those that can no longer finish** (less budget left than their call time): the worker
-//!   refuses them at once without a call, so they are no wait. Messages beyond what it
-//!   remembers (another producer's, or from before this process) all count;
-//! - measures the rate the queue drains at from its counts (`before + admitted − now`,
-//!   over the last [`Shedder::RATE_WINDOW`]) and uses the higher of that and the
-//!   management API's ack rate, erring towards admitting. A job refused at receipt leaves
-//!   the queue faster than a call, so this rate overstates the pace at which calls start.
+//! - remembers the jobs it admitted (deadline, call time + clock margin; bounded) and, the
+//!   queue being FIFO, takes the newest `ready` of them as the ones in the queue. Messages
+//!   beyond what it remembers (another producer's, or from before this process) count as
+//!   able to finish;
+//! - measures the workers' pace from successive counts: the jobs that left the queue
+//!   (`before + admitted − now`, the oldest ones) and could still finish then, per second,
+//!   over the intervals of the last [`Shedder::RATE_WINDOW`] in which the queue never ran
+//!   empty. Doomed jobs leave faster (refused without a call) and an idle queue's pace is
+//!   the arrivals', so neither counts;
+//! - **walks the queue as a worker will**: from the head, each job that can still start
+//!   when reached takes 1/pace of the workers' time; one that cannot is refused at once
+//!   and is no wait. The wait counts only the jobs reached in time.
+//!
+//! Until it has measured a pace, the management API's ack rate stands in (and the walk
+//! counts every job that can start now).
 //!
 //! Without a live source, or when the broker does not answer the count, the management
 //! API's `ready` and ack rate are used as they are. A job whose publish fails after the
 //! door admitted it is still remembered; it only makes a count of the door's own jobs
-//! one higher than the truth.
+//! one higher than the truth. With several producers the "newest `ready`" are not all
+//! this door's; the walk is then an approximation (every unknown message counts).
+//! The jobs in the workers' buffers (delivered, unacked) are not counted, and a job that
+//! leaves the queue able to finish may become doomed in a buffer and still count in the
+//! pace: both err towards admitting.
 //!
 //! # When it does not shed
 //!
@@ -63,9 +73,6 @@
 //!   wrong credentials, queue missing): fail open, logged once per outage (and once when
 //!   it answers again);
 //! - it is turned off (`--no-shed`; `serve --no-management` also turns it off).
-//!
-//! Only `ready` counts: jobs already delivered to a worker (unacked) are ahead too, which
-//! again errs towards admitting.
 //!
 //! The management reading is cached ([`Shedder::FRESH_FOR`], 1 s; a failure for
 //! [`Shedder::RETRY_FAILED_AFTER`]) and the live count for [`Shedder::LIVE_FRESH_FOR`];
