@@ -174,7 +174,8 @@ def run_one(a, overload, mean_ms, draw, tmp):
            "--without-gossip", "--without-mingle", "--without-heartbeat"]
     if not a.json:
         print(f"{a.service} at {overload:g}×: {total} jobs at {rate:.1f}/s for "
-              f"{a.duration_s:g} s; capacity {capacity:.1f}/s; deadline {a.deadline_ms} ms; "
+              f"{a.duration_s:g} s; capacity {capacity:.1f}/s; "
+              f"deadline {'|'.join(map(str, a.deadline_ms))} ms; "
               f"worker -P {a.pool} -c {a.slots}, prefetch {a.slots * a.prefetch_multiplier}; "
               f"queue {queue}", file=sys.stderr)
     worker = None
@@ -207,7 +208,7 @@ def run_one(a, overload, mean_ms, draw, tmp):
                     time.sleep(delay)  # pacing the arrivals (catches up if behind)
                 call_ms, task_id = draw(), f"{queue}-{i}"
                 sub = now_ms()
-                deadline = sub + a.deadline_ms
+                deadline = sub + random.choice(a.deadline_ms)  # uniform, as lastcall's
                 try:
                     call.apply_async(
                         (call_ms,), task_id=task_id, producer=producer, queue=target,
@@ -282,6 +283,14 @@ def summarise(a, overload, capacity, rate, jobs, submit_errors, submit_s, events
     first = min((s for s, _, _ in jobs.values()), default=0.0)
     window_s = max(0.001, (max((d for _, d, _ in jobs.values()), default=0.0) - first) / 1000)
     bound = min(capacity * window_s, len(jobs))
+    # On-time completions per second since the first submission (by the body's end), as
+    # lastcall's `on_time_per_s`: the chart of `lastcall bench goodput --celery`.
+    on_time_per_s = [0] * (math.ceil(window_s) + 1)
+    for tid, r in runs.items():
+        if r["end"] <= jobs[tid][1]:
+            b = int((r["end"] - first) // 1000)
+            if 0 <= b < len(on_time_per_s):
+                on_time_per_s[b] += 1
     exp_at_pool = len([t for t in revoked if t in received])
     return {
         "service": a.service,
@@ -306,6 +315,7 @@ def summarise(a, overload, capacity, rate, jobs, submit_errors, submit_s, events
         "no_outcome": len(jobs) - len(runs) - len(revoked) - broker_expired,
         "dispatch_p99_ms": pct([r["start"] - received[t] for t, r in runs.items()
                                 if t in received], 0.99),
+        "on_time_per_s": on_time_per_s,
     }
 
 
@@ -337,7 +347,10 @@ def main():
                    help="call durations: fixed:MS or lognormal:MEAN_MS,SIGMA")
     p.add_argument("--overload", default="2,5,10", help="comma-separated multiples of capacity")
     p.add_argument("--slots", type=int, default=4, help="worker concurrency")
-    p.add_argument("--deadline-ms", type=int, default=2000)
+    p.add_argument("--deadline-ms", default="2000",
+                   type=lambda s: [int(x) for x in s.split(",")],
+                   help="each job's deadline, ms after its submission; a comma-separated "
+                        "list draws one per job, uniformly (as lastcall's)")
     p.add_argument("--duration-s", type=float, default=10.0)
     p.add_argument("--pool", default="prefork", choices=["prefork", "threads"])
     p.add_argument("--prefetch-multiplier", type=int, default=2)
@@ -359,7 +372,10 @@ def main():
             rows.append(run_one(a, o, mean_ms, draw, a.keep_events or tmp))
     if a.json:
         print(json.dumps({"bench": "goodput", "system": f"celery {celery.__version__}",
-                          "slots": a.slots, "deadline_ms": a.deadline_ms,
+                          "slots": a.slots,
+                          # an int as before; a list for mixed deadlines
+                          "deadline_ms": a.deadline_ms[0] if len(a.deadline_ms) == 1
+                          else a.deadline_ms,
                           "duration_s": a.duration_s,
                           "prefetch": a.slots * a.prefetch_multiplier, "results": rows},
                          indent=2))

@@ -4,8 +4,12 @@
 //! `completed` and its `finished_at_ms` is not after `expires_at_ms`; a model call started
 //! after the deadline is one whose `started_at_ms` is after `expires_at_ms`. The sim
 //! backend's own call counter cross-checks the ledger's `backend_calls`.
+//!
+//! With `--celery`, Celery runs the same scenario after lastcall's runs at each overload
+//! (`crate::celery`); its rows join the same table, chart and JSON.
 
 use crate::Env;
+use crate::celery::{self, CeleryResult};
 use crate::chart::{Chart, line_chart};
 use crate::{GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1};
 use anyhow::{Context, Result, bail};
@@ -55,7 +59,7 @@ struct Setup {
 }
 
 /// One policy's results.
-#[derive(Debug, Clone, Serialize)]
+#[derive(Debug, Clone, Default, Serialize)]
 struct PolicyResult {
     /// The dispatch policy, with its buffer order when several were run (`deadline-fifo`).
     policy: String,
@@ -114,6 +118,28 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     {
         bail!("--slots, --overload, --deadline-ms and --duration-s must be positive");
     }
+    let prefetch = a
+        .prefetch
+        .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16);
+    // Checked first, so that a missing script fails in a second, not after minutes.
+    let celery_plan = if a.celery {
+        Some(celery::plan(
+            a.celery_script.as_deref(),
+            &env.amqp_url,
+            &celery::Scenario {
+                service: a.service,
+                slots: a.slots,
+                deadline_ms: &a.deadline_ms,
+                duration_s: a.duration_s,
+                prefetch,
+                shed: !a.no_shed,
+                edf: a.order.contains(&crate::BufferOrderArg::Edf),
+                oracle: a.oracle,
+            },
+        )?)
+    } else {
+        None
+    };
     // The embedded model is loaded once for every run; its mean call time (with every
     // slot busy) sets the capacity and so the arrival rates.
     let model = match a.service {
@@ -156,6 +182,8 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     };
     let mut results = Vec::new();
     let mut setups = Vec::new();
+    let mut celery_results = Vec::new();
+    let (mut celery_system, mut celery_prefetch) = (String::new(), 0);
     for &overload in &a.overload {
         let setup = Setup {
             slots: a.slots,
@@ -171,9 +199,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 .oracle
                 .then(|| a.min_runtime_ms.unwrap_or(mean_ms.round() as u64 + 20)),
             clock_uncertainty_ms: a.clock_uncertainty_ms,
-            prefetch: a
-                .prefetch
-                .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16),
+            prefetch,
             ledger: a
                 .ledger_url
                 .clone()
@@ -213,25 +239,26 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             let backend = model.as_ref().map(|m| m.backend.clone());
             results.push(run_policy(env, &a, &setup, name, (*policy, *order), backend).await?);
         }
+        if let Some(plan) = &celery_plan {
+            if !a.json {
+                eprintln!(
+                    "bench goodput: {} at {overload}×: {} (Celery's worker, {} s of arrivals, then its outcomes)",
+                    celery::POLICY,
+                    plan.script.display(),
+                    a.duration_s
+                );
+            }
+            let out = celery::run(plan, overload).await?;
+            (celery_system, celery_prefetch) = (out.system, out.prefetch);
+            celery_results.extend(out.results);
+        }
         setups.push(setup);
     }
+    let runs = runs_in_order(&results, policies.len(), &celery_results);
     let setup = setups[0].clone();
     let mut chart = None;
     if !a.no_svg {
-        let series: Vec<(String, Vec<f64>)> = results
-            .iter()
-            .map(|r| {
-                (
-                    format!(
-                        "{} at {}× ({:.0}% goodput)",
-                        r.policy,
-                        r.overload,
-                        r.goodput * 100.0
-                    ),
-                    r.on_time_per_s.iter().map(|n| *n as f64).collect(),
-                )
-            })
-            .collect();
+        let series = runs.iter().map(Run::series).collect();
         let doc = line_chart(&Chart {
             title: format!(
                 "On-time completions per second: {} slots × {} calls, {} ms deadlines{}",
@@ -260,91 +287,186 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 "setups": setups,
                 "machine": crate::machine(),
                 "policies": results,
+                "celery": celery_plan.as_ref().map(|p| json!({
+                    "system": celery_system,
+                    "script": p.script,
+                    "prefetch": celery_prefetch,
+                    "differs": p.differs,
+                    "results": celery_results,
+                })),
                 "chart": chart,
             }))?
         );
         return Ok(ExitCode::SUCCESS);
     }
     println!();
-    let rows: Vec<Vec<String>> = results
-        .iter()
-        .map(|r| {
-            let n = |k: &str| r.outcomes.get(k).copied().unwrap_or(0).to_string();
-            vec![
-                r.policy.clone(),
-                format!("{}×", r.overload),
-                r.submitted.to_string(),
-                r.shed_at_door.to_string(),
-                r.on_time.to_string(),
-                format!("{:.1}%", r.goodput * 100.0),
-                r.completed_late.to_string(),
-                r.started_after_deadline.to_string(),
-                r.finished_after_deadline.to_string(),
-                r.wasted_calls.to_string(),
-                format!("{:.1}%", r.wasted_model_time * 100.0),
-                n("expired_not_started"),
-                n("expired_before_receive"),
-                n("deadline_exceeded"),
-                (r.outcomes.values().sum::<u64>()
-                    - r.outcomes.get("completed").copied().unwrap_or(0)
-                    - r.outcomes.get("expired_not_started").copied().unwrap_or(0)
-                    - r.outcomes
-                        .get("expired_before_receive")
-                        .copied()
-                        .unwrap_or(0)
-                    - r.outcomes.get("deadline_exceeded").copied().unwrap_or(0))
-                .to_string(),
-                r.no_outcome.to_string(),
-                f1(r.dispatch.p99_ms),
-            ]
-        })
-        .collect();
-    print!(
-        "{}",
-        (env.table)(
-            &[
-                "policy",
-                "overload",
-                "submitted",
-                "shed",
-                "on_time",
-                "goodput",
-                "late_done",
-                "started_late",
-                "finished_late",
-                "wasted_calls",
-                "wasted_time",
-                "exp_not_started",
-                "exp_before_recv",
-                "deadline_exc",
-                "other",
-                "no_outcome",
-                "dispatch_p99_ms",
-            ],
-            &rows
-        )
-    );
+    let rows: Vec<Vec<String>> = runs.iter().map(Run::table_row).collect();
+    print!("{}", (env.table)(&COLUMNS, &rows));
     println!();
-    for r in &results {
+    for r in &runs {
+        println!("{}", r.summary());
+    }
+    if let Some(p) = &celery_plan {
         println!(
-            "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}); outcomes {}",
-            r.policy,
-            r.overload,
-            r.capacity_bound,
-            r.window_s,
-            r.model_calls,
-            r.model_calls_ledger,
-            r.outcomes
-                .iter()
-                .map(|(k, v)| format!("{k}={v}"))
-                .collect::<Vec<_>>()
-                .join(" ")
+            "{}: {celery_system} via {} with the same service, overloads, duration, deadlines and slots; differs: {}",
+            celery::POLICY,
+            p.script.display(),
+            p.differs.join("; ")
         );
     }
     if let Some(c) = chart {
         println!("chart: {c}");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The table's columns, for lastcall's rows and Celery's alike.
+const COLUMNS: [&str; 17] = [
+    "policy",
+    "overload",
+    "submitted",
+    "shed",
+    "on_time",
+    "goodput",
+    "late_done",
+    "started_late",
+    "finished_late",
+    "wasted_calls",
+    "wasted_time",
+    "exp_not_started",
+    "exp_before_recv",
+    "deadline_exc",
+    "other",
+    "no_outcome",
+    "dispatch_p99_ms",
+];
+
+/// One row of the table and one series of the chart.
+#[derive(Debug, Clone, Copy)]
+enum Run<'a> {
+    Lastcall(&'a PolicyResult),
+    Celery(&'a CeleryResult),
+}
+
+/// The runs as they ran: at each overload, lastcall's policies (`per_overload` results,
+/// pushed overload by overload), then Celery's run when there is one.
+fn runs_in_order<'a>(
+    results: &'a [PolicyResult],
+    per_overload: usize,
+    celery: &'a [CeleryResult],
+) -> Vec<Run<'a>> {
+    let mut celery = celery.iter();
+    let mut runs = Vec::new();
+    for chunk in results.chunks(per_overload.max(1)) {
+        runs.extend(chunk.iter().map(Run::Lastcall));
+        runs.extend(celery.next().map(Run::Celery));
+    }
+    runs.extend(celery.map(Run::Celery));
+    runs
+}
+
+impl Run<'_> {
+    /// The cells under [`COLUMNS`]; `—` where Celery has no such thing (it sheds nothing
+    /// at the door, cancels no call, records no other outcome).
+    fn table_row(&self) -> Vec<String> {
+        let pct = |x: f64| format!("{:.1}%", x * 100.0);
+        match *self {
+            Run::Lastcall(r) => {
+                let n = |k: &str| r.outcomes.get(k).copied().unwrap_or(0);
+                let named = [
+                    "completed",
+                    "expired_not_started",
+                    "expired_before_receive",
+                    "deadline_exceeded",
+                ];
+                let other =
+                    r.outcomes.values().sum::<u64>() - named.iter().map(|k| n(k)).sum::<u64>();
+                vec![
+                    r.policy.clone(),
+                    format!("{}×", r.overload),
+                    r.submitted.to_string(),
+                    r.shed_at_door.to_string(),
+                    r.on_time.to_string(),
+                    pct(r.goodput),
+                    r.completed_late.to_string(),
+                    r.started_after_deadline.to_string(),
+                    r.finished_after_deadline.to_string(),
+                    r.wasted_calls.to_string(),
+                    pct(r.wasted_model_time),
+                    n("expired_not_started").to_string(),
+                    n("expired_before_receive").to_string(),
+                    n("deadline_exceeded").to_string(),
+                    other.to_string(),
+                    r.no_outcome.to_string(),
+                    f1(r.dispatch.p99_ms),
+                ]
+            }
+            // Celery never cancels a call: every late one ran to the end, so it finished
+            // late and is the only wasted call.
+            Run::Celery(c) => vec![
+                celery::POLICY.to_owned(),
+                format!("{}×", c.overload),
+                c.submitted.to_string(),
+                "—".into(),
+                c.on_time.to_string(),
+                pct(c.goodput),
+                c.completed_late.to_string(),
+                c.started_after_deadline.to_string(),
+                c.completed_late.to_string(),
+                c.model_calls.saturating_sub(c.on_time).to_string(),
+                pct(c.wasted_model_time),
+                (c.expired_at_receipt + c.expired_at_pool).to_string(),
+                c.expired_in_broker.to_string(),
+                "—".into(),
+                "—".into(),
+                c.no_outcome.to_string(),
+                f1(c.dispatch_p99_ms),
+            ],
+        }
+    }
+
+    /// The chart's series: on-time completions per second, labelled with the goodput.
+    fn series(&self) -> (String, Vec<f64>) {
+        let (name, overload, goodput, per_s) = match *self {
+            Run::Lastcall(r) => (r.policy.as_str(), r.overload, r.goodput, &r.on_time_per_s),
+            Run::Celery(c) => (celery::POLICY, c.overload, c.goodput, &c.on_time_per_s),
+        };
+        (
+            format!("{name} at {overload}× ({:.0}% goodput)", goodput * 100.0),
+            per_s.iter().map(|n| *n as f64).collect(),
+        )
+    }
+
+    /// The line under the table.
+    fn summary(&self) -> String {
+        match *self {
+            Run::Lastcall(r) => format!(
+                "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}); outcomes {}",
+                r.policy,
+                r.overload,
+                r.capacity_bound,
+                r.window_s,
+                r.model_calls,
+                r.model_calls_ledger,
+                r.outcomes
+                    .iter()
+                    .map(|(k, v)| format!("{k}={v}"))
+                    .collect::<Vec<_>>()
+                    .join(" ")
+            ),
+            Run::Celery(c) => format!(
+                "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {}; expired in the broker {}, at receipt {}, at the pool {}",
+                celery::POLICY,
+                c.overload,
+                c.capacity_bound,
+                c.window_s,
+                c.model_calls,
+                c.expired_in_broker,
+                c.expired_at_receipt,
+                c.expired_at_pool
+            ),
+        }
+    }
 }
 
 async fn run_policy(
@@ -701,4 +823,185 @@ fn deadlines_label(d: &[u64]) -> String {
 
 fn is_terminal(state: &str) -> bool {
     state.parse::<State>().is_ok_and(State::is_terminal)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `run.sh --json --service fixed:100 --duration-s 2 --deadline-ms 500,1000 --overload
+    /// 2,5`: the 2× run as goodput.py printed it (fewer line breaks), the 5× run made up.
+    const CELERY_JSON: &str = r#"{
+  "bench": "goodput",
+  "system": "celery 5.7.0",
+  "slots": 4,
+  "deadline_ms": [500, 1000],
+  "duration_s": 2.0,
+  "prefetch": 8,
+  "results": [
+    {
+      "service": "fixed:100", "pool": "prefork", "overload": 2.0, "arrival_per_s": 80.0,
+      "submit_s": 1.990117850000388, "submitted": 160, "submit_errors": 0, "on_time": 98,
+      "capacity_bound": 119.04606445312498, "window_s": 2.976151611328125,
+      "goodput": 0.8232107499747546, "completed_late": 4, "started_after_deadline": 0,
+      "model_calls": 102, "model_time_s": 10.257009765625,
+      "wasted_model_time": 0.039272732500582205, "expired_in_broker": 24,
+      "expired_at_receipt": 2, "expired_at_pool": 32, "no_outcome": 0,
+      "dispatch_p99_ms": 210.66357421875,
+      "on_time_per_s": [29, 39, 30, 0]
+    },
+    {
+      "service": "fixed:100", "pool": "prefork", "overload": 5.0, "arrival_per_s": 200.0,
+      "submit_s": 2.01, "submitted": 400, "submit_errors": 0, "on_time": 60,
+      "capacity_bound": 119.0, "window_s": 2.98, "goodput": 0.504, "completed_late": 40,
+      "started_after_deadline": 2, "model_calls": 100, "model_time_s": 10.1,
+      "wasted_model_time": 0.4, "expired_in_broker": 200, "expired_at_receipt": 60,
+      "expired_at_pool": 40, "no_outcome": 0, "dispatch_p99_ms": 250.0,
+      "on_time_per_s": [20, 25, 15, 0]
+    }
+  ]
+}"#;
+
+    fn policy(name: &str, overload: f64) -> PolicyResult {
+        PolicyResult {
+            policy: name.into(),
+            overload,
+            submitted: 10,
+            on_time: 7,
+            goodput: 0.5,
+            on_time_per_s: vec![3, 4],
+            ..PolicyResult::default()
+        }
+    }
+
+    #[test]
+    fn celery_runs_join_the_table_and_the_chart_after_lastcalls_at_each_overload() {
+        let out = celery::parse(CELERY_JSON).unwrap();
+        assert_eq!((out.system.as_str(), out.prefetch), ("celery 5.7.0", 8));
+        let lastcall = [
+            policy("deadline", 2.0),
+            policy("naive", 2.0),
+            policy("deadline", 5.0),
+            policy("naive", 5.0),
+        ];
+        let runs = runs_in_order(&lastcall, 2, &out.results);
+        let rows: Vec<Vec<String>> = runs.iter().map(Run::table_row).collect();
+        let first: Vec<(&str, &str)> = rows
+            .iter()
+            .map(|r| (r[0].as_str(), r[1].as_str()))
+            .collect();
+        assert_eq!(
+            first,
+            [
+                ("deadline", "2×"),
+                ("naive", "2×"),
+                ("celery-expires", "2×"),
+                ("deadline", "5×"),
+                ("naive", "5×"),
+                ("celery-expires", "5×"),
+            ]
+        );
+        assert!(rows.iter().all(|r| r.len() == COLUMNS.len()), "{rows:?}");
+        // Filled where Celery has the same thing, `—` where it has none (shedding,
+        // cancelling at the deadline, other outcomes).
+        let cells: BTreeMap<&str, &str> = COLUMNS
+            .iter()
+            .copied()
+            .zip(rows[2].iter().map(String::as_str))
+            .collect();
+        let expected = [
+            ("submitted", "160"),
+            ("shed", "—"),
+            ("on_time", "98"),
+            ("goodput", "82.3%"),
+            ("late_done", "4"),
+            ("started_late", "0"),
+            ("finished_late", "4"),
+            ("wasted_calls", "4"),
+            ("wasted_time", "3.9%"),
+            ("exp_not_started", "34"),
+            ("exp_before_recv", "24"),
+            ("deadline_exc", "—"),
+            ("other", "—"),
+            ("no_outcome", "0"),
+            ("dispatch_p99_ms", "210.7"),
+        ];
+        for (column, value) in expected {
+            assert_eq!(cells[column], value, "{column}: {cells:?}");
+        }
+        // One chart series per run, Celery's from its per-second on-time counts.
+        let series: Vec<(String, Vec<f64>)> = runs.iter().map(Run::series).collect();
+        assert_eq!(series.len(), 6);
+        assert_eq!(series[2].0, "celery-expires at 2× (82% goodput)");
+        assert_eq!(series[2].1, [29.0, 39.0, 30.0, 0.0]);
+        assert_eq!(series[5].0, "celery-expires at 5× (50% goodput)");
+        assert!(runs[5].summary().contains("at receipt 60, at the pool 40"));
+        // --json carries Celery's results whole, fields the table does not read included.
+        let j = serde_json::to_value(&out.results[0]).unwrap();
+        assert_eq!(j["pool"], "prefork");
+        assert_eq!(j["submit_s"], 1.990117850000388);
+        assert_eq!(j["on_time_per_s"], json!([29, 39, 30, 0]));
+    }
+
+    #[test]
+    fn celery_output_without_per_second_counts_is_refused() {
+        let old = CELERY_JSON.replace(r#""on_time_per_s": [20, 25, 15, 0]"#, r#""x": 1"#);
+        let e = celery::parse(&old).unwrap_err();
+        assert!(format!("{e:#}").contains("on_time_per_s"), "{e:#}");
+    }
+
+    #[test]
+    fn celery_runs_with_lastcalls_parameters_and_says_what_differs() {
+        let scenario = |service, prefetch| celery::Scenario {
+            service,
+            slots: 4,
+            deadline_ms: &[500, 2000],
+            duration_s: 2.5,
+            prefetch,
+            shed: false,
+            edf: false,
+            oracle: false,
+        };
+        let url = "amqp://guest:guest@127.0.0.1:5672/%2f,amqp://b:5672";
+        // Found from the current directory (the crate's, in a test) upwards.
+        let same = celery::plan(
+            None,
+            url,
+            &scenario("lognormal:200,0.6".parse().unwrap(), 8),
+        )
+        .unwrap();
+        assert!(same.script.ends_with("bench/celery/run.sh"), "{same:?}");
+        assert_eq!(
+            same.args,
+            [
+                "--json",
+                "--service=lognormal:200,0.6",
+                "--slots=4",
+                "--deadline-ms=500,2000",
+                "--duration-s=2.5",
+                "--prefetch-multiplier=2",
+            ]
+        );
+        assert_eq!(same.amqp_url, "amqp://guest:guest@127.0.0.1:5672/%2f");
+        assert!(
+            !same.differs.iter().any(|d| d.contains("prefetch")),
+            "{same:?}"
+        );
+        let odd = celery::plan(None, url, &scenario(ServiceDist::Fixed { ms: 200 }, 6)).unwrap();
+        assert!(odd.args.contains(&"--prefetch-multiplier=2".to_owned()));
+        assert!(
+            odd.differs.iter().any(|d| d.contains("prefetch 8")),
+            "{odd:?}"
+        );
+        let e = celery::plan(None, url, &scenario(ServiceDist::SmolLm2, 8)).unwrap_err();
+        assert!(e.to_string().contains("--service fixed"), "{e}");
+        let missing = std::path::Path::new("/nonexistent/run.sh");
+        let e = celery::plan(
+            Some(missing),
+            url,
+            &scenario(ServiceDist::Fixed { ms: 200 }, 8),
+        )
+        .unwrap_err();
+        assert!(e.to_string().contains("--celery-script"), "{e}");
+    }
 }

@@ -15,6 +15,8 @@
 //! - [`ledger`]: outcome writes per second on SQLite and PostgreSQL.
 //! - [`front_door`]: what the OpenAI-compatible front door adds to a model call.
 //! - [`chart`]: the goodput line chart (`plotters`, SVG backend only).
+//! - `celery`: `bench goodput --celery`, Celery 5.x through the same scenario
+//!   (`bench/celery/run.sh`), in the same table and chart.
 //! - [`demo`]: `lastcall demo`, the whole pipeline end to end on the local defaults.
 //!
 //! Every bench command prints a table at the end, `--json` prints one JSON object instead,
@@ -23,6 +25,7 @@
 //! [`std::time::Instant`].
 
 pub mod ack_modes;
+mod celery;
 pub mod chart;
 pub mod demo;
 pub mod front_door;
@@ -210,6 +213,19 @@ pub struct GoodputArgs {
     /// A few seconds per policy (CI smoke test: 2 s of arrivals, 1 s deadlines, 100 ms calls)
     #[arg(long)]
     pub smoke: bool,
+    /// Also run Celery 5.x (PyPI) through the same scenario with its deadline feature,
+    /// `apply_async(expires=…)`: after lastcall's runs at each overload, run
+    /// `bench/celery/run.sh --json` with the same service, duration, deadlines, slots and
+    /// prefetch, and add its run (policy `celery-expires`) to the table, the chart and
+    /// --json. About 17 s more per overload; the first run creates the script's venv
+    /// (needs python3 and pip access to PyPI). What cannot be carried over (shedding at
+    /// the door, the buffer order, the oracle) is printed with the results
+    #[arg(long)]
+    pub celery: bool,
+    /// The script --celery runs [default: bench/celery/run.sh in the current directory
+    /// or any above it, else in the source tree this binary was built from]
+    #[arg(long, requires = "celery")]
+    pub celery_script: Option<PathBuf>,
 }
 
 /// How long each simulated model call takes, drawn per job.

@@ -130,6 +130,75 @@ async fn goodput_table_output_names_each_policy() {
     env.cleanup().await;
 }
 
+/// `--celery`: Celery's run of the same (smoke) scenario joins the JSON and the chart.
+/// Runs `bench/celery/run.sh`, whose first run installs Celery from PyPI into a venv
+/// (about 30 s); then about 10 s for Celery's part.
+#[tokio::test(flavor = "multi_thread")]
+async fn goodput_smoke_with_celery_adds_its_run_to_the_json_and_the_chart() {
+    let env = Env::sqlite("bench-goodput-celery").await;
+    let svg = env.dir.join("chart.svg");
+    let out = env.cli(&[
+        "bench",
+        "goodput",
+        "--smoke",
+        "--policy",
+        "deadline",
+        "--overload",
+        "2",
+        "--celery",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let j = json_of(&out);
+    assert_eq!(j["policies"].as_array().unwrap().len(), 1, "{j}");
+    let c = &j["celery"];
+    assert!(
+        c["system"].as_str().unwrap().starts_with("celery 5."),
+        "{c}"
+    );
+    let runs = c["results"].as_array().unwrap();
+    assert_eq!(runs.len(), 1, "{c}");
+    let r = &runs[0];
+    // The smoke scenario reached Celery, not goodput.py's defaults.
+    assert_eq!(r["service"], j["setup"]["service"], "{r}");
+    assert_eq!(r["overload"], 2.0, "{r}");
+    assert_eq!(c["prefetch"], j["setup"]["prefetch"], "{c}");
+    assert!(u(r, "submitted") > 0, "{r}");
+    assert_eq!(u(r, "no_outcome"), 0, "every job has an outcome: {r}");
+    assert_eq!(
+        u(r, "on_time") + u(r, "completed_late"),
+        u(r, "model_calls"),
+        "{r}"
+    );
+    let per_s: u64 = r["on_time_per_s"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_u64().unwrap())
+        .sum();
+    assert_eq!(per_s, u(r, "on_time"), "{r}");
+    let legend = format!(
+        "celery-expires at 2× ({:.0}% goodput)",
+        r["goodput"].as_f64().unwrap() * 100.0
+    );
+    let doc = std::fs::read_to_string(&svg).unwrap();
+    let texts: Vec<&str> = doc
+        .split("<text")
+        .skip(1)
+        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim()))
+        .collect();
+    assert!(
+        texts.contains(&legend.as_str()),
+        "`{legend}` not in {texts:?}"
+    );
+    assert!(
+        texts.iter().any(|t| t.starts_with("deadline at 2× (")),
+        "{texts:?}"
+    );
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread")]
 async fn ack_modes_smoke_counts_add_up() {
     let env = Env::sqlite("bench-ack").await;
@@ -271,7 +340,15 @@ fn bench_help_teaches() {
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());
-    for word in ["capacity", "receipt-only", "naive", "--smoke", "--json"] {
+    for word in [
+        "capacity",
+        "receipt-only",
+        "naive",
+        "--smoke",
+        "--json",
+        "--celery",
+        "celery-expires",
+    ] {
         assert!(text.contains(word), "help lacks {word}: {text}");
     }
 }
