@@ -2,7 +2,9 @@
 //! with a measured ack rate answers `429 would_expire_in_queue` with `Retry-After` and
 //! publishes nothing; the same ingress admits again once the queue drained; without a
 //! shedder (`--no-shed`) it admits; without an ack rate (no consumer yet) or without the
-//! management API it admits (fail open).
+//! management API it admits (fail open). The live door (`Shedder::with_live_depth`, as
+//! `serve` builds it) counts the queue itself: it leaves out its own jobs that can no longer
+//! finish and sheds behind a backlog as soon as it has measured the pace.
 
 mod common;
 
@@ -271,5 +273,105 @@ async fn unreachable_management_api_admits() {
         env.topo.names.work_queue.clone(),
     );
     assert!(shedder.reading().await.is_some());
+    env.cleanup().await;
+}
+
+/// An ingress whose door counts the queue live (as `serve` builds it), and its shedder.
+async fn live_ingress(env: &Env) -> (Router, Arc<Shedder>) {
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    let publisher = lastcall_broker::Publisher::new(&env.broker, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let shedder = Arc::new(
+        Shedder::new(
+            Management::from_amqp_url(AMQP, MANAGEMENT),
+            env.topo.names.work_queue.clone(),
+        )
+        .with_live_depth(publisher),
+    );
+    state.submitter = state.submitter.with_shedder(Some(shedder.clone()));
+    (lastcall_http::app(Arc::new(state)), shedder)
+}
+
+/// Poll the live door's view until `ok` holds.
+async fn wait_for_ahead(
+    shedder: &Shedder,
+    what: &str,
+    timeout: Duration,
+    ok: impl Fn(&lastcall_producer::shed::Ahead) -> bool,
+) -> lastcall_producer::shed::Ahead {
+    let until = Instant::now() + timeout;
+    let mut last = None;
+    loop {
+        if let Some(a) = shedder.ahead(now_ms()).await {
+            if ok(&a) {
+                return a;
+            }
+            last = Some(a);
+        }
+        assert!(Instant::now() < until, "never {what}: last {last:?}");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_door_does_not_count_its_jobs_that_can_no_longer_finish() {
+    let env = Env::new("shed-live-doomed").await;
+    let (app, shedder) = live_ingress(&env).await;
+    // 60 jobs with a 10 s budget that each need 9.5 s (+ the 100 ms clock margin): 400 ms
+    // after its submission a job can no longer finish, though the broker keeps it for 10 s.
+    for i in 0..60 {
+        let mut b = body(&format!("doomed-{i}"), 10_000);
+        b["min_runtime_ms"] = json!(9_500);
+        let (status, _, resp) = post_job(&app, &b).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{resp}");
+    }
+    let a = wait_for_ahead(&shedder, "all 60 doomed", Duration::from_secs(8), |a| {
+        a.doomed == 60
+    })
+    .await;
+    assert_eq!(a.counted, 0, "the queue holds 60, none a wait: {a:?}");
+    // The broker still holds them all: the live count is its own, not a sample.
+    let ready = lastcall_broker::topology::queue_depth(&env.broker, &env.topo.names.work_queue)
+        .await
+        .unwrap()
+        .unwrap()
+        .0;
+    assert_eq!(ready, 60);
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_door_measures_the_pace_and_sheds_behind_a_backlog() {
+    let env = Env::new("shed-live-pace").await;
+    let (app, shedder) = live_ingress(&env).await;
+    // 120 jobs that can wait a minute, through the door (nothing ahead: all admitted).
+    for i in 0..120 {
+        let (status, _, resp) = post_job(&app, &body(&format!("long-{i}"), 60_000)).await;
+        assert_eq!(status, StatusCode::ACCEPTED, "{resp}");
+    }
+    // A consumer takes one every 50 ms (~20/s): the door measures that pace from its own
+    // counts, long before the management API has sampled an ack rate.
+    let consumer = env.paced_consumer(Duration::from_millis(50)).await;
+    let a = wait_for_ahead(&shedder, "a pace", Duration::from_secs(15), |a| {
+        a.rate_per_s.is_some() && a.counted > 40
+    })
+    .await;
+    let rate = a.rate_per_s.unwrap();
+    assert!(rate > 2.0 && rate < 40.0, "about 20/s: {a:?}");
+    assert_eq!(a.doomed, 0, "every job can finish: {a:?}");
+    // 40+ jobs ahead at ≤ 40/s is over 1 s of queue: a 1 s budget is shed.
+    let (status, retry_after, resp) = post_job(&app, &body("live-shed", 1_000)).await;
+    assert_eq!(status, StatusCode::TOO_MANY_REQUESTS, "{resp} at {a:?}");
+    assert_eq!(resp["error"], "would_expire_in_queue", "{resp}");
+    assert!(retry_after.is_some());
+    let est = &resp["estimate"];
+    assert!(est["ready"].as_u64().unwrap() > 20, "{resp}");
+    assert!(est["queue_wait_ms"].as_u64().unwrap() > 1_000, "{resp}");
+    assert!(env.ledger.get("live-shed").await.unwrap().is_none());
+    // A budget that fits the queue is admitted.
+    let (status, _, resp) = post_job(&app, &body("live-fits", 60_000)).await;
+    assert_eq!(status, StatusCode::ACCEPTED, "{resp}");
+    consumer.stop().await;
     env.cleanup().await;
 }
