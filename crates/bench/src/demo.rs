@@ -15,7 +15,6 @@ use lastcall_broker::{Broker, Publisher};
 use lastcall_core::State;
 use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_store::ListFilter;
-use lastcall_worker::dlq::DeadLetterProcessor;
 use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
 use serde_json::json;
 use std::path::PathBuf;
@@ -209,16 +208,14 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
         tokio::time::sleep(delay).await;
         worker.run(stop2).await
     });
-    let dlq = DeadLetterProcessor::build(
+    let dlq_task = crate::spawn_dead_letters(
         broker.clone(),
         ledger.clone(),
         topo.clone(),
         clock.clone(),
-        false,
+        stop.clone(),
     )
-    .await
-    .map_err(anyhow::Error::msg)?;
-    let dlq_task = tokio::spawn(dlq.run(stop.clone(), None));
+    .await?;
 
     let publisher = Publisher::new(&broker, Duration::from_secs(5)).await?;
     let (admission, limits) = (

@@ -22,7 +22,6 @@ use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
 use lastcall_producer::shed::Shedder;
 use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitter};
 use lastcall_store::{JobRecord, ListFilter};
-use lastcall_worker::dlq::DeadLetterProcessor;
 use lastcall_worker::{BufferOrder, DispatchPolicy, Worker, WorkerConfig, WorkerStats};
 use serde::Serialize;
 use serde_json::json;
@@ -95,6 +94,14 @@ struct PolicyResult {
     wasted_calls: u64,
     /// Time spent in model calls, in s (the ledger's `latency_ms`).
     model_time_s: f64,
+    /// The mean of this run's model calls, in ms (`model_time_s / model_calls`): the
+    /// drawn call times average a little above or below the nominal mean.
+    mean_call_ms: f64,
+    /// The share of the slots' time (slots × window) spent in model calls.
+    slots_busy: f64,
+    /// `on_time` ÷ the bound at this run's own mean call (slots × window ÷
+    /// `mean_call_ms`): goodput without the luck of the draw.
+    goodput_at_mean_call: f64,
     /// The share of model time spent in calls cancelled at the deadline
     /// (`deadline_exceeded`): work started that could not finish.
     wasted_model_time: f64,
@@ -441,13 +448,16 @@ impl Run<'_> {
     fn summary(&self) -> String {
         match *self {
             Run::Lastcall(r) => format!(
-                "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}); outcomes {}",
+                "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}), {:.0} ms on average, slots busy {:.1}%, on time {:.1}% of the bound at that mean; outcomes {}",
                 r.policy,
                 r.overload,
                 r.capacity_bound,
                 r.window_s,
                 r.model_calls,
                 r.model_calls_ledger,
+                r.mean_call_ms,
+                r.slots_busy * 100.0,
+                r.goodput_at_mean_call * 100.0,
                 r.outcomes
                     .iter()
                     .map(|(k, v)| format!("{k}={v}"))
@@ -528,16 +538,14 @@ async fn run_policy(
     .await?;
     let stop = CancellationToken::new();
     let worker_task = tokio::spawn(worker.run(stop.clone()));
-    let dlq = DeadLetterProcessor::build(
+    let dlq_task = crate::spawn_dead_letters(
         Broker::connect(&env.amqp_url).await?,
         ledger.clone(),
         topo.clone(),
         clock.clone(),
-        false,
+        stop.clone(),
     )
-    .await
-    .map_err(anyhow::Error::msg)?;
-    let dlq_task = tokio::spawn(dlq.run(stop.clone(), None));
+    .await?;
 
     // The submitter records nothing in the ledger: the ledger load is the worker's (and
     // the dead-letter processor's) alone; the submitted count comes from the confirms.
@@ -719,7 +727,18 @@ async fn run_policy(
     // Shed jobs were offered too: they count towards the bound like published ones.
     let bound =
         (setup.capacity_per_s * window_s).min((submitted.len() as u64 + shed_at_door) as f64);
+    let mean_call_ms = model_ms as f64 / calls_ledger.max(1) as f64;
+    let slot_ms = setup.slots as f64 * window_s * 1000.0;
+    let bound_at_mean =
+        (slot_ms / mean_call_ms.max(1.0)).min((submitted.len() as u64 + shed_at_door) as f64);
     Ok(PolicyResult {
+        mean_call_ms,
+        slots_busy: model_ms as f64 / slot_ms.max(1.0),
+        goodput_at_mean_call: if model_ms > 0 {
+            on_time as f64 / bound_at_mean.max(1.0)
+        } else {
+            0.0
+        },
         policy: name.to_owned(),
         overload: setup.overload,
         model_time_s: model_ms as f64 / 1000.0,

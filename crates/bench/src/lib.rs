@@ -375,6 +375,25 @@ pub(crate) async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
     Ok(Arc::new(l))
 }
 
+/// Start a dead-letter processor on `topo` (as `lastcall dlq` runs it: broker expiries are
+/// recorded `expired_before_receive`) until `stop` fires.
+pub(crate) async fn spawn_dead_letters(
+    broker: lastcall_broker::Broker,
+    ledger: Arc<Ledger>,
+    topo: lastcall_broker::topology::Topology,
+    clock: Arc<dyn Clock>,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let dlq = lastcall_worker::dlq::DeadLetterProcessor::build(broker, ledger, topo, clock, false)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    Ok(tokio::spawn(async move {
+        if let Err(e) = dlq.run(stop, None).await {
+            eprintln!("bench: the dead-letter processor stopped: {e}");
+        }
+    }))
+}
+
 /// A progress bar on stderr (hidden when stderr is not a terminal, e.g. under `--json`
 /// in a pipe).
 pub(crate) fn bar(len: u64, msg: &str) -> ProgressBar {

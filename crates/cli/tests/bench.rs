@@ -17,6 +17,28 @@ fn json_of(out: &std::process::Output) -> Value {
         .unwrap_or_else(|e| panic!("not JSON ({e}): {}", String::from_utf8_lossy(&out.stdout)))
 }
 
+/// The texts of a well-formed SVG chart (its legend and labels), trimmed.
+fn svg_texts(path: &std::path::Path) -> Vec<String> {
+    let doc = std::fs::read_to_string(path).unwrap();
+    assert!(
+        doc.starts_with("<svg") && doc.trim_end().ends_with("</svg>"),
+        "not an SVG: {doc}"
+    );
+    doc.split("<text")
+        .skip(1)
+        .filter_map(|t| {
+            Some(
+                t.split_once('>')?
+                    .1
+                    .split_once("</text>")?
+                    .0
+                    .trim()
+                    .to_owned(),
+            )
+        })
+        .collect()
+}
+
 fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64()
         .unwrap_or_else(|| panic!("`{k}` missing or not a count in {v}"))
@@ -62,6 +84,19 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
         assert!((0.0..=1.0).contains(&w), "{p}");
         let g = p["goodput"].as_f64().unwrap();
         assert!((0.0..=1.0 + 1e-9).contains(&g), "{p}");
+        let busy = p["slots_busy"].as_f64().unwrap();
+        let at_mean = p["goodput_at_mean_call"].as_f64().unwrap();
+        assert!(busy >= 0.0 && at_mean >= 0.0, "{p}");
+        if u(p, "model_calls") > 0 {
+            assert!(p["mean_call_ms"].as_f64().unwrap() > 0.0, "{p}");
+        }
+        // lastcall's calls end by their deadlines (the others may run past the window):
+        // its slots cannot be busier than the window, nor complete more calls on time
+        // than fit in it at the run's own mean call (a cancellation lands a few ms late).
+        if p["policy"] == "deadline" {
+            assert!(busy <= 1.02, "{p}");
+            assert!(at_mean <= 1.02, "{p}");
+        }
     }
     // lastcall's rule holds under overload: no model call starts after the deadline.
     assert_eq!(u(&policies[0], "started_after_deadline"), 0);
@@ -69,13 +104,7 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
     assert_eq!(j["setup"]["oracle"], false);
     assert!(j["setup"]["min_runtime_ms"].is_null(), "{}", j["setup"]);
     // The chart names every policy's series in its legend, with the run's goodput.
-    let doc = std::fs::read_to_string(&svg).unwrap();
-    assert!(doc.starts_with("<svg") && doc.trim_end().ends_with("</svg>"));
-    let texts: Vec<&str> = doc
-        .split("<text")
-        .skip(1)
-        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim()))
-        .collect();
+    let texts = svg_texts(&svg);
     for p in policies {
         let legend = format!(
             "{} at {}× ({:.0}% goodput)",
@@ -83,10 +112,7 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
             p["overload"].as_f64().unwrap(),
             p["goodput"].as_f64().unwrap() * 100.0
         );
-        assert!(
-            texts.contains(&legend.as_str()),
-            "`{legend}` not in {texts:?}"
-        );
+        assert!(texts.contains(&legend), "`{legend}` not in {texts:?}");
     }
     env.cleanup().await;
 }
@@ -182,16 +208,8 @@ async fn goodput_smoke_with_celery_adds_its_run_to_the_json_and_the_chart() {
         "celery-expires at 2× ({:.0}% goodput)",
         r["goodput"].as_f64().unwrap() * 100.0
     );
-    let doc = std::fs::read_to_string(&svg).unwrap();
-    let texts: Vec<&str> = doc
-        .split("<text")
-        .skip(1)
-        .filter_map(|t| Some(t.split_once('>')?.1.split_once("</text>")?.0.trim()))
-        .collect();
-    assert!(
-        texts.contains(&legend.as_str()),
-        "`{legend}` not in {texts:?}"
-    );
+    let texts = svg_texts(&svg);
+    assert!(texts.contains(&legend), "`{legend}` not in {texts:?}");
     assert!(
         texts.iter().any(|t| t.starts_with("deadline at 2× (")),
         "{texts:?}"

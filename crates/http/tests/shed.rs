@@ -375,3 +375,42 @@ async fn the_live_door_measures_the_pace_and_sheds_behind_a_backlog() {
     consumer.stop().await;
     env.cleanup().await;
 }
+
+/// A live count that failed is not tried again at every request: while the broker does not
+/// answer, each request would pay a read of up to `Shedder::TIMEOUT`. The failure is
+/// remembered for `Shedder::RETRY_FAILED_AFTER`, then the count is read again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_live_door_remembers_a_failed_count_before_reading_again() {
+    let env = Env::new("shed-live-retry").await;
+    // A queue that does not exist yet (the count fails), and no management API (port 9)
+    // to stand in: nothing ahead is known.
+    let queue = format!("{}.dead.expired", env.prefix);
+    let publisher = lastcall_broker::Publisher::new(&env.broker, Duration::from_secs(5))
+        .await
+        .unwrap();
+    let shedder = Shedder::new(
+        Management::from_amqp_url(AMQP, "http://127.0.0.1:9"),
+        queue.clone(),
+    )
+    .with_live_depth(publisher);
+    assert!(shedder.ahead(now_ms()).await.is_none());
+    // The queue appears; within the retry interval the door does not look again.
+    env.topo
+        .declare_plain_queue(&env.broker, &queue)
+        .await
+        .unwrap();
+    let t0 = Instant::now();
+    assert!(
+        shedder.ahead(now_ms()).await.is_none(),
+        "read again at once after a failure"
+    );
+    // After the interval it counts the (empty) queue.
+    let a = wait_for_ahead(&shedder, "a live count", Duration::from_secs(15), |_| true).await;
+    assert_eq!(a.counted, 0, "{a:?}");
+    assert!(
+        t0.elapsed() >= Shedder::RETRY_FAILED_AFTER - Duration::from_secs(1),
+        "counted again only after the retry interval: {:?}",
+        t0.elapsed()
+    );
+    env.cleanup().await;
+}

@@ -75,7 +75,8 @@
 //! - it is turned off (`--no-shed`; `serve --no-management` also turns it off).
 //!
 //! The management reading is cached ([`Shedder::FRESH_FOR`], 1 s; a failure for
-//! [`Shedder::RETRY_FAILED_AFTER`]) and the live count for [`Shedder::LIVE_FRESH_FOR`];
+//! [`Shedder::RETRY_FAILED_AFTER`]) and the live count for [`Shedder::LIVE_FRESH_FOR`]
+//! (a failed one also for [`Shedder::RETRY_FAILED_AFTER`]);
 //! each is fetched by one request at a time, so a burst of requests costs the management
 //! API one query per second and the broker five passive declares per second at most.
 
@@ -302,6 +303,10 @@ struct Door {
     busy: VecDeque<(Instant, Duration, u64)>,
     /// A failed live read was logged and not yet its recovery.
     failing: bool,
+    /// When the last live read failed: the next is tried only
+    /// [`Shedder::RETRY_FAILED_AFTER`] later, so that a broker that does not answer
+    /// does not cost every request a read of up to [`Shedder::TIMEOUT`].
+    failed_at: Option<Instant>,
 }
 
 /// At most this many admitted jobs are remembered (a queue deeper than that counts its
@@ -539,6 +544,12 @@ impl Shedder {
     async fn live_ahead(&self, now_ms: i64) -> Option<Ahead> {
         let publisher = self.live.as_ref()?;
         let mut door = self.door.lock().await;
+        if door
+            .failed_at
+            .is_some_and(|t| t.elapsed() < Self::RETRY_FAILED_AFTER)
+        {
+            return None;
+        }
         let fresh = door
             .last
             .is_some_and(|l| l.at.elapsed() < Self::LIVE_FRESH_FOR);
@@ -550,6 +561,7 @@ impl Shedder {
                     if std::mem::take(&mut door.failing) {
                         tracing::info!(queue = %self.queue, "the broker answers the live queue count again");
                     }
+                    door.failed_at = None;
                     door.observe(u64::from(ready), Instant::now(), now_ms);
                 }
                 other => {
@@ -562,6 +574,7 @@ impl Shedder {
                         tracing::warn!(queue = %self.queue, error = %why, "cannot count the queue live; using the management API's sampled count");
                     }
                     door.last = None;
+                    door.failed_at = Some(Instant::now());
                     return None;
                 }
             }

@@ -160,7 +160,8 @@ impl Generation {
             "{}:{}-{}:{}",
             cfg.name, ctx.nonce, incoming.stream, incoming.delivery_tag
         );
-        let (msg, tag, settler) = split(incoming);
+        let (mut msg, tag, settler) = split(incoming);
+        msg.receipt = ctx.slots.receipt();
         let ticket = self.acks.register(tag, settler, attempt_key);
         // Bound local memory by bytes; a body over the limit is rejected without buffering.
         let size = msg.body.len();
@@ -197,6 +198,7 @@ fn split(i: Incoming) -> (Msg, u64, lastcall_broker::Settler) {
         signature: i.signature,
         timestamp_s: i.timestamp_s,
         reply_to: i.reply_to,
+        receipt: 0,
     };
     (msg, i.delivery_tag, i.settler)
 }

@@ -6,6 +6,11 @@
 //! - [`BufferOrder::Fifo`]: the job received first;
 //! - [`BufferOrder::Edf`]: the job whose deadline is earliest (ties: received first).
 //!
+//! "Received first" is the order of receipt ([`Slots::receipt`], taken as the consumer
+//! registers each delivery, one after the other), not the order in which the jobs' tasks
+//! reach [`Slots::acquire`]: those run in parallel and the first to arrive may be the later
+//! delivery.
+//!
 //! `lastcall bench goodput --order` measures the two against each other (BENCHMARKS.md
 //! §1); the default is the one that completed more jobs on time.
 //!
@@ -62,13 +67,14 @@ pub struct Slots {
 struct Inner {
     total: usize,
     order: BufferOrder,
+    /// The next receipt number ([`Slots::receipt`]).
+    receipts: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
 }
 
 #[derive(Debug)]
 struct State {
     free: usize,
-    seq: u64,
     waiters: BinaryHeap<Waiter>,
 }
 
@@ -76,7 +82,7 @@ struct State {
 /// that has not given up (a release hands its slot to a waiter before counting it free).
 #[derive(Debug)]
 struct Waiter {
-    /// `(deadline, seq)` for EDF, `(0, seq)` for FIFO: the smallest comes first.
+    /// `(deadline, receipt)` for EDF, `(0, receipt)` for FIFO: the smallest comes first.
     key: (i64, u64),
     /// The learned mean call time of the job (for the expected wait of later jobs).
     work_ms: u64,
@@ -148,9 +154,9 @@ impl Slots {
             inner: Arc::new(Inner {
                 total,
                 order,
+                receipts: std::sync::atomic::AtomicU64::new(0),
                 state: Mutex::new(State {
                     free: total,
-                    seq: 0,
                     waiters: BinaryHeap::new(),
                 }),
             }),
@@ -166,20 +172,33 @@ impl Slots {
         self.inner.lock().free
     }
 
-    /// Wait for a slot. `deadline_ms` orders the job under EDF; `work_ms` is its expected
-    /// call time, counted in [`Slots::ahead_of`] for jobs behind it. Dropping the future
-    /// gives up the place (and a slot granted meanwhile goes to the next waiter).
-    /// The future owns what it needs (it does not borrow `self`).
+    /// The receipt number of a delivery received now: increasing in the order of the
+    /// calls, it places the job in the FIFO order (and breaks EDF's ties).
+    pub fn receipt(&self) -> u64 {
+        (self.inner.receipts).fetch_add(1, std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Wait for a slot. `deadline_ms` orders the job under EDF, and `receipt` (from
+    /// [`Slots::receipt`] at its receipt) under FIFO and among equal deadlines; `work_ms`
+    /// is its expected call time, counted in [`Slots::ahead_of`] for jobs behind it.
+    /// Dropping the future gives up the place (and a slot granted meanwhile goes to the
+    /// next waiter). The future owns what it needs (it does not borrow `self`).
     pub fn acquire(
         &self,
         deadline_ms: i64,
+        receipt: u64,
         work_ms: u64,
     ) -> impl std::future::Future<Output = SlotPermit> + Send + 'static {
         let inner = self.inner.clone();
-        async move { Self::acquire_in(inner, deadline_ms, work_ms).await }
+        async move { Self::acquire_in(inner, deadline_ms, receipt, work_ms).await }
     }
 
-    async fn acquire_in(inner: Arc<Inner>, deadline_ms: i64, work_ms: u64) -> SlotPermit {
+    async fn acquire_in(
+        inner: Arc<Inner>,
+        deadline_ms: i64,
+        receipt: u64,
+        work_ms: u64,
+    ) -> SlotPermit {
         let rx = {
             let mut s = inner.lock();
             if s.free > 0 {
@@ -187,11 +206,9 @@ impl Slots {
                 drop(s);
                 return SlotPermit { inner: Some(inner) };
             }
-            let seq = s.seq;
-            s.seq += 1;
             let key = match inner.order {
-                BufferOrder::Edf => (deadline_ms, seq),
-                BufferOrder::Fifo => (0, seq),
+                BufferOrder::Edf => (deadline_ms, receipt),
+                BufferOrder::Fifo => (0, receipt),
             };
             // Sweep the entries of waiters that gave up once the heap is larger than the
             // buffer can explain (amortised: at each doubling).
@@ -233,21 +250,26 @@ mod tests {
         }
     }
 
-    /// Hold every slot, queue `deadlines` in that order, then release one slot at a time
-    /// and return the order (indices into `deadlines`) in which the waiters got one.
+    /// Hold every slot, receive `deadlines` in that order, queue them for a slot in the
+    /// reverse order (a later delivery's task may reach the slots first), then release
+    /// one slot at a time and return the order (indices into `deadlines`) in which the
+    /// waiters got one.
     async fn grant_order(order: BufferOrder, deadlines: &[i64], gave_up: &[usize]) -> Vec<usize> {
         let slots = Arc::new(Slots::new(1, order));
-        let first = slots.acquire(0, 0).await;
+        let first = slots.acquire(0, slots.receipt(), 0).await;
+        let receipts: Vec<u64> = deadlines.iter().map(|_| slots.receipt()).collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
-        let mut tasks = Vec::new();
-        for (i, &d) in deadlines.iter().enumerate() {
-            let (slots, tx) = (slots.clone(), tx.clone());
-            tasks.push(tokio::spawn(async move {
-                let p = slots.acquire(d, 10).await;
+        let mut tasks: Vec<Option<tokio::task::JoinHandle<()>>> =
+            deadlines.iter().map(|_| None).collect();
+        for (i, &d) in deadlines.iter().enumerate().rev() {
+            let (slots, tx, receipt) = (slots.clone(), tx.clone(), receipts[i]);
+            tasks[i] = Some(tokio::spawn(async move {
+                let p = slots.acquire(d, receipt, 10).await;
                 tx.send((i, p)).unwrap();
             }));
-            settle().await; // queued in this order
+            settle().await; // queued in the reverse order
         }
+        let tasks: Vec<_> = tasks.into_iter().map(Option::unwrap).collect();
         for &i in gave_up {
             tasks[i].abort();
         }
@@ -290,11 +312,11 @@ mod tests {
     async fn ahead_of_counts_the_waiters_served_first() {
         for order in [BufferOrder::Edf, BufferOrder::Fifo] {
             let slots = Arc::new(Slots::new(1, order));
-            let held = slots.acquire(0, 0).await;
+            let held = slots.acquire(0, slots.receipt(), 0).await;
             let mut waiting = Vec::new();
             for (d, w) in [(100, 10), (300, 30)] {
-                let s = slots.clone();
-                waiting.push(tokio::spawn(async move { drop(s.acquire(d, w).await) }));
+                let (s, r) = (slots.clone(), slots.receipt());
+                waiting.push(tokio::spawn(async move { drop(s.acquire(d, r, w).await) }));
                 settle().await;
             }
             let expect = match order {

@@ -33,6 +33,9 @@ pub(crate) struct Msg {
     pub(crate) signature: Option<String>,
     pub(crate) timestamp_s: Option<u64>,
     pub(crate) reply_to: Option<String>,
+    /// This worker's receipt number of the delivery ([`crate::slots::Slots::receipt`]):
+    /// its place in the buffer's FIFO order.
+    pub(crate) receipt: u64,
 }
 
 /// What the driver holds of one delivery besides the state machine.

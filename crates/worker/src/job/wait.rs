@@ -99,9 +99,11 @@ async fn buffered(
 ) -> Slotted {
     let policy = &ctx.cfg.policy;
     let kind = waiting.env().kind().as_str().to_owned();
-    let acquire = ctx
-        .slots
-        .acquire(waiting.env().deadline().expires_at_ms(), mean_ms);
+    let acquire = ctx.slots.acquire(
+        waiting.env().deadline().expires_at_ms(),
+        job.msg.receipt,
+        mean_ms,
+    );
     tokio::pin!(acquire);
     WorkerStats::add(&ctx.stats.waiting, 1);
     let end = loop {
