@@ -39,6 +39,16 @@ fn svg_texts(path: &std::path::Path) -> Vec<String> {
         .collect()
 }
 
+/// `bench goodput --smoke --json` with `extra` arguments and a chart in the environment's
+/// directory: the JSON and the chart's path.
+fn goodput_smoke_json(env: &Env, extra: &[&str]) -> (Value, std::path::PathBuf) {
+    let svg = env.dir.join("chart.svg");
+    let mut args = vec!["bench", "goodput", "--smoke"];
+    args.extend_from_slice(extra);
+    args.extend(["--json", "--svg", svg.to_str().unwrap()]);
+    (json_of(&env.cli(&args)), svg)
+}
+
 fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64()
         .unwrap_or_else(|| panic!("`{k}` missing or not a count in {v}"))
@@ -47,16 +57,7 @@ fn u(v: &Value, k: &str) -> u64 {
 #[tokio::test(flavor = "multi_thread")]
 async fn goodput_smoke_counts_add_up_for_every_policy() {
     let env = Env::sqlite("bench-goodput").await;
-    let svg = env.dir.join("chart.svg");
-    let out = env.cli(&[
-        "bench",
-        "goodput",
-        "--smoke",
-        "--json",
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
-    let j = json_of(&out);
+    let (j, svg) = goodput_smoke_json(&env, &[]);
     assert_eq!(j["bench"], "goodput");
     let policies = j["policies"].as_array().unwrap();
     let names: Vec<&str> = policies
@@ -162,21 +163,10 @@ async fn goodput_table_output_names_each_policy() {
 #[tokio::test(flavor = "multi_thread")]
 async fn goodput_smoke_with_celery_adds_its_run_to_the_json_and_the_chart() {
     let env = Env::sqlite("bench-goodput-celery").await;
-    let svg = env.dir.join("chart.svg");
-    let out = env.cli(&[
-        "bench",
-        "goodput",
-        "--smoke",
-        "--policy",
-        "deadline",
-        "--overload",
-        "2",
-        "--celery",
-        "--json",
-        "--svg",
-        svg.to_str().unwrap(),
-    ]);
-    let j = json_of(&out);
+    let (j, svg) = goodput_smoke_json(
+        &env,
+        &["--policy", "deadline", "--overload", "2", "--celery"],
+    );
     assert_eq!(j["policies"].as_array().unwrap().len(), 1, "{j}");
     let c = &j["celery"];
     assert!(

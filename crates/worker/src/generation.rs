@@ -160,8 +160,7 @@ impl Generation {
             "{}:{}-{}:{}",
             cfg.name, ctx.nonce, incoming.stream, incoming.delivery_tag
         );
-        let (mut msg, tag, settler) = split(incoming);
-        msg.receipt = ctx.slots.receipt();
+        let (msg, tag, settler) = split(incoming, ctx.slots.receipt());
         let ticket = self.acks.register(tag, settler, attempt_key);
         // Bound local memory by bytes; a body over the limit is rejected without buffering.
         let size = msg.body.len();
@@ -188,8 +187,9 @@ impl Generation {
     }
 }
 
-/// A delivery's properties, its tag and its settler (which goes into its ticket).
-fn split(i: Incoming) -> (Msg, u64, lastcall_broker::Settler) {
+/// A delivery's properties (with its receipt number), its tag and its settler (which goes
+/// into its ticket).
+fn split(i: Incoming, receipt: u64) -> (Msg, u64, lastcall_broker::Settler) {
     let msg = Msg {
         body: i.body,
         redelivered: i.redelivered,
@@ -198,7 +198,7 @@ fn split(i: Incoming) -> (Msg, u64, lastcall_broker::Settler) {
         signature: i.signature,
         timestamp_s: i.timestamp_s,
         reply_to: i.reply_to,
-        receipt: 0,
+        receipt,
     };
     (msg, i.delivery_tag, i.settler)
 }
