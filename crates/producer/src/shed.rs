@@ -301,10 +301,9 @@ struct Door {
     /// busy): when it ended, how long it was, and how many jobs that could still finish
     /// left the queue in it. Only the last [`Shedder::RATE_WINDOW`].
     busy: VecDeque<(Instant, Duration, u64)>,
-    /// A failed live read was logged and not yet its recovery.
-    failing: bool,
-    /// When the last live read failed: the next is tried only
-    /// [`Shedder::RETRY_FAILED_AFTER`] later, so that a broker that does not answer
+    /// When the last live read failed: `Some` from the first failure (logged) until the
+    /// next good read (its recovery logged). The next read is tried only
+    /// [`Shedder::RETRY_FAILED_AFTER`] after it, so that a broker that does not answer
     /// does not cost every request a read of up to [`Shedder::TIMEOUT`].
     failed_at: Option<Instant>,
 }
@@ -558,14 +557,13 @@ impl Shedder {
                 tokio::time::timeout(Self::TIMEOUT, publisher.queue_ready(&self.queue)).await;
             match read {
                 Ok(Ok(Some(ready))) => {
-                    if std::mem::take(&mut door.failing) {
+                    if door.failed_at.take().is_some() {
                         tracing::info!(queue = %self.queue, "the broker answers the live queue count again");
                     }
-                    door.failed_at = None;
                     door.observe(u64::from(ready), Instant::now(), now_ms);
                 }
                 other => {
-                    if !std::mem::replace(&mut door.failing, true) {
+                    if door.failed_at.is_none() {
                         let why = match other {
                             Ok(Err(e)) => e.to_string(),
                             Err(_) => format!("no answer within {:?}", Self::TIMEOUT),
