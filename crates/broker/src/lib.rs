@@ -31,6 +31,10 @@ pub use topology::{Names, QueueType, Topology, TopologyError};
 
 use lapin::{Connection, ConnectionProperties};
 
+/// How long one node may take to finish the AMQP handshake before the attempt counts as
+/// failed (RabbitMQ's own `handshake_timeout` is 10 s; TLS and a busy node get the rest).
+pub const HANDSHAKE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
+
 /// Connection-level errors.
 #[derive(Debug, thiserror::Error)]
 pub enum BrokerError {
@@ -42,6 +46,14 @@ pub enum BrokerError {
         #[source]
         source: lapin::Error,
     },
+    /// The TCP connection opened but the AMQP handshake (TLS, login, vhost) did not finish
+    /// within [`HANDSHAKE_LIMIT`]: a broker that accepts and never answers, or a client
+    /// that missed the broker's refusal. Without this bound the command would hang.
+    #[error(
+        "cannot connect to RabbitMQ at {url}: no answer to the AMQP handshake within {} s; is it a RabbitMQ port, and is the node overloaded or blocked?",
+        HANDSHAKE_LIMIT.as_secs()
+    )]
+    HandshakeTimeout { url: String },
     #[error(
         "no broker URL given: set LASTCALL_AMQP_URL or --amqp-url (a comma-separated list for a cluster)"
     )]

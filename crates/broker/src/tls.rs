@@ -119,9 +119,13 @@ pub(crate) async fn connect(
         source,
     };
     let runtime = lapin::runtime::default_runtime().map_err(connect_error)?;
-    Connection::connect_uri_with_config(target.uri, props, target.tls, runtime)
-        .await
-        .map_err(connect_error)
+    let handshake = Connection::connect_uri_with_config(target.uri, props, target.tls, runtime);
+    match tokio::time::timeout(crate::HANDSHAKE_LIMIT, handshake).await {
+        Ok(r) => r.map_err(connect_error),
+        Err(_) => Err(crate::BrokerError::HandshakeTimeout {
+            url: crate::redact(url),
+        }),
+    }
 }
 
 #[cfg(test)]

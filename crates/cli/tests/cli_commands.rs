@@ -496,6 +496,40 @@ fn a_refused_broker_connection_is_reported_once_with_the_masked_url() {
     );
 }
 
+/// A port that accepts the TCP connection and never speaks AMQP (a wrong port, a stuck
+/// node): the command gives up after the handshake limit with a message that says so,
+/// instead of hanging.
+#[test]
+fn a_broker_that_never_answers_the_handshake_fails_the_command_instead_of_hanging() {
+    let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let port = listener.local_addr().unwrap().port();
+    // Accept and hold every connection, reading nothing and writing nothing.
+    std::thread::spawn(move || {
+        let mut held = Vec::new();
+        for s in listener.incoming() {
+            held.push(s);
+        }
+    });
+    let mut c = Command::new(env!("CARGO_BIN_EXE_lastcall"));
+    c.args([
+        "--amqp-url",
+        &format!("amqp://guest:pw-hunter2@127.0.0.1:{port}/%2f"),
+        "topology",
+        "apply",
+    ])
+    .env_remove("LASTCALL_LOG");
+    let limit = lastcall_broker::HANDSHAKE_LIMIT + std::time::Duration::from_secs(60);
+    let out = output_within(c, "topology apply against a silent port", limit);
+    let err = text(&out.stderr);
+    assert!(!out.status.success(), "{err}");
+    assert!(!err.contains("hunter2"), "the password leaked: {err}");
+    assert!(
+        err.contains(&format!("amqp://guest:***@127.0.0.1:{port}/%2f"))
+            && err.contains("no answer to the AMQP handshake"),
+        "{err}"
+    );
+}
+
 /// `jobs show` prints each time as epoch milliseconds and as a UTC time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn jobs_show_prints_readable_utc_times() {

@@ -356,12 +356,12 @@ impl Env {
         c
     }
 
-    /// Run the `lastcall` binary against this environment's broker, ledger and prefix.
+    /// Run the `lastcall` binary against this environment's broker, ledger and prefix
+    /// (killed, and the test failed naming it, if it runs past [`CHILD_LIMIT`]).
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
-        self.command()
-            .args(args)
-            .output()
-            .expect("run the lastcall binary")
+        let mut c = self.command();
+        c.args(args);
+        output_within(c, &format!("lastcall {}", args.join(" ")), CHILD_LIMIT)
     }
 
     /// The next dead letter, handed straight back to the dead queue (for inspection only).
@@ -382,6 +382,62 @@ impl Env {
         d.settler.requeue().await.unwrap();
         dead.close().await;
         d
+    }
+}
+
+/// How long a `lastcall` command run to its end may take in a test before it counts as hung.
+pub const CHILD_LIMIT: Duration = Duration::from_secs(90);
+
+/// `Command::output()` with a deadline: stdin closed, stdout and stderr collected. A child
+/// still running after `limit` is killed and the test panics naming the command and what it
+/// had printed, instead of hanging until the test runner's own timeout says nothing.
+pub fn output_within(
+    mut c: std::process::Command,
+    what: &str,
+    limit: Duration,
+) -> std::process::Output {
+    use std::io::Read;
+    use std::process::Stdio;
+    let mut child = c
+        .stdin(Stdio::null())
+        .stdout(Stdio::piped())
+        .stderr(Stdio::piped())
+        .spawn()
+        .unwrap_or_else(|e| panic!("{what}: cannot start: {e}"));
+    fn drain(mut r: impl Read + Send + 'static) -> std::thread::JoinHandle<Vec<u8>> {
+        std::thread::spawn(move || {
+            let mut buf = Vec::new();
+            let _ = r.read_to_end(&mut buf);
+            buf
+        })
+    }
+    let out = drain(child.stdout.take().expect("piped stdout"));
+    let err = drain(child.stderr.take().expect("piped stderr"));
+    let until = std::time::Instant::now() + limit;
+    let status = loop {
+        if let Some(status) = child.try_wait().expect("wait for the child") {
+            break Some(status);
+        }
+        if std::time::Instant::now() >= until {
+            break None;
+        }
+        std::thread::sleep(Duration::from_millis(20));
+    };
+    let Some(status) = status else {
+        let _ = child.kill();
+        let _ = child.wait();
+        let out = out.join().unwrap_or_default();
+        let err = err.join().unwrap_or_default();
+        panic!(
+            "{what}: still running after {limit:?}, killed.\nstdout:\n{}\nstderr:\n{}",
+            String::from_utf8_lossy(&out),
+            String::from_utf8_lossy(&err)
+        );
+    };
+    std::process::Output {
+        status,
+        stdout: out.join().unwrap_or_default(),
+        stderr: err.join().unwrap_or_default(),
     }
 }
 
