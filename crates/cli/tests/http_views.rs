@@ -8,7 +8,8 @@
 mod common;
 
 use common::*;
-use lastcall_http::depth::{DepthProbe, Management};
+use lastcall_broker::management::Management;
+use lastcall_http::depth::DepthProbe;
 use lastcall_http::metrics::sample_value;
 use lastcall_http::{AppState, MetricsSource, Token};
 use lastcall_worker::clock::now_ms;
@@ -326,12 +327,12 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
             env.topo.names.work_queue.clone(),
             env.topo.names.dead_queue.clone(),
         ],
-        Some(Management {
-            base_url: "http://127.0.0.1:15672".into(),
-            user: "guest".into(),
-            password: "guest".into(),
-            vhost: "%2f".into(),
-        }),
+        Some(Management::new(
+            "http://127.0.0.1:15672",
+            "guest",
+            "guest",
+            "/",
+        )),
         Some(env.broker.clone()),
     ));
     let (tx, rx) = tokio::sync::oneshot::channel();

@@ -3,7 +3,7 @@
 //! then unknown). The management API refreshes its numbers every few seconds.
 
 use lastcall_broker::Broker;
-use serde_json::Value;
+use lastcall_broker::management::Management;
 use std::time::Duration;
 
 /// One queue's depth. `None` where the source cannot tell.
@@ -17,41 +17,26 @@ pub struct QueueDepth {
     pub source: &'static str,
 }
 
-/// Where the management API is.
-#[derive(Debug, Clone)]
-pub struct Management {
-    /// e.g. `http://127.0.0.1:15672`
-    pub base_url: String,
-    pub user: String,
-    pub password: String,
-    /// The vhost, percent-encoded (`%2f` for `/`).
-    pub vhost: String,
-}
-
 /// Reads the depths of a fixed list of queues (the topology's: bounded).
 #[derive(Debug, Clone)]
 pub struct DepthProbe {
     pub queues: Vec<String>,
     pub management: Option<Management>,
     pub broker: Option<Broker>,
-    client: reqwest::Client,
 }
 
 impl DepthProbe {
+    /// `management` is asked first (with a 2 s request timeout: a scrape must not wait
+    /// longer); a queue it cannot answer for falls back to a passive declare on `broker`.
     pub fn new(
         queues: Vec<String>,
         management: Option<Management>,
         broker: Option<Broker>,
     ) -> Self {
-        let client = reqwest::Client::builder()
-            .timeout(Duration::from_secs(2))
-            .build()
-            .unwrap_or_default();
         Self {
             queues,
-            management,
+            management: management.map(|m| m.with_timeout(Duration::from_secs(2))),
             broker,
-            client,
         }
     }
 
@@ -60,7 +45,16 @@ impl DepthProbe {
         for q in &self.queues {
             let mut d = None;
             if let Some(m) = &self.management {
-                d = self.query_management(m, q).await;
+                d = match m.queue_stats(q).await {
+                    Ok(Some(st)) => Some(QueueDepth {
+                        queue: q.clone(),
+                        ready: Some(st.ready),
+                        unacked: Some(st.unacked),
+                        consumers: Some(st.consumers),
+                        source: "management",
+                    }),
+                    _ => None,
+                };
             }
             if d.is_none()
                 && let Some(b) = &self.broker
@@ -81,57 +75,5 @@ impl DepthProbe {
             }
         }
         out
-    }
-
-    async fn query_management(&self, m: &Management, queue: &str) -> Option<QueueDepth> {
-        let url = format!(
-            "{}/api/queues/{}/{}",
-            m.base_url.trim_end_matches('/'),
-            m.vhost,
-            encode(queue)
-        );
-        let resp = self
-            .client
-            .get(url)
-            .basic_auth(&m.user, Some(&m.password))
-            .send()
-            .await
-            .ok()?;
-        if !resp.status().is_success() {
-            return None;
-        }
-        let v: Value = serde_json::from_slice(&resp.bytes().await.ok()?).ok()?;
-        Some(QueueDepth {
-            queue: queue.to_owned(),
-            // A queue the stats collector has not sampled yet has no counts: report 0.
-            ready: Some(v["messages_ready"].as_u64().unwrap_or(0)),
-            unacked: Some(v["messages_unacknowledged"].as_u64().unwrap_or(0)),
-            consumers: v["consumers"].as_u64(),
-            source: "management",
-        })
-    }
-}
-
-/// Percent-encode a queue name for a URL path segment.
-fn encode(s: &str) -> String {
-    s.bytes()
-        .map(|b| match b {
-            b'A'..=b'Z' | b'a'..=b'z' | b'0'..=b'9' | b'-' | b'_' | b'.' | b'~' => {
-                (b as char).to_string()
-            }
-            _ => format!("%{b:02X}"),
-        })
-        .collect()
-}
-
-/// The vhost of an AMQP URL, percent-encoded as the management API wants it.
-pub fn vhost_of(amqp_url: &str) -> String {
-    let after_host = amqp_url
-        .split_once("://")
-        .map(|(_, r)| r)
-        .unwrap_or(amqp_url);
-    match after_host.split_once('/') {
-        Some((_, v)) if !v.is_empty() => v.split('?').next().unwrap_or("%2f").to_owned(),
-        _ => "%2f".to_owned(),
     }
 }

@@ -3,9 +3,10 @@
 use crate::cli::ServeArgs;
 use crate::config::Settings;
 use anyhow::{Context, Result};
+use lastcall_broker::management::Management;
 use lastcall_broker::{Publisher, Topology};
 use lastcall_clock::SystemClock;
-use lastcall_http::depth::{DepthProbe, Management, vhost_of};
+use lastcall_http::depth::DepthProbe;
 use lastcall_http::{AppState, MetricsSource, Token};
 use lastcall_producer::Submitter;
 use lastcall_producer::shed::Shedder;
@@ -76,20 +77,12 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));
     state.worker_metrics = a.worker_metrics.clone();
-    let management = (!a.no_management).then(|| Management {
-        base_url: a.management_url.clone(),
-        user: a.management_user.clone(),
-        password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
-        vhost: vhost_of(without_query(&s.amqp_url)),
-    });
+    let management = (!a.no_management).then(|| management_api(s, &a));
     // The broker's resource alarms, read every 2 s: `/readyz` reports one before any
     // publish is blocked (RabbitMQ 3.10 tells a connection only when it publishes).
-    state.alarms = (!a.no_management).then(|| {
-        lastcall_broker::management::AlarmWatch::spawn(
-            management_api(s, &a),
-            Duration::from_secs(2),
-        )
-    });
+    state.alarms = management
+        .clone()
+        .map(|m| lastcall_broker::management::AlarmWatch::spawn(m, Duration::from_secs(2)));
     state.depth = Some(DepthProbe::new(
         queues(&topo),
         management,
@@ -193,16 +186,15 @@ fn shedder(
 
 /// The broker's management API as `serve --management-url/--management-user` name it
 /// (password: `LASTCALL_MANAGEMENT_PASSWORD`, default guest).
-fn management_api(s: &Settings, a: &ServeArgs) -> lastcall_broker::management::Management {
-    let password = std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into());
-    lastcall_broker::management::Management::from_amqp_url(&s.amqp_url, &a.management_url)
-        .with_login(&a.management_user, &password)
+fn management_api(s: &Settings, a: &ServeArgs) -> Management {
+    management_at(s, &a.management_url, &a.management_user)
 }
 
-/// The broker URL without its query: `?cacertfile=/path/ca.pem` holds slashes that are no
-/// vhost.
-fn without_query(amqp_url: &str) -> &str {
-    amqp_url.split('?').next().unwrap_or(amqp_url)
+/// The management API at `base_url`, logged in as `user` (password:
+/// `LASTCALL_MANAGEMENT_PASSWORD`, default guest), for the AMQP URL's vhost.
+fn management_at(s: &Settings, base_url: &str, user: &str) -> Management {
+    let password = std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into());
+    Management::from_amqp_url(&s.amqp_url, base_url).with_login(user, &password)
 }
 
 /// The topology's queues (a fixed, bounded list for the depth gauges).
@@ -224,12 +216,7 @@ pub async fn spawn_worker_metrics(
 ) -> Result<()> {
     let probe_broker = super::connect_broker(s).await?;
     let (base_url, user) = management;
-    let management = Management {
-        base_url: base_url.to_owned(),
-        user: user.to_owned(),
-        password: std::env::var("LASTCALL_MANAGEMENT_PASSWORD").unwrap_or_else(|_| "guest".into()),
-        vhost: vhost_of(without_query(&s.amqp_url)),
-    };
+    let management = management_at(s, base_url, user);
     let source = MetricsSource::default()
         .with_ready({
             let stats = stats.clone();
