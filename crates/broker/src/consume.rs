@@ -186,18 +186,16 @@ impl IncomingStream {
     /// Stop receiving new deliveries; unsettled ones stay with this channel until settled
     /// or until the channel closes (then the broker requeues them).
     pub async fn cancel(&self) {
-        let _ = self
-            .channel
-            .basic_cancel(
-                self.consumer.tag(),
-                lapin::options::BasicCancelOptions::default(),
-            )
-            .await;
+        let cancel = self.channel.basic_cancel(
+            self.consumer.tag(),
+            lapin::options::BasicCancelOptions::default(),
+        );
+        crate::goodbye("cancelling the consumer", cancel).await;
     }
 
     /// Close the channel; the broker requeues every unsettled delivery.
     pub async fn close(&self) {
-        let _ = self.channel.close(200, "bye".into()).await;
+        crate::goodbye("closing the channel", self.channel.close(200, "bye".into())).await;
     }
 }
 

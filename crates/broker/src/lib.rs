@@ -31,6 +31,24 @@ pub use topology::{Names, QueueType, Topology, TopologyError};
 
 use lapin::{Connection, ConnectionProperties};
 
+/// How long a polite goodbye (`basic.cancel`, `channel.close`, `connection.close`) may wait
+/// for the broker's reply. lapin can miss that reply when a cancel and a close cross (seen:
+/// `lastcall dlq --idle-exit-ms` hanging at exit on a loaded machine, after "invalid channel
+/// state: Closing"). Going on without it is safe: the broker requeues whatever a closed
+/// channel or connection left unsettled.
+pub const GOODBYE_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
+/// Wait for a goodbye step at most [`GOODBYE_LIMIT`]; one warning if it does not finish.
+pub(crate) async fn goodbye<F: std::future::Future>(what: &'static str, step: F) {
+    if tokio::time::timeout(GOODBYE_LIMIT, step).await.is_err() {
+        tracing::warn!(
+            step = what,
+            "the broker did not answer within {} s; going on without it",
+            GOODBYE_LIMIT.as_secs()
+        );
+    }
+}
+
 /// How long one node may take to finish the AMQP handshake before the attempt counts as
 /// failed (RabbitMQ's own `handshake_timeout` is 10 s; TLS and a busy node get the rest).
 pub const HANDSHAKE_LIMIT: std::time::Duration = std::time::Duration::from_secs(30);
@@ -239,7 +257,7 @@ impl Broker {
 
     /// Close the connection politely (in-flight unacked deliveries go back to the queue).
     pub async fn close(&self) {
-        let _ = self.conn.close(200, "bye".into()).await;
+        goodbye("closing the connection", self.conn.close(200, "bye".into())).await;
     }
 
     /// Remove every ready message from a queue (demo and test set-up); returns the count.
@@ -252,7 +270,7 @@ impl Broker {
                 doing: "purging a queue",
                 source,
             })?;
-        let _ = ch.close(200, "ok".into()).await;
+        goodbye("closing a channel", ch.close(200, "ok".into())).await;
         Ok(n)
     }
 

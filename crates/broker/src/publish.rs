@@ -291,7 +291,7 @@ impl Drop for ReplyChannel {
         let ch = self.channel.clone();
         if let Ok(rt) = tokio::runtime::Handle::try_current() {
             rt.spawn(async move {
-                let _ = ch.close(200, "bye".into()).await;
+                crate::goodbye("closing a channel", ch.close(200, "bye".into())).await;
             });
         }
     }

@@ -270,7 +270,7 @@ impl Topology {
                 )
                 .await;
         }
-        let _ = ch.close(200, "ok".into()).await;
+        crate::goodbye("closing a channel", ch.close(200, "ok".into())).await;
         Ok(())
     }
 
@@ -352,7 +352,7 @@ async fn finish(
 ) -> Result<(), TopologyError> {
     match r {
         Ok(()) => {
-            let _ = ch.close(200, "ok".into()).await;
+            crate::goodbye("closing a channel", ch.close(200, "ok".into())).await;
             Ok(())
         }
         Err(e) => {
@@ -407,7 +407,7 @@ pub async fn queue_depth(broker: &Broker, name: &str) -> Result<Option<(u32, u32
         .await;
     match r {
         Ok(q) => {
-            let _ = ch.close(200, "ok".into()).await;
+            crate::goodbye("closing a channel", ch.close(200, "ok".into())).await;
             Ok(Some((q.message_count(), q.consumer_count())))
         }
         Err(e) if e.to_string().contains("NOT_FOUND") => Ok(None),
