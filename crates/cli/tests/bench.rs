@@ -3,7 +3,7 @@
 
 mod common;
 
-use common::Env;
+use common::{Env, OutputBounded};
 use serde_json::Value;
 
 fn json_of(out: &std::process::Output) -> Value {
@@ -344,7 +344,7 @@ async fn ledger_smoke_on_sqlite_and_postgres() {
 fn bench_help_teaches() {
     let out = std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"))
         .args(["bench", "goodput", "--help"])
-        .output()
+        .output_bounded()
         .unwrap();
     let text = String::from_utf8_lossy(&out.stdout);
     assert!(out.status.success());

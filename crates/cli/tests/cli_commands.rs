@@ -143,14 +143,14 @@ fn every_command_has_help() {
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
             .args(&cmd)
-            .output()
+            .output_bounded()
             .unwrap();
         assert!(out.status.success(), "{cmd:?}");
         assert!(text(&out.stdout).len() > 200, "{cmd:?} help is too thin");
     }
     let worker = Command::new(env!("CARGO_BIN_EXE_lastcall"))
         .args(["worker", "--help"])
-        .output()
+        .output_bounded()
         .unwrap();
     let h = text(&worker.stdout);
     assert!(
@@ -188,7 +188,7 @@ async fn demo_runs_end_to_end_on_both_backends() {
                 "--demo-store-url",
                 &store,
             ])
-            .output()
+            .output_bounded()
             .unwrap();
         let stdout = String::from_utf8_lossy(&out.stdout);
         assert!(
@@ -281,7 +281,7 @@ fn all_help_pages(envs: &[(&str, &str)]) -> Vec<(String, String)> {
         for (k, v) in envs {
             c.env(k, v);
         }
-        let o = c.output().unwrap();
+        let o = c.output_bounded().unwrap();
         assert!(o.status.success(), "{path:?} --help: {}", text(&o.stderr));
         let help = text(&o.stdout);
         let subcommands: Vec<String> = help
@@ -377,7 +377,7 @@ fn help_shows_no_env_values_and_no_secrets() {
 fn demo_help_lists_only_the_options_the_demo_uses() {
     let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
         .args(["demo", "--help"])
-        .output()
+        .output_bounded()
         .unwrap();
     let help = text(&out.stdout);
     assert!(out.status.success());
@@ -392,7 +392,7 @@ fn demo_help_lists_only_the_options_the_demo_uses() {
     // The other commands still have them.
     let worker = Command::new(env!("CARGO_BIN_EXE_lastcall"))
         .args(["worker", "--help"])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(text(&worker.stdout).contains("--store-url <"));
     for args in [
@@ -401,7 +401,7 @@ fn demo_help_lists_only_the_options_the_demo_uses() {
     ] {
         let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
             .args(args)
-            .output()
+            .output_bounded()
             .unwrap();
         assert!(!out.status.success(), "{args:?}");
         assert!(
@@ -421,7 +421,7 @@ async fn logs_to_a_pipe_have_no_ansi_escapes() {
         .args(["-v", "jobs", "list"])
         .env_remove("NO_COLOR")
         .env_remove("LASTCALL_LOG")
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let err = text(&out.stderr);
@@ -460,7 +460,7 @@ fn a_refused_broker_connection_is_reported_once_with_the_masked_url() {
             .args(["--amqp-url", &url, "--store-url", "sqlite::memory:"])
             .args(args)
             .env_remove("LASTCALL_LOG")
-            .output()
+            .output_bounded()
             .unwrap();
         let err = text(&out.stderr);
         assert!(!out.status.success(), "{args:?}");
@@ -485,7 +485,7 @@ fn a_refused_broker_connection_is_reported_once_with_the_masked_url() {
             "topology",
             "apply",
         ])
-        .output()
+        .output_bounded()
         .unwrap();
     let err = text(&out.stderr);
     assert!(!out.status.success());
@@ -519,7 +519,7 @@ fn a_broker_that_never_answers_the_handshake_fails_the_command_instead_of_hangin
     ])
     .env_remove("LASTCALL_LOG");
     let limit = lastcall_broker::HANDSHAKE_LIMIT + std::time::Duration::from_secs(60);
-    let out = output_within(c, "topology apply against a silent port", limit);
+    let out = output_within(&mut c, "topology apply against a silent port", limit);
     let err = text(&out.stderr);
     assert!(!out.status.success(), "{err}");
     assert!(!err.contains("hunter2"), "the password leaked: {err}");
@@ -598,7 +598,7 @@ async fn jobs_list_on_an_empty_ledger_names_the_ledger() {
     let fresh = format!("sqlite://{}", env.dir.join("new.db").display());
     let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
         .args(["--store-url", &fresh, "jobs", "list"])
-        .output()
+        .output_bounded()
         .unwrap();
     let stdout = text(&out.stdout);
     assert!(
@@ -666,7 +666,7 @@ async fn topology_delete_asks_first_then_removes_queues_and_exchanges() {
         .command()
         .args(["topology", "delete", "--retry-delays-ms", "1000,5000"])
         .stdin(std::process::Stdio::null())
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(!refused.status.success());
     let err = text(&refused.stderr);
@@ -725,7 +725,7 @@ async fn topology_delete_asks_first_then_removes_queues_and_exchanges() {
             "1000,5000",
         ])
         .env_remove("LASTCALL_LOG")
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     // The passive declares of the queues that never existed (parked, dead.*) log nothing.

@@ -71,7 +71,7 @@ backend = "sim"
             "LASTCALL_SIGNING_KEY",
             "env-signing-secret-0123456789abcdef",
         )
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let stdout = text(&out.stdout);
@@ -111,7 +111,7 @@ backend = "sim"
     let out = bare(&dir)
         .args(["--amqp-url", "amqp://u:flag-secret@h/%2f", "config", "show"])
         .env("LASTCALL_PREFIX", "from-env")
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
@@ -139,7 +139,7 @@ fn an_unknown_key_is_an_error_naming_key_section_and_file() {
     .unwrap();
     let out = bare(&dir)
         .args(["--config", "other.toml", "config", "show"])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(!out.status.success());
     let stderr = text(&out.stderr);
@@ -152,7 +152,7 @@ fn an_unknown_key_is_an_error_naming_key_section_and_file() {
     let out = bare(&dir)
         .args(["jobs", "list"])
         .env("LASTCALL_CONFIG", "other.toml")
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(!out.status.success());
     assert!(
@@ -176,7 +176,7 @@ async fn a_file_value_takes_effect_and_a_flag_overrides_it() {
         .command()
         .current_dir(&env.dir)
         .args(["submit", "--job-id", "cfg-1", "--prompt", "from the file"])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let job = env.ledger.get("cfg-1").await.unwrap().expect("recorded");
@@ -198,7 +198,7 @@ async fn a_file_value_takes_effect_and_a_flag_overrides_it() {
             "--deadline-ms",
             "30000",
         ])
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(out.status.success(), "{}", text(&out.stderr));
     let job = env.ledger.get("cfg-2").await.unwrap().expect("recorded");

@@ -301,7 +301,7 @@ async fn long_polls_wake_on_the_outcome_event_without_polling_the_ledger() {
 async fn cli(env: &Env, args: &[&str]) -> std::process::Output {
     let mut c = env.command();
     c.args(args);
-    tokio::task::spawn_blocking(move || c.output().expect("run the lastcall binary"))
+    tokio::task::spawn_blocking(move || c.output_bounded().expect("run the lastcall binary"))
         .await
         .unwrap()
 }

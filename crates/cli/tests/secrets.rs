@@ -340,8 +340,8 @@ impl<'a> Harness<'a> {
         c
     }
 
-    fn run_cmd(&mut self, label: &str, c: Command) -> Output {
-        let out = output_within(c, label, CHILD_LIMIT);
+    fn run_cmd(&mut self, label: &str, mut c: Command) -> Output {
+        let out = output_within(&mut c, label, CHILD_LIMIT);
         self.seen.add_output(label, &out);
         out
     }
@@ -476,7 +476,7 @@ fn help_pages(seen: &mut Seen, dir: &Path) -> usize {
             );
             c.args(&path).arg(flag);
             let label = format!("help: lastcall {} {flag}", path.join(" "));
-            let out = output_within(c, &label, CHILD_LIMIT);
+            let out = output_within(&mut c, &label, CHILD_LIMIT);
             assert!(out.status.success(), "{label}: {}", out.status);
             let text = String::from_utf8_lossy(&out.stdout).into_owned();
             assert!(text.contains("Usage:"), "{label}: {text}");
@@ -498,12 +498,12 @@ fn help_pages(seen: &mut Seen, dir: &Path) -> usize {
     let mut c = bin();
     with_secrets(&mut c, dir);
     c.args(["--version"]);
-    let out = output_within(c, "lastcall --version", CHILD_LIMIT);
+    let out = output_within(&mut c, "lastcall --version", CHILD_LIMIT);
     seen.add_output("lastcall --version", &out);
     let mut c = bin();
     with_secrets(&mut c, dir);
     c.args(["help", "worker"]);
-    let out = output_within(c, "lastcall help worker", CHILD_LIMIT);
+    let out = output_within(&mut c, "lastcall help worker", CHILD_LIMIT);
     seen.add_help("lastcall help worker", String::from_utf8_lossy(&out.stdout));
     seen.add_help(
         "lastcall help worker stderr",
@@ -1191,7 +1191,7 @@ async fn store_url_password_stays_out_of_output() {
         ]);
         c.args(args);
         let label = format!("lastcall {}", args.join(" "));
-        let out = output_within(c, &label, CHILD_LIMIT);
+        let out = output_within(&mut c, &label, CHILD_LIMIT);
         seen.add_output(&label, &out);
         out
     };
@@ -1241,7 +1241,7 @@ async fn store_url_password_stays_out_of_output() {
         "--demo-store-url",
         &store,
     ]);
-    let out = output_within(c, "demo", CHILD_LIMIT);
+    let out = output_within(&mut c, "demo", CHILD_LIMIT);
     seen.add_output("demo", &out);
     let _ = lastcall_broker::Topology::new(&format!("{}-demo", env.prefix))
         .delete(&env.broker)
@@ -1270,7 +1270,7 @@ fn amqp_password_stays_out_of_trace_logs() {
         "topology",
         "apply",
     ]);
-    let out = output_within(c, "LASTCALL_LOG=trace topology apply", CHILD_LIMIT);
+    let out = output_within(&mut c, "LASTCALL_LOG=trace topology apply", CHILD_LIMIT);
     assert!(!out.status.success(), "the login is refused");
     seen.add_output("LASTCALL_LOG=trace topology apply", &out);
     let _ = std::fs::remove_dir_all(&dir);

@@ -13,7 +13,7 @@ fn curl(args: &[&str]) -> (u16, String) {
     let out = Command::new("curl")
         .args(["-s", "-o", "-", "-w", "\n%{http_code}"])
         .args(args)
-        .output()
+        .output_bounded()
         .expect("curl");
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));

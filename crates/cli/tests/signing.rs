@@ -198,7 +198,7 @@ async fn a_worker_with_the_key_runs_signed_jobs_and_rejects_unsigned_or_extended
         .command()
         .args(["dlq", "--idle-exit-ms", "1500"])
         .env("LASTCALL_SIGNING_KEY", KEY)
-        .output()
+        .output_bounded()
         .unwrap();
     assert!(
         out.status.success(),

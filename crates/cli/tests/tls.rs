@@ -13,7 +13,7 @@ mod common;
 use common::http::Children;
 use common::private_pg::PrivatePg;
 use common::private_rabbit::{PrivateRabbit, free_port};
-use common::{job, sim, system_clock, unique};
+use common::{OutputBounded, job, sim, system_clock, unique};
 use lastcall_broker::{Broker, Publisher, Topology};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_store::{AcceptedJob, Ledger};
@@ -441,7 +441,7 @@ async fn serve_over_https_with_the_worker_over_amqps_and_postgres_tls() {
             .args(["--store-url", &store, "--prefix", &prefix])
             .args(args)
             .env("LASTCALL_HTTP_TOKEN", TOKEN)
-            .output()
+            .output_bounded()
             .unwrap();
         assert!(!out.status.success(), "{args:?} succeeded");
         String::from_utf8_lossy(&out.stderr).into_owned()

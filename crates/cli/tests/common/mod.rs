@@ -361,7 +361,7 @@ impl Env {
     pub fn cli(&self, args: &[&str]) -> std::process::Output {
         let mut c = self.command();
         c.args(args);
-        output_within(c, &format!("lastcall {}", args.join(" ")), CHILD_LIMIT)
+        output_within(&mut c, &format!("lastcall {}", args.join(" ")), CHILD_LIMIT)
     }
 
     /// The next dead letter, handed straight back to the dead queue (for inspection only).
@@ -392,7 +392,7 @@ pub const CHILD_LIMIT: Duration = Duration::from_secs(90);
 /// still running after `limit` is killed and the test panics naming the command and what it
 /// had printed, instead of hanging until the test runner's own timeout says nothing.
 pub fn output_within(
-    mut c: std::process::Command,
+    c: &mut std::process::Command,
     what: &str,
     limit: Duration,
 ) -> std::process::Output {
@@ -438,6 +438,23 @@ pub fn output_within(
         status,
         stdout: out.join().unwrap_or_default(),
         stderr: err.join().unwrap_or_default(),
+    }
+}
+
+/// [`output_within`] with [`CHILD_LIMIT`], in `Command::output`'s place (the command line is
+/// the label: no secrets in the arguments of a test that uses it).
+pub trait OutputBounded {
+    fn output_bounded(&mut self) -> std::io::Result<std::process::Output>;
+}
+
+impl OutputBounded for std::process::Command {
+    fn output_bounded(&mut self) -> std::io::Result<std::process::Output> {
+        let what = std::iter::once(self.get_program())
+            .chain(self.get_args())
+            .map(|a| a.to_string_lossy().into_owned())
+            .collect::<Vec<_>>()
+            .join(" ");
+        Ok(output_within(self, &what, CHILD_LIMIT))
     }
 }
 
