@@ -386,3 +386,38 @@ async fn a_job_running_on_a_disconnected_worker_is_not_run_again_by_another() {
     h2.await.unwrap().unwrap();
     env.cleanup().await;
 }
+
+/// A broker that stops answering mid-connection (the proxy holds every byte it sends):
+/// cancelling a consumer, closing its channel and closing the connection each give up
+/// after `GOODBYE_LIMIT` instead of waiting for replies that may never come (lapin would
+/// wait until its heartbeat gave up on the connection, a minute or more).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn goodbyes_do_not_wait_for_a_broker_that_stopped_answering() {
+    let env = Env::sqlite("goodbye").await;
+    let proxy = FreezableProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    let url = format!("amqp://guest:guest@{}/%2f", proxy.addr);
+    let broker = Broker::connect(&url).await.unwrap();
+    let stream =
+        lastcall_broker::IncomingStream::open(&broker, &env.topo.names.work_queue, 1, "goodbye")
+            .await
+            .unwrap();
+    proxy.freeze();
+    let limit = lastcall_broker::GOODBYE_LIMIT;
+    let started = Instant::now();
+    let goodbyes = async {
+        stream.cancel().await;
+        stream.close().await;
+        broker.close().await;
+    };
+    tokio::time::timeout(limit * 3 + Duration::from_secs(15), goodbyes)
+        .await
+        .expect("the three goodbyes give up on a silent broker");
+    // Each one waited for its reply first (the broker really was silent).
+    assert!(
+        started.elapsed() >= limit * 3 - Duration::from_millis(500),
+        "{:?}",
+        started.elapsed()
+    );
+    proxy.thaw();
+    env.cleanup().await;
+}
