@@ -116,16 +116,9 @@ async fn worker_with_a_real_openai_compatible_server() {
     // 2a. Cancelled while it runs (`DELETE /v1/jobs/{id}`, `lastcall cancel`, here the
     //     library call): the worker aborts the request as at the deadline, records
     //     `cancelled` with the server's confirmation, and the server is free right after.
-    s.submit(
-        &job_with(
-            "cancel-me",
-            120_000,
-            json!({"prompt": "Count from 1 to 500.", "max_tokens": 1000}),
-        ),
-        now_ms(),
-    )
-    .await
-    .unwrap();
+    s.submit(&job_with("cancel-me", 120_000, long_generation()), now_ms())
+        .await
+        .unwrap();
     let until = Instant::now() + Duration::from_secs(30);
     while env.ledger.get("cancel-me").await.unwrap().map(|r| r.state) != Some("running".into()) {
         assert!(Instant::now() < until, "cancel-me never started");
@@ -166,15 +159,7 @@ async fn worker_with_a_real_openai_compatible_server() {
 
     // 2. A deadline shorter than the generation: deadline_exceeded, the request aborted,
     //    and the server free right after (not stuck behind the abandoned generation).
-    let r = &run(
-        &s,
-        &env,
-        "too-long",
-        1_500,
-        json!({"prompt": "Count from 1 to 500.", "max_tokens": 1000}),
-        30,
-    )
-    .await;
+    let r = &run(&s, &env, "too-long", 1_500, long_generation(), 30).await;
     assert_eq!(r.state, "deadline_exceeded", "{r:?}");
     assert!(r.cancel_requested);
     assert_eq!(r.cancel_confirmed, Some(true));
@@ -195,11 +180,19 @@ async fn worker_with_a_real_openai_compatible_server() {
         t0.elapsed()
     );
     w.stop().await;
+    topo.delete(&env.broker).await.unwrap();
+    env.cleanup().await;
 
     // 3. A server that is down: retryable errors, retried inside the budget, never past it.
+    //    A deployment of its own (its own ledger): a worker on the ledger above would start
+    //    from the call times recorded there, and refuse the 2 s job below without a call.
+    let env = Env::sqlite("openai-down").await;
     let mut cfg = env.worker_config(1, 2);
     cfg.policy.retry = lastcall_core::RetryPolicy::new(3, 300, vec![300, 5_000]).unwrap();
     cfg.topology.retry_delays_ms = vec![300, 5_000];
+    cfg.topology.apply(&env.broker).await.unwrap();
+    let topo = cfg.topology.clone();
+    let s = env.submitter(100, true).await;
     let down = format!("http://127.0.0.1:{}/v1", free_port());
     let w = env.start_worker(cfg, backend(&down), system_clock()).await;
     s.submit(&job("down-long", 60_000), now_ms()).await.unwrap();
@@ -239,4 +232,15 @@ async fn worker_with_a_real_openai_compatible_server() {
     w.stop().await;
     topo.delete(&env.broker).await.unwrap();
     env.cleanup().await;
+}
+
+/// A generation that runs far past any deadline here: 1,000 tokens with the end-of-text
+/// tokens of SmolLM2 (`<|endoftext|>` 0, `<|im_end|>` 2) banned, so the model cannot end it
+/// early (an unbanned "count to 500" sometimes ended after ~90 tokens, inside 1.5 s).
+fn long_generation() -> serde_json::Value {
+    json!({
+        "prompt": "Count from 1 to 500.",
+        "max_tokens": 1000,
+        "logit_bias": {"0": -100, "2": -100}
+    })
 }

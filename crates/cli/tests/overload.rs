@@ -183,25 +183,12 @@ async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_ca
     for r in env.wait_terminal(&warm, Duration::from_secs(20)).await {
         assert_eq!(r.state, "completed", "{r:?}");
     }
-    // 700 ms of budget (600 after the clock margin) for a call learned to take ~1 s.
-    s.submit(&job("short", 700), now_ms()).await.unwrap();
-    let r = env
-        .wait_terminal(&["short".into()], Duration::from_secs(10))
-        .await
-        .remove(0);
-    assert_eq!(r.state, "expired_not_started", "{r:?}");
-    assert_eq!(
-        r.reason.as_deref(),
-        Some("receipt:below_learned_runtime"),
-        "{r:?}"
-    );
+    let r = short_job_is_refused_by_the_learned_time(&env, &s, &sim).await;
     let note = r.error.clone().unwrap_or_default();
     assert!(
         note.contains("learned call duration") && note.contains("p99"),
         "{note}"
     );
-    assert_eq!(r.backend_calls, 0);
-    assert_eq!(sim.calls_for("short"), 0, "never started");
     // The record says which backend the job was for and the minimum runtime it was held to.
     assert_eq!(r.backend.as_deref(), Some("sim"));
     assert!(
@@ -217,6 +204,62 @@ async fn a_worker_with_default_settings_learns_the_call_time_and_refuses_what_ca
     assert_eq!(r.state, "completed", "{r:?}");
     assert_eq!(r.backend.as_deref(), Some("sim"));
     w.stop().await;
+    env.cleanup().await;
+}
+
+/// Submit "short": 700 ms of budget (600 after the clock margin) for a call learned to take
+/// ~1 s. It must be refused at receipt by the learned time, without a model call.
+async fn short_job_is_refused_by_the_learned_time(
+    env: &Env,
+    s: &lastcall_producer::Submitter,
+    sim: &lastcall_backend::sim::SimBackend,
+) -> lastcall_store::JobRecord {
+    s.submit(&job("short", 700), now_ms()).await.unwrap();
+    let r = env
+        .wait_terminal(&["short".into()], Duration::from_secs(10))
+        .await
+        .remove(0);
+    assert_eq!(r.state, "expired_not_started", "{r:?}");
+    assert_eq!(
+        r.reason.as_deref(),
+        Some("receipt:below_learned_runtime"),
+        "{r:?}"
+    );
+    assert_eq!(r.backend_calls, 0);
+    assert_eq!(sim.calls_for("short"), 0, "never started");
+    r
+}
+
+/// A worker that starts — after a restart, or joining a pool — learns the call time from
+/// the ledger's recent calls, not only from its own: its very first job without room for
+/// the learned ~1 s call is refused without a model call. A worker that started from
+/// nothing (the floor, 0 ms) would have started it and cut it at the deadline.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_worker_starts_with_the_call_time_the_ledger_holds() {
+    let env = Env::postgres("relearn").await;
+    let s = env.submitter(100, true).await;
+    let first = env
+        .start_worker(env.worker_config(3, 16), sim(1_000), system_clock())
+        .await;
+    let warm: Vec<String> = (0..3).map(|i| format!("warm-{i}")).collect();
+    for id in &warm {
+        s.submit(&job(id, 30_000), now_ms()).await.unwrap();
+    }
+    for r in env.wait_terminal(&warm, Duration::from_secs(20)).await {
+        assert_eq!(r.state, "completed", "{r:?}");
+    }
+    first.stop().await;
+    // A new worker: a fresh estimator in a fresh process state, the same ledger.
+    let sim = sim(1_000);
+    let second = env
+        .start_worker(env.worker_config(3, 16), sim.clone(), system_clock())
+        .await;
+    let r = short_job_is_refused_by_the_learned_time(&env, &s, &sim).await;
+    assert!(
+        r.min_runtime_ms.is_some_and(|m| m >= 900),
+        "held to the ~1 s the first worker's calls took: {r:?}"
+    );
+    second.stop().await;
     env.cleanup().await;
 }
 

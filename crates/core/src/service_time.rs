@@ -45,6 +45,10 @@
 //! - **An age limit** (`max_age_ms`): a key not seen for ten minutes may run on a different
 //!   backend now, and an estimate from then is no better than the configured floor.
 //!   Samples older than the limit are ignored, and dropped at the next observation.
+//! - **History can be replayed**: every observation carries its own time, so recorded
+//!   calls fed in the order they happened give the estimate live observation would have
+//!   given (the worker replays the ledger's recent calls when it starts, so a restart does
+//!   not fall back to the floor); samples older than the age limit count for nothing.
 //! - **A fallback over all keys**: a key with too few fresh samples (a new kind, a new
 //!   backend) borrows the last `window` fresh observations of any key, which is a better
 //!   guess than nothing. When even those are too few, [`ServiceTimes::estimate`] returns

@@ -380,6 +380,12 @@ const SELECT_LATE_OUTCOMES: &str = "SELECT COUNT(*) FROM jobs \
 const SELECT_RECENT_MIN_RUNTIME: &str = "SELECT min_runtime_ms FROM jobs \
      WHERE recorded_at_ms >= $2 AND kind = $1 AND state = 'completed' \
      AND min_runtime_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 1";
+/// The newest model calls of one backend whose duration is known: completed ones, and
+/// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
+const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms FROM jobs \
+     WHERE recorded_at_ms >= $1 AND backend = $2 AND latency_ms IS NOT NULL \
+     AND (state = 'completed' OR (state = 'deadline_exceeded' AND reason = 'cancelled_at_deadline')) \
+     ORDER BY recorded_at_ms DESC LIMIT $3";
 const SELECT_SINCE: &str = concat!(
     "SELECT ",
     job_columns!(),
@@ -1055,6 +1061,41 @@ impl Ledger {
                 .map_err(db("reading the recent minimum runtime"))?
         });
         Ok(v.and_then(|v| u64::try_from(v).ok()))
+    }
+
+    /// The newest `limit` model calls made through `backend` (the label the worker records
+    /// in `backend`) and recorded since `since_ms` whose duration is known: completed calls
+    /// and calls cut at the deadline. Oldest first, so that they can be replayed into an
+    /// estimator in the order they happened. A worker learns its call times from them when
+    /// it starts (`lastcall_core::service_time`).
+    pub async fn recent_calls(
+        &self,
+        backend: &str,
+        since_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<crate::RecordedCall>, StoreError> {
+        let mut calls: Vec<crate::RecordedCall> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_RECENT_CALLS)
+                .bind(since_ms)
+                .bind(backend)
+                .bind(i64::from(limit))
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            Ok(crate::RecordedCall {
+                                kind: r.try_get(0)?,
+                                latency_ms: u64::try_from(r.try_get::<i64, _>(1)?).unwrap_or(0),
+                                recorded_at_ms: r.try_get(2)?,
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading the recent model calls"))?
+        });
+        calls.reverse();
+        Ok(calls)
     }
 
     /// Records with `recorded_at_ms >= since_ms`, by recorded time then job id.

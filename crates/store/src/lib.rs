@@ -169,6 +169,16 @@ impl OutcomeRecord {
     }
 }
 
+/// One model call whose duration the ledger holds ([`Ledger::recent_calls`]): a worker
+/// starting up learns its call times from these instead of from nothing.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct RecordedCall {
+    pub kind: String,
+    /// How long the call took (`latency_ms`); for a call cut at the deadline, a lower bound.
+    pub latency_ms: u64,
+    pub recorded_at_ms: i64,
+}
+
 /// What the worker needs to know about a job when a delivery arrives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ReceiptInfo {

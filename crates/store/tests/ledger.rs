@@ -237,6 +237,7 @@ both_backends!(
     the_outcome_names_its_backend_model_and_min_runtime,
     cancel_ends_a_waiting_job_and_flags_a_running_one,
     a_webhook_is_claimed_once_and_its_attempts_recorded,
+    recent_calls_are_the_durations_a_starting_worker_learns_from,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -1942,6 +1943,74 @@ async fn the_outcome_names_its_backend_model_and_min_runtime(db: &TestDb) {
     };
     assert!(!l.record_terminal(&other).await.unwrap());
     assert_eq!(must_get(l, "bm-1").await.backend.as_deref(), Some("openai"));
+}
+
+/// A starting worker reads the call durations of its backend: completed calls and calls
+/// cut at the deadline, recorded since the given time, newest `limit`, oldest first.
+async fn recent_calls_are_the_durations_a_starting_worker_learns_from(db: &TestDb) {
+    let l = &db.ledger;
+    let call = |id: &str, state: State, reason: Option<Reason>, backend: &str, at: i64, ms| {
+        OutcomeRecord {
+            reason,
+            backend: Some(backend.into()),
+            latency_ms: ms,
+            started_at_ms: Some(at - 10),
+            model_called: ms.is_some(),
+            kind: format!("kind-{id}"),
+            ..outcome(id, &format!("w1:{id}:1"), state, at)
+        }
+    };
+    let cut = Some(Reason::CancelledAtDeadline);
+    let rows = [
+        // Too old for `since`.
+        call("old", State::Completed, None, "sim", 4_000, Some(900)),
+        call("a", State::Completed, None, "sim", 10_000, Some(200)),
+        call(
+            "b",
+            State::DeadlineExceeded,
+            cut.clone(),
+            "sim",
+            11_000,
+            Some(300),
+        ),
+        call("c", State::Completed, None, "sim", 12_000, Some(210)),
+        // Another backend's call, a failed call, a job that ran out of time without a
+        // call being cut, and an outcome without a call: none tells how long a call takes.
+        call("other", State::Completed, None, "openai", 12_500, Some(5)),
+        call("failed", State::Failed, None, "sim", 13_000, Some(7)),
+        call(
+            "retry",
+            State::DeadlineExceeded,
+            Some(Reason::RetriesExhausted),
+            "sim",
+            13_500,
+            Some(8),
+        ),
+        call("none", State::Completed, None, "sim", 14_000, None),
+    ];
+    for r in &rows {
+        assert!(l.record_terminal(r).await.unwrap(), "{}", r.job_id);
+    }
+    let got = l.recent_calls("sim", 5_000, 100).await.unwrap();
+    let seen: Vec<(&str, u64, i64)> = got
+        .iter()
+        .map(|c| (c.kind.as_str(), c.latency_ms, c.recorded_at_ms))
+        .collect();
+    assert_eq!(
+        seen,
+        vec![
+            ("kind-a", 200, 10_000),
+            ("kind-b", 300, 11_000),
+            ("kind-c", 210, 12_000)
+        ]
+    );
+    // The limit keeps the newest, still oldest first.
+    let newest: Vec<u64> = (l.recent_calls("sim", 5_000, 2).await.unwrap())
+        .iter()
+        .map(|c| c.latency_ms)
+        .collect();
+    assert_eq!(newest, vec![300, 210]);
+    assert!(l.recent_calls("vllm", 0, 100).await.unwrap().is_empty());
 }
 
 async fn cancel_ends_a_waiting_job_and_flags_a_running_one(db: &TestDb) {

@@ -14,6 +14,14 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
 use tokio::sync::watch;
 
+/// The most recent calls a starting worker reads from the ledger ([`Ctx::learn_from_ledger`]):
+/// eight full estimator windows, enough for the kinds a worker serves at once.
+const LEDGER_CALLS: u32 = 1_024;
+
+/// How long a starting worker waits for the ledger's recent calls before it goes on
+/// without them.
+const LEDGER_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
+
 /// Shared state of one running worker.
 pub(crate) struct Ctx {
     pub(crate) cfg: WorkerConfig,
@@ -59,6 +67,62 @@ impl Ctx {
         let key = self.service_key(kind);
         let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
         service.estimate(&key, now_ms)
+    }
+
+    /// Learn from the ledger how long this backend's calls took lately (every worker's
+    /// calls, the newest [`LEDGER_CALLS`] within the estimator's age limit), so that a
+    /// restarted worker, or one joining a pool, starts with what is known instead of the
+    /// bare floor. Best effort: without an answer in [`LEDGER_READ_LIMIT`] it learns from its
+    /// own calls only. Returns how many calls it learned from.
+    pub(crate) async fn learn_from_ledger(&self) -> usize {
+        let cfg = self.service_config();
+        let now = self.clock.now_ms();
+        let read = self.ledger.recent_calls(
+            self.backend.name(),
+            now.saturating_sub(cfg.max_age_ms),
+            LEDGER_CALLS,
+        );
+        let calls = match tokio::time::timeout(LEDGER_READ_LIMIT, read).await {
+            Ok(Ok(calls)) => calls,
+            Ok(Err(e)) => {
+                tracing::warn!(error = %e, "could not read recent call times from the ledger: learning from this worker's calls only");
+                return 0;
+            }
+            Err(_) => {
+                tracing::warn!(
+                    "the ledger did not answer within {LEDGER_READ_LIMIT:?} with recent call times: learning from this worker's calls only"
+                );
+                return 0;
+            }
+        };
+        let mut kinds = std::collections::BTreeSet::new();
+        {
+            let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+            for c in &calls {
+                let key = self.service_key(&c.kind);
+                service.observe(&key, c.latency_ms, c.recorded_at_ms.min(now));
+                kinds.insert(c.kind.as_str());
+            }
+        }
+        for kind in &kinds {
+            if let Some(e) = self.learned(kind, now) {
+                self.stats.metrics.set_learned(kind, e.quantile_ms);
+            }
+        }
+        if !calls.is_empty() {
+            tracing::info!(
+                calls = calls.len(),
+                kinds = kinds.len(),
+                backend = self.backend.name(),
+                "learned call times from the ledger's recent calls"
+            );
+        }
+        calls.len()
+    }
+
+    fn service_config(&self) -> lastcall_core::service_time::ServiceTimeConfig {
+        let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.config()
     }
 
     /// A cancellation broadcast for `job_id`: end its wait or abort its call here.

@@ -167,6 +167,7 @@ impl Worker {
             cancels: std::sync::Mutex::default(),
         };
         (ctx.stats.metrics).attach(ctx.slots.clone(), ctx.cfg.prefetch);
+        ctx.learn_from_ledger().await;
         Ok(Self {
             ctx: Arc::new(ctx),
             broker,
