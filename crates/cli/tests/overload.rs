@@ -9,15 +9,20 @@ use lastcall_store::ListFilter;
 use lastcall_worker::clock::now_ms;
 use std::time::Duration;
 
-/// One slot, 400 ms calls. B runs, C and D wait; E arrives with 700 ms of budget. Its
-/// expected wait is three slot releases ≈ 3 × 400 − 200 = 1,000 ms, so with the refusal
-/// on it is refused at once (reason `receipt:expected_wait_exceeds_budget`); with it off
-/// it waits and is refused at the last admission check instead. Never a model call.
+/// One slot, 400 ms calls, FIFO. B runs, C and D wait; E arrives with 1,400 ms of budget
+/// (1,300 after the clock margin). Its expected wait is three slot releases ≈ 3 × 400 − 200
+/// = 1,000 ms, so with the refusal on it is refused at once (reason
+/// `receipt:expected_wait_exceeds_budget`); with it off it waits and is refused at the last
+/// admission check instead. Never a model call. (FIFO, so that two jobs are ahead of E:
+/// the learned p99 may then be anywhere between 300 ms and 1.3 s — a slow warm-up call on a
+/// busy machine — and the reason is still the wait. Under EDF E would be ahead of C and D,
+/// and the window between the two reasons would be only half a call wide.)
 async fn run_wait_scenario(refuse: bool) -> lastcall_store::JobRecord {
     let env = Env::sqlite(if refuse { "wait-on" } else { "wait-off" }).await;
     let sim = sim(400);
     let mut cfg = env.worker_config(1, 16);
     cfg.policy.refuse_on_expected_wait = refuse;
+    cfg.buffer_order = lastcall_worker::BufferOrder::Fifo;
     let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
     let s = env.submitter(100, true).await;
     // Three calls teach the worker the call duration (it needs three samples).
@@ -41,7 +46,7 @@ async fn run_wait_scenario(refuse: bool) -> lastcall_store::JobRecord {
         );
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    s.submit(&job("e", 700), now_ms()).await.unwrap();
+    s.submit(&job("e", 1_400), now_ms()).await.unwrap();
     let ids: Vec<String> = ["b", "c", "d", "e"].map(String::from).to_vec();
     let recs = env.wait_terminal(&ids, Duration::from_secs(15)).await;
     for r in &recs[..3] {
