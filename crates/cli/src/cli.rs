@@ -77,6 +77,15 @@ pub enum Command {
     /// ended (nothing changed); 1 no such job or an error.
     Cancel(CancelArgs),
     /// Run a worker: bounded buffer, model slots, last admission check, store-then-ack
+    ///
+    /// Right before each model call the worker checks the job's remaining budget (its
+    /// deadline − now − --clock-uncertainty-ms) against the minimum useful runtime: the
+    /// job's own `min_runtime_ms`; else the call time it has learned for the job's kind
+    /// (the p99 of its last 128 calls, from the ledger's recent calls of this backend when it
+    /// starts); else --min-runtime-ms. A job that fails the check is recorded
+    /// `expired_not_started` without a model call; a call still running at the deadline is
+    /// cancelled and recorded `deadline_exceeded`. Every outcome is written to the ledger
+    /// before the delivery is acked.
     Worker(Box<WorkerArgs>),
     /// Look at job records in the ledger
     #[command(subcommand)]
@@ -196,7 +205,8 @@ pub struct AdmissionArgs {
     #[arg(long, default_value_t = 100)]
     pub clock_uncertainty_ms: u64,
     /// Minimum useful runtime when the job does not set one, in ms: work is not started
-    /// with less budget left than this.
+    /// with less budget left than this. A worker uses it only until it has learned how long
+    /// calls take (`lastcall worker --help`).
     #[arg(long, default_value_t = 0)]
     pub min_runtime_ms: u64,
     /// Farthest a deadline may lie ahead, in ms (default 24 h).
