@@ -189,7 +189,9 @@ pub struct GoodputArgs {
     /// Unacked deliveries the broker may push to the worker [default: 2 × slots]
     #[arg(long)]
     pub prefetch: Option<u16>,
-    /// Ledger for the runs [default: a fresh SQLite file per policy in a temp directory]
+    /// Ledger for the runs [default: a fresh SQLite file per policy in a temp directory].
+    /// One ledger for every run: each run's worker starts from the call times the earlier
+    /// runs recorded (a worker seeds its estimate from the ledger), not from nothing
     #[arg(long)]
     pub ledger_url: Option<String>,
     /// Publish every job, as `lastcall submit --no-shed` does. By default the producer
