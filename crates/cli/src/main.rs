@@ -17,7 +17,7 @@ fn main() -> std::process::ExitCode {
     let loaded = match config::load(command(), &argv) {
         Ok(l) => l,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             return std::process::ExitCode::FAILURE;
         }
     };
@@ -49,7 +49,7 @@ fn main() -> std::process::ExitCode {
     let _tracing = match config::init_tracing(&args.global, quiet) {
         Ok(g) => g,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             return std::process::ExitCode::FAILURE;
         }
     };
@@ -66,10 +66,28 @@ fn main() -> std::process::ExitCode {
     match rt.block_on(cmd::run(args, &loaded, &matches)) {
         Ok(code) => code,
         Err(e) => {
-            eprintln!("error: {e:#}");
+            eprintln!("error: {}", error_text(&e));
             std::process::ExitCode::FAILURE
         }
     }
+}
+
+/// An error and its causes on one line, each cause said once: many errors already carry
+/// their cause's text in their own message (`cannot read the token file …: No such file or
+/// directory`), and anyhow's `{:#}` would repeat it after them.
+fn error_text(e: &anyhow::Error) -> String {
+    let mut text = String::new();
+    for cause in e.chain() {
+        let said = cause.to_string();
+        if text.contains(&said) {
+            continue;
+        }
+        if !text.is_empty() {
+            text.push_str(": ");
+        }
+        text.push_str(&said);
+    }
+    text
 }
 
 /// The command line, with changes the derive cannot express:
@@ -117,4 +135,46 @@ fn command() -> clap::Command {
             }
         })
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::error_text;
+
+    #[derive(Debug)]
+    struct Io;
+    impl std::fmt::Display for Io {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            f.write_str("No such file or directory")
+        }
+    }
+    impl std::error::Error for Io {}
+
+    #[derive(Debug)]
+    struct Wrapping(Io);
+    impl std::fmt::Display for Wrapping {
+        fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+            write!(f, "cannot read the token file /x: {}", self.0)
+        }
+    }
+    impl std::error::Error for Wrapping {
+        fn source(&self) -> Option<&(dyn std::error::Error + 'static)> {
+            Some(&self.0)
+        }
+    }
+
+    #[test]
+    fn each_cause_is_said_once_and_context_is_kept() {
+        let e = anyhow::Error::new(Wrapping(Io)).context("serve cannot start");
+        assert_eq!(
+            error_text(&e),
+            "serve cannot start: cannot read the token file /x: No such file or directory"
+        );
+        // A cause whose text is not in the message yet is still said.
+        let e = anyhow::Error::new(Io).context("opening the ledger");
+        assert_eq!(
+            error_text(&e),
+            "opening the ledger: No such file or directory"
+        );
+    }
 }

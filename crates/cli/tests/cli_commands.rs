@@ -56,7 +56,7 @@ async fn bad_input_gets_errors_that_name_the_field() {
                 "--prompt",
                 "x",
             ],
-            "kind",
+            "invalid_field (kind)",
         ),
         (
             &[
@@ -122,6 +122,11 @@ async fn bad_input_gets_errors_that_name_the_field() {
         assert!(!out.status.success(), "{args:?} should fail");
         let err = text(&out.stderr);
         assert!(err.contains(needle), "{args:?}: stderr was {err}");
+        assert_eq!(
+            err.matches(needle).count(),
+            1,
+            "{args:?}: the reason is said once: {err}"
+        );
     }
     assert_eq!(
         env.ready(&env.topo.names.work_queue).await,
