@@ -403,9 +403,10 @@ pub struct WorkerArgs {
     /// Worker name recorded in the ledger [default: host:pid]
     #[arg(long)]
     pub name: Option<String>,
-    /// Give up when the broker cannot be reached for this long at startup, in ms [default:
-    /// wait forever]. A lost connection later is always retried (with backoff and jitter,
-    /// failing over through the nodes of a comma-separated --amqp-url)
+    /// Give up when the broker, or then the ledger, cannot be reached for this long at
+    /// startup, in ms [default: wait forever]. A lost connection later is always retried
+    /// (with backoff and jitter, failing over through the nodes of a comma-separated
+    /// --amqp-url)
     #[arg(long, value_name = "MS")]
     pub connect_timeout_ms: Option<u64>,
     /// The broker's consumer timeout (RabbitMQ `consumer_timeout`, 1800000 by default), in

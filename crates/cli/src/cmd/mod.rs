@@ -164,6 +164,72 @@ pub async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
     Ok(Arc::new(l))
 }
 
+/// [`open_ledger`] for a long-running process that may start before its database (a host
+/// booting, the database restarting): an unreachable database is waited for with backoff,
+/// as a worker waits for a broker that is down at startup. `max_wait` bounds the wait
+/// (then the error says why); `stop` ends it early (`Ok(None)`). An error that waiting
+/// cannot mend (a bad URL, a failed migration) is returned at once.
+pub async fn open_ledger_waiting(
+    url: &str,
+    stop: &tokio_util::sync::CancellationToken,
+    max_wait: Option<std::time::Duration>,
+) -> Result<Option<Arc<Ledger>>> {
+    let started = tokio::time::Instant::now();
+    let mut delay = std::time::Duration::from_millis(200);
+    let mut attempts = 0u32;
+    loop {
+        match Ledger::connect(url).await {
+            Ok(l) => {
+                if attempts > 0 {
+                    tracing::warn!(
+                        attempts,
+                        after_ms = started.elapsed().as_millis() as u64,
+                        "ledger reachable: starting"
+                    );
+                    eprintln!("lastcall: the ledger is reachable; starting");
+                }
+                return Ok(Some(Arc::new(l)));
+            }
+            Err(e) if e.is_retryable() => {
+                if attempts == 0 {
+                    tracing::warn!(error = %e, "ledger unreachable at startup; waiting for it with backoff");
+                    eprintln!(
+                        "lastcall: the ledger at {} is not reachable ({e}); waiting for it \
+                         (--connect-timeout-ms bounds the wait)",
+                        lastcall_broker::redact(url)
+                    );
+                }
+                attempts += 1;
+                if max_wait.is_some_and(|m| started.elapsed() >= m) {
+                    return Err(anyhow::anyhow!(e)).with_context(|| {
+                        format!(
+                            "cannot open the ledger at {} within --connect-timeout-ms \
+                             ({attempts} attempts); is the database running? (set --store-url \
+                             or LASTCALL_STORE_URL)",
+                            lastcall_broker::redact(url)
+                        )
+                    });
+                }
+            }
+            Err(e) => {
+                return Err(anyhow::anyhow!(e)).with_context(|| {
+                    format!(
+                        "cannot open the ledger at {} (set --store-url or LASTCALL_STORE_URL)",
+                        lastcall_broker::redact(url)
+                    )
+                });
+            }
+        }
+        // Jittered, so that workers restarted together do not knock in step.
+        let jittered = delay.mul_f64(0.5 + rand::random::<f64>() / 2.0);
+        tokio::select! {
+            _ = tokio::time::sleep(jittered) => {}
+            _ = stop.cancelled() => return Ok(None),
+        }
+        delay = (delay * 2).min(std::time::Duration::from_secs(10));
+    }
+}
+
 pub fn topology(prefix: &str, t: &TopologyArgs) -> Result<Topology> {
     let mut topo = Topology::new(prefix);
     topo.queue_type = t

@@ -40,7 +40,11 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
         Err(_) if stop.is_cancelled() => return Ok(ExitCode::SUCCESS),
         Err(_) => super::connect_broker(s).await?, // one more try, for its clear error
     };
-    let ledger = super::open_ledger(&s.store_url).await?;
+    // So is a ledger that is down at startup.
+    let Some(ledger) = super::open_ledger_waiting(&s.store_url, &stop, connect_timeout).await?
+    else {
+        return Ok(ExitCode::SUCCESS);
+    };
     let clock = Arc::new(SystemClock {
         offset_ms: a.clock_offset_ms,
     });
