@@ -594,6 +594,10 @@ pub struct DlqArgs {
     /// Exit after no dead letter arrived for this many ms (default: run until SIGINT/SIGTERM)
     #[arg(long, value_name = "N")]
     pub idle_exit_ms: Option<u64>,
+    /// Give up when the broker, or then the ledger, cannot be reached for this long at
+    /// startup, in ms [default: wait forever]
+    #[arg(long, value_name = "N")]
+    pub connect_timeout_ms: Option<u64>,
     /// The workers' signing key: a dead letter whose x-lastcall-signature is missing or
     /// wrong is recorded rejected/bad_signature under a synthetic id, never under the job
     /// id it claims. A file holding at least 32 bytes; else the environment variable

@@ -74,66 +74,115 @@ async fn the_worker_rides_through_a_postgres_restart() {
 async fn a_worker_started_while_postgres_is_down_waits_for_it() {
     let pg = PrivatePg::start();
     let env = Env::with_store_url("pg-late", &pg.url()).await;
-    pg.stop_immediate();
-    assert!(!pg.is_up());
-    let log = env.dir.join("worker.log");
-    let mut worker = env
-        .command()
-        .args(["worker", "--backend", "sim", "--slots", "1"])
-        .args(["--sim-latency-ms", "50", "--retry-delays-ms", "1000,5000"])
-        .stdout(Stdio::null())
-        .stderr(std::fs::File::create(&log).unwrap())
-        .spawn()
-        .expect("spawn the lastcall binary");
-    let said = || std::fs::read_to_string(&log).unwrap_or_default();
-    let until = Instant::now() + Duration::from_secs(30);
-    while !said().contains("is not reachable") {
-        assert!(
-            worker.try_wait().unwrap().is_none(),
-            "the worker exited instead of waiting for the database: {}",
-            said()
-        );
-        assert!(Instant::now() < until, "no word of the wait: {}", said());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    assert!(
-        said().contains("waiting for it"),
-        "it says that it waits: {}",
-        said()
-    );
-    pg.ctl_start();
+    let mut late = Late::start(&env, &pg, &["worker", "--backend", "sim", "--slots", "1"]).await;
     let s = env.submitter(100, false).await;
     s.submit(&job("late-db", 60_000), now_ms()).await.unwrap();
-    // A fresh pool: the test's own connections died with the database.
-    let ledger = lastcall_store::Ledger::connect(&pg.url()).await.unwrap();
-    let until = Instant::now() + Duration::from_secs(60);
-    let r = loop {
-        match ledger.get("late-db").await.unwrap() {
-            Some(r) if !matches!(r.state.as_str(), "accepted" | "running") => break r,
-            _ => {}
-        }
-        assert!(
-            worker.try_wait().unwrap().is_none(),
-            "the worker exited: {}",
-            said()
-        );
-        assert!(Instant::now() < until, "late-db never ended: {}", said());
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    ledger.close().await;
-    assert_eq!(r.state, "completed", "{r:?}");
-    assert!(said().contains("the ledger is reachable"), "{}", said());
-    let _ = Command::new("kill")
-        .args(["-INT", &worker.id().to_string()])
-        .status();
-    let until = Instant::now() + Duration::from_secs(30);
-    let status = loop {
-        if let Some(status) = worker.try_wait().unwrap() {
-            break status;
-        }
-        assert!(Instant::now() < until, "the worker did not stop on SIGINT");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    };
-    assert!(status.success(), "{status}: {}", said());
+    assert_eq!(late.outcome(&pg, "late-db").await.state, "completed");
+    late.stop();
     env.cleanup().await;
+}
+
+/// The same for `lastcall dlq`: started while its PostgreSQL is down, it waits, then
+/// records the dead letter of a job that expired in the broker meanwhile.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_letter_processor_started_while_postgres_is_down_waits_for_it() {
+    let pg = PrivatePg::start();
+    let env = Env::with_store_url("pg-late-dlq", &pg.url()).await;
+    // No worker: the job's broker TTL runs out in the queue and it is dead-lettered.
+    let s = env.submitter(100, false).await;
+    s.submit(&job("late-dl", 300), now_ms()).await.unwrap();
+    let mut late = Late::start(&env, &pg, &["dlq"]).await;
+    let r = late.outcome(&pg, "late-dl").await;
+    assert_eq!(r.state, "expired_before_receive", "{r:?}");
+    assert_eq!(r.reason.as_deref(), Some("broker_ttl_expired"), "{r:?}");
+    late.stop();
+    env.cleanup().await;
+}
+
+/// A `lastcall` process started while the private PostgreSQL is down; the database is
+/// started once the process has said that it waits for it.
+struct Late {
+    child: std::process::Child,
+    log: std::path::PathBuf,
+}
+
+impl Late {
+    async fn start(env: &Env, pg: &PrivatePg, args: &[&str]) -> Late {
+        pg.stop_immediate();
+        assert!(!pg.is_up());
+        let log = env.dir.join(format!("{}.log", args[0]));
+        let child = env
+            .command()
+            .args(args)
+            .args(["--retry-delays-ms", "1000,5000"])
+            .stdout(Stdio::null())
+            .stderr(std::fs::File::create(&log).unwrap())
+            .spawn()
+            .expect("spawn the lastcall binary");
+        let mut late = Late { child, log };
+        let until = Instant::now() + Duration::from_secs(30);
+        while !late.said().contains("is not reachable") {
+            late.assert_running();
+            assert!(
+                Instant::now() < until,
+                "no word of the wait: {}",
+                late.said()
+            );
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+        assert!(late.said().contains("waiting for it"), "{}", late.said());
+        pg.ctl_start();
+        late
+    }
+
+    fn said(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
+    fn assert_running(&mut self) {
+        assert!(
+            self.child.try_wait().unwrap().is_none(),
+            "the process exited instead of waiting for the database: {}",
+            self.said()
+        );
+    }
+
+    /// `id`'s terminal record, read through a fresh pool (the test's own connections died
+    /// with the database), while the process keeps running.
+    async fn outcome(&mut self, pg: &PrivatePg, id: &str) -> lastcall_store::JobRecord {
+        let ledger = lastcall_store::Ledger::connect(&pg.url()).await.unwrap();
+        let until = Instant::now() + Duration::from_secs(60);
+        let r = loop {
+            match ledger.get(id).await.unwrap() {
+                Some(r) if !matches!(r.state.as_str(), "accepted" | "running") => break r,
+                _ => {}
+            }
+            self.assert_running();
+            assert!(Instant::now() < until, "{id} never ended: {}", self.said());
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        };
+        ledger.close().await;
+        assert!(
+            self.said().contains("the ledger is reachable"),
+            "{}",
+            self.said()
+        );
+        r
+    }
+
+    /// SIGINT, and a clean exit.
+    fn stop(mut self) {
+        let _ = Command::new("kill")
+            .args(["-INT", &self.child.id().to_string()])
+            .status();
+        let until = Instant::now() + Duration::from_secs(30);
+        let status = loop {
+            if let Some(status) = self.child.try_wait().unwrap() {
+                break status;
+            }
+            assert!(Instant::now() < until, "no exit on SIGINT: {}", self.said());
+            std::thread::sleep(Duration::from_millis(100));
+        };
+        assert!(status.success(), "{status}: {}", self.said());
+    }
 }

@@ -727,7 +727,15 @@ async fn secrets_stay_out_of_output_metrics_and_the_ledger() {
                 "--retry-delays-ms",
                 RETRY,
             ],
-            &["dlq", "--idle-exit-ms", "500", "--retry-delays-ms", RETRY],
+            &[
+                "dlq",
+                "--idle-exit-ms",
+                "500",
+                "--connect-timeout-ms",
+                "1000",
+                "--retry-delays-ms",
+                RETRY,
+            ],
             &[
                 "serve",
                 "--dlq",

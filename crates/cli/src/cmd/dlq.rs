@@ -14,8 +14,18 @@ use tokio_util::sync::CancellationToken;
 pub async fn run(s: &Settings, a: DlqArgs) -> Result<ExitCode> {
     let topology = super::topology(&s.prefix, &a.topology)?;
     let dead_queue = topology.names.dead_queue.clone();
-    let broker = super::connect_broker(s).await?;
-    let ledger = super::open_ledger(&s.store_url).await?;
+    let stop = CancellationToken::new();
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        tracing::info!("shutdown signal received: stopping the dead-letter processor");
+        stop2.cancel();
+    });
+    // Like a worker: a broker or ledger that is down at startup is waited for.
+    let connect_timeout = a.connect_timeout_ms.map(Duration::from_millis);
+    let Some((broker, ledger)) = super::connect_waiting(s, &stop, connect_timeout).await? else {
+        return Ok(ExitCode::SUCCESS);
+    };
     let dlq = DeadLetterProcessor::build(
         broker.clone(),
         ledger.clone(),
@@ -36,13 +46,6 @@ pub async fn run(s: &Settings, a: DlqArgs) -> Result<ExitCode> {
         dlq
     };
     let stats = dlq.stats.clone();
-    let stop = CancellationToken::new();
-    let stop2 = stop.clone();
-    tokio::spawn(async move {
-        super::shutdown_signal().await;
-        tracing::info!("shutdown signal received: stopping the dead-letter processor");
-        stop2.cancel();
-    });
     tracing::info!(queue = %dead_queue, park = a.park, "dead-letter processor started");
     let result = dlq
         .run(stop, a.idle_exit_ms.map(Duration::from_millis))

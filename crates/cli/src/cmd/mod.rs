@@ -164,6 +164,26 @@ pub async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
     Ok(Arc::new(l))
 }
 
+/// The broker and the ledger of a long-running process (`worker`, `dlq`) that may start
+/// before them: each that is down at startup is waited for with backoff, as it would be
+/// if it went away later; `max_wait` (`--connect-timeout-ms`) bounds each wait, and `stop`
+/// (a shutdown signal) ends it with `Ok(None)`.
+pub async fn connect_waiting(
+    s: &Settings,
+    stop: &tokio_util::sync::CancellationToken,
+    max_wait: Option<std::time::Duration>,
+) -> Result<Option<(Broker, Arc<Ledger>)>> {
+    let broker = match Broker::connect_retrying(&s.amqp_url, stop, max_wait).await {
+        Ok(b) => b,
+        Err(_) if stop.is_cancelled() => return Ok(None),
+        Err(_) => connect_broker(s).await?, // one more try, for its clear error
+    };
+    let Some(ledger) = open_ledger_waiting(&s.store_url, stop, max_wait).await? else {
+        return Ok(None);
+    };
+    Ok(Some((broker, ledger)))
+}
+
 /// [`open_ledger`] for a long-running process that may start before its database (a host
 /// booting, the database restarting): an unreachable database is waited for with backoff,
 /// as a worker waits for a broker that is down at startup. `max_wait` bounds the wait

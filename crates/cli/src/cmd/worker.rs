@@ -26,23 +26,10 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
         eprintln!("lastcall worker: shutting down (in-flight work gets the grace period)");
         stop2.cancel();
     });
-    // A broker that is down at startup is waited for (with backoff), like one that goes
-    // away later; --connect-timeout bounds the wait.
+    // A broker or a ledger that is down at startup is waited for (with backoff), like one
+    // that goes away later; --connect-timeout bounds each wait.
     let connect_timeout = a.connect_timeout_ms.map(Duration::from_millis);
-    let broker = match lastcall_broker::Broker::connect_retrying(
-        &s.amqp_url,
-        &stop,
-        connect_timeout,
-    )
-    .await
-    {
-        Ok(b) => b,
-        Err(_) if stop.is_cancelled() => return Ok(ExitCode::SUCCESS),
-        Err(_) => super::connect_broker(s).await?, // one more try, for its clear error
-    };
-    // So is a ledger that is down at startup.
-    let Some(ledger) = super::open_ledger_waiting(&s.store_url, &stop, connect_timeout).await?
-    else {
+    let Some((broker, ledger)) = super::connect_waiting(s, &stop, connect_timeout).await? else {
         return Ok(ExitCode::SUCCESS);
     };
     let clock = Arc::new(SystemClock {
