@@ -611,6 +611,34 @@ async fn jobs_list_on_an_empty_ledger_names_the_ledger() {
             && stdout.contains("did not exist"),
         "{stdout}"
     );
+    // `report` and `reconcile` say it too (on stderr: their JSON stays JSON), and not of an
+    // existing file.
+    let fresh = |name: &str| format!("sqlite://{}", env.dir.join(name).display());
+    let (report, reconcile) = (fresh("new-report.db"), fresh("new-reconcile.db"));
+    for (url, command, new) in [
+        (report.as_str(), "report", true),
+        (reconcile.as_str(), "reconcile", true),
+        (env.store_url.as_str(), "report", false),
+        (env.store_url.as_str(), "reconcile", false),
+    ] {
+        let json = if command == "report" {
+            "--format=json"
+        } else {
+            "--json"
+        };
+        let out = Command::new(env!("CARGO_BIN_EXE_lastcall"))
+            .args(["--store-url", url, command, json])
+            .output_bounded()
+            .unwrap();
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        serde_json::from_slice::<serde_json::Value>(&out.stdout).expect("the report is JSON");
+        let err = text(&out.stderr);
+        assert_eq!(
+            err.contains(&format!("the ledger at {url} did not exist")),
+            new,
+            "{url}: {err}"
+        );
+    }
     // A filter that matches nothing in a ledger that has jobs.
     let sub = env.cli(&[
         "submit",

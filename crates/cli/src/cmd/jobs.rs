@@ -172,7 +172,7 @@ pub fn render(recs: &[JobRecord]) -> String {
 }
 
 /// The file of a `sqlite://PATH` / `sqlite:PATH` ledger URL (not `:memory:`).
-fn sqlite_path(url: &str) -> Option<std::path::PathBuf> {
+pub(super) fn sqlite_path(url: &str) -> Option<std::path::PathBuf> {
     let rest = url
         .strip_prefix("sqlite://")
         .or_else(|| url.strip_prefix("sqlite:"))?;

@@ -164,6 +164,23 @@ pub async fn open_ledger(url: &str) -> Result<Arc<Ledger>> {
     Ok(Arc::new(l))
 }
 
+/// [`open_ledger`] for a command that reads what others wrote (`report`, `reconcile`): a
+/// SQLite file that did not exist is created by opening it, so a mistyped path would read
+/// as an empty ledger (and `reconcile` as one with nothing wrong). Say so, on stderr, so
+/// that JSON and CSV outputs stay as they are.
+pub async fn open_ledger_to_read(url: &str) -> Result<Arc<Ledger>> {
+    let new_file = jobs::sqlite_path(url).is_some_and(|p| !p.exists());
+    let ledger = open_ledger(url).await?;
+    if new_file {
+        eprintln!(
+            "note: the ledger at {} did not exist: a new, empty one was created; set \
+             --store-url or LASTCALL_STORE_URL to read another",
+            lastcall_broker::redact(url)
+        );
+    }
+    Ok(ledger)
+}
+
 /// The broker and the ledger of a long-running process (`worker`, `dlq`) that may start
 /// before them: each that is down at startup is waited for with backoff, as it would be
 /// if it went away later; `max_wait` (`--connect-timeout-ms`) bounds each wait, and `stop`

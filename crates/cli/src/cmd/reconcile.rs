@@ -16,7 +16,7 @@ pub async fn run(s: &Settings, a: ReconcileArgs, clock: &dyn Clock) -> Result<Ex
     let Ok(grace_ms) = i64::try_from(a.grace_ms) else {
         bail!("--grace-ms is too large: {}", a.grace_ms);
     };
-    let ledger = super::open_ledger(&s.store_url).await?;
+    let ledger = super::open_ledger_to_read(&s.store_url).await?;
     let marked = ledger.mark_unknown(clock.now_ms(), grace_ms).await?;
     publish_events(s, &ledger, &marked).await;
     let counts = ledger.counts_by_state().await?;

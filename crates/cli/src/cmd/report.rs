@@ -36,7 +36,7 @@ pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitC
     let window = parse_window(&a.since)?;
     let until = clock.now_ms();
     let since = until.saturating_sub(window);
-    let ledger = super::open_ledger(&s.store_url).await?;
+    let ledger = super::open_ledger_to_read(&s.store_url).await?;
     let recs = ledger.records_since(since).await?;
     ledger.close().await;
     let rows: Vec<ReportRow> = recs
