@@ -100,10 +100,18 @@ async fn a_dead_letter_processor_started_while_postgres_is_down_waits_for_it() {
 }
 
 /// A `lastcall` process started while the private PostgreSQL is down; the database is
-/// started once the process has said that it waits for it.
+/// started once the process has said that it waits for it. Killed on drop, so that a
+/// failed test leaves no process behind.
 struct Late {
     child: std::process::Child,
     log: std::path::PathBuf,
+}
+
+impl Drop for Late {
+    fn drop(&mut self) {
+        let _ = self.child.kill();
+        let _ = self.child.wait();
+    }
 }
 
 impl Late {
