@@ -135,6 +135,11 @@ pub enum Command {
     /// the token comes from LASTCALL_HTTP_TOKEN or --token-file, never from a flag. With a
     /// signing key (--signing-key-file or LASTCALL_SIGNING_KEY) every job is published with
     /// x-lastcall-signature.
+    ///
+    /// It listens at once, then connects: while its broker or ledger is not reachable
+    /// (at startup, or PostgreSQL still starting) it waits for them with backoff, /healthz
+    /// answers 200, /readyz 503 naming what it waits for, and every other request 503
+    /// `starting` with Retry-After. Send work once /readyz answers 200.
     Serve(ServeArgs),
     /// Benchmarks on the real broker and ledgers: goodput under overload, ack modes, ledger writes
     ///
@@ -737,6 +742,11 @@ pub struct ServeArgs {
     /// Also run the dead-letter processor in this process (its counters go to /metrics)
     #[arg(long)]
     pub dlq: bool,
+    /// Give up when the broker, or then the ledger, cannot be reached for this long at
+    /// startup, in ms [default: wait forever]. Meanwhile the address answers: /healthz 200,
+    /// /readyz 503 naming what is awaited, everything else 503 `starting` with Retry-After
+    #[arg(long, value_name = "N")]
+    pub connect_timeout_ms: Option<u64>,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]

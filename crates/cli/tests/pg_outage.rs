@@ -99,6 +99,55 @@ async fn a_dead_letter_processor_started_while_postgres_is_down_waits_for_it() {
     env.cleanup().await;
 }
 
+const TOKEN: &str = "pg-outage-serve-token-0123456789";
+
+/// `lastcall serve` started while its PostgreSQL is down: it listens at once and waits
+/// for the database. Meanwhile `/readyz` is 503 naming the ledger (the broker is reached)
+/// and a job is answered 503 `starting`; once the database is up, serve becomes ready by
+/// itself and records the jobs it takes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_started_while_postgres_is_down_waits_for_it_and_says_so() {
+    let pg = PrivatePg::start();
+    let env = Env::with_store_url("pg-late-serve", &pg.url()).await;
+    let port = common::private_rabbit::free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let addr = format!("127.0.0.1:{port}");
+    let args = ["serve", "--addr", &addr, "--no-management"];
+    let mut late = Late::start_checked(&env, &pg, &args, |late| {
+        let (code, body) = common::http::curl(&[&format!("{base}/readyz")]);
+        assert_eq!(code, 503, "{body}: {}", late.said());
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["down"], serde_json::json!(["ledger"]), "{v}");
+        assert_eq!(v["checks"]["broker"], true, "{v}");
+        assert_eq!(common::http::curl(&[&format!("{base}/healthz")]).0, 200);
+        let (code, body) = common::http::post_job(&base, TOKEN, "too-early", 60_000);
+        assert_eq!(code, 503, "{body}");
+        assert!(body.contains(r#""error":"starting""#), "{body}");
+        assert!(body.contains("waiting for the ledger"), "{body}");
+        late.assert_running();
+    })
+    .await;
+    let until = Instant::now() + Duration::from_secs(60);
+    while common::http::curl(&[&format!("{base}/readyz")]).0 != 200 {
+        late.assert_running();
+        assert!(
+            Instant::now() < until,
+            "serve did not become ready: {}",
+            late.said()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, body) = common::http::post_job(&base, TOKEN, "on-time", 60_000);
+    assert_eq!(code, 202, "{body}");
+    let ledger = lastcall_store::Ledger::connect(&pg.url()).await.unwrap();
+    let rec = ledger.get("on-time").await.unwrap().expect("recorded");
+    assert_eq!(rec.state, "accepted");
+    assert!(ledger.get("too-early").await.unwrap().is_none());
+    ledger.close().await;
+    late.stop();
+    env.cleanup().await;
+}
+
 /// A `lastcall` process started while the private PostgreSQL is down; the database is
 /// started once the process has said that it waits for it. Killed on drop, so that a
 /// failed test leaves no process behind.
@@ -116,6 +165,17 @@ impl Drop for Late {
 
 impl Late {
     async fn start(env: &Env, pg: &PrivatePg, args: &[&str]) -> Late {
+        Self::start_checked(env, pg, args, |_| {}).await
+    }
+
+    /// [`start`](Self::start), running `while_down` once the process waits, before the
+    /// database starts.
+    async fn start_checked(
+        env: &Env,
+        pg: &PrivatePg,
+        args: &[&str],
+        while_down: impl FnOnce(&mut Late),
+    ) -> Late {
         pg.stop_immediate();
         assert!(!pg.is_up());
         let log = env.dir.join(format!("{}.log", args[0]));
@@ -123,6 +183,7 @@ impl Late {
             .command()
             .args(args)
             .args(["--retry-delays-ms", "1000,5000"])
+            .env("LASTCALL_HTTP_TOKEN", TOKEN)
             .stdout(Stdio::null())
             .stderr(std::fs::File::create(&log).unwrap())
             .spawn()
@@ -139,6 +200,7 @@ impl Late {
             tokio::time::sleep(Duration::from_millis(100)).await;
         }
         assert!(late.said().contains("waiting for it"), "{}", late.said());
+        while_down(&mut late);
         pg.ctl_start();
         late
     }

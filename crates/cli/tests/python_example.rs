@@ -72,7 +72,7 @@ impl Stack {
             _children: Children(vec![worker, serve]),
         };
         let until = Instant::now() + Duration::from_secs(30);
-        while curl(&[&format!("{}/healthz", stack.base)]).0 != 200 {
+        while curl(&[&format!("{}/readyz", stack.base)]).0 != 200 {
             assert!(Instant::now() < until, "serve did not come up");
             tokio::time::sleep(Duration::from_millis(100)).await;
         }

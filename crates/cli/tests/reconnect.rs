@@ -213,6 +213,91 @@ async fn serve_accepts_jobs_again_after_the_broker_comes_back() {
     env.cleanup().await;
 }
 
+/// `lastcall serve` started while its broker is down (a host booting, the broker
+/// restarting): it listens at once and waits. Meanwhile `/healthz` is 200, `/readyz` is
+/// 503 naming the broker, and a job is answered 503 `starting` with `Retry-After`, and
+/// nothing is recorded. Once the broker answers, serve becomes ready by itself and takes
+/// jobs; SIGTERM still ends it cleanly.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_started_while_the_broker_is_down_listens_and_becomes_ready_when_it_is_back() {
+    let env = Env::sqlite("serve-late-broker").await;
+    let proxy = FreezableProxy::start("127.0.0.1:5672".parse().unwrap()).await;
+    proxy.refuse(true);
+    let port = common::private_rabbit::free_port();
+    let base = format!("http://127.0.0.1:{port}");
+    let log = env.dir.join("serve.log");
+    let serve = env
+        .command_with_amqp(&format!("amqp://guest:guest@{}/%2f", proxy.addr))
+        .args(["serve", "--addr", &format!("127.0.0.1:{port}")])
+        .args(["--no-management", "--retry-delays-ms", "1000,5000"])
+        .env("LASTCALL_HTTP_TOKEN", TOKEN)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::fs::File::create(&log).unwrap())
+        .spawn()
+        .unwrap();
+    let mut serve = common::http::Children(vec![serve]);
+    let said = || std::fs::read_to_string(&log).unwrap_or_default();
+    let until = Instant::now() + Duration::from_secs(30);
+    while curl(&[&format!("{base}/healthz")]).0 != 200 {
+        assert!(
+            serve.0[0].try_wait().unwrap().is_none(),
+            "serve exited instead of waiting for the broker: {}",
+            said()
+        );
+        assert!(Instant::now() < until, "serve did not listen: {}", said());
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, body) = curl(&[&format!("{base}/readyz")]);
+    assert_eq!(code, 503, "{body}");
+    let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+    assert_eq!(v["ready"], false, "{v}");
+    assert_eq!(v["down"][0], "broker", "{v}");
+    let out = std::process::Command::new("curl")
+        .args(["-s", "-i", "-X", "POST", &format!("{base}/v1/jobs")])
+        .args(["-H", &format!("Authorization: Bearer {TOKEN}")])
+        .args(["-H", "Content-Type: application/json", "--data"])
+        .arg(r#"{"job_id":"early","kind":"incident.summary","deadline_ms":60000,"payload":{}}"#)
+        .output()
+        .unwrap();
+    let answer = String::from_utf8_lossy(&out.stdout).to_lowercase();
+    assert!(answer.starts_with("http/1.1 503"), "{answer}");
+    assert!(answer.contains("retry-after: 1"), "{answer}");
+    assert!(answer.contains(r#""error":"starting""#), "{answer}");
+    assert!(answer.contains("waiting for the broker"), "{answer}");
+    assert!(env.ledger.get("early").await.unwrap().is_none());
+
+    // The broker answers: ready by itself, and jobs are taken.
+    proxy.refuse(false);
+    let until = Instant::now() + Duration::from_secs(30);
+    while curl(&[&format!("{base}/readyz")]).0 != 200 {
+        assert!(
+            Instant::now() < until,
+            "serve did not become ready: {}",
+            said()
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let (code, body) = post_job(&base, "late");
+    assert_eq!(code, 202, "{body}");
+    assert_eq!(
+        env.ledger.get("late").await.unwrap().map(|r| r.state),
+        Some("accepted".to_owned())
+    );
+    let _ = std::process::Command::new("kill")
+        .args(["-TERM", &serve.0[0].id().to_string()])
+        .status();
+    let until = Instant::now() + Duration::from_secs(10);
+    let status = loop {
+        if let Some(s) = serve.0[0].try_wait().unwrap() {
+            break s;
+        }
+        assert!(Instant::now() < until, "serve did not stop on SIGTERM");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    };
+    assert!(status.success(), "{status}: {}", said());
+    env.cleanup().await;
+}
+
 /// A frozen worker (SIGSTOP for longer than the AMQP heartbeat, then SIGCONT): the broker
 /// has closed its connection meanwhile and requeued its deliveries; the worker reconnects
 /// by itself, the calls that were running finish and are recorded once, their

@@ -741,6 +741,8 @@ async fn secrets_stay_out_of_output_metrics_and_the_ledger() {
                 "--dlq",
                 "--addr",
                 &serve_addr,
+                "--connect-timeout-ms",
+                "1000",
                 "--retry-delays-ms",
                 RETRY,
             ],
@@ -826,9 +828,9 @@ async fn secrets_stay_out_of_output_metrics_and_the_ledger() {
         ];
         args.extend_from_slice(token_args);
         let p = h.start(log, &args);
-        poll_until("serve to answer /healthz", Duration::from_secs(30), || {
+        poll_until("serve to answer /readyz", Duration::from_secs(30), || {
             Command::new("curl")
-                .args(["-sf", "-o", "/dev/null", &format!("{base}/healthz")])
+                .args(["-sf", "-o", "/dev/null", &format!("{base}/readyz")])
                 .status()
                 .is_ok_and(|s| s.success())
         });

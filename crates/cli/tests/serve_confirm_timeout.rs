@@ -74,7 +74,7 @@ async fn a_confirm_that_never_arrives_is_503_not_accepted_and_a_retry_runs_once(
         .spawn()
         .unwrap();
     let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/healthz")]).0 != 200 {
+    while curl(&[&format!("{base}/readyz")]).0 != 200 {
         assert!(Instant::now() < until, "serve did not come up");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -54,7 +54,7 @@ fn serve(env: &Env, extra: &[&str]) -> (Child, String) {
         .unwrap();
     let base = format!("http://127.0.0.1:{port}");
     let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/healthz")]).0 != 200 {
+    while curl(&[&format!("{base}/readyz")]).0 != 200 {
         assert!(Instant::now() < until, "serve did not come up");
         std::thread::sleep(Duration::from_millis(100));
     }

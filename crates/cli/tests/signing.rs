@@ -415,7 +415,7 @@ async fn serve_with_a_key_signs_every_job_it_publishes() {
         String::from_utf8_lossy(&out.stdout).into_owned()
     };
     let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("http://127.0.0.1:{port}/healthz")]) != "200" {
+    while curl(&[&format!("http://127.0.0.1:{port}/readyz")]) != "200" {
         assert!(Instant::now() < until, "serve did not come up");
         tokio::time::sleep(Duration::from_millis(100)).await;
     }

@@ -454,6 +454,8 @@ async fn serve_over_https_with_the_worker_over_amqps_and_postgres_tls() {
         "--addr",
         &addr,
         "--no-management",
+        "--connect-timeout-ms",
+        "1000",
     ]);
     assert!(
         e.contains("TLS: invalid peer certificate: UnknownIssuer") && e.contains("cacertfile="),
@@ -503,7 +505,7 @@ async fn serve_over_https_with_the_worker_over_amqps_and_postgres_tls() {
     let base = format!("https://127.0.0.1:{port}");
     let until = Instant::now() + Duration::from_secs(60);
     loop {
-        if let Ok(r) = client.get(format!("{base}/healthz")).send().await
+        if let Ok(r) = client.get(format!("{base}/readyz")).send().await
             && r.status() == 200
         {
             break;

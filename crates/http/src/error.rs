@@ -56,6 +56,10 @@ pub enum ApiError {
     /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
     #[error("{0}")]
     Unavailable(String),
+    /// 503: `serve` is listening but still waiting for its broker or ledger
+    /// (`crate::starting`); answered with `Retry-After: 1`.
+    #[error("{0}")]
+    Starting(String),
     /// 500: logged in full, answered without detail.
     #[error("internal error")]
     Internal(String),
@@ -106,7 +110,7 @@ impl ApiError {
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::Starting(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Http { status, .. } => *status,
         }
@@ -123,6 +127,7 @@ impl ApiError {
             ApiError::Expired { code, .. } => code,
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
+            ApiError::Starting(_) => "starting",
             ApiError::Internal(_) => "internal",
             ApiError::Http { code, .. } => code,
         }
@@ -161,6 +166,12 @@ impl IntoResponse for ApiError {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from(*retry_after_s),
+            );
+        }
+        if let ApiError::Starting(_) = &self {
+            resp.headers_mut().insert(
+                axum::http::header::RETRY_AFTER,
+                axum::http::HeaderValue::from(1u64),
             );
         }
         if status == StatusCode::UNAUTHORIZED {

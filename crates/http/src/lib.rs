@@ -14,6 +14,8 @@
 //!   `crates/http/tests/contract.rs` runs schemathesis against the served document.
 //! - [`metrics`]: `/metrics` from one `prometheus-client` registry per process (bounded
 //!   labels), and the readiness checks of `/readyz`.
+//! - [`starting`]: what `serve` answers between binding its address and reaching its
+//!   broker and ledger (`/healthz` 200, `/readyz` and the rest 503).
 //! - [`depth`]: broker queue depths (management API, else a passive declare).
 //! - [`dashboard`]: the page and its JSON.
 //!
@@ -31,6 +33,7 @@ mod jobs;
 pub mod metrics;
 pub mod openapi;
 mod params;
+pub mod starting;
 pub mod tls;
 pub mod waiters;
 pub mod webhooks;

@@ -261,7 +261,7 @@ impl Accepted {
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(as = Error)]
 pub struct ErrorBody {
-    /// A short code: `missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon` (400 or 422), `already_expired`, `callback_not_allowed` (422), `body_too_large`, `job_id_conflict`, `already_terminal`, `would_expire_in_queue`, `broker_unavailable`, `unauthorized`, `not_found`, `method_not_allowed`, `invalid_query`, `internal`
+    /// A short code: `missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon` (400 or 422), `already_expired`, `callback_not_allowed` (422), `body_too_large`, `job_id_conflict`, `already_terminal`, `would_expire_in_queue`, `broker_unavailable`, `starting` (503 while `serve` waits for its broker or ledger), `unauthorized`, `not_found`, `method_not_allowed`, `invalid_query`, `internal`
     pub error: String,
     /// The request field at fault, when there is one
     pub field: Option<String>,

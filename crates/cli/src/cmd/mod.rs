@@ -190,15 +190,43 @@ pub async fn connect_waiting(
     stop: &tokio_util::sync::CancellationToken,
     max_wait: Option<std::time::Duration>,
 ) -> Result<Option<(Broker, Arc<Ledger>)>> {
-    let broker = match Broker::connect_retrying(&s.amqp_url, stop, max_wait).await {
-        Ok(b) => b,
-        Err(_) if stop.is_cancelled() => return Ok(None),
-        Err(_) => connect_broker(s).await?, // one more try, for its clear error
+    let Some(broker) = connect_broker_waiting(s, stop, max_wait).await? else {
+        return Ok(None);
     };
     let Some(ledger) = open_ledger_waiting(&s.store_url, stop, max_wait).await? else {
         return Ok(None);
     };
     Ok(Some((broker, ledger)))
+}
+
+/// The broker half of [`connect_waiting`]: `Ok(None)` when `stop` ended the wait. A
+/// broker that does not answer the first time is said once on stderr (why, and that the
+/// process waits), as the ledger's wait is.
+pub async fn connect_broker_waiting(
+    s: &Settings,
+    stop: &tokio_util::sync::CancellationToken,
+    max_wait: Option<std::time::Duration>,
+) -> Result<Option<Broker>> {
+    match Broker::connect(&s.amqp_url).await {
+        Ok(b) => return Ok(Some(b)),
+        Err(
+            e @ (lastcall_broker::BrokerError::NoUrl | lastcall_broker::BrokerError::Url { .. }),
+        ) => {
+            return Err(e.into());
+        }
+        Err(lastcall_broker::BrokerError::Connect { url, source }) => eprintln!(
+            "lastcall: waiting for the broker (--connect-timeout-ms bounds the wait): {}",
+            connect_error(&url, &source)
+        ),
+        Err(e) => eprintln!(
+            "lastcall: waiting for the broker (--connect-timeout-ms bounds the wait): {e}"
+        ),
+    }
+    match Broker::connect_retrying(&s.amqp_url, stop, max_wait).await {
+        Ok(b) => Ok(Some(b)),
+        Err(_) if stop.is_cancelled() => Ok(None),
+        Err(_) => connect_broker(s).await.map(Some), // one more try, for its clear error
+    }
 }
 
 /// [`open_ledger`] for a long-running process that may start before its database (a host

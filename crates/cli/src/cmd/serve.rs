@@ -7,6 +7,7 @@ use lastcall_broker::management::Management;
 use lastcall_broker::{Publisher, Topology};
 use lastcall_clock::SystemClock;
 use lastcall_http::depth::DepthProbe;
+use lastcall_http::starting::Startup;
 use lastcall_http::{AppState, MetricsSource, Token};
 use lastcall_producer::Submitter;
 use lastcall_producer::shed::Shedder;
@@ -21,8 +22,9 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
+    // Everything a flag, a file or the environment can get wrong is read first: a usage
+    // error is reported at once, before anything is bound or connected.
     let token = Token::load(a.token_file.as_deref(), "LASTCALL_HTTP_TOKEN")?;
-    // Read before connecting anywhere: a bad certificate is a usage error, reported at once.
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(
             lastcall_http::tls::TlsServerConfig::from_pem_files(cert, key)
@@ -32,13 +34,166 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     };
     let signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
     let topo = super::topology(&s.prefix, &a.topology)?;
-    let broker = super::connect_broker(s).await?;
+    let front_door = lastcall_http::front_door::FrontDoor {
+        models: lastcall_http::front_door::FrontDoor::parse_models(&a.models)
+            .map_err(anyhow::Error::msg)?,
+        default_deadline_ms: a.default_deadline_ms,
+    };
+    let webhooks = lastcall_http::webhooks::WebhookConfig {
+        allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
+            .map_err(anyhow::Error::msg)?,
+        key: lastcall_producer::load_signing_key(
+            a.webhook_key_file.as_deref(),
+            "LASTCALL_WEBHOOK_KEY",
+        )?,
+        attempts: a.webhook_attempts,
+        ..Default::default()
+    };
+    let stop = CancellationToken::new();
+    let stop2 = stop.clone();
+    tokio::spawn(async move {
+        super::shutdown_signal().await;
+        stop2.cancel();
+    });
+    // Listen first, then connect: a load balancer or a supervisor sees a live process
+    // (`/healthz` 200) that is not ready yet (`/readyz` 503 naming the broker or the
+    // ledger), not a refused connection, while the broker or the database starts.
+    let startup = Startup::new();
+    let scheme = if tls.is_some() { "https" } else { "http" };
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let mut server = {
+        let (router, stop) = (startup.router(), stop.clone());
+        let addr = a.addr;
+        tokio::spawn(async move {
+            match tls {
+                Some(tls) => {
+                    lastcall_http::tls::serve_tls(addr, router, stop, Some(bound_tx), tls).await
+                }
+                None => lastcall_http::serve(addr, router, stop, Some(bound_tx)).await,
+            }
+        })
+    };
+    let served = |r: Result<std::io::Result<()>, tokio::task::JoinError>| -> Result<()> {
+        r.context("the HTTP server task failed")?
+            .with_context(|| format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr))
+    };
+    if bound_rx.await.is_err() {
+        served((&mut server).await)?;
+        anyhow::bail!("the HTTP server stopped before it listened on {}", a.addr);
+    }
+    eprintln!(
+        "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user name, the token as password)",
+        a.addr
+    );
+    let max_wait = a.connect_timeout_ms.map(Duration::from_millis);
+    let built = match connect(s, &startup, &stop, max_wait).await {
+        Ok(Some((broker, ledger))) => {
+            let parts = Parts {
+                token,
+                signing_key,
+                topo,
+                front_door,
+                webhooks,
+            };
+            build(s, &a, parts, broker, ledger, &stop).await.map(Some)
+        }
+        Ok(None) => Ok(None), // a shutdown signal during the wait
+        Err(e) => Err(e),
+    };
+    let running = match built {
+        Ok(Some((state, running))) => {
+            startup.ready(lastcall_http::app(Arc::new(state)));
+            tracing::info!("serve is ready");
+            Some(running)
+        }
+        Ok(None) => None,
+        Err(e) => {
+            stop.cancel();
+            let _ = server.await;
+            return Err(e);
+        }
+    };
+    let result = served(server.await);
+    stop.cancel();
+    if let Some(r) = running {
+        r.shut_down().await;
+    }
+    result?;
+    Ok(ExitCode::SUCCESS)
+}
+
+/// The broker, then the ledger, each waited for with backoff while unreachable (bounded by
+/// `--connect-timeout-ms`); `startup` tells `/readyz` which is still awaited. `Ok(None)`:
+/// a shutdown signal ended the wait.
+async fn connect(
+    s: &Settings,
+    startup: &Startup,
+    stop: &CancellationToken,
+    max_wait: Option<Duration>,
+) -> Result<Option<(lastcall_broker::Broker, Arc<Ledger>)>> {
+    let Some(broker) = super::connect_broker_waiting(s, stop, max_wait).await? else {
+        return Ok(None);
+    };
+    startup.reached("broker");
+    let Some(ledger) = super::open_ledger_waiting(&s.store_url, stop, max_wait).await? else {
+        broker.close().await;
+        return Ok(None);
+    };
+    Ok(Some((broker, ledger)))
+}
+
+/// What `run` read from the flags before connecting.
+struct Parts {
+    token: Token,
+    signing_key: Option<lastcall_core::SigningKey>,
+    topo: Topology,
+    front_door: lastcall_http::front_door::FrontDoor,
+    webhooks: lastcall_http::webhooks::WebhookConfig,
+}
+
+/// What runs beside the router, to be stopped with it.
+struct Running {
+    broker: lastcall_broker::Broker,
+    ledger: Arc<Ledger>,
+    dlq_task: Option<tokio::task::JoinHandle<Result<(), String>>>,
+    events_task: tokio::task::JoinHandle<()>,
+}
+
+impl Running {
+    async fn shut_down(self) {
+        if let Some(t) = self.dlq_task
+            && let Ok(Err(e)) = t.await
+        {
+            tracing::warn!(error = %e, "dead-letter processor stopped with an error");
+        }
+        let _ = tokio::time::timeout(Duration::from_secs(2), self.events_task).await;
+        self.broker.close().await;
+        self.ledger.close().await;
+    }
+}
+
+/// The full router of `serve` and its background tasks, once the broker and the ledger
+/// answer.
+async fn build(
+    s: &Settings,
+    a: &ServeArgs,
+    p: Parts,
+    broker: lastcall_broker::Broker,
+    ledger: Arc<Ledger>,
+    stop: &CancellationToken,
+) -> Result<(AppState, Running)> {
+    let Parts {
+        token,
+        signing_key,
+        topo,
+        front_door,
+        webhooks,
+    } = p;
     topo.apply(&broker).await?;
-    let ledger = super::open_ledger(&s.store_url).await?;
     let (admission, limits) = super::admission(&a.admission);
     let horizon_ms = limits.horizon_ms;
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;
-    let shedder = shedder(s, &a, &topo, &ledger, &publisher);
+    let shedder = shedder(s, a, &topo, &ledger, &publisher);
     let submitter = Submitter::new(
         publisher,
         topo.names.clone(),
@@ -58,26 +213,13 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     );
     state.max_body_bytes = a.max_body_bytes;
     state.max_wait_ms = a.max_wait_ms;
-    state.front_door = lastcall_http::front_door::FrontDoor {
-        models: lastcall_http::front_door::FrontDoor::parse_models(&a.models)
-            .map_err(anyhow::Error::msg)?,
-        default_deadline_ms: a.default_deadline_ms,
-    };
-    state.webhooks = lastcall_http::webhooks::WebhookConfig {
-        allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
-            .map_err(anyhow::Error::msg)?,
-        key: lastcall_producer::load_signing_key(
-            a.webhook_key_file.as_deref(),
-            "LASTCALL_WEBHOOK_KEY",
-        )?,
-        attempts: a.webhook_attempts,
-        ..Default::default()
-    };
+    state.front_door = front_door;
+    state.webhooks = webhooks;
     // The served OpenAPI document states this server's own horizon.
     state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));
     state.worker_metrics = a.worker_metrics.clone();
-    let management = (!a.no_management).then(|| management_api(s, &a));
+    let management = (!a.no_management).then(|| management_api(s, a));
     // The broker's resource alarms, read every 2 s: `/readyz` reports one before any
     // publish is blocked (RabbitMQ 3.10 tells a connection only when it publishes).
     state.alarms = management
@@ -88,7 +230,6 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         management,
         Some(broker.clone()),
     ));
-    let stop = CancellationToken::new();
     let mut dlq_task = None;
     if a.dlq {
         let dlq = DeadLetterProcessor::build(
@@ -135,32 +276,15 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
             }
         },
     );
-    let router = lastcall_http::app(Arc::new(state));
-    let stop2 = stop.clone();
-    tokio::spawn(async move {
-        super::shutdown_signal().await;
-        stop2.cancel();
-    });
-    let scheme = if tls.is_some() { "https" } else { "http" };
-    eprintln!(
-        "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user name, the token as password)",
-        a.addr
-    );
-    match tls {
-        Some(tls) => lastcall_http::tls::serve_tls(a.addr, router, stop.clone(), None, tls).await,
-        None => lastcall_http::serve(a.addr, router, stop.clone(), None).await,
-    }
-    .with_context(|| format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr))?;
-    stop.cancel();
-    if let Some(t) = dlq_task
-        && let Ok(Err(e)) = t.await
-    {
-        tracing::warn!(error = %e, "dead-letter processor stopped with an error");
-    }
-    let _ = tokio::time::timeout(Duration::from_secs(2), events_task).await;
-    broker.close().await;
-    ledger.close().await;
-    Ok(ExitCode::SUCCESS)
+    Ok((
+        state,
+        Running {
+            broker,
+            ledger,
+            dlq_task,
+            events_task,
+        },
+    ))
 }
 
 /// Shedding at the door (`429 would_expire_in_queue`) from the work queue's numbers in the
