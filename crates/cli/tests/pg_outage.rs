@@ -74,10 +74,30 @@ async fn the_worker_rides_through_a_postgres_restart() {
 async fn a_worker_started_while_postgres_is_down_waits_for_it() {
     let pg = PrivatePg::start();
     let env = Env::with_store_url("pg-late", &pg.url()).await;
-    let mut late = Late::start(&env, &pg, &["worker", "--backend", "sim", "--slots", "1"]).await;
+    // Its metrics address answers meanwhile: alive, not ready, waiting for the ledger.
+    let metrics = format!("127.0.0.1:{}", common::private_rabbit::free_port());
+    let readyz = format!("http://{metrics}/readyz");
+    let args = ["worker", "--backend", "sim", "--slots", "1"];
+    let args = [&args[..], &["--metrics-addr", &metrics]].concat();
+    let mut late = Late::start_checked(&env, &pg, &args, |late| {
+        let (code, body) = common::http::curl(&[&readyz]);
+        assert_eq!(code, 503, "{body}: {}", late.said());
+        let v: serde_json::Value = serde_json::from_str(&body).unwrap();
+        assert_eq!(v["down"], serde_json::json!(["ledger"]), "{v}");
+        assert_eq!(
+            common::http::curl(&[&format!("http://{metrics}/healthz")]).0,
+            200
+        );
+    })
+    .await;
     let s = env.submitter(100, false).await;
     s.submit(&job("late-db", 60_000), now_ms()).await.unwrap();
     assert_eq!(late.outcome(&pg, "late-db").await.state, "completed");
+    let until = Instant::now() + Duration::from_secs(30);
+    while common::http::curl(&[&readyz]).0 != 200 {
+        assert!(Instant::now() < until, "the worker did not report ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
     late.stop();
     env.cleanup().await;
 }

@@ -23,7 +23,8 @@ pub async fn run(s: &Settings, a: DlqArgs) -> Result<ExitCode> {
     });
     // Like a worker: a broker or ledger that is down at startup is waited for.
     let connect_timeout = a.connect_timeout_ms.map(Duration::from_millis);
-    let Some((broker, ledger)) = super::connect_waiting(s, &stop, connect_timeout).await? else {
+    let Some((broker, ledger)) = super::connect_waiting(s, &stop, connect_timeout, None).await?
+    else {
         return Ok(ExitCode::SUCCESS);
     };
     let dlq = DeadLetterProcessor::build(

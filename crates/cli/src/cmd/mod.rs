@@ -184,16 +184,22 @@ pub async fn open_ledger_to_read(url: &str) -> Result<Arc<Ledger>> {
 /// The broker and the ledger of a long-running process (`worker`, `dlq`) that may start
 /// before them: each that is down at startup is waited for with backoff, as it would be
 /// if it went away later; `max_wait` (`--connect-timeout-ms`) bounds each wait, and `stop`
-/// (a shutdown signal) ends it with `Ok(None)`.
+/// (a shutdown signal) ends it with `Ok(None)`. `startup`, the router of an address already
+/// listening, learns when the broker is reached.
 pub async fn connect_waiting(
     s: &Settings,
     stop: &tokio_util::sync::CancellationToken,
     max_wait: Option<std::time::Duration>,
+    startup: Option<&lastcall_http::starting::Startup>,
 ) -> Result<Option<(Broker, Arc<Ledger>)>> {
     let Some(broker) = connect_broker_waiting(s, stop, max_wait).await? else {
         return Ok(None);
     };
+    if let Some(startup) = startup {
+        startup.reached("broker"); // `/readyz` now names the ledger alone
+    }
     let Some(ledger) = open_ledger_waiting(&s.store_url, stop, max_wait).await? else {
+        broker.close().await;
         return Ok(None);
     };
     Ok(Some((broker, ledger)))

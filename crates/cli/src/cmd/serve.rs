@@ -86,7 +86,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         a.addr
     );
     let max_wait = a.connect_timeout_ms.map(Duration::from_millis);
-    let built = match connect(s, &startup, &stop, max_wait).await {
+    let built = match super::connect_waiting(s, &stop, max_wait, Some(&startup)).await {
         Ok(Some((broker, ledger))) => {
             let parts = Parts {
                 token,
@@ -120,26 +120,6 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     }
     result?;
     Ok(ExitCode::SUCCESS)
-}
-
-/// The broker, then the ledger, each waited for with backoff while unreachable (bounded by
-/// `--connect-timeout-ms`); `startup` tells `/readyz` which is still awaited. `Ok(None)`:
-/// a shutdown signal ended the wait.
-async fn connect(
-    s: &Settings,
-    startup: &Startup,
-    stop: &CancellationToken,
-    max_wait: Option<Duration>,
-) -> Result<Option<(lastcall_broker::Broker, Arc<Ledger>)>> {
-    let Some(broker) = super::connect_broker_waiting(s, stop, max_wait).await? else {
-        return Ok(None);
-    };
-    startup.reached("broker");
-    let Some(ledger) = super::open_ledger_waiting(&s.store_url, stop, max_wait).await? else {
-        broker.close().await;
-        return Ok(None);
-    };
-    Ok(Some((broker, ledger)))
 }
 
 /// What `run` read from the flags before connecting.
@@ -329,10 +309,36 @@ fn queues(topo: &Topology) -> Vec<String> {
     q
 }
 
-/// `lastcall worker --metrics-addr`: `/metrics` with the worker's counters, gauges and
-/// histograms plus the depth of the topology's queues, served in the background.
-pub async fn spawn_worker_metrics(
-    addr: SocketAddr,
+/// `lastcall worker --metrics-addr`, bound before the worker connects (a taken port is an
+/// error at once): until [`install_worker_metrics`], it answers as a starting `serve` does
+/// (`/healthz` 200, `/readyz` 503 naming the broker or the ledger it waits for).
+pub async fn listen_worker_metrics(addr: SocketAddr) -> Result<Arc<Startup>> {
+    let startup = Startup::new();
+    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
+    let router = startup.router();
+    let server = tokio::spawn(async move {
+        lastcall_http::serve(addr, router, CancellationToken::new(), Some(bound_tx)).await
+    });
+    if bound_rx.await.is_err() {
+        server
+            .await
+            .context("the metrics endpoint's task failed")?
+            .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
+        anyhow::bail!("the metrics endpoint stopped before it listened on {addr}");
+    }
+    tokio::spawn(async move {
+        if let Ok(Err(e)) = server.await {
+            tracing::error!(error = %e, "metrics endpoint stopped");
+        }
+    });
+    eprintln!("lastcall worker: metrics on http://{addr}/metrics");
+    Ok(startup)
+}
+
+/// `/metrics` with the worker's counters, gauges and histograms plus the depth of the
+/// topology's queues, served from now on at the address [`listen_worker_metrics`] bound.
+pub async fn install_worker_metrics(
+    startup: &Startup,
     s: &Settings,
     topo: &Topology,
     stats: Arc<WorkerStats>,
@@ -352,22 +358,6 @@ pub async fn spawn_worker_metrics(
             Some(management),
             Some(probe_broker),
         ));
-    let listener_check = tokio::net::TcpListener::bind(addr)
-        .await
-        .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
-    drop(listener_check);
-    tokio::spawn(async move {
-        if let Err(e) = lastcall_http::serve(
-            addr,
-            lastcall_http::metrics_app(source),
-            CancellationToken::new(),
-            None,
-        )
-        .await
-        {
-            tracing::error!(error = %e, "metrics endpoint stopped");
-        }
-    });
-    eprintln!("lastcall worker: metrics on http://{addr}/metrics");
+    startup.ready(lastcall_http::metrics_app(source));
     Ok(())
 }

@@ -26,19 +26,26 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
         eprintln!("lastcall worker: shutting down (in-flight work gets the grace period)");
         stop2.cancel();
     });
+    // The metrics address answers (not ready) while the worker waits for its broker.
+    let metrics = match a.metrics_addr {
+        Some(addr) => Some(super::serve::listen_worker_metrics(addr).await?),
+        None => None,
+    };
     // A broker or a ledger that is down at startup is waited for (with backoff), like one
     // that goes away later; --connect-timeout bounds each wait.
     let connect_timeout = a.connect_timeout_ms.map(Duration::from_millis);
-    let Some((broker, ledger)) = super::connect_waiting(s, &stop, connect_timeout).await? else {
+    let Some((broker, ledger)) =
+        super::connect_waiting(s, &stop, connect_timeout, metrics.as_deref()).await?
+    else {
         return Ok(ExitCode::SUCCESS);
     };
     let clock = Arc::new(SystemClock {
         offset_ms: a.clock_offset_ms,
     });
     let stats = Arc::new(WorkerStats::default());
-    if let Some(addr) = a.metrics_addr {
+    if let Some(startup) = &metrics {
         let management = (a.management_url.as_str(), a.management_user.as_str());
-        super::serve::spawn_worker_metrics(addr, s, &cfg.topology, stats.clone(), management)
+        super::serve::install_worker_metrics(startup, s, &cfg.topology, stats.clone(), management)
             .await?;
     }
     let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await?;
