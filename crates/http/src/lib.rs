@@ -154,8 +154,8 @@ impl AppState {
     }
 }
 
-/// The router of `lastcall serve`. Every route but `/healthz` needs the token (Bearer, or
-/// Basic with the token as password, see [`auth`]).
+/// The router of `lastcall serve`. Every route but `/healthz` and `/readyz` needs the token
+/// (Bearer, or Basic with the token as password, see [`auth`]).
 pub fn app(state: Arc<AppState>) -> Router {
     let (protected, _) = protected_routes()
         .route_layer(middleware::from_fn_with_state(
