@@ -44,7 +44,7 @@ async fn serve_binary_accepts_jobs_over_http_with_auth_and_exposes_metrics() {
         .spawn()
         .unwrap();
     let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/healthz")]).0 != 200 {
+    while curl(&[&format!("{base}/readyz")]).0 != 200 {
         assert!(Instant::now() < until, "serve did not come up");
         std::thread::sleep(Duration::from_millis(100));
     }
