@@ -29,7 +29,7 @@ async fn serve_binary_accepts_jobs_over_http_with_auth_and_exposes_metrics() {
         .unwrap()
         .port();
     let base = format!("http://127.0.0.1:{port}");
-    let mut child = env
+    let child = env
         .command()
         .args([
             "serve",
@@ -43,6 +43,9 @@ async fn serve_binary_accepts_jobs_over_http_with_auth_and_exposes_metrics() {
         .stderr(Stdio::null())
         .spawn()
         .unwrap();
+    // Killed on drop: a failed assertion leaves no server behind.
+    let mut children = common::http::Children(vec![child]);
+    let child = &mut children.0[0];
     let until = Instant::now() + Duration::from_secs(20);
     while curl(&[&format!("{base}/readyz")]).0 != 200 {
         assert!(Instant::now() < until, "serve did not come up");
