@@ -130,8 +130,9 @@ pub enum Command {
     /// `POST /v1/jobs` validates, stamps the deadline, publishes with confirm and records
     /// `accepted`; `GET /v1/jobs/{id}` and `GET /v1/jobs?state=…&kind=…` read the ledger;
     /// `/metrics` (Prometheus), `/` (dashboard), `/openapi.json`, `/healthz`, `/readyz`.
-    /// Every route but `/healthz` and `/readyz` needs the token: `Authorization: Bearer <token>`, or HTTP Basic with
-    /// any user name and the token as password (a browser prompts for it on the dashboard);
+    /// Every route but `/healthz` and `/readyz` needs the token: `Authorization: Bearer
+    /// <token>`, or HTTP Basic with any user name and the token as password (a browser
+    /// prompts for it on the dashboard);
     /// the token comes from LASTCALL_HTTP_TOKEN or --token-file, never from a flag. With a
     /// signing key (--signing-key-file or LASTCALL_SIGNING_KEY) every job is published with
     /// x-lastcall-signature.

@@ -116,3 +116,55 @@ async fn serve_binary_accepts_jobs_over_http_with_auth_and_exposes_metrics() {
     }
     env.cleanup().await;
 }
+
+/// A port that is taken is an error at once, before `serve` (or a worker with
+/// `--metrics-addr`) waits for its broker: here the broker URL points at a closed port, so
+/// a process that waited for it first would not exit until the test's time limit.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_taken_port_is_an_error_at_once_naming_the_address() {
+    let env = Env::sqlite("serve-port-taken").await;
+    let taken = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = taken.local_addr().unwrap().to_string();
+    let nowhere = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f",
+        common::private_rabbit::free_port()
+    );
+    let runs = [
+        (
+            vec!["serve", "--addr", addr.as_str()],
+            format!(
+                "cannot serve HTTP on {addr} (another process listens there: stop it, or pass another --addr)"
+            ),
+        ),
+        (
+            vec![
+                "worker",
+                "--backend",
+                "sim",
+                "--metrics-addr",
+                addr.as_str(),
+            ],
+            format!("cannot listen on --metrics-addr {addr} (another process listens there"),
+        ),
+    ];
+    for (args, expected) in runs {
+        let started = Instant::now();
+        let out = env
+            .command_with_amqp(&nowhere)
+            .args(&args)
+            .env("LASTCALL_HTTP_TOKEN", TOKEN)
+            .output_bounded()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {stderr}");
+        assert!(stderr.contains(&expected), "{args:?}: {stderr}");
+        assert!(stderr.contains("in use"), "the OS's reason: {stderr}");
+        assert!(
+            !stderr.contains("waiting for the broker"),
+            "{args:?} waited for the broker first: {stderr}"
+        );
+        assert!(started.elapsed() < Duration::from_secs(30), "{args:?}");
+    }
+    drop(taken);
+    env.cleanup().await;
+}

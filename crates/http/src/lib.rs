@@ -295,14 +295,48 @@ pub async fn serve(
     bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
 ) -> std::io::Result<()> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
-    let local = listener.local_addr()?;
-    tracing::info!(addr = %local, "HTTP listening");
     if let Some(tx) = bound {
-        let _ = tx.send(local);
+        let _ = tx.send(listener.local_addr()?);
     }
+    serve_on(listener, router, stop).await
+}
+
+async fn serve_on(
+    listener: tokio::net::TcpListener,
+    router: Router,
+    stop: CancellationToken,
+) -> std::io::Result<()> {
+    tracing::info!(addr = %listener.local_addr()?, "HTTP listening");
     axum::serve(listener, router)
         .with_graceful_shutdown(async move { stop.cancelled().await })
         .await
+}
+
+/// A server that [`listen`] bound and serves in the background.
+#[derive(Debug)]
+pub struct Listening {
+    /// The bound address (the port chosen when `addr` asked for port 0).
+    pub addr: SocketAddr,
+    /// The server: it ends when `stop` fires, or with an error of the listener.
+    pub task: tokio::task::JoinHandle<std::io::Result<()>>,
+}
+
+/// Bind `addr` and serve `router` on it in the background (over HTTPS when `tls` is
+/// given) until `stop` fires. Returns once the socket is bound: a taken port or a bad
+/// address is this call's error, reported before the caller goes on.
+pub async fn listen(
+    addr: SocketAddr,
+    router: Router,
+    stop: CancellationToken,
+    tls: Option<tls::TlsServerConfig>,
+) -> std::io::Result<Listening> {
+    let listener = tokio::net::TcpListener::bind(addr).await?;
+    let addr = listener.local_addr()?;
+    let task = match tls {
+        Some(tls) => tokio::spawn(tls::serve_tls_on(listener, router, stop, tls)),
+        None => tokio::spawn(serve_on(listener, router, stop)),
+    };
+    Ok(Listening { addr, task })
 }
 
 #[utoipa::path(

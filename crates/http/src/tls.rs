@@ -1,7 +1,7 @@
 //! HTTPS for `lastcall serve --tls-cert --tls-key`: the same router behind a rustls
 //! acceptor (tokio-rustls, aws-lc-rs: the TLS stack the clients already build).
 //!
-//! [`serve_tls`] is [`crate::serve`] with an [`axum::serve::Listener`] that hands axum only
+//! [`crate::listen`] with a [`TlsServerConfig`] serves over an [`axum::serve::Listener`] that hands axum only
 //! finished handshakes. Handshakes run in their own tasks (a slow or silent client holds up
 //! nobody), at most [`MAX_HANDSHAKES`] at once, each bounded by [`HANDSHAKE_TIMEOUT`]; a
 //! failed one is logged at debug and dropped.
@@ -62,20 +62,15 @@ impl TlsServerConfig {
     }
 }
 
-/// Serve `router` over HTTPS on `addr` until `stop` fires (see [`crate::serve`]).
-pub async fn serve_tls(
-    addr: SocketAddr,
+/// Serve `router` over HTTPS on a bound listener until `stop` fires.
+pub(crate) async fn serve_tls_on(
+    tcp: TcpListener,
     router: Router,
     stop: CancellationToken,
-    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
     tls: TlsServerConfig,
 ) -> std::io::Result<()> {
-    let tcp = TcpListener::bind(addr).await?;
     let local = tcp.local_addr()?;
     tracing::info!(addr = %local, "HTTPS listening");
-    if let Some(tx) = bound {
-        let _ = tx.send(local);
-    }
     let listener = TlsListener::spawn(tcp, TlsAcceptor::from(tls.0), local);
     axum::serve(listener, router)
         .with_graceful_shutdown(async move { stop.cancelled().await })

@@ -60,66 +60,74 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     // ledger), not a refused connection, while the broker or the database starts.
     let startup = Startup::new();
     let scheme = if tls.is_some() { "https" } else { "http" };
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let mut server = {
-        let (router, stop) = (startup.router(), stop.clone());
-        let addr = a.addr;
-        tokio::spawn(async move {
-            match tls {
-                Some(tls) => {
-                    lastcall_http::tls::serve_tls(addr, router, stop, Some(bound_tx), tls).await
-                }
-                None => lastcall_http::serve(addr, router, stop, Some(bound_tx)).await,
-            }
-        })
-    };
-    let served = |r: Result<std::io::Result<()>, tokio::task::JoinError>| -> Result<()> {
-        r.context("the HTTP server task failed")?
-            .with_context(|| format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr))
-    };
-    if bound_rx.await.is_err() {
-        served((&mut server).await)?;
-        anyhow::bail!("the HTTP server stopped before it listened on {}", a.addr);
-    }
+    let server = lastcall_http::listen(a.addr, startup.router(), stop.clone(), tls)
+        .await
+        .map_err(|e| {
+            let what = format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr);
+            let what = bind_hint(&e, what, "--addr");
+            anyhow::Error::new(e).context(what)
+        })?;
     eprintln!(
-        "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user name, the token as password)",
-        a.addr
+        "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user \
+         name, the token as password)",
+        server.addr
     );
+    let parts = Parts {
+        token,
+        signing_key,
+        topo,
+        front_door,
+        webhooks,
+    };
     let max_wait = a.connect_timeout_ms.map(Duration::from_millis);
-    let built = match super::connect_waiting(s, &stop, max_wait, Some(&startup)).await {
-        Ok(Some((broker, ledger))) => {
-            let parts = Parts {
-                token,
-                signing_key,
-                topo,
-                front_door,
-                webhooks,
-            };
-            build(s, &a, parts, broker, ledger, &stop).await.map(Some)
-        }
-        Ok(None) => Ok(None), // a shutdown signal during the wait
-        Err(e) => Err(e),
+    let running = match super::connect_waiting(s, &stop, max_wait, Some(&startup)).await {
+        Ok(Some((broker, ledger))) => match build(s, &a, parts, broker, ledger, &stop).await {
+            Ok((state, running)) => {
+                startup.ready(lastcall_http::app(Arc::new(state)));
+                tracing::info!("serve is ready");
+                Some(running)
+            }
+            Err(e) => return Err(stop_server(&stop, server, e).await),
+        },
+        Ok(None) => None, // a shutdown signal during the wait
+        Err(e) => return Err(stop_server(&stop, server, e).await),
     };
-    let running = match built {
-        Ok(Some((state, running))) => {
-            startup.ready(lastcall_http::app(Arc::new(state)));
-            tracing::info!("serve is ready");
-            Some(running)
-        }
-        Ok(None) => None,
-        Err(e) => {
-            stop.cancel();
-            let _ = server.await;
-            return Err(e);
-        }
-    };
-    let result = served(server.await);
+    let result = server.task.await;
     stop.cancel();
     if let Some(r) = running {
         r.shut_down().await;
     }
-    result?;
+    result
+        .context("the HTTP server task failed")?
+        .with_context(|| format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr))?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Stop the server that answered while `serve` started, and hand back why it gave up.
+async fn stop_server(
+    stop: &CancellationToken,
+    server: lastcall_http::Listening,
+    e: anyhow::Error,
+) -> anyhow::Error {
+    stop.cancel();
+    let _ = server.task.await;
+    e
+}
+
+/// `what` went wrong binding the address of `flag`, and what to do about it.
+fn bind_hint(e: &std::io::Error, what: String, flag: &str) -> String {
+    match e.kind() {
+        std::io::ErrorKind::AddrInUse => {
+            format!("{what} (another process listens there: stop it, or pass another {flag})")
+        }
+        std::io::ErrorKind::PermissionDenied => {
+            format!("{what} (ports below 1024 need privileges: pass a higher port to {flag})")
+        }
+        std::io::ErrorKind::AddrNotAvailable => {
+            format!("{what} (no interface of this host has that address: check {flag})")
+        }
+        _ => what,
+    }
 }
 
 /// What `run` read from the flags before connecting.
@@ -314,20 +322,15 @@ fn queues(topo: &Topology) -> Vec<String> {
 /// (`/healthz` 200, `/readyz` 503 naming the broker or the ledger it waits for).
 pub async fn listen_worker_metrics(addr: SocketAddr) -> Result<Arc<Startup>> {
     let startup = Startup::new();
-    let (bound_tx, bound_rx) = tokio::sync::oneshot::channel();
-    let router = startup.router();
-    let server = tokio::spawn(async move {
-        lastcall_http::serve(addr, router, CancellationToken::new(), Some(bound_tx)).await
-    });
-    if bound_rx.await.is_err() {
-        server
-            .await
-            .context("the metrics endpoint's task failed")?
-            .with_context(|| format!("cannot listen on --metrics-addr {addr}"))?;
-        anyhow::bail!("the metrics endpoint stopped before it listened on {addr}");
-    }
+    let server = lastcall_http::listen(addr, startup.router(), CancellationToken::new(), None)
+        .await
+        .map_err(|e| {
+            let what = format!("cannot listen on --metrics-addr {addr}");
+            let what = bind_hint(&e, what, "--metrics-addr");
+            anyhow::Error::new(e).context(what)
+        })?;
     tokio::spawn(async move {
-        if let Ok(Err(e)) = server.await {
+        if let Ok(Err(e)) = server.task.await {
             tracing::error!(error = %e, "metrics endpoint stopped");
         }
     });
