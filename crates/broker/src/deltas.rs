@@ -15,19 +15,16 @@
 //! here; it is seen as the job's cancellation (the front door cancels the job of a client
 //! that went away), which ends the call and its deltas.
 
-use crate::{Broker, BrokerError};
+use crate::Broker;
+use crate::own_channel::OwnChannel;
+use lapin::BasicProperties;
 use lapin::options::BasicPublishOptions;
-use lapin::{BasicProperties, Channel};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
-use std::time::Duration;
 use tokio::sync::mpsc;
 
 /// Deltas queued for publishing at most, over all of a worker's jobs.
 pub const DELTA_SINK_CAPACITY: usize = 1024;
-
-/// After a failed reconnect, deltas are dropped without another try for this long.
-const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 struct Item {
     reply_to: String,
@@ -66,10 +63,12 @@ impl DeltaSink {
         let (tx, rx) = mpsc::channel(DELTA_SINK_CAPACITY);
         let counts = Arc::new(DeltaCounts::default());
         let task = SinkTask {
-            seed: broker.clone(),
-            conn: None,
+            conn: OwnChannel::new(
+                broker.clone(),
+                "token deltas",
+                "deltas until it is back (the ledger keeps every result)",
+            ),
             counts: counts.clone(),
-            failed_at: None,
         };
         tokio::spawn(task.run(rx));
         Self {
@@ -133,10 +132,8 @@ impl DeltaTarget {
 }
 
 struct SinkTask {
-    seed: Broker,
-    conn: Option<(Broker, Channel)>,
+    conn: OwnChannel,
     counts: Arc<DeltaCounts>,
-    failed_at: Option<tokio::time::Instant>,
 }
 
 impl SinkTask {
@@ -153,13 +150,11 @@ impl SinkTask {
                 item.gone.store(true, Ordering::Relaxed);
             }
         }
-        if let Some((b, _)) = self.conn.take() {
-            b.close().await;
-        }
+        self.conn.close().await;
     }
 
     async fn publish(&mut self, item: &Item) -> bool {
-        let Some(ch) = self.channel().await else {
+        let Some(ch) = self.conn.channel().await else {
             return false;
         };
         let props = BasicProperties::default()
@@ -181,52 +176,8 @@ impl SinkTask {
                 // A closed channel (a malformed address closes it, say): a new one for the
                 // next job; this job's deltas stop.
                 tracing::debug!(error = %e, "delta not published; reopening the channel");
-                self.conn = self.conn.take().filter(|(b, _)| b.is_connected());
-                if let Some((b, _)) = &self.conn {
-                    match b.channel().await {
-                        Ok(c) => self.conn = Some((b.clone(), c)),
-                        Err(_) => self.conn = None,
-                    }
-                }
+                self.conn.reopen().await;
                 false
-            }
-        }
-    }
-
-    async fn channel(&mut self) -> Option<Channel> {
-        if let Some((b, ch)) = &self.conn {
-            if b.is_connected() && b.is_blocked() {
-                return None; // a resource alarm: drop rather than queue up inside lapin
-            }
-            if ch.status().connected() {
-                return Some(ch.clone());
-            }
-        }
-        if self.failed_at.is_some_and(|t| t.elapsed() < RETRY_AFTER) {
-            return None;
-        }
-        let opened = async {
-            let b = match self.conn.take() {
-                Some((b, _)) if b.is_connected() => b,
-                Some((b, _)) => b.reconnect_once().await?,
-                None => self.seed.another().await?,
-            };
-            let ch = b.channel().await?;
-            Ok::<_, BrokerError>((b, ch))
-        }
-        .await;
-        match opened {
-            Ok((b, ch)) => {
-                self.failed_at = None;
-                self.conn = Some((b, ch.clone()));
-                Some(ch)
-            }
-            Err(e) => {
-                if self.failed_at.is_none() {
-                    tracing::warn!(error = %e, "token deltas: broker unreachable; dropping deltas until it is back (the ledger keeps every result)");
-                }
-                self.failed_at = Some(tokio::time::Instant::now());
-                None
             }
         }
     }

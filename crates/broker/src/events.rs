@@ -9,6 +9,7 @@
 //! A follower that was disconnected may have missed events: it says so (`on_gap`) after
 //! every (re)connect, and its user reads the ledger again.
 
+use crate::own_channel::OwnChannel;
 use crate::{Broker, BrokerError};
 use futures_util::StreamExt;
 use lapin::options::{
@@ -25,9 +26,6 @@ use tokio_util::sync::CancellationToken;
 
 /// Events queued for publishing at most (then new ones are dropped and counted).
 pub const SINK_CAPACITY: usize = 4096;
-
-/// After a failed reconnect, events are dropped without another try for this long.
-const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 enum Item {
     Event {
@@ -64,11 +62,13 @@ impl EventSink {
         let (tx, rx) = mpsc::channel(SINK_CAPACITY);
         let counts = Arc::new(SinkCounts::default());
         let task = SinkTask {
-            seed: broker.clone(),
-            conn: None,
+            conn: OwnChannel::new(
+                broker.clone(),
+                "outcome events",
+                "events until it is back (the ledger keeps every outcome)",
+            ),
             exchange: exchange.to_owned(),
             counts: counts.clone(),
-            failed_at: None,
         };
         tokio::spawn(task.run(rx));
         Self {
@@ -127,12 +127,9 @@ impl EventSink {
 }
 
 struct SinkTask {
-    /// The node list to connect to (its own connection is opened from it).
-    seed: Broker,
-    conn: Option<(Broker, Channel)>,
+    conn: OwnChannel,
     exchange: String,
     counts: Arc<SinkCounts>,
-    failed_at: Option<tokio::time::Instant>,
 }
 
 impl SinkTask {
@@ -140,8 +137,8 @@ impl SinkTask {
         while let Some(item) = rx.recv().await {
             match item {
                 Item::Flush { done, close } => {
-                    if close && let Some((b, _)) = self.conn.take() {
-                        b.close().await;
+                    if close {
+                        self.conn.close().await;
                     }
                     let _ = done.send(());
                 }
@@ -155,15 +152,13 @@ impl SinkTask {
                 }
             }
         }
-        if let Some((b, _)) = self.conn.take() {
-            b.close().await;
-        }
+        self.conn.close().await;
     }
 
     /// One try, and one more on a fresh channel if the first finds it closed.
     async fn publish(&mut self, routing_key: &str, body: &[u8]) -> bool {
         for _ in 0..2 {
-            let Some(ch) = self.channel().await else {
+            let Some(ch) = self.conn.channel().await else {
                 return false;
             };
             let props = BasicProperties::default()
@@ -182,51 +177,11 @@ impl SinkTask {
                 Ok(_) => return true,
                 Err(e) => {
                     tracing::debug!(error = %e, "outcome event not published; reopening the channel");
-                    self.conn = None;
+                    self.conn.forget();
                 }
             }
         }
         false
-    }
-
-    async fn channel(&mut self) -> Option<Channel> {
-        if let Some((b, ch)) = &self.conn {
-            if b.is_connected() && b.is_blocked() {
-                return None; // a resource alarm: drop rather than queue up inside lapin
-            }
-            if ch.status().connected() {
-                return Some(ch.clone());
-            }
-        }
-        if self.failed_at.is_some_and(|t| t.elapsed() < RETRY_AFTER) {
-            return None;
-        }
-        let opened = async {
-            let b = match self.conn.take() {
-                Some((b, _)) if b.is_connected() => b,
-                Some((b, _)) => b.reconnect_once().await?,
-                None => self.seed.another().await?,
-            };
-            let ch = b.channel().await?;
-            Ok::<_, BrokerError>((b, ch))
-        }
-        .await;
-        match opened {
-            Ok((b, ch)) => {
-                if self.failed_at.take().is_some() {
-                    tracing::info!(node = %b.node(), "outcome events: publishing again");
-                }
-                self.conn = Some((b, ch.clone()));
-                Some(ch)
-            }
-            Err(e) => {
-                if self.failed_at.is_none() {
-                    tracing::warn!(error = %e, "outcome events: broker unreachable; dropping events until it is back (the ledger keeps every outcome)");
-                }
-                self.failed_at = Some(tokio::time::Instant::now());
-                None
-            }
-        }
     }
 }
 

@@ -19,6 +19,7 @@ pub mod consume;
 pub mod deltas;
 pub mod events;
 pub mod management;
+mod own_channel;
 pub mod publish;
 pub mod tls;
 pub mod topology;
