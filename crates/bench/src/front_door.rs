@@ -103,14 +103,14 @@ pub async fn run(env: &Env, mut a: FrontDoorArgs) -> Result<ExitCode> {
         stop.clone(),
         |_| {},
     );
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(lastcall_http::serve(
+    let addr = lastcall_http::listen(
         "127.0.0.1:0".parse()?,
         lastcall_http::app(Arc::new(state)),
         stop.clone(),
-        Some(tx),
-    ));
-    let addr = rx.await?;
+        None,
+    )
+    .await?
+    .addr;
     // The follower binds its queue right after connecting; give it the first request's
     // time by warming up (not measured) until one request completes.
     let http = reqwest::Client::new();

@@ -9,7 +9,7 @@ use std::time::Duration;
 use tokio::time::Instant;
 
 /// After a failed reconnect, nothing is published (the sink drops) for this long.
-pub(crate) const RETRY_AFTER: Duration = Duration::from_secs(1);
+const RETRY_AFTER: Duration = Duration::from_secs(1);
 
 pub(crate) struct OwnChannel {
     /// The node list to connect to (the connection is opened from it).

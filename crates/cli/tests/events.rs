@@ -541,8 +541,7 @@ async fn the_workers_readyz_checks_its_retry_publisher() {
         .start_worker(env.worker_config(1, 2), sim(20), system_clock())
         .await;
     let stop = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(lastcall_http::serve(
+    let addr = lastcall_http::listen(
         "127.0.0.1:0".parse().unwrap(),
         lastcall_http::metrics_app(
             lastcall_http::MetricsSource::default()
@@ -553,9 +552,11 @@ async fn the_workers_readyz_checks_its_retry_publisher() {
                 .with_collector(lastcall_worker::stats::WorkerCollector(w.stats.clone())),
         ),
         stop.clone(),
-        Some(tx),
-    ));
-    let addr = rx.await.unwrap();
+        None,
+    )
+    .await
+    .unwrap()
+    .addr;
     let until = Instant::now() + Duration::from_secs(20);
     let body = loop {
         let r = reqwest::get(format!("http://{addr}/readyz")).await.unwrap();

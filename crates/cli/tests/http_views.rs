@@ -310,16 +310,17 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
 
     // The worker's metrics endpoint, scraped by the dashboard.
     let stop = CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(lastcall_http::serve(
+    let worker_addr = lastcall_http::listen(
         "127.0.0.1:0".parse().unwrap(),
         lastcall_http::metrics_app(
             MetricsSource::default().with_collector(WorkerCollector(worker.stats.clone())),
         ),
         stop.clone(),
-        Some(tx),
-    ));
-    let worker_addr = rx.await.unwrap();
+        None,
+    )
+    .await
+    .unwrap()
+    .addr;
     let mut state = app_state(&env).await;
     state.worker_metrics = vec![format!("http://{worker_addr}/metrics")];
     state.depth = Some(DepthProbe::new(
@@ -335,14 +336,15 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
         )),
         Some(env.broker.clone()),
     ));
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    tokio::spawn(lastcall_http::serve(
+    let addr = lastcall_http::listen(
         "127.0.0.1:0".parse().unwrap(),
         lastcall_http::app(Arc::new(state)),
         stop.clone(),
-        Some(tx),
-    ));
-    let addr = rx.await.unwrap();
+        None,
+    )
+    .await
+    .unwrap()
+    .addr;
     // The browser's way in: Basic credentials (token as password) answer the page's 401
     // challenge; the page's polls carry them from the auth cache. No token in any URL
     // the server sees.

@@ -286,21 +286,7 @@ fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// Serve `router` on `addr` until `stop` fires. Returns the bound address through
-/// `bound` (useful with port 0).
-pub async fn serve(
-    addr: SocketAddr,
-    router: Router,
-    stop: CancellationToken,
-    bound: Option<tokio::sync::oneshot::Sender<SocketAddr>>,
-) -> std::io::Result<()> {
-    let listener = tokio::net::TcpListener::bind(addr).await?;
-    if let Some(tx) = bound {
-        let _ = tx.send(listener.local_addr()?);
-    }
-    serve_on(listener, router, stop).await
-}
-
+/// Serve `router` on a bound listener until `stop` fires.
 async fn serve_on(
     listener: tokio::net::TcpListener,
     router: Router,

@@ -1,8 +1,8 @@
 //! HTTPS for `lastcall serve --tls-cert --tls-key`: the same router behind a rustls
 //! acceptor (tokio-rustls, aws-lc-rs: the TLS stack the clients already build).
 //!
-//! [`crate::listen`] with a [`TlsServerConfig`] serves over an [`axum::serve::Listener`] that hands axum only
-//! finished handshakes. Handshakes run in their own tasks (a slow or silent client holds up
+//! [`crate::listen`] with a [`TlsServerConfig`] serves over an [`axum::serve::Listener`]
+//! that hands axum only finished handshakes. Handshakes run in their own tasks (a slow or silent client holds up
 //! nobody), at most [`MAX_HANDSHAKES`] at once, each bounded by [`HANDSHAKE_TIMEOUT`]; a
 //! failed one is logged at debug and dropped.
 

@@ -633,14 +633,15 @@ fn openapi_document_passes_openapi_spec_validator() {
 async fn serves_over_a_real_socket() {
     let env = Env::new("socket").await;
     let stop = tokio_util::sync::CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let server = tokio::spawn(lastcall_http::serve(
+    let server = lastcall_http::listen(
         "127.0.0.1:0".parse().unwrap(),
         env.app().await,
         stop.clone(),
-        Some(tx),
-    ));
-    let addr = rx.await.unwrap();
+        None,
+    )
+    .await
+    .unwrap();
+    let addr = server.addr;
     let client = reqwest::Client::new();
     let health = client
         .get(format!("http://{addr}/healthz"))
@@ -680,6 +681,6 @@ async fn serves_over_a_real_socket() {
         "{metrics}"
     );
     stop.cancel();
-    server.await.unwrap().unwrap();
+    server.task.await.unwrap().unwrap();
     env.cleanup().await;
 }

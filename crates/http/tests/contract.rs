@@ -51,14 +51,15 @@ async fn schemathesis_finds_no_contract_mismatch() {
     // maximum (which the served document states) keeps the run bounded.
     state.max_wait_ms = 50;
     let stop = tokio_util::sync::CancellationToken::new();
-    let (tx, rx) = tokio::sync::oneshot::channel();
-    let server = tokio::spawn(lastcall_http::serve(
+    let server = lastcall_http::listen(
         "127.0.0.1:0".parse().unwrap(),
         lastcall_http::app(Arc::new(state)),
         stop.clone(),
-        Some(tx),
-    ));
-    let addr = rx.await.unwrap();
+        None,
+    )
+    .await
+    .unwrap();
+    let addr = server.addr;
 
     let config = env.dir.join("schemathesis.toml");
     std::fs::write(&config, CONFIG).unwrap();
@@ -128,6 +129,6 @@ async fn schemathesis_finds_no_contract_mismatch() {
     assert!(env.ready(&env.topo.names.work_queue).await > 0);
 
     stop.cancel();
-    server.await.unwrap().unwrap();
+    server.task.await.unwrap().unwrap();
     env.cleanup().await;
 }

@@ -60,13 +60,10 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     // ledger), not a refused connection, while the broker or the database starts.
     let startup = Startup::new();
     let scheme = if tls.is_some() { "https" } else { "http" };
+    let cannot_serve = format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr);
     let server = lastcall_http::listen(a.addr, startup.router(), stop.clone(), tls)
         .await
-        .map_err(|e| {
-            let what = format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr);
-            let what = bind_hint(&e, what, "--addr");
-            anyhow::Error::new(e).context(what)
-        })?;
+        .map_err(|e| bind_error(e, &cannot_serve, "--addr"))?;
     eprintln!(
         "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user \
          name, the token as password)",
@@ -99,7 +96,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     }
     result
         .context("the HTTP server task failed")?
-        .with_context(|| format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr))?;
+        .context(cannot_serve)?;
     Ok(ExitCode::SUCCESS)
 }
 
@@ -114,9 +111,9 @@ async fn stop_server(
     e
 }
 
-/// `what` went wrong binding the address of `flag`, and what to do about it.
-fn bind_hint(e: &std::io::Error, what: String, flag: &str) -> String {
-    match e.kind() {
+/// `e` from binding the address of `flag`, under `what` failed and what to do about it.
+fn bind_error(e: std::io::Error, what: &str, flag: &str) -> anyhow::Error {
+    let what = match e.kind() {
         std::io::ErrorKind::AddrInUse => {
             format!("{what} (another process listens there: stop it, or pass another {flag})")
         }
@@ -126,8 +123,9 @@ fn bind_hint(e: &std::io::Error, what: String, flag: &str) -> String {
         std::io::ErrorKind::AddrNotAvailable => {
             format!("{what} (no interface of this host has that address: check {flag})")
         }
-        _ => what,
-    }
+        _ => what.to_owned(),
+    };
+    anyhow::Error::new(e).context(what)
 }
 
 /// What `run` read from the flags before connecting.
@@ -325,9 +323,11 @@ pub async fn listen_worker_metrics(addr: SocketAddr) -> Result<Arc<Startup>> {
     let server = lastcall_http::listen(addr, startup.router(), CancellationToken::new(), None)
         .await
         .map_err(|e| {
-            let what = format!("cannot listen on --metrics-addr {addr}");
-            let what = bind_hint(&e, what, "--metrics-addr");
-            anyhow::Error::new(e).context(what)
+            bind_error(
+                e,
+                &format!("cannot listen on --metrics-addr {addr}"),
+                "--metrics-addr",
+            )
         })?;
     tokio::spawn(async move {
         if let Ok(Err(e)) = server.task.await {
