@@ -2,9 +2,9 @@
 //! acceptor (tokio-rustls, aws-lc-rs: the TLS stack the clients already build).
 //!
 //! [`crate::listen`] with a [`TlsServerConfig`] serves over an [`axum::serve::Listener`]
-//! that hands axum only finished handshakes. Handshakes run in their own tasks (a slow or silent client holds up
-//! nobody), at most [`MAX_HANDSHAKES`] at once, each bounded by [`HANDSHAKE_TIMEOUT`]; a
-//! failed one is logged at debug and dropped.
+//! that hands axum only finished handshakes. Handshakes run in their own tasks (a slow or
+//! silent client holds up nobody), at most [`MAX_HANDSHAKES`] at once, each bounded by
+//! [`HANDSHAKE_TIMEOUT`]; a failed one is logged at debug and dropped.
 
 use axum::Router;
 use std::net::SocketAddr;

@@ -181,11 +181,11 @@ pub async fn open_ledger_to_read(url: &str) -> Result<Arc<Ledger>> {
     Ok(ledger)
 }
 
-/// The broker and the ledger of a long-running process (`worker`, `dlq`) that may start
-/// before them: each that is down at startup is waited for with backoff, as it would be
-/// if it went away later; `max_wait` (`--connect-timeout-ms`) bounds each wait, and `stop`
-/// (a shutdown signal) ends it with `Ok(None)`. `startup`, the router of an address already
-/// listening, learns when the broker is reached.
+/// The broker and the ledger of a long-running process (`worker`, `dlq`, `serve`) that
+/// may start before them: each that is down at startup is waited for with backoff, as it
+/// would be if it went away later; `max_wait` (`--connect-timeout-ms`) bounds each wait,
+/// and `stop` (a shutdown signal) ends it with `Ok(None)`. `startup`, the router of an
+/// address already listening, learns when the broker is reached.
 pub async fn connect_waiting(
     s: &Settings,
     stop: &tokio_util::sync::CancellationToken,
@@ -220,13 +220,15 @@ pub async fn connect_broker_waiting(
         ) => {
             return Err(e.into());
         }
-        Err(lastcall_broker::BrokerError::Connect { url, source }) => eprintln!(
-            "lastcall: waiting for the broker (--connect-timeout-ms bounds the wait): {}",
-            connect_error(&url, &source)
-        ),
-        Err(e) => eprintln!(
-            "lastcall: waiting for the broker (--connect-timeout-ms bounds the wait): {e}"
-        ),
+        Err(e) => {
+            let why = match &e {
+                lastcall_broker::BrokerError::Connect { url, source } => connect_error(url, source),
+                e => e.to_string(),
+            };
+            eprintln!(
+                "lastcall: waiting for the broker (--connect-timeout-ms bounds the wait): {why}"
+            );
+        }
     }
     match Broker::connect_retrying(&s.amqp_url, stop, max_wait).await {
         Ok(b) => Ok(Some(b)),
