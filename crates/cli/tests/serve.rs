@@ -148,7 +148,6 @@ async fn a_taken_port_is_an_error_at_once_naming_the_address() {
         ),
     ];
     for (args, expected) in runs {
-        let started = Instant::now();
         let out = env
             .command_with_amqp(&nowhere)
             .args(&args)
@@ -163,7 +162,6 @@ async fn a_taken_port_is_an_error_at_once_naming_the_address() {
             !stderr.contains("waiting for the broker"),
             "{args:?} waited for the broker first: {stderr}"
         );
-        assert!(started.elapsed() < Duration::from_secs(30), "{args:?}");
     }
     drop(taken);
     env.cleanup().await;
