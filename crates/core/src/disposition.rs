@@ -196,6 +196,26 @@ impl WorkerPolicy {
         }
     }
 
+    /// When the learned duration alone refuses `env` at `now_ms` (refused with
+    /// `learned_ms` for `below_learned_runtime`, admitted without it: the job's own minimum
+    /// or the floor), the budget the call would get without it; else `None`. Such a job
+    /// may run as a probe while a slot is free
+    /// ([`crate::service_time::ServiceTimes::try_probe`]).
+    pub fn refused_by_learned(
+        &self,
+        env: &Envelope,
+        learned_ms: Option<u64>,
+        now_ms: i64,
+    ) -> Option<u64> {
+        let stage = Stage::Admission;
+        match self.admit(env, learned_ms, stage, now_ms) {
+            Err(Reason::Refused(_, RefusalCause::BelowLearnedRuntime)) => {
+                self.admit(env, None, stage, now_ms).ok()
+            }
+            _ => None,
+        }
+    }
+
     /// The latest instant at which `env` still passes the admission check: the deadline
     /// less the clock margin and the minimum useful runtime. A job waiting for a slot past
     /// this instant can be settled at once: it can no longer finish in time.

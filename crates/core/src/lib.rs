@@ -55,5 +55,7 @@ pub use ids::{JobId, Kind, fingerprint, synthetic_job_id};
 pub use outcome::State;
 pub use reason::{Decision, Reason, RefusalCause};
 pub use retry::{RetryDecision, RetryPolicy};
-pub use service_time::{Estimate, EstimateSource, ServiceTimeConfig, ServiceTimes};
+pub use service_time::{
+    CallToken, Estimate, EstimateSource, ProbeEnd, ServiceTimeConfig, ServiceTimes,
+};
 pub use signature::SigningKey;

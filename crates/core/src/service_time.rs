@@ -83,6 +83,16 @@ pub struct ServiceTimeConfig {
     /// Also fit a lognormal to the window and report the larger of the two quantiles (the
     /// fitted one at most [`FIT_CAP`] × the largest sample); see the module doc.
     pub fit: bool,
+    /// A sample's weight halves every `half_life_ms` of its age (recent calls weigh
+    /// more); 0: every fresh sample weighs the same.
+    pub half_life_ms: i64,
+    /// The share of one slot's time that probe calls which were cut or failed may take,
+    /// in `(0, 1)`: after such a probe of `d` ms the next probe of its key waits
+    /// `d × (1 − share) / share`.
+    pub probe_waste_share: f64,
+    /// Probe calls of one key in flight at once; at least 1 (a worker has no more than
+    /// its free slots).
+    pub max_probes: u32,
 }
 
 /// The fitted quantile is never above this multiple of the largest sample: a fit to a
@@ -98,6 +108,9 @@ impl Default for ServiceTimeConfig {
             max_age_ms: 600_000,
             max_keys: 256,
             fit: true,
+            half_life_ms: 60_000,
+            probe_waste_share: 0.05,
+            max_probes: 4,
         }
     }
 }
@@ -105,13 +118,20 @@ impl Default for ServiceTimeConfig {
 impl ServiceTimeConfig {
     /// The same settings brought into range: `window` in `1..=MAX_WINDOW`, `quantile` in
     /// `(0, 1]` (a NaN becomes the default 0.99), `min_samples` in `1..=window`,
-    /// `max_age_ms ≥ 1`, `max_keys ≥ 1`.
+    /// `max_age_ms ≥ 1`, `max_keys ≥ 1`, `half_life_ms ≥ 0`, `probe_waste_share` in
+    /// `[0.001, 0.5]` (a NaN becomes the default), `max_probes ≥ 1`.
     pub fn clamped(self) -> Self {
+        let d = Self::default();
         let window = self.window.clamp(1, MAX_WINDOW);
         let quantile = if self.quantile.is_nan() {
-            Self::default().quantile
+            d.quantile
         } else {
             self.quantile.clamp(f64::MIN_POSITIVE, 1.0)
+        };
+        let probe_waste_share = if self.probe_waste_share.is_nan() {
+            d.probe_waste_share
+        } else {
+            self.probe_waste_share.clamp(0.001, 0.5)
         };
         Self {
             window,
@@ -120,11 +140,14 @@ impl ServiceTimeConfig {
             max_age_ms: self.max_age_ms.max(1),
             max_keys: self.max_keys.max(1),
             fit: self.fit,
+            half_life_ms: self.half_life_ms.max(0),
+            probe_waste_share,
+            max_probes: self.max_probes.max(1),
         }
     }
 
     /// How many observations of a slower duration, arriving into a full window, bring the
-    /// quantile up to it: `W − ⌈q·W⌉ + 1` (nearest rank). One fewer does not.
+    /// quantile up to it: `W − ⌈q·W⌉ + 1` (nearest rank, equal weights). One fewer does not.
     pub fn slowdown_observations(&self) -> usize {
         let c = self.clamped();
         c.window - nearest_rank(c.quantile, c.window) + 1
@@ -132,6 +155,15 @@ impl ServiceTimeConfig {
 
     fn is_fresh(&self, observed_at_ms: i64, now_ms: i64) -> bool {
         now_ms.saturating_sub(observed_at_ms) <= self.max_age_ms
+    }
+
+    /// The recency weight of a sample observed at `at_ms`, at `now_ms`.
+    fn recency(&self, at_ms: i64, now_ms: i64) -> f64 {
+        if self.half_life_ms == 0 {
+            return 1.0;
+        }
+        let age = now_ms.saturating_sub(at_ms).max(0) as f64;
+        (-age / self.half_life_ms as f64).exp2()
     }
 }
 
@@ -142,29 +174,62 @@ pub enum EstimateSource {
     Key,
     /// The fallback: the last `window` observations of any key.
     AllKeys,
+    /// Cold start: too few calls of the key ended to estimate, but one that ended, or one
+    /// still running, took at least this long: a lower bound on the call time.
+    LowerBound,
 }
 
 /// What is known about a key's call durations at some `now_ms`.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Estimate {
     /// The configured high quantile (p99 by default): the minimum useful runtime. The
-    /// nearest-rank quantile of the samples, or (with `fit`) the fitted lognormal's when
-    /// that is larger.
+    /// weighted nearest-rank quantile of the samples, or (with `fit`) the fitted
+    /// lognormal's when that is larger; at cold start the lower bound.
     pub quantile_ms: u64,
-    /// The mean of the same samples, rounded to the nearest ms: for expected-wait
-    /// computations ([`crate::wait::expected_wait_ms`]), which want a mean, not a bound.
+    /// The weighted mean of the same samples, rounded to the nearest ms: for
+    /// expected-wait computations ([`crate::wait::expected_wait_ms`]), which want a mean,
+    /// not a bound.
     pub mean_ms: u64,
-    /// How many fresh samples the estimate is over (at least `min_samples`).
+    /// How many fresh samples the estimate is over (at least `min_samples`, except for a
+    /// lower bound).
     pub samples: usize,
-    /// Whether the key's own window or the all-keys fallback was used.
+    /// Whether the key's own window, the all-keys fallback or a cold-start bound was used.
     pub source: EstimateSource,
 }
+
+/// How a probe call ([`ServiceTimes::try_probe`]) ended, for [`ServiceTimes::probe_ended`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ProbeEnd {
+    /// It finished within `budget_ms`, the budget it was started with (one the learned
+    /// estimate refused).
+    Completed { budget_ms: u64 },
+    /// It was cut at the deadline, or failed, after `duration_ms` of model time.
+    Wasted { duration_ms: u64 },
+    /// It never reached the model (refused for another reason, cancelled, shut down).
+    Released,
+}
+
+/// A call in flight ([`ServiceTimes::call_started`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct CallToken(u64);
 
 #[derive(Debug, Clone, Copy)]
 struct Sample {
     at_ms: i64,
     duration_ms: u64,
+    /// Cut at the deadline: the call time is at least `duration_ms` (censored).
+    cut: bool,
+    /// How many completed probes showed since that calls fit in less: the weight is
+    /// multiplied by `2^-halvings`.
+    halvings: u8,
 }
+
+/// A completed probe halves the weight of each cut call it contradicts this many times
+/// (divides it by 8).
+const PROBE_HALVINGS: u8 = 3;
+
+/// A weight below this no longer counts (2^-40): the sample is as good as forgotten.
+const FORGOTTEN: f64 = 1e-12;
 
 #[derive(Debug, Clone)]
 struct KeyWindow {
@@ -172,6 +237,22 @@ struct KeyWindow {
     /// The estimator's observation counter at this key's last observation: a counter, not
     /// `now_ms`, so that least-recently-observed is well defined even if the clock steps back.
     last_seen: u64,
+    /// Calls in flight: token → started at.
+    running: HashMap<u64, i64>,
+    probes: u32,
+    next_probe_at_ms: i64,
+}
+
+impl KeyWindow {
+    fn new(last_seen: u64, window: usize) -> Self {
+        Self {
+            samples: VecDeque::with_capacity(window),
+            last_seen,
+            running: HashMap::new(),
+            probes: 0,
+            next_probe_at_ms: i64::MIN,
+        }
+    }
 }
 
 /// Learned call durations per key, with a fallback over all keys. Pure: no IO, no clock.
@@ -181,6 +262,7 @@ pub struct ServiceTimes {
     keys: HashMap<String, KeyWindow>,
     all: VecDeque<Sample>,
     observations: u64,
+    tokens: u64,
 }
 
 impl ServiceTimes {
@@ -192,6 +274,7 @@ impl ServiceTimes {
             keys: HashMap::new(),
             all: VecDeque::with_capacity(cfg.window),
             observations: 0,
+            tokens: 0,
         }
     }
 
@@ -200,53 +283,181 @@ impl ServiceTimes {
         self.cfg
     }
 
-    /// Record one call duration under `key`, observed at `now_ms`.
+    /// Record one completed call of `duration_ms` under `key`, observed at `now_ms`.
     ///
-    /// Record completed calls, and also calls cut at the deadline, whose duration is only a
-    /// lower bound: leaving those out would hide a model that got slower than every budget,
-    /// because only the calls fast enough to finish would be seen.
+    /// A call cut at the deadline goes to [`Self::observe_cut`]. A call that failed on the
+    /// server's side (connect error, 5xx, 429, reset) says nothing about how long a useful
+    /// call takes: do not record it.
     pub fn observe(&mut self, key: &str, duration_ms: u64, now_ms: i64) {
+        self.push_sample(key, duration_ms, false, now_ms);
+    }
+
+    /// Record one call under `key` that was cut at the deadline after `duration_ms`: a
+    /// *censored* observation, the call time is at least that. It counts in the quantile at
+    /// that duration (the lower bound: leaving it out would hide a model that got slower
+    /// than every budget); a refusal that rests on such observations alone may be probed
+    /// ([`Self::try_probe`]), and a probe that completes contradicts them.
+    pub fn observe_cut(&mut self, key: &str, duration_ms: u64, now_ms: i64) {
+        self.push_sample(key, duration_ms, true, now_ms);
+    }
+
+    fn push_sample(&mut self, key: &str, duration_ms: u64, cut: bool, now_ms: i64) {
         self.observations += 1;
         let sample = Sample {
             at_ms: now_ms,
             duration_ms,
+            cut,
+            halvings: 0,
         };
         push(&mut self.all, sample, &self.cfg);
-        if let Some(w) = self.keys.get_mut(key) {
-            push(&mut w.samples, sample, &self.cfg);
-            w.last_seen = self.observations;
-            return;
-        }
-        if self.keys.len() >= self.cfg.max_keys {
-            let oldest = self
-                .keys
-                .iter()
-                .min_by_key(|(_, w)| w.last_seen)
-                .map(|(k, _)| k.clone());
-            if let Some(oldest) = oldest {
-                self.keys.remove(&oldest);
+        let (seen, cfg) = (self.observations, self.cfg);
+        let w = self.window_mut(key, seen);
+        push(&mut w.samples, sample, &cfg);
+        w.last_seen = seen;
+    }
+
+    /// The window of `key`, made (evicting the key observed least recently when full).
+    fn window_mut(&mut self, key: &str, seen: u64) -> &mut KeyWindow {
+        if !self.keys.contains_key(key) {
+            if self.keys.len() >= self.cfg.max_keys {
+                let oldest = self
+                    .keys
+                    .iter()
+                    .min_by_key(|(_, w)| w.last_seen)
+                    .map(|(k, _)| k.clone());
+                if let Some(oldest) = oldest {
+                    self.keys.remove(&oldest);
+                }
             }
+            self.keys
+                .insert(key.to_owned(), KeyWindow::new(seen, self.cfg.window));
         }
-        let mut samples = VecDeque::with_capacity(self.cfg.window);
-        samples.push_back(sample);
-        self.keys.insert(
-            key.to_owned(),
-            KeyWindow {
-                samples,
-                last_seen: self.observations,
-            },
-        );
+        self.keys.get_mut(key).expect("inserted above")
+    }
+
+    /// A call of `key` starts at `now_ms`: while it runs, its elapsed time is a lower bound
+    /// on the call time for a key with too few ended calls (cold start). End it with
+    /// [`Self::call_ended`].
+    pub fn call_started(&mut self, key: &str, now_ms: i64) -> CallToken {
+        self.tokens += 1;
+        let token = self.tokens;
+        let seen = self.observations;
+        self.window_mut(key, seen).running.insert(token, now_ms);
+        CallToken(token)
+    }
+
+    /// The call of `token` has ended (record its duration with [`Self::observe`]).
+    pub fn call_ended(&mut self, key: &str, token: CallToken) {
+        if let Some(w) = self.keys.get_mut(key) {
+            w.running.remove(&token.0);
+        }
     }
 
     /// The estimate for `key` at `now_ms`: from its own window when that holds at least
-    /// `min_samples` fresh samples; else from the last `window` observations of any key
-    /// (the fresh ones) when those are at least `min_samples`; else `None`: nothing learned,
-    /// and the caller uses its configured floor.
+    /// `min_samples` fresh samples; else the larger of the all-keys fallback (the last
+    /// `window` fresh observations of any key, when at least `min_samples`) and the key's
+    /// cold-start lower bound (its longest fresh call, ended or cut, and the elapsed time
+    /// of its calls still running); `None` when neither exists: nothing learned, and the
+    /// caller uses its configured floor.
     pub fn estimate(&self, key: &str, now_ms: i64) -> Option<Estimate> {
-        self.keys
-            .get(key)
-            .and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key))
-            .or_else(|| self.summarize(&self.all, now_ms, EstimateSource::AllKeys))
+        let own = self.keys.get(key);
+        if let Some(e) = own.and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, true))
+        {
+            return Some(e);
+        }
+        let all = self.summarize(&self.all, now_ms, EstimateSource::AllKeys, true);
+        let bound = own.and_then(|w| self.lower_bound(w, now_ms));
+        match (all, bound) {
+            (Some(a), Some(b)) if b.quantile_ms > a.quantile_ms => Some(Estimate {
+                quantile_ms: b.quantile_ms,
+                ..a
+            }),
+            (Some(a), _) => Some(a),
+            (None, b) => b,
+        }
+    }
+
+    /// The cold-start bound of a key's window: its longest fresh call (ended or cut) and the
+    /// longest elapsed time of its running calls.
+    fn lower_bound(&self, w: &KeyWindow, now_ms: i64) -> Option<Estimate> {
+        let fresh: Vec<u64> = (w.samples.iter())
+            .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
+            .map(|s| s.duration_ms)
+            .collect();
+        let running = (w.running.values())
+            .map(|&t| u64::try_from(now_ms.saturating_sub(t)).unwrap_or(0))
+            .max();
+        let bound = fresh.iter().copied().chain(running).max()?;
+        let mean = match fresh.len() {
+            0 => bound,
+            n => fresh.iter().sum::<u64>() / n as u64,
+        };
+        Some(Estimate {
+            quantile_ms: bound,
+            mean_ms: mean,
+            samples: fresh.len(),
+            source: EstimateSource::LowerBound,
+        })
+    }
+
+    /// A job of `key` with `room_ms` for its call is refused by the learned estimate alone
+    /// although a slot is free: may it run as a *probe* (half-open), to find out whether
+    /// the estimate is stale? Only when the refusal rests on calls cut at the deadline
+    /// (censored observations: the completed calls alone, if enough, would admit it), when
+    /// fewer than `max_probes` probes of the key are in flight, and when the waste pacing
+    /// allows one at `now_ms`. The caller then admits the job without the learned estimate
+    /// (its other checks still apply) and reports its end with [`Self::probe_ended`].
+    /// Without probes, an estimate inflated by a hang refuses every job, and nothing new
+    /// is ever learned. A refusal that completed calls justify is never probed: the
+    /// promise not to start what cannot finish holds for it.
+    pub fn try_probe(&mut self, key: &str, room_ms: u64, now_ms: i64) -> bool {
+        let completed = (self.keys.get(key))
+            .and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, false));
+        if completed.is_some_and(|e| e.quantile_ms > room_ms) {
+            return false;
+        }
+        let max = self.cfg.max_probes;
+        let seen = self.observations;
+        let w = self.window_mut(key, seen);
+        if w.probes >= max || now_ms < w.next_probe_at_ms {
+            return false;
+        }
+        w.probes += 1;
+        true
+    }
+
+    /// A probe of `key` has ended at `now_ms` (its call, if it completed or was cut, is
+    /// recorded separately with [`Self::observe`] / [`Self::observe_cut`]). A completed
+    /// probe divides by 8 the weight of the key's cut calls that could
+    /// lift the estimate above the budget it was started with (at least
+    /// `budget / FIT_CAP`): it showed that a call now fits in less, and those cut calls no
+    /// longer shape the fitted tail. A wasted one (cut, or failed) holds the next probe
+    /// back so that wasted probe time stays within `probe_waste_share` of the time that
+    /// passes (plus one burst of `max_probes`).
+    pub fn probe_ended(&mut self, key: &str, end: ProbeEnd, now_ms: i64) {
+        let share = self.cfg.probe_waste_share;
+        let Some(w) = self.keys.get_mut(key) else {
+            return;
+        };
+        w.probes = w.probes.saturating_sub(1);
+        match end {
+            ProbeEnd::Completed { budget_ms } => {
+                // The cut calls that could lift the estimate above that budget: the fit is
+                // capped at FIT_CAP × the largest sample.
+                let suspect = (budget_ms as f64 / FIT_CAP).floor() as u64;
+                let contradicted = (w.samples.iter_mut())
+                    .filter(|s| s.cut && s.duration_ms >= suspect);
+                for s in contradicted {
+                    s.halvings = s.halvings.saturating_add(PROBE_HALVINGS).min(64);
+                }
+            }
+            ProbeEnd::Wasted { duration_ms } => {
+                let hold = duration_ms as f64 * (1.0 - share) / share;
+                let hold = i64::try_from(hold.ceil() as u64).unwrap_or(i64::MAX);
+                w.next_probe_at_ms = w.next_probe_at_ms.max(now_ms).saturating_add(hold);
+            }
+            ProbeEnd::Released => {}
+        }
     }
 
     /// The number of distinct keys held (at most `max_keys`).
@@ -254,34 +465,48 @@ impl ServiceTimes {
         self.keys.len()
     }
 
+    /// The estimate over `window`'s fresh samples; without the cut calls unless
+    /// `with_cut`.
     fn summarize(
         &self,
         window: &VecDeque<Sample>,
         now_ms: i64,
         source: EstimateSource,
+        with_cut: bool,
     ) -> Option<Estimate> {
-        let mut durations: Vec<u64> = window
+        // (duration, weight, contradicted by a probe)
+        let mut samples: Vec<(u64, f64, bool)> = window
             .iter()
-            .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
-            .map(|s| s.duration_ms)
+            .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms) && (with_cut || !s.cut))
+            .map(|s| {
+                let w = self.cfg.recency(s.at_ms, now_ms) * (-f64::from(s.halvings)).exp2();
+                (s.duration_ms, w, s.halvings > 0)
+            })
             .collect();
-        let n = durations.len();
+        let n = samples.len();
         if n < self.cfg.min_samples {
             return None;
         }
-        durations.sort_unstable();
-        let sum: u128 = durations.iter().map(|&d| u128::from(d)).sum();
-        // Rounded to nearest; never above the largest sample, so it fits.
-        let mean = (sum + n as u128 / 2) / n as u128;
-        let empirical = durations[nearest_rank(self.cfg.quantile, n) - 1];
+        samples.sort_unstable_by_key(|&(d, _, _)| d);
+        let total: f64 = samples.iter().map(|&(_, w, _)| w).sum();
+        let mean = samples.iter().map(|&(d, w, _)| d as f64 * w).sum::<f64>() / total;
+        let ranked: Vec<(u64, f64)> = samples.iter().map(|&(d, w, _)| (d, w)).collect();
+        let empirical = weighted_rank(&ranked, self.cfg.quantile, total);
+        // A sample a probe contradicted counts in the rank with its halved weight, but no
+        // longer shapes the fitted tail.
+        let counted: Vec<(u64, f64)> = (samples.iter())
+            .filter(|&&(_, w, contradicted)| w > FORGOTTEN && !contradicted)
+            .map(|&(d, w, _)| (d, w))
+            .collect();
         let fitted = if self.cfg.fit {
-            lognormal_quantile(&durations, self.cfg.quantile)
+            lognormal_quantile(&counted, self.cfg.quantile)
         } else {
             None
         };
         let quantile_ms = match fitted {
             Some(f) => {
-                let cap = durations[n - 1] as f64 * FIT_CAP;
+                let largest = counted.last().map_or(0, |&(d, _)| d);
+                let cap = largest as f64 * FIT_CAP;
                 // Rounded up, with a tolerance for the float error of a constant window's
                 // zero spread; float-to-int casts saturate.
                 empirical.max((f.min(cap) - 1e-6).ceil() as u64)
@@ -290,11 +515,26 @@ impl ServiceTimes {
         };
         Some(Estimate {
             quantile_ms,
-            mean_ms: u64::try_from(mean).unwrap_or(u64::MAX),
+            mean_ms: (mean.round() as u64).min(samples[n - 1].0),
             samples: n,
             source,
         })
     }
+}
+
+/// The weighted nearest rank: the smallest duration whose cumulative weight reaches
+/// `q × total` (`samples` sorted by duration). With equal weights it is the
+/// `⌈q·n⌉`-th smallest, with the same tolerance as [`nearest_rank`].
+fn weighted_rank(samples: &[(u64, f64)], q: f64, total: f64) -> u64 {
+    let target = q * total - 1e-9 * total.max(1.0) / samples.len().max(1) as f64;
+    let mut cum = 0.0;
+    for &(d, w) in samples {
+        cum += w;
+        if cum >= target {
+            return d;
+        }
+    }
+    samples.last().map_or(0, |&(d, _)| d)
 }
 
 /// Append `sample` to a window: stale samples go first, then the oldest while full.
@@ -306,17 +546,26 @@ fn push(window: &mut VecDeque<Sample>, sample: Sample, cfg: &ServiceTimeConfig) 
     window.push_back(sample);
 }
 
-/// The `q`-quantile of the lognormal fitted to `durations` (the mean and the sample
-/// standard deviation of their logarithms; a 0 ms sample counts as 1 ms): `None` with fewer
-/// than two samples or for `q` outside `(0.5, 1)`.
-fn lognormal_quantile(durations: &[u64], q: f64) -> Option<f64> {
-    let n = durations.len();
-    if n < 2 || !(q > 0.5 && q < 1.0) {
+/// The `q`-quantile of the lognormal fitted to the weighted `samples` (the weighted mean
+/// and the unbiased weighted standard deviation of their logarithms; a 0 ms sample counts
+/// as 1 ms): `None` with fewer than two samples or for `q` outside `(0.5, 1)`.
+fn lognormal_quantile(samples: &[(u64, f64)], q: f64) -> Option<f64> {
+    if samples.len() < 2 || !(q > 0.5 && q < 1.0) {
         return None;
     }
-    let logs = || durations.iter().map(|&d| (d.max(1) as f64).ln());
-    let mean = logs().sum::<f64>() / n as f64;
-    let var = logs().map(|x| (x - mean) * (x - mean)).sum::<f64>() / (n - 1) as f64;
+    let ln = |d: u64| (d.max(1) as f64).ln();
+    let w: f64 = samples.iter().map(|&(_, w)| w).sum();
+    let w2: f64 = samples.iter().map(|&(_, w)| w * w).sum();
+    let mean = samples.iter().map(|&(d, x)| x * ln(d)).sum::<f64>() / w;
+    let denom = w - w2 / w;
+    if denom <= 0.0 {
+        return None;
+    }
+    let var = samples
+        .iter()
+        .map(|&(d, x)| x * (ln(d) - mean) * (ln(d) - mean))
+        .sum::<f64>()
+        / denom;
     let f = (mean + standard_normal_quantile(q) * var.sqrt()).exp();
     f.is_finite().then_some(f)
 }
@@ -395,8 +644,10 @@ mod tests {
             quantile,
             min_samples,
             max_age_ms,
-            // The nearest-rank properties below; the fit has its own tests.
+            // The nearest-rank properties below, with equal weights; the fit and the
+            // recency weights have their own tests.
             fit: false,
+            half_life_ms: 0,
             ..ServiceTimeConfig::default()
         }
     }
@@ -497,12 +748,17 @@ mod tests {
             max_age_ms: -3,
             max_keys: 0,
             fit: false,
+            half_life_ms: -1,
+            probe_waste_share: f64::NAN,
+            max_probes: 0,
         }
         .clamped();
         assert_eq!(
             (c.window, c.min_samples, c.max_age_ms, c.max_keys),
             (1, 1, 1, 1)
         );
+        assert_eq!((c.half_life_ms, c.max_probes), (0, 1));
+        assert_eq!(c.probe_waste_share, 0.05);
         assert!(c.quantile > 0.0);
         assert_eq!(cfg(5000, 1.5, 0, 1).clamped().window, MAX_WINDOW);
         assert_eq!(cfg(5000, 1.5, 0, 1).clamped().quantile, 1.0);
@@ -536,7 +792,16 @@ mod tests {
         assert_eq!(st.estimate("summarize|a", 0), None);
         st.observe("summarize|a", 100, 0);
         st.observe("summarize|a", 300, 1);
-        assert_eq!(st.estimate("summarize|a", 2), None);
+        // Too few calls to estimate, but one took 300 ms: a lower bound.
+        assert_eq!(
+            st.estimate("summarize|a", 2),
+            Some(Estimate {
+                quantile_ms: 300,
+                mean_ms: 200,
+                samples: 2,
+                source: EstimateSource::LowerBound
+            })
+        );
         st.observe("summarize|a", 200, 2);
         assert_eq!(
             st.estimate("summarize|a", 2),
@@ -654,12 +919,27 @@ mod tests {
             let expected = if own.len() >= c.min_samples {
                 Some((EstimateSource::Key, own))
             } else if all.len() >= c.min_samples {
-                Some((EstimateSource::AllKeys, all))
+                // The key's own longest call raises the fallback (cold-start bound).
+                let got = st.estimate(KEYS[key], now);
+                prop_assert_eq!(got.map(|e| e.source), Some(EstimateSource::AllKeys));
+                if let Some(&longest) = own.last() {
+                    prop_assert!(got.unwrap().quantile_ms >= longest);
+                }
+                let mut s = all.clone();
+                s.extend(own.iter().copied());
+                s.sort_unstable();
+                prop_assert!(s.contains(&got.unwrap().quantile_ms));
+                None
+            } else if let Some(&longest) = own.last() {
+                // Cold start: the key's longest fresh call is a lower bound.
+                let got = st.estimate(KEYS[key], now);
+                prop_assert_eq!(got.map(|e| (e.source, e.quantile_ms)), Some((EstimateSource::LowerBound, longest)));
+                None
             } else {
+                prop_assert_eq!(st.estimate(KEYS[key], now), None);
                 None
             };
             let got = st.estimate(KEYS[key], now);
-            prop_assert_eq!(got.is_some(), expected.is_some());
             if let (Some(e), Some((source, s))) = (got, expected) {
                 prop_assert_eq!(e.source, source);
                 prop_assert_eq!(e.samples, s.len());
@@ -811,5 +1091,232 @@ mod tests {
                 (p, f) => prop_assert!(false, "one has an estimate: {:?} / {:?}", p, f),
             }
         }
+
+        /// A hang, then recovery (issue #32), on a manual clock: healthy calls, then calls
+        /// cut at the deadline that lift the estimate above every budget, then a healthy
+        /// server again. Jobs refused by the estimate alone run as probes; within 20
+        /// healthy calls the estimate is back within 20% of what the healthy calls alone
+        /// give, and jobs are admitted again.
+        #[test]
+        fn a_hang_then_recovery_unlocks_within_a_few_probes(
+            base in 20u64..400,
+            healthy in proptest::collection::vec(0u64..30, 3..150),
+            cuts in 1usize..9,
+            budget in 1_000u64..5_000,
+            gap in 0i64..200,
+        ) {
+            let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+            let mut clean = ServiceTimes::new(ServiceTimeConfig::default());
+            let key = "summarize|a";
+            let mut now = 0i64;
+            let call = |j: u64| base + base * j / 100; // base .. 1.3 × base
+            for &j in &healthy {
+                now += call(j) as i64 + gap;
+                st.observe(key, call(j), now);
+                clean.observe(key, call(j), now);
+            }
+            // The hang: every call in flight is cut at its deadline.
+            for _ in 0..cuts {
+                now += 10;
+                st.observe_cut(key, budget, now);
+            }
+            let locked = st.estimate(key, now).unwrap().quantile_ms;
+            // Recovery: a job with the full budget arrives after every call; the clock
+            // margin leaves it `room` for the call, less than the cut calls took.
+            let room = budget - 50;
+            let mut admitted_normally = 0;
+            for (i, &j) in healthy.iter().cycle().take(20).enumerate() {
+                let d = call(j);
+                let refused = st.estimate(key, now).is_some_and(|e| e.quantile_ms > room);
+                if refused {
+                    prop_assert!(st.try_probe(key, room, now), "a probe is granted while none runs (call {})", i);
+                } else {
+                    admitted_normally += 1;
+                }
+                now += d as i64;
+                st.observe(key, d, now);
+                clean.observe(key, d, now);
+                if refused {
+                    st.probe_ended(key, ProbeEnd::Completed { budget_ms: room }, now);
+                }
+            }
+            let back = st.estimate(key, now).unwrap().quantile_ms;
+            let healthy_value = clean.estimate(key, now).unwrap().quantile_ms;
+            prop_assert!(back <= room, "still refusing: {} ms", back);
+            prop_assert!(admitted_normally > 0);
+            // A hang that locked the estimate out (it refused every job) leaves no trace
+            // once probes contradicted it. (One that did not lock it out is a tail the
+            // estimate keeps, as it keeps any: nothing refused a job with the room.)
+            if locked > room {
+                prop_assert!(back as f64 <= healthy_value as f64 * 1.2,
+                    "estimate {} ms after recovery, healthy {} ms (locked at {} ms)", back, healthy_value, locked);
+            }
+        }
+
+        /// Probes on a server that stays hung: each is cut, and the pacing keeps the model
+        /// time they waste within `probe_waste_share` of the time that passes (plus one
+        /// probe).
+        #[test]
+        fn probes_on_a_server_that_stays_hung_waste_a_bounded_share(
+            budgets in proptest::collection::vec(100u64..5_000, 1..200),
+            tick in 1i64..500,
+        ) {
+            let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+            let share = st.config().probe_waste_share;
+            let key = "summarize|a";
+            let (mut now, mut wasted, mut longest) = (0i64, 0u64, 0u64);
+            for &b in budgets.iter().cycle().take(2_000) {
+                now += tick;
+                if st.try_probe(key, b, now) {
+                    longest = longest.max(b);
+                    now += b as i64; // cut at the deadline
+                    st.observe_cut(key, b, now);
+                    st.probe_ended(key, ProbeEnd::Wasted { duration_ms: b }, now);
+                    wasted += b;
+                }
+            }
+            // The last probe's hold has not passed yet: one probe more than the share.
+            let allowed = share * now as f64 + longest as f64;
+            prop_assert!(wasted as f64 <= allowed, "wasted {} ms of {} ms", wasted, now);
+        }
+
+        /// Cold start (issue #32): no history, a fixed call time `t`, `slots` slots, jobs
+        /// that arrive with enough budget for a call but may wait for a slot. The elapsed
+        /// time of a running call and the longest ended call count as a lower bound, so no
+        /// call is cut at the deadline (at most one per slot is allowed).
+        #[test]
+        fn cold_start_cuts_at_most_one_call_per_slot(
+            t in 50u64..2_000,
+            slots in 1usize..5,
+            jobs in proptest::collection::vec((0i64..500, 0u64..3_000), 1..60),
+        ) {
+            let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+            let key = "k";
+            let mut free = vec![0i64; slots];
+            let mut running: Vec<(i64, CallToken, u64)> = Vec::new(); // (ends at, token, duration)
+            let (mut arrival, mut cuts) = (0i64, 0usize);
+            for &(gap, extra) in &jobs {
+                arrival += gap;
+                let expires = arrival + (t + extra) as i64;
+                let (i, &at) = free.iter().enumerate().min_by_key(|&(_, f)| *f).unwrap();
+                let start = at.max(arrival);
+                running.sort_by_key(|r| r.0);
+                while running.first().is_some_and(|r| r.0 <= start) {
+                    let (end, token, d) = running.remove(0);
+                    st.call_ended(key, token);
+                    st.observe(key, d, end);
+                }
+                let left = expires - start;
+                let need = st.estimate(key, start).map_or(0, |e| e.quantile_ms as i64);
+                if left <= 0 || left < need {
+                    continue; // refused: the slot stays free
+                }
+                let token = st.call_started(key, start);
+                let d = t.min(left as u64);
+                if d < t {
+                    cuts += 1;
+                }
+                running.push((start + d as i64, token, d));
+                free[i] = start + d as i64;
+            }
+            prop_assert!(cuts <= slots, "{} cuts with {} slots", cuts, slots);
+        }
+    }
+
+    #[test]
+    fn without_probes_a_hang_locks_the_estimate_out() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..40 {
+            st.observe("k", 150, i * 100);
+        }
+        for i in 0..4 {
+            st.observe_cut("k", 3_000, 8_000 + i);
+        }
+        // Healthy again, but nothing runs: the estimate stays above a 3 s budget.
+        assert!(st.estimate("k", 20_000).unwrap().quantile_ms >= 3_000);
+        // The refusal rests on the cut calls alone: a probe may run. Each one that
+        // completes within 2.9 s divides the cut calls' weight by 8; two bring the
+        // estimate back to the healthy calls.
+        for i in 0..2 {
+            assert!(st.try_probe("k", 2_900, 20_000 + i * 200));
+            st.observe("k", 150, 20_150 + i * 200);
+            st.probe_ended("k", ProbeEnd::Completed { budget_ms: 2_900 }, 20_150 + i * 200);
+        }
+        let e = st.estimate("k", 21_500).unwrap();
+        assert_eq!(e.quantile_ms, 150, "{e:?}");
+    }
+
+    #[test]
+    fn a_refusal_that_completed_calls_justify_is_never_probed() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..10 {
+            st.observe("k", 1_000, i * 1_000);
+        }
+        // 600 ms of room for calls that complete in 1 s: no probe, whatever the wait.
+        assert!(!st.try_probe("k", 600, 10_000));
+        assert!(!st.try_probe("k", 600, 500_000));
+        // With room for them it is not a refusal; the estimator grants, the caller asks
+        // only when refused.
+        assert!(st.try_probe("k", 1_000, 10_000));
+    }
+
+    #[test]
+    fn probes_are_bounded_in_flight_and_paced_after_waste() {
+        let c = ServiceTimeConfig::default();
+        let mut st = ServiceTimes::new(c);
+        st.observe_cut("k", 3_000, 0);
+        for _ in 0..c.max_probes {
+            assert!(st.try_probe("k", 2_900, 10));
+        }
+        assert!(!st.try_probe("k", 2_900, 10), "at most max_probes in flight");
+        st.probe_ended("k", ProbeEnd::Released, 20);
+        assert!(st.try_probe("k", 2_900, 20), "a released probe frees its place");
+        // A probe cut after 2 s: 38 s of hold at a 5% share.
+        st.probe_ended("k", ProbeEnd::Wasted { duration_ms: 2_000 }, 2_020);
+        st.probe_ended("k", ProbeEnd::Released, 2_020);
+        assert!(!st.try_probe("k", 2_900, 2_021));
+        assert!(!st.try_probe("k", 2_900, 40_019));
+        assert!(st.try_probe("k", 2_900, 40_020));
+    }
+
+    #[test]
+    fn a_cold_start_counts_the_running_call_and_the_first_ended_one() {
+        // One slot, calls of 1.5 s: B waited for A and has 1 s left when A ends.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        assert_eq!(st.estimate("k", 0), None);
+        let a = st.call_started("k", 0);
+        assert_eq!(st.estimate("k", 1_000).map(|e| e.quantile_ms), Some(1_000));
+        st.call_ended("k", a);
+        st.observe("k", 1_500, 1_500);
+        let e = st.estimate("k", 1_500).unwrap();
+        assert_eq!((e.quantile_ms, e.source), (1_500, EstimateSource::LowerBound));
+    }
+
+    #[test]
+    fn recent_calls_weigh_more() {
+        let c = ServiceTimeConfig {
+            fit: false,
+            half_life_ms: 1_000,
+            ..ServiceTimeConfig::default()
+        };
+        let mut st = ServiceTimes::new(c);
+        // Ten slow calls long ago, then healthy ones: the slow ones' weight has halved
+        // ten times, so the p99 is the healthy calls'.
+        for i in 0..10 {
+            st.observe("k", 2_000, i);
+        }
+        for i in 0..90 {
+            st.observe("k", 100, 10_000 + i);
+        }
+        assert_eq!(st.estimate("k", 10_100).unwrap().quantile_ms, 100);
+        // With equal weights the slow ones would hold the p99.
+        let mut flat = ServiceTimes::new(ServiceTimeConfig { half_life_ms: 0, ..c });
+        for i in 0..10 {
+            flat.observe("k", 2_000, i);
+        }
+        for i in 0..90 {
+            flat.observe("k", 100, 10_000 + i);
+        }
+        assert_eq!(flat.estimate("k", 10_100).unwrap().quantile_ms, 2_000);
     }
 }

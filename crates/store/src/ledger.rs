@@ -382,7 +382,7 @@ const SELECT_RECENT_MIN_RUNTIME: &str = "SELECT min_runtime_ms FROM jobs \
      AND min_runtime_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 1";
 /// The newest model calls of one backend whose duration is known: completed ones, and
 /// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
-const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms FROM jobs \
+const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, state FROM jobs \
      WHERE recorded_at_ms >= $1 AND backend = $2 AND latency_ms IS NOT NULL \
      AND (state = 'completed' OR (state = 'deadline_exceeded' AND reason = 'cancelled_at_deadline')) \
      ORDER BY recorded_at_ms DESC LIMIT $3";
@@ -1088,6 +1088,7 @@ impl Ledger {
                                 kind: r.try_get(0)?,
                                 latency_ms: u64::try_from(r.try_get::<i64, _>(1)?).unwrap_or(0),
                                 recorded_at_ms: r.try_get(2)?,
+                                cut: r.try_get::<String, _>(3)? == "deadline_exceeded",
                             })
                         })
                         .collect()

@@ -177,6 +177,8 @@ pub struct RecordedCall {
     /// How long the call took (`latency_ms`); for a call cut at the deadline, a lower bound.
     pub latency_ms: u64,
     pub recorded_at_ms: i64,
+    /// Cut at the deadline (`deadline_exceeded`): `latency_ms` is a lower bound.
+    pub cut: bool,
 }
 
 /// What the worker needs to know about a job when a delivery arrives.

@@ -8,7 +8,7 @@ use crate::stats::WorkerStats;
 use crate::store_retry::StoreHealth;
 use lastcall_backend::{Backend, CancellationToken};
 use lastcall_broker::Publisher;
-use lastcall_core::service_time::{Estimate, ServiceTimes};
+use lastcall_core::service_time::{CallToken, Estimate, ProbeEnd, ServiceTimes};
 use lastcall_store::Ledger;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -44,8 +44,9 @@ pub(crate) struct Ctx {
     /// them (after a reconnect) waits for that call to settle instead of calling again.
     pub(crate) in_flight: Mutex<HashMap<String, watch::Receiver<()>>>,
     /// Learned model call durations per `kind|backend` ([`ServiceTimes`]): the admission
-    /// rule's minimum useful runtime when a job sets none, and the expected wait.
-    pub(crate) service: Mutex<ServiceTimes>,
+    /// rule's minimum useful runtime when a job sets none, and the expected wait; also the
+    /// calls in flight (cold start) and the probes ([`Probe`]).
+    pub(crate) service: Arc<Mutex<ServiceTimes>>,
     /// Outcome events, published after each durable terminal outcome (best-effort).
     pub(crate) events: lastcall_broker::EventSink,
     /// Token deltas of streaming calls, to each job's `reply_to` (best-effort, bounded).
@@ -100,7 +101,10 @@ impl Ctx {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             for c in &calls {
                 let key = self.service_key(&c.kind);
-                service.observe(&key, c.latency_ms, c.recorded_at_ms.min(now));
+                match c.cut {
+                    true => service.observe_cut(&key, c.latency_ms, c.recorded_at_ms.min(now)),
+                    false => service.observe(&key, c.latency_ms, c.recorded_at_ms.min(now)),
+                }
                 kinds.insert(c.kind.as_str());
             }
         }
@@ -134,12 +138,52 @@ impl Ctx {
         }
     }
 
-    /// One call of `kind` took `ms` (completed, or cut at the deadline: a lower bound).
-    pub(crate) fn observe_call(&self, kind: &str, ms: i64, now_ms: i64) {
+    /// A call of `kind` starts now: while it runs, its elapsed time is a lower bound on the
+    /// call time of a kind with too few ended calls (cold start).
+    pub(crate) fn call_started(&self, kind: &str) -> CallToken {
+        let key = self.service_key(kind);
+        let now = self.clock.now_ms();
+        let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.call_started(&key, now)
+    }
+
+    /// The call of `token` has ended (its duration is observed separately).
+    pub(crate) fn call_ended(&self, kind: &str, token: CallToken) {
+        let key = self.service_key(kind);
+        let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.call_ended(&key, token);
+    }
+
+    /// The learned estimate refuses a job of `kind` with `room_ms` for its call although a
+    /// slot is free: run it as a probe, without the estimate, if the estimator allows one
+    /// now (the refusal rests on cut calls, and the probe pacing).
+    pub(crate) fn try_probe(&self, kind: &str, room_ms: u64, now_ms: i64) -> Option<Probe> {
+        let key = self.service_key(kind);
+        let granted = {
+            let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+            service.try_probe(&key, room_ms, now_ms)
+        };
+        granted.then(|| {
+            WorkerStats::inc(&self.stats.probes);
+            tracing::info!(kind, "the learned call time refuses this job while a slot is free: running it as a probe");
+            Probe {
+                service: self.service.clone(),
+                clock: self.clock.clone(),
+                key,
+                ended: false,
+            }
+        })
+    }
+
+    /// One call of `kind` took `ms`: completed, or `cut` at the deadline (a lower bound).
+    pub(crate) fn observe_call(&self, kind: &str, ms: i64, cut: bool, now_ms: i64) {
         let key = self.service_key(kind);
         let estimate = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-            service.observe(&key, ms.max(0) as u64, now_ms);
+            match cut {
+                true => service.observe_cut(&key, ms.max(0) as u64, now_ms),
+                false => service.observe(&key, ms.max(0) as u64, now_ms),
+            }
             service.estimate(&key, now_ms)
         };
         if let Some(e) = estimate {
@@ -245,5 +289,38 @@ impl Drop for CancelGuard {
                 map.remove(&self.id);
             }
         }
+    }
+}
+
+/// A probe call (half-open): a job the learned estimate refused while a slot was free,
+/// run without the estimate so that a stale estimate (a hang, a transient slowness) can be
+/// found out ([`ServiceTimes::try_probe`]). Its end goes back to the estimator; dropped
+/// without an end (the job ended before its call), it is released.
+pub(crate) struct Probe {
+    service: Arc<Mutex<ServiceTimes>>,
+    clock: Arc<dyn Clock>,
+    key: String,
+    ended: bool,
+}
+
+impl Probe {
+    /// The probe's call ended: `end` says how.
+    pub(crate) fn end(mut self, end: ProbeEnd) {
+        self.finish(end);
+    }
+
+    fn finish(&mut self, end: ProbeEnd) {
+        if std::mem::replace(&mut self.ended, true) {
+            return;
+        }
+        let now = self.clock.now_ms();
+        let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.probe_ended(&self.key, end, now);
+    }
+}
+
+impl Drop for Probe {
+    fn drop(&mut self) {
+        self.finish(ProbeEnd::Released);
     }
 }

@@ -150,7 +150,9 @@ impl Worker {
         let names_events = cfg.topology.names.events_exchange.clone();
         let ctx = Ctx {
             door,
-            service: std::sync::Mutex::new(ServiceTimes::new(ServiceTimeConfig::default())),
+            service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(
+                ServiceTimeConfig::default(),
+            ))),
             in_flight: std::sync::Mutex::default(),
             slots: Arc::new(Slots::new(cfg.slots.max(1), cfg.buffer_order)),
             cfg,

@@ -27,6 +27,8 @@ pub struct WorkerStats {
     pub buffered_bytes: AtomicI64,
     /// Model calls started.
     pub backend_calls: AtomicU64,
+    /// Jobs run as probes: the learned call time refused them while a slot was free.
+    pub probes: AtomicU64,
     /// Terminal outcomes recorded by this worker, by state.
     pub completed: AtomicU64,
     pub failed: AtomicU64,
@@ -365,7 +367,7 @@ impl Collector for WorkerCollector {
 
 /// The worker's plain counters (`lastcall_worker_*_total`).
 fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
-    let counters: [(&str, &AtomicU64, &str); 8] = [
+    let counters: [(&str, &AtomicU64, &str); 9] = [
         (
             "lastcall_worker_reconnects",
             &w.reconnects,
@@ -380,6 +382,11 @@ fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
             "lastcall_worker_backend_calls",
             &w.backend_calls,
             "Model calls started",
+        ),
+        (
+            "lastcall_worker_probes",
+            &w.probes,
+            "Jobs run as probes (the learned call time refused them while a slot was free)",
         ),
         (
             "lastcall_worker_retries",

@@ -48,6 +48,7 @@ pub(crate) async fn call_backend(
         timeout: Duration::from_millis(budget_ms),
     };
     let t0 = Instant::now();
+    let token = ctx.call_started(env.kind().as_str());
     let fut = match stream {
         Some(s) => ctx.backend.call_streaming(req, cancel.clone(), s.deltas()),
         None => ctx.backend.call(req, cancel.clone()),
@@ -79,6 +80,7 @@ pub(crate) async fn call_backend(
         }
     };
     call.latency_ms = t0.elapsed().as_millis() as i64;
+    ctx.call_ended(env.kind().as_str(), token);
     call
 }
 

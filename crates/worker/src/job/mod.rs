@@ -51,6 +51,36 @@ pub(crate) struct Job {
     note: Option<String>,
     /// Model calls of earlier deliveries of this job (the ledger's count at receipt).
     prior_starts: u32,
+    /// Set when the job runs as a probe: the learned estimate refused it while a slot was
+    /// free ([`crate::ctx::Probe`]); its checks then use the floor, not the estimate.
+    probe: Option<crate::ctx::Probe>,
+}
+
+impl Job {
+    /// The learned call time that applies to this job: none for a probe.
+    fn learned(&self, ctx: &Ctx, kind: &str, now_ms: i64) -> Option<Estimate> {
+        match self.probe {
+            Some(_) => None,
+            None => ctx.learned(kind, now_ms),
+        }
+    }
+
+    /// The learned estimate alone refuses this job now, and a slot is free (`slot_free`):
+    /// run it as a probe if the estimator allows one. Returns the estimate that applies.
+    fn maybe_probe(
+        &mut self,
+        ctx: &Ctx,
+        env: &Envelope,
+        learned: Option<Estimate>,
+        slot_free: bool,
+        now_ms: i64,
+    ) -> Option<Estimate> {
+        let room = (ctx.cfg.policy).refused_by_learned(env, learned.map(|e| e.quantile_ms), now_ms);
+        if let Some(room) = room.filter(|_| self.probe.is_none() && slot_free) {
+            self.probe = ctx.try_probe(env.kind().as_str(), room, now_ms);
+        }
+        if self.probe.is_some() { None } else { learned }
+    }
 }
 
 /// One delivery, from receipt to its settlement.
@@ -98,6 +128,7 @@ pub(crate) async fn handle(
         id: job_id.to_string(),
         note: None,
         prior_starts: 0,
+        probe: None,
     };
     drive(ctx, job, received).instrument(span).await;
 }
@@ -131,7 +162,7 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut received: Received) {
         }
         // The store write took time: the core checks again so the call truly starts in time.
         let now = ctx.clock.now_ms();
-        let learned = ctx.learned(admitted.env().kind().as_str(), now);
+        let learned = job.learned(&ctx, admitted.env().kind().as_str(), now);
         let admitted = if job.lost.is_cancelled() {
             admitted.channel_lost()
         } else {
@@ -188,7 +219,11 @@ async fn look_up(
     };
     job.prior_starts = info.prior_starts;
     let env = received.parsed().as_ref().ok();
-    let learned = env.and_then(|e| ctx.learned(e.kind().as_str(), received.facts().received_at_ms));
+    let at = received.facts().received_at_ms;
+    let learned = env.and_then(|e| {
+        let learned = job.learned(ctx, e.kind().as_str(), at);
+        job.maybe_probe(ctx, e, learned, ctx.slots.available() > 0, at)
+    });
     let facts = ReceiptFacts {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,

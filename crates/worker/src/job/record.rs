@@ -94,6 +94,7 @@ pub(crate) fn learned_note(
                 match e.source {
                     EstimateSource::Key => "this kind",
                     EstimateSource::AllKeys => "all kinds, none yet of this one",
+                    EstimateSource::LowerBound => "too few calls yet: the longest so far, ended or running",
                 }
             )
         })

@@ -9,6 +9,7 @@ use crate::slots::SlotPermit;
 use crate::stats::WorkerStats;
 use lastcall_broker::PublishProps;
 use lastcall_core::CallResult;
+use lastcall_core::service_time::ProbeEnd;
 use lastcall_core::delivery::{Calling, Finish, PublishFailed, Publishing, Recording, Settle};
 use lastcall_store::LedgerWrite;
 use std::sync::atomic::Ordering;
@@ -16,7 +17,7 @@ use std::sync::atomic::Ordering;
 /// Call the model with the budget the core gave, then settle what it decides.
 pub(crate) async fn call_and_settle(
     ctx: &Ctx,
-    job: Job,
+    mut job: Job,
     c: Calling,
     permit: SlotPermit,
     cancel: &CancelGuard,
@@ -41,6 +42,7 @@ pub(crate) async fn call_and_settle(
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
     drop(permit);
     let kind = c.env().kind().as_str().to_owned();
+    let c_budget_ms = c.budget_ms();
     let c = if job.lost.is_cancelled() {
         c.channel_lost()
     } else {
@@ -57,7 +59,19 @@ pub(crate) async fn call_and_settle(
         CallResult::Completed | CallResult::DeadlineExceeded
     ) {
         // A failed call says nothing about how long a useful one takes.
-        ctx.observe_call(&kind, call.latency_ms, now);
+        let cut = call.result == CallResult::DeadlineExceeded;
+        ctx.observe_call(&kind, call.latency_ms, cut, now);
+    }
+    if let Some(probe) = job.probe.take() {
+        probe.end(match &call.result {
+            CallResult::Completed => ProbeEnd::Completed {
+                budget_ms: c_budget_ms,
+            },
+            CallResult::DeadlineExceeded | CallResult::Failed { .. } => ProbeEnd::Wasted {
+                duration_ms: call.latency_ms.max(0) as u64,
+            },
+            _ => ProbeEnd::Released,
+        });
     }
     if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
         let m = &ctx.stats.metrics;

@@ -53,7 +53,9 @@ pub(crate) async fn for_slot(
             ClockState::Untrusted
         };
         let now = ctx.clock.now_ms();
-        let learned = ctx.learned(w.env().kind().as_str(), now);
+        let learned = job.learned(ctx, w.env().kind().as_str(), now);
+        // This job holds a free slot: if the estimate alone refuses it, it may probe.
+        let learned = job.maybe_probe(ctx, w.env(), learned, true, now);
         let received_at_ms = w.facts().received_at_ms;
         let admission = w.slot_granted(clock, &ctx.cfg.policy, learned.map(|e| e.quantile_ms), now);
         if clock == ClockState::Trusted {
@@ -109,7 +111,7 @@ async fn buffered(
     let end = loop {
         let now = ctx.clock.now_ms();
         let latest =
-            waiting.latest_start_ms(policy, ctx.learned(&kind, now).map(|e| e.quantile_ms));
+            waiting.latest_start_ms(policy, job.learned(ctx, &kind, now).map(|e| e.quantile_ms));
         let until = Duration::from_millis((latest.unwrap_or(now) - now).max(0) as u64 + 1);
         tokio::select! {
             p = &mut acquire => break Slotted::Slot(waiting, p),
@@ -118,7 +120,7 @@ async fn buffered(
             _ = cancel.token.cancelled() => break Slotted::Settle(waiting.cancel()),
             _ = tokio::time::sleep(until), if latest.is_some() => {
                 let now = ctx.clock.now_ms();
-                let learned = ctx.learned(&kind, now);
+                let learned = job.learned(ctx, &kind, now);
                 match waiting.latest_start_reached(policy, learned.map(|e| e.quantile_ms), now) {
                     // Still admissible (the estimate changed): keep waiting.
                     WaitTick::Keep(w) => waiting = w,
@@ -148,7 +150,7 @@ async fn for_clock(ctx: &Ctx, job: &Job, mut c: ClockWait) -> Result<Waiting, Wa
     WorkerStats::add(&ctx.stats.waiting, 1);
     let end = loop {
         let now = ctx.clock.now_ms();
-        let learned = ctx.learned(&kind, now).map(|e| e.quantile_ms);
+        let learned = job.learned(ctx, &kind, now).map(|e| e.quantile_ms);
         c = match c.tick(&ctx.cfg.policy, learned, now) {
             ClockTick::Keep(c) => c,
             ClockTick::Settle(s) => break Err(Waited::Settle(s)),
