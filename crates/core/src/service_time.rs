@@ -361,7 +361,8 @@ impl ServiceTimes {
     /// caller uses its configured floor.
     pub fn estimate(&self, key: &str, now_ms: i64) -> Option<Estimate> {
         let own = self.keys.get(key);
-        if let Some(e) = own.and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, true))
+        if let Some(e) =
+            own.and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, true))
         {
             return Some(e);
         }
@@ -404,8 +405,9 @@ impl ServiceTimes {
     /// although a slot is free: may it run as a *probe* (half-open), to find out whether
     /// the estimate is stale? Only when the refusal rests on calls cut at the deadline
     /// (censored observations: the completed calls alone, if enough, would admit it), when
-    /// fewer than `max_probes` probes of the key are in flight, and when the waste pacing
-    /// allows one at `now_ms`. The caller then admits the job without the learned estimate
+    /// no call of the key has been running for over `FIT_CAP` × what the completed calls
+    /// take (the server looks stuck now), when fewer than `max_probes` probes of the key
+    /// are in flight, and when the waste pacing allows one at `now_ms`. The caller then admits the job without the learned estimate
     /// (its other checks still apply) and reports its end with [`Self::probe_ended`].
     /// Without probes, an estimate inflated by a hang refuses every job, and nothing new
     /// is ever learned. A refusal that completed calls justify is never probed: the
@@ -414,6 +416,15 @@ impl ServiceTimes {
         let completed = (self.keys.get(key))
             .and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, false));
         if completed.is_some_and(|e| e.quantile_ms > room_ms) {
+            return false;
+        }
+        // A call of the key still running well past what completed calls take: the server
+        // is likely stuck now, and a probe would only wait with it.
+        let overdue = completed.map_or(room_ms, |e| e.quantile_ms.saturating_mul(FIT_CAP as u64));
+        let stuck = (self.keys.get(key)).is_some_and(|w| {
+            (w.running.values()).any(|&t| now_ms.saturating_sub(t) > overdue as i64)
+        });
+        if stuck {
             return false;
         }
         let max = self.cfg.max_probes;
@@ -445,8 +456,8 @@ impl ServiceTimes {
                 // The cut calls that could lift the estimate above that budget: the fit is
                 // capped at FIT_CAP × the largest sample.
                 let suspect = (budget_ms as f64 / FIT_CAP).floor() as u64;
-                let contradicted = (w.samples.iter_mut())
-                    .filter(|s| s.cut && s.duration_ms >= suspect);
+                let contradicted =
+                    (w.samples.iter_mut()).filter(|s| s.cut && s.duration_ms >= suspect);
                 for s in contradicted {
                     s.halvings = s.halvings.saturating_add(PROBE_HALVINGS).min(64);
                 }
@@ -1240,10 +1251,30 @@ mod tests {
         for i in 0..2 {
             assert!(st.try_probe("k", 2_900, 20_000 + i * 200));
             st.observe("k", 150, 20_150 + i * 200);
-            st.probe_ended("k", ProbeEnd::Completed { budget_ms: 2_900 }, 20_150 + i * 200);
+            st.probe_ended(
+                "k",
+                ProbeEnd::Completed { budget_ms: 2_900 },
+                20_150 + i * 200,
+            );
         }
         let e = st.estimate("k", 21_500).unwrap();
         assert_eq!(e.quantile_ms, 150, "{e:?}");
+    }
+
+    #[test]
+    fn no_probe_while_a_call_runs_far_longer_than_completed_calls_take() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..10 {
+            st.observe("k", 100, i * 100);
+        }
+        st.observe_cut("k", 3_000, 2_000);
+        let hung = st.call_started("k", 2_000);
+        assert!(
+            !st.try_probe("k", 2_900, 2_500),
+            "a call has run 500 ms, calls take 100"
+        );
+        st.call_ended("k", hung);
+        assert!(st.try_probe("k", 2_900, 2_500));
     }
 
     #[test]
@@ -1268,9 +1299,15 @@ mod tests {
         for _ in 0..c.max_probes {
             assert!(st.try_probe("k", 2_900, 10));
         }
-        assert!(!st.try_probe("k", 2_900, 10), "at most max_probes in flight");
+        assert!(
+            !st.try_probe("k", 2_900, 10),
+            "at most max_probes in flight"
+        );
         st.probe_ended("k", ProbeEnd::Released, 20);
-        assert!(st.try_probe("k", 2_900, 20), "a released probe frees its place");
+        assert!(
+            st.try_probe("k", 2_900, 20),
+            "a released probe frees its place"
+        );
         // A probe cut after 2 s: 38 s of hold at a 5% share.
         st.probe_ended("k", ProbeEnd::Wasted { duration_ms: 2_000 }, 2_020);
         st.probe_ended("k", ProbeEnd::Released, 2_020);
@@ -1289,7 +1326,10 @@ mod tests {
         st.call_ended("k", a);
         st.observe("k", 1_500, 1_500);
         let e = st.estimate("k", 1_500).unwrap();
-        assert_eq!((e.quantile_ms, e.source), (1_500, EstimateSource::LowerBound));
+        assert_eq!(
+            (e.quantile_ms, e.source),
+            (1_500, EstimateSource::LowerBound)
+        );
     }
 
     #[test]
@@ -1310,7 +1350,10 @@ mod tests {
         }
         assert_eq!(st.estimate("k", 10_100).unwrap().quantile_ms, 100);
         // With equal weights the slow ones would hold the p99.
-        let mut flat = ServiceTimes::new(ServiceTimeConfig { half_life_ms: 0, ..c });
+        let mut flat = ServiceTimes::new(ServiceTimeConfig {
+            half_life_ms: 0,
+            ..c
+        });
         for i in 0..10 {
             flat.observe("k", 2_000, i);
         }

@@ -1992,16 +1992,17 @@ async fn recent_calls_are_the_durations_a_starting_worker_learns_from(db: &TestD
         assert!(l.record_terminal(r).await.unwrap(), "{}", r.job_id);
     }
     let got = l.recent_calls("sim", 5_000, 100).await.unwrap();
-    let seen: Vec<(&str, u64, i64)> = got
+    let seen: Vec<(&str, u64, i64, bool)> = got
         .iter()
-        .map(|c| (c.kind.as_str(), c.latency_ms, c.recorded_at_ms))
+        .map(|c| (c.kind.as_str(), c.latency_ms, c.recorded_at_ms, c.cut))
         .collect();
+    // The call cut at the deadline says so: its duration is a lower bound.
     assert_eq!(
         seen,
         vec![
-            ("kind-a", 200, 10_000),
-            ("kind-b", 300, 11_000),
-            ("kind-c", 210, 12_000)
+            ("kind-a", 200, 10_000, false),
+            ("kind-b", 300, 11_000, true),
+            ("kind-c", 210, 12_000, false)
         ]
     );
     // The limit keeps the newest, still oldest first.

@@ -165,7 +165,10 @@ impl Ctx {
         };
         granted.then(|| {
             WorkerStats::inc(&self.stats.probes);
-            tracing::info!(kind, "the learned call time refuses this job while a slot is free: running it as a probe");
+            tracing::info!(
+                kind,
+                "the learned call time refuses this job while a slot is free: running it as a probe"
+            );
             Probe {
                 service: self.service.clone(),
                 clock: self.clock.clone(),

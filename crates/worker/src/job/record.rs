@@ -94,7 +94,8 @@ pub(crate) fn learned_note(
                 match e.source {
                     EstimateSource::Key => "this kind",
                     EstimateSource::AllKeys => "all kinds, none yet of this one",
-                    EstimateSource::LowerBound => "too few calls yet: the longest so far, ended or running",
+                    EstimateSource::LowerBound =>
+                        "too few calls yet: the longest so far, ended or running",
                 }
             )
         })

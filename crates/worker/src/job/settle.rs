@@ -9,8 +9,8 @@ use crate::slots::SlotPermit;
 use crate::stats::WorkerStats;
 use lastcall_broker::PublishProps;
 use lastcall_core::CallResult;
-use lastcall_core::service_time::ProbeEnd;
 use lastcall_core::delivery::{Calling, Finish, PublishFailed, Publishing, Recording, Settle};
+use lastcall_core::service_time::ProbeEnd;
 use lastcall_store::LedgerWrite;
 use std::sync::atomic::Ordering;
 
