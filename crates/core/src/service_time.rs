@@ -56,6 +56,22 @@
 //! - **Bounded memory**: keys come from producers, so their number is bounded by
 //!   `max_keys`; a new key beyond it evicts the key observed least recently. Each key
 //!   holds at most `window` samples.
+//! - **It cannot lock itself out** (issue #32). A call cut at the deadline is a censored
+//!   observation ([`ServiceTimes::observe_cut`]): counted at its duration, the lower
+//!   bound. After a hang those cut calls lift the p99 above every budget, and then nothing
+//!   runs, so nothing new is learned. So a job that the cut calls alone refuse (the
+//!   completed ones would admit it) may run as a *probe* while a slot is free
+//!   ([`ServiceTimes::try_probe`]); a probe that completes divides the weight of the cut
+//!   calls it contradicts by 8 and takes them out of the fit, and wasted probes are paced
+//!   to at most `probe_waste_share` (5%) of the time that passes. A refusal that completed
+//!   calls justify is never probed. Failed calls are never observed.
+//! - **Recent calls weigh more**: a sample's weight halves every `half_life_ms` (60 s)
+//!   of its age; the quantile is the weighted nearest rank, and the fit is weighted too.
+//!   With equal weights (`half_life_ms = 0`) it is the plain nearest rank.
+//! - **Cold start**: with fewer than `min_samples` calls of a key, its longest fresh call,
+//!   ended or still running ([`ServiceTimes::call_started`]), is a lower bound
+//!   ([`EstimateSource::LowerBound`]); with a fixed call time, at most one call per slot
+//!   is cut before the estimate holds (property-tested).
 //! - **No clock**: like the rest of the crate, every function takes `now_ms`.
 
 use std::collections::{HashMap, VecDeque};
