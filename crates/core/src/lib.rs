@@ -39,6 +39,7 @@ pub mod ids;
 pub mod outcome;
 pub mod reason;
 pub mod report;
+pub mod request_size;
 pub mod retry;
 pub mod service_time;
 pub mod signature;

@@ -74,6 +74,7 @@
 //!   is cut before the estimate holds (property-tested).
 //! - **No clock**: like the rest of the crate, every function takes `now_ms`.
 
+use crate::request_size::RequestSize;
 use std::collections::{HashMap, VecDeque};
 
 /// The largest `window` accepted: beyond it the per-estimate sort stops being trivially
@@ -235,6 +236,8 @@ struct Sample {
     duration_ms: u64,
     /// Cut at the deadline: the call time is at least `duration_ms` (censored).
     cut: bool,
+    /// The request's size ([`RequestSize::features`]), when known.
+    size: Option<[f64; 2]>,
     /// How many completed probes showed since that calls fit in less: the weight is
     /// multiplied by `2^-halvings`.
     halvings: u8,
@@ -305,7 +308,22 @@ impl ServiceTimes {
     /// server's side (connect error, 5xx, 429, reset) says nothing about how long a useful
     /// call takes: do not record it.
     pub fn observe(&mut self, key: &str, duration_ms: u64, now_ms: i64) {
-        self.push_sample(key, duration_ms, false, now_ms);
+        self.push_sample(key, duration_ms, false, None, now_ms);
+    }
+
+    /// Record one call of a request of `size` (completed, or `cut` at the deadline), for
+    /// the request-aware estimate ([`Self::estimate_for`]); it counts in the per-key
+    /// estimate as [`Self::observe`] / [`Self::observe_cut`] do.
+    pub fn observe_request(
+        &mut self,
+        key: &str,
+        duration_ms: u64,
+        cut: bool,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) {
+        let size = size.map(|s| s.features());
+        self.push_sample(key, duration_ms, cut, size, now_ms);
     }
 
     /// Record one call under `key` that was cut at the deadline after `duration_ms`: a
@@ -314,15 +332,23 @@ impl ServiceTimes {
     /// than every budget); a refusal that rests on such observations alone may be probed
     /// ([`Self::try_probe`]), and a probe that completes contradicts them.
     pub fn observe_cut(&mut self, key: &str, duration_ms: u64, now_ms: i64) {
-        self.push_sample(key, duration_ms, true, now_ms);
+        self.push_sample(key, duration_ms, true, None, now_ms);
     }
 
-    fn push_sample(&mut self, key: &str, duration_ms: u64, cut: bool, now_ms: i64) {
+    fn push_sample(
+        &mut self,
+        key: &str,
+        duration_ms: u64,
+        cut: bool,
+        size: Option<[f64; 2]>,
+        now_ms: i64,
+    ) {
         self.observations += 1;
         let sample = Sample {
             at_ms: now_ms,
             duration_ms,
             cut,
+            size,
             halvings: 0,
         };
         push(&mut self.all, sample, &self.cfg);
@@ -392,6 +418,87 @@ impl ServiceTimes {
             (Some(a), _) => Some(a),
             (None, b) => b,
         }
+    }
+
+    /// The estimate for a request of `size` of `key` at `now_ms` (issue #31): when the
+    /// key's own window holds at least [`MIN_SIZED`] fresh completed calls of known size,
+    /// the call time is fitted as `a + b·prompt_tokens + c·max_tokens` (weighted least
+    /// squares over the completed calls; `b, c ≥ 0`, so the estimate never falls as the
+    /// request grows; a size that never varies drops out), and the estimate is that
+    /// prediction × the configured quantile of the observed ÷ predicted ratios (weighted,
+    /// cut calls at their lower bound, and with the lognormal fit as for durations).
+    /// With every request of one size it is the per-key [`Self::estimate`] (to a
+    /// millisecond of rounding). Otherwise (no size, too few sized calls, a cold start or a
+    /// fallback) it is [`Self::estimate`].
+    pub fn estimate_for(
+        &self,
+        key: &str,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) -> Option<Estimate> {
+        let base = self.estimate(key, now_ms);
+        let (Some(size), Some(w)) = (size, self.keys.get(key)) else {
+            return base;
+        };
+        if base.map(|e| e.source) != Some(EstimateSource::Key) {
+            return base;
+        }
+        self.sized(w, size.features(), now_ms).or(base)
+    }
+
+    fn sized(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<Estimate> {
+        // (size, duration, weight, cut, contradicted)
+        let rows: Vec<([f64; 2], f64, f64, bool, bool)> = (w.samples.iter())
+            .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
+            .filter_map(|s| {
+                let wt = self.cfg.recency(s.at_ms, now_ms) * (-f64::from(s.halvings)).exp2();
+                Some((
+                    s.size?,
+                    s.duration_ms.max(1) as f64,
+                    wt,
+                    s.cut,
+                    s.halvings > 0,
+                ))
+            })
+            .collect();
+        let fit_rows: Vec<([f64; 2], f64, f64)> = (rows.iter())
+            .filter(|r| !r.3 && !r.4 && r.2 > FORGOTTEN)
+            .map(|r| (r.0, r.1, r.2))
+            .collect();
+        if fit_rows.len() < MIN_SIZED.max(self.cfg.min_samples) {
+            return None;
+        }
+        let model = CallModel::fit(&fit_rows);
+        let mut ratios: Vec<(f64, f64, bool)> = (rows.iter())
+            .map(|r| (r.1 / model.predict(r.0), r.2, r.4))
+            .collect();
+        ratios.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
+        let total: f64 = ratios.iter().map(|r| r.1).sum();
+        let ranked: Vec<(f64, f64)> = ratios.iter().map(|r| (r.0, r.1)).collect();
+        let empirical = weighted_rank_f(&ranked, self.cfg.quantile, total);
+        let counted: Vec<(f64, f64)> = (ratios.iter())
+            .filter(|r| r.1 > FORGOTTEN && !r.2)
+            .map(|r| (r.0, r.1))
+            .collect();
+        let q = match self
+            .cfg
+            .fit
+            .then(|| lognormal_quantile_f(&counted, self.cfg.quantile))
+        {
+            Some(Some(f)) => {
+                let largest = counted.iter().map(|r| r.0).fold(0.0, f64::max);
+                empirical.max(f.min(largest * FIT_CAP))
+            }
+            _ => empirical,
+        };
+        let mean = ratios.iter().map(|r| r.0 * r.1).sum::<f64>() / total;
+        let predicted = model.predict(job);
+        Some(Estimate {
+            quantile_ms: (predicted * q - 1e-6).ceil().max(0.0) as u64,
+            mean_ms: (predicted * mean).round().max(0.0) as u64,
+            samples: rows.len(),
+            source: EstimateSource::Key,
+        })
     }
 
     /// The cold-start bound of a key's window: its longest fresh call (ended or cut) and the
@@ -549,6 +656,90 @@ impl ServiceTimes {
     }
 }
 
+/// [`weighted_rank`] over reals.
+fn weighted_rank_f(samples: &[(f64, f64)], q: f64, total: f64) -> f64 {
+    let target = q * total - 1e-9 * total.max(1.0) / samples.len().max(1) as f64;
+    let mut cum = 0.0;
+    for &(d, w) in samples {
+        cum += w;
+        if cum >= target {
+            return d;
+        }
+    }
+    samples.last().map_or(0.0, |&(d, _)| d)
+}
+
+/// The fewest completed calls of known size the request-aware fit needs
+/// ([`ServiceTimes::estimate_for`]).
+pub const MIN_SIZED: usize = 8;
+
+/// A call time linear in the request's size: `a + b·x₀ + c·x₁`, with `b, c ≥ 0`.
+#[derive(Debug, Clone, Copy)]
+struct CallModel {
+    intercept: f64,
+    slopes: [f64; 2],
+}
+
+impl CallModel {
+    /// Weighted least squares over `(size, duration, weight)`; a feature whose weighted
+    /// variance is (near) zero, or whose slope comes out negative, is dropped and the rest
+    /// refitted.
+    fn fit(rows: &[([f64; 2], f64, f64)]) -> Self {
+        let w: f64 = rows.iter().map(|r| r.2).sum();
+        let mean = |f: &dyn Fn(&([f64; 2], f64, f64)) -> f64| {
+            rows.iter().map(|r| r.2 * f(r)).sum::<f64>() / w
+        };
+        let xm = [mean(&|r| r.0[0]), mean(&|r| r.0[1])];
+        let dm = mean(&|r| r.1);
+        let cov = |i: usize, j: usize| {
+            rows.iter()
+                .map(|r| r.2 * (r.0[i] - xm[i]) * (r.0[j] - xm[j]))
+                .sum::<f64>()
+        };
+        let cxd = |i: usize| {
+            rows.iter()
+                .map(|r| r.2 * (r.0[i] - xm[i]) * (r.1 - dm))
+                .sum::<f64>()
+        };
+        let mut active = [cov(0, 0) > 1e-9 * w, cov(1, 1) > 1e-9 * w];
+        let mut slopes = [0.0; 2];
+        for _ in 0..3 {
+            slopes = match active {
+                [true, true] => {
+                    let (a, b, c) = (cov(0, 0), cov(0, 1), cov(1, 1));
+                    let det = a * c - b * b;
+                    if det.abs() <= 1e-12 * a * c {
+                        // Collinear: keep the prompt.
+                        active[1] = false;
+                        continue;
+                    }
+                    let (y0, y1) = (cxd(0), cxd(1));
+                    [(c * y0 - b * y1) / det, (a * y1 - b * y0) / det]
+                }
+                [true, false] => [cxd(0) / cov(0, 0), 0.0],
+                [false, true] => [0.0, cxd(1) / cov(1, 1)],
+                [false, false] => [0.0, 0.0],
+            };
+            let negative = [slopes[0] < 0.0, slopes[1] < 0.0];
+            if !negative[0] && !negative[1] {
+                break;
+            }
+            active = [active[0] && !negative[0], active[1] && !negative[1]];
+            slopes = [0.0, 0.0];
+        }
+        let slopes = [slopes[0].max(0.0), slopes[1].max(0.0)];
+        Self {
+            intercept: dm - slopes[0] * xm[0] - slopes[1] * xm[1],
+            slopes,
+        }
+    }
+
+    /// The predicted call time of a request of `size`, at least 1 ms.
+    fn predict(&self, size: [f64; 2]) -> f64 {
+        (self.intercept + self.slopes[0] * size[0] + self.slopes[1] * size[1]).max(1.0)
+    }
+}
+
 /// The weighted nearest rank: the smallest duration whose cumulative weight reaches
 /// `q × total` (`samples` sorted by duration). With equal weights it is the
 /// `⌈q·n⌉`-th smallest, with the same tolerance as [`nearest_rank`].
@@ -577,10 +768,16 @@ fn push(window: &mut VecDeque<Sample>, sample: Sample, cfg: &ServiceTimeConfig) 
 /// and the unbiased weighted standard deviation of their logarithms; a 0 ms sample counts
 /// as 1 ms): `None` with fewer than two samples or for `q` outside `(0.5, 1)`.
 fn lognormal_quantile(samples: &[(u64, f64)], q: f64) -> Option<f64> {
+    let ms: Vec<(f64, f64)> = samples.iter().map(|&(d, w)| (d.max(1) as f64, w)).collect();
+    lognormal_quantile_f(&ms, q)
+}
+
+/// [`lognormal_quantile`] over positive reals (weighted).
+fn lognormal_quantile_f(samples: &[(f64, f64)], q: f64) -> Option<f64> {
     if samples.len() < 2 || !(q > 0.5 && q < 1.0) {
         return None;
     }
-    let ln = |d: u64| (d.max(1) as f64).ln();
+    let ln = |d: f64| d.max(1e-9).ln();
     let w: f64 = samples.iter().map(|&(_, w)| w).sum();
     let w2: f64 = samples.iter().map(|&(_, w)| w * w).sum();
     let mean = samples.iter().map(|&(d, x)| x * ln(d)).sum::<f64>() / w;
@@ -1119,6 +1316,51 @@ mod tests {
             }
         }
 
+        /// The request-aware estimate (issue #31) never falls as the prompt grows.
+        #[test]
+        fn the_request_aware_estimate_is_monotone_in_prompt_tokens(
+            calls in proptest::collection::vec((1u64..2_000, 1u64..5_000, proptest::option::of(1u64..512), any::<bool>()), 8..150),
+            p1 in 0u64..3_000,
+            extra in 0u64..3_000,
+            max_tokens in proptest::option::of(1u64..512),
+        ) {
+            let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+            for (i, &(p, d, m, cut)) in calls.iter().enumerate() {
+                let size = RequestSize { prompt_tokens: p, max_tokens: m };
+                st.observe_request("k", d, cut, Some(size), i as i64 * 10);
+            }
+            let now = calls.len() as i64 * 10;
+            let at = |p| st.estimate_for("k", Some(RequestSize { prompt_tokens: p, max_tokens }), now);
+            let (small, large) = (at(p1), at(p1 + extra));
+            prop_assert_eq!(small.is_some(), large.is_some());
+            if let (Some(s), Some(l)) = (small, large) {
+                prop_assert!(s.quantile_ms <= l.quantile_ms, "{:?} > {:?}", s, l);
+            }
+        }
+
+        /// With every request of one size, the request-aware estimate is the per-key one.
+        #[test]
+        fn one_size_for_all_gives_the_per_key_estimate(
+            durations in proptest::collection::vec((1u64..5_000, any::<bool>()), 8..150),
+            p in 0u64..3_000,
+            m in proptest::option::of(1u64..512),
+        ) {
+            let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+            let size = RequestSize { prompt_tokens: p, max_tokens: m };
+            for (i, &(d, cut)) in durations.iter().enumerate() {
+                st.observe_request("k", d, cut, Some(size), i as i64 * 10);
+            }
+            let now = durations.len() as i64 * 10;
+            let (sized, plain) = (st.estimate_for("k", Some(size), now), st.estimate("k", now));
+            match (sized, plain) {
+                (Some(a), Some(b)) => {
+                    prop_assert!(a.quantile_ms.abs_diff(b.quantile_ms) <= 1, "{:?} vs {:?}", a, b);
+                    prop_assert!(a.mean_ms.abs_diff(b.mean_ms) <= 1, "{:?} vs {:?}", a, b);
+                }
+                (a, b) => prop_assert_eq!(a, b),
+            }
+        }
+
         /// A hang, then recovery (issue #32), on a manual clock: healthy calls, then calls
         /// cut at the deadline that lift the estimate above every budget, then a healthy
         /// server again. Jobs refused by the estimate alone run as probes; within 20
@@ -1248,6 +1490,39 @@ mod tests {
             }
             prop_assert!(cuts <= slots, "{} cuts with {} slots", cuts, slots);
         }
+    }
+
+    #[test]
+    fn short_prompts_get_a_short_estimate_when_the_kind_mixes_sizes() {
+        // The issue's server: 50 ms + 2 ms per prompt token; 70% short prompts (10
+        // tokens), 30% long (600). The per-kind p99 is a long call's.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..100u64 {
+            let p = if i % 10 < 7 { 10 } else { 600 };
+            let d = 50 + 2 * p + (i * 7919) % 13; // a little noise
+            let size = RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            };
+            st.observe_request("k", d, false, Some(size), i as i64);
+        }
+        let kind = st.estimate("k", 100).unwrap().quantile_ms;
+        let at = |p| {
+            let size = RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            };
+            st.estimate_for("k", Some(size), 100).unwrap().quantile_ms
+        };
+        assert!(kind >= 1_250, "the per-kind p99: {kind}");
+        assert!(at(10) < 120, "a short prompt: {}", at(10));
+        assert!(
+            (1_250..1_400).contains(&at(600)),
+            "a long prompt: {}",
+            at(600)
+        );
+        // Without a size, the per-kind estimate.
+        assert_eq!(st.estimate_for("k", None, 100).unwrap().quantile_ms, kind);
     }
 
     #[test]

@@ -8,6 +8,7 @@ use crate::stats::WorkerStats;
 use crate::store_retry::StoreHealth;
 use lastcall_backend::{Backend, CancellationToken};
 use lastcall_broker::Publisher;
+use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::{CallToken, Estimate, ProbeEnd, ServiceTimes};
 use lastcall_store::Ledger;
 use std::collections::HashMap;
@@ -63,11 +64,17 @@ impl Ctx {
         format!("{kind}|{}", self.backend.name())
     }
 
-    /// What is learned about `kind`'s calls at `now_ms`.
-    pub(crate) fn learned(&self, kind: &str, now_ms: i64) -> Option<Estimate> {
+    /// What is learned about the calls of `kind` at `now_ms`: for a request of `size`
+    /// when known (the request-aware estimate), else for the kind.
+    pub(crate) fn learned(
+        &self,
+        kind: &str,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) -> Option<Estimate> {
         let key = self.service_key(kind);
         let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-        service.estimate(&key, now_ms)
+        service.estimate_for(&key, size, now_ms)
     }
 
     /// Learn from the ledger how long this backend's calls took lately (every worker's
@@ -109,7 +116,7 @@ impl Ctx {
             }
         }
         for kind in &kinds {
-            if let Some(e) = self.learned(kind, now) {
+            if let Some(e) = self.learned(kind, None, now) {
                 self.stats.metrics.set_learned(kind, e.quantile_ms);
             }
         }
@@ -178,15 +185,20 @@ impl Ctx {
         })
     }
 
-    /// One call of `kind` took `ms`: completed, or `cut` at the deadline (a lower bound).
-    pub(crate) fn observe_call(&self, kind: &str, ms: i64, cut: bool, now_ms: i64) {
+    /// One call of `kind`, a request of `size`, took `ms`: completed, or `cut` at the
+    /// deadline (a lower bound).
+    pub(crate) fn observe_call(
+        &self,
+        kind: &str,
+        ms: i64,
+        cut: bool,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) {
         let key = self.service_key(kind);
         let estimate = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-            match cut {
-                true => service.observe_cut(&key, ms.max(0) as u64, now_ms),
-                false => service.observe(&key, ms.max(0) as u64, now_ms),
-            }
+            service.observe_request(&key, ms.max(0) as u64, cut, size, now_ms);
             service.estimate(&key, now_ms)
         };
         if let Some(e) = estimate {

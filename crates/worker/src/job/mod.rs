@@ -18,6 +18,7 @@ use crate::lease::{self, Interrupted};
 use crate::settle::Ticket;
 use lastcall_backend::CancellationToken;
 use lastcall_core::delivery::{self, Finish, Looked, Received, Settle, Started};
+use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::Estimate;
 use lastcall_core::{Envelope, JobId, ReceiptFacts, RejectError, synthetic_job_id};
 use lastcall_store::{LedgerWrite, ReceiptInfo};
@@ -54,6 +55,8 @@ pub(crate) struct Job {
     /// Set when the job runs as a probe: the learned estimate refused it while a slot was
     /// free ([`crate::ctx::Probe`]); its checks then use the floor, not the estimate.
     probe: Option<crate::ctx::Probe>,
+    /// The request's size from its payload, for the request-aware call-time estimate.
+    size: Option<RequestSize>,
 }
 
 impl Job {
@@ -61,7 +64,7 @@ impl Job {
     fn learned(&self, ctx: &Ctx, kind: &str, now_ms: i64) -> Option<Estimate> {
         match self.probe {
             Some(_) => None,
-            None => ctx.learned(kind, now_ms),
+            None => ctx.learned(kind, self.size, now_ms),
         }
     }
 
@@ -120,6 +123,7 @@ pub(crate) async fn handle(
         received_at_ms,
     );
     let ct = ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64);
+    let size = (parsed.as_ref().ok()).and_then(|e| RequestSize::of_payload(&e.payload));
     let received = delivery::receive(parsed, msg.attempt, received_at_ms, ct);
     let job = Job {
         msg,
@@ -129,6 +133,7 @@ pub(crate) async fn handle(
         note: None,
         prior_starts: 0,
         probe: None,
+        size,
     };
     drive(ctx, job, received).instrument(span).await;
 }

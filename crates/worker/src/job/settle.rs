@@ -60,7 +60,7 @@ pub(crate) async fn call_and_settle(
     ) {
         // A failed call says nothing about how long a useful one takes.
         let cut = call.result == CallResult::DeadlineExceeded;
-        ctx.observe_call(&kind, call.latency_ms, cut, now);
+        ctx.observe_call(&kind, call.latency_ms, cut, job.size, now);
     }
     if let Some(probe) = job.probe.take() {
         probe.end(match &call.result {
