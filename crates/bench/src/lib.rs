@@ -14,6 +14,8 @@
 //!   only crate that knows lapin.
 //! - [`ledger`]: outcome writes per second on SQLite and PostgreSQL.
 //! - [`front_door`]: what the OpenAI-compatible front door adds to a model call.
+//! - [`sim`]: a deterministic simulation of the scheduling rules (the core's decisions
+//!   against a simulated broker, model server and clock), for fast, noise-free tuning.
 //! - [`chart`]: the goodput line chart (`plotters`, SVG backend only).
 //! - `celery`: `bench goodput --celery`, Celery 5.x through the same scenario
 //!   (`bench/celery/run.sh`), in the same table and chart.
@@ -32,6 +34,7 @@ pub mod front_door;
 pub mod goodput;
 pub mod ledger;
 pub mod raw;
+pub mod sim;
 
 use anyhow::{Context, Result};
 use clap::{Args, Subcommand, ValueEnum};
@@ -137,6 +140,19 @@ pub enum BenchCommand {
     /// waiter's read), against the same simulated model called directly. Prints both
     /// latency distributions and the overhead (their difference) at p50, p90 and p99.
     FrontDoor(front_door::FrontDoorArgs),
+    /// A deterministic simulation of the scheduling rules: no broker, no clock, seconds
+    ///
+    /// The core's real decisions (receipt check with the expected wait, the buffer's latest
+    /// useful start, the last check at a slot, the learned call time with its probes and
+    /// request-aware fit) against a simulated broker queue (TTL, prefetch), model server
+    /// (fixed, lognormal, length- and load-dependent, an optional hang) and clock, with
+    /// one or more workers. The same seed gives the same outcomes; every run checks that
+    /// no call starts after its deadline and that every job has exactly one outcome. It
+    /// does not model the door's shedding, ledger or broker latency, redeliveries or
+    /// retries, so its goodput is an upper bound of `bench goodput`'s.
+    ///
+    /// Example: `lastcall bench sim --service lognormal:200,0.6 --overload 10 --jobs 1000000`
+    Sim(sim::SimArgs),
 }
 
 /// `lastcall bench goodput` options.
@@ -363,6 +379,7 @@ pub async fn run(env: &Env, c: BenchCommand) -> Result<ExitCode> {
         BenchCommand::AckModes(a) => ack_modes::run(env, a).await,
         BenchCommand::Ledger(a) => ledger::run(env, a).await,
         BenchCommand::FrontDoor(a) => front_door::run(env, a).await,
+        BenchCommand::Sim(a) => sim::run(env.table, a),
     }
 }
 

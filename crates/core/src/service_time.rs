@@ -443,10 +443,28 @@ impl ServiceTimes {
         if base.map(|e| e.source) != Some(EstimateSource::Key) {
             return base;
         }
-        self.sized(w, size.features(), now_ms).or(base)
+        let Some(sized) = self.sized(w, size.features(), now_ms) else {
+            return base;
+        };
+        Some(match sized {
+            // Larger than every completed call the fit saw: the fit cannot tell, so the
+            // estimate is at least the kind's, scaled in proportion to the size (a call
+            // time through the origin from the largest size seen: an overestimate when
+            // there is a fixed cost). A refusal that rests on it may be probed.
+            (e, Some(scale)) => base.map_or(e, |b| Estimate {
+                quantile_ms: e
+                    .quantile_ms
+                    .max((b.quantile_ms as f64 * scale).ceil() as u64),
+                mean_ms: e.mean_ms.max((b.mean_ms as f64 * scale).round() as u64),
+                ..e
+            }),
+            (e, None) => e,
+        })
     }
 
-    fn sized(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<Estimate> {
+    /// The request-aware estimate; and when the job is larger (in some feature) than every
+    /// completed call the fit saw, how many times larger (its total size ÷ the largest seen).
+    fn sized(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<(Estimate, Option<f64>)> {
         // (size, duration, weight, cut, contradicted)
         let rows: Vec<([f64; 2], f64, f64, bool, bool)> = (w.samples.iter())
             .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
@@ -461,14 +479,28 @@ impl ServiceTimes {
                 ))
             })
             .collect();
-        let fit_rows: Vec<([f64; 2], f64, f64)> = (rows.iter())
-            .filter(|r| !r.3 && !r.4 && r.2 > FORGOTTEN)
+        // The fit takes the cut calls at their lower bound too: under overload the large
+        // requests that run may all be cut, and without them the fit would see only
+        // small ones and predict a large one small.
+        let fit_rows: Vec<FitRow> = (rows.iter())
+            .filter(|r| !r.4 && r.2 > FORGOTTEN)
             .map(|r| (r.0, r.1, r.2))
             .collect();
-        if fit_rows.len() < MIN_SIZED.max(self.cfg.min_samples) {
+        let completed = rows.iter().filter(|r| !r.3 && !r.4).count();
+        if completed < MIN_SIZED.max(self.cfg.min_samples) {
             return None;
         }
         let model = CallModel::fit(&fit_rows);
+        let seen = |i: usize| {
+            (rows.iter().filter(|r| !r.3 && !r.4))
+                .map(|r| r.0[i])
+                .fold(f64::MIN, f64::max)
+        };
+        let largest = (rows.iter().filter(|r| !r.3 && !r.4))
+            .map(|r| r.0[0] + r.0[1])
+            .fold(0.0, f64::max);
+        let beyond = (job[0] > seen(0) || job[1] > seen(1))
+            .then(|| ((job[0] + job[1] + 1.0) / (largest + 1.0)).max(1.0));
         let mut ratios: Vec<(f64, f64, bool)> = (rows.iter())
             .map(|r| (r.1 / model.predict(r.0), r.2, r.4))
             .collect();
@@ -493,12 +525,13 @@ impl ServiceTimes {
         };
         let mean = ratios.iter().map(|r| r.0 * r.1).sum::<f64>() / total;
         let predicted = model.predict(job);
-        Some(Estimate {
+        let e = Estimate {
             quantile_ms: (predicted * q - 1e-6).ceil().max(0.0) as u64,
             mean_ms: (predicted * mean).round().max(0.0) as u64,
             samples: rows.len(),
             source: EstimateSource::Key,
-        })
+        };
+        Some((e, beyond))
     }
 
     /// The cold-start bound of a key's window: its longest fresh call (ended or cut) and the
@@ -673,6 +706,9 @@ fn weighted_rank_f(samples: &[(f64, f64)], q: f64, total: f64) -> f64 {
 /// ([`ServiceTimes::estimate_for`]).
 pub const MIN_SIZED: usize = 8;
 
+/// One call for the fit: (size, duration, weight).
+type FitRow = ([f64; 2], f64, f64);
+
 /// A call time linear in the request's size: `a + b·x₀ + c·x₁`, with `b, c ≥ 0`.
 #[derive(Debug, Clone, Copy)]
 struct CallModel {
@@ -684,11 +720,9 @@ impl CallModel {
     /// Weighted least squares over `(size, duration, weight)`; a feature whose weighted
     /// variance is (near) zero, or whose slope comes out negative, is dropped and the rest
     /// refitted.
-    fn fit(rows: &[([f64; 2], f64, f64)]) -> Self {
+    fn fit(rows: &[FitRow]) -> Self {
         let w: f64 = rows.iter().map(|r| r.2).sum();
-        let mean = |f: &dyn Fn(&([f64; 2], f64, f64)) -> f64| {
-            rows.iter().map(|r| r.2 * f(r)).sum::<f64>() / w
-        };
+        let mean = |f: &dyn Fn(&FitRow) -> f64| rows.iter().map(|r| r.2 * f(r)).sum::<f64>() / w;
         let xm = [mean(&|r| r.0[0]), mean(&|r| r.0[1])];
         let dm = mean(&|r| r.1);
         let cov = |i: usize, j: usize| {
@@ -756,12 +790,46 @@ fn weighted_rank(samples: &[(u64, f64)], q: f64, total: f64) -> u64 {
 }
 
 /// Append `sample` to a window: stale samples go first, then the oldest while full.
+///
+/// A full window drops its oldest sample, except that it keeps the last
+/// [`KEEP_PER_SIZE`] of each size class (a power of two of the request's size): when
+/// small requests crowd out the large ones, the fit would otherwise forget what a large
+/// one costs, hold the next large job to a small job's time, and cut it at its deadline.
 fn push(window: &mut VecDeque<Sample>, sample: Sample, cfg: &ServiceTimeConfig) {
     window.retain(|s| cfg.is_fresh(s.at_ms, sample.at_ms));
     while window.len() >= cfg.window {
-        window.pop_front();
+        let victim = sized_victim(window).unwrap_or(0);
+        window.remove(victim);
     }
     window.push_back(sample);
+}
+
+/// Samples of each size class a full window keeps ([`push`]).
+pub const KEEP_PER_SIZE: usize = 16;
+
+/// The size class of a sample: `⌊log₂(size + 1)⌋`, `None` when its size is unknown.
+fn size_class(s: &Sample) -> Option<u32> {
+    s.size.map(|f| ((f[0] + f[1] + 1.0).log2().floor()) as u32)
+}
+
+/// The oldest sample that is not among the last [`KEEP_PER_SIZE`] of its size class;
+/// `None` when there is none (then the oldest goes).
+fn sized_victim(window: &VecDeque<Sample>) -> Option<usize> {
+    if window.iter().all(|s| s.size.is_none()) {
+        return None;
+    }
+    let mut newer: HashMap<Option<u32>, usize> = HashMap::new();
+    let mut victim = None;
+    // From the newest back: a sample with KEEP_PER_SIZE newer ones of its class may go.
+    for (i, s) in window.iter().enumerate().rev() {
+        let c = size_class(s);
+        let n = newer.entry(c).or_insert(0);
+        if *n >= KEEP_PER_SIZE || c.is_none() {
+            victim = Some(i);
+        }
+        *n += 1;
+    }
+    victim
 }
 
 /// The `q`-quantile of the lognormal fitted to the weighted `samples` (the weighted mean
@@ -1523,6 +1591,55 @@ mod tests {
         );
         // Without a size, the per-kind estimate.
         assert_eq!(st.estimate_for("k", None, 100).unwrap().quantile_ms, kind);
+    }
+
+    #[test]
+    fn small_requests_do_not_crowd_the_large_ones_out_of_the_window() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        let small = RequestSize {
+            prompt_tokens: 10,
+            max_tokens: None,
+        };
+        let large = RequestSize {
+            prompt_tokens: 600,
+            max_tokens: None,
+        };
+        for i in 0..20 {
+            st.observe_request("k", 1_250, false, Some(large), i);
+        }
+        // A thousand small calls: the last 16 large ones stay, and a large job is still
+        // held to a large call's time.
+        for i in 0..1_000 {
+            st.observe_request("k", 70, false, Some(small), 100 + i);
+        }
+        let e = st.estimate_for("k", Some(large), 1_200).unwrap();
+        assert!((1_250..1_500).contains(&e.quantile_ms), "{e:?}");
+        assert!(
+            st.estimate_for("k", Some(small), 1_200)
+                .unwrap()
+                .quantile_ms
+                < 100
+        );
+    }
+
+    #[test]
+    fn a_request_larger_than_any_seen_is_not_held_to_a_small_ones_time() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        let small = RequestSize {
+            prompt_tokens: 10,
+            max_tokens: None,
+        };
+        for i in 0..50 {
+            st.observe_request("k", 70 + i % 3, false, Some(small), i as i64);
+        }
+        // Nothing of 600 tokens was seen: at least the kind's p99 × 600 / 10.
+        let large = RequestSize {
+            prompt_tokens: 600,
+            max_tokens: None,
+        };
+        let kind = st.estimate("k", 60).unwrap().quantile_ms;
+        let e = st.estimate_for("k", Some(large), 60).unwrap();
+        assert!(e.quantile_ms >= kind * 50, "{e:?} (kind {kind})");
     }
 
     #[test]

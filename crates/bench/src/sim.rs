@@ -1,0 +1,603 @@
+//! `lastcall bench sim`: a deterministic simulation of workers, a broker queue and a model
+//! server on a simulated clock, for tuning the scheduling rules fast and without noise.
+//!
+//! It runs the core's real decisions — the receipt check ([`WorkerPolicy::on_receipt`]
+//! with the expected wait of [`lastcall_core::wait`]), the buffer's latest useful start,
+//! the last check at a slot ([`WorkerPolicy::on_slot`]), the learned call time
+//! ([`ServiceTimes`]: request-aware, censored cut calls, probes) — against:
+//! - a broker queue with a per-message TTL (the job's remaining budget) and a prefetch
+//!   window per worker;
+//! - a simulated model server: fixed, lognormal, or length- and load-dependent call
+//!   times, with an optional hang (calls started during it never answer);
+//! - several workers with their own slots, buffers and estimators.
+//!
+//! The same seed gives the same outcomes. Every run checks the invariants: no call starts
+//! at or after its job's deadline, every job has exactly one outcome, none is lost; a
+//! violation ends the run with an error.
+//!
+//! What it does not model (so its figures are an upper bound of the real-time bench's):
+//! the door's shedding, ledger and broker latency, redeliveries and crashes, retries.
+
+use anyhow::{Result, bail};
+use clap::Args;
+use lastcall_core::request_size::RequestSize;
+use lastcall_core::service_time::{ProbeEnd, ServiceTimeConfig, ServiceTimes};
+use lastcall_core::{
+    Deadline, Envelope, JobId, Kind, ReceiptFacts, WorkerPolicy,
+    disposition::{Receipt, Slot},
+    wait,
+};
+use rand::rngs::StdRng;
+use rand::{Rng, SeedableRng};
+use serde::Serialize;
+use std::cmp::Reverse;
+use std::collections::{BinaryHeap, VecDeque};
+use std::process::ExitCode;
+
+/// `lastcall bench sim`.
+#[derive(Debug, Args, Clone)]
+pub struct SimArgs {
+    /// Jobs to simulate
+    #[arg(long, default_value_t = 100_000)]
+    pub jobs: u64,
+    /// Seed of every random draw: the same seed gives the same outcomes
+    #[arg(long, default_value_t = 1)]
+    pub seed: u64,
+    /// Workers, each with its own slots, buffer and learned call times
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
+    /// Model slots per worker
+    #[arg(long, default_value_t = 4)]
+    pub slots: usize,
+    /// Unacked deliveries per worker [default: 2 × slots]
+    #[arg(long)]
+    pub prefetch: Option<usize>,
+    /// Call times: `fixed:MS`, `lognormal:MEAN_MS,SIGMA`, or `length:BASE_MS,MS_PER_TOKEN,LONG_SHARE`
+    /// (prompts of 10 or 600 tokens, the long ones a share of the jobs; each call slower by
+    /// 15% per other call in flight)
+    #[arg(long, default_value = "fixed:200")]
+    pub service: String,
+    /// Arrivals as a multiple of the capacity (workers × slots ÷ the mean call time)
+    #[arg(long, default_value_t = 5.0)]
+    pub overload: f64,
+    /// Each job's budget from its arrival, in ms
+    #[arg(long, default_value_t = 2_000)]
+    pub deadline_ms: u64,
+    /// A hang of the server, `START_S:SECONDS`: calls started in it never answer
+    #[arg(long)]
+    pub hang: Option<String>,
+    /// Print one JSON object instead of the table
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy)]
+enum Service {
+    Fixed(f64),
+    Lognormal {
+        mean: f64,
+        sigma: f64,
+    },
+    Length {
+        base: f64,
+        per_token: f64,
+        long_share: f64,
+    },
+}
+
+impl Service {
+    fn parse(s: &str) -> Result<Self> {
+        let (name, rest) = s.split_once(':').unwrap_or((s, ""));
+        let nums: Vec<f64> = rest
+            .split(',')
+            .map(|x| x.trim().parse::<f64>())
+            .collect::<Result<_, _>>()
+            .map_err(|_| {
+                anyhow::anyhow!("--service {s}: the numbers after `{name}:` do not parse")
+            })?;
+        match (name, nums.as_slice()) {
+            ("fixed", [ms]) if *ms > 0.0 => Ok(Self::Fixed(*ms)),
+            ("lognormal", [mean, sigma]) if *mean > 0.0 && *sigma >= 0.0 => Ok(Self::Lognormal {
+                mean: *mean,
+                sigma: *sigma,
+            }),
+            ("length", [base, per, share])
+                if *base > 0.0 && *per >= 0.0 && (0.0..=1.0).contains(share) =>
+            {
+                Ok(Self::Length {
+                    base: *base,
+                    per_token: *per,
+                    long_share: *share,
+                })
+            }
+            _ => bail!(
+                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA or length:BASE_MS,MS_PER_TOKEN,LONG_SHARE"
+            ),
+        }
+    }
+
+    /// The mean call time alone (no batch slowdown), for the capacity.
+    fn mean_ms(&self) -> f64 {
+        match *self {
+            Self::Fixed(ms) => ms,
+            Self::Lognormal { mean, .. } => mean,
+            Self::Length {
+                base,
+                per_token,
+                long_share,
+            } => {
+                base + per_token
+                    * (SHORT_TOKENS as f64 * (1.0 - long_share) + LONG_TOKENS as f64 * long_share)
+            }
+        }
+    }
+}
+
+const SHORT_TOKENS: u64 = 10;
+const LONG_TOKENS: u64 = 600;
+
+/// One standard normal draw (Box–Muller).
+fn normal(rng: &mut StdRng) -> f64 {
+    let u1: f64 = rng.random::<f64>().max(f64::MIN_POSITIVE);
+    let u2: f64 = rng.random();
+    (-2.0 * u1.ln()).sqrt() * (2.0 * std::f64::consts::PI * u2).cos()
+}
+
+struct Job {
+    env: Envelope,
+    size: Option<RequestSize>,
+    tokens: u64,
+    outcome: Option<&'static str>,
+    on_time: bool,
+}
+
+struct Worker {
+    est: ServiceTimes,
+    free: usize,
+    /// (deadline, job) in the buffer, earliest deadline first.
+    buffer: BinaryHeap<Reverse<(i64, usize)>>,
+    /// Deliveries held (buffered or running).
+    held: usize,
+    running: usize,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
+enum Ev {
+    /// A job arrives at the broker.
+    Arrive(usize),
+    /// A call ends (worker, job, duration, cut, probe budget if a probe).
+    CallEnd(usize, usize, u64, bool, Option<u64>),
+    /// A buffered job's latest useful start (worker, job).
+    Latest(usize, usize),
+}
+
+/// The figures of one run.
+#[derive(Debug, Serialize)]
+pub struct SimReport {
+    pub jobs: u64,
+    pub seed: u64,
+    pub service: String,
+    pub overload: f64,
+    pub workers: usize,
+    pub slots: usize,
+    pub on_time: u64,
+    /// On-time completions ÷ the capacity bound (capacity × the window).
+    pub goodput: f64,
+    /// On-time completions ÷ all arrivals.
+    pub on_time_of_arrivals: f64,
+    pub started_late: u64,
+    pub wasted_calls: u64,
+    /// Model time of calls cut at the deadline ÷ all model time.
+    pub wasted_time: f64,
+    pub expired_not_started: u64,
+    pub expired_before_receive: u64,
+    pub deadline_exceeded: u64,
+    pub probes: u64,
+    pub lost: u64,
+    pub sim_seconds: f64,
+    pub wall_ms: u128,
+}
+
+/// Run one simulation.
+pub fn simulate(a: &SimArgs) -> Result<SimReport> {
+    let t0 = std::time::Instant::now();
+    let service = Service::parse(&a.service)?;
+    if a.workers == 0 || a.slots == 0 || a.jobs == 0 || a.overload.is_nan() || a.overload <= 0.0 {
+        bail!("--workers, --slots, --jobs and --overload must be positive");
+    }
+    let hang = match &a.hang {
+        None => None,
+        Some(h) => {
+            let (s, d) = h
+                .split_once(':')
+                .ok_or_else(|| anyhow::anyhow!("--hang {h}: expected START_S:SECONDS"))?;
+            let (s, d): (f64, f64) = (s.trim().parse()?, d.trim().parse()?);
+            Some(((s * 1000.0) as i64, ((s + d) * 1000.0) as i64))
+        }
+    };
+    let prefetch = a.prefetch.unwrap_or(2 * a.slots).max(1);
+    let policy = WorkerPolicy::default();
+    let mut rng = StdRng::seed_from_u64(a.seed);
+    let capacity = (a.workers * a.slots) as f64 * 1000.0 / service.mean_ms(); // jobs/s
+    let gap_ms = 1000.0 / (capacity * a.overload);
+    let kind = Kind::parse("sim").expect("a valid kind");
+
+    let mut jobs: Vec<Job> = Vec::with_capacity(a.jobs as usize);
+    let mut events: BinaryHeap<Reverse<(i64, u64, Ev)>> = BinaryHeap::new();
+    let mut seq = 0u64;
+    let mut push = |events: &mut BinaryHeap<Reverse<(i64, u64, Ev)>>, at: i64, ev: Ev| {
+        seq += 1;
+        events.push(Reverse((at, seq, ev)));
+    };
+    // Arrivals: Poisson at overload × capacity.
+    let mut t = 0.0f64;
+    for i in 0..a.jobs as usize {
+        t += -gap_ms * rng.random::<f64>().max(f64::MIN_POSITIVE).ln();
+        let at = t as i64;
+        let (payload, size, tokens) = match service {
+            Service::Length { long_share, .. } => {
+                let tokens = if rng.random::<f64>() < long_share {
+                    LONG_TOKENS
+                } else {
+                    SHORT_TOKENS
+                };
+                let mut p = serde_json::Map::new();
+                // CHARS_PER_TOKEN characters a token, less the per-message allowance.
+                let chars = (tokens.saturating_sub(4)) * 4;
+                p.insert("prompt".into(), "x".repeat(chars as usize).into());
+                let size = RequestSize::of_payload(&p);
+                (serde_json::Map::new(), size, tokens)
+            }
+            _ => (serde_json::Map::new(), None, 0),
+        };
+        let env = Envelope::new(
+            JobId::parse(&format!("sim-{i}")).expect("a valid id"),
+            kind.clone(),
+            Deadline::from_budget(at, a.deadline_ms),
+            None,
+            None,
+            payload,
+        );
+        jobs.push(Job {
+            env,
+            size,
+            tokens,
+            outcome: None,
+            on_time: false,
+        });
+        push(&mut events, at, Ev::Arrive(i));
+    }
+    let first_arrival = jobs.first().map_or(0, |j| j.env.deadline().created_at_ms());
+    let last_deadline = jobs
+        .iter()
+        .map(|j| j.env.deadline().expires_at_ms())
+        .max()
+        .unwrap_or(0);
+
+    let mut workers: Vec<Worker> = (0..a.workers)
+        .map(|_| Worker {
+            est: ServiceTimes::new(ServiceTimeConfig::default()),
+            free: a.slots,
+            buffer: BinaryHeap::new(),
+            held: 0,
+            running: 0,
+        })
+        .collect();
+    let mut queue: VecDeque<usize> = VecDeque::new();
+    let (mut started_late, mut wasted_calls, mut probes) = (0u64, 0u64, 0u64);
+    let (mut model_ms, mut wasted_ms) = (0u128, 0u128);
+    let mut server_in_flight = 0usize;
+    let key = "sim|sim";
+    let mut now;
+
+    let settle =
+        |jobs: &mut Vec<Job>, j: usize, outcome: &'static str, on_time: bool| -> Result<()> {
+            if jobs[j].outcome.is_some() {
+                bail!("invariant: job {j} got a second outcome ({outcome})");
+            }
+            jobs[j].outcome = Some(outcome);
+            jobs[j].on_time = on_time;
+            Ok(())
+        };
+
+    while let Some(Reverse((at, _, ev))) = events.pop() {
+        now = at;
+        match ev {
+            Ev::Arrive(j) => queue.push_back(j),
+            Ev::Latest(w, j) => {
+                // Still buffered? (It may have started or left since.)
+                if jobs[j].outcome.is_none() && workers[w].buffer.iter().any(|r| r.0.1 == j) {
+                    let learned = workers[w]
+                        .est
+                        .estimate_for(key, jobs[j].size, now)
+                        .map(|e| e.quantile_ms);
+                    let latest = policy.latest_start_ms(&jobs[j].env, learned);
+                    if now >= latest {
+                        workers[w].buffer.retain(|r| r.0.1 != j);
+                        workers[w].held -= 1;
+                        settle(&mut jobs, j, "expired_not_started", false)?;
+                    } else {
+                        push(&mut events, latest, Ev::Latest(w, j));
+                    }
+                }
+            }
+            Ev::CallEnd(w, j, d, cut, probe) => {
+                let wk = &mut workers[w];
+                wk.free += 1;
+                wk.running -= 1;
+                wk.held -= 1;
+                server_in_flight -= 1;
+                model_ms += u128::from(d);
+                if cut {
+                    wk.est.observe_request(key, d, true, jobs[j].size, now);
+                    wasted_calls += 1;
+                    wasted_ms += u128::from(d);
+                    settle(&mut jobs, j, "deadline_exceeded", false)?;
+                } else {
+                    wk.est.observe_request(key, d, false, jobs[j].size, now);
+                    let on_time = now <= jobs[j].env.deadline().expires_at_ms();
+                    settle(&mut jobs, j, "completed", on_time)?;
+                }
+                if let Some(budget_ms) = probe {
+                    let end = if cut {
+                        ProbeEnd::Wasted { duration_ms: d }
+                    } else {
+                        ProbeEnd::Completed { budget_ms }
+                    };
+                    wk.est.probe_ended(key, end, now);
+                }
+            }
+        }
+        // Deliver from the queue to workers with room in their prefetch window (round robin).
+        let mut progress = true;
+        while progress && !queue.is_empty() {
+            progress = false;
+            for (w, wk) in workers.iter_mut().enumerate() {
+                if wk.held >= prefetch {
+                    continue;
+                }
+                let Some(j) = queue.pop_front() else { break };
+                progress = true;
+                if jobs[j].env.deadline().expires_at_ms() <= now {
+                    // The broker's TTL expired it in the queue.
+                    settle(&mut jobs, j, "expired_before_receive", false)?;
+                    continue;
+                }
+                let learned = wk.est.estimate_for(key, jobs[j].size, now);
+                let deadline = jobs[j].env.deadline().expires_at_ms();
+                let (ahead, work) = wk
+                    .buffer
+                    .iter()
+                    .filter(|r| r.0.0 <= deadline)
+                    .fold((0usize, 0u64), |(n, ms), _| {
+                        (n + 1, ms + learned.map_or(0, |e| e.mean_ms))
+                    });
+                let mean = if ahead == 0 {
+                    learned.map_or(0, |e| e.mean_ms)
+                } else {
+                    work / ahead as u64
+                };
+                let facts = ReceiptFacts {
+                    expected_wait_ms: wait::expected_wait_ms(ahead, wk.free, a.slots, mean),
+                    learned_runtime_ms: learned.map(|e| e.quantile_ms),
+                    ..ReceiptFacts::default()
+                };
+                match policy.on_receipt(&Ok(jobs[j].env.clone()), facts, now) {
+                    Receipt::Settle(_) => settle(&mut jobs, j, "expired_not_started", false)?,
+                    Receipt::WaitForSlot => {
+                        wk.held += 1;
+                        wk.buffer.push(Reverse((deadline, j)));
+                        let latest =
+                            policy.latest_start_ms(&jobs[j].env, learned.map(|e| e.quantile_ms));
+                        push(&mut events, latest.max(now), Ev::Latest(w, j));
+                    }
+                }
+            }
+        }
+        // Start calls on free slots, earliest deadline first.
+        for (w, wk) in workers.iter_mut().enumerate() {
+            while wk.free > 0 {
+                let Some(Reverse((_, j))) = wk.buffer.pop() else {
+                    break;
+                };
+                let learned = wk.est.estimate_for(key, jobs[j].size, now);
+                let mut learned_ms = learned.map(|e| e.quantile_ms);
+                let mut probe = None;
+                if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)
+                    && wk.est.try_probe(key, room, now)
+                {
+                    probe = Some(room);
+                    probes += 1;
+                    learned_ms = None;
+                }
+                match policy.on_slot(&jobs[j].env, learned_ms, now) {
+                    Slot::Settle(_) => {
+                        if probe.is_some() {
+                            wk.est.probe_ended(key, ProbeEnd::Released, now);
+                        }
+                        wk.held -= 1;
+                        settle(&mut jobs, j, "expired_not_started", false)?;
+                    }
+                    Slot::Run { budget_ms } => {
+                        if now >= jobs[j].env.deadline().expires_at_ms() {
+                            started_late += 1;
+                        }
+                        let hung = hang.is_some_and(|(s, e)| now >= s && now < e);
+                        let d = if hung {
+                            u64::MAX
+                        } else {
+                            match service {
+                                Service::Fixed(ms) => ms.round() as u64,
+                                Service::Lognormal { mean, sigma } => {
+                                    let mu = mean.ln() - sigma * sigma / 2.0;
+                                    (mu + sigma * normal(&mut rng)).exp().round() as u64
+                                }
+                                Service::Length {
+                                    base, per_token, ..
+                                } => {
+                                    let alone = base + per_token * jobs[j].tokens as f64;
+                                    (alone * (1.0 + 0.15 * server_in_flight as f64)).round() as u64
+                                }
+                            }
+                        };
+                        let cut = d > budget_ms;
+                        let d = d.min(budget_ms);
+                        wk.free -= 1;
+                        wk.running += 1;
+                        server_in_flight += 1;
+                        push(
+                            &mut events,
+                            now + d as i64,
+                            Ev::CallEnd(w, j, d, cut, probe),
+                        );
+                    }
+                }
+            }
+        }
+    }
+    if started_late > 0 {
+        bail!("invariant: {started_late} calls started at or after their job's deadline");
+    }
+    let count = |o: &str| jobs.iter().filter(|j| j.outcome == Some(o)).count() as u64;
+    let lost = jobs.iter().filter(|j| j.outcome.is_none()).count() as u64;
+    if lost > 0 {
+        bail!("invariant: {lost} jobs ended without an outcome");
+    }
+    let on_time = jobs.iter().filter(|j| j.on_time).count() as u64;
+    let window_s = (last_deadline - first_arrival) as f64 / 1000.0;
+    let bound = capacity * window_s;
+    Ok(SimReport {
+        jobs: a.jobs,
+        seed: a.seed,
+        service: a.service.clone(),
+        overload: a.overload,
+        workers: a.workers,
+        slots: a.slots,
+        on_time,
+        goodput: on_time as f64 / bound.min(a.jobs as f64).max(1.0),
+        on_time_of_arrivals: on_time as f64 / a.jobs as f64,
+        started_late,
+        wasted_calls,
+        wasted_time: if model_ms == 0 {
+            0.0
+        } else {
+            wasted_ms as f64 / model_ms as f64
+        },
+        expired_not_started: count("expired_not_started"),
+        expired_before_receive: count("expired_before_receive"),
+        deadline_exceeded: count("deadline_exceeded"),
+        probes,
+        lost,
+        sim_seconds: window_s,
+        wall_ms: t0.elapsed().as_millis(),
+    })
+}
+
+/// `lastcall bench sim`: run, print the table (or JSON).
+pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<ExitCode> {
+    let r = simulate(&a)?;
+    if a.json {
+        println!("{}", serde_json::to_string(&r)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let pct = |x: f64| format!("{:.1}%", 100.0 * x);
+    let head = [
+        "service",
+        "overload",
+        "jobs",
+        "on_time",
+        "goodput",
+        "of_arrivals",
+        "started_late",
+        "wasted_calls",
+        "wasted_time",
+        "exp_not_started",
+        "exp_before_recv",
+        "deadline_exc",
+        "probes",
+        "lost",
+        "wall_ms",
+    ];
+    let row = vec![
+        r.service.clone(),
+        format!("{}×", r.overload),
+        r.jobs.to_string(),
+        r.on_time.to_string(),
+        pct(r.goodput),
+        pct(r.on_time_of_arrivals),
+        r.started_late.to_string(),
+        r.wasted_calls.to_string(),
+        pct(r.wasted_time),
+        r.expired_not_started.to_string(),
+        r.expired_before_receive.to_string(),
+        r.deadline_exceeded.to_string(),
+        r.probes.to_string(),
+        r.lost.to_string(),
+        r.wall_ms.to_string(),
+    ];
+    println!(
+        "bench sim: seed {}, {} worker(s) × {} slots, {} calls, {}× the capacity, {} ms budgets, {:.1} s simulated",
+        r.seed, r.workers, r.slots, r.service, r.overload, a.deadline_ms, r.sim_seconds
+    );
+    print!("{}", table(&head, &[row]));
+    Ok(ExitCode::SUCCESS)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn args(service: &str, jobs: u64, seed: u64) -> SimArgs {
+        SimArgs {
+            jobs,
+            seed,
+            workers: 1,
+            slots: 4,
+            prefetch: None,
+            service: service.into(),
+            overload: 5.0,
+            deadline_ms: 2_000,
+            hang: None,
+            json: false,
+        }
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_outcomes() {
+        for service in ["fixed:200", "lognormal:200,0.6", "length:50,2,0.3"] {
+            let a = simulate(&args(service, 3_000, 7)).unwrap();
+            let b = simulate(&args(service, 3_000, 7)).unwrap();
+            assert_eq!(
+                (a.on_time, a.wasted_calls, a.expired_not_started, a.probes),
+                (b.on_time, b.wasted_calls, b.expired_not_started, b.probes),
+                "{service}"
+            );
+            assert_eq!(a.lost, 0);
+            assert_eq!(a.started_late, 0);
+        }
+    }
+
+    #[test]
+    fn overload_keeps_the_slots_busy_with_work_that_finishes() {
+        let r = simulate(&args("fixed:200", 5_000, 1)).unwrap();
+        assert!(r.goodput > 0.9, "{r:?}");
+        assert_eq!(r.wasted_calls, 0, "{r:?}");
+    }
+
+    #[test]
+    fn a_hang_is_followed_by_recovery() {
+        let mut a = args("fixed:150", 3_000, 3);
+        a.overload = 2.0;
+        a.deadline_ms = 3_000;
+        a.hang = Some("4:2".into());
+        let r = simulate(&a).unwrap();
+        assert!(r.deadline_exceeded > 0, "the hang cut calls: {r:?}");
+        assert!(r.goodput > 0.8, "{r:?}");
+    }
+
+    #[test]
+    fn bad_arguments_name_the_flag() {
+        let e = simulate(&args("gamma:1", 10, 1)).unwrap_err().to_string();
+        assert!(e.contains("--service"), "{e}");
+    }
+}
