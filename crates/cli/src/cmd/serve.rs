@@ -346,6 +346,7 @@ pub async fn install_worker_metrics(
     topo: &Topology,
     stats: Arc<WorkerStats>,
     management: (&str, &str),
+    ledger: super::ledger::LedgerCollector,
 ) -> Result<()> {
     let probe_broker = super::connect_broker(s).await?;
     let (base_url, user) = management;
@@ -356,6 +357,7 @@ pub async fn install_worker_metrics(
             move || stats.readiness()
         })
         .with_collector(WorkerCollector(stats))
+        .with_collector(ledger)
         .with_depth(DepthProbe::new(
             queues(topo),
             Some(management),
