@@ -152,7 +152,7 @@ pub enum Command {
     /// `--smoke` runs a few seconds. Build with `--release` for numbers worth quoting.
     #[command(subcommand)]
     Bench(lastcall_bench::BenchCommand),
-    /// Look at the configuration: `config show [worker|serve|dlq|submit]`
+    /// Look at the configuration: `config show [worker|serve|dlq|submit|ledger]`
     #[command(subcommand)]
     Config(ConfigCommand),
     /// Keep the ledger from growing without end: prune old jobs, export them, copy the
@@ -428,6 +428,8 @@ pub enum ConfigTarget {
     Serve,
     Dlq,
     Submit,
+    /// The retention settings (`ledger prune`'s flags, the `[ledger]` section)
+    Ledger,
 }
 
 impl ConfigTarget {
@@ -438,6 +440,7 @@ impl ConfigTarget {
             ConfigTarget::Serve => "serve",
             ConfigTarget::Dlq => "dlq",
             ConfigTarget::Submit => "submit",
+            ConfigTarget::Ledger => "ledger",
         }
     }
 }

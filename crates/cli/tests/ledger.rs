@@ -395,3 +395,31 @@ async fn a_worker_prunes_in_the_background_and_shows_it_on_metrics() {
     );
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn config_show_ledger_names_each_retention_settings_source() {
+    let env = Env::sqlite("lshow").await;
+    let cfg = env.dir.join("lastcall.toml");
+    std::fs::write(&cfg, "[ledger]\nretention = \"14d\"\n").unwrap();
+    let out = env.cli(&[
+        "--config",
+        cfg.to_str().unwrap(),
+        "config",
+        "show",
+        "ledger",
+        "--batch-rows",
+        "500",
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let said = text(&out.stdout);
+    let row = |key: &str| {
+        said.lines()
+            .find(|l| l.starts_with(&format!("ledger.{key} ")))
+            .map(|l| l.split_whitespace().collect::<Vec<_>>())
+            .unwrap_or_else(|| panic!("no ledger.{key} in {said}"))
+    };
+    assert_eq!(row("retention")[1..], ["14d", "file"]);
+    assert_eq!(row("text_retention")[1..], ["7d", "default"]);
+    assert_eq!(row("batch_rows")[1..], ["500", "flag"]);
+    env.cleanup().await;
+}
