@@ -423,3 +423,49 @@ async fn config_show_ledger_names_each_retention_settings_source() {
     assert_eq!(row("batch_rows")[1..], ["500", "flag"]);
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn serve_shows_the_ledgers_size_but_prunes_nothing() {
+    let env = Env::sqlite("lserve").await;
+    fixture(&env.ledger).await;
+    let port = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port();
+    let mut c = env.command();
+    c.args([
+        "serve",
+        "--addr",
+        &format!("127.0.0.1:{port}"),
+        "--no-management",
+    ]);
+    c.env("LASTCALL_HTTP_TOKEN", "ledger-test-token-0123456789");
+    c.stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+    let _serve = Children(vec![c.spawn().unwrap()]);
+    let url = format!("http://127.0.0.1:{port}/metrics");
+    let deadline = Instant::now() + Duration::from_secs(60);
+    let metrics = loop {
+        let (code, body) = curl(&[
+            "-H",
+            "Authorization: Bearer ledger-test-token-0123456789",
+            &url,
+        ]);
+        if code == 200 && sample_value(&body, "lastcall_ledger_job_rows") == Some(6.0) {
+            break body;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "no ledger size on /metrics within 60 s: {code} {body}"
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    };
+    assert!(sample_value(&metrics, "lastcall_ledger_bytes").unwrap() > 0.0);
+    assert!(!metrics.contains("lastcall_ledger_last_prune"), "{metrics}");
+    assert!(
+        env.ledger.get("old-1").await.unwrap().is_some(),
+        "serve never prunes"
+    );
+    env.cleanup().await;
+}

@@ -2167,6 +2167,9 @@ async fn retention_fixture(l: &Ledger) {
     l.record_outcome(&completed("new-done", "a-new-done", 50_000, "new text"))
         .await
         .unwrap();
+    // A worker gone long ago, and one alive.
+    l.heartbeat("gone", 500).await.unwrap();
+    l.heartbeat("alive", 50_000).await.unwrap();
 }
 
 /// Prunes at `ROW_CUT` in batches of `limit`, then clears texts at `TEXT_CUT`.
@@ -2187,6 +2190,7 @@ async fn prune_all(l: &Ledger, limit: u32) -> lastcall_store::PruneCounts {
         }
     }
     total.held_by_webhooks = l.held_by_webhooks(ROW_CUT).await.unwrap();
+    total.workers = l.prune_worker_leases(ROW_CUT).await.unwrap();
     total
 }
 
@@ -2199,7 +2203,12 @@ async fn prune_deletes_old_terminal_jobs_with_their_rows_and_nothing_else(db: &T
         (3, 2, 1, 2),
         "{c:?}"
     );
-    assert_eq!((c.texts, c.held_by_webhooks), (1, 1), "{c:?}");
+    assert_eq!((c.texts, c.held_by_webhooks, c.workers), (1, 1, 1), "{c:?}");
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM workers WHERE name = 'alive'")
+            .await,
+        1
+    );
     for gone in ["old-done", "old-fail", "old-unknown"] {
         assert!(l.get(gone).await.unwrap().is_none(), "{gone}");
         assert!(l.attempts(gone).await.unwrap().is_empty(), "{gone}");

@@ -144,6 +144,7 @@ async fn prune_holding_lock(
             }
         }
         total.held_by_webhooks = ledger.held_by_webhooks(cut).await?;
+        total.workers = ledger.prune_worker_leases(cut).await?;
     }
     if let Some(t) = p.text_retention_ms {
         let cut = now_ms.saturating_sub(t);
@@ -234,6 +235,7 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
                 "webhook_attempts": c.webhook_attempts,
                 "texts": c.texts,
                 "held_by_webhooks": c.held_by_webhooks,
+                "worker_leases": c.workers,
             })
         );
     } else {
@@ -244,7 +246,8 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
         };
         println!(
             "{}{}: {verb} {} jobs ({} attempt rows, {} webhooks, {} webhook attempts); \
-             {cleared} {} result texts; {} old jobs held by undelivered webhooks",
+             {cleared} {} result texts; {} old jobs held by undelivered webhooks; \
+             {verb} {} stale worker leases",
             if a.dry_run { "dry run, " } else { "" },
             p.describe(),
             c.jobs,
@@ -252,7 +255,8 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
             c.webhooks,
             c.webhook_attempts,
             c.texts,
-            c.held_by_webhooks
+            c.held_by_webhooks,
+            c.workers
         );
         if let (Some(dir), false) = (&p.archive_dir, a.dry_run) {
             println!("archive: {}", dir.display());
@@ -265,6 +269,8 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
 /// this process ran.
 #[derive(Debug, Default)]
 pub struct LedgerGauges {
+    /// Whether this process prunes (a worker); `serve` shows only the size.
+    size_only: bool,
     job_rows: AtomicI64,
     bytes: AtomicI64,
     /// Epoch ms of the last prune pass this process ran; 0 before the first.
@@ -276,6 +282,14 @@ pub struct LedgerGauges {
 }
 
 impl LedgerGauges {
+    /// The gauges of a process that does not prune (`serve`): rows and bytes only.
+    pub fn size_only() -> LedgerGauges {
+        LedgerGauges {
+            size_only: true,
+            ..LedgerGauges::default()
+        }
+    }
+
     fn record(&self, now_ms: i64, c: &PruneCounts) {
         self.last_prune_ms.store(now_ms, Ordering::Relaxed);
         self.last_prune_jobs.store(c.jobs, Ordering::Relaxed);
@@ -330,9 +344,13 @@ impl Collector for LedgerCollector {
                 g.last_prune_texts.load(Ordering::Relaxed) as i64,
             ),
         ];
-        for (name, help, v) in gauges {
+        let shown = if g.size_only { 2 } else { gauges.len() };
+        for (name, help, v) in gauges.into_iter().take(shown) {
             let m = ConstGauge::new(v);
             m.encode(enc.encode_descriptor(name, help, None, m.metric_type())?)?;
+        }
+        if g.size_only {
+            return Ok(());
         }
         for (name, help, v) in [
             (
@@ -405,6 +423,20 @@ pub fn spawn_background(
             }
         }
     })
+}
+
+/// The size gauges of a process that does not prune (`serve`): the ledger's size every
+/// minute until `stop`.
+pub fn spawn_size_gauges(ledger: Arc<Ledger>, gauges: Arc<LedgerGauges>, stop: CancellationToken) {
+    tokio::spawn(async move {
+        loop {
+            gauges.refresh_size(&ledger).await;
+            tokio::select! {
+                _ = tokio::time::sleep(SIZE_EVERY) => {}
+                _ = stop.cancelled() => return,
+            }
+        }
+    });
 }
 
 /// A point in time of `--since`/`--until`: a duration before `now_ms` (`7d`), a date

@@ -216,6 +216,11 @@ async fn build(
         management,
         Some(broker.clone()),
     ));
+    // The ledger's size on /metrics, read every minute (the workers prune, serve does not).
+    let gauges = Arc::new(super::ledger::LedgerGauges::size_only());
+    state.metrics = std::mem::take(&mut state.metrics)
+        .with_collector(super::ledger::LedgerCollector(gauges.clone()));
+    super::ledger::spawn_size_gauges(ledger.clone(), gauges, stop.clone());
     let mut dlq_task = None;
     if a.dlq {
         let dlq = DeadLetterProcessor::build(

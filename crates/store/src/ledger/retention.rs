@@ -72,6 +72,9 @@ const COUNT_TEXTS: &str = concat!(
     " AND result IS NOT NULL AND recorded_at_ms >= $2"
 );
 
+const COUNT_STALE_WORKERS: &str = "SELECT COUNT(*) FROM workers WHERE heartbeat_ms < $1";
+const DELETE_STALE_WORKERS: &str = "DELETE FROM workers WHERE heartbeat_ms < $1";
+
 /// The oldest `$2` eligible jobs (through the `jobs_recorded_at` index).
 const SELECT_BATCH: &str = concat!(
     "SELECT job_id FROM jobs WHERE ",
@@ -113,6 +116,8 @@ pub struct PruneCounts {
     pub texts: u64,
     /// Jobs old enough to go but kept: their webhook is not delivered yet.
     pub held_by_webhooks: u64,
+    /// Worker leases not renewed since the row cutoff (workers long gone).
+    pub workers: u64,
 }
 
 impl PruneCounts {
@@ -124,6 +129,7 @@ impl PruneCounts {
         self.webhooks += other.webhooks;
         self.webhook_attempts += other.webhook_attempts;
         self.texts += other.texts;
+        self.workers += other.workers;
     }
 }
 
@@ -222,6 +228,7 @@ impl Ledger {
             c.webhooks = count(COUNT_WEBHOOKS, cut, None).await?;
             c.webhook_attempts = count(COUNT_WEBHOOK_ATTEMPTS, cut, None).await?;
             c.held_by_webhooks = count(COUNT_HELD, cut, None).await?;
+            c.workers = count(COUNT_STALE_WORKERS, cut, None).await?;
         }
         if let Some(cut) = texts_before_ms {
             let floor = rows_before_ms.unwrap_or(i64::MIN).min(cut);
@@ -231,6 +238,21 @@ impl Ledger {
             }
         }
         Ok(c)
+    }
+
+    /// Deletes the leases of workers that have not renewed theirs since `before_ms` (one
+    /// row per worker name ever started: with the default `host:pid` names they pile up).
+    /// A lease that old says nothing about a running call any more.
+    pub async fn prune_worker_leases(&self, before_ms: i64) -> Result<u64, StoreError> {
+        let n = write_tx!(self, "pruning old worker leases", |tx| {
+            sqlx::query(DELETE_STALE_WORKERS)
+                .bind(before_ms)
+                .execute(&mut *tx)
+                .await
+                .map_err(db("pruning old worker leases"))?
+                .rows_affected()
+        });
+        Ok(n)
     }
 
     /// Terminal jobs recorded before `before_ms` that only an undelivered webhook keeps.
