@@ -233,7 +233,7 @@ pub struct RetentionArgs {
     pub retention: Keep,
     /// Clear the result text of terminal jobs recorded longer ago than this; their rows
     /// stay (state, reason, timings, tokens). A number with a unit, `s`, `m`, `h` or `d`
-    /// (e.g. 7d, 24h), at least 1h and not longer than --retention, or `off`
+    /// (e.g. 7d, 24h), at least 1h, or `off` (longer than --retention: the rows go first)
     #[arg(
         long,
         env = "LASTCALL_LEDGER_TEXT_RETENTION",

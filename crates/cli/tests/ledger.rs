@@ -275,19 +275,6 @@ async fn bad_ledger_input_names_the_field_and_what_is_accepted() {
         "{}",
         text(&out.stderr)
     );
-    let out = env.cli(&[
-        "ledger",
-        "prune",
-        "--retention",
-        "7d",
-        "--text-retention",
-        "30d",
-    ]);
-    assert!(
-        text(&out.stderr).contains("--text-retention (30d) is longer than --retention (7d)"),
-        "{}",
-        text(&out.stderr)
-    );
     let out = env.cli(&["ledger", "export", "--since", "yesterday"]);
     let e = text(&out.stderr);
     assert!(

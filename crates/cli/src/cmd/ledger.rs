@@ -49,17 +49,8 @@ pub struct Policy {
 }
 
 impl Policy {
+    /// A text retention longer than the row retention changes nothing: the rows go first.
     pub fn from_args(a: &RetentionArgs) -> Result<Policy> {
-        if let (Keep(Some(rows)), Keep(Some(text))) = (a.retention, a.text_retention)
-            && text > rows
-        {
-            bail!(
-                "--text-retention ({}) is longer than --retention ({}): a job's text goes with \
-                 its row, so keep text_retention at most retention (or `off`)",
-                a.text_retention,
-                a.retention
-            );
-        }
         Ok(Policy {
             retention_ms: a.retention.0,
             text_retention_ms: a.text_retention.0,
@@ -659,7 +650,7 @@ mod tests {
     }
 
     #[test]
-    fn text_retention_may_not_outlive_the_rows() {
+    fn a_text_retention_longer_than_the_rows_is_harmless() {
         let a = RetentionArgs {
             retention: Keep(Some(86_400_000)),
             text_retention: Keep(Some(2 * 86_400_000)),
@@ -667,16 +658,14 @@ mod tests {
             batch_rows: 10,
             batch_pause_ms: 0,
         };
-        let e = Policy::from_args(&a).unwrap_err().to_string();
-        assert!(
-            e.contains("--text-retention (2d) is longer than --retention (1d)"),
-            "{e}"
-        );
-        let ok = RetentionArgs {
+        let p = Policy::from_args(&a).unwrap();
+        assert_eq!(p.describe(), "retention 1d, text retention 2d");
+        let off = RetentionArgs {
             retention: Keep(None),
+            text_retention: Keep(None),
             ..a
         };
-        assert!(Policy::from_args(&ok).unwrap().prunes());
+        assert!(!Policy::from_args(&off).unwrap().prunes());
         assert_eq!(show_duration(30 * 86_400_000), "30d");
         assert_eq!(show_duration(90_000), "90s");
     }
