@@ -2378,6 +2378,18 @@ async fn the_size_counts_the_job_rows(db: &TestDb) {
 async fn only_one_of_two_pruners_holds_the_lock_on_postgres() {
     let db = TestDb::new(Backend::Postgres).await;
     let other = Ledger::connect(&db.url).await.unwrap();
+    // Two processes asking at the same moment, several times each: exactly one turn.
+    let asks = (0..4)
+        .flat_map(|_| [db.ledger.clone(), other.clone()])
+        .map(|l| tokio::spawn(async move { l.try_prune_lock().await.unwrap() }));
+    let mut held = Vec::new();
+    for ask in asks.collect::<Vec<_>>() {
+        if let Some(lock) = ask.await.unwrap() {
+            held.push(lock);
+        }
+    }
+    assert_eq!(held.len(), 1, "one pruner at a time");
+    held.pop().unwrap().release().await;
     let first = db.ledger.try_prune_lock().await.unwrap().expect("free");
     assert!(
         other.try_prune_lock().await.unwrap().is_none(),
@@ -2448,6 +2460,19 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
             "{id}"
         );
     }
+    // An interrupted copy: the destination lacks some rows; running it again adds just those.
+    dst.exec("DELETE FROM jobs WHERE job_id IN ('old-done', 'new-done', 'Zz-ü')")
+        .await;
+    let c = src
+        .ledger
+        .copy_table_to(&dst.ledger, "jobs", 4, &mut |_: u64| {})
+        .await
+        .unwrap();
+    assert_eq!((c.read, c.inserted), (9, 3));
+    assert_eq!(
+        src.ledger.table_digest("jobs").await.unwrap(),
+        dst.ledger.table_digest("jobs").await.unwrap()
+    );
     // Again (a resumed copy): nothing new.
     for table in lastcall_store::COPY_TABLES {
         let c = src
