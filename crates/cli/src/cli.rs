@@ -178,9 +178,10 @@ pub enum LedgerCommand {
     /// rows, webhook and webhook attempts, and clears the result text of those recorded
     /// more than --text-retention ago (the row stays: state, reason, timings, tokens).
     /// Never pruned: jobs still `accepted` or `running`, and jobs whose webhook is not
-    /// delivered yet (counted as "held by webhooks"). With --archive-dir the deleted jobs
-    /// are first appended, as JSON lines, to DIR/ledger-YYYY-MM-DD.jsonl and synced to disk
-    /// before their deletion commits.
+    /// delivered yet (counted as "held by webhooks"). Worker leases not renewed for
+    /// --retention go too. With --archive-dir the deleted jobs are first appended, as JSON
+    /// lines, to DIR/ledger-YYYY-MM-DD.jsonl and synced to disk before their deletion
+    /// commits.
     ///
     /// Each batch of --batch-rows jobs is one short transaction, followed by a pause of
     /// --batch-pause-ms, so running workers are never held up for long. On PostgreSQL one
@@ -221,8 +222,8 @@ pub enum LedgerCommand {
 pub struct RetentionArgs {
     /// Delete terminal jobs (and their attempt and webhook rows) recorded longer ago than
     /// this: a number with a unit, `s`, `m`, `h` or `d` (e.g. 30d, 720h), at least 1d (a
-    /// deadline may lie up to 24 h ahead, and a duplicate still queued must find its job's
-    /// row), or `off` to keep every row
+    /// deadline may lie up to 24 h ahead with the default --horizon-ms, and a duplicate still
+    /// queued must find its job's row), or `off` to keep every row
     #[arg(
         long,
         env = "LASTCALL_LEDGER_RETENTION",
