@@ -44,7 +44,8 @@ pub struct Global {
     #[arg(long, env = "LASTCALL_PREFIX", global = true, hide_env_values = true)]
     pub prefix: Option<String>,
     /// Config file: the keys amqp_url, store_url and prefix, and a section per command
-    /// ([worker], [serve], [dlq], [submit]) whose keys are its flags; `lastcall config show`
+    /// ([worker], [serve], [dlq], [submit], [ledger] for `ledger prune` and the workers'
+    /// pruning) whose keys are its flags; `lastcall config show`
     /// prints what is in effect [default: ./lastcall.toml if present]
     #[arg(long, env = "LASTCALL_CONFIG", global = true)]
     pub config: Option<PathBuf>,
@@ -151,9 +152,248 @@ pub enum Command {
     /// `--smoke` runs a few seconds. Build with `--release` for numbers worth quoting.
     #[command(subcommand)]
     Bench(lastcall_bench::BenchCommand),
-    /// Look at the configuration: `config show [worker|serve|dlq|submit]`
+    /// Look at the configuration: `config show [worker|serve|dlq|submit|ledger]`
     #[command(subcommand)]
     Config(ConfigCommand),
+    /// Keep the ledger from growing without end: prune old jobs, export them, copy the
+    /// ledger to PostgreSQL
+    ///
+    /// The ledger keeps every job's row, attempts and result text until retention removes
+    /// them: `[ledger] retention` (default 30d) deletes terminal jobs with their attempt and
+    /// webhook rows, `[ledger] text_retention` (default 7d) clears only their result text.
+    /// Jobs that have not ended and jobs whose webhook is not delivered are never pruned.
+    /// Every worker prunes in the background (`worker --prune-every`, default 10m; one at a
+    /// time on PostgreSQL); `ledger prune` does the same by hand. `ledger export` writes
+    /// jobs as JSON lines, `ledger copy` moves a SQLite ledger to PostgreSQL.
+    #[command(subcommand)]
+    Ledger(LedgerCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum LedgerCommand {
+    /// Delete old terminal jobs and clear old result texts now, in small batches; prints counts
+    ///
+    /// Deletes the terminal jobs (completed, failed, expired_*, deadline_exceeded,
+    /// rejected, unknown, cancelled) recorded more than --retention ago, with their attempt
+    /// rows, webhook and webhook attempts, and clears the result text of those recorded
+    /// more than --text-retention ago (the row stays: state, reason, timings, tokens).
+    /// Never pruned: jobs still `accepted` or `running`, and jobs whose webhook is not
+    /// delivered yet (counted as "held by webhooks"). Worker leases not renewed for
+    /// --retention go too. With --archive-dir the deleted jobs are first appended, as JSON
+    /// lines, to DIR/ledger-YYYY-MM-DD.jsonl and synced to disk before their deletion
+    /// commits.
+    ///
+    /// Each batch of --batch-rows jobs is one short transaction, followed by a pause of
+    /// --batch-pause-ms, so running workers are never held up for long. On PostgreSQL one
+    /// pruner runs at a time (an advisory lock): if a worker is pruning, this waits for
+    /// nothing and says so (exit 3).
+    ///
+    /// The flags can be set in lastcall.toml's [ledger] section (e.g. `retention = "14d"`),
+    /// which the workers' background pruning reads too.
+    ///
+    /// Exit codes: 0 pruned (or would, with --dry-run); 3 another process is pruning; 1 errors.
+    Prune(PruneArgs),
+    /// Write the terminal jobs recorded in a time window as JSON lines (one object per job)
+    ///
+    /// Each line is one job's record as `jobs show --json` prints it (state, reason,
+    /// timings, tokens, result text, attempt and model-call counts), oldest first. Rows are
+    /// streamed: any number of them runs in constant memory. --since and --until take a
+    /// duration before now (`24h`, `7d`), a date (`2026-12-01`, midnight UTC) or epoch
+    /// milliseconds; the window is [since, until).
+    Export(ExportArgs),
+    /// Copy the whole ledger to another database (SQLite → PostgreSQL), then check the copy
+    ///
+    /// Copies every table (jobs, attempts, webhooks, webhook_attempts, workers) in
+    /// primary-key order, in batches, with `INSERT … ON CONFLICT DO NOTHING`: rows the
+    /// destination already has are skipped, so an interrupted copy is resumed by running
+    /// the same command again, and a second run copies nothing. The destination's schema
+    /// is created (migrated) first. At the end each table's row count and checksum are
+    /// compared on both sides; a difference fails the command (exit 1).
+    ///
+    /// Stop the workers, `serve` and `dlq` first (a row that changes during the copy is
+    /// not copied again), then point --store-url at the destination. README: "Outgrowing
+    /// one machine".
+    Copy(CopyArgs),
+}
+
+/// What retention keeps, shared by `ledger prune` and the workers' background pruning
+/// (lastcall.toml's `[ledger]` section sets these).
+#[derive(Debug, Args, Clone)]
+pub struct RetentionArgs {
+    /// Delete terminal jobs (and their attempt and webhook rows) recorded longer ago than
+    /// this: a number with a unit, `s`, `m`, `h` or `d` (e.g. 30d, 720h), at least 1d (a
+    /// deadline may lie up to 24 h ahead with the default --horizon-ms, and a duplicate still
+    /// queued must find its job's row), or `off` to keep every row
+    #[arg(
+        long,
+        env = "LASTCALL_LEDGER_RETENTION",
+        default_value = "30d",
+        value_name = "DURATION",
+        value_parser = parse_retention
+    )]
+    pub retention: Keep,
+    /// Clear the result text of terminal jobs recorded longer ago than this; their rows
+    /// stay (state, reason, timings, tokens). A number with a unit, `s`, `m`, `h` or `d`
+    /// (e.g. 7d, 24h), at least 1h, or `off` (longer than --retention: the rows go first)
+    #[arg(
+        long,
+        env = "LASTCALL_LEDGER_TEXT_RETENTION",
+        default_value = "7d",
+        value_name = "DURATION",
+        value_parser = parse_text_retention
+    )]
+    pub text_retention: Keep,
+    /// Before deleting, append the pruned jobs as JSON lines (the `ledger export` format)
+    /// to DIR/ledger-YYYY-MM-DD.jsonl (the UTC day of the prune), synced to disk before the
+    /// deletion commits
+    #[arg(long, env = "LASTCALL_LEDGER_ARCHIVE_DIR", value_name = "DIR")]
+    pub archive_dir: Option<PathBuf>,
+    /// Jobs per prune transaction (1–100000): a writer waits at most one batch
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=100_000))]
+    pub batch_rows: u32,
+    /// Pause between two prune batches, in ms, so that the writers get the database
+    #[arg(long, default_value_t = 50, value_name = "MS")]
+    pub batch_pause_ms: u64,
+}
+
+/// How long retention keeps something: `None` keeps it forever (`off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Keep(pub Option<i64>);
+
+impl std::fmt::Display for Keep {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self.0 {
+            None => f.write_str("off"),
+            Some(ms) => f.write_str(&show_duration(ms)),
+        }
+    }
+}
+
+/// `ms` in the largest unit that divides it (`30d`, `36h`, `90s`, `250ms`).
+pub fn show_duration(ms: i64) -> String {
+    for (unit, n) in [
+        ("d", 86_400_000),
+        ("h", 3_600_000),
+        ("m", 60_000),
+        ("s", 1_000),
+    ] {
+        if ms != 0 && ms % n == 0 {
+            return format!("{}{unit}", ms / n);
+        }
+    }
+    format!("{ms}ms")
+}
+
+/// A duration as the project writes them (`report --since`, retention): a number with a
+/// unit `ms`, `s`, `m`, `h` or `d`. The error says what is accepted, without a flag name.
+pub fn duration_ms(s: &str) -> Result<i64, String> {
+    let s = s.trim();
+    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
+    let (num, unit) = s.split_at(split);
+    let Ok(n) = num.parse::<i64>() else {
+        return Err(format!(
+            "must be a number with a unit (ms, s, m, h, d), e.g. 24h; got `{s}`"
+        ));
+    };
+    let factor = match unit {
+        "ms" => 1,
+        "s" => 1_000,
+        "m" => 60_000,
+        "h" => 3_600_000,
+        "d" => 86_400_000,
+        "" => {
+            return Err(format!(
+                "needs a unit (ms, s, m, h, d), e.g. `{n}s`; got `{s}`"
+            ));
+        }
+        other => {
+            return Err(format!(
+                "has an unknown unit `{other}` in `{s}`; use ms, s, m, h or d"
+            ));
+        }
+    };
+    n.checked_mul(factor)
+        .ok_or_else(|| format!("is too large: `{s}`"))
+}
+
+fn keep(s: &str, min_ms: i64, min: &str) -> Result<Keep, String> {
+    if s.trim().eq_ignore_ascii_case("off") {
+        return Ok(Keep(None));
+    }
+    let ms = duration_ms(s).map_err(|e| {
+        format!("{e}; accepted: a number with a unit s, m, h or d (e.g. 30d, 24h), or `off`")
+    })?;
+    if ms < min_ms {
+        return Err(format!("`{s}` is shorter than the minimum, {min}"));
+    }
+    Ok(Keep(Some(ms)))
+}
+
+fn parse_prune_every(s: &str) -> Result<Keep, String> {
+    keep(s, 1_000, "1s")
+}
+
+fn parse_retention(s: &str) -> Result<Keep, String> {
+    keep(s, 86_400_000, "1d")
+}
+
+fn parse_text_retention(s: &str) -> Result<Keep, String> {
+    keep(s, 3_600_000, "1h")
+}
+
+/// `lastcall ledger prune` (see the subcommand's help).
+#[derive(Debug, Args)]
+pub struct PruneArgs {
+    #[command(flatten)]
+    pub retention: RetentionArgs,
+    /// Count what would be pruned; change nothing
+    #[arg(long)]
+    pub dry_run: bool,
+    /// Print one JSON object with the counts
+    #[arg(long)]
+    pub json: bool,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum ExportFormat {
+    /// One JSON object per line
+    Jsonl,
+}
+
+/// `lastcall ledger export` (see the subcommand's help).
+#[derive(Debug, Args)]
+pub struct ExportArgs {
+    /// Start of the window (inclusive): a duration before now (`7d`), a date
+    /// (`2026-12-01`, UTC) or epoch ms [default: the beginning]
+    #[arg(long, value_name = "WHEN")]
+    pub since: Option<String>,
+    /// End of the window (exclusive), in the same forms [default: now]
+    #[arg(long, value_name = "WHEN")]
+    pub until: Option<String>,
+    /// Output format
+    #[arg(long, value_enum, default_value = "jsonl")]
+    pub format: ExportFormat,
+    /// Write to this file (created or truncated) instead of stdout
+    #[arg(long, value_name = "FILE")]
+    pub out: Option<PathBuf>,
+}
+
+/// `lastcall ledger copy` (see the subcommand's help).
+#[derive(Debug, Args)]
+pub struct CopyArgs {
+    /// The ledger to copy [default: the configured ledger, --store-url]
+    #[arg(long, value_name = "STORE_URL")]
+    pub from: Option<String>,
+    /// The destination, e.g. postgres://lastcall@db.internal/lastcall (its schema is
+    /// created if missing)
+    #[arg(long, value_name = "STORE_URL")]
+    pub to: String,
+    /// Rows per batch (1–10000)
+    #[arg(long, default_value_t = 1_000, value_parser = clap::value_parser!(u32).range(1..=10_000))]
+    pub batch_rows: u32,
+    /// No progress bar (it is drawn only on a terminal anyway)
+    #[arg(long)]
+    pub no_progress: bool,
 }
 
 #[derive(Debug, Subcommand)]
@@ -189,6 +429,8 @@ pub enum ConfigTarget {
     Serve,
     Dlq,
     Submit,
+    /// The retention settings (`ledger prune`'s flags, the `[ledger]` section)
+    Ledger,
 }
 
 impl ConfigTarget {
@@ -199,6 +441,7 @@ impl ConfigTarget {
             ConfigTarget::Serve => "serve",
             ConfigTarget::Dlq => "dlq",
             ConfigTarget::Submit => "submit",
+            ConfigTarget::Ledger => "ledger",
         }
     }
 }
@@ -436,6 +679,17 @@ pub struct WorkerArgs {
     /// e.g. 127.0.0.1:9464
     #[arg(long, value_name = "ADDR")]
     pub metrics_addr: Option<std::net::SocketAddr>,
+    /// Prune the ledger in the background this often, by the [ledger] section's retention
+    /// (`lastcall ledger prune --help`): a duration (e.g. 10m, 1h), or `off` (then run
+    /// `lastcall ledger prune` yourself). On PostgreSQL one worker prunes at a time
+    #[arg(
+        long,
+        env = "LASTCALL_PRUNE_EVERY",
+        default_value = "10m",
+        value_name = "DURATION",
+        value_parser = parse_prune_every
+    )]
+    pub prune_every: Keep,
     /// With --metrics-addr: RabbitMQ's management API, for the ready/unacked depth gauges
     /// (when it does not answer, ready counts come from a passive declare)
     #[arg(

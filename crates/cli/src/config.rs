@@ -24,7 +24,21 @@ pub const DEFAULT_STORE_URL: &str = "sqlite://lastcall.db";
 pub const DEFAULT_PREFIX: &str = "lastcall";
 
 /// The commands whose flags `lastcall.toml` may set, one section each.
-pub const SECTIONS: [&str; 4] = ["worker", "serve", "dlq", "submit"];
+pub const SECTIONS: [&str; 5] = ["worker", "serve", "dlq", "submit", "ledger"];
+
+/// The command whose flags a section sets: its own name, except `[ledger]`, whose keys are
+/// the flags of `ledger prune` (the retention settings, which the workers' background
+/// pruning reads too).
+pub fn section_path(section: &str) -> &'static [&'static str] {
+    match section {
+        "worker" => &["worker"],
+        "serve" => &["serve"],
+        "dlq" => &["dlq"],
+        "submit" => &["submit"],
+        "ledger" => &["ledger", "prune"],
+        _ => &[],
+    }
+}
 
 /// Keys `lastcall.toml` may set: the connection settings at the top level (the same as
 /// the environment variables), the `[routing]` table, and one section per command whose
@@ -49,6 +63,9 @@ pub struct FileConfig {
     /// `lastcall submit`'s flags.
     #[serde(default)]
     pub submit: toml::Table,
+    /// Retention: `lastcall ledger prune`'s flags, also read by the workers.
+    #[serde(default)]
+    pub ledger: toml::Table,
 }
 
 impl FileConfig {
@@ -59,6 +76,7 @@ impl FileConfig {
             "serve" => Some(&self.serve),
             "dlq" => Some(&self.dlq),
             "submit" => Some(&self.submit),
+            "ledger" => Some(&self.ledger),
             _ => None,
         }
     }
@@ -165,12 +183,19 @@ pub fn apply_file(
         if table.is_empty() {
             continue;
         }
-        let sub = command
-            .find_subcommand(section)
-            .ok_or_else(|| anyhow!("no `{section}` command"))?
-            .clone();
-        let sub = apply_section(sub, section, table, name)?;
-        command = command.mut_subcommand(section, |_| sub);
+        let path = section_path(section);
+        let mut sub = &command;
+        for name in path {
+            sub = sub
+                .find_subcommand(name)
+                .ok_or_else(|| anyhow!("no `{}` command", path.join(" ")))?;
+        }
+        let sub = apply_section(sub.clone(), section, table, name)?;
+        command = match path {
+            [one] => command.mut_subcommand(one, |_| sub),
+            [outer, inner] => command.mut_subcommand(outer, |c| c.mut_subcommand(inner, |_| sub)),
+            _ => bail!("no command for section [{section}]"),
+        };
     }
     Ok(command)
 }
@@ -635,6 +660,41 @@ mod tests {
         // Without the file they are still required.
         let plain = loaded("").unwrap();
         assert!(plain.parse(&argv(&["submit", "--prompt", "hi"])).is_err());
+    }
+
+    #[test]
+    fn the_ledger_section_sets_the_flags_of_ledger_prune() {
+        use crate::cli::{Command, Keep, LedgerCommand};
+        let l =
+            loaded("[ledger]\nretention = \"14d\"\narchive_dir = \"/var/lib/lastcall/archive\"\n")
+                .unwrap();
+        let m = l.parse(&argv(&["ledger", "prune"])).unwrap();
+        let Command::Ledger(LedgerCommand::Prune(p)) =
+            crate::cli::Cli::from_arg_matches(&m).unwrap().command
+        else {
+            panic!()
+        };
+        assert_eq!(p.retention.retention, Keep(Some(14 * 86_400_000)));
+        assert_eq!(p.retention.text_retention, Keep(Some(7 * 86_400_000)));
+        assert_eq!(
+            p.retention.archive_dir.as_deref(),
+            Some(Path::new("/var/lib/lastcall/archive"))
+        );
+        // A flag still wins.
+        let m = l
+            .parse(&argv(&["ledger", "prune", "--retention", "off"]))
+            .unwrap();
+        let Command::Ledger(LedgerCommand::Prune(p)) =
+            crate::cli::Cli::from_arg_matches(&m).unwrap().command
+        else {
+            panic!()
+        };
+        assert_eq!(p.retention.retention, Keep(None));
+        let e = loaded("[ledger]\nkeep = 1\n").err().unwrap().to_string();
+        assert!(
+            e.contains("unknown key `keep` in section [ledger]") && e.contains("text_retention"),
+            "{e}"
+        );
     }
 
     #[test]

@@ -42,8 +42,11 @@ fn main() -> std::process::ExitCode {
     };
     // `topology delete` asks the broker which queues exist with passive declares; lapin
     // logs the broker's NOT_FOUND answer for each missing one as an error.
+    // `ledger export` and `ledger copy` read whole tables as one stream on purpose: sqlx's
+    // "slow statement" warning for each is noise there.
     let quiet: &[&str] = match &args.command {
         cli::Command::Topology(cli::TopologyCommand::Delete(_)) => &["lapin::channel"],
+        cli::Command::Ledger(_) => &["sqlx::query"],
         _ => &[],
     };
     let _tracing = match config::init_tracing(&args.global, quiet) {

@@ -1303,6 +1303,10 @@ impl Ledger {
     }
 }
 
+// Defined here so that they see the macros and private items above.
+pub(crate) mod copy;
+pub(crate) mod retention;
+
 fn receipt(state: &str, backend_calls: i64, cancel_requested: bool) -> ReceiptInfo {
     let terminal = state.parse::<State>().is_ok_and(State::is_terminal);
     ReceiptInfo {

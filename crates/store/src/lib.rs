@@ -15,9 +15,19 @@
 //! - `attempts`: one row per delivery that reached a decision (trace rows): received,
 //!   checked, started, finished and acked times, the broker's redelivered flag, the decision
 //!   and whether the model was called.
+//! - `workers`: the workers' leases; `webhooks`, `webhook_attempts`: callback URLs and
+//!   their delivery attempts.
+//!
+//! Retention (`ledger/retention.rs`) deletes a terminal job with all its rows, or clears
+//! only its `result` text; nothing else ever deletes a job row.
 //!
 //! # Layout
 //! - [`Ledger`] (`ledger.rs`): connect, migrate, and every read and write of the ledger.
+//! - `ledger/retention.rs`: pruning (old terminal jobs and their rows, old result texts;
+//!   never a non-terminal job or one whose webhook waits), the prune lock, the streamed
+//!   export and the ledger's size.
+//! - `ledger/copy.rs`: copying every table to another database (`ledger copy`) and the
+//!   per-table count and checksum that check it.
 //! - `batch.rs`: the set-based statements of a group commit (rows as one JSON parameter).
 //! - `migrate.rs`: embedded, versioned migrations (`migrations/{sqlite,postgres}/`) and the
 //!   `schema_migrations` table.
@@ -29,6 +39,8 @@ mod error;
 mod ledger;
 mod migrate;
 
+pub use ledger::copy::{COPY_TABLES, CopyCounts, TableDigest, copy_columns};
+pub use ledger::retention::{ArchiveFn, JobStream, LedgerSize, PruneCounts, PruneLock};
 pub use ledger::{Ledger, LedgerWrite};
 
 use lastcall_core::{Decision, Reason, State};

@@ -57,6 +57,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0006_webhooks.sql"),
         postgres: include_str!("../migrations/postgres/0006_webhooks.sql"),
     },
+    Migration {
+        version: 7,
+        name: "retention",
+        sqlite: include_str!("../migrations/sqlite/0007_retention.sql"),
+        postgres: include_str!("../migrations/postgres/0007_retention.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

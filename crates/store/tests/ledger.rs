@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 6;
+const LATEST_VERSION: i64 = 7;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -2095,4 +2095,447 @@ async fn a_webhook_is_claimed_once_and_its_attempts_recorded(db: &TestDb) {
     };
     l.record_webhook_attempt(&ok).await.unwrap();
     assert_eq!(l.webhook_attempts("h1").await.unwrap(), vec![fail, ok]);
+}
+
+// ---------------------------------------------------------------------------------------
+// Retention, export and copy (`ledger/retention.rs`, `ledger/copy.rs`)
+
+both_backends!(
+    prune_deletes_old_terminal_jobs_with_their_rows_and_nothing_else,
+    a_dry_run_counts_exactly_what_pruning_removes_and_changes_nothing,
+    the_archive_gets_every_pruned_job_and_a_failed_archive_deletes_nothing,
+    export_streams_the_window_and_round_trips_the_records,
+    the_size_counts_the_job_rows,
+);
+
+/// Rows cut off before this; texts before [`TEXT_CUT`].
+const ROW_CUT: i64 = 10_000;
+const TEXT_CUT: i64 = 30_000;
+
+/// A ledger with a job of every kind retention must tell apart.
+async fn retention_fixture(l: &Ledger) {
+    use lastcall_store::WebhookAttempt;
+    // Old and terminal: pruned, with their attempt rows.
+    l.record_start(&start("old-done", "a-old-done", 1, 900))
+        .await
+        .unwrap();
+    assert!(
+        l.record_outcome(&completed("old-done", "a-old-done", 1_000, "old text"))
+            .await
+            .unwrap()
+    );
+    // Old, terminal, webhook delivered: pruned with its webhook rows.
+    l.register_webhook("old-fail", "http://hooks/1", 800)
+        .await
+        .unwrap();
+    l.record_outcome(&outcome("old-fail", "a-old-fail", State::Failed, 1_100))
+        .await
+        .unwrap();
+    for (attempt, error) in [(1, Some("the receiver answered 500".to_owned())), (2, None)] {
+        l.record_webhook_attempt(&WebhookAttempt {
+            job_id: "old-fail".into(),
+            attempt,
+            at_ms: 1_150 + attempt,
+            status: Some(if error.is_some() { 500 } else { 200 }),
+            error,
+        })
+        .await
+        .unwrap();
+    }
+    // Old and terminal, but its webhook is not delivered: held.
+    l.register_webhook("old-hook", "http://hooks/2", 800)
+        .await
+        .unwrap();
+    l.record_outcome(&completed("old-hook", "a-old-hook", 1_200, "held text"))
+        .await
+        .unwrap();
+    // `unknown` is terminal: pruned.
+    l.record_accepted(&accepted("old-unknown", "chat", 500, 800))
+        .await
+        .unwrap();
+    assert_eq!(l.mark_unknown(1_300, 0).await.unwrap(), vec!["old-unknown"]);
+    // Old but not terminal: never pruned.
+    l.record_accepted(&accepted("old-accepted", "chat", 500, 10_000_000))
+        .await
+        .unwrap();
+    l.record_start(&start("old-running", "a-old-running", 1, 700))
+        .await
+        .unwrap();
+    // Kept as rows; the first loses its text.
+    l.record_outcome(&completed("mid-done", "a-mid-done", 20_000, "mid text"))
+        .await
+        .unwrap();
+    l.record_outcome(&completed("new-done", "a-new-done", 50_000, "new text"))
+        .await
+        .unwrap();
+    // A worker gone long ago, and one alive.
+    l.heartbeat("gone", 500).await.unwrap();
+    l.heartbeat("alive", 50_000).await.unwrap();
+}
+
+/// Prunes at `ROW_CUT` in batches of `limit`, then clears texts at `TEXT_CUT`.
+async fn prune_all(l: &Ledger, limit: u32) -> lastcall_store::PruneCounts {
+    let mut total = lastcall_store::PruneCounts::default();
+    loop {
+        let c = l.prune_batch(ROW_CUT, limit, None).await.unwrap();
+        total.add(&c);
+        if c.jobs < u64::from(limit) {
+            break;
+        }
+    }
+    loop {
+        let n = l.clear_texts_batch(TEXT_CUT, ROW_CUT, limit).await.unwrap();
+        total.texts += n;
+        if n < u64::from(limit) {
+            break;
+        }
+    }
+    total.held_by_webhooks = l.held_by_webhooks(ROW_CUT).await.unwrap();
+    total.workers = l.prune_worker_leases(ROW_CUT).await.unwrap();
+    total
+}
+
+async fn prune_deletes_old_terminal_jobs_with_their_rows_and_nothing_else(db: &TestDb) {
+    let l = &db.ledger;
+    retention_fixture(l).await;
+    let c = prune_all(l, 2).await;
+    assert_eq!(
+        (c.jobs, c.attempts, c.webhooks, c.webhook_attempts),
+        (3, 2, 1, 2),
+        "{c:?}"
+    );
+    assert_eq!((c.texts, c.held_by_webhooks, c.workers), (1, 1, 1), "{c:?}");
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM workers WHERE name = 'alive'")
+            .await,
+        1
+    );
+    for gone in ["old-done", "old-fail", "old-unknown"] {
+        assert!(l.get(gone).await.unwrap().is_none(), "{gone}");
+        assert!(l.attempts(gone).await.unwrap().is_empty(), "{gone}");
+        assert!(l.webhook_attempts(gone).await.unwrap().is_empty(), "{gone}");
+    }
+    assert_eq!(
+        db.scalar("SELECT COUNT(*) FROM webhooks WHERE job_id = 'old-fail'")
+            .await,
+        0
+    );
+    // Never pruned: not terminal, or its webhook waits (text kept too).
+    assert_eq!(must_get(l, "old-accepted").await.state, "accepted");
+    assert_eq!(must_get(l, "old-running").await.state, "running");
+    assert_eq!(l.attempts("old-running").await.unwrap().len(), 1);
+    let held = must_get(l, "old-hook").await;
+    assert_eq!(held.result.as_deref(), Some("held text"));
+    // Text retention: the row stays, the text goes.
+    let mid = must_get(l, "mid-done").await;
+    assert_eq!((mid.state.as_str(), mid.result), ("completed", None));
+    assert_eq!(
+        (mid.prompt_tokens, mid.completion_tokens, mid.attempts),
+        (Some(12), Some(34), 1)
+    );
+    assert_eq!(
+        must_get(l, "new-done").await.result.as_deref(),
+        Some("new text")
+    );
+    // Again: nothing left to do.
+    let again = prune_all(l, 2).await;
+    assert_eq!((again.jobs, again.texts, again.held_by_webhooks), (0, 0, 1));
+    // Once the webhook is delivered, the held job goes too.
+    l.record_webhook_attempt(&lastcall_store::WebhookAttempt {
+        job_id: "old-hook".into(),
+        attempt: 1,
+        at_ms: 60_000,
+        status: Some(200),
+        error: None,
+    })
+    .await
+    .unwrap();
+    let last = prune_all(l, 2).await;
+    assert_eq!((last.jobs, last.webhooks, last.webhook_attempts), (1, 1, 1));
+    assert!(l.get("old-hook").await.unwrap().is_none());
+}
+
+async fn a_dry_run_counts_exactly_what_pruning_removes_and_changes_nothing(db: &TestDb) {
+    let l = &db.ledger;
+    retention_fixture(l).await;
+    let before = l.counts_by_state().await.unwrap();
+    let preview = l
+        .prune_preview(Some(ROW_CUT), Some(TEXT_CUT))
+        .await
+        .unwrap();
+    assert_eq!(
+        l.counts_by_state().await.unwrap(),
+        before,
+        "nothing changed"
+    );
+    assert_eq!(
+        must_get(l, "mid-done").await.result.as_deref(),
+        Some("mid text")
+    );
+    assert!(l.get("old-done").await.unwrap().is_some());
+    assert_eq!(prune_all(l, 1_000).await, preview);
+    // Text retention alone: the texts of every kept terminal job before its cutoff.
+    let texts_only = l.prune_preview(None, Some(60_000)).await.unwrap();
+    assert_eq!(
+        (
+            texts_only.jobs,
+            texts_only.texts,
+            texts_only.held_by_webhooks
+        ),
+        (0, 1, 1),
+        "new-done's text; old-hook is held"
+    );
+}
+
+async fn the_archive_gets_every_pruned_job_and_a_failed_archive_deletes_nothing(db: &TestDb) {
+    let l = &db.ledger;
+    retention_fixture(l).await;
+    let mut fail =
+        |_: &[JobRecord]| -> std::io::Result<()> { Err(std::io::Error::other("disk full")) };
+    let e = l
+        .prune_batch(ROW_CUT, 100, Some(&mut fail))
+        .await
+        .unwrap_err();
+    assert!(
+        e.to_string().contains("disk full") && e.to_string().contains("nothing deleted"),
+        "{e}"
+    );
+    assert!(l.get("old-done").await.unwrap().is_some());
+    assert_eq!(l.attempts("old-done").await.unwrap().len(), 1);
+    // The archive sees each record as it was, before its deletion.
+    let expected = [
+        must_get(l, "old-done").await,
+        must_get(l, "old-fail").await,
+        must_get(l, "old-unknown").await,
+    ];
+    let mut archived: Vec<JobRecord> = Vec::new();
+    let mut keep = |jobs: &[JobRecord]| -> std::io::Result<()> {
+        archived.extend_from_slice(jobs);
+        Ok(())
+    };
+    let c = l.prune_batch(ROW_CUT, 100, Some(&mut keep)).await.unwrap();
+    assert_eq!(c.jobs, 3);
+    assert_eq!(archived, expected);
+}
+
+async fn export_streams_the_window_and_round_trips_the_records(db: &TestDb) {
+    use futures_util::TryStreamExt;
+    let l = &db.ledger;
+    retention_fixture(l).await;
+    // Enough rows that a stream is worth having, in one group commit.
+    let many: Vec<LedgerWrite> = (0..3_000)
+        .map(|i| {
+            LedgerWrite::outcome(completed(
+                &format!("bulk-{i:05}"),
+                &format!("a-bulk-{i:05}"),
+                40_000 + i,
+                "bulk text",
+            ))
+        })
+        .collect();
+    l.write_batch(&many).await.unwrap();
+    let mut stream = l.export(1_000, 40_100);
+    let mut seen: Vec<serde_json::Value> = Vec::new();
+    while let Some(job) = stream.try_next().await.unwrap() {
+        // Through the text a file would hold, and back.
+        let line = serde_json::to_string(&job).unwrap();
+        seen.push(serde_json::from_str(&line).unwrap());
+    }
+    drop(stream);
+    let ids: Vec<&str> = seen.iter().map(|v| v["job_id"].as_str().unwrap()).collect();
+    // [1_000, 40_100): terminal jobs only, oldest first; not `old-accepted`/`old-running`.
+    let mut expected = vec![
+        "old-done",
+        "old-fail",
+        "old-hook",
+        "old-unknown",
+        "mid-done",
+    ];
+    let bulk: Vec<String> = (0..100).map(|i| format!("bulk-{i:05}")).collect();
+    expected.extend(bulk.iter().map(String::as_str));
+    assert_eq!(ids, expected);
+    for v in &seen {
+        let id = v["job_id"].as_str().unwrap();
+        let rec = serde_json::to_value(must_get(l, id).await).unwrap();
+        assert_eq!(v, &rec, "{id}");
+    }
+    // A window with nothing in it.
+    let none: Vec<JobRecord> = l.export(100_000, 200_000).try_collect().await.unwrap();
+    assert!(none.is_empty());
+}
+
+async fn the_size_counts_the_job_rows(db: &TestDb) {
+    let l = &db.ledger;
+    retention_fixture(l).await;
+    if db.backend == Backend::Postgres {
+        db.exec("ANALYZE jobs").await;
+    }
+    let size = l.size().await.unwrap();
+    assert_eq!(size.job_rows, 8, "{size:?}");
+    assert!(size.bytes > 0, "{size:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn only_one_of_two_pruners_holds_the_lock_on_postgres() {
+    let db = TestDb::new(Backend::Postgres).await;
+    let other = Ledger::connect(&db.url).await.unwrap();
+    // Two processes asking at the same moment, several times each: exactly one turn.
+    let asks = (0..4)
+        .flat_map(|_| [db.ledger.clone(), other.clone()])
+        .map(|l| tokio::spawn(async move { l.try_prune_lock().await.unwrap() }));
+    let mut held = Vec::new();
+    for ask in asks.collect::<Vec<_>>() {
+        if let Some(lock) = ask.await.unwrap() {
+            held.push(lock);
+        }
+    }
+    assert_eq!(held.len(), 1, "one pruner at a time");
+    held.pop().unwrap().release().await;
+    let first = db.ledger.try_prune_lock().await.unwrap().expect("free");
+    assert!(
+        other.try_prune_lock().await.unwrap().is_none(),
+        "held by the first"
+    );
+    first.release().await;
+    let second = other.try_prune_lock().await.unwrap().expect("released");
+    // Dropped without a release (a pruner that died): its connection closes, the lock goes.
+    drop(second);
+    let deadline = Instant::now() + Duration::from_secs(10);
+    loop {
+        if let Some(lock) = db.ledger.try_prune_lock().await.unwrap() {
+            lock.release().await;
+            break;
+        }
+        assert!(
+            Instant::now() < deadline,
+            "the dropped lock was never released"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    other.close().await;
+    db.ledger.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no_op() {
+    let src = TestDb::new(Backend::Sqlite).await;
+    let dst = TestDb::new(Backend::Postgres).await;
+    retention_fixture(&src.ledger).await;
+    src.ledger.heartbeat("w1", 5_000).await.unwrap();
+    // A text with characters whose byte order and collation order differ, and quotes.
+    src.ledger
+        .record_outcome(&completed("Zz-ü", "a-zz", 2_000, "\"ä\"\n\\ 🙂"))
+        .await
+        .unwrap();
+    let mut last_progress = 0;
+    for table in lastcall_store::COPY_TABLES {
+        let mut progress = |n: u64| last_progress = n;
+        let c = src
+            .ledger
+            .copy_table_to(&dst.ledger, table, 2, &mut progress)
+            .await
+            .unwrap();
+        assert_eq!(c.read, c.inserted, "{table}: a fresh destination");
+        assert_eq!(
+            c.read,
+            src.ledger.table_rows(table).await.unwrap(),
+            "{table}"
+        );
+        assert_eq!(last_progress, c.read, "{table}");
+        assert_eq!(
+            src.ledger.table_digest(table).await.unwrap(),
+            dst.ledger.table_digest(table).await.unwrap(),
+            "{table}"
+        );
+    }
+    assert_eq!(
+        src.ledger.table_digest("jobs").await.unwrap().rows,
+        9,
+        "every job"
+    );
+    // The copy reads as the source does.
+    for id in ["old-done", "old-hook", "Zz-ü", "old-running"] {
+        assert_eq!(
+            must_get(&dst.ledger, id).await,
+            must_get(&src.ledger, id).await,
+            "{id}"
+        );
+    }
+    // An interrupted copy: the destination lacks some rows; running it again adds just those.
+    dst.exec("DELETE FROM jobs WHERE job_id IN ('old-done', 'new-done', 'Zz-ü')")
+        .await;
+    let c = src
+        .ledger
+        .copy_table_to(&dst.ledger, "jobs", 4, &mut |_: u64| {})
+        .await
+        .unwrap();
+    assert_eq!((c.read, c.inserted), (9, 3));
+    assert_eq!(
+        src.ledger.table_digest("jobs").await.unwrap(),
+        dst.ledger.table_digest("jobs").await.unwrap()
+    );
+    // Again (a resumed copy): nothing new.
+    for table in lastcall_store::COPY_TABLES {
+        let c = src
+            .ledger
+            .copy_table_to(&dst.ledger, table, 3, &mut |_: u64| {})
+            .await
+            .unwrap();
+        assert_eq!(c.inserted, 0, "{table}");
+    }
+    // A difference shows in the checksum.
+    dst.exec("UPDATE jobs SET result = 'changed' WHERE job_id = 'new-done'")
+        .await;
+    assert_ne!(
+        src.ledger.table_digest("jobs").await.unwrap(),
+        dst.ledger.table_digest("jobs").await.unwrap()
+    );
+    src.ledger.close().await;
+    dst.ledger.close().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_copy_covers_every_column_of_every_table() {
+    let db = TestDb::new(Backend::Sqlite).await;
+    let mut conn = sqlx::SqliteConnection::connect(&db.url).await.unwrap();
+    let tables: Vec<String> = sqlx::query(
+        "SELECT name FROM sqlite_master WHERE type = 'table' \
+         AND name NOT IN ('schema_migrations') AND name NOT LIKE 'sqlite_%' ORDER BY name",
+    )
+    .fetch_all(&mut conn)
+    .await
+    .unwrap()
+    .iter()
+    .map(|r| r.get(0))
+    .collect();
+    let mut copied: Vec<&str> = lastcall_store::COPY_TABLES.to_vec();
+    copied.sort();
+    assert_eq!(
+        tables, copied,
+        "a new table must be added to ledger/copy.rs"
+    );
+    for t in &tables {
+        let mut columns: Vec<String> = sqlx::query(AssertSqlSafe(format!(
+            "SELECT name FROM pragma_table_info('{t}')"
+        )))
+        .fetch_all(&mut conn)
+        .await
+        .unwrap()
+        .iter()
+        .map(|r| r.get(0))
+        .collect();
+        columns.sort();
+        let mut spec: Vec<String> = lastcall_store::copy_columns(t)
+            .unwrap()
+            .into_iter()
+            .map(str::to_owned)
+            .collect();
+        spec.sort();
+        assert_eq!(
+            columns, spec,
+            "{t}: a new column must be added to ledger/copy.rs"
+        );
+    }
+    conn.close().await.ok();
+    db.ledger.close().await;
 }

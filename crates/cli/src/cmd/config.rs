@@ -53,12 +53,9 @@ pub fn show(loaded: &Loaded, top: &ArgMatches, a: ConfigShowArgs) -> Result<Exit
     });
     if let Some((target, m)) = &shown {
         let name = target.name();
-        let sub_m = m
-            .subcommand_matches(name)
-            .ok_or_else(|| anyhow!("no `{name}` in the parsed line"))?;
-        let sub = loaded
-            .command
-            .find_subcommand(name)
+        let sub_m =
+            target_matches(m, *target).ok_or_else(|| anyhow!("no `{name}` in the parsed line"))?;
+        let sub = target_command(&loaded.command, *target)
             .ok_or_else(|| anyhow!("no `{name}` command"))?;
         for arg in sub.get_arguments() {
             let Some(key) = key_of(arg) else { continue };
@@ -81,7 +78,7 @@ pub fn show(loaded: &Loaded, top: &ArgMatches, a: ConfigShowArgs) -> Result<Exit
         crate::table::render(&["setting", "value", "source"], &rows)
     );
     if let Some((target, m)) = &shown {
-        let secrets = secrets(*target, m.subcommand_matches(target.name()));
+        let secrets = secrets(*target, target_matches(m, *target));
         if !secrets.is_empty() {
             println!("secrets from the environment (never shown):");
             for var in secrets {
@@ -93,10 +90,25 @@ pub fn show(loaded: &Loaded, top: &ArgMatches, a: ConfigShowArgs) -> Result<Exit
     Ok(ExitCode::SUCCESS)
 }
 
+/// The command whose flags a target shows (`ledger` shows `ledger prune`'s).
+fn target_command(c: &clap::Command, t: ConfigTarget) -> Option<&clap::Command> {
+    crate::config::section_path(t.name())
+        .iter()
+        .try_fold(c, |c, name| c.find_subcommand(name))
+}
+
+/// That command's matches in a parsed line.
+fn target_matches(m: &ArgMatches, t: ConfigTarget) -> Option<&ArgMatches> {
+    crate::config::section_path(t.name())
+        .iter()
+        .try_fold(m, |m, name| m.subcommand_matches(name))
+}
+
 /// `lastcall <target> <flags…>` parsed with the file's defaults, its required flags
 /// excused (the settings of a submit without --kind can still be shown).
 fn parse_target(loaded: &Loaded, t: ConfigTarget, flags: &[OsString]) -> Result<ArgMatches> {
     let name = t.name();
+    let path = crate::config::section_path(name);
     let mut command = loaded.command.clone();
     let groups: Vec<clap::Id> = command
         .find_subcommand(name)
@@ -108,8 +120,8 @@ fn parse_target(loaded: &Loaded, t: ConfigTarget, flags: &[OsString]) -> Result<
         }
         c.mut_args(|a| a.required(false).required_unless_present(Resettable::Reset))
     });
-    let argv: Vec<OsString> = ["lastcall".into(), name.into()]
-        .into_iter()
+    let argv: Vec<OsString> = std::iter::once("lastcall".into())
+        .chain(path.iter().map(OsString::from))
         .chain(flags.iter().cloned())
         .collect();
     let m = loaded.parse_with(command, &argv).map_err(|e| {
@@ -168,6 +180,7 @@ fn secrets(t: ConfigTarget, m: Option<&ArgMatches>) -> Vec<String> {
             "LASTCALL_MANAGEMENT_PASSWORD",
         ],
         ConfigTarget::Dlq | ConfigTarget::Submit => vec!["LASTCALL_SIGNING_KEY"],
+        ConfigTarget::Ledger => vec![],
     }
     .into_iter()
     .map(str::to_owned)

@@ -4,6 +4,7 @@ mod cancel;
 mod config;
 mod dlq;
 mod jobs;
+mod ledger;
 mod reconcile;
 mod report;
 mod serve;
@@ -28,7 +29,10 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
     let clock = lastcall_worker::SystemClock::default();
     match cli.command {
         Command::Submit(a) => submit::run(&settings, a, &clock).await,
-        Command::Worker(a) => worker::run(&settings, *a).await,
+        Command::Worker(a) => {
+            let retention = ledger::retention_settings(loaded)?;
+            worker::run(&settings, *a, retention).await
+        }
         Command::Jobs(c) => jobs::run(&settings, c).await,
         Command::Topology(TopologyCommand::Apply(t)) => {
             let broker = connect_broker(&settings).await?;
@@ -66,6 +70,7 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
         Command::Serve(a) => serve::run(&settings, a).await,
         Command::Bench(c) => lastcall_bench::run(&bench_env(&settings), c).await,
         Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),
+        Command::Ledger(c) => ledger::run(&settings, c, &clock).await,
     }
 }
 

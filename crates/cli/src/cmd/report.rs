@@ -4,32 +4,14 @@
 use crate::cli::{ReportArgs, ReportFormat};
 use crate::config::Settings;
 use crate::table;
-use anyhow::{Result, bail};
+use anyhow::Result;
 use lastcall_clock::Clock;
 use lastcall_core::report::{self, Count, Report, ReportRow};
 use std::process::ExitCode;
 
 /// Parse a window length like `24h`, `90m`, `3600s`, `500ms` or `7d` into ms.
 pub fn parse_window(s: &str) -> Result<i64> {
-    let s = s.trim();
-    let split = s.find(|c: char| !c.is_ascii_digit()).unwrap_or(s.len());
-    let (num, unit) = s.split_at(split);
-    let Ok(n) = num.parse::<i64>() else {
-        bail!("--since must be a number with a unit (ms, s, m, h, d), e.g. 24h; got `{s}`");
-    };
-    let factor = match unit {
-        "ms" => 1,
-        "s" => 1_000,
-        "m" => 60_000,
-        "h" => 3_600_000,
-        "d" => 86_400_000,
-        "" => bail!("--since needs a unit (ms, s, m, h, d), e.g. `{n}s`; got `{s}`"),
-        other => bail!("--since has an unknown unit `{other}`; use ms, s, m, h or d"),
-    };
-    match n.checked_mul(factor) {
-        Some(ms) => Ok(ms),
-        None => bail!("--since is too large: `{s}`"),
-    }
+    crate::cli::duration_ms(s).map_err(|e| anyhow::anyhow!("--since {e}"))
 }
 
 pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitCode> {

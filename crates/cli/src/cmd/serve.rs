@@ -216,6 +216,11 @@ async fn build(
         management,
         Some(broker.clone()),
     ));
+    // The ledger's size on /metrics, read every minute (the workers prune, serve does not).
+    let gauges = Arc::new(super::ledger::LedgerGauges::size_only());
+    state.metrics = std::mem::take(&mut state.metrics)
+        .with_collector(super::ledger::LedgerCollector(gauges.clone()));
+    super::ledger::spawn_size_gauges(ledger.clone(), gauges, stop.clone());
     let mut dlq_task = None;
     if a.dlq {
         let dlq = DeadLetterProcessor::build(
@@ -346,6 +351,7 @@ pub async fn install_worker_metrics(
     topo: &Topology,
     stats: Arc<WorkerStats>,
     management: (&str, &str),
+    ledger: super::ledger::LedgerCollector,
 ) -> Result<()> {
     let probe_broker = super::connect_broker(s).await?;
     let (base_url, user) = management;
@@ -356,6 +362,7 @@ pub async fn install_worker_metrics(
             move || stats.readiness()
         })
         .with_collector(WorkerCollector(stats))
+        .with_collector(ledger)
         .with_depth(DepthProbe::new(
             queues(topo),
             Some(management),

@@ -15,7 +15,13 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
+/// `retention`: the `[ledger]` section's settings, for the background pruning
+/// (`--prune-every`).
+pub async fn run(
+    s: &Settings,
+    a: WorkerArgs,
+    retention: super::ledger::Policy,
+) -> Result<ExitCode> {
     let cfg = config(s, &a)?;
     let backend = backend(s, &a).await?;
     let stop = CancellationToken::new();
@@ -43,13 +49,39 @@ pub async fn run(s: &Settings, a: WorkerArgs) -> Result<ExitCode> {
         offset_ms: a.clock_offset_ms,
     });
     let stats = Arc::new(WorkerStats::default());
+    let gauges = Arc::new(super::ledger::LedgerGauges::default());
     if let Some(startup) = &metrics {
         let management = (a.management_url.as_str(), a.management_user.as_str());
-        super::serve::install_worker_metrics(startup, s, &cfg.topology, stats.clone(), management)
-            .await?;
+        super::serve::install_worker_metrics(
+            startup,
+            s,
+            &cfg.topology,
+            stats.clone(),
+            management,
+            super::ledger::LedgerCollector(gauges.clone()),
+        )
+        .await?;
     }
-    let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await?;
-    worker.run(stop).await?;
+    // The background pruning (and the ledger's size for /metrics): it stops with the worker.
+    let pruner_stop = stop.child_token();
+    let pruner = super::ledger::spawn_background(
+        ledger.clone(),
+        retention,
+        a.prune_every
+            .0
+            .map(|ms| Duration::from_millis(ms.unsigned_abs())),
+        clock.clone(),
+        gauges,
+        pruner_stop.clone(),
+    );
+    let worker = Worker::build(cfg, broker, ledger.clone(), backend, clock, stats).await;
+    let ran = match worker {
+        Ok(w) => w.run(stop).await.map_err(anyhow::Error::from),
+        Err(e) => Err(e.into()),
+    };
+    pruner_stop.cancel();
+    let _ = pruner.await;
+    ran?;
     ledger.close().await;
     Ok(ExitCode::SUCCESS)
 }
