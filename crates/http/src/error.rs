@@ -21,6 +21,16 @@ pub enum ApiError {
         "missing or invalid credentials: send `Authorization: Bearer <token>`, or Basic credentials whose password is the token"
     )]
     Unauthorized,
+    /// 403: a credential that may not do this (Basic credentials on a write), or a write
+    /// from another origin (`code` says which).
+    #[error("{message}")]
+    Forbidden { code: &'static str, message: String },
+    /// 415: a body that is not declared `application/json`.
+    #[error(
+        "the `Content-Type` header must be `application/json`{}",
+        match .0 { Some(t) => format!(", not `{t}`"), None => " (it is missing)".into() }
+    )]
+    UnsupportedMediaType(Option<String>),
     /// 404.
     #[error("no job `{0}`")]
     NotFound(String),
@@ -74,6 +84,26 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// `415` unless `headers` declare a JSON body (`application/json`, parameters such as
+    /// `; charset=utf-8` allowed). A form or `text/plain` body is what another site's page
+    /// can send without a CORS preflight; JSON it cannot.
+    pub fn require_json(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+        let value = headers.get(axum::http::header::CONTENT_TYPE);
+        let essence = value.and_then(|v| v.to_str().ok()).map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        });
+        match essence.as_deref() {
+            Some("application/json") => Ok(()),
+            _ => Err(ApiError::UnsupportedMediaType(value.map(|v| {
+                crate::params::shorten(&String::from_utf8_lossy(v.as_bytes()))
+            }))),
+        }
+    }
+
     pub fn bad(field: &str, code: &str, message: impl Into<String>) -> Self {
         ApiError::BadField {
             field: field.to_owned(),
@@ -105,6 +135,8 @@ impl ApiError {
         match self {
             ApiError::BadField { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) | ApiError::AlreadyTerminal { .. } => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
@@ -120,6 +152,8 @@ impl ApiError {
         match self {
             ApiError::BadField { code, .. } => code,
             ApiError::Unauthorized => "unauthorized",
+            ApiError::Forbidden { code, .. } => code,
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::NotFound(_) => "not_found",
             ApiError::Conflict(_) => "job_id_conflict",
             ApiError::AlreadyTerminal { .. } => "already_terminal",
@@ -137,6 +171,7 @@ impl ApiError {
         match self {
             ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
             ApiError::Conflict(_) => Some("job_id"),
+            ApiError::UnsupportedMediaType(_) => Some("Content-Type"),
             _ => None,
         }
     }

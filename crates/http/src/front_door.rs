@@ -174,9 +174,11 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         )),
         (status = 400, description = "Not an OpenAI chat request, a malformed deadline header, `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`)", body = crate::openapi::ErrorBody),
         (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),
         (status = 409, description = "The job was cancelled (`x-should-retry: false`)", body = crate::openapi::OpenAiError),
         (status = 413, description = "The job as published would be too large", body = crate::openapi::OpenAiError),
+        (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`, `param` `Content-Type`)", body = crate::openapi::OpenAiError),
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
         (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
@@ -189,6 +191,9 @@ pub async fn chat_completions(
     headers: HeaderMap,
     body: Bytes,
 ) -> Response {
+    if let Err(e) = ApiError::require_json(&headers) {
+        return from_api_error(e);
+    }
     match run(&state, &headers, &body).await {
         Ok(r) | Err(r) => r,
     }

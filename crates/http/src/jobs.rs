@@ -31,8 +31,10 @@ use std::sync::Arc;
         (status = 202, description = "Claimed in the ledger, published, confirmed by the broker and recorded as accepted. The same job id with the same payload again (also concurrently) is answered `duplicate: true` with the ledger's state and is not published twice", body = crate::openapi::Accepted, headers(("Location" = String))),
         (status = 400, description = "The body breaks the document: not JSON, not an object, a field missing, of the wrong type or outside its bounds (`deadline_ms` above the horizon, `min_runtime_ms` above the horizon, a `job_id` or `kind` outside its pattern), or both or neither of `deadline_ms` and `expires_at_ms`. `error` is the reason (`missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon`), `field` names the field", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, response = crate::openapi::Forbidden),
         (status = 409, description = "The job id was accepted before (or is being accepted concurrently) with a different payload", body = crate::openapi::ErrorBody),
         (status = 413, response = crate::openapi::TooLarge),
+        (status = 415, response = crate::openapi::NotJson),
         (status = 422, description = "The deadline is well-formed but the clock refuses it, nothing was published: it has already passed or lies within the clock margin (`already_expired`; also a `deadline_ms` shorter than the margin), or an `expires_at_ms` lies farther ahead than the horizon (`deadline_beyond_horizon`). `field` names the deadline field the request sent; or a `callback_url` this server does not allow (`callback_not_allowed`, `field` is `callback_url`)", body = crate::openapi::ErrorBody),
         (status = 429, description = "Shed at the door, nothing published or recorded: the estimated wait in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
         (status = 503, description = "Not accepted, nothing recorded for the job id: the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody),
@@ -43,6 +45,7 @@ pub async fn create(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
+    ApiError::require_json(&headers)?;
     let limit = state.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
@@ -431,6 +434,7 @@ pub async fn show(
         (status = 202, description = "The job is running: its worker is asked to abort the call", body = inline(crate::openapi::CancelRequested)),
         (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8); `field` is `id`", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, response = crate::openapi::Forbidden),
         (status = 404, description = "No such job", body = crate::openapi::ErrorBody),
         (status = 409, description = "The job has already ended (`already_terminal`; `state` names its outcome); nothing changed", body = crate::openapi::ErrorBody),
         (status = 500, response = crate::openapi::LedgerError),
