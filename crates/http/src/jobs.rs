@@ -78,27 +78,33 @@ pub async fn create(
         .envelope(&job, now)
         .map_err(|e| submit_error(e, spec))?;
     let job_id = env.job_id().to_string();
-    // The webhook is in the ledger before the job is published: no outcome comes first.
-    if let Some(url) = &callback {
-        state
-            .ledger
-            .register_webhook(&job_id, url.as_str(), now)
-            .await
-            .map_err(|e| {
-                ApiError::Unavailable(format!(
-                    "not accepted: the ledger cannot record the webhook: {e}"
-                ))
-            })?;
-    }
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
     // same id again (even concurrently, even from another `serve`) is published at most
     // once; the same payload is answered idempotently, a different one is a conflict.
-    match state
+    // The webhook is registered by the claimant only, between its claim and its publish:
+    // no outcome comes first, and a refused request (409, a duplicate, 429, 503) never
+    // changes the callback of the job that holds the id.
+    let register = async || match &callback {
+        Some(url) => {
+            state
+                .ledger
+                .register_webhook(&job_id, url.as_str(), now)
+                .await
+        }
+        None => Ok(()),
+    };
+    let submitted = state
         .submitter
-        .submit_once(&env, now, state.claim_wait)
-        .await
-    {
+        .submit_once_claimed(&env, now, state.claim_wait, register)
+        .await;
+    if let (Err(SubmitError::Publish(_)), Some(url)) = (&submitted, &callback) {
+        // The claim was released: so is the webhook, unless a worker holds the job.
+        if let Err(e) = state.ledger.unregister_webhook(&job_id, url.as_str()).await {
+            tracing::warn!(job_id = %job_id, error = %e, "cannot remove the webhook of a job not accepted");
+        }
+    }
+    match submitted {
         Ok(Submission::Published(s)) => Ok(accepted(Accepted {
             created_at_ms: Some(s.created_at_ms),
             expires_at_ms: Some(s.expires_at_ms),

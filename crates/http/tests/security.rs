@@ -227,3 +227,239 @@ async fn basic_credentials_are_for_reads_only() {
     srv.stop().await;
     env.cleanup().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Webhooks
+
+use lastcall_http::webhooks::{WebhookConfig, Webhooks};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+/// A webhook receiver on a real socket: `/hooks/slow` never answers, every other
+/// `/hooks/{name}` answers 200 and is recorded with its body.
+struct Receiver {
+    base: String,
+    got: Arc<Mutex<Vec<(String, Value)>>>,
+    stop: tokio_util::sync::CancellationToken,
+}
+
+impl Receiver {
+    async fn start() -> Self {
+        use axum::routing::post;
+        let got: Arc<Mutex<Vec<(String, Value)>>> = Arc::default();
+        let router = axum::Router::new().route(
+            "/hooks/{name}",
+            post({
+                let got = got.clone();
+                async move |axum::extract::Path(name): axum::extract::Path<String>,
+                            body: axum::body::Bytes| {
+                    if name == "slow" {
+                        std::future::pending::<()>().await;
+                    }
+                    let v = serde_json::from_slice(&body).unwrap_or(Value::Null);
+                    got.lock().unwrap().push((name, v));
+                    "ok"
+                }
+            }),
+        );
+        let stop = tokio_util::sync::CancellationToken::new();
+        let server =
+            lastcall_http::listen("127.0.0.1:0".parse().unwrap(), router, stop.clone(), None)
+                .await
+                .unwrap();
+        Self {
+            base: format!("http://{}/hooks/", server.addr),
+            got,
+            stop,
+        }
+    }
+
+    fn url(&self, name: &str) -> String {
+        format!("{}{name}", self.base)
+    }
+
+    fn bodies(&self, name: &str) -> Vec<Value> {
+        let got = self.got.lock().unwrap();
+        got.iter()
+            .filter(|(n, _)| n == name)
+            .map(|(_, v)| v.clone())
+            .collect()
+    }
+
+    /// The bodies `name` got, once it got one (panics after 20 s).
+    async fn wait_for(&self, name: &str) -> Vec<Value> {
+        let until = Instant::now() + Duration::from_secs(20);
+        loop {
+            let b = self.bodies(name);
+            if !b.is_empty() {
+                return b;
+            }
+            assert!(Instant::now() < until, "no webhook reached /hooks/{name}");
+            tokio::time::sleep(Duration::from_millis(20)).await;
+        }
+    }
+}
+
+impl Drop for Receiver {
+    fn drop(&mut self) {
+        self.stop.cancel();
+    }
+}
+
+/// A job `id` in the ledger, accepted, with a webhook to `url`; `cancel`led (terminal,
+/// `cancelled_before_start`) when asked.
+async fn ledger_job(env: &Env, id: &str, url: &str, cancel: bool) {
+    let now = lastcall_clock::now_ms();
+    env.ledger
+        .record_accepted(&lastcall_store::AcceptedJob {
+            job_id: id.into(),
+            kind: "incident.summary".into(),
+            created_at_ms: now,
+            expires_at_ms: now + 60_000,
+            accepted_at_ms: now,
+            trace_id: None,
+            payload_hash: "h".into(),
+        })
+        .await
+        .unwrap();
+    env.ledger.register_webhook(id, url, now).await.unwrap();
+    if cancel {
+        env.ledger.cancel(id, now).await.unwrap();
+    }
+}
+
+/// A forged outcome event for `id`: it claims the job completed.
+fn forged_event(id: &str) -> Vec<u8> {
+    lastcall_core::OutcomeEvent {
+        v: lastcall_core::event::EVENT_VERSION,
+        job_id: id.into(),
+        kind: "forged.kind".into(),
+        state: "completed".into(),
+        reason: Some("forged".into()),
+        attempt: 7,
+        model_calls: 7,
+        created_at_ms: None,
+        expires_at_ms: None,
+        finished_at_ms: None,
+        recorded_at_ms: 1,
+        recorded_by: "attacker".into(),
+    }
+    .to_json()
+}
+
+fn hooks_config(rx: &Receiver) -> WebhookConfig {
+    WebhookConfig {
+        allow: WebhookConfig::parse_allow(std::slice::from_ref(&rx.base)).unwrap(),
+        attempts: 1,
+        timeout: Duration::from_secs(1),
+        ..WebhookConfig::default()
+    }
+}
+
+/// A POST that reuses a job id and is refused (`409` another payload) or answered as a
+/// duplicate does not replace the callback URL of the job that holds the id.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_post_does_not_replace_the_callback() {
+    let env = Env::new("sec-hook-reuse").await;
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.webhooks.allow =
+        WebhookConfig::parse_allow(&["http://127.0.0.1:9/hooks/".into()]).unwrap();
+    let app = lastcall_http::app(Arc::new(state));
+    let with = |payload: &str, hook: &str| {
+        let mut j = job("reuse-1");
+        j["payload"] = json!({"messages": [{"role": "user", "content": payload}]});
+        j["callback_url"] = json!(format!("http://127.0.0.1:9/hooks/{hook}"));
+        j
+    };
+    let (s, v) = post(&app, &with("a", "owner")).await;
+    assert_eq!(s.as_u16(), 202, "{v}");
+    let (s, v) = post(&app, &with("b", "thief")).await;
+    assert_eq!(s.as_u16(), 409, "another payload: {v}");
+    let (s, v) = post(&app, &with("a", "thief")).await;
+    assert_eq!(s.as_u16(), 202, "{v}");
+    assert_eq!(v["duplicate"], true, "{v}");
+    assert_eq!(
+        env.ledger.claim_webhook("reuse-1", "test").await.unwrap(),
+        Some("http://127.0.0.1:9/hooks/owner".into()),
+        "the job's callback is the one its own request gave"
+    );
+    env.cleanup().await;
+}
+
+/// With every delivery slot busy, a claimed webhook is not dropped: the slot comes first,
+/// the claim after it, and the delivery follows once a slot is free.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_waits_for_a_delivery_slot_instead_of_being_dropped() {
+    let env = Env::new("sec-hook-slots").await;
+    let rx = Receiver::start().await;
+    ledger_job(&env, "slow-1", &rx.url("slow"), true).await;
+    ledger_job(&env, "next-1", &rx.url("next"), true).await;
+    let hooks = Webhooks::spawn(
+        WebhookConfig {
+            concurrency: 1,
+            ..hooks_config(&rx)
+        },
+        env.ledger.clone(),
+        Arc::new(lastcall_clock::SystemClock::default()),
+        "serve-test".into(),
+    );
+    hooks.on_event(&forged_event("slow-1"));
+    hooks.on_event(&forged_event("next-1"));
+    // The one slot is held by `slow` until its attempt times out (1 s); then `next` goes.
+    let got = rx.wait_for("next").await;
+    assert_eq!(got.len(), 1);
+    let attempts = env.ledger.webhook_attempts("next-1").await.unwrap();
+    assert_eq!(attempts.len(), 1, "{attempts:?}");
+    assert_eq!(attempts[0].status, Some(200));
+    assert_eq!(
+        hooks
+            .stats
+            .dropped
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    env.cleanup().await;
+}
+
+/// An event on `{prefix}.events` only says which job ended: what is POSTed is the
+/// ledger's outcome, never the event's body, and a job with no outcome gets nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_webhook_delivers_the_ledgers_outcome_not_the_events_body() {
+    let env = Env::new("sec-hook-forged").await;
+    let rx = Receiver::start().await;
+    ledger_job(&env, "running-1", &rx.url("early"), false).await;
+    ledger_job(&env, "ended-1", &rx.url("ended"), true).await;
+    let hooks = Webhooks::spawn(
+        WebhookConfig {
+            concurrency: 1,
+            ..hooks_config(&rx)
+        },
+        env.ledger.clone(),
+        Arc::new(lastcall_clock::SystemClock::default()),
+        "serve-test".into(),
+    );
+    // Events are taken in order: once `ended-1` is delivered, `running-1` was handled.
+    hooks.on_event(&forged_event("running-1"));
+    hooks.on_event(&forged_event("ended-1"));
+    let got = rx.wait_for("ended").await;
+    assert_eq!(got.len(), 1);
+    let body = &got[0];
+    assert_eq!(body["job_id"], "ended-1", "{body}");
+    assert_eq!(body["state"], "cancelled", "the ledger's state: {body}");
+    assert_eq!(body["reason"], "cancelled_before_start", "{body}");
+    assert_eq!(body["kind"], "incident.summary", "{body}");
+    assert_ne!(body["recorded_by"], "attacker", "{body}");
+    assert!(
+        rx.bodies("early").is_empty(),
+        "a job with no outcome got a webhook"
+    );
+    assert_eq!(
+        env.ledger
+            .claim_webhook("running-1", "probe")
+            .await
+            .unwrap(),
+        Some(rx.url("early")),
+        "its webhook is still there for its real outcome"
+    );
+    env.cleanup().await;
+}

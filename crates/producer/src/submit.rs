@@ -245,7 +245,25 @@ impl Submitter {
         now_ms: i64,
         claim_wait: Duration,
     ) -> Result<Submission, SubmitError> {
-        self.submit_once_via(env, now_ms, claim_wait, None).await
+        self.submit_once_via(env, now_ms, claim_wait, None, async || Ok(()))
+            .await
+    }
+
+    /// [`submit_once`](Self::submit_once) that runs `claimed` once this request holds the
+    /// claim, before the publish (the ingress registers a job's webhook there: only the
+    /// request that publishes the job may set it, so a refused one — a conflict, a
+    /// duplicate, a concurrent request's pending publish, shedding — changes nothing). If
+    /// `claimed` fails, the claim is released and nothing is published
+    /// ([`SubmitError::Unrecorded`]).
+    pub async fn submit_once_claimed(
+        &self,
+        env: &Envelope,
+        now_ms: i64,
+        claim_wait: Duration,
+        claimed: impl AsyncFnOnce() -> Result<(), StoreError>,
+    ) -> Result<Submission, SubmitError> {
+        self.submit_once_via(env, now_ms, claim_wait, None, claimed)
+            .await
     }
 
     /// A channel of its own for one streaming request ([`Publisher::reply_channel`]):
@@ -265,7 +283,7 @@ impl Submitter {
         claim_wait: Duration,
         reply: &ReplyChannel,
     ) -> Result<Submission, SubmitError> {
-        self.submit_once_via(env, now_ms, claim_wait, Some(reply))
+        self.submit_once_via(env, now_ms, claim_wait, Some(reply), async || Ok(()))
             .await
     }
 
@@ -275,8 +293,10 @@ impl Submitter {
         now_ms: i64,
         claim_wait: Duration,
         reply: Option<&ReplyChannel>,
+        claimed: impl AsyncFnOnce() -> Result<(), StoreError>,
     ) -> Result<Submission, SubmitError> {
         let Some(ledger) = &self.ledger else {
+            claimed().await.map_err(SubmitError::Unrecorded)?;
             if let Some(reply) = reply {
                 self.shed(env, now_ms).await?;
                 return Ok(Submission::Published(
@@ -333,6 +353,12 @@ impl Submitter {
                 return Err(SubmitError::InFlight { job_id });
             }
             tokio::time::sleep(CLAIM_POLL).await;
+        }
+        if let Err(e) = claimed().await {
+            if let Err(le) = ledger.release_claim(&job_id, &claim.payload_hash).await {
+                tracing::error!(job_id = %job_id, error = %le, "releasing a claim failed: the id stays claimed until reconciliation marks it unknown");
+            }
+            return Err(SubmitError::Unrecorded(e));
         }
         match self.publish_envelope(env, None, now_ms, reply).await {
             Ok(submitted) => {

@@ -1191,8 +1191,9 @@ impl Ledger {
     }
 
     /// Register `url` as the webhook of `job_id`, before the job is published (so no
-    /// outcome can come first). A registration not yet claimed takes the new URL (a
-    /// retried submission); a claimed one is kept.
+    /// outcome can come first); the ingress calls it only while it holds the job id's
+    /// claim. A registration not yet claimed takes the new URL (a retried submission
+    /// whose earlier claim was released); a claimed one is kept.
     pub async fn register_webhook(
         &self,
         job_id: &str,
@@ -1209,6 +1210,24 @@ impl Ledger {
                 .await
                 .map(|_| ())
                 .map_err(db("registering a webhook"))
+        })
+    }
+
+    /// Remove `job_id`'s webhook to `url` when its job was not accepted after all (the
+    /// ingress's publish failed and its claim was released): only while no delivery claimed
+    /// it and the ledger holds no row for the job (a worker that already has the job keeps
+    /// it). `Ok(true)` if it was removed.
+    pub async fn unregister_webhook(&self, job_id: &str, url: &str) -> Result<bool, StoreError> {
+        const UNREGISTER: &str = "DELETE FROM webhooks WHERE job_id = $1 AND url = $2 \
+             AND claimed_by IS NULL AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.job_id = $1)";
+        on_pool!(self, write, |pool| {
+            sqlx::query(UNREGISTER)
+                .bind(job_id)
+                .bind(url)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected() > 0)
+                .map_err(db("removing a webhook"))
         })
     }
 
