@@ -374,29 +374,35 @@ pub(crate) fn error_kind(state: &str) -> &'static str {
     }
 }
 
+/// OpenAI's `usage` of a record. The counts come from an upstream model server: a
+/// negative one reads 0, and the total saturates instead of overflowing.
+pub(crate) fn usage(rec: &JobRecord) -> Value {
+    usage_of(rec.prompt_tokens, rec.completion_tokens)
+}
+
+fn usage_of(prompt: Option<i64>, completion: Option<i64>) -> Value {
+    let p = prompt.unwrap_or(0).max(0);
+    let c = completion.unwrap_or(0).max(0);
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p.saturating_add(c)})
+}
+
 /// The response for a terminal record.
 pub(crate) fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
     let reason = rec.reason.as_deref().unwrap_or(&rec.state);
     let mut r = match rec.state.as_str() {
-        "completed" => {
-            let (p, c) = (
-                rec.prompt_tokens.unwrap_or(0),
-                rec.completion_tokens.unwrap_or(0),
-            );
-            Json(json!({
-                "id": format!("chatcmpl-{}", rec.job_id),
-                "object": "chat.completion",
-                "created": now_ms / 1000,
-                "model": model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
-                    "finish_reason": "stop",
-                }],
-                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
-            }))
-            .into_response()
-        }
+        "completed" => Json(json!({
+            "id": format!("chatcmpl-{}", rec.job_id),
+            "object": "chat.completion",
+            "created": now_ms / 1000,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
+                "finish_reason": "stop",
+            }],
+            "usage": usage(rec),
+        }))
+        .into_response(),
         "expired_not_started" | "expired_before_receive" | "deadline_exceeded" => {
             let kind = error_kind(&rec.state);
             let msg = format!(
@@ -525,5 +531,21 @@ impl Drop for CancelOnDrop {
                 tracing::warn!(job_id = %id, error = %e, "cancelling the job of a departed client failed");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Token counts an upstream server reported, however large: no overflow, no negative.
+    #[test]
+    fn usage_saturates() {
+        let u = usage_of(Some(i64::MAX), Some(i64::MAX));
+        assert_eq!(u["total_tokens"], i64::MAX);
+        let u = usage_of(Some(-1), Some(5));
+        assert_eq!(u["prompt_tokens"], 0);
+        assert_eq!(u["total_tokens"], 5);
+        assert_eq!(usage_of(Some(3), None)["total_tokens"], 3);
     }
 }

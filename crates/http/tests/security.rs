@@ -463,3 +463,23 @@ async fn a_webhook_delivers_the_ledgers_outcome_not_the_events_body() {
     );
     env.cleanup().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Numbers from clients, error hygiene
+
+/// `min_runtime_ms` of 2^64 − 1 is −1 as an i64; it used to pass the horizon check and end
+/// as a `422` from the admission rule. It is a `400` naming the field.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_min_runtime_beyond_i64_is_400_naming_the_field() {
+    let env = Env::new("sec-minrt").await;
+    let app = env.app().await;
+    for n in [json!(u64::MAX), json!(1u64 << 63), json!(25 * 3_600_000u64)] {
+        let mut j = job("minrt-1");
+        j["min_runtime_ms"] = n.clone();
+        let (s, v) = post(&app, &j).await;
+        assert_eq!(s.as_u16(), 400, "{n}: {v}");
+        assert_eq!(v["field"], "min_runtime_ms", "{v}");
+    }
+    assert!(env.ledger.get("minrt-1").await.unwrap().is_none());
+    env.cleanup().await;
+}

@@ -377,9 +377,12 @@ const SELECT_LATE_OUTCOMES: &str = "SELECT COUNT(*) FROM jobs \
      WHERE reconciled_at_ms IS NOT NULL AND state <> 'unknown'";
 /// The newest minimum runtime a completed job of a kind was held to (`$1` kind, `$2` since):
 /// newest first through the `recorded_at_ms` index.
-const SELECT_RECENT_MIN_RUNTIME: &str = "SELECT min_runtime_ms FROM jobs \
+/// The longest of the newest 20 measured calls of one kind that
+/// completed (`latency_ms`, which the worker measures; never `min_runtime_ms`, which may be
+/// the client's own number).
+const SELECT_RECENT_CALL_MS: &str = "SELECT MAX(latency_ms) FROM (SELECT latency_ms FROM jobs \
      WHERE recorded_at_ms >= $2 AND kind = $1 AND state = 'completed' \
-     AND min_runtime_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 1";
+     AND latency_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 20) AS recent";
 /// The newest model calls of one backend whose duration is known: completed ones, and
 /// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
 const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms FROM jobs \
@@ -1042,23 +1045,29 @@ impl Ledger {
         })
     }
 
-    /// The minimum runtime the workers held the newest `completed` job of `kind` to (the
-    /// learned call time of that kind, or the job's own `min_runtime_ms`, or the worker's
-    /// floor), among outcomes recorded since `since_ms`; `None` when there is none. The
-    /// door's shedder uses it as the call time a new job of that kind will need.
-    pub async fn recent_min_runtime_ms(
+    /// How long the recent model calls of `kind` took: the longest of the newest 20
+    /// calls that completed since `since_ms`, as the workers
+    /// measured them (`latency_ms`); `None` when there is none. The door's shedder uses it
+    /// as the call time a new job of that kind will need. Only measured calls count: a
+    /// job's own `min_runtime_ms` is the client's number, and one client must not set the
+    /// call time every other client's jobs of the kind are shed by.
+    pub async fn recent_call_ms(
         &self,
         kind: &str,
         since_ms: i64,
     ) -> Result<Option<u64>, StoreError> {
         let v: Option<i64> = on_pool!(self, read, |pool| {
-            sqlx::query(SELECT_RECENT_MIN_RUNTIME)
+            sqlx::query(SELECT_RECENT_CALL_MS)
                 .bind(kind)
                 .bind(since_ms)
                 .fetch_optional(pool)
                 .await
-                .and_then(|row| row.map(|r| r.try_get(0)).transpose())
-                .map_err(db("reading the recent minimum runtime"))?
+                .and_then(|row| {
+                    row.map(|r| r.try_get::<Option<i64>, _>(0))
+                        .transpose()
+                        .map(Option::flatten)
+                })
+                .map_err(db("reading the recent call time"))?
         });
         Ok(v.and_then(|v| u64::try_from(v).ok()))
     }
