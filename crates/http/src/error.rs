@@ -66,6 +66,12 @@ pub enum ApiError {
     /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
     #[error("{0}")]
     Unavailable(String),
+    /// 503: the ledger did not answer or refused the write; nothing was published. The
+    /// database's error is logged, never sent.
+    #[error(
+        "not accepted: the ledger is unavailable, nothing was published or recorded for this job id; retry later with the same job_id"
+    )]
+    LedgerUnavailable,
     /// 503: `serve` is listening but still waiting for its broker or ledger
     /// (`crate::starting`); answered with `Retry-After: 1`.
     #[error("{0}")]
@@ -142,7 +148,9 @@ impl ApiError {
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable(_) | ApiError::Starting(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_) | ApiError::LedgerUnavailable | ApiError::Starting(_) => {
+                StatusCode::SERVICE_UNAVAILABLE
+            }
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Http { status, .. } => *status,
         }
@@ -161,6 +169,7 @@ impl ApiError {
             ApiError::Expired { code, .. } => code,
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
+            ApiError::LedgerUnavailable => "ledger_unavailable",
             ApiError::Starting(_) => "starting",
             ApiError::Internal(_) => "internal",
             ApiError::Http { code, .. } => code,

@@ -221,8 +221,11 @@ pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
         SubmitError::Conflict { job_id } | SubmitError::AlreadyFinished { job_id, .. } => {
             ApiError::Conflict(job_id)
         }
-        e @ (SubmitError::InFlight { .. } | SubmitError::Unrecorded(_)) => {
-            ApiError::Unavailable(e.to_string())
+        e @ SubmitError::InFlight { .. } => ApiError::Unavailable(e.to_string()),
+        SubmitError::Unrecorded(e) => {
+            // The database's own words stay in the log: they name hosts, files, users.
+            tracing::error!(error = %e, "the ledger refused the claim of a job id: answered 503");
+            ApiError::LedgerUnavailable
         }
         SubmitError::Ledger(l) => ApiError::Internal(l.to_string()),
     }

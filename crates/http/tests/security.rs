@@ -483,3 +483,21 @@ async fn a_min_runtime_beyond_i64_is_400_naming_the_field() {
     assert!(env.ledger.get("minrt-1").await.unwrap().is_none());
     env.cleanup().await;
 }
+
+/// A `503` because the ledger failed says so without the database's own error text
+/// (hosts, files, users): that goes to the log only.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_ledger_failure_is_503_without_the_database_error() {
+    let env = Env::new("sec-ledger-down").await;
+    let app = env.app().await;
+    env.ledger.close().await;
+    let (s, v) = post(&app, &job("down-1")).await;
+    assert_eq!(s.as_u16(), 503, "{v}");
+    assert_eq!(v["error"], "ledger_unavailable", "{v}");
+    let message = v["message"].as_str().unwrap().to_ascii_lowercase();
+    assert!(message.contains("ledger is unavailable"), "{message}");
+    for leak in ["pool", "closed", "sqlite", "sqlx", "database", "connection"] {
+        assert!(!message.contains(leak), "`{leak}` in {message}");
+    }
+    env.cleanup().await;
+}
