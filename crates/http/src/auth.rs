@@ -71,6 +71,13 @@ impl Token {
         }
     }
 
+    /// Who presents this token, as idempotency keys are scoped by it: a SHA-256
+    /// fingerprint of the token (it reveals nothing of it). A request under another token
+    /// (another deployment, a rotated token) never gets this one's answer for a key.
+    pub fn tenant(&self) -> String {
+        lastcall_core::request_hash(&[b"lastcall-token", &self.0])
+    }
+
     /// Constant-time comparison (the length is not secret).
     pub fn matches(&self, candidate: &[u8]) -> bool {
         ct_eq(&self.0, candidate)

@@ -289,17 +289,21 @@ async fn run(
         id: id.clone(),
         armed: false,
     };
+    // The idempotency scope: the token's tenant, this route and the model (the payload
+    // no longer holds it, and several models may map to one kind). The same key with
+    // another model, kind or body is a 409, never the first request's answer.
+    let scope = format!("{}|chat|{model}", state.token.tenant());
     let submitted = match &reply {
         Some(r) => {
             state
                 .submitter
-                .submit_once_replying(&env, now, state.claim_wait, r)
+                .submit_once_replying(&env, now, state.claim_wait, &scope, r)
                 .await
         }
         None => {
             state
                 .submitter
-                .submit_once(&env, now, state.claim_wait)
+                .submit_once_scoped(&env, now, state.claim_wait, &scope, async || Ok(()))
                 .await
         }
     };

@@ -94,9 +94,12 @@ pub async fn create(
         }
         None => Ok(()),
     };
+    // The idempotency scope (part of the fingerprint with the kind, the payload and the
+    // minimum runtime): the token's tenant and this route.
+    let scope = format!("{}|jobs", state.token.tenant());
     let submitted = state
         .submitter
-        .submit_once_claimed(&env, now, state.claim_wait, register)
+        .submit_once_scoped(&env, now, state.claim_wait, &scope, register)
         .await;
     if let (Err(SubmitError::Publish(_)), Some(url)) = (&submitted, &callback) {
         // The claim was released: so is the webhook, unless a worker holds the job.

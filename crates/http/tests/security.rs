@@ -501,3 +501,74 @@ async fn a_ledger_failure_is_503_without_the_database_error() {
     }
     env.cleanup().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Idempotency
+
+/// The idempotency fingerprint covers the kind: the same job id and payload under another
+/// kind is a `409`, not the first job's answer.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_job_id_with_another_kind_is_a_conflict() {
+    let env = Env::new("sec-idem-kind").await;
+    let app = env.app().await;
+    let (s, v) = post(&app, &job("idem-1")).await;
+    assert_eq!(s.as_u16(), 202, "{v}");
+    let (s, v) = post(&app, &job("idem-1")).await;
+    assert_eq!((s.as_u16(), &v["duplicate"]), (202, &json!(true)), "{v}");
+    let mut other = job("idem-1");
+    other["kind"] = json!("other.kind");
+    let (s, v) = post(&app, &other).await;
+    assert_eq!(s.as_u16(), 409, "another kind: {v}");
+    assert_eq!(v["error"], "job_id_conflict", "{v}");
+    let mut slower = job("idem-1");
+    slower["min_runtime_ms"] = json!(5);
+    let (s, v) = post(&app, &slower).await;
+    assert_eq!(s.as_u16(), 409, "another minimum runtime: {v}");
+    env.cleanup().await;
+}
+
+/// The front door's fingerprint covers the model (which the payload no longer holds):
+/// the same `Idempotency-Key` for another model, even one mapped to the same kind, is a
+/// `409` at once, never the first request's job.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_same_idempotency_key_for_another_model_is_a_conflict() {
+    let env = Env::new("sec-idem-model").await;
+    let mut state = env.state_with(std::time::Duration::from_secs(5)).await;
+    state.front_door.models = vec![("a".into(), "chat".into()), ("b".into(), "chat".into())];
+    let srv = Served::start(lastcall_http::app(Arc::new(state))).await;
+    let http = reqwest::Client::builder()
+        .timeout(Duration::from_secs(30))
+        .build()
+        .unwrap();
+    let ask = |model: &str| {
+        http.post(srv.url("/v1/chat/completions"))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .header("idempotency-key", "idem-chat-1")
+            .header("x-lastcall-deadline-ms", "20000")
+            .body(
+                serde_json::to_vec(
+                    &json!({"model": model, "messages": [{"role": "user", "content": "hi"}]}),
+                )
+                .unwrap(),
+            )
+    };
+    // The first request waits for an outcome no worker will give; it owns the job.
+    let first = tokio::spawn(ask("a").send());
+    let until = Instant::now() + Duration::from_secs(10);
+    while env.ledger.get("idem-chat-1").await.unwrap().is_none() {
+        assert!(
+            Instant::now() < until,
+            "the first request never claimed its key"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let t0 = Instant::now();
+    let (s, v) = answer(ask("b")).await;
+    assert_eq!(s, 409, "another model, the same key: {v}");
+    assert_eq!(v["error"]["code"], "job_id_conflict", "{v}");
+    assert!(t0.elapsed() < Duration::from_secs(10), "answered at once");
+    first.abort();
+    srv.stop().await;
+    env.cleanup().await;
+}
