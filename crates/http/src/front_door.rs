@@ -26,7 +26,7 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::jobs::{read_job, submit_error};
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -177,7 +177,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`)", body = crate::openapi::ErrorBody),
         (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),
         (status = 409, description = "The job was cancelled (`x-should-retry: false`)", body = crate::openapi::OpenAiError),
-        (status = 413, description = "The job as published would be too large", body = crate::openapi::OpenAiError),
+        (status = 413, description = "The body is larger than this server's limit (`serve --max-body-bytes`, 1 MiB by default), or the job as published would be too large (`body_too_large`)", body = crate::openapi::OpenAiError),
         (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`, `param` `Content-Type`)", body = crate::openapi::OpenAiError),
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
         (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
@@ -189,11 +189,16 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
     if let Err(e) = ApiError::require_json(&headers) {
         return from_api_error(e);
     }
+    // The same limit as `POST /v1/jobs` (`serve --max-body-bytes`), not axum's 2 MB.
+    let body = match crate::jobs::read_body(&headers, body, state.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return from_api_error(e),
+    };
     match run(&state, &headers, &body).await {
         Ok(r) | Err(r) => r,
     }

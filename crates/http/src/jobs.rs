@@ -46,17 +46,7 @@ pub async fn create(
     body: Body,
 ) -> Result<Response, ApiError> {
     ApiError::require_json(&headers)?;
-    let limit = state.max_body_bytes;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(ApiError::TooLarge { limit });
-    }
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::TooLarge { limit })?;
+    let bytes = read_body(&headers, body, state.max_body_bytes).await?;
     let (job, callback) = parse_request_with_callback(&bytes)?;
     let callback = match callback {
         Some(url) => Some(
@@ -149,6 +139,25 @@ pub async fn create(
             Err(submit_error(e, spec))
         }
     }
+}
+
+/// A request body of at most `limit` bytes (`serve --max-body-bytes`): `413` as soon as
+/// its `Content-Length` says more, or once more arrived.
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::TooLarge { limit });
+    }
+    axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::TooLarge { limit })
 }
 
 fn accepted(body: Accepted) -> Response {

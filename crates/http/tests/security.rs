@@ -572,3 +572,32 @@ async fn the_same_idempotency_key_for_another_model_is_a_conflict() {
     srv.stop().await;
     env.cleanup().await;
 }
+
+// ---------------------------------------------------------------------------------------
+// Resource limits
+
+/// `/v1/chat/completions` takes at most `--max-body-bytes`, as `POST /v1/jobs` does (it
+/// used to take axum's default of 2 MB whatever the server was told).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_body_over_the_limit_is_413() {
+    let env = Env::new("sec-chat-limit").await;
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.max_body_bytes = 1_024;
+    let srv = Served::start(lastcall_http::app(Arc::new(state))).await;
+    let http = reqwest::Client::new();
+    let big = format!(
+        r#"{{"model": "m", "messages": [{{"role": "user", "content": "{}"}}]"#,
+        "x".repeat(4_096)
+    );
+    let (s, v) = answer(
+        http.post(srv.url("/v1/chat/completions"))
+            .bearer_auth(TOKEN)
+            .header("content-type", "application/json")
+            .body(big),
+    )
+    .await;
+    assert_eq!(s, 413, "{v}");
+    assert_eq!(v["error"]["code"], "body_too_large", "{v}");
+    srv.stop().await;
+    env.cleanup().await;
+}
