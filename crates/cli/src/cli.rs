@@ -694,6 +694,10 @@ pub struct ServeArgs {
     /// served OpenAPI document states it
     #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(i64).range(1..=60_000))]
     pub max_wait_ms: i64,
+    /// Requests that may wait for an outcome at once (long-polls with wait_ms, chat
+    /// completions, streams); more are answered 503 too_many_waiting with Retry-After
+    #[arg(long, default_value_t = lastcall_http::MAX_WAITING, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_waiting: usize,
     /// Allow webhooks (`callback_url` of POST /v1/jobs) to URLs under this prefix (same
     /// scheme, host and port; a path under its path), e.g. https://hooks.example.com/lastcall/.
     /// Repeatable, or comma-separated in LASTCALL_WEBHOOK_ALLOW. Without it, a job with a

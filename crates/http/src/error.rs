@@ -72,6 +72,12 @@ pub enum ApiError {
         "not accepted: the ledger is unavailable, nothing was published or recorded for this job id; retry later with the same job_id"
     )]
     LedgerUnavailable,
+    /// 503: every permit to wait for an outcome is taken ([`crate::AppState::waiting`]);
+    /// answered with `Retry-After: 1`.
+    #[error(
+        "too many requests wait for an outcome on this server at once (serve --max-waiting); retry shortly, or read the job without waiting"
+    )]
+    TooManyWaiting,
     /// 503: `serve` is listening but still waiting for its broker or ledger
     /// (`crate::starting`); answered with `Retry-After: 1`.
     #[error("{0}")]
@@ -148,9 +154,10 @@ impl ApiError {
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable(_) | ApiError::LedgerUnavailable | ApiError::Starting(_) => {
-                StatusCode::SERVICE_UNAVAILABLE
-            }
+            ApiError::Unavailable(_)
+            | ApiError::LedgerUnavailable
+            | ApiError::TooManyWaiting
+            | ApiError::Starting(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Http { status, .. } => *status,
         }
@@ -170,6 +177,7 @@ impl ApiError {
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
             ApiError::LedgerUnavailable => "ledger_unavailable",
+            ApiError::TooManyWaiting => "too_many_waiting",
             ApiError::Starting(_) => "starting",
             ApiError::Internal(_) => "internal",
             ApiError::Http { code, .. } => code,
@@ -212,7 +220,7 @@ impl IntoResponse for ApiError {
                 axum::http::HeaderValue::from(*retry_after_s),
             );
         }
-        if let ApiError::Starting(_) = &self {
+        if let ApiError::Starting(_) | ApiError::TooManyWaiting = &self {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from(1u64),

@@ -113,6 +113,7 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
     };
     let retry_after = match &e {
         ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
+        ApiError::TooManyWaiting => Some(1),
         _ => None,
     };
     let mut r = oa_error(status, kind, Some(e.code()), e.field(), e.to_string());
@@ -182,7 +183,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
         (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
-        (status = 503, description = "Not accepted: the broker did not confirm", body = crate::openapi::OpenAiError),
+        (status = 503, description = "Not accepted: the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
         (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), or no outcome after the deadline", body = crate::openapi::OpenAiError),
     ),
 )]
@@ -287,12 +288,16 @@ async fn run(
     } else {
         None
     };
+    // A permit to wait (bounded: `serve --max-waiting`), held until the answer or the
+    // stream ends (the guard carries it).
+    let permit = state.wait_permit().map_err(from_api_error)?;
     // Subscribed before publishing: the outcome cannot come first.
     let mut waiter = state.waiters.subscribe(&id);
     let mut guard = CancelOnDrop {
         state: state.clone(),
         id: id.clone(),
         armed: false,
+        _permit: permit,
     };
     // The idempotency scope: the token's tenant, this route and the model (the payload
     // no longer holds it, and several models may map to one kind). The same key with
@@ -517,6 +522,8 @@ pub(crate) struct CancelOnDrop {
     state: Arc<AppState>,
     id: String,
     pub(crate) armed: bool,
+    /// This request's place among those waiting for an outcome ([`AppState::waiting`]).
+    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Drop for CancelOnDrop {

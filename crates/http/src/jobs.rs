@@ -414,6 +414,7 @@ pub const MAX_WAIT_MS: i64 = 60_000;
         (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8; `field` is `id`), or `wait_ms` is not an integer from 0 to this server's maximum or is given twice (`field` is `wait_ms`)", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "No such job (after waiting, with `wait_ms`)", body = crate::openapi::ErrorBody),
+        (status = 503, description = "With `wait_ms`: as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`); read without `wait_ms` or retry", body = crate::openapi::ErrorBody),
         (status = 500, response = crate::openapi::LedgerError),
     ),
 )]
@@ -426,6 +427,7 @@ pub async fn show(
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
     // Registered before the first read: an outcome recorded in between still wakes it.
     let rec = if wait_ms > 0 {
+        let _permit = state.wait_permit()?;
         let mut waiter = state.waiters.subscribe(&id);
         waiter
             .until_terminal(until, || read_job(&state, &id))

@@ -91,6 +91,10 @@ pub struct AppState {
     /// The longest `wait_ms` a long-poll may ask for (`serve --max-wait-ms`, default and
     /// at most 60 s); `/openapi.json` states it.
     pub max_wait_ms: i64,
+    /// Requests that wait for an outcome at once (long-polls, chat completions, streams),
+    /// one permit each; none left: `503 too_many_waiting` (`serve --max-waiting`, 4,096 by
+    /// default). Each holds a socket, a waiter and a task for up to its deadline.
+    pub waiting: Arc<tokio::sync::Semaphore>,
     /// Where `DELETE /v1/jobs/{id}` announces a job cancelled before its start
     /// (`{prefix}.events`) and asks the workers to stop a running one (`{prefix}.control`).
     /// Disabled by default; `serve` connects both.
@@ -141,6 +145,7 @@ impl AppState {
             claim_wait: std::time::Duration::from_secs(10),
             waiters: Arc::new(waiters::Waiters::default()),
             max_wait_ms: jobs::MAX_WAIT_MS,
+            waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
             events: lastcall_broker::EventSink::disabled(),
             control: lastcall_broker::EventSink::disabled(),
             webhooks: webhooks::WebhookConfig::default(),
@@ -151,6 +156,19 @@ impl AppState {
                 .build()
                 .unwrap_or_default(),
         }
+    }
+}
+
+/// Requests that may wait for an outcome at once by default ([`AppState::waiting`]).
+pub const MAX_WAITING: usize = 4_096;
+
+impl AppState {
+    /// A permit to wait for an outcome, or `503 too_many_waiting` when all are taken.
+    pub(crate) fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        self.waiting
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::TooManyWaiting)
     }
 }
 

@@ -601,3 +601,76 @@ async fn a_chat_body_over_the_limit_is_413() {
     srv.stop().await;
     env.cleanup().await;
 }
+
+/// Requests that wait for an outcome (long-polls, chat completions) are bounded: with
+/// every permit taken, another is `503 too_many_waiting` with `Retry-After` at once; a
+/// plain read still answers; and the permit comes back when the wait ends.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_requests_are_bounded() {
+    let env = Env::new("sec-waiting").await;
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.waiting = Arc::new(tokio::sync::Semaphore::new(1));
+    let state = Arc::new(state);
+    let app = lastcall_http::app(state.clone());
+    let (s, v) = post(&app, &job("wait-1")).await;
+    assert_eq!(s.as_u16(), 202, "{v}");
+    let first = tokio::spawn({
+        let app = app.clone();
+        async move {
+            call(
+                &app,
+                "GET",
+                "/v1/jobs/wait-1?wait_ms=60000",
+                Some(TOKEN),
+                None,
+            )
+            .await
+        }
+    });
+    let until = Instant::now() + Duration::from_secs(10);
+    while state.waiting.available_permits() > 0 {
+        assert!(
+            Instant::now() < until,
+            "the first long-poll never started waiting"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let second = tokio::time::timeout(
+        Duration::from_secs(5),
+        call(
+            &app,
+            "GET",
+            "/v1/jobs/wait-1?wait_ms=60000",
+            Some(TOKEN),
+            None,
+        ),
+    )
+    .await
+    .expect("refused at once, not held");
+    assert_eq!(second.0.as_u16(), 503, "{}", second.1);
+    assert_eq!(second.1["error"], "too_many_waiting", "{}", second.1);
+    let chat = tokio::time::timeout(
+        Duration::from_secs(5),
+        call(
+            &app,
+            "POST",
+            "/v1/chat/completions",
+            Some(TOKEN),
+            Some(br#"{"model": "m", "messages": [{"role": "user", "content": "hi"}]}"#.to_vec()),
+        ),
+    )
+    .await
+    .expect("refused at once, not held");
+    assert_eq!(chat.0.as_u16(), 503, "{}", chat.1);
+    assert_eq!(chat.1["error"]["code"], "too_many_waiting", "{}", chat.1);
+    let (s, _) = call(&app, "GET", "/v1/jobs/wait-1", Some(TOKEN), None).await;
+    assert_eq!(s.as_u16(), 200, "a read without wait_ms is not bounded");
+    first.abort();
+    let _ = first.await;
+    let until = Instant::now() + Duration::from_secs(10);
+    while state.waiting.available_permits() == 0 {
+        assert!(Instant::now() < until, "the permit never came back");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    env.cleanup().await;
+}

@@ -199,6 +199,7 @@ async fn build(
     );
     state.max_body_bytes = a.max_body_bytes;
     state.max_wait_ms = a.max_wait_ms;
+    state.waiting = std::sync::Arc::new(tokio::sync::Semaphore::new(a.max_waiting));
     state.front_door = front_door;
     state.webhooks = webhooks;
     // The served OpenAPI document states this server's own horizon.
