@@ -698,6 +698,9 @@ pub struct ServeArgs {
     /// completions, streams); more are answered 503 too_many_waiting with Retry-After
     #[arg(long, default_value_t = lastcall_http::MAX_WAITING, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_waiting: usize,
+    /// Connections held at once at most; the next one is accepted when one closes
+    #[arg(long, default_value_t = lastcall_http::limit::MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_connections: usize,
     /// Allow webhooks (`callback_url` of POST /v1/jobs) to URLs under this prefix (same
     /// scheme, host and port; a path under its path), e.g. https://hooks.example.com/lastcall/.
     /// Repeatable, or comma-separated in LASTCALL_WEBHOOK_ALLOW. Without it, a job with a

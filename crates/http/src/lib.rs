@@ -30,6 +30,7 @@ mod error;
 pub mod front_door;
 mod front_door_stream;
 mod jobs;
+pub mod limit;
 pub mod metrics;
 pub mod openapi;
 mod params;
@@ -304,14 +305,16 @@ fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// Serve `router` on a bound listener until `stop` fires.
+/// Serve `router` on a bound listener until `stop` fires, holding at most
+/// `max_connections` connections at once ([`limit::Limited`]).
 async fn serve_on(
     listener: tokio::net::TcpListener,
     router: Router,
     stop: CancellationToken,
+    max_connections: usize,
 ) -> std::io::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, "HTTP listening");
-    axum::serve(listener, router)
+    axum::serve(limit::Limited::new(listener, max_connections), router)
         .with_graceful_shutdown(async move { stop.cancelled().await })
         .await
 }
@@ -327,18 +330,37 @@ pub struct Listening {
 
 /// Bind `addr` and serve `router` on it in the background (over HTTPS when `tls` is
 /// given) until `stop` fires. Returns once the socket is bound: a taken port or a bad
-/// address is this call's error, reported before the caller goes on.
+/// address is this call's error, reported before the caller goes on. At most
+/// [`limit::MAX_CONNECTIONS`] connections at once ([`listen_with`] sets another bound).
 pub async fn listen(
     addr: SocketAddr,
     router: Router,
     stop: CancellationToken,
     tls: Option<tls::TlsServerConfig>,
 ) -> std::io::Result<Listening> {
+    listen_with(addr, router, stop, tls, limit::MAX_CONNECTIONS).await
+}
+
+/// [`listen`] holding at most `max_connections` connections at once (`serve
+/// --max-connections`): the next one is accepted when one closes.
+pub async fn listen_with(
+    addr: SocketAddr,
+    router: Router,
+    stop: CancellationToken,
+    tls: Option<tls::TlsServerConfig>,
+    max_connections: usize,
+) -> std::io::Result<Listening> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let task = match tls {
-        Some(tls) => tokio::spawn(tls::serve_tls_on(listener, router, stop, tls)),
-        None => tokio::spawn(serve_on(listener, router, stop)),
+        Some(tls) => tokio::spawn(tls::serve_tls_on(
+            listener,
+            router,
+            stop,
+            tls,
+            max_connections,
+        )),
+        None => tokio::spawn(serve_on(listener, router, stop, max_connections)),
     };
     Ok(Listening { addr, task })
 }

@@ -68,13 +68,17 @@ pub(crate) async fn serve_tls_on(
     router: Router,
     stop: CancellationToken,
     tls: TlsServerConfig,
+    max_connections: usize,
 ) -> std::io::Result<()> {
     let local = tcp.local_addr()?;
     tracing::info!(addr = %local, "HTTPS listening");
     let listener = TlsListener::spawn(tcp, TlsAcceptor::from(tls.0), local);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
+    axum::serve(
+        crate::limit::Limited::new(listener, max_connections),
+        router,
+    )
+    .with_graceful_shutdown(async move { stop.cancelled().await })
+    .await
 }
 
 /// Finished handshakes, from a task that accepts TCP connections.

@@ -674,3 +674,76 @@ async fn waiting_requests_are_bounded() {
     }
     env.cleanup().await;
 }
+
+/// `GET /healthz` on a connection of its own; `None` if no answer within `limit`.
+async fn health_within(addr: SocketAddr, limit: Duration) -> Option<String> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    tokio::time::timeout(limit, async {
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
+        let mut out = String::new();
+        s.read_to_string(&mut out).await.unwrap();
+        out
+    })
+    .await
+    .ok()
+}
+
+/// A server holds at most `max_connections` connections: idle sockets beyond it wait to
+/// be accepted (they cannot exhaust the process), and the next one is served as soon as
+/// one closes.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_beyond_the_limit_wait_until_one_closes() {
+    let env = Env::new("sec-conns").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = lastcall_http::listen_with(
+        "127.0.0.1:0".parse().unwrap(),
+        env.app().await,
+        stop.clone(),
+        None,
+        2,
+    )
+    .await
+    .unwrap();
+    let addr = server.addr;
+    assert!(
+        health_within(addr, Duration::from_secs(5))
+            .await
+            .is_some_and(|r| r.starts_with("HTTP/1.1 200")),
+        "served under the limit"
+    );
+    // Two idle connections hold both places (each served once, so surely accepted).
+    let mut idle = Vec::new();
+    for _ in 0..2 {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+        s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n\r\n")
+            .await
+            .unwrap();
+        let mut buf = [0u8; 256];
+        let n = s.read(&mut buf).await.unwrap();
+        assert!(buf[..n].starts_with(b"HTTP/1.1 200"));
+        idle.push(s);
+    }
+    let waiting = tokio::spawn(health_within(addr, Duration::from_secs(20)));
+    // Not answered while both places are held (the accept waits for a permit)...
+    assert_eq!(
+        health_within(addr, Duration::from_millis(1_500)).await,
+        None
+    );
+    // ...and answered once one idle connection closes.
+    drop(idle.pop());
+    let answer = waiting.await.unwrap();
+    assert!(
+        answer
+            .as_deref()
+            .is_some_and(|r| r.starts_with("HTTP/1.1 200")),
+        "{answer:?}"
+    );
+    drop(idle);
+    stop.cancel();
+    server.task.await.unwrap().unwrap();
+    env.cleanup().await;
+}

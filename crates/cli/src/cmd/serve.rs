@@ -61,9 +61,15 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     let startup = Startup::new();
     let scheme = if tls.is_some() { "https" } else { "http" };
     let cannot_serve = format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr);
-    let server = lastcall_http::listen(a.addr, startup.router(), stop.clone(), tls)
-        .await
-        .map_err(|e| bind_error(e, &cannot_serve, "--addr"))?;
+    let server = lastcall_http::listen_with(
+        a.addr,
+        startup.router(),
+        stop.clone(),
+        tls,
+        a.max_connections,
+    )
+    .await
+    .map_err(|e| bind_error(e, &cannot_serve, "--addr"))?;
     eprintln!(
         "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user \
          name, the token as password)",
