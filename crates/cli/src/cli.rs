@@ -701,6 +701,10 @@ pub struct ServeArgs {
     /// Connections held at once at most; the next one is accepted when one closes
     #[arg(long, default_value_t = lastcall_http::limit::MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_connections: usize,
+    /// How long a request's headers may take to arrive, in ms; a slower client's connection
+    /// is closed
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub header_read_timeout_ms: u64,
     /// Allow webhooks (`callback_url` of POST /v1/jobs) to URLs under this prefix (same
     /// scheme, host and port; a path under its path), e.g. https://hooks.example.com/lastcall/.
     /// Repeatable, or comma-separated in LASTCALL_WEBHOOK_ALLOW. Without it, a job with a

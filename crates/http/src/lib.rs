@@ -305,18 +305,16 @@ fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// Serve `router` on a bound listener until `stop` fires, holding at most
-/// `max_connections` connections at once ([`limit::Limited`]).
+/// Serve `router` on a bound listener until `stop` fires, within `limits`
+/// ([`limit::serve`]).
 async fn serve_on(
     listener: tokio::net::TcpListener,
     router: Router,
     stop: CancellationToken,
-    max_connections: usize,
+    limits: limit::Limits,
 ) -> std::io::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, "HTTP listening");
-    axum::serve(limit::Limited::new(listener, max_connections), router)
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
+    limit::serve(listener, router, stop, limits).await
 }
 
 /// A server that [`listen`] bound and serves in the background.
@@ -330,37 +328,32 @@ pub struct Listening {
 
 /// Bind `addr` and serve `router` on it in the background (over HTTPS when `tls` is
 /// given) until `stop` fires. Returns once the socket is bound: a taken port or a bad
-/// address is this call's error, reported before the caller goes on. At most
-/// [`limit::MAX_CONNECTIONS`] connections at once ([`listen_with`] sets another bound).
+/// address is this call's error, reported before the caller goes on. Within the default
+/// [`limit::Limits`] ([`listen_with`] sets others).
 pub async fn listen(
     addr: SocketAddr,
     router: Router,
     stop: CancellationToken,
     tls: Option<tls::TlsServerConfig>,
 ) -> std::io::Result<Listening> {
-    listen_with(addr, router, stop, tls, limit::MAX_CONNECTIONS).await
+    listen_with(addr, router, stop, tls, limit::Limits::default()).await
 }
 
-/// [`listen`] holding at most `max_connections` connections at once (`serve
-/// --max-connections`): the next one is accepted when one closes.
+/// [`listen`] within `limits`: at most `max_connections` connections at once (`serve
+/// --max-connections`; the next one is accepted when one closes), and a request's headers
+/// read within `header_read_timeout` (`serve --header-read-timeout-ms`).
 pub async fn listen_with(
     addr: SocketAddr,
     router: Router,
     stop: CancellationToken,
     tls: Option<tls::TlsServerConfig>,
-    max_connections: usize,
+    limits: limit::Limits,
 ) -> std::io::Result<Listening> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let task = match tls {
-        Some(tls) => tokio::spawn(tls::serve_tls_on(
-            listener,
-            router,
-            stop,
-            tls,
-            max_connections,
-        )),
-        None => tokio::spawn(serve_on(listener, router, stop, max_connections)),
+        Some(tls) => tokio::spawn(tls::serve_tls_on(listener, router, stop, tls, limits)),
+        None => tokio::spawn(serve_on(listener, router, stop, limits)),
     };
     Ok(Listening { addr, task })
 }

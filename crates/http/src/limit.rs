@@ -1,8 +1,15 @@
-//! A bound on the connections a server holds at once: [`Limited`] wraps a listener and
-//! accepts the next connection only when one of `max` permits is free; a connection gives
-//! its permit back when it closes. Connections beyond the bound wait in the kernel's
-//! accept backlog (and past it are refused by the kernel), so an idle or slow client
-//! opening sockets cannot exhaust the process's file descriptors and tasks.
+//! What one client may hold of a server ([`Limits`]), and the serving loop that keeps
+//! them ([`serve`]):
+//! - a bound on the connections held at once: [`Limited`] wraps a listener and accepts the
+//!   next connection only when one of `max` permits is free; a connection gives its permit
+//!   back when it closes. Connections beyond the bound wait in the kernel's accept backlog
+//!   (and past it are refused by the kernel), so an idle or slow client opening sockets
+//!   cannot exhaust the process's file descriptors and tasks;
+//! - a header-read timeout: a request's headers must arrive within it, or the connection
+//!   is closed (slowloris). `axum::serve` gives hyper no timer, so hyper's own 30 s
+//!   default never fires; [`serve`] drives each connection with hyper's http1 builder, a
+//!   Tokio timer and the timeout. A long-poll or a stream is not affected: the timeout
+//!   covers reading headers only.
 
 use std::pin::Pin;
 use std::sync::Arc;
@@ -12,6 +19,76 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore};
 
 /// Connections one server holds at once by default (`serve --max-connections`).
 pub const MAX_CONNECTIONS: usize = 8_192;
+
+/// How long a request's headers may take to arrive by default (`serve
+/// --header-read-timeout-ms`).
+pub const HEADER_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(30);
+
+/// What one server allows its clients.
+#[derive(Debug, Clone, Copy)]
+pub struct Limits {
+    /// Connections held at once.
+    pub max_connections: usize,
+    /// How long a request's headers may take to arrive.
+    pub header_read_timeout: std::time::Duration,
+}
+
+impl Default for Limits {
+    fn default() -> Self {
+        Self {
+            max_connections: MAX_CONNECTIONS,
+            header_read_timeout: HEADER_READ_TIMEOUT,
+        }
+    }
+}
+
+/// Serve `router` on `listener` within `limits` until `stop` fires; then stop accepting,
+/// let every open connection finish its request in flight (hyper's graceful shutdown) and
+/// return once all have closed.
+pub async fn serve<L>(
+    listener: L,
+    router: axum::Router,
+    stop: tokio_util::sync::CancellationToken,
+    limits: Limits,
+) -> std::io::Result<()>
+where
+    L: axum::serve::Listener,
+{
+    let mut listener = Limited::new(listener, limits.max_connections);
+    // Each connection task holds a sender; all dropped: every connection has closed.
+    let (open, mut all_closed) = tokio::sync::mpsc::channel::<()>(1);
+    let mut builder = hyper::server::conn::http1::Builder::new();
+    builder
+        .timer(hyper_util::rt::TokioTimer::new())
+        .header_read_timeout(limits.header_read_timeout);
+    loop {
+        let (io, _peer) = tokio::select! {
+            conn = axum::serve::Listener::accept(&mut listener) => conn,
+            () = stop.cancelled() => break,
+        };
+        let service = hyper_util::service::TowerToHyperService::new(router.clone());
+        let conn = builder.serve_connection(hyper_util::rt::TokioIo::new(io), service);
+        let (stop, open) = (stop.clone(), open.clone());
+        tokio::spawn(async move {
+            let _open = open;
+            let mut conn = std::pin::pin!(conn.with_upgrades());
+            tokio::select! {
+                r = conn.as_mut() => {
+                    if let Err(e) = r {
+                        tracing::debug!(error = %e, "HTTP connection ended with an error");
+                    }
+                }
+                () = stop.cancelled() => {
+                    conn.as_mut().graceful_shutdown();
+                    let _ = conn.await;
+                }
+            }
+        });
+    }
+    drop(open);
+    let _ = all_closed.recv().await;
+    Ok(())
+}
 
 /// A listener that holds at most `max` connections at once.
 pub struct Limited<L> {

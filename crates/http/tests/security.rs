@@ -703,7 +703,10 @@ async fn connections_beyond_the_limit_wait_until_one_closes() {
         env.app().await,
         stop.clone(),
         None,
-        2,
+        lastcall_http::limit::Limits {
+            max_connections: 2,
+            ..Default::default()
+        },
     )
     .await
     .unwrap();
@@ -743,6 +746,49 @@ async fn connections_beyond_the_limit_wait_until_one_closes() {
         "{answer:?}"
     );
     drop(idle);
+    stop.cancel();
+    server.task.await.unwrap().unwrap();
+    env.cleanup().await;
+}
+
+/// A request's headers must arrive within the header-read timeout (slowloris): a client
+/// that sends part of them and stops has its connection closed; a long-poll that waits
+/// longer than the timeout for its answer is not affected.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_whose_headers_never_finish_is_closed() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let env = Env::new("sec-slowloris").await;
+    let stop = tokio_util::sync::CancellationToken::new();
+    let server = lastcall_http::listen_with(
+        "127.0.0.1:0".parse().unwrap(),
+        env.app().await,
+        stop.clone(),
+        None,
+        lastcall_http::limit::Limits {
+            header_read_timeout: Duration::from_millis(500),
+            ..Default::default()
+        },
+    )
+    .await
+    .unwrap();
+    let mut s = tokio::net::TcpStream::connect(server.addr).await.unwrap();
+    s.write_all(b"GET /healthz HTTP/1.1\r\nHost: x\r\n")
+        .await
+        .unwrap();
+    let mut buf = Vec::new();
+    let closed = tokio::time::timeout(Duration::from_secs(10), s.read_to_end(&mut buf)).await;
+    assert!(
+        closed.is_ok(),
+        "the connection is still open 10 s after its headers stopped"
+    );
+    // A long-poll of 2 s (four timeouts) still gets its answer.
+    let (st, v) = answer(
+        reqwest::Client::new()
+            .get(format!("http://{}/v1/jobs/none?wait_ms=2000", server.addr))
+            .bearer_auth(TOKEN),
+    )
+    .await;
+    assert_eq!(st, 404, "{v}");
     stop.cancel();
     server.task.await.unwrap().unwrap();
     env.cleanup().await;

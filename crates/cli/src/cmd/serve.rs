@@ -66,7 +66,10 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         startup.router(),
         stop.clone(),
         tls,
-        a.max_connections,
+        lastcall_http::limit::Limits {
+            max_connections: a.max_connections,
+            header_read_timeout: std::time::Duration::from_millis(a.header_read_timeout_ms),
+        },
     )
     .await
     .map_err(|e| bind_error(e, &cannot_serve, "--addr"))?;
