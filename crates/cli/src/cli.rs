@@ -733,6 +733,10 @@ pub struct ServeArgs {
     /// no SDK timeout header), in ms
     #[arg(long, default_value_t = 60_000)]
     pub default_deadline_ms: u64,
+    /// The longest a /v1/chat/completions request is held waiting for its outcome, in ms,
+    /// however far its deadline; past it the answer is 504 hold_exceeded and the job goes on
+    #[arg(long, default_value_t = lastcall_http::front_door::FrontDoor::MAX_HOLD_MS, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
+    pub max_hold_ms: u64,
     /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
     #[arg(long, default_value = "http://127.0.0.1:15672")]
     pub management_url: String,

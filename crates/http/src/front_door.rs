@@ -10,6 +10,9 @@
 //!   request (`X-Stainless-Read-Timeout` from Python, `X-Stainless-Timeout` from Node, in
 //!   seconds), else `serve --default-deadline-ms`;
 //! - `Idempotency-Key` becomes the job id, so a client's retry never queues a second job;
+//! - the request is held for its outcome until the deadline + 5 s, at most
+//!   [`FrontDoor::max_hold_ms`] (`serve --max-hold-ms`): then `504 hold_exceeded`, and the
+//!   job goes on;
 //! - the answer: `completed` → a `chat.completion` with `usage`; the expired states and
 //!   `deadline_exceeded` → `504` (`type` `deadline_expired` / `deadline_exceeded`, `code` the
 //!   lastcall reason) with `x-should-retry: false` (a retry inside the same timeout cannot
@@ -43,6 +46,9 @@ pub struct FrontDoor {
     pub models: Vec<(String, String)>,
     /// The budget of a request that states none (no header, no SDK timeout).
     pub default_deadline_ms: u64,
+    /// The longest a request is held waiting for its outcome (`serve --max-hold-ms`), however
+    /// far its deadline: past it the answer is `504 hold_exceeded` and the job goes on.
+    pub max_hold_ms: u64,
 }
 
 impl Default for FrontDoor {
@@ -50,11 +56,16 @@ impl Default for FrontDoor {
         Self {
             models: Vec::new(),
             default_deadline_ms: 60_000,
+            max_hold_ms: Self::MAX_HOLD_MS,
         }
     }
 }
 
 impl FrontDoor {
+    /// The longest hold by default: 15 minutes (the OpenAI SDKs' own default timeout is
+    /// 10 minutes), not the 24 h horizon a deadline may reach.
+    pub const MAX_HOLD_MS: u64 = 900_000;
+
     /// The kind every model maps to when no `--model` mapping is given.
     pub const DEFAULT_KIND: &'static str = "chat";
 
@@ -184,7 +195,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
         (status = 503, description = "Not accepted: the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
-        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), or no outcome after the deadline", body = crate::openapi::OpenAiError),
+        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn chat_completions(
@@ -324,8 +335,12 @@ async fn run(
         Err(e) => return Err(shed_or_refuse(e, deadline, expires_at_ms, now)),
     }
     // The workers record an expiry at the deadline; a little after it the outcome is in.
-    let until = tokio::time::Instant::now()
-        + Duration::from_millis((expires_at_ms - now).max(0) as u64 + 5_000);
+    // Until the outcome is surely in (the workers record an expiry at the deadline), but
+    // never longer than this server holds a request (`--max-hold-ms`): a connection, a
+    // waiter and a task per request are not held for a 24 h deadline.
+    let to_outcome_ms = (expires_at_ms - now).max(0) as u64 + 5_000;
+    let hold_ms = to_outcome_ms.min(state.front_door.max_hold_ms);
+    let until = tokio::time::Instant::now() + Duration::from_millis(hold_ms);
     if let Some(reply) = reply {
         let s = crate::front_door_stream::Streaming::new(
             state.clone(),
@@ -346,6 +361,17 @@ async fn run(
         .map_err(from_api_error)?;
     guard.armed = false;
     let Some(rec) = rec.filter(JobRecord::is_terminal) else {
+        if hold_ms < to_outcome_ms {
+            return Err(oa_error(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout",
+                Some("hold_exceeded"),
+                None,
+                format!(
+                    "job `{id}` has no outcome after this server's longest hold ({hold_ms} ms, serve --max-hold-ms); it goes on until its deadline: `GET /v1/jobs/{id}?wait_ms=N`, or the same Idempotency-Key again, returns its outcome"
+                ),
+            ));
+        }
         return Err(oa_error(
             StatusCode::GATEWAY_TIMEOUT,
             "deadline_expired",

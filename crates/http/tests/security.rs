@@ -793,3 +793,46 @@ async fn a_request_whose_headers_never_finish_is_closed() {
     server.task.await.unwrap().unwrap();
     env.cleanup().await;
 }
+
+/// A chat request is held for its outcome at most `--max-hold-ms`, however far its
+/// deadline (up to the 24 h horizon): then `504 hold_exceeded` naming the job, which goes
+/// on (it is not cancelled: the same key, or `GET /v1/jobs/{id}`, gets its outcome).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_chat_request_is_held_at_most_the_max_hold() {
+    let env = Env::new("sec-hold").await;
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.front_door.max_hold_ms = 1_000;
+    let app = lastcall_http::app(Arc::new(state));
+    let req = axum::http::Request::builder()
+        .method("POST")
+        .uri("/v1/chat/completions")
+        .header("authorization", format!("Bearer {TOKEN}"))
+        .header("content-type", "application/json")
+        .header("idempotency-key", "held-1")
+        .header("x-lastcall-deadline-ms", "3600000")
+        .body(axum::body::Body::from(
+            r#"{"model": "m", "messages": [{"role": "user", "content": "hi"}]}"#,
+        ))
+        .unwrap();
+    // No worker: the outcome would come at the deadline, an hour from now.
+    let resp = tokio::time::timeout(Duration::from_secs(15), {
+        use tower::ServiceExt;
+        app.clone().oneshot(req)
+    })
+    .await
+    .expect("answered at the hold, not at the deadline")
+    .unwrap();
+    assert_eq!(resp.status().as_u16(), 504);
+    let body = axum::body::to_bytes(resp.into_body(), usize::MAX)
+        .await
+        .unwrap();
+    let v: Value = serde_json::from_slice(&body).unwrap();
+    assert_eq!(v["error"]["code"], "hold_exceeded", "{v}");
+    assert!(
+        v["error"]["message"].as_str().unwrap().contains("held-1"),
+        "{v}"
+    );
+    let rec = env.ledger.get("held-1").await.unwrap().unwrap();
+    assert_eq!(rec.state, "accepted", "the job goes on: {rec:?}");
+    env.cleanup().await;
+}

@@ -38,6 +38,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         models: lastcall_http::front_door::FrontDoor::parse_models(&a.models)
             .map_err(anyhow::Error::msg)?,
         default_deadline_ms: a.default_deadline_ms,
+        max_hold_ms: a.max_hold_ms,
     };
     let webhooks = lastcall_http::webhooks::WebhookConfig {
         allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
