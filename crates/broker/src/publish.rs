@@ -15,7 +15,7 @@ pub const SIGNATURE_HEADER: &str = "x-lastcall-signature";
 
 /// RabbitMQ's direct reply-to pseudo-queue: a consumer on it (no-ack) gets what is
 /// published to the `reply_to` address of the messages its channel published.
-pub const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
+pub const DIRECT_REPLY_TO: &str = lastcall_core::delta::DIRECT_REPLY_TO;
 
 /// Per-message properties set by lastcall.
 #[derive(Debug, Clone, PartialEq, Eq)]

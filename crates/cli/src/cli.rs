@@ -948,6 +948,17 @@ pub struct ServeArgs {
     /// served OpenAPI document states it
     #[arg(long, default_value_t = 60_000, value_parser = clap::value_parser!(i64).range(1..=60_000))]
     pub max_wait_ms: i64,
+    /// Requests that may wait for an outcome at once (long-polls with wait_ms, chat
+    /// completions, streams); more are answered 503 too_many_waiting with Retry-After
+    #[arg(long, default_value_t = lastcall_http::MAX_WAITING, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_waiting: usize,
+    /// Connections held at once at most; the next one is accepted when one closes
+    #[arg(long, default_value_t = lastcall_http::limit::MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
+    pub max_connections: usize,
+    /// How long a request's headers may take to arrive, in ms; a slower client's connection
+    /// is closed
+    #[arg(long, default_value_t = 30_000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub header_read_timeout_ms: u64,
     /// Allow webhooks (`callback_url` of POST /v1/jobs) to URLs under this prefix (same
     /// scheme, host and port; a path under its path), e.g. https://hooks.example.com/lastcall/.
     /// Repeatable, or comma-separated in LASTCALL_WEBHOOK_ALLOW. Without it, a job with a
@@ -976,6 +987,10 @@ pub struct ServeArgs {
     /// no SDK timeout header), in ms
     #[arg(long, default_value_t = 60_000)]
     pub default_deadline_ms: u64,
+    /// The longest a /v1/chat/completions request is held waiting for its outcome, in ms,
+    /// however far its deadline; past it the answer is 504 hold_exceeded and the job goes on
+    #[arg(long, default_value_t = lastcall_http::front_door::FrontDoor::MAX_HOLD_MS, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
+    pub max_hold_ms: u64,
     /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
     #[arg(long, default_value = "http://127.0.0.1:15672")]
     pub management_url: String,

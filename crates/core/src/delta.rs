@@ -13,6 +13,23 @@ use serde::{Deserialize, Serialize};
 /// The schema version of a delta body.
 pub const DELTA_VERSION: u32 = 1;
 
+/// RabbitMQ's direct reply-to pseudo-queue, the only `reply_to` lastcall's producers set.
+pub const DIRECT_REPLY_TO: &str = "amq.rabbitmq.reply-to";
+
+/// Whether a delivered `reply_to` may receive token deltas: only a RabbitMQ direct
+/// reply-to address (`amq.rabbitmq.reply-to`, or the `amq.rabbitmq.reply-to.<channel
+/// token>` the broker hands the consumer), which reaches nothing but the channel that
+/// published the job. `reply_to` is outside the signed bytes, so any other name — a
+/// queue of the topology such as `{prefix}.work`, reached through the default exchange —
+/// gets no deltas.
+pub fn is_direct_reply_to(reply_to: &str) -> bool {
+    reply_to == DIRECT_REPLY_TO
+        || reply_to
+            .strip_prefix(DIRECT_REPLY_TO)
+            .and_then(|rest| rest.strip_prefix('.'))
+            .is_some_and(|token| !token.is_empty())
+}
+
 /// One piece of a model call's text, or the end of a call's pieces.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Delta {
@@ -114,6 +131,26 @@ impl StreamText {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn only_direct_reply_to_addresses_take_deltas() {
+        assert!(is_direct_reply_to("amq.rabbitmq.reply-to"));
+        assert!(is_direct_reply_to(
+            "amq.rabbitmq.reply-to.g1h2AA5yZXBseUAzMjQ2MAAAAC4AAAAAZ2ZkZA=="
+        ));
+        for other in [
+            "lastcall.work",
+            "",
+            "amq.rabbitmq.reply-to.",
+            "amq.rabbitmq.reply-tox",
+            "amq.rabbitmq.reply-to-x",
+            "xamq.rabbitmq.reply-to",
+            "amq.rabbitmq.reply",
+        ] {
+            assert!(!is_direct_reply_to(other), "{other:?}");
+        }
+    }
+
     use super::*;
 
     fn d(attempt: u32, seq: u64, text: &str) -> Delta {

@@ -251,12 +251,17 @@ impl Envelope {
         }
         let min_runtime_ms = match obj.remove("min_runtime_ms") {
             None | Some(Value::Null) => None,
-            Some(v) => Some(v.as_u64().filter(|n| *n as i64 <= horizon).ok_or_else(|| {
-                invalid(
-                    "min_runtime_ms",
-                    "must be a non-negative integer no larger than the horizon",
-                )
-            })?),
+            // Compared as a u64: `u64::MAX as i64` is −1, which would pass any bound.
+            Some(v) => Some(
+                v.as_u64()
+                    .filter(|n| i64::try_from(*n).is_ok_and(|n| n <= horizon))
+                    .ok_or_else(|| {
+                        invalid(
+                            "min_runtime_ms",
+                            "must be a non-negative integer no larger than the horizon",
+                        )
+                    })?,
+            ),
         };
         let trace_id = match obj.remove("trace_id") {
             None | Some(Value::Null) => None,
@@ -435,6 +440,17 @@ mod tests {
             ),
             (
                 with("min_runtime_ms", json!(-1)),
+                RejectReason::InvalidField,
+                Some("min_runtime_ms"),
+            ),
+            // 2^64 − 1 is −1 as an i64: it must not pass the horizon bound.
+            (
+                with("min_runtime_ms", json!(u64::MAX)),
+                RejectReason::InvalidField,
+                Some("min_runtime_ms"),
+            ),
+            (
+                with("min_runtime_ms", json!(1u64 << 63)),
                 RejectReason::InvalidField,
                 Some("min_runtime_ms"),
             ),

@@ -72,6 +72,22 @@ impl fmt::Display for Kind {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn request_hash_is_sha256_of_length_prefixed_parts() {
+        let h = request_hash(&[b"a", b"bc"]);
+        assert_eq!(h.len(), 7 + 64);
+        assert!(h.starts_with("sha256:"));
+        assert_ne!(h, request_hash(&[b"ab", b"c"]), "parts are length-prefixed");
+        assert_ne!(h, request_hash(&[b"abc"]));
+        assert_eq!(h, request_hash(&[b"a", b"bc"]));
+        // sha256 of the empty list is sha256 of no bytes.
+        assert_eq!(
+            request_hash(&[]),
+            "sha256:e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855"
+        );
+    }
+
     use super::*;
     use proptest::prelude::*;
 
@@ -117,6 +133,26 @@ pub fn fingerprint(bytes: &[u8]) -> String {
         h = h.wrapping_mul(0x0000_0100_0000_01b3);
     }
     format!("{h:016x}")
+}
+
+/// SHA-256 of `parts`, each length-prefixed (8 bytes, big-endian) so that no two lists
+/// of parts hash the same input, as `sha256:` and 64 lowercase hex digits. The ingress's
+/// idempotency fingerprint of a request (everything that defines it: who sent it, the
+/// route and model, the kind, the payload, the minimum runtime), where a collision would
+/// hand one request another's answer.
+pub fn request_hash(parts: &[&[u8]]) -> String {
+    use sha2::Digest;
+    let mut h = sha2::Sha256::new();
+    for p in parts {
+        h.update((p.len() as u64).to_be_bytes());
+        h.update(p);
+    }
+    let mut out = String::with_capacity(7 + 64);
+    out.push_str("sha256:");
+    for b in h.finalize() {
+        out.push_str(&format!("{b:02x}"));
+    }
+    out
 }
 
 /// A stable id for a message that carries no valid `job_id` (broken JSON, no envelope):

@@ -126,7 +126,8 @@ impl RetryPolicy {
         jitter: f64,
         min_delay_ms: u64,
     ) -> RetryDecision {
-        if attempt + 1 >= self.max_attempts {
+        // `attempt` comes from a header any publisher sets: `u32::MAX` must not overflow.
+        if attempt.saturating_add(1) >= self.max_attempts {
             return RetryDecision::Exhausted;
         }
         let queue_index = self.queue_for(self.backoff_ms(attempt, jitter).max(min_delay_ms));
@@ -214,6 +215,26 @@ mod tests {
     }
 
     proptest! {
+        /// Any attempt number a header can carry, up to `u32::MAX`: no overflow, and a
+        /// retry only below the limit, numbered one more.
+        #[test]
+        fn any_attempt_number_is_decided_without_overflow(
+            attempt in prop_oneof![Just(u32::MAX), Just(u32::MAX - 1), any::<u32>(), 0u32..10],
+            max_attempts in prop_oneof![Just(u32::MAX), 1u32..10],
+            jitter in 0.0f64..1.0,
+        ) {
+            let p = RetryPolicy::new(max_attempts, 500, vec![1_000]).unwrap();
+            let a = AdmissionPolicy { clock_uncertainty_ms: 0, default_min_runtime_ms: 0 };
+            match p.decide(attempt, Deadline::new(0, 1_000_000), None, &a, 0, jitter) {
+                RetryDecision::Retry { next_attempt, .. } => {
+                    prop_assert!(attempt < max_attempts - 1);
+                    prop_assert_eq!(next_attempt, attempt + 1);
+                }
+                RetryDecision::Exhausted => prop_assert!(attempt >= max_attempts - 1),
+                RetryDecision::WouldOvershoot { .. } => {}
+            }
+        }
+
         #[test]
         fn a_retry_always_fits_the_deadline(
             attempt in 0u32..5, now in 0i64..100_000, expires in 0i64..100_000,

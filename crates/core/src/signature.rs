@@ -196,8 +196,10 @@ pub fn require_signature(
     let (Some(key), Ok(env)) = (key, &parsed) else {
         return match (key, parsed) {
             (Some(_), Err(mut e)) => {
+                // A `message_id` is any text a publisher chose: escaped (a newline in it
+                // would forge a log line) and cut, before it reaches a log or the ledger.
                 let claimed = (e.job_id.take().map(|j| j.to_string()))
-                    .or_else(|| message_id.map(str::to_owned));
+                    .or_else(|| message_id.map(quoted_claim));
                 if let Some(claimed) = claimed {
                     e.message = format!(
                         "{} (claims job id `{claimed}`, not trusted: an invalid message cannot be verified)",
@@ -224,6 +226,17 @@ pub fn require_signature(
             job_id: Some(env.job_id().clone()),
         }),
     }
+}
+
+/// An untrusted id as an error message may quote it: control characters, quotes and
+/// backslashes escaped (`escape_debug`), at most [`crate::JobId::MAX_LEN`] characters of it.
+fn quoted_claim(raw: &str) -> String {
+    let max = crate::JobId::MAX_LEN;
+    let mut out: String = raw.escape_debug().take(max).collect();
+    if raw.escape_debug().nth(max).is_some() {
+        out.push('…');
+    }
+    out
 }
 
 #[cfg(test)]
@@ -346,6 +359,21 @@ mod tests {
         // … and the id it claims (here by its `message_id`) is named, never kept.
         assert_eq!(e.job_id, None);
         assert!(e.message.contains("`victim`"), "{}", e.message);
+    }
+
+    /// A `message_id` that carries a newline (to forge a log line) or an escape sequence
+    /// reaches the error text, and so the ledger and the log, escaped and cut.
+    #[test]
+    fn a_claimed_message_id_is_escaped() {
+        let k = key();
+        let invalid = || Envelope::parse(b"[]", &EnvelopeLimits::default(), 0);
+        let forged = "x\nINFO lastcall: job completed job_id=victim\r\u{1b}[2J";
+        let e = require_signature(Some(&k), invalid(), b"[]", None, Some(forged)).unwrap_err();
+        assert!(!e.message.chars().any(char::is_control), "{:?}", e.message);
+        assert!(e.message.contains(r"x\nINFO"), "{}", e.message);
+        let long = "a".repeat(10_000);
+        let e = require_signature(Some(&k), invalid(), b"[]", None, Some(&long)).unwrap_err();
+        assert!(e.message.len() < 400, "{}", e.message.len());
     }
 
     proptest! {

@@ -4,8 +4,14 @@
 //! - `Authorization: Bearer <token>` — scripts, Prometheus, `curl`;
 //! - `Authorization: Basic <base64(user:token)>` with any user name — browsers: the `401`
 //!   carries a `Basic` challenge, so a browser asks once and then sends the cached
-//!   credentials with the dashboard page and its same-origin fetches. The token never
-//!   appears in a URL, a query string or a server log.
+//!   credentials with the dashboard page and its same-origin fetches. Basic credentials
+//!   are taken for reads only (`GET`, `HEAD`): a browser attaches them by itself, also to
+//!   a request another site's page makes, so they may not change anything.
+//!
+//! The token never appears in a URL, a query string or a server log. A request that
+//! changes something (`POST`, `DELETE`) from another origin (`Origin` not this server's
+//! `Host`, or `Sec-Fetch-Site: cross-site`/`same-site`) is refused with `403` before its
+//! credentials are looked at.
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -65,6 +71,13 @@ impl Token {
         }
     }
 
+    /// Who presents this token, as idempotency keys are scoped by it: a SHA-256
+    /// fingerprint of the token (it reveals nothing of it). A request under another token
+    /// (another deployment, a rotated token) never gets this one's answer for a key.
+    pub fn tenant(&self) -> String {
+        lastcall_core::request_hash(&[b"lastcall-token", &self.0])
+    }
+
     /// Constant-time comparison (the length is not secret).
     pub fn matches(&self, candidate: &[u8]) -> bool {
         ct_eq(&self.0, candidate)
@@ -80,31 +93,112 @@ fn ct_eq(a: &[u8], b: &[u8]) -> bool {
     std::hint::black_box(diff) == 0
 }
 
-/// Middleware: a valid `Bearer` or `Basic` credential (see the module doc), or 401.
+/// Middleware: a valid `Bearer` or `Basic` credential (see the module doc), or 401; and no
+/// cross-site writes (see [`cross_origin`]): a request that changes something (any method
+/// but `GET`, `HEAD`, `OPTIONS`) sent from another origin is `403 cross_origin`, and one
+/// that presents Basic credentials (which a browser attaches by itself) is
+/// `403 basic_credentials_read_only`: Basic is for the dashboard's reads.
 pub async fn require_token(
     State(state): State<Arc<AppState>>,
     req: Request,
     next: Next,
 ) -> Result<Response, ApiError> {
+    let writes = !matches!(
+        *req.method(),
+        axum::http::Method::GET | axum::http::Method::HEAD | axum::http::Method::OPTIONS
+    );
+    if writes && let Some(why) = cross_origin(req.headers()) {
+        return Err(ApiError::Forbidden {
+            code: "cross_origin",
+            message: why,
+        });
+    }
     let header = req.headers().get(axum::http::header::AUTHORIZATION);
-    match header.and_then(|v| presented_token(v.as_bytes())) {
-        Some(t) if state.token.matches(&t) => Ok(next.run(req).await),
+    match header.and_then(|v| presented(v.as_bytes())) {
+        Some((scheme, t)) if state.token.matches(&t) => {
+            if writes && scheme == Scheme::Basic {
+                return Err(ApiError::Forbidden {
+                    code: "basic_credentials_read_only",
+                    message: "Basic credentials are accepted for reads only (the dashboard); send `Authorization: Bearer <token>` to change anything".into(),
+                });
+            }
+            Ok(next.run(req).await)
+        }
         _ => Err(ApiError::Unauthorized),
     }
+}
+
+/// Why a request comes from another origin than this server's, if it does: its
+/// `Sec-Fetch-Site` is `cross-site` or `same-site` (a browser's own statement), or its
+/// `Origin` is not this server's (`null`, or a host and port other than `Host`'s). A request
+/// with neither header (curl, the SDKs, scripts) is not cross-origin.
+pub fn cross_origin(headers: &axum::http::HeaderMap) -> Option<String> {
+    if let Some(site) = headers.get("sec-fetch-site")
+        && matches!(site.as_bytes(), b"cross-site" | b"same-site")
+    {
+        return Some(format!(
+            "refused: a request from another site (`Sec-Fetch-Site: {}`) may not change anything here",
+            String::from_utf8_lossy(site.as_bytes())
+        ));
+    }
+    let origin = headers.get(axum::http::header::ORIGIN)?;
+    let host = headers
+        .get(axum::http::header::HOST)
+        .and_then(|h| h.to_str().ok())
+        .unwrap_or("");
+    let same = origin
+        .to_str()
+        .ok()
+        .and_then(|o| o.split_once("://"))
+        .is_some_and(|(scheme, authority)| {
+            let default = match scheme {
+                "http" => ":80",
+                "https" => ":443",
+                _ => return false,
+            };
+            let norm = |a: &str| {
+                let a = a.to_ascii_lowercase();
+                if a.ends_with(default) {
+                    a[..a.len() - default.len()].to_owned()
+                } else {
+                    a
+                }
+            };
+            !host.is_empty() && norm(authority) == norm(host)
+        });
+    (!same).then(|| {
+        format!(
+            "refused: the request's `Origin` ({}) is not this server (`Host: {}`); a page of another origin may not change anything here",
+            crate::params::shorten(&String::from_utf8_lossy(origin.as_bytes())),
+            crate::params::shorten(host)
+        )
+    })
+}
+
+/// How a credential was presented.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Scheme {
+    Bearer,
+    Basic,
 }
 
 /// The token an `Authorization` header value presents: the Bearer token, or the password
 /// of Basic credentials (the user name is ignored). Scheme names are case-insensitive.
 pub fn presented_token(value: &[u8]) -> Option<Vec<u8>> {
+    presented(value).map(|(_, t)| t)
+}
+
+/// [`presented_token`] with the scheme it came in.
+pub fn presented(value: &[u8]) -> Option<(Scheme, Vec<u8>)> {
     let split = value.iter().position(|b| *b == b' ')?;
     let (scheme, rest) = value.split_at(split);
     let rest = rest.trim_ascii();
     if scheme.eq_ignore_ascii_case(b"bearer") {
-        Some(rest.to_vec())
+        Some((Scheme::Bearer, rest.to_vec()))
     } else if scheme.eq_ignore_ascii_case(b"basic") {
         let decoded = base64_decode(rest)?;
         let colon = decoded.iter().position(|b| *b == b':')?;
-        Some(decoded[colon + 1..].to_vec())
+        Some((Scheme::Basic, decoded[colon + 1..].to_vec()))
     } else {
         None
     }

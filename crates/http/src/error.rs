@@ -21,6 +21,16 @@ pub enum ApiError {
         "missing or invalid credentials: send `Authorization: Bearer <token>`, or Basic credentials whose password is the token"
     )]
     Unauthorized,
+    /// 403: a credential that may not do this (Basic credentials on a write), or a write
+    /// from another origin (`code` says which).
+    #[error("{message}")]
+    Forbidden { code: &'static str, message: String },
+    /// 415: a body that is not declared `application/json`.
+    #[error(
+        "the `Content-Type` header must be `application/json`{}",
+        match .0 { Some(t) => format!(", not `{t}`"), None => " (it is missing)".into() }
+    )]
+    UnsupportedMediaType(Option<String>),
     /// 404.
     #[error("no job `{0}`")]
     NotFound(String),
@@ -56,6 +66,18 @@ pub enum ApiError {
     /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
     #[error("{0}")]
     Unavailable(String),
+    /// 503: the ledger did not answer or refused the write; nothing was published. The
+    /// database's error is logged, never sent.
+    #[error(
+        "not accepted: the ledger is unavailable, nothing was published or recorded for this job id; retry later with the same job_id"
+    )]
+    LedgerUnavailable,
+    /// 503: every permit to wait for an outcome is taken ([`crate::AppState::waiting`]);
+    /// answered with `Retry-After: 1`.
+    #[error(
+        "too many requests wait for an outcome on this server at once (serve --max-waiting); retry shortly, or read the job without waiting"
+    )]
+    TooManyWaiting,
     /// 503: `serve` is listening but still waiting for its broker or ledger
     /// (`crate::starting`); answered with `Retry-After: 1`.
     #[error("{0}")]
@@ -74,6 +96,26 @@ pub enum ApiError {
 }
 
 impl ApiError {
+    /// `415` unless `headers` declare a JSON body (`application/json`, parameters such as
+    /// `; charset=utf-8` allowed). A form or `text/plain` body is what another site's page
+    /// can send without a CORS preflight; JSON it cannot.
+    pub fn require_json(headers: &axum::http::HeaderMap) -> Result<(), ApiError> {
+        let value = headers.get(axum::http::header::CONTENT_TYPE);
+        let essence = value.and_then(|v| v.to_str().ok()).map(|v| {
+            v.split(';')
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_ascii_lowercase()
+        });
+        match essence.as_deref() {
+            Some("application/json") => Ok(()),
+            _ => Err(ApiError::UnsupportedMediaType(value.map(|v| {
+                crate::params::shorten(&String::from_utf8_lossy(v.as_bytes()))
+            }))),
+        }
+    }
+
     pub fn bad(field: &str, code: &str, message: impl Into<String>) -> Self {
         ApiError::BadField {
             field: field.to_owned(),
@@ -105,12 +147,17 @@ impl ApiError {
         match self {
             ApiError::BadField { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
+            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) | ApiError::AlreadyTerminal { .. } => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
             ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
-            ApiError::Unavailable(_) | ApiError::Starting(_) => StatusCode::SERVICE_UNAVAILABLE,
+            ApiError::Unavailable(_)
+            | ApiError::LedgerUnavailable
+            | ApiError::TooManyWaiting
+            | ApiError::Starting(_) => StatusCode::SERVICE_UNAVAILABLE,
             ApiError::Internal(_) => StatusCode::INTERNAL_SERVER_ERROR,
             ApiError::Http { status, .. } => *status,
         }
@@ -120,6 +167,8 @@ impl ApiError {
         match self {
             ApiError::BadField { code, .. } => code,
             ApiError::Unauthorized => "unauthorized",
+            ApiError::Forbidden { code, .. } => code,
+            ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::NotFound(_) => "not_found",
             ApiError::Conflict(_) => "job_id_conflict",
             ApiError::AlreadyTerminal { .. } => "already_terminal",
@@ -127,6 +176,8 @@ impl ApiError {
             ApiError::Expired { code, .. } => code,
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
+            ApiError::LedgerUnavailable => "ledger_unavailable",
+            ApiError::TooManyWaiting => "too_many_waiting",
             ApiError::Starting(_) => "starting",
             ApiError::Internal(_) => "internal",
             ApiError::Http { code, .. } => code,
@@ -137,6 +188,7 @@ impl ApiError {
         match self {
             ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
             ApiError::Conflict(_) => Some("job_id"),
+            ApiError::UnsupportedMediaType(_) => Some("Content-Type"),
             _ => None,
         }
     }
@@ -168,7 +220,7 @@ impl IntoResponse for ApiError {
                 axum::http::HeaderValue::from(*retry_after_s),
             );
         }
-        if let ApiError::Starting(_) = &self {
+        if let ApiError::Starting(_) | ApiError::TooManyWaiting = &self {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from(1u64),

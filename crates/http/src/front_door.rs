@@ -10,6 +10,9 @@
 //!   request (`X-Stainless-Read-Timeout` from Python, `X-Stainless-Timeout` from Node, in
 //!   seconds), else `serve --default-deadline-ms`;
 //! - `Idempotency-Key` becomes the job id, so a client's retry never queues a second job;
+//! - the request is held for its outcome until the deadline + 5 s, at most
+//!   [`FrontDoor::max_hold_ms`] (`serve --max-hold-ms`): then `504 hold_exceeded`, and the
+//!   job goes on;
 //! - the answer: `completed` → a `chat.completion` with `usage`; the expired states and
 //!   `deadline_exceeded` → `504` (`type` `deadline_expired` / `deadline_exceeded`, `code` the
 //!   lastcall reason) with `x-should-retry: false` (a retry inside the same timeout cannot
@@ -26,7 +29,7 @@ use crate::AppState;
 use crate::error::ApiError;
 use crate::jobs::{read_job, submit_error};
 use axum::Json;
-use axum::body::Bytes;
+use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
@@ -43,6 +46,9 @@ pub struct FrontDoor {
     pub models: Vec<(String, String)>,
     /// The budget of a request that states none (no header, no SDK timeout).
     pub default_deadline_ms: u64,
+    /// The longest a request is held waiting for its outcome (`serve --max-hold-ms`), however
+    /// far its deadline: past it the answer is `504 hold_exceeded` and the job goes on.
+    pub max_hold_ms: u64,
 }
 
 impl Default for FrontDoor {
@@ -50,11 +56,16 @@ impl Default for FrontDoor {
         Self {
             models: Vec::new(),
             default_deadline_ms: 60_000,
+            max_hold_ms: Self::MAX_HOLD_MS,
         }
     }
 }
 
 impl FrontDoor {
+    /// The longest hold by default: 15 minutes (the OpenAI SDKs' own default timeout is
+    /// 10 minutes), not the 24 h horizon a deadline may reach.
+    pub const MAX_HOLD_MS: u64 = 900_000;
+
     /// The kind every model maps to when no `--model` mapping is given.
     pub const DEFAULT_KIND: &'static str = "chat";
 
@@ -113,6 +124,7 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
     };
     let retry_after = match &e {
         ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
+        ApiError::TooManyWaiting => Some(1),
         _ => None,
     };
     let mut r = oa_error(status, kind, Some(e.code()), e.field(), e.to_string());
@@ -174,21 +186,31 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         )),
         (status = 400, description = "Not an OpenAI chat request, a malformed deadline header, `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`)", body = crate::openapi::ErrorBody),
         (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),
         (status = 409, description = "The job was cancelled (`x-should-retry: false`)", body = crate::openapi::OpenAiError),
-        (status = 413, description = "The job as published would be too large", body = crate::openapi::OpenAiError),
+        (status = 413, description = "The body is larger than this server's limit (`serve --max-body-bytes`, 1 MiB by default), or the job as published would be too large (`body_too_large`)", body = crate::openapi::OpenAiError),
+        (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`, `param` `Content-Type`)", body = crate::openapi::OpenAiError),
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
         (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
-        (status = 503, description = "Not accepted: the broker did not confirm", body = crate::openapi::OpenAiError),
-        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), or no outcome after the deadline", body = crate::openapi::OpenAiError),
+        (status = 503, description = "Not accepted: the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
+        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
     headers: HeaderMap,
-    body: Bytes,
+    body: Body,
 ) -> Response {
+    if let Err(e) = ApiError::require_json(&headers) {
+        return from_api_error(e);
+    }
+    // The same limit as `POST /v1/jobs` (`serve --max-body-bytes`), not axum's 2 MB.
+    let body = match crate::jobs::read_body(&headers, body, state.max_body_bytes).await {
+        Ok(b) => b,
+        Err(e) => return from_api_error(e),
+    };
     match run(&state, &headers, &body).await {
         Ok(r) | Err(r) => r,
     }
@@ -277,24 +299,32 @@ async fn run(
     } else {
         None
     };
+    // A permit to wait (bounded: `serve --max-waiting`), held until the answer or the
+    // stream ends (the guard carries it).
+    let permit = state.wait_permit().map_err(from_api_error)?;
     // Subscribed before publishing: the outcome cannot come first.
     let mut waiter = state.waiters.subscribe(&id);
     let mut guard = CancelOnDrop {
         state: state.clone(),
         id: id.clone(),
         armed: false,
+        _permit: permit,
     };
+    // The idempotency scope: the token's tenant, this route and the model (the payload
+    // no longer holds it, and several models may map to one kind). The same key with
+    // another model, kind or body is a 409, never the first request's answer.
+    let scope = format!("{}|chat|{model}", state.token.tenant());
     let submitted = match &reply {
         Some(r) => {
             state
                 .submitter
-                .submit_once_replying(&env, now, state.claim_wait, r)
+                .submit_once_replying(&env, now, state.claim_wait, &scope, r)
                 .await
         }
         None => {
             state
                 .submitter
-                .submit_once(&env, now, state.claim_wait)
+                .submit_once_scoped(&env, now, state.claim_wait, &scope, async || Ok(()))
                 .await
         }
     };
@@ -305,8 +335,12 @@ async fn run(
         Err(e) => return Err(shed_or_refuse(e, deadline, expires_at_ms, now)),
     }
     // The workers record an expiry at the deadline; a little after it the outcome is in.
-    let until = tokio::time::Instant::now()
-        + Duration::from_millis((expires_at_ms - now).max(0) as u64 + 5_000);
+    // Until the outcome is surely in (the workers record an expiry at the deadline), but
+    // never longer than this server holds a request (`--max-hold-ms`): a connection, a
+    // waiter and a task per request are not held for a 24 h deadline.
+    let to_outcome_ms = (expires_at_ms - now).max(0) as u64 + 5_000;
+    let hold_ms = to_outcome_ms.min(state.front_door.max_hold_ms);
+    let until = tokio::time::Instant::now() + Duration::from_millis(hold_ms);
     if let Some(reply) = reply {
         let s = crate::front_door_stream::Streaming::new(
             state.clone(),
@@ -327,6 +361,17 @@ async fn run(
         .map_err(from_api_error)?;
     guard.armed = false;
     let Some(rec) = rec.filter(JobRecord::is_terminal) else {
+        if hold_ms < to_outcome_ms {
+            return Err(oa_error(
+                StatusCode::GATEWAY_TIMEOUT,
+                "timeout",
+                Some("hold_exceeded"),
+                None,
+                format!(
+                    "job `{id}` has no outcome after this server's longest hold ({hold_ms} ms, serve --max-hold-ms); it goes on until its deadline: `GET /v1/jobs/{id}?wait_ms=N`, or the same Idempotency-Key again, returns its outcome"
+                ),
+            ));
+        }
         return Err(oa_error(
             StatusCode::GATEWAY_TIMEOUT,
             "deadline_expired",
@@ -369,29 +414,35 @@ pub(crate) fn error_kind(state: &str) -> &'static str {
     }
 }
 
+/// OpenAI's `usage` of a record. The counts come from an upstream model server: a
+/// negative one reads 0, and the total saturates instead of overflowing.
+pub(crate) fn usage(rec: &JobRecord) -> Value {
+    usage_of(rec.prompt_tokens, rec.completion_tokens)
+}
+
+fn usage_of(prompt: Option<i64>, completion: Option<i64>) -> Value {
+    let p = prompt.unwrap_or(0).max(0);
+    let c = completion.unwrap_or(0).max(0);
+    json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p.saturating_add(c)})
+}
+
 /// The response for a terminal record.
 pub(crate) fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
     let reason = rec.reason.as_deref().unwrap_or(&rec.state);
     let mut r = match rec.state.as_str() {
-        "completed" => {
-            let (p, c) = (
-                rec.prompt_tokens.unwrap_or(0),
-                rec.completion_tokens.unwrap_or(0),
-            );
-            Json(json!({
-                "id": format!("chatcmpl-{}", rec.job_id),
-                "object": "chat.completion",
-                "created": now_ms / 1000,
-                "model": model,
-                "choices": [{
-                    "index": 0,
-                    "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
-                    "finish_reason": "stop",
-                }],
-                "usage": {"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c},
-            }))
-            .into_response()
-        }
+        "completed" => Json(json!({
+            "id": format!("chatcmpl-{}", rec.job_id),
+            "object": "chat.completion",
+            "created": now_ms / 1000,
+            "model": model,
+            "choices": [{
+                "index": 0,
+                "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
+                "finish_reason": "stop",
+            }],
+            "usage": usage(rec),
+        }))
+        .into_response(),
         "expired_not_started" | "expired_before_receive" | "deadline_exceeded" => {
             let kind = error_kind(&rec.state);
             let msg = format!(
@@ -497,6 +548,8 @@ pub(crate) struct CancelOnDrop {
     state: Arc<AppState>,
     id: String,
     pub(crate) armed: bool,
+    /// This request's place among those waiting for an outcome ([`AppState::waiting`]).
+    _permit: tokio::sync::OwnedSemaphorePermit,
 }
 
 impl Drop for CancelOnDrop {
@@ -520,5 +573,21 @@ impl Drop for CancelOnDrop {
                 tracing::warn!(job_id = %id, error = %e, "cancelling the job of a departed client failed");
             }
         });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// Token counts an upstream server reported, however large: no overflow, no negative.
+    #[test]
+    fn usage_saturates() {
+        let u = usage_of(Some(i64::MAX), Some(i64::MAX));
+        assert_eq!(u["total_tokens"], i64::MAX);
+        let u = usage_of(Some(-1), Some(5));
+        assert_eq!(u["prompt_tokens"], 0);
+        assert_eq!(u["total_tokens"], 5);
+        assert_eq!(usage_of(Some(3), None)["total_tokens"], 3);
     }
 }

@@ -277,12 +277,7 @@ impl Streaming {
                 let fin = self.chunk(json!({}), Some("stop"));
                 self.pending.push_back(fin);
                 if self.include_usage {
-                    let (p, c) = (
-                        rec.prompt_tokens.unwrap_or(0),
-                        rec.completion_tokens.unwrap_or(0),
-                    );
-                    let usage =
-                        json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p + c});
+                    let usage = crate::front_door::usage(&rec);
                     let mut v = self.base();
                     v["choices"] = json!([]);
                     v["usage"] = usage;

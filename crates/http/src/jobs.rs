@@ -31,8 +31,10 @@ use std::sync::Arc;
         (status = 202, description = "Claimed in the ledger, published, confirmed by the broker and recorded as accepted. The same job id with the same payload again (also concurrently) is answered `duplicate: true` with the ledger's state and is not published twice", body = crate::openapi::Accepted, headers(("Location" = String))),
         (status = 400, description = "The body breaks the document: not JSON, not an object, a field missing, of the wrong type or outside its bounds (`deadline_ms` above the horizon, `min_runtime_ms` above the horizon, a `job_id` or `kind` outside its pattern), or both or neither of `deadline_ms` and `expires_at_ms`. `error` is the reason (`missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon`), `field` names the field", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, response = crate::openapi::Forbidden),
         (status = 409, description = "The job id was accepted before (or is being accepted concurrently) with a different payload", body = crate::openapi::ErrorBody),
         (status = 413, response = crate::openapi::TooLarge),
+        (status = 415, response = crate::openapi::NotJson),
         (status = 422, description = "The deadline is well-formed but the clock refuses it, nothing was published: it has already passed or lies within the clock margin (`already_expired`; also a `deadline_ms` shorter than the margin), or an `expires_at_ms` lies farther ahead than the horizon (`deadline_beyond_horizon`). `field` names the deadline field the request sent; or a `callback_url` this server does not allow (`callback_not_allowed`, `field` is `callback_url`)", body = crate::openapi::ErrorBody),
         (status = 429, description = "Shed at the door, nothing published or recorded: the estimated wait in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
         (status = 503, description = "Not accepted, nothing recorded for the job id: the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody),
@@ -43,17 +45,8 @@ pub async fn create(
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
-    let limit = state.max_body_bytes;
-    let declared = headers
-        .get(header::CONTENT_LENGTH)
-        .and_then(|v| v.to_str().ok())
-        .and_then(|v| v.parse::<usize>().ok());
-    if declared.is_some_and(|n| n > limit) {
-        return Err(ApiError::TooLarge { limit });
-    }
-    let bytes = axum::body::to_bytes(body, limit)
-        .await
-        .map_err(|_| ApiError::TooLarge { limit })?;
+    ApiError::require_json(&headers)?;
+    let bytes = read_body(&headers, body, state.max_body_bytes).await?;
     let (job, callback) = parse_request_with_callback(&bytes)?;
     let callback = match callback {
         Some(url) => Some(
@@ -75,27 +68,36 @@ pub async fn create(
         .envelope(&job, now)
         .map_err(|e| submit_error(e, spec))?;
     let job_id = env.job_id().to_string();
-    // The webhook is in the ledger before the job is published: no outcome comes first.
-    if let Some(url) = &callback {
-        state
-            .ledger
-            .register_webhook(&job_id, url.as_str(), now)
-            .await
-            .map_err(|e| {
-                ApiError::Unavailable(format!(
-                    "not accepted: the ledger cannot record the webhook: {e}"
-                ))
-            })?;
-    }
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
     // same id again (even concurrently, even from another `serve`) is published at most
     // once; the same payload is answered idempotently, a different one is a conflict.
-    match state
+    // The webhook is registered by the claimant only, between its claim and its publish:
+    // no outcome comes first, and a refused request (409, a duplicate, 429, 503) never
+    // changes the callback of the job that holds the id.
+    let register = async || match &callback {
+        Some(url) => {
+            state
+                .ledger
+                .register_webhook(&job_id, url.as_str(), now)
+                .await
+        }
+        None => Ok(()),
+    };
+    // The idempotency scope (part of the fingerprint with the kind, the payload and the
+    // minimum runtime): the token's tenant and this route.
+    let scope = format!("{}|jobs", state.token.tenant());
+    let submitted = state
         .submitter
-        .submit_once(&env, now, state.claim_wait)
-        .await
-    {
+        .submit_once_scoped(&env, now, state.claim_wait, &scope, register)
+        .await;
+    if let (Err(SubmitError::Publish(_)), Some(url)) = (&submitted, &callback) {
+        // The claim was released: so is the webhook, unless a worker holds the job.
+        if let Err(e) = state.ledger.unregister_webhook(&job_id, url.as_str()).await {
+            tracing::warn!(job_id = %job_id, error = %e, "cannot remove the webhook of a job not accepted");
+        }
+    }
+    match submitted {
         Ok(Submission::Published(s)) => Ok(accepted(Accepted {
             created_at_ms: Some(s.created_at_ms),
             expires_at_ms: Some(s.expires_at_ms),
@@ -137,6 +139,25 @@ pub async fn create(
             Err(submit_error(e, spec))
         }
     }
+}
+
+/// A request body of at most `limit` bytes (`serve --max-body-bytes`): `413` as soon as
+/// its `Content-Length` says more, or once more arrived.
+pub(crate) async fn read_body(
+    headers: &HeaderMap,
+    body: Body,
+    limit: usize,
+) -> Result<axum::body::Bytes, ApiError> {
+    let declared = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<usize>().ok());
+    if declared.is_some_and(|n| n > limit) {
+        return Err(ApiError::TooLarge { limit });
+    }
+    axum::body::to_bytes(body, limit)
+        .await
+        .map_err(|_| ApiError::TooLarge { limit })
 }
 
 fn accepted(body: Accepted) -> Response {
@@ -212,8 +233,11 @@ pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
         SubmitError::Conflict { job_id } | SubmitError::AlreadyFinished { job_id, .. } => {
             ApiError::Conflict(job_id)
         }
-        e @ (SubmitError::InFlight { .. } | SubmitError::Unrecorded(_)) => {
-            ApiError::Unavailable(e.to_string())
+        e @ SubmitError::InFlight { .. } => ApiError::Unavailable(e.to_string()),
+        SubmitError::Unrecorded(e) => {
+            // The database's own words stay in the log: they name hosts, files, users.
+            tracing::error!(error = %e, "the ledger refused the claim of a job id: answered 503");
+            ApiError::LedgerUnavailable
         }
         SubmitError::Ledger(l) => ApiError::Internal(l.to_string()),
     }
@@ -390,6 +414,7 @@ pub const MAX_WAIT_MS: i64 = 60_000;
         (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8; `field` is `id`), or `wait_ms` is not an integer from 0 to this server's maximum or is given twice (`field` is `wait_ms`)", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "No such job (after waiting, with `wait_ms`)", body = crate::openapi::ErrorBody),
+        (status = 503, description = "With `wait_ms`: as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`); read without `wait_ms` or retry", body = crate::openapi::ErrorBody),
         (status = 500, response = crate::openapi::LedgerError),
     ),
 )]
@@ -402,6 +427,7 @@ pub async fn show(
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
     // Registered before the first read: an outcome recorded in between still wakes it.
     let rec = if wait_ms > 0 {
+        let _permit = state.wait_permit()?;
         let mut waiter = state.waiters.subscribe(&id);
         waiter
             .until_terminal(until, || read_job(&state, &id))
@@ -431,6 +457,7 @@ pub async fn show(
         (status = 202, description = "The job is running: its worker is asked to abort the call", body = inline(crate::openapi::CancelRequested)),
         (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8); `field` is `id`", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, response = crate::openapi::Forbidden),
         (status = 404, description = "No such job", body = crate::openapi::ErrorBody),
         (status = 409, description = "The job has already ended (`already_terminal`; `state` names its outcome); nothing changed", body = crate::openapi::ErrorBody),
         (status = 500, response = crate::openapi::LedgerError),

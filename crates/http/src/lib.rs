@@ -30,6 +30,7 @@ mod error;
 pub mod front_door;
 mod front_door_stream;
 mod jobs;
+pub mod limit;
 pub mod metrics;
 pub mod openapi;
 mod params;
@@ -91,6 +92,10 @@ pub struct AppState {
     /// The longest `wait_ms` a long-poll may ask for (`serve --max-wait-ms`, default and
     /// at most 60 s); `/openapi.json` states it.
     pub max_wait_ms: i64,
+    /// Requests that wait for an outcome at once (long-polls, chat completions, streams),
+    /// one permit each; none left: `503 too_many_waiting` (`serve --max-waiting`, 4,096 by
+    /// default). Each holds a socket, a waiter and a task for up to its deadline.
+    pub waiting: Arc<tokio::sync::Semaphore>,
     /// Where `DELETE /v1/jobs/{id}` announces a job cancelled before its start
     /// (`{prefix}.events`) and asks the workers to stop a running one (`{prefix}.control`).
     /// Disabled by default; `serve` connects both.
@@ -141,6 +146,7 @@ impl AppState {
             claim_wait: std::time::Duration::from_secs(10),
             waiters: Arc::new(waiters::Waiters::default()),
             max_wait_ms: jobs::MAX_WAIT_MS,
+            waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
             events: lastcall_broker::EventSink::disabled(),
             control: lastcall_broker::EventSink::disabled(),
             webhooks: webhooks::WebhookConfig::default(),
@@ -151,6 +157,19 @@ impl AppState {
                 .build()
                 .unwrap_or_default(),
         }
+    }
+}
+
+/// Requests that may wait for an outcome at once by default ([`AppState::waiting`]).
+pub const MAX_WAITING: usize = 4_096;
+
+impl AppState {
+    /// A permit to wait for an outcome, or `503 too_many_waiting` when all are taken.
+    pub(crate) fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
+        self.waiting
+            .clone()
+            .try_acquire_owned()
+            .map_err(|_| ApiError::TooManyWaiting)
     }
 }
 
@@ -286,16 +305,16 @@ fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
     (status, axum::Json(body)).into_response()
 }
 
-/// Serve `router` on a bound listener until `stop` fires.
+/// Serve `router` on a bound listener until `stop` fires, within `limits`
+/// ([`limit::serve`]).
 async fn serve_on(
     listener: tokio::net::TcpListener,
     router: Router,
     stop: CancellationToken,
+    limits: limit::Limits,
 ) -> std::io::Result<()> {
     tracing::info!(addr = %listener.local_addr()?, "HTTP listening");
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
+    limit::serve(listener, router, stop, limits).await
 }
 
 /// A server that [`listen`] bound and serves in the background.
@@ -309,18 +328,32 @@ pub struct Listening {
 
 /// Bind `addr` and serve `router` on it in the background (over HTTPS when `tls` is
 /// given) until `stop` fires. Returns once the socket is bound: a taken port or a bad
-/// address is this call's error, reported before the caller goes on.
+/// address is this call's error, reported before the caller goes on. Within the default
+/// [`limit::Limits`] ([`listen_with`] sets others).
 pub async fn listen(
     addr: SocketAddr,
     router: Router,
     stop: CancellationToken,
     tls: Option<tls::TlsServerConfig>,
 ) -> std::io::Result<Listening> {
+    listen_with(addr, router, stop, tls, limit::Limits::default()).await
+}
+
+/// [`listen`] within `limits`: at most `max_connections` connections at once (`serve
+/// --max-connections`; the next one is accepted when one closes), and a request's headers
+/// read within `header_read_timeout` (`serve --header-read-timeout-ms`).
+pub async fn listen_with(
+    addr: SocketAddr,
+    router: Router,
+    stop: CancellationToken,
+    tls: Option<tls::TlsServerConfig>,
+    limits: limit::Limits,
+) -> std::io::Result<Listening> {
     let listener = tokio::net::TcpListener::bind(addr).await?;
     let addr = listener.local_addr()?;
     let task = match tls {
-        Some(tls) => tokio::spawn(tls::serve_tls_on(listener, router, stop, tls)),
-        None => tokio::spawn(serve_on(listener, router, stop)),
+        Some(tls) => tokio::spawn(tls::serve_tls_on(listener, router, stop, tls, limits)),
+        None => tokio::spawn(serve_on(listener, router, stop, limits)),
     };
     Ok(Listening { addr, task })
 }

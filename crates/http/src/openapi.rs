@@ -35,7 +35,7 @@ use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
     security(("bearer" = []), ("basic" = [])),
     components(
         schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError),
-        responses(Unauthorized, TooLarge, LedgerError),
+        responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError),
     ),
 )]
 pub struct ApiDoc;
@@ -482,6 +482,38 @@ impl<'r> ToResponse<'r> for Unauthorized {
             ResponseBuilder::new()
                 .description("Missing or wrong credentials: send `Authorization: Bearer <token>`, or Basic credentials with any user name and the token as password. `WWW-Authenticate` offers Basic (a browser prompts once) and Bearer")
                 .header("WWW-Authenticate", challenge)
+                .content("application/json", error_content())
+                .build()
+                .into(),
+        )
+    }
+}
+
+/// `403`: a write from another origin, or with Basic credentials.
+pub(crate) struct Forbidden;
+
+impl<'r> ToResponse<'r> for Forbidden {
+    fn response() -> (&'r str, RefOr<utoipa::openapi::Response>) {
+        (
+            "Forbidden",
+            ResponseBuilder::new()
+                .description("A request that changes something sent from another origin (`cross_origin`: `Origin` is not this server's `Host`, or `Sec-Fetch-Site` is `cross-site` or `same-site`), or presenting Basic credentials, which are for reads only (`basic_credentials_read_only`: send the token as `Bearer`)")
+                .content("application/json", error_content())
+                .build()
+                .into(),
+        )
+    }
+}
+
+/// `415`: the body is not declared JSON.
+pub(crate) struct NotJson;
+
+impl<'r> ToResponse<'r> for NotJson {
+    fn response() -> (&'r str, RefOr<utoipa::openapi::Response>) {
+        (
+            "NotJson",
+            ResponseBuilder::new()
+                .description("The `Content-Type` header is missing or not `application/json` (`unsupported_media_type`, `field` `Content-Type`)")
                 .content("application/json", error_content())
                 .build()
                 .into(),

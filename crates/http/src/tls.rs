@@ -68,13 +68,12 @@ pub(crate) async fn serve_tls_on(
     router: Router,
     stop: CancellationToken,
     tls: TlsServerConfig,
+    limits: crate::limit::Limits,
 ) -> std::io::Result<()> {
     let local = tcp.local_addr()?;
     tracing::info!(addr = %local, "HTTPS listening");
     let listener = TlsListener::spawn(tcp, TlsAcceptor::from(tls.0), local);
-    axum::serve(listener, router)
-        .with_graceful_shutdown(async move { stop.cancelled().await })
-        .await
+    crate::limit::serve(listener, router, stop, limits).await
 }
 
 /// Finished handshakes, from a task that accepts TCP connections.

@@ -6,9 +6,12 @@
 //!   allow-list webhooks are off and `callback_url` is refused.
 //! - **Registration before publishing.** The ingress writes the URL to the ledger
 //!   (`webhooks`) before the job is published, so no outcome can come first.
-//! - **Delivery.** Each `serve` follows `{prefix}.events` once; for every event it tries to
-//!   claim the job's webhook in the ledger (`Ledger::claim_webhook`: one claimer wins, so
-//!   several `serve` processes never deliver twice), then POSTs the event JSON, signed
+//! - **Delivery.** Each `serve` follows `{prefix}.events` once; an event only names a job
+//!   that ended (anyone allowed to publish there could send one). For each it takes a
+//!   delivery slot (waiting while all are busy), reads the job's record (not terminal: no
+//!   delivery), claims the job's webhook in the ledger (`Ledger::claim_webhook`: one
+//!   claimer wins, so several `serve` processes never deliver twice), then POSTs the
+//!   ledger's outcome as the event JSON (never the event's own body), signed
 //!   with HMAC-SHA256 when a key is set (`x-lastcall-webhook-signature: v1=<hex>` over the
 //!   body), retried with exponential backoff (1 s doubling, at most 30 s between attempts)
 //!   up to `--webhook-attempts` times. Every attempt is recorded (`webhook_attempts`); a 2xx
@@ -16,8 +19,8 @@
 //! - **Limits.** Best-effort like the events it rides on: an event the process never saw
 //!   (it was down or disconnected) delivers nothing, and a delivery in progress when the
 //!   process stops is not resumed; the ledger shows which webhooks were delivered. At most
-//!   1,024 events wait for a claim and 32 deliveries run at once; more are dropped and
-//!   counted.
+//!   32 deliveries run at once (`WebhookConfig::concurrency`) and 1,024 events wait for a
+//!   slot; more are dropped, unclaimed, and counted.
 
 use lastcall_clock::Clock;
 use lastcall_core::{OutcomeEvent, SigningKey};
@@ -42,6 +45,8 @@ pub struct WebhookConfig {
     pub first_backoff: Duration,
     /// How long one attempt may take.
     pub timeout: Duration,
+    /// Deliveries at most at once (≥ 1; 32 by default).
+    pub concurrency: usize,
 }
 
 impl Default for WebhookConfig {
@@ -52,6 +57,7 @@ impl Default for WebhookConfig {
             attempts: 5,
             first_backoff: Duration::from_secs(1),
             timeout: Duration::from_secs(10),
+            concurrency: 32,
         }
     }
 }
@@ -92,7 +98,7 @@ impl WebhookConfig {
             a.scheme() == u.scheme()
                 && a.host_str() == u.host_str()
                 && a.port_or_known_default() == u.port_or_known_default()
-                && u.path().starts_with(a.path())
+                && path_under(u.path(), a.path())
         });
         if allowed {
             Ok(u)
@@ -102,6 +108,15 @@ impl WebhookConfig {
                 crate::params::shorten(url)
             ))
         }
+    }
+}
+
+/// Whether `path` is `prefix` or below it, on a segment boundary: `/hooks` admits
+/// `/hooks` and `/hooks/a`, never `/hooks-admin`; `/hooks/` admits what starts with it.
+fn path_under(path: &str, prefix: &str) -> bool {
+    match path.strip_prefix(prefix) {
+        None => false,
+        Some(rest) => prefix.ends_with('/') || rest.is_empty() || rest.starts_with('/'),
     }
 }
 
@@ -170,27 +185,49 @@ struct Ctx {
 }
 
 async fn dispatch(ctx: Arc<Ctx>, mut rx: mpsc::Receiver<String>) {
-    let slots = Arc::new(Semaphore::new(32));
+    let slots = Arc::new(Semaphore::new(ctx.cfg.concurrency.max(1)));
     while let Some(body) = rx.recv().await {
+        // The event only says which job ended: anyone who may publish on `{prefix}.events`
+        // could have sent it. What is delivered is the ledger's outcome.
         let Some(event) = OutcomeEvent::from_json(body.as_bytes()) else {
             continue;
         };
-        let url = match ctx.ledger.claim_webhook(&event.job_id, &ctx.me).await {
-            Ok(Some(url)) => url,
-            Ok(None) => continue, // no webhook, or another process has it
+        // A delivery slot first, then the claim: a claimed webhook always gets its
+        // attempts (while every slot is busy, events wait here and, past the queue's
+        // 1,024, are dropped unclaimed: another `serve` may still deliver them).
+        let Ok(permit) = slots.clone().acquire_owned().await else {
+            return;
+        };
+        let job_id = event.job_id;
+        let rec = match ctx.ledger.get(&job_id).await {
+            Ok(Some(rec)) if rec.is_terminal() => rec,
+            Ok(_) => {
+                tracing::warn!(
+                    job_id = %job_id.escape_debug(),
+                    "an outcome event for a job the ledger holds no outcome for: no webhook"
+                );
+                continue;
+            }
             Err(e) => {
-                tracing::warn!(job_id = %event.job_id, error = %e, "cannot claim a webhook; not delivered");
+                tracing::warn!(job_id = %job_id.escape_debug(), error = %e, "cannot read the job's outcome; webhook not delivered");
                 continue;
             }
         };
-        let Ok(permit) = slots.clone().try_acquire_owned() else {
-            ctx.stats.dropped.fetch_add(1, Ordering::Relaxed);
-            tracing::warn!(job_id = %event.job_id, "32 webhook deliveries in flight; this one is dropped");
-            continue;
+        let url = match ctx.ledger.claim_webhook(&job_id, &ctx.me).await {
+            Ok(Some(url)) => url,
+            Ok(None) => continue, // no webhook, or another process has it
+            Err(e) => {
+                tracing::warn!(job_id = %job_id.escape_debug(), error = %e, "cannot claim a webhook; not delivered");
+                continue;
+            }
         };
+        let recorded_by = rec.worker.clone().unwrap_or_else(|| "ledger".into());
+        let body =
+            String::from_utf8_lossy(&lastcall_producer::job_event(&rec, &recorded_by).to_json())
+                .into_owned();
         let ctx = ctx.clone();
         tokio::spawn(async move {
-            deliver(&ctx, &event.job_id, &url, body).await;
+            deliver(&ctx, &job_id, &url, body).await;
             drop(permit);
         });
     }
@@ -255,4 +292,47 @@ async fn deliver(ctx: &Ctx, job_id: &str, url: &str, body: String) {
         backoff = (backoff * 2).min(Duration::from_secs(30));
     }
     ctx.stats.failed.fetch_add(1, Ordering::Relaxed);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn allowing(prefixes: &[&str]) -> WebhookConfig {
+        let p: Vec<String> = prefixes.iter().map(|s| (*s).to_owned()).collect();
+        WebhookConfig {
+            allow: WebhookConfig::parse_allow(&p).unwrap(),
+            ..WebhookConfig::default()
+        }
+    }
+
+    /// An allow-list entry admits its own path and what lies below it on a segment
+    /// boundary: `/hooks` is not a prefix of `/hooks-admin`.
+    #[test]
+    fn an_allowed_prefix_ends_on_a_path_segment() {
+        let c = allowing(&["https://h.example/hooks", "https://h.example/cb/"]);
+        for ok in [
+            "https://h.example/hooks",
+            "https://h.example/hooks/",
+            "https://h.example/hooks/a/b?x=1",
+            "https://h.example/cb/",
+            "https://h.example/cb/x",
+        ] {
+            assert!(c.check(ok).is_ok(), "{ok}");
+        }
+        for refused in [
+            "https://h.example/hooks-admin",
+            "https://h.example/hooksx/a",
+            "https://h.example/hook",
+            "https://h.example/cb",
+            "https://h.example/cbx",
+            "https://h.example/hooks/../admin",
+            "https://h.example/hooks/%2e%2e/admin",
+            "http://h.example/hooks/a",
+            "https://h.example:8443/hooks/a",
+            "https://other.example/hooks/a",
+        ] {
+            assert!(c.check(refused).is_err(), "{refused}");
+        }
+    }
 }

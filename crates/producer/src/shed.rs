@@ -10,13 +10,15 @@
 //! # The call time at the door
 //!
 //! `ready / ack_rate` is the time until the jobs ahead of this one have left the queue —
-//! the moment a worker takes it. It still needs its own call after that. The worker learns
-//! the call time per kind (`lastcall_core::service_time`, p99) and records, with every
-//! outcome, the minimum runtime it held the job to (`min_runtime_ms`: the job's own, else
-//! the learned call time, else the worker's floor). The door reads it back from the ledger:
-//! the newest `completed` job of the same kind in the last 10 minutes
-//! ([`LEARNED_WINDOW_MS`]; cached per kind for [`Shedder::FRESH_FOR`]), so a job is shed
-//! when `queue wait + that call time` exceeds its budget, with no hint from the user. A
+//! the moment a worker takes it. It still needs its own call after that. The worker
+//! records, with every outcome, how long its model call took (`latency_ms`, measured).
+//! The door reads it back from the ledger: the longest of the newest 20 `completed` calls
+//! of the same kind in the last 10 minutes (`Ledger::recent_call_ms`;
+//! [`LEARNED_WINDOW_MS`]; cached per kind for [`Shedder::FRESH_FOR`]), so a job is shed
+//! when `queue wait + that call time` exceeds its budget, with no hint from the user. Only
+//! measured calls count, never a job's recorded `min_runtime_ms`: that may be a client's
+//! own number, and one client must not set the call time the door sheds everyone's jobs
+//! of the kind by. A
 //! job's own `min_runtime_ms` wins; without a ledger or a recent completion the call time
 //! is 0 and the estimate is a lower bound (shedding errs towards admitting; the worker
 //! still refuses at receipt or at the last admission check what cannot finish, before any
@@ -483,7 +485,7 @@ impl Shedder {
         }
         // Not under the lock: requests of other kinds do not wait for this query.
         let v = match ledger
-            .recent_min_runtime_ms(kind, now_ms.saturating_sub(LEARNED_WINDOW_MS))
+            .recent_call_ms(kind, now_ms.saturating_sub(LEARNED_WINDOW_MS))
             .await
         {
             Ok(v) => v,

@@ -218,7 +218,7 @@ impl Submitter {
         if let Some(ledger) = &self.ledger {
             // The job is published: a passing ledger fault (a busy SQLite writer, a
             // PostgreSQL restart) must not leave it without its inventory row.
-            let job = accepted_job(env, now_ms);
+            let job = accepted_job(env, now_ms, "");
             retry_transient(RECORD_RETRY_FOR, || ledger.record_accepted(&job))
                 .await
                 .map_err(SubmitError::Ledger)?;
@@ -245,7 +245,27 @@ impl Submitter {
         now_ms: i64,
         claim_wait: Duration,
     ) -> Result<Submission, SubmitError> {
-        self.submit_once_via(env, now_ms, claim_wait, None).await
+        self.submit_once_via(env, now_ms, claim_wait, "", None, async || Ok(()))
+            .await
+    }
+
+    /// [`submit_once`](Self::submit_once) in `scope` (part of the idempotency fingerprint,
+    /// [`request_fingerprint`]: the same job id from another scope is a conflict), running
+    /// `claimed` once this request holds the claim, before the publish (the ingress
+    /// registers a job's webhook there: only the request that publishes the job may set
+    /// it, so a refused one — a conflict, a duplicate, a concurrent request's pending
+    /// publish, shedding — changes nothing). If `claimed` fails, the claim is released and
+    /// nothing is published ([`SubmitError::Unrecorded`]).
+    pub async fn submit_once_scoped(
+        &self,
+        env: &Envelope,
+        now_ms: i64,
+        claim_wait: Duration,
+        scope: &str,
+        claimed: impl AsyncFnOnce() -> Result<(), StoreError>,
+    ) -> Result<Submission, SubmitError> {
+        self.submit_once_via(env, now_ms, claim_wait, scope, None, claimed)
+            .await
     }
 
     /// A channel of its own for one streaming request ([`Publisher::reply_channel`]):
@@ -255,7 +275,9 @@ impl Submitter {
         Ok(self.publisher.reply_channel().await?)
     }
 
-    /// [`submit_once`](Self::submit_once), publishing on `reply` (with `reply_to` set).
+    /// [`submit_once`](Self::submit_once) in `scope` (as
+    /// [`submit_once_scoped`](Self::submit_once_scoped)), publishing on `reply` (with
+    /// `reply_to` set).
     /// A duplicate (the id was claimed by an earlier request) is not published again, so
     /// no deltas come back for it.
     pub async fn submit_once_replying(
@@ -263,9 +285,10 @@ impl Submitter {
         env: &Envelope,
         now_ms: i64,
         claim_wait: Duration,
+        scope: &str,
         reply: &ReplyChannel,
     ) -> Result<Submission, SubmitError> {
-        self.submit_once_via(env, now_ms, claim_wait, Some(reply))
+        self.submit_once_via(env, now_ms, claim_wait, scope, Some(reply), async || Ok(()))
             .await
     }
 
@@ -274,9 +297,12 @@ impl Submitter {
         env: &Envelope,
         now_ms: i64,
         claim_wait: Duration,
+        scope: &str,
         reply: Option<&ReplyChannel>,
+        claimed: impl AsyncFnOnce() -> Result<(), StoreError>,
     ) -> Result<Submission, SubmitError> {
         let Some(ledger) = &self.ledger else {
+            claimed().await.map_err(SubmitError::Unrecorded)?;
             if let Some(reply) = reply {
                 self.shed(env, now_ms).await?;
                 return Ok(Submission::Published(
@@ -301,7 +327,7 @@ impl Submitter {
                 return Err(e);
             }
         }
-        let claim = accepted_job(env, now_ms);
+        let claim = accepted_job(env, now_ms, scope);
         let job_id = claim.job_id.clone();
         let waited_since = tokio::time::Instant::now();
         loop {
@@ -333,6 +359,12 @@ impl Submitter {
                 return Err(SubmitError::InFlight { job_id });
             }
             tokio::time::sleep(CLAIM_POLL).await;
+        }
+        if let Err(e) = claimed().await {
+            if let Err(le) = ledger.release_claim(&job_id, &claim.payload_hash).await {
+                tracing::error!(job_id = %job_id, error = %le, "releasing a claim failed: the id stays claimed until reconciliation marks it unknown");
+            }
+            return Err(SubmitError::Unrecorded(e));
         }
         match self.publish_envelope(env, None, now_ms, reply).await {
             Ok(submitted) => {
@@ -474,8 +506,8 @@ where
     }
 }
 
-/// The `accepted` inventory row of an envelope submitted at `now_ms`.
-fn accepted_job(env: &Envelope, now_ms: i64) -> AcceptedJob {
+/// The `accepted` inventory row of an envelope submitted at `now_ms` in `scope`.
+fn accepted_job(env: &Envelope, now_ms: i64, scope: &str) -> AcceptedJob {
     let deadline = env.deadline();
     AcceptedJob {
         job_id: env.job_id().to_string(),
@@ -484,7 +516,7 @@ fn accepted_job(env: &Envelope, now_ms: i64) -> AcceptedJob {
         expires_at_ms: deadline.expires_at_ms(),
         accepted_at_ms: now_ms,
         trace_id: env.trace_id.clone(),
-        payload_hash: payload_hash(&env.payload),
+        payload_hash: request_fingerprint(scope, env),
     }
 }
 
@@ -498,9 +530,24 @@ pub enum Submission {
     Duplicate(Box<JobRecord>),
 }
 
-/// A stable fingerprint of a payload (FNV-1a of its canonical JSON).
-pub fn payload_hash(payload: &Map<String, Value>) -> String {
-    lastcall_core::fingerprint(&serde_json::to_vec(payload).unwrap_or_default())
+/// The idempotency fingerprint of a submission (the ledger's `payload_hash`): SHA-256
+/// ([`lastcall_core::request_hash`]) over everything that defines the request — `scope`
+/// (who sent it and through which route and model, as the ingress names it), the kind, the
+/// minimum runtime and the payload's canonical JSON (keys sorted). The same job id with
+/// another fingerprint is a conflict, never the first request's answer. The deadline is
+/// left out: a client's retry stamps a new one.
+pub fn request_fingerprint(scope: &str, env: &Envelope) -> String {
+    let min_runtime = env
+        .min_runtime_ms
+        .map(|m| m.to_string())
+        .unwrap_or_default();
+    lastcall_core::request_hash(&[
+        b"lastcall-request-v2",
+        scope.as_bytes(),
+        env.kind().as_str().as_bytes(),
+        min_runtime.as_bytes(),
+        &serde_json::to_vec(&env.payload).unwrap_or_default(),
+    ])
 }
 
 fn invalid_field(field: &'static str, msg: &str) -> SubmitError {

@@ -377,9 +377,12 @@ const SELECT_LATE_OUTCOMES: &str = "SELECT COUNT(*) FROM jobs \
      WHERE reconciled_at_ms IS NOT NULL AND state <> 'unknown'";
 /// The newest minimum runtime a completed job of a kind was held to (`$1` kind, `$2` since):
 /// newest first through the `recorded_at_ms` index.
-const SELECT_RECENT_MIN_RUNTIME: &str = "SELECT min_runtime_ms FROM jobs \
+/// The longest of the newest 20 measured calls of one kind that
+/// completed (`latency_ms`, which the worker measures; never `min_runtime_ms`, which may be
+/// the client's own number).
+const SELECT_RECENT_CALL_MS: &str = "SELECT MAX(latency_ms) FROM (SELECT latency_ms FROM jobs \
      WHERE recorded_at_ms >= $2 AND kind = $1 AND state = 'completed' \
-     AND min_runtime_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 1";
+     AND latency_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 20) AS recent";
 /// The newest model calls of one backend whose duration is known: completed ones, and
 /// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
 const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, state FROM jobs \
@@ -1042,23 +1045,29 @@ impl Ledger {
         })
     }
 
-    /// The minimum runtime the workers held the newest `completed` job of `kind` to (the
-    /// learned call time of that kind, or the job's own `min_runtime_ms`, or the worker's
-    /// floor), among outcomes recorded since `since_ms`; `None` when there is none. The
-    /// door's shedder uses it as the call time a new job of that kind will need.
-    pub async fn recent_min_runtime_ms(
+    /// How long the recent model calls of `kind` took: the longest of the newest 20
+    /// calls that completed since `since_ms`, as the workers
+    /// measured them (`latency_ms`); `None` when there is none. The door's shedder uses it
+    /// as the call time a new job of that kind will need. Only measured calls count: a
+    /// job's own `min_runtime_ms` is the client's number, and one client must not set the
+    /// call time every other client's jobs of the kind are shed by.
+    pub async fn recent_call_ms(
         &self,
         kind: &str,
         since_ms: i64,
     ) -> Result<Option<u64>, StoreError> {
         let v: Option<i64> = on_pool!(self, read, |pool| {
-            sqlx::query(SELECT_RECENT_MIN_RUNTIME)
+            sqlx::query(SELECT_RECENT_CALL_MS)
                 .bind(kind)
                 .bind(since_ms)
                 .fetch_optional(pool)
                 .await
-                .and_then(|row| row.map(|r| r.try_get(0)).transpose())
-                .map_err(db("reading the recent minimum runtime"))?
+                .and_then(|row| {
+                    row.map(|r| r.try_get::<Option<i64>, _>(0))
+                        .transpose()
+                        .map(Option::flatten)
+                })
+                .map_err(db("reading the recent call time"))?
         });
         Ok(v.and_then(|v| u64::try_from(v).ok()))
     }
@@ -1192,8 +1201,9 @@ impl Ledger {
     }
 
     /// Register `url` as the webhook of `job_id`, before the job is published (so no
-    /// outcome can come first). A registration not yet claimed takes the new URL (a
-    /// retried submission); a claimed one is kept.
+    /// outcome can come first); the ingress calls it only while it holds the job id's
+    /// claim. A registration not yet claimed takes the new URL (a retried submission
+    /// whose earlier claim was released); a claimed one is kept.
     pub async fn register_webhook(
         &self,
         job_id: &str,
@@ -1210,6 +1220,24 @@ impl Ledger {
                 .await
                 .map(|_| ())
                 .map_err(db("registering a webhook"))
+        })
+    }
+
+    /// Remove `job_id`'s webhook to `url` when its job was not accepted after all (the
+    /// ingress's publish failed and its claim was released): only while no delivery claimed
+    /// it and the ledger holds no row for the job (a worker that already has the job keeps
+    /// it). `Ok(true)` if it was removed.
+    pub async fn unregister_webhook(&self, job_id: &str, url: &str) -> Result<bool, StoreError> {
+        const UNREGISTER: &str = "DELETE FROM webhooks WHERE job_id = $1 AND url = $2 \
+             AND claimed_by IS NULL AND NOT EXISTS (SELECT 1 FROM jobs WHERE jobs.job_id = $1)";
+        on_pool!(self, write, |pool| {
+            sqlx::query(UNREGISTER)
+                .bind(job_id)
+                .bind(url)
+                .execute(pool)
+                .await
+                .map(|done| done.rows_affected() > 0)
+                .map_err(db("removing a webhook"))
         })
     }
 

@@ -71,8 +71,9 @@ pub struct AcceptedJob {
     pub expires_at_ms: i64,
     pub accepted_at_ms: i64,
     pub trace_id: Option<String>,
-    /// SHA-less fingerprint of the payload (FNV of the body) to detect id reuse with a
-    /// different payload at the ingress (`409`).
+    /// The request's idempotency fingerprint (`lastcall_producer::request_fingerprint`:
+    /// SHA-256 over scope, kind, minimum runtime and payload) to detect id reuse with a
+    /// different request at the ingress (`409`).
     pub payload_hash: String,
 }
 

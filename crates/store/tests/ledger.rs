@@ -238,6 +238,7 @@ both_backends!(
     cancel_ends_a_waiting_job_and_flags_a_running_one,
     a_webhook_is_claimed_once_and_its_attempts_recorded,
     recent_calls_are_the_durations_a_starting_worker_learns_from,
+    the_doors_call_time_comes_from_measured_calls_only,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -2012,6 +2013,32 @@ async fn recent_calls_are_the_durations_a_starting_worker_learns_from(db: &TestD
         .collect();
     assert_eq!(newest, vec![300, 210]);
     assert!(l.recent_calls("vllm", 0, 100).await.unwrap().is_empty());
+}
+
+/// The door's call time for a kind is what the newest completed calls of it measured
+/// (`latency_ms`), never a recorded `min_runtime_ms`: a client that sends its own huge
+/// `min_runtime_ms` on a job that completes does not set the call time every later job of
+/// the kind is shed by.
+async fn the_doors_call_time_comes_from_measured_calls_only(db: &TestDb) {
+    let l = &db.ledger;
+    assert_eq!(l.recent_call_ms("chat", 0).await.unwrap(), None);
+    let call = |id: &str, at: i64, latency: i64, min_runtime: i64| OutcomeRecord {
+        latency_ms: Some(latency),
+        min_runtime_ms: Some(min_runtime),
+        ..completed(id, &format!("w1:{id}:1"), at, "ok")
+    };
+    for r in [
+        call("old", 1_000, 9_000, 9_000),
+        call("m1", 10_000, 300, 310),
+        call("m2", 11_000, 250, 310),
+        // A client's own min_runtime_ms of 23 h on a call that took 200 ms: the newest.
+        call("greedy", 12_000, 200, 23 * 3_600_000),
+    ] {
+        assert!(l.record_terminal(&r).await.unwrap());
+    }
+    assert_eq!(l.recent_call_ms("chat", 5_000).await.unwrap(), Some(300));
+    assert_eq!(l.recent_call_ms("chat", 0).await.unwrap(), Some(9_000));
+    assert_eq!(l.recent_call_ms("other", 0).await.unwrap(), None);
 }
 
 async fn cancel_ends_a_waiting_job_and_flags_a_running_one(db: &TestDb) {

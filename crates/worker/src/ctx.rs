@@ -136,7 +136,13 @@ impl Ctx {
         service.config()
     }
 
-    /// A cancellation broadcast for `job_id`: end its wait or abort its call here.
+    /// Whether `job_id` waits for a slot or runs in this process.
+    pub(crate) fn holds(&self, job_id: &str) -> bool {
+        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        map.contains_key(job_id)
+    }
+
+    /// A cancellation the ledger confirmed for `job_id`: end its wait or abort its call here.
     pub(crate) fn cancel_local(&self, job_id: &str) {
         let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
         if let Some((token, _)) = map.get(job_id) {

@@ -15,6 +15,35 @@ pub(crate) struct Sidecars {
     lease: JoinHandle<()>,
     mirror: JoinHandle<()>,
     control: JoinHandle<()>,
+    checker: JoinHandle<()>,
+}
+
+/// Cancellation broadcasts waiting for their ledger check, at most.
+const CONTROL_QUEUE: usize = 1_024;
+
+/// Check each cancellation broadcast against the ledger, in the order they came: a job held
+/// here (waiting for a slot or running) is stopped only if its ledger row has
+/// `cancel_requested`. A broadcast for a job not held here costs nothing; a forged one for a
+/// job held here costs one ledger read and changes nothing. A ledger that cannot answer
+/// leaves the job running (as a lost broadcast would): its outcome stands.
+async fn check_cancels(ctx: Arc<Ctx>, mut requests: tokio::sync::mpsc::Receiver<String>) {
+    while let Some(job_id) = requests.recv().await {
+        if !ctx.holds(&job_id) {
+            continue;
+        }
+        match ctx.ledger.get(&job_id).await {
+            Ok(Some(rec)) if rec.cancel_requested => ctx.cancel_local(&job_id),
+            Ok(_) => tracing::warn!(
+                job_id = %job_id.escape_debug(),
+                "a cancellation broadcast for a job the ledger holds no cancellation request for: ignored"
+            ),
+            Err(e) => tracing::warn!(
+                job_id = %job_id.escape_debug(),
+                error = %e,
+                "cannot read the ledger to check a cancellation broadcast: the job goes on"
+            ),
+        }
+    }
 }
 
 impl Sidecars {
@@ -33,15 +62,24 @@ impl Sidecars {
                 }
             })
         };
-        // Cancellation broadcasts (`{prefix}.control`), on a connection of their own.
-        let ctx2 = ctx.clone();
+        // Cancellation broadcasts (`{prefix}.control`), on a connection of their own. A
+        // broadcast is only a wake-up: anyone who may publish there could send one, so a
+        // cancellation takes effect only when the ledger says it was requested
+        // (`Ledger::cancel` sets `cancel_requested`, and only the authenticated paths call
+        // it: `DELETE /v1/jobs/{id}`, `lastcall cancel`). One task checks them in order.
+        let (wake, requests) = tokio::sync::mpsc::channel(CONTROL_QUEUE);
+        let checker = tokio::spawn(check_cancels(ctx.clone(), requests));
         let control = tokio::spawn(lastcall_broker::events::follow_control(
             broker.clone(),
             ctx.cfg.topology.names.control_exchange.clone(),
             stop.clone(),
             move |_, body| {
-                if let Some(m) = lastcall_core::event::ControlMessage::from_json(body) {
-                    ctx2.cancel_local(&m.cancel);
+                if let Some(m) = lastcall_core::event::ControlMessage::from_json(body)
+                    && wake.try_send(m.cancel).is_err()
+                {
+                    tracing::warn!(
+                        "{CONTROL_QUEUE} cancellation broadcasts wait for their ledger check; one is dropped"
+                    );
                 }
             },
             |_| {},
@@ -51,6 +89,7 @@ impl Sidecars {
             lease,
             mirror,
             control,
+            checker,
         }
     }
 
@@ -58,6 +97,7 @@ impl Sidecars {
     pub(crate) fn abort(self) {
         self.stop.cancel();
         self.mirror.abort();
+        self.checker.abort();
     }
 
     pub(crate) async fn stop(self) {
@@ -65,5 +105,6 @@ impl Sidecars {
         self.mirror.abort();
         let _ = self.lease.await;
         let _ = tokio::time::timeout(Duration::from_secs(2), self.control).await;
+        self.checker.abort();
     }
 }

@@ -38,6 +38,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         models: lastcall_http::front_door::FrontDoor::parse_models(&a.models)
             .map_err(anyhow::Error::msg)?,
         default_deadline_ms: a.default_deadline_ms,
+        max_hold_ms: a.max_hold_ms,
     };
     let webhooks = lastcall_http::webhooks::WebhookConfig {
         allow: lastcall_http::webhooks::WebhookConfig::parse_allow(&a.webhook_allow)
@@ -61,9 +62,18 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     let startup = Startup::new();
     let scheme = if tls.is_some() { "https" } else { "http" };
     let cannot_serve = format!("cannot serve {} on {}", scheme.to_uppercase(), a.addr);
-    let server = lastcall_http::listen(a.addr, startup.router(), stop.clone(), tls)
-        .await
-        .map_err(|e| bind_error(e, &cannot_serve, "--addr"))?;
+    let server = lastcall_http::listen_with(
+        a.addr,
+        startup.router(),
+        stop.clone(),
+        tls,
+        lastcall_http::limit::Limits {
+            max_connections: a.max_connections,
+            header_read_timeout: std::time::Duration::from_millis(a.header_read_timeout_ms),
+        },
+    )
+    .await
+    .map_err(|e| bind_error(e, &cannot_serve, "--addr"))?;
     eprintln!(
         "lastcall serve: listening on {scheme}://{} (dashboard: open it in a browser, any user \
          name, the token as password)",
@@ -199,6 +209,7 @@ async fn build(
     );
     state.max_body_bytes = a.max_body_bytes;
     state.max_wait_ms = a.max_wait_ms;
+    state.waiting = std::sync::Arc::new(tokio::sync::Semaphore::new(a.max_waiting));
     state.front_door = front_door;
     state.webhooks = webhooks;
     // The served OpenAPI document states this server's own horizon.

@@ -63,8 +63,9 @@ pub(crate) fn outcome_row(
         model_called: facts.started_at_ms.is_some(),
         result: output.map(|o| o.text.clone()),
         error,
-        prompt_tokens: usage.map(|u| u.prompt_tokens as i64),
-        completion_tokens: usage.map(|u| u.completion_tokens as i64),
+        // Counts from an upstream server: `as` would turn 2^64 − 1 into −1.
+        prompt_tokens: usage.map(|u| i64::try_from(u.prompt_tokens).unwrap_or(i64::MAX)),
+        completion_tokens: usage.map(|u| i64::try_from(u.completion_tokens).unwrap_or(i64::MAX)),
         latency_ms: call.map(|c| c.latency_ms),
         cancel_requested: call.is_some_and(|c| c.cancel_requested),
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),

@@ -24,8 +24,22 @@ pub(crate) async fn call_and_settle(
 ) {
     WorkerStats::inc(&ctx.stats.backend_calls);
     WorkerStats::add(&ctx.stats.running, 1);
-    let stream = (job.msg.reply_to.as_deref())
-        .map(|to| crate::stream::CallStream::new(&ctx.deltas, to, &job.id, job.msg.attempt));
+    // `reply_to` is not signed: deltas go only to a direct reply-to address, never to a
+    // queue the name happens to match (the work queue, through the default exchange).
+    let stream = match job.msg.reply_to.as_deref() {
+        Some(to) if lastcall_core::delta::is_direct_reply_to(to) => Some(
+            crate::stream::CallStream::new(&ctx.deltas, to, &job.id, job.msg.attempt),
+        ),
+        Some(to) => {
+            tracing::warn!(
+                job_id = %job.id.escape_debug(),
+                reply_to = %to.escape_debug(),
+                "`reply_to` is not a direct reply-to address: no token deltas are sent"
+            );
+            None
+        }
+        None => None,
+    };
     let mut call = call_backend(
         ctx,
         c.env(),
