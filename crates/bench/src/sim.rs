@@ -21,7 +21,7 @@
 use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_core::request_size::RequestSize;
-use lastcall_core::service_time::{ProbeEnd, ServiceTimeConfig, ServiceTimes};
+use lastcall_core::service_time::{Estimate, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes};
 use lastcall_core::{
     Deadline, Envelope, JobId, Kind, ReceiptFacts, WorkerPolicy,
     disposition::{Receipt, Slot},
@@ -153,12 +153,33 @@ struct Job {
 
 struct Worker {
     est: ServiceTimes,
+    /// The estimator's fit, reused until an observation or [`REFIT_MS`] of simulated time.
+    pred: Option<(i64, Predictor)>,
     free: usize,
     /// (deadline, job) in the buffer, earliest deadline first.
     buffer: BinaryHeap<Reverse<(i64, usize)>>,
     /// Deliveries held (buffered or running).
     held: usize,
     running: usize,
+}
+
+/// The estimator's fit is recomputed after every observation, and at least this often
+/// (the recency weights and the age limit change slowly with time).
+const REFIT_MS: i64 = 100;
+
+impl Worker {
+    /// The learned call time of a request of `size` at `now` (the worker's
+    /// `ServiceTimes::estimate_for`, with the fit kept between observations).
+    fn learned(&mut self, key: &str, size: Option<RequestSize>, now: i64) -> Option<Estimate> {
+        match &self.pred {
+            Some((at, p)) if now - at < REFIT_MS => p.estimate(size),
+            _ => {
+                let p = self.est.predictor(key, now);
+                self.pred = Some((now, p));
+                p.estimate(size)
+            }
+        }
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
@@ -277,6 +298,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     let mut workers: Vec<Worker> = (0..a.workers)
         .map(|_| Worker {
             est: ServiceTimes::new(ServiceTimeConfig::default()),
+            pred: None,
             free: a.slots,
             buffer: BinaryHeap::new(),
             held: 0,
@@ -308,8 +330,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 // Still buffered? (It may have started or left since.)
                 if jobs[j].outcome.is_none() && workers[w].buffer.iter().any(|r| r.0.1 == j) {
                     let learned = workers[w]
-                        .est
-                        .estimate_for(key, jobs[j].size, now)
+                        .learned(key, jobs[j].size, now)
                         .map(|e| e.quantile_ms);
                     let latest = policy.latest_start_ms(&jobs[j].env, learned);
                     if now >= latest {
@@ -323,6 +344,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             }
             Ev::CallEnd(w, j, d, cut, probe) => {
                 let wk = &mut workers[w];
+                wk.pred = None;
                 wk.free += 1;
                 wk.running -= 1;
                 wk.held -= 1;
@@ -363,7 +385,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     settle(&mut jobs, j, "expired_before_receive", false)?;
                     continue;
                 }
-                let learned = wk.est.estimate_for(key, jobs[j].size, now);
+                let learned = wk.learned(key, jobs[j].size, now);
                 let deadline = jobs[j].env.deadline().expires_at_ms();
                 let (ahead, work) = wk
                     .buffer
@@ -400,7 +422,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let Some(Reverse((_, j))) = wk.buffer.pop() else {
                     break;
                 };
-                let learned = wk.est.estimate_for(key, jobs[j].size, now);
+                let learned = wk.learned(key, jobs[j].size, now);
                 let mut learned_ms = learned.map(|e| e.quantile_ms);
                 let mut probe = None;
                 if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)

@@ -54,7 +54,7 @@ async fn mixed_run(env: Env) {
     env.wait_ready(&env.topo.names.dead_queue, 1).await;
     env.drain_dead_letters(false).await;
 
-    // 2. One slot: `ok` runs 1.5 s; `late` is delivered but its deadline passes while it
+    // 2. One slot: `ok` runs 1.5 s; `late` is delivered but cannot start in time while it
     //    waits for the slot; `bad` fails for good and is dead-lettered by the worker.
     let w = env
         .start_worker(env.worker_config(1, 2), sim.clone(), system_clock())
@@ -204,9 +204,17 @@ async fn mixed_run(env: Env) {
     assert_eq!(state("exp-broker").0, "expired_before_receive");
     assert_eq!(state("ok").0, "completed");
     assert_eq!(state("pending").0, "completed");
-    assert_eq!(
-        state("late"),
-        ("expired_not_started", Some("admission:deadline_passed"))
+    // `late` leaves the buffer unstarted: at its deadline, or before it once the call in
+    // flight has run longer than its remaining budget (with too few calls to estimate, a
+    // running call's elapsed time is a lower bound on the call time).
+    let (late_state, late_reason) = state("late");
+    assert_eq!(late_state, "expired_not_started");
+    assert!(
+        matches!(
+            late_reason,
+            Some("admission:deadline_passed" | "admission:below_learned_runtime")
+        ),
+        "{late_reason:?}"
     );
     assert_eq!(state("bad"), ("failed", Some("sim_400")));
     for id in ["orphan-1", "orphan-2"] {

@@ -57,6 +57,6 @@ pub use outcome::State;
 pub use reason::{Decision, Reason, RefusalCause};
 pub use retry::{RetryDecision, RetryPolicy};
 pub use service_time::{
-    CallToken, Estimate, EstimateSource, ProbeEnd, ServiceTimeConfig, ServiceTimes,
+    CallToken, Estimate, EstimateSource, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes,
 };
 pub use signature::SigningKey;

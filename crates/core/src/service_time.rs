@@ -214,6 +214,59 @@ pub struct Estimate {
     pub source: EstimateSource,
 }
 
+/// The request-aware estimate of one key at one instant ([`ServiceTimes::predictor`]).
+#[derive(Debug, Clone, Copy)]
+pub struct Predictor {
+    base: Option<Estimate>,
+    fit: Option<SizedFit>,
+}
+
+#[derive(Debug, Clone, Copy)]
+struct SizedFit {
+    model: CallModel,
+    /// The quantile and the weighted mean of observed ÷ predicted.
+    q: f64,
+    mean: f64,
+    samples: usize,
+    /// The largest of each feature, and of their sum, among the completed calls.
+    seen: [f64; 2],
+    largest: f64,
+}
+
+impl Predictor {
+    /// The estimate for a request of `size` ([`ServiceTimes::estimate_for`]).
+    pub fn estimate(&self, size: Option<RequestSize>) -> Option<Estimate> {
+        let (Some(size), Some(f)) = (size, self.fit) else {
+            return self.base;
+        };
+        let job = size.features();
+        let predicted = f.model.predict(job);
+        let e = Estimate {
+            quantile_ms: (predicted * f.q - 1e-6).ceil().max(0.0) as u64,
+            mean_ms: (predicted * f.mean).round().max(0.0) as u64,
+            samples: f.samples,
+            source: EstimateSource::Key,
+        };
+        // Larger than every completed call the fit saw: the fit cannot tell, so the
+        // estimate is at least the kind's, scaled in proportion to the size (a call time
+        // through the origin from the largest size seen: an overestimate when there is a
+        // fixed cost). A refusal that rests on it may be probed.
+        if job[0] > f.seen[0] || job[1] > f.seen[1] {
+            let scale = ((job[0] + job[1] + 1.0) / (f.largest + 1.0)).max(1.0);
+            return Some(self.base.map_or(e, |b| {
+                Estimate {
+                    quantile_ms: e
+                        .quantile_ms
+                        .max((b.quantile_ms as f64 * scale).ceil() as u64),
+                    mean_ms: e.mean_ms.max((b.mean_ms as f64 * scale).round() as u64),
+                    ..e
+                }
+            }));
+        }
+        Some(e)
+    }
+}
+
 /// How a probe call ([`ServiceTimes::try_probe`]) ended, for [`ServiceTimes::probe_ended`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProbeEnd {
@@ -436,35 +489,23 @@ impl ServiceTimes {
         size: Option<RequestSize>,
         now_ms: i64,
     ) -> Option<Estimate> {
-        let base = self.estimate(key, now_ms);
-        let (Some(size), Some(w)) = (size, self.keys.get(key)) else {
-            return base;
-        };
-        if base.map(|e| e.source) != Some(EstimateSource::Key) {
-            return base;
-        }
-        let Some(sized) = self.sized(w, size.features(), now_ms) else {
-            return base;
-        };
-        Some(match sized {
-            // Larger than every completed call the fit saw: the fit cannot tell, so the
-            // estimate is at least the kind's, scaled in proportion to the size (a call
-            // time through the origin from the largest size seen: an overestimate when
-            // there is a fixed cost). A refusal that rests on it may be probed.
-            (e, Some(scale)) => base.map_or(e, |b| Estimate {
-                quantile_ms: e
-                    .quantile_ms
-                    .max((b.quantile_ms as f64 * scale).ceil() as u64),
-                mean_ms: e.mean_ms.max((b.mean_ms as f64 * scale).round() as u64),
-                ..e
-            }),
-            (e, None) => e,
-        })
+        self.predictor(key, now_ms).estimate(size)
     }
 
-    /// The request-aware estimate; and when the job is larger (in some feature) than every
-    /// completed call the fit saw, how many times larger (its total size ÷ the largest seen).
-    fn sized(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<(Estimate, Option<f64>)> {
+    /// What [`Self::estimate_for`] computes for every request of `key` at `now_ms`, fitted
+    /// once: [`Predictor::estimate`] then costs a few multiplications per request (a
+    /// caller that estimates many requests between observations keeps it).
+    pub fn predictor(&self, key: &str, now_ms: i64) -> Predictor {
+        let base = self.estimate(key, now_ms);
+        let fit = match (self.keys.get(key), base.map(|e| e.source)) {
+            (Some(w), Some(EstimateSource::Key)) => self.sized(w, now_ms),
+            _ => None,
+        };
+        Predictor { base, fit }
+    }
+
+    /// The request-aware fit of a key's window, when it has enough sized calls.
+    fn sized(&self, w: &KeyWindow, now_ms: i64) -> Option<SizedFit> {
         // (size, duration, weight, cut, contradicted)
         let rows: Vec<([f64; 2], f64, f64, bool, bool)> = (w.samples.iter())
             .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
@@ -499,8 +540,6 @@ impl ServiceTimes {
         let largest = (rows.iter().filter(|r| !r.3 && !r.4))
             .map(|r| r.0[0] + r.0[1])
             .fold(0.0, f64::max);
-        let beyond = (job[0] > seen(0) || job[1] > seen(1))
-            .then(|| ((job[0] + job[1] + 1.0) / (largest + 1.0)).max(1.0));
         let mut ratios: Vec<(f64, f64, bool)> = (rows.iter())
             .map(|r| (r.1 / model.predict(r.0), r.2, r.4))
             .collect();
@@ -524,14 +563,14 @@ impl ServiceTimes {
             _ => empirical,
         };
         let mean = ratios.iter().map(|r| r.0 * r.1).sum::<f64>() / total;
-        let predicted = model.predict(job);
-        let e = Estimate {
-            quantile_ms: (predicted * q - 1e-6).ceil().max(0.0) as u64,
-            mean_ms: (predicted * mean).round().max(0.0) as u64,
+        Some(SizedFit {
+            model,
+            q,
+            mean,
             samples: rows.len(),
-            source: EstimateSource::Key,
-        };
-        Some((e, beyond))
+            seen: [seen(0), seen(1)],
+            largest,
+        })
     }
 
     /// The cold-start bound of a key's window: its longest fresh call (ended or cut) and the

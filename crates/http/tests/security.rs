@@ -408,7 +408,15 @@ async fn a_webhook_waits_for_a_delivery_slot_instead_of_being_dropped() {
     // The one slot is held by `slow` until its attempt times out (1 s); then `next` goes.
     let got = rx.wait_for("next").await;
     assert_eq!(got.len(), 1);
-    let attempts = env.ledger.webhook_attempts("next-1").await.unwrap();
+    // The attempt is recorded once the receiver's answer is in: poll for it.
+    let until = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let attempts = loop {
+        let attempts = env.ledger.webhook_attempts("next-1").await.unwrap();
+        if !attempts.is_empty() || std::time::Instant::now() > until {
+            break attempts;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+    };
     assert_eq!(attempts.len(), 1, "{attempts:?}");
     assert_eq!(attempts[0].status, Some(200));
     assert_eq!(

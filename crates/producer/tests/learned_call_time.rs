@@ -1,5 +1,6 @@
-//! The door's call time: the shedder reads, per kind, the minimum runtime the workers held
-//! the newest completed job to, from a real SQLite ledger.
+//! The door's call time: the shedder reads, per kind, the longest of the newest measured
+//! completed calls (their `latency_ms`; a client-chosen `min_runtime_ms` never counts), from
+//! a real SQLite ledger.
 
 use lastcall_broker::management::Management;
 use lastcall_core::{Decision, State};
@@ -22,17 +23,20 @@ fn shedder(ledger: Option<Arc<Ledger>>) -> Shedder {
     .with_ledger(ledger)
 }
 
-async fn record(ledger: &Ledger, id: &str, kind: &str, state: State, min: Option<i64>, at: i64) {
+/// An outcome whose call took `ms` (`None`: no measured call); its `min_runtime_ms` is a
+/// client's choice, large, and must not count.
+async fn record(ledger: &Ledger, id: &str, kind: &str, state: State, ms: Option<i64>, at: i64) {
     let rec = OutcomeRecord {
         attempt_key: format!("{id}:a"),
-        min_runtime_ms: min,
+        latency_ms: ms,
+        min_runtime_ms: Some(60_000),
         ..OutcomeRecord::new(id, kind, state, Decision::Ack, at)
     };
     assert!(ledger.record_outcome(&rec).await.unwrap(), "{id} recorded");
 }
 
 #[tokio::test]
-async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
+async fn the_door_uses_the_longest_recent_measured_call_of_the_same_kind() {
     let dir = std::env::temp_dir().join(format!("lastcall-learned-{}", std::process::id()));
     std::fs::create_dir_all(&dir).unwrap();
     let ledger = Arc::new(
@@ -76,7 +80,7 @@ async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
         NOW - 1_000,
     )
     .await;
-    // Newer, but not a completion (a refusal records the minimum it was refused against).
+    // Newer, but not a completion.
     record(
         &ledger,
         "c",
@@ -99,11 +103,15 @@ async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
     .await;
 
     let door = shedder(Some(ledger.clone()));
-    assert_eq!(door.learned_call_ms("summary", NOW).await, Some(400));
+    assert_eq!(
+        door.learned_call_ms("summary", NOW).await,
+        Some(900),
+        "the longest of the recent completed calls"
+    );
     assert_eq!(
         door.learned_call_ms("code", NOW).await,
         Some(50),
-        "a completion without a minimum is skipped"
+        "a completion without a measured call is skipped"
     );
     assert_eq!(door.learned_call_ms("other", NOW).await, None);
     assert_eq!(
@@ -115,7 +123,7 @@ async fn the_door_uses_the_newest_completed_call_time_of_the_same_kind() {
     assert_eq!(
         door.learned_call_ms("summary", NOW + LEARNED_WINDOW_MS)
             .await,
-        Some(400)
+        Some(900)
     );
     assert_eq!(
         shedder(None).learned_call_ms("summary", NOW).await,
