@@ -66,6 +66,10 @@ pub struct SimArgs {
     /// A hang of the server, `START_S:SECONDS`: calls started in it never answer
     #[arg(long)]
     pub hang: Option<String>,
+    /// Crash each worker at random, on average every this many simulated seconds: what it
+    /// held is redelivered, its calls in flight are lost
+    #[arg(long)]
+    pub crash_every_s: Option<f64>,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -161,6 +165,10 @@ struct Worker {
     /// Deliveries held (buffered or running).
     held: usize,
     running: usize,
+    /// The jobs whose calls run here.
+    running_jobs: Vec<usize>,
+    /// Bumped by a crash: the calls of an earlier generation were lost with it.
+    generation: u64,
 }
 
 /// The estimator's fit is recomputed after every observation, and at least this often
@@ -186,8 +194,10 @@ impl Worker {
 enum Ev {
     /// A job arrives at the broker.
     Arrive(usize),
-    /// A call ends (worker, job, duration, cut, probe budget if a probe).
-    CallEnd(usize, usize, u64, bool, Option<u64>),
+    /// A call ends (worker, its generation, job, duration, cut, probe budget if a probe).
+    CallEnd(usize, u64, usize, u64, bool, Option<u64>),
+    /// A worker crashes and restarts at once: what it held is redelivered.
+    Crash(usize),
     /// A buffered job's latest useful start (worker, job).
     Latest(usize, usize),
 }
@@ -214,6 +224,9 @@ pub struct SimReport {
     pub expired_before_receive: u64,
     pub deadline_exceeded: u64,
     pub probes: u64,
+    pub crashes: u64,
+    /// Deliveries requeued by crashes.
+    pub redelivered: u64,
     pub lost: u64,
     pub sim_seconds: f64,
     pub wall_ms: u128,
@@ -303,10 +316,22 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             buffer: BinaryHeap::new(),
             held: 0,
             running: 0,
+            running_jobs: Vec::new(),
+            generation: 0,
         })
         .collect();
     let mut queue: VecDeque<usize> = VecDeque::new();
     let (mut started_late, mut wasted_calls, mut probes) = (0u64, 0u64, 0u64);
+    let (mut crashes, mut redelivered) = (0u64, 0u64);
+    if let Some(every) = a.crash_every_s {
+        if every.is_nan() || every <= 0.0 {
+            bail!("--crash-every-s must be positive");
+        }
+        for w in 0..a.workers {
+            let gap = -every * 1000.0 * rng.random::<f64>().max(f64::MIN_POSITIVE).ln();
+            push(&mut events, gap as i64, Ev::Crash(w));
+        }
+    }
     let (mut model_ms, mut wasted_ms) = (0u128, 0u128);
     let mut server_in_flight = 0usize;
     let key = "sim|sim";
@@ -342,8 +367,38 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     }
                 }
             }
-            Ev::CallEnd(w, j, d, cut, probe) => {
+            Ev::Crash(w) => {
+                // Its connection is gone: the broker requeues every delivery it held, at
+                // the head of the queue; calls in flight are lost (the redelivery may run
+                // the job again: at least once for calls, exactly once for outcomes). The
+                // restarted worker learns again from the ledger's calls: its estimator
+                // is kept.
+                crashes += 1;
                 let wk = &mut workers[w];
+                let mut back: Vec<usize> = wk.buffer.drain().map(|r| r.0.1).collect();
+                back.append(&mut wk.running_jobs);
+                back.sort_unstable();
+                server_in_flight -= wk.running;
+                redelivered += back.len() as u64;
+                for j in back.into_iter().rev() {
+                    queue.push_front(j);
+                }
+                wk.generation += 1;
+                wk.free = a.slots;
+                wk.running = 0;
+                wk.held = 0;
+                wk.pred = None;
+                // The next crash, while work remains (else the run would never end).
+                let open = jobs.iter().any(|j| j.outcome.is_none());
+                if let (Some(every), true) = (a.crash_every_s, open) {
+                    let gap = -every * 1000.0 * rng.random::<f64>().max(f64::MIN_POSITIVE).ln();
+                    push(&mut events, now + gap as i64, Ev::Crash(w));
+                }
+            }
+            Ev::CallEnd(w, generation, _, ..) if generation != workers[w].generation => {}
+            Ev::CallEnd(w, _, j, d, cut, probe) => {
+                let wk = &mut workers[w];
+                wk.running_jobs.retain(|&r| r != j);
                 wk.pred = None;
                 wk.free += 1;
                 wk.running -= 1;
@@ -466,11 +521,13 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         let d = d.min(budget_ms);
                         wk.free -= 1;
                         wk.running += 1;
+                        wk.running_jobs.push(j);
                         server_in_flight += 1;
+                        let g = wk.generation;
                         push(
                             &mut events,
                             now + d as i64,
-                            Ev::CallEnd(w, j, d, cut, probe),
+                            Ev::CallEnd(w, g, j, d, cut, probe),
                         );
                     }
                 }
@@ -509,6 +566,8 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         expired_before_receive: count("expired_before_receive"),
         deadline_exceeded: count("deadline_exceeded"),
         probes,
+        crashes,
+        redelivered,
         lost,
         sim_seconds: window_s,
         wall_ms: t0.elapsed().as_millis(),
@@ -580,6 +639,7 @@ mod tests {
             overload: 5.0,
             deadline_ms: 2_000,
             hang: None,
+            crash_every_s: None,
             json: false,
         }
     }
@@ -615,6 +675,22 @@ mod tests {
         let r = simulate(&a).unwrap();
         assert!(r.deadline_exceeded > 0, "the hang cut calls: {r:?}");
         assert!(r.goodput > 0.8, "{r:?}");
+    }
+
+    #[test]
+    fn crashes_redeliver_and_every_job_still_has_one_outcome() {
+        let mut a = args("lognormal:200,0.6", 5_000, 11);
+        a.workers = 3;
+        a.crash_every_s = Some(5.0);
+        let r = simulate(&a).unwrap();
+        assert!(r.crashes > 0 && r.redelivered > 0, "{r:?}");
+        // simulate() fails on a second outcome, a lost job or a late start.
+        assert_eq!((r.lost, r.started_late), (0, 0));
+        let again = simulate(&a).unwrap();
+        assert_eq!(
+            (r.on_time, r.redelivered),
+            (again.on_time, again.redelivered)
+        );
     }
 
     #[test]
