@@ -569,6 +569,47 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         "follower consumes the work queue",
         work,
     );
+    // `serve` runs as the producer with its events follower as the follower: ready
+    // (`/readyz` includes `events_follower`), nothing refused.
+    let port = common::private_rabbit::free_port();
+    let serve_log = sb.dir.join("serve.err");
+    let serve = sb
+        .lastcall(
+            &producer,
+            &[
+                "serve",
+                "--addr",
+                &format!("127.0.0.1:{port}"),
+                "--no-management",
+                "--events-amqp-url",
+                &follower,
+                topo[0],
+                topo[1],
+            ],
+        )
+        .env("LASTCALL_HTTP_TOKEN", "least-privilege-token-0123456789")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&serve_log).unwrap())
+        .spawn()
+        .expect("spawn serve");
+    sb.children.push(serve);
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    wait_until(
+        "serve ready as the producer and the follower",
+        long,
+        async || {
+            reqwest::get(&readyz)
+                .await
+                .is_ok_and(|r| r.status().as_u16() == 200)
+        },
+    )
+    .await;
+    let serve_err = std::fs::read_to_string(&serve_log).unwrap_or_default();
+    assert!(!serve_err.contains("ACCESS_REFUSED"), "{serve_err}");
+    let mut serve = sb.children.pop().unwrap();
+    let _ = serve.kill();
+    let _ = serve.wait();
     // … but passive declares (queue depth for `topology delete` and the depth gauges)
     // need no permission at all.
     assert!(queue_depth(&as_producer, work).await.unwrap().is_some());
