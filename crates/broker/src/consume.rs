@@ -253,10 +253,28 @@ impl IncomingStream {
     }
 }
 
-fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
-    let props = &d.properties;
-    let headers = props.headers().clone().unwrap_or_default();
-    let h = headers.inner();
+/// What lastcall reads from a delivery's properties and headers (the AMQP side of the
+/// wire format): any property or header may be missing, of another type or hostile;
+/// nothing here fails or panics (the worker's fuzz target checks with arbitrary tables).
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct DeliveryMeta {
+    /// The `message_id` property as sent (any text: escape it before logging).
+    pub message_id: Option<String>,
+    /// `x-lastcall-attempt` if it is an integer, clamped to `0..=u32::MAX`; else 0.
+    pub attempt: u32,
+    /// `x-lastcall-signature` if it is a string.
+    pub signature: Option<String>,
+    pub expiration: Option<String>,
+    pub timestamp_s: Option<u64>,
+    pub x_death: Vec<XDeath>,
+    pub delivery_count: Option<i64>,
+    pub reply_to: Option<String>,
+}
+
+/// Read a delivery's properties and headers.
+pub fn delivery_meta(props: &lapin::BasicProperties) -> DeliveryMeta {
+    let empty = FieldTable::default();
+    let h = props.headers().as_ref().unwrap_or(&empty).inner();
     let attempt = h
         .get(ATTEMPT_HEADER)
         .and_then(as_i64)
@@ -275,11 +293,7 @@ fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
             .collect(),
         _ => Vec::new(),
     };
-    Incoming {
-        delivery_tag: d.delivery_tag,
-        stream,
-        redelivered: d.redelivered,
-        routing_key: d.routing_key.as_str().to_owned(),
+    DeliveryMeta {
         message_id: props.message_id().as_ref().map(|s| s.as_str().to_owned()),
         attempt,
         signature,
@@ -288,6 +302,24 @@ fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
         x_death,
         delivery_count,
         reply_to: props.reply_to().as_ref().map(|s| s.as_str().to_owned()),
+    }
+}
+
+fn convert(d: lapin::message::Delivery, stream: u64) -> Incoming {
+    let m = delivery_meta(&d.properties);
+    Incoming {
+        delivery_tag: d.delivery_tag,
+        stream,
+        redelivered: d.redelivered,
+        routing_key: d.routing_key.as_str().to_owned(),
+        message_id: m.message_id,
+        attempt: m.attempt,
+        signature: m.signature,
+        expiration: m.expiration,
+        timestamp_s: m.timestamp_s,
+        x_death: m.x_death,
+        delivery_count: m.delivery_count,
+        reply_to: m.reply_to,
         body: d.data,
         settler: Settler { acker: d.acker },
     }

@@ -546,6 +546,11 @@ pub struct SubmitArgs {
     /// other outcome, 4 no outcome by the deadline + --wait-grace-ms
     #[arg(long, conflicts_with = "no_ledger")]
     pub wait: bool,
+    /// AMQP URL of the outcome-events follower of --wait, whose user needs only the `follower` role of
+    /// docs/broker-permissions.md (declare and read `{prefix}.events.follow.*`, read
+    /// `{prefix}.events`) [default: --amqp-url]
+    #[arg(long, env = "LASTCALL_EVENTS_AMQP_URL", hide_env_values = true)]
+    pub events_amqp_url: Option<String>,
     /// With --wait: how long after the job's deadline to keep waiting for its outcome, in ms
     #[arg(long, default_value_t = 30_000, requires = "wait")]
     pub wait_grace_ms: u64,
@@ -991,6 +996,11 @@ pub struct ServeArgs {
     /// however far its deadline; past it the answer is 504 hold_exceeded and the job goes on
     #[arg(long, default_value_t = lastcall_http::front_door::FrontDoor::MAX_HOLD_MS, value_parser = clap::value_parser!(u64).range(1_000..=86_400_000))]
     pub max_hold_ms: u64,
+    /// AMQP URL of the outcome-events follower (long-polls, webhooks), whose user needs only the `follower` role of
+    /// docs/broker-permissions.md (declare and read `{prefix}.events.follow.*`, read
+    /// `{prefix}.events`) [default: --amqp-url]
+    #[arg(long, env = "LASTCALL_EVENTS_AMQP_URL", hide_env_values = true)]
+    pub events_amqp_url: Option<String>,
     /// RabbitMQ management API for ready/unacked counts (else a passive declare: ready only)
     #[arg(long, default_value = "http://127.0.0.1:15672")]
     pub management_url: String,

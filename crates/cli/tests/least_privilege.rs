@@ -42,12 +42,24 @@ const DEPLOYER: Role = Role {
     read: r"^lastcall\.(jobs|dlx|work|retry\..+)$",
 };
 
-/// `lastcall submit` / `lastcall serve`.
+/// `lastcall submit` / `lastcall serve` / `lastcall cancel`. No queue of its own: it can
+/// read no queue at all (with its read on `lastcall.jobs`, for re-declaring the
+/// `jobs → work` binding, a queue it could declare could be bound to the jobs exchange and
+/// read every job's payload).
 const PRODUCER: Role = Role {
     name: "producer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|events\.follow\..+|retry\..+)$",
-    write: r"^lastcall\.(jobs|work|dead|events|control|events\.follow\..+)$",
-    read: r"^lastcall\.(jobs|dlx|events|events\.follow\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|retry\..+)$",
+    write: r"^lastcall\.(jobs|work|dead|events|control)$",
+    read: r"^lastcall\.(jobs|dlx)$",
+};
+
+/// The outcome-events follower of `serve` and `submit --wait` (`--events-amqp-url`): its
+/// own exclusive queue bound to `lastcall.events`, and nothing it could bind to the jobs.
+const FOLLOWER: Role = Role {
+    name: "follower",
+    configure: r"^lastcall\.(events|events\.follow\..+)$",
+    write: r"^lastcall\.events\.follow\..+$",
+    read: r"^lastcall\.(events|events\.follow\..+)$",
 };
 
 /// `lastcall worker`.
@@ -266,6 +278,38 @@ async fn publish(
     p.publish(exchange, key, b"{}", &props).await
 }
 
+/// Declare an exclusive queue and bind it to `exchange` on a connection of its own (what
+/// a user would do to copy an exchange's messages).
+async fn declare_and_bind(url: &str, queue: &str, exchange: &str) -> Result<(), lapin::Error> {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+    let r = async {
+        let ch = conn.create_channel().await?;
+        ch.queue_declare(
+            queue.into(),
+            QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await?;
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            "#".into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    }
+    .await;
+    let _ = conn.close(200, "done".into()).await;
+    r
+}
+
 async fn depth(broker: &Broker, queue: &str) -> u32 {
     queue_depth(broker, queue)
         .await
@@ -279,6 +323,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     let mut sb = Sandbox::new();
     let deployer = sb.user(&DEPLOYER);
     let producer = sb.user(&PRODUCER);
+    let follower = sb.user(&FOLLOWER);
     let worker = sb.user(&WORKER);
     let dlq = sb.user(&DLQ);
     let publish_only = sb.user(&PUBLISH_ONLY);
@@ -326,10 +371,10 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     assert_eq!(depth(&inspect, work).await, 0, "nothing was published");
 
     // The producer submits one job that completes, and waits for its outcome event
-    // (`--wait` follows `P.events` as the producer; the worker publishes the event) …
+    // (`--wait` follows `P.events` as the follower; the worker publishes the event) …
     let wait_out = sb.dir.join("submit-wait.out");
     let mut wait_args = submit("lp-ok", "incident.summary", "60000").to_vec();
-    wait_args.push("--wait");
+    wait_args.extend(["--wait", "--events-amqp-url", &follower]);
     let waiting = sb
         .lastcall(&producer, &wait_args)
         .stdin(Stdio::null())
@@ -496,6 +541,75 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         "producer publishes to the dead-letter exchange",
         "lastcall.dlx",
     );
+    // … nor declare a queue of its own to bind to the jobs exchange (it has read on the
+    // exchange, for re-declaring `jobs → work`): every job's payload would be copied to it.
+    for queue in ["lastcall.events.follow.spy", "lastcall.spy"] {
+        assert_refused(
+            declare_and_bind(&producer, queue, "lastcall.jobs").await,
+            "producer declares a queue to bind to the jobs exchange",
+            queue,
+        );
+    }
+    // The follower declares its queue, but cannot bind it to the jobs exchange.
+    assert_refused(
+        declare_and_bind(&follower, "lastcall.events.follow.spy", "lastcall.jobs").await,
+        "follower binds its queue to the jobs exchange",
+        "lastcall.jobs",
+    );
+    assert_refused(
+        declare_and_bind(&follower, "lastcall.events.follow.spy", "lastcall.control").await,
+        "follower binds its queue to the control exchange",
+        "lastcall.control",
+    );
+    declare_and_bind(&follower, "lastcall.events.follow.ok", "lastcall.events")
+        .await
+        .expect("the follower's own queue bound to the events exchange");
+    assert_refused(
+        consume(&Broker::connect(&follower).await.unwrap(), work).await,
+        "follower consumes the work queue",
+        work,
+    );
+    // `serve` runs as the producer with its events follower as the follower: ready
+    // (`/readyz` includes `events_follower`), nothing refused.
+    let port = common::private_rabbit::free_port();
+    let serve_log = sb.dir.join("serve.err");
+    let serve = sb
+        .lastcall(
+            &producer,
+            &[
+                "serve",
+                "--addr",
+                &format!("127.0.0.1:{port}"),
+                "--no-management",
+                "--events-amqp-url",
+                &follower,
+                topo[0],
+                topo[1],
+            ],
+        )
+        .env("LASTCALL_HTTP_TOKEN", "least-privilege-token-0123456789")
+        .stdin(Stdio::null())
+        .stdout(Stdio::null())
+        .stderr(std::fs::File::create(&serve_log).unwrap())
+        .spawn()
+        .expect("spawn serve");
+    sb.children.push(serve);
+    let readyz = format!("http://127.0.0.1:{port}/readyz");
+    wait_until(
+        "serve ready as the producer and the follower",
+        long,
+        async || {
+            reqwest::get(&readyz)
+                .await
+                .is_ok_and(|r| r.status().as_u16() == 200)
+        },
+    )
+    .await;
+    let serve_err = std::fs::read_to_string(&serve_log).unwrap_or_default();
+    assert!(!serve_err.contains("ACCESS_REFUSED"), "{serve_err}");
+    let mut serve = sb.children.pop().unwrap();
+    let _ = serve.kill();
+    let _ = serve.wait();
     // … but passive declares (queue depth for `topology delete` and the depth gauges)
     // need no permission at all.
     assert!(queue_depth(&as_producer, work).await.unwrap().is_some());

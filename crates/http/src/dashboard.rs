@@ -10,16 +10,14 @@ use axum::Json;
 use axum::extract::State;
 use axum::response::Html;
 use lastcall_core::State as JobState;
-use lastcall_store::JobRecord;
+use lastcall_store::{DashboardCounts, JobRecord};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
 
 /// Upper bounds (ms) of the dashboard's dwell histograms, the same as the worker's
 /// `lastcall_*_dwell_seconds` buckets (`crates/http/tests/metrics.rs` checks).
-pub const DWELL_BUCKETS_MS: &[u64] = &[
-    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
-];
+pub const DWELL_BUCKETS_MS: &[u64] = lastcall_store::DWELL_BUCKETS_MS;
 
 /// The page, behind the same auth as the API: a browser answers the `Basic` challenge of
 /// the `401` (any user name, the token as password) and the page's same-origin polls of the
@@ -61,9 +59,10 @@ pub async fn data(
     let minutes = q.integer("minutes", 1..=1440)?.unwrap_or(15);
     let now = state.clock.now_ms();
     let since = now - minutes * 60_000;
-    let records = state
+    // Counts aggregated by the database (bounded rows, no job's text): polled every 5 s.
+    let window = state
         .ledger
-        .records_since(since)
+        .dashboard_counts(since)
         .await
         .map_err(|e| ApiError::Internal(e.to_string()))?;
     let counts = state
@@ -85,7 +84,7 @@ pub async fn data(
             .map(|(_, n)| *n)
             .unwrap_or(0)
     };
-    let mut summary = summarize(&records, since, now);
+    let mut summary = summarize_counts(&window, since, now);
     summary.insert(
         "waiting".into(),
         json!({
@@ -133,9 +132,60 @@ async fn scrape_workers(state: &AppState) -> (Option<i64>, Option<i64>) {
     }
 }
 
+/// [`summarize`] from the ledger's aggregates ([`lastcall_store::Ledger::dashboard_counts`]):
+/// what `GET /v1/dashboard` serves. The same numbers as [`summarize`] over the window's
+/// records (the tests compare), without reading them.
+pub fn summarize_counts(c: &DashboardCounts, since_ms: i64, now_ms: i64) -> Map<String, Value> {
+    let mut totals: BTreeMap<&str, u64> = JobState::ALL
+        .iter()
+        .filter(|s| s.is_terminal())
+        .map(|s| (s.as_str(), 0))
+        .collect();
+    let first_minute = since_ms.div_euclid(60_000);
+    let last_minute = now_ms.div_euclid(60_000);
+    let mut per_minute: BTreeMap<i64, BTreeMap<&str, u64>> = (first_minute..=last_minute)
+        .map(|m| (m, BTreeMap::new()))
+        .collect();
+    for (state, minute, n) in &c.per_minute {
+        let Some((state, total)) = totals.iter_mut().find(|(s, _)| **s == state.as_str()) else {
+            continue;
+        };
+        *total += n;
+        *per_minute
+            .entry(*minute)
+            .or_default()
+            .entry(*state)
+            .or_default() += n;
+    }
+    let timeline: Vec<Value> = per_minute
+        .iter()
+        .map(|(m, c)| json!({ "minute_start_ms": m * 60_000, "counts": c }))
+        .collect();
+    let dead: BTreeMap<&str, u64> = c
+        .dead_letters
+        .iter()
+        .map(|(r, n)| (r.as_str(), *n))
+        .collect();
+    let mut out = Map::new();
+    out.insert("outcomes".into(), json!(totals));
+    out.insert("timeline".into(), json!(timeline));
+    out.insert(
+        "dwell".into(),
+        json!({
+            "bounds_ms": DWELL_BUCKETS_MS,
+            "queue": c.queue_dwell,
+            "consumer": c.consumer_dwell,
+        }),
+    );
+    out.insert("dead_letters".into(), json!(dead));
+    out
+}
+
 /// Outcomes in the window (totals and per minute, by state), dwell histograms from the
 /// ledger's timestamps, and dead letters by reason (outcomes the dead-letter processor
-/// recorded). Pure: the records and the window are arguments.
+/// recorded). Pure: the records and the window are arguments. The reference computation
+/// over whole records (it was the dashboard's until #34); `GET /v1/dashboard` serves
+/// [`summarize_counts`], which the tests hold equal to it.
 pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<String, Value> {
     let terminal: Vec<&'static str> = JobState::ALL
         .iter()
@@ -199,4 +249,55 @@ pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<Strin
 fn bucket(ms: i64) -> usize {
     let v = ms.max(0) as u64;
     DWELL_BUCKETS_MS.partition_point(|b| *b < v)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lastcall_core::{Decision, Reason};
+    use lastcall_store::{Ledger, OutcomeRecord};
+
+    /// `GET /v1/dashboard` serves `summarize_counts` of the ledger's aggregates: the same
+    /// JSON as `summarize` over the window's whole records (the store's tests compare the
+    /// counts themselves on SQLite and PostgreSQL).
+    #[tokio::test]
+    async fn the_counts_give_the_same_json_as_the_records() {
+        let dir = std::env::temp_dir().join(format!(
+            "lastcall-dashboard-{}-{:?}",
+            std::process::id(),
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .unwrap()
+                .as_nanos()
+        ));
+        std::fs::create_dir_all(&dir).unwrap();
+        let ledger = Ledger::connect(&format!("sqlite://{}", dir.join("l.db").display()))
+            .await
+            .unwrap();
+        let (since, now) = (600_000, 1_000_000);
+        for i in 0..60i64 {
+            let state = JobState::ALL[2 + (i as usize % 8)];
+            let recorded = since - 60_000 + i * 9_000;
+            let rec = OutcomeRecord {
+                attempt_key: format!("j{i}-1"),
+                created_at_ms: Some(recorded - 100 * i),
+                received_at_ms: Some(recorded - 7 * i),
+                checked_at_ms: Some(recorded - 5 * i),
+                worker: if i % 4 == 0 { "dlq:x" } else { "w" }.into(),
+                reason: (i % 3 == 0).then_some(Reason::RetriesExhausted),
+                result: Some("text".into()),
+                ..OutcomeRecord::new(format!("j{i}"), "chat", state, Decision::Ack, recorded)
+            };
+            ledger.record_outcome(&rec).await.unwrap();
+        }
+        let records = ledger.records_since(since).await.unwrap();
+        let counts = ledger.dashboard_counts(since).await.unwrap();
+        assert!(records.len() > 40);
+        assert_eq!(
+            summarize_counts(&counts, since, now),
+            summarize(&records, since, now)
+        );
+        ledger.close().await;
+        let _ = std::fs::remove_dir_all(dir);
+    }
 }

@@ -1333,6 +1333,7 @@ impl Ledger {
 
 // Defined here so that they see the macros and private items above.
 pub(crate) mod copy;
+pub(crate) mod dashboard;
 pub(crate) mod retention;
 
 fn receipt(state: &str, backend_calls: i64, cancel_requested: bool) -> ReceiptInfo {

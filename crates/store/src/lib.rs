@@ -40,6 +40,9 @@ mod ledger;
 mod migrate;
 
 pub use ledger::copy::{COPY_TABLES, CopyCounts, TableDigest, copy_columns};
+pub use ledger::dashboard::{
+    DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DWELL_BUCKET_SQL, DWELL_BUCKETS_MS, DashboardCounts,
+};
 pub use ledger::retention::{ArchiveFn, JobStream, LedgerSize, PruneCounts, PruneLock};
 pub use ledger::{Ledger, LedgerWrite};
 

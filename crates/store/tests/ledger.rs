@@ -239,6 +239,7 @@ both_backends!(
     a_webhook_is_claimed_once_and_its_attempts_recorded,
     recent_calls_are_the_durations_a_starting_worker_learns_from,
     the_doors_call_time_comes_from_measured_calls_only,
+    dashboard_counts_equal_the_records_and_read_no_text,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -2565,4 +2566,141 @@ async fn the_copy_covers_every_column_of_every_table() {
     }
     conn.close().await.ok();
     db.ledger.close().await;
+}
+
+/// The dashboard's numbers (issue #34): aggregated in SQL, equal to what the old
+/// computation over every record of the window (`records_since`, result text included)
+/// gave, in a bounded number of rows that hold no job's text.
+async fn dashboard_counts_equal_the_records_and_read_no_text(db: &TestDb) {
+    use lastcall_store::{DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DWELL_BUCKETS_MS};
+    use std::collections::BTreeMap;
+    let l = &db.ledger;
+    let big = "x".repeat(64 * 1024);
+    let states = [
+        State::Completed,
+        State::Failed,
+        State::ExpiredNotStarted,
+        State::ExpiredBeforeReceive,
+        State::DeadlineExceeded,
+        State::Rejected,
+        State::Unknown,
+        State::Cancelled,
+    ];
+    // Dwells on, just past and around every bucket bound, negative ones and an overflow.
+    let mut dwells: Vec<i64> = vec![-7, 0, 1, 120_000];
+    for b in DWELL_BUCKETS_MS {
+        dwells.extend([*b as i64 - 1, *b as i64, *b as i64 + 1]);
+    }
+    let since = 10 * 60_000 + 123;
+    let mut n = 0;
+    for (i, d) in dwells.iter().enumerate() {
+        for (k, state) in states.iter().enumerate() {
+            n += 1;
+            // From before the window (excluded) to 3 minutes into it.
+            let recorded = since - 90_000 + ((i * 7 + k * 13) as i64 % 5) * 60_000 + k as i64;
+            let dlq = (i + k) % 5 == 0;
+            let rec = OutcomeRecord {
+                created_at_ms: (k % 4 != 0).then_some(recorded - 200_000),
+                received_at_ms: (k % 3 != 0).then_some(recorded - 200_000 + d),
+                checked_at_ms: Some(recorded - 200_000 + d + d / 2 - 3),
+                worker: if dlq { "dlq:test".into() } else { "w1".into() },
+                reason: match (dlq, i % 3) {
+                    (true, 0) => None,
+                    (_, 1) => Some(Reason::BrokerTtlExpired),
+                    _ => Some(Reason::RetriesExhausted),
+                },
+                result: Some(big.clone()),
+                ..outcome(&format!("d{n}"), &format!("d{n}-1"), *state, recorded)
+            };
+            l.record_outcome(&rec).await.unwrap();
+        }
+    }
+    // Jobs that have not ended count in no window.
+    for j in 0..5 {
+        l.record_accepted(&accepted(
+            &format!("live{j}"),
+            "chat",
+            since + j,
+            since + 600_000,
+        ))
+        .await
+        .unwrap();
+    }
+
+    // The old computation, over the window's whole records.
+    let records = l.records_since(since).await.unwrap();
+    let terminal: Vec<&str> = State::ALL
+        .iter()
+        .filter(|s| s.is_terminal())
+        .map(|s| s.as_str())
+        .collect();
+    let bucket = |ms: i64| DWELL_BUCKETS_MS.partition_point(|b| *b < ms.max(0) as u64);
+    let mut per_minute: BTreeMap<(String, i64), u64> = BTreeMap::new();
+    let mut queue = vec![0u64; DWELL_BUCKETS_MS.len() + 1];
+    let mut consumer = queue.clone();
+    let mut dead: BTreeMap<String, u64> = BTreeMap::new();
+    for r in &records {
+        if !terminal.contains(&r.state.as_str()) {
+            continue;
+        }
+        let at = r.recorded_at_ms.unwrap();
+        *per_minute
+            .entry((r.state.clone(), at.div_euclid(60_000)))
+            .or_default() += 1;
+        let by_dlq = r.worker.as_deref().unwrap_or("").starts_with("dlq:");
+        if let (Some(c), Some(rcv)) = (r.created_at_ms, r.received_at_ms)
+            && !by_dlq
+        {
+            queue[bucket(rcv - c)] += 1;
+        }
+        if let (Some(rcv), Some(chk)) = (r.received_at_ms, r.checked_at_ms) {
+            consumer[bucket(chk - rcv)] += 1;
+        }
+        if by_dlq {
+            *dead
+                .entry(r.reason.clone().unwrap_or_else(|| "none".into()))
+                .or_default() += 1;
+        }
+    }
+    assert!(
+        records.len() > 200,
+        "a window of many jobs: {}",
+        records.len()
+    );
+    assert!(
+        queue.iter().filter(|n| **n > 0).count() == queue.len(),
+        "{queue:?}"
+    );
+
+    let got = l.dashboard_counts(since).await.unwrap();
+    let got_per_minute: BTreeMap<(String, i64), u64> = got
+        .per_minute
+        .iter()
+        .map(|(s, m, c)| ((s.clone(), *m), *c))
+        .collect();
+    assert_eq!(got_per_minute, per_minute);
+    assert_eq!(got.queue_dwell, queue);
+    assert_eq!(got.consumer_dwell, consumer);
+    assert_eq!(
+        got.dead_letters.into_iter().collect::<BTreeMap<_, _>>(),
+        dead
+    );
+    // Counts, not rows: far fewer rows than jobs, each statement bounded.
+    let expected_rows = per_minute.len()
+        + queue.iter().filter(|n| **n > 0).count()
+        + consumer.iter().filter(|n| **n > 0).count()
+        + dead.len();
+    assert_eq!(got.rows_read, expected_rows);
+    assert!(got.rows_read < records.len() / 2, "{} rows", got.rows_read);
+    for sql in DASHBOARD_STATEMENTS {
+        let lower = sql.to_lowercase();
+        for column in ["result", "error", "payload", "trace_id", "select *"] {
+            assert!(!lower.contains(column), "reads `{column}`: {sql}");
+        }
+        assert!(
+            lower.contains("group by") && lower.ends_with("limit $2"),
+            "{sql}"
+        );
+    }
+    const { assert!(DASHBOARD_MAX_ROWS <= 20_000) };
 }

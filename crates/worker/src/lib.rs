@@ -27,6 +27,8 @@
 mod ctx;
 pub mod dlq;
 pub mod events;
+#[cfg(test)]
+mod fuzz_headers;
 mod generation;
 mod hooks;
 mod job;

@@ -96,6 +96,18 @@ pub async fn connect_broker(s: &Settings) -> Result<Broker> {
     })
 }
 
+/// The connection of an outcome-events follower given its own URL (`--events-amqp-url`,
+/// the `follower` role of docs/broker-permissions.md). It declares no topology: only
+/// `{prefix}.events`, its own `{prefix}.events.follow.*` queue and their binding.
+pub async fn connect_events_broker(url: &str) -> Result<Broker> {
+    Broker::connect(url).await.map_err(|e| match e {
+        lastcall_broker::BrokerError::Connect { url, source } => {
+            anyhow::anyhow!("--events-amqp-url: {}", connect_error(&url, &source))
+        }
+        e => anyhow::anyhow!("--events-amqp-url: {e}"),
+    })
+}
+
 /// A broker connection for best-effort publishing (events, broadcasts) by a command that
 /// works without one: within 5 s, else `None` after one line saying what is lost (`without`).
 pub async fn connect_best_effort(s: &Settings, without: &str) -> Option<Broker> {

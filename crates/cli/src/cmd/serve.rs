@@ -268,8 +268,12 @@ async fn build(
             format!("serve:{}", lastcall_worker::runtime::default_worker_name()),
         )
     });
+    let follower = match &a.events_amqp_url {
+        Some(url) => super::connect_events_broker(url).await?,
+        None => broker.clone(),
+    };
     let events_task = waiters.follow(
-        broker.clone(),
+        follower,
         topo.names.events_exchange.clone(),
         stop.clone(),
         move |body| {

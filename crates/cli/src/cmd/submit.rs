@@ -67,7 +67,11 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
             .job_id
             .get_or_insert_with(|| lastcall_producer::new_job_id(clock.now_ms()))
             .clone();
-        Some(OutcomeWait::start(&broker, &topo.names.events_exchange, &id).await)
+        let follower = match &a.events_amqp_url {
+            Some(url) => super::connect_events_broker(url).await?,
+            None => broker.clone(),
+        };
+        Some(OutcomeWait::start(&follower, &topo.names.events_exchange, &id).await)
     } else {
         None
     };

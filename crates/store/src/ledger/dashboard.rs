@@ -1,0 +1,178 @@
+//! The dashboard's numbers, aggregated in SQL (issue #34): `GET /v1/dashboard` is polled
+//! every 5 s and used to read every job row of its window, result text included. Here it
+//! reads only counts: terminal outcomes per (state, minute), the two dwell histograms and
+//! the dead letters per reason, each a `GROUP BY` whose rows are bounded by a `LIMIT`
+//! (states × minutes, histogram buckets, reasons), never a job's row or its text.
+
+use sqlx::Row;
+
+use super::{Backend, Ledger};
+use crate::StoreError;
+use crate::error::db;
+
+/// Upper bounds (ms) of the dashboard's dwell histograms (the worker's
+/// `lastcall_*_dwell_seconds` buckets); a dwell `d` falls in the first bucket with
+/// `d <= bound` (negative ones in the first), past the last in an overflow bucket.
+/// [`DWELL_BUCKET_SQL`] spells the same bounds.
+pub const DWELL_BUCKETS_MS: &[u64] = &[
+    5, 10, 25, 50, 100, 250, 500, 1_000, 2_500, 5_000, 10_000, 30_000, 60_000,
+];
+
+/// The bucket index of the dwell `d` (a column expression), as [`DWELL_BUCKETS_MS`].
+macro_rules! dwell_bucket {
+    ($d:literal) => {
+        concat!(
+            "CAST(CASE WHEN ",
+            $d,
+            " <= 5 THEN 0 WHEN ",
+            $d,
+            " <= 10 THEN 1 WHEN ",
+            $d,
+            " <= 25 THEN 2 WHEN ",
+            $d,
+            " <= 50 THEN 3 WHEN ",
+            $d,
+            " <= 100 THEN 4 WHEN ",
+            $d,
+            " <= 250 THEN 5 WHEN ",
+            $d,
+            " <= 500 THEN 6 WHEN ",
+            $d,
+            " <= 1000 THEN 7 WHEN ",
+            $d,
+            " <= 2500 THEN 8 WHEN ",
+            $d,
+            " <= 5000 THEN 9 WHEN ",
+            $d,
+            " <= 10000 THEN 10 WHEN ",
+            $d,
+            " <= 30000 THEN 11 WHEN ",
+            $d,
+            " <= 60000 THEN 12 ELSE 13 END AS BIGINT)"
+        )
+    };
+}
+
+/// The bucket expression for a queue dwell (shown for the bounds test).
+pub const DWELL_BUCKET_SQL: &str = dwell_bucket!("d");
+
+/// The rows of a window that count: terminal states recorded at or after `$1`.
+macro_rules! window {
+    () => {
+        "FROM jobs WHERE recorded_at_ms >= $1 AND state IN ('completed', 'failed', \
+         'expired_not_started', 'expired_before_receive', 'deadline_exceeded', 'rejected', \
+         'unknown', 'cancelled')"
+    };
+}
+
+/// At most this many rows per statement (the per-minute one has at most 10 states × 1,441
+/// minutes of a 24 h window; the others a handful).
+pub const DASHBOARD_MAX_ROWS: i64 = 20_000;
+
+/// Outcomes per (state, minute index = `recorded_at_ms` div 60,000, Euclidean), newest first.
+const SELECT_PER_MINUTE: &str = concat!(
+    "SELECT state, m, COUNT(*) FROM (SELECT state, \
+     (recorded_at_ms - ((recorded_at_ms % 60000) + 60000) % 60000) / 60000 AS m ",
+    window!(),
+    ") AS t GROUP BY state, m ORDER BY m DESC, state LIMIT $2"
+);
+/// Queue dwell (received − created) of jobs a worker received (not the dead-letter
+/// processor's records), per bucket.
+const SELECT_QUEUE_DWELL: &str = concat!(
+    "SELECT b, COUNT(*) FROM (SELECT ",
+    dwell_bucket!("(received_at_ms - created_at_ms)"),
+    " AS b ",
+    window!(),
+    " AND created_at_ms IS NOT NULL AND received_at_ms IS NOT NULL \
+     AND SUBSTR(COALESCE(worker, ''), 1, 4) <> 'dlq:') AS t GROUP BY b ORDER BY b LIMIT $2"
+);
+/// Consumer dwell (checked − received), per bucket.
+const SELECT_CONSUMER_DWELL: &str = concat!(
+    "SELECT b, COUNT(*) FROM (SELECT ",
+    dwell_bucket!("(checked_at_ms - received_at_ms)"),
+    " AS b ",
+    window!(),
+    " AND received_at_ms IS NOT NULL AND checked_at_ms IS NOT NULL) AS t \
+     GROUP BY b ORDER BY b LIMIT $2"
+);
+/// The dead-letter processor's records per reason (`none` without one).
+const SELECT_DEAD_LETTERS: &str = concat!(
+    "SELECT r, COUNT(*) FROM (SELECT COALESCE(reason, 'none') AS r ",
+    window!(),
+    " AND SUBSTR(COALESCE(worker, ''), 1, 4) = 'dlq:') AS t GROUP BY r ORDER BY r LIMIT $2"
+);
+
+/// Every statement [`Ledger::dashboard_counts`] runs (none reads `result`, `error` or a
+/// payload; the tests check).
+pub const DASHBOARD_STATEMENTS: [&str; 4] = [
+    SELECT_PER_MINUTE,
+    SELECT_QUEUE_DWELL,
+    SELECT_CONSUMER_DWELL,
+    SELECT_DEAD_LETTERS,
+];
+
+/// The dashboard's numbers for the window `recorded_at_ms >= since_ms`.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct DashboardCounts {
+    /// (state, minute index, outcomes), terminal states only.
+    pub per_minute: Vec<(String, i64, u64)>,
+    /// Jobs per bucket of [`DWELL_BUCKETS_MS`] (+ overflow).
+    pub queue_dwell: Vec<u64>,
+    pub consumer_dwell: Vec<u64>,
+    /// (reason, dead letters).
+    pub dead_letters: Vec<(String, u64)>,
+    /// Rows the statements returned (each at most [`DASHBOARD_MAX_ROWS`]).
+    pub rows_read: usize,
+}
+
+impl Ledger {
+    /// The dashboard's aggregates of the window `recorded_at_ms >= since_ms` (see the
+    /// module): four `GROUP BY` statements, no job row read.
+    pub async fn dashboard_counts(&self, since_ms: i64) -> Result<DashboardCounts, StoreError> {
+        let mut rows: Vec<Vec<(String, i64, i64)>> = Vec::with_capacity(4);
+        for (i, sql) in DASHBOARD_STATEMENTS.iter().enumerate() {
+            let got: Vec<(String, i64, i64)> = on_pool!(self, read, |pool| {
+                sqlx::query(*sql)
+                    .bind(since_ms)
+                    .bind(DASHBOARD_MAX_ROWS)
+                    .fetch_all(pool)
+                    .await
+                    .and_then(|rows| {
+                        rows.iter()
+                            .map(|r| {
+                                Ok(match i {
+                                    0 => (r.try_get(0)?, r.try_get(1)?, r.try_get(2)?),
+                                    3 => (r.try_get(0)?, 0, r.try_get(1)?),
+                                    _ => (String::new(), r.try_get(0)?, r.try_get(1)?),
+                                })
+                            })
+                            .collect()
+                    })
+                    .map_err(db("reading the dashboard's counts"))?
+            });
+            rows.push(got);
+        }
+        let mut out = DashboardCounts {
+            rows_read: rows.iter().map(Vec::len).sum(),
+            queue_dwell: vec![0; DWELL_BUCKETS_MS.len() + 1],
+            consumer_dwell: vec![0; DWELL_BUCKETS_MS.len() + 1],
+            ..Default::default()
+        };
+        let n = |c: i64| c.max(0) as u64;
+        out.per_minute = rows[0]
+            .iter()
+            .map(|(s, m, c)| (s.clone(), *m, n(*c)))
+            .collect();
+        for (hist, got) in [
+            (&mut out.queue_dwell, &rows[1]),
+            (&mut out.consumer_dwell, &rows[2]),
+        ] {
+            for (_, b, c) in got {
+                let b = (*b).clamp(0, DWELL_BUCKETS_MS.len() as i64) as usize;
+                hist[b] += n(*c);
+            }
+        }
+        out.dead_letters = rows[3].iter().map(|(r, _, c)| (r.clone(), n(*c))).collect();
+        Ok(out)
+    }
+}
