@@ -395,7 +395,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     push(&mut events, now + gap as i64, Ev::Crash(w));
                 }
             }
-            Ev::CallEnd(w, generation, _, ..) if generation != workers[w].generation => {}
+            Ev::CallEnd(w, generation, ..) if generation != workers[w].generation => {}
             Ev::CallEnd(w, _, j, d, cut, probe) => {
                 let wk = &mut workers[w];
                 wk.running_jobs.retain(|&r| r != j);
