@@ -56,12 +56,12 @@ pub(crate) async fn for_slot(
         let now = ctx.clock.now_ms();
         // The model server's circuit breaker: no call to a server known to be down.
         let w = match breaker(ctx, job, w, permit, now) {
-            Ok((w, p)) => {
+            Gate::Go(w, p) => {
                 permit = p;
                 w
             }
-            Err(Gate::Settle(s)) => return Waited::Settle(s),
-            Err(Gate::Wait(w, next_call_at_ms)) => {
+            Gate::Settle(s) => return Waited::Settle(s),
+            Gate::Wait(w, next_call_at_ms) => {
                 waiting = match until_breaker(ctx, job, w, next_call_at_ms, cancel).await {
                     Ok(w) => w,
                     Err(end) => return end,
@@ -106,8 +106,11 @@ pub(crate) async fn for_slot(
     }
 }
 
-/// Why a job holding a slot may not call yet.
+/// Whether a job holding a slot may call now.
+#[allow(clippy::large_enum_variant)] // short-lived, moved once
 enum Gate {
+    /// Yes (closed, or this job has the half-open trial).
+    Go(Waiting, SlotPermit),
     /// Its model server's breaker is open past the job's latest useful start.
     Settle(Settle),
     /// Open (or half-open with the trial running) until about this instant: wait without
@@ -119,22 +122,16 @@ enum Gate {
 /// breaker's one trial goes to this job (`job.trial`); an open one keeps the job waiting,
 /// without its slot, while its budget still allows a call after the breaker's next
 /// trial, and ends it without a call (`admission:upstream_unavailable`) otherwise.
-fn breaker(
-    ctx: &Ctx,
-    job: &mut Job,
-    w: Waiting,
-    permit: SlotPermit,
-    now: i64,
-) -> Result<(Waiting, SlotPermit), Gate> {
+fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -> Gate {
     if job.trial.is_some() {
-        return Ok((w, permit));
+        return Gate::Go(w, permit);
     }
     let key = ctx.breaker_key(w.env().kind().as_str());
     match ctx.breakers.permit(key, now) {
-        (Permit::Call, _) => Ok((w, permit)),
+        (Permit::Call, _) => Gate::Go(w, permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
-            Ok((w, permit))
+            Gate::Go(w, permit)
         }
         (Permit::Wait { next_call_at_ms }, _) => {
             drop(permit);
@@ -142,9 +139,9 @@ fn breaker(
             let latest = w.latest_start_ms(&ctx.cfg.policy, learned.map(|e| e.quantile_ms));
             if latest.is_some_and(|latest| next_call_at_ms > latest) {
                 tracing::info!(job_id = %job.id, backend = key, next_call_at_ms, "the model server's circuit breaker is open past this job's latest useful start: ending it without a call");
-                return Err(Gate::Settle(w.upstream_unavailable(&ctx.cfg.policy, now)));
+                return Gate::Settle(w.upstream_unavailable(&ctx.cfg.policy, now));
             }
-            Err(Gate::Wait(w, next_call_at_ms))
+            Gate::Wait(w, next_call_at_ms)
         }
     }
 }
