@@ -81,7 +81,7 @@ pub enum Permit {
     Trial,
     /// Open, or half-open with the trial running: no call before `next_call_at_ms` (the
     /// earliest instant a call of this job could go out: the end of the cool-down, or, while
-    /// a trial runs, its start plus the cool-down as a guess).
+    /// a trial runs, the instant it becomes overdue).
     Wait { next_call_at_ms: i64 },
 }
 
@@ -190,21 +190,41 @@ impl Breaker {
         self.open_until_ms
     }
 
-    /// When a job that is refused now could call at the earliest, without taking a trial.
-    pub fn next_call_at_ms(&self, now_ms: i64) -> i64 {
+    /// When a job that is refused now could call at the earliest, without taking a trial;
+    /// `trial_limit_ms`: how long a trial may run before it counts as failed (hung).
+    pub fn next_call_at_ms(&self, now_ms: i64, trial_limit_ms: u64) -> i64 {
         match (self.state, self.trial_started_ms) {
             (BreakerState::Closed, _) => now_ms,
             (BreakerState::Open, _) => self.open_until_ms.max(now_ms),
-            (BreakerState::HalfOpen, Some(t)) => {
-                t.saturating_add(self.cool_down_ms as i64).max(now_ms)
-            }
+            (BreakerState::HalfOpen, Some(t)) => t
+                .saturating_add(i64::try_from(trial_limit_ms).unwrap_or(i64::MAX))
+                .saturating_add(1)
+                .max(now_ms),
             (BreakerState::HalfOpen, None) => now_ms,
         }
     }
 
     /// A job is about to call at `now_ms`. A `Trial` (and the transition to half-open,
     /// returned for the log) must be answered by [`Self::ended`] or [`Self::trial_abandoned`].
-    pub fn permit(&mut self, now_ms: i64) -> (Permit, Option<Transition>) {
+    /// A trial that has run longer than `trial_limit_ms` (the kind's hang limit: a
+    /// hang's verdict, known before its call ends) has failed: the breaker opens again.
+    pub fn permit(
+        &mut self,
+        policy: &BreakerPolicy,
+        trial_limit_ms: u64,
+        now_ms: i64,
+    ) -> (Permit, Option<Transition>) {
+        if self.state == BreakerState::HalfOpen
+            && let Some(t) = self.trial_started_ms
+            && now_ms.saturating_sub(t) > i64::try_from(trial_limit_ms).unwrap_or(i64::MAX)
+        {
+            let fail = Verdict::Failure {
+                retry_after_ms: None,
+            };
+            let opened = self.ended(policy, true, fail, now_ms);
+            let next_call_at_ms = self.next_call_at_ms(now_ms, trial_limit_ms);
+            return (Permit::Wait { next_call_at_ms }, opened);
+        }
         match self.state {
             BreakerState::Closed => (Permit::Call, None),
             BreakerState::Open if now_ms >= self.open_until_ms => {
@@ -223,7 +243,7 @@ impl Breaker {
             }
             BreakerState::Open | BreakerState::HalfOpen => (
                 Permit::Wait {
-                    next_call_at_ms: self.next_call_at_ms(now_ms),
+                    next_call_at_ms: self.next_call_at_ms(now_ms, trial_limit_ms),
                 },
                 None,
             ),
@@ -277,10 +297,14 @@ impl Breaker {
                     None
                 }
                 Verdict::Failure { retry_after_ms } => {
-                    self.cool_down_ms = self
-                        .cool_down_ms
-                        .saturating_mul(2)
-                        .min(policy.max_cool_down_ms.max(policy.cool_down_ms));
+                    // The server said when to come back: that is the cool-down. Else back
+                    // off: twice as long, up to the maximum.
+                    if retry_after_ms.is_none() {
+                        self.cool_down_ms = self
+                            .cool_down_ms
+                            .saturating_mul(2)
+                            .min(policy.max_cool_down_ms.max(policy.cool_down_ms));
+                    }
                     Some(self.open(BreakerState::HalfOpen, retry_after_ms, now_ms))
                 }
             },
@@ -290,7 +314,7 @@ impl Breaker {
     }
 
     fn open(&mut self, from: BreakerState, retry_after_ms: Option<u64>, now_ms: i64) -> Transition {
-        let hold = self.cool_down_ms.max(retry_after_ms.unwrap_or(0));
+        let hold = retry_after_ms.unwrap_or(self.cool_down_ms);
         self.state = BreakerState::Open;
         self.trial_started_ms = None;
         self.open_until_ms = now_ms.saturating_add(i64::try_from(hold).unwrap_or(i64::MAX));
@@ -332,23 +356,52 @@ mod tests {
         let t = b.ended(&p, false, fail(), 2).unwrap();
         assert_eq!((t.to, t.open_until_ms), (BreakerState::Open, Some(1_002)));
         assert_eq!(
-            b.permit(500).0,
+            b.permit(&p, 10_000, 500).0,
             Permit::Wait {
                 next_call_at_ms: 1_002
             }
         );
-        assert_eq!(b.permit(1_002).0, Permit::Trial);
+        assert_eq!(b.permit(&p, 10_000, 1_002).0, Permit::Trial);
         assert_eq!(b.state(), BreakerState::HalfOpen);
         // Everyone else waits while the trial runs.
-        assert!(matches!(b.permit(1_003).0, Permit::Wait { .. }));
+        assert!(matches!(b.permit(&p, 10_000, 1_003).0, Permit::Wait { .. }));
         // The trial fails: open again for twice as long.
         let t = b.ended(&p, true, fail(), 1_100).unwrap();
         assert_eq!(t.open_until_ms, Some(3_100));
-        assert_eq!(b.permit(3_100).0, Permit::Trial);
+        assert_eq!(b.permit(&p, 10_000, 3_100).0, Permit::Trial);
         let t = b.ended(&p, true, Verdict::Success, 3_200).unwrap();
         assert_eq!(t.to, BreakerState::Closed);
-        assert_eq!(b.permit(3_201).0, Permit::Call);
+        assert_eq!(b.permit(&p, 10_000, 3_201).0, Permit::Call);
         assert_eq!(b.opens(), 2);
+    }
+
+    #[test]
+    fn a_hung_trial_fails_once_it_is_overdue() {
+        let p = policy();
+        let mut b = Breaker::new(&p);
+        for _ in 0..3 {
+            b.ended(&p, false, fail(), 0);
+        }
+        assert_eq!(b.permit(&p, 600, 1_000).0, Permit::Trial);
+        // Others wait until the trial would be overdue.
+        assert_eq!(
+            b.permit(&p, 600, 1_200).0,
+            Permit::Wait {
+                next_call_at_ms: 1_601
+            }
+        );
+        // Overdue: the trial failed, open again for the doubled cool-down.
+        let (permit, t) = b.permit(&p, 600, 1_601);
+        assert_eq!(t.unwrap().open_until_ms, Some(3_601));
+        assert_eq!(
+            permit,
+            Permit::Wait {
+                next_call_at_ms: 3_601
+            }
+        );
+        // Its late end does not move the breaker.
+        assert_eq!(b.ended(&p, true, Verdict::Success, 2_000), None);
+        assert_eq!(b.state(), BreakerState::Open);
     }
 
     #[test]
@@ -446,7 +499,15 @@ mod tests {
                     Ev::Ask(dt) => {
                         now += dt as i64;
                         let before = b.clone();
-                        let (permit, _) = b.permit(now);
+                        let (permit, t) = b.permit(&p, 3_000, now);
+                        if let Some(t) = t.filter(|t| t.to == BreakerState::Open) {
+                            // The running trial was overdue (hung): it failed.
+                            prop_assert!(trial_running);
+                            prop_assert_eq!(before.state(), BreakerState::HalfOpen);
+                            trial_running = false;
+                            opens += 1;
+                            prop_assert!(t.open_until_ms.unwrap() >= now + p.cool_down_ms as i64);
+                        }
                         match permit {
                             Permit::Call => prop_assert_eq!(before.state(), BreakerState::Closed),
                             Permit::Trial => {
@@ -480,10 +541,13 @@ mod tests {
                             if t.to == BreakerState::Open {
                                 opens += 1;
                                 let until = t.open_until_ms.unwrap();
-                                prop_assert!(until >= now + p.cool_down_ms as i64);
-                                prop_assert!(until - now <= (p.max_cool_down_ms as i64).max(dt as i64 * 3));
-                                if let Verdict::Failure { retry_after_ms: Some(ra) } = verdict {
-                                    prop_assert!(until >= now + ra as i64);
+                                match verdict {
+                                    // The server's Retry-After is the cool-down.
+                                    Verdict::Failure { retry_after_ms: Some(ra) } => prop_assert_eq!(until, now + ra as i64),
+                                    _ => {
+                                        prop_assert!(until >= now + p.cool_down_ms as i64);
+                                        prop_assert!(until - now <= p.max_cool_down_ms as i64);
+                                    }
                                 }
                             }
                             if t.to == BreakerState::Closed {

@@ -40,13 +40,19 @@ impl Breakers {
         self.mirror(key, b);
     }
 
-    /// May a call to `key` start at `now_ms`?
-    pub(crate) fn permit(self: &Arc<Self>, key: &str, now_ms: i64) -> (Permit, Option<Trial>) {
+    /// May a call to `key` start at `now_ms`? `trial_limit_ms`: how long a half-open trial
+    /// may run before it counts as hung (failed).
+    pub(crate) fn permit(
+        self: &Arc<Self>,
+        key: &str,
+        trial_limit_ms: u64,
+        now_ms: i64,
+    ) -> (Permit, Option<Trial>) {
         let mut map = self.map.lock().expect("breakers");
         let b = map
             .entry(key.to_owned())
             .or_insert_with(|| Breaker::new(&self.policy));
-        let (permit, t) = b.permit(now_ms);
+        let (permit, t) = b.permit(&self.policy, trial_limit_ms, now_ms);
         self.transition(key, b, t);
         let trial = (permit == Permit::Trial).then(|| Trial {
             breakers: self.clone(),

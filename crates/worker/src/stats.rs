@@ -643,6 +643,30 @@ mod tests {
     }
 
     #[test]
+    fn breakers_are_a_gauge_and_a_counter_per_backend_and_readyz_backends() {
+        use lastcall_core::breaker::BreakerState;
+        let stats = Arc::new(WorkerStats::default());
+        let view = |state, opens| BreakerView { state, opens };
+        (stats.breakers.lock().unwrap()).insert("openai".into(), view(BreakerState::Open, 3));
+        (stats.breakers.lock().unwrap()).insert("sim".into(), view(BreakerState::Closed, 0));
+        let text = exposition(WorkerCollector(stats.clone()));
+        for line in [
+            "# TYPE lastcall_worker_breaker_state gauge",
+            "lastcall_worker_breaker_state{backend=\"openai\"} 2",
+            "lastcall_worker_breaker_state{backend=\"sim\"} 0",
+            "# TYPE lastcall_worker_breaker_opens_total counter",
+            "lastcall_worker_breaker_opens_total{backend=\"openai\"} 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        let backends = stats.backends();
+        assert_eq!(backends["openai"], "open");
+        assert_eq!(backends["sim"], "closed");
+        // An open breaker is degraded, not a failed readiness check.
+        assert!(stats.readiness().iter().all(|(n, _)| *n != "openai"));
+    }
+
+    #[test]
     fn histogram_buckets_are_cumulative_in_seconds() {
         let stats = Arc::new(WorkerStats::default());
         for v in [-5, 10, 11, 100, 5_000, 60_001] {

@@ -126,8 +126,14 @@ fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -
     if job.trial.is_some() {
         return Gate::Go(w, permit);
     }
-    let key = ctx.breaker_key(w.env().kind().as_str());
-    match ctx.breakers.permit(key, now) {
+    let kind = w.env().kind().as_str();
+    let key = ctx.breaker_key(kind);
+    // A trial running past the hang limit of the kind's completed calls has failed.
+    let policy = ctx.breakers.policy();
+    let trial_limit = (ctx.completed_p99(kind, now)).map_or(policy.cool_down_ms, |p99| {
+        p99.max(1).saturating_mul(policy.hang_factor)
+    });
+    match ctx.breakers.permit(key, trial_limit, now) {
         (Permit::Call, _) => Gate::Go(w, permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
