@@ -124,6 +124,13 @@ pub trait Backend: Send + Sync {
     /// A short name for logs and metrics (`sim`, `openai`, `local`).
     fn name(&self) -> &str;
 
+    /// The name of the backend that calls of `kind` go to, when this one routes kinds to
+    /// several (the worker keeps a circuit breaker per route); `None`: this one.
+    fn route_of(&self, kind: &str) -> Option<&str> {
+        let _ = kind;
+        None
+    }
+
     /// Run one call. Must return promptly with [`BackendError::Cancelled`] once `cancel`
     /// fires, and must not run past `req.timeout`.
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_>;

@@ -193,6 +193,10 @@ impl Backend for RoutedBackend {
         "routed"
     }
 
+    fn route_of(&self, kind: &str) -> Option<&str> {
+        self.backend_for(kind)
+    }
+
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
         self.routed(req, cancel, None)
     }

@@ -671,6 +671,28 @@ pub struct WorkerArgs {
     /// model call)
     #[arg(long, env = "LASTCALL_CONSUMER_TIMEOUT_MS", value_name = "MS")]
     pub consumer_timeout_ms: Option<u64>,
+    /// Consecutive server-side failures of a model server (connect errors, 5xx, a 429
+    /// without Retry-After, hung calls) that open its circuit breaker: no call goes to it
+    /// until the cool-down ends, then one trial call
+    #[arg(long, env = "LASTCALL_BREAKER_FAILURES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
+    pub breaker_failures: u32,
+    /// The first cool-down of an open circuit breaker (a server's longer Retry-After wins);
+    /// doubled after each failed trial up to --breaker-max-cool-down-ms
+    #[arg(
+        long,
+        env = "LASTCALL_BREAKER_COOL_DOWN_MS",
+        default_value_t = 1_000,
+        value_name = "MS"
+    )]
+    pub breaker_cool_down_ms: u64,
+    /// The longest cool-down of an open circuit breaker after repeated failed trials
+    #[arg(
+        long,
+        env = "LASTCALL_BREAKER_MAX_COOL_DOWN_MS",
+        default_value_t = 30_000,
+        value_name = "MS"
+    )]
+    pub breaker_max_cool_down_ms: u64,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]

@@ -271,6 +271,15 @@ impl Waiting {
         })
     }
 
+    /// The model server's circuit breaker is open and no call of this job could start
+    /// before its latest useful start ([`crate::breaker`]): it ends without a call,
+    /// `expired_not_started` with `admission:upstream_unavailable`, checked at `now_ms`.
+    pub fn upstream_unavailable(mut self, policy: &WorkerPolicy, now_ms: i64) -> Settle {
+        self.facts.checked_at_ms = Some(now_ms);
+        let d = policy.upstream_unavailable();
+        settle(Ok(self.env), self.facts, d)
+    }
+
     /// Its cancellation was requested while it waited: `cancelled`, no call.
     pub fn cancel(self) -> Settle {
         settle(Ok(self.env), self.facts, cancelled())
@@ -476,6 +485,7 @@ impl Calling {
         mut self,
         policy: &WorkerPolicy,
         mut result: CallResult,
+        learned_ms: Option<u64>,
         now_ms: i64,
         jitter: f64,
     ) -> CallEnded {
@@ -495,7 +505,8 @@ impl Calling {
                 ack_window::margin_ms(ct)
             ));
         }
-        let d = policy.on_call_result(&self.env, self.facts.attempt, &result, now_ms, jitter);
+        let attempt = self.facts.attempt;
+        let d = policy.on_call_result(&self.env, attempt, &result, learned_ms, now_ms, jitter);
         CallEnded {
             result,
             note,

@@ -234,6 +234,15 @@ impl WorkerPolicy {
         self.dispatch == DispatchPolicy::Deadline
     }
 
+    /// The model server's breaker is open past the job's latest useful start: it ends
+    /// without a call (`admission:upstream_unavailable`).
+    pub fn upstream_unavailable(&self) -> Disposition {
+        self.expired(Reason::Refused(
+            Stage::Admission,
+            RefusalCause::UpstreamUnavailable,
+        ))
+    }
+
     fn expired(&self, reason: Reason) -> Disposition {
         let t = Terminal::new(State::ExpiredNotStarted, reason);
         match self.expired_action {
@@ -310,12 +319,16 @@ impl WorkerPolicy {
         }
     }
 
-    /// The model call of `attempt` (0-based) has ended.
+    /// The model call of `attempt` (0-based) has ended. `learned_ms`: the learned call
+    /// time of the job's kind; a retry must leave it (or the job's own minimum runtime)
+    /// after its delay, and a server's `Retry-After` is honoured or the job ends at once
+    /// (`retry:rate_limited`).
     pub fn on_call_result(
         &self,
         env: &Envelope,
         attempt: u32,
         result: &CallResult,
+        learned_ms: Option<u64>,
         now_ms: i64,
         jitter: f64,
     ) -> Disposition {
@@ -341,10 +354,11 @@ impl WorkerPolicy {
                 retry_after_ms,
                 ..
             } => {
+                let (min_runtime_ms, _) = self.min_runtime(env, learned_ms);
                 match self.retry.decide_after(
                     attempt,
                     env.deadline(),
-                    env.min_runtime_ms,
+                    min_runtime_ms,
                     &self.admission,
                     now_ms,
                     jitter,
@@ -363,6 +377,9 @@ impl WorkerPolicy {
                     },
                     RetryDecision::WouldOvershoot { .. } => {
                         self.expired(Reason::Refused(Stage::Retry, RefusalCause::WouldOvershoot))
+                    }
+                    RetryDecision::RateLimited { .. } => {
+                        self.expired(Reason::Refused(Stage::Retry, RefusalCause::RateLimited))
                     }
                     RetryDecision::Exhausted => Disposition::RecordThenDeadLetter(Terminal::new(
                         State::Failed,
@@ -523,7 +540,7 @@ mod tests {
             Receipt::Settle(Disposition::AckDuplicate)
         );
         assert_eq!(
-            p.on_call_result(&env(10_000), 0, &CallResult::Cancelled, 1_000, 0.0),
+            p.on_call_result(&env(10_000), 0, &CallResult::Cancelled, None, 1_000, 0.0),
             Disposition::RecordThenAck(Terminal::new(State::Cancelled, Reason::CancelRequested))
         );
         let bad = Envelope::parse(b"nope", &EnvelopeLimits::default(), 0);
@@ -668,14 +685,14 @@ mod tests {
         let p = policy();
         let e = env(100_000);
         assert!(matches!(
-            p.on_call_result(&e, 0, &CallResult::Completed, 0, 0.5),
+            p.on_call_result(&e, 0, &CallResult::Completed, None, 0, 0.5),
             Disposition::RecordThenAck(Terminal {
                 state: State::Completed,
                 ..
             })
         ));
         assert!(matches!(
-            p.on_call_result(&e, 0, &CallResult::DeadlineExceeded, 0, 0.5),
+            p.on_call_result(&e, 0, &CallResult::DeadlineExceeded, None, 0, 0.5),
             Disposition::RecordThenAck(Terminal {
                 state: State::DeadlineExceeded,
                 ..
@@ -687,7 +704,7 @@ mod tests {
             retry_after_ms: None,
         };
         assert_eq!(
-            p.on_call_result(&e, 0, &terminal, 0, 0.5),
+            p.on_call_result(&e, 0, &terminal, None, 0, 0.5),
             Disposition::RecordThenDeadLetter(Terminal::new(
                 State::Failed,
                 Reason::Backend("http_400".into())
@@ -699,21 +716,21 @@ mod tests {
             retry_after_ms: None,
         };
         assert!(matches!(
-            p.on_call_result(&e, 0, &retryable, 0, 0.5),
+            p.on_call_result(&e, 0, &retryable, None, 0, 0.5),
             Disposition::Retry {
                 next_attempt: 1,
                 ..
             }
         ));
         assert_eq!(
-            p.on_call_result(&e, 2, &retryable, 0, 0.5),
+            p.on_call_result(&e, 2, &retryable, None, 0, 0.5),
             Disposition::RecordThenDeadLetter(Terminal::new(
                 State::Failed,
                 Reason::RetriesExhausted
             ))
         );
         assert_eq!(
-            p.on_call_result(&env(1_500), 0, &retryable, 1_000, 0.5),
+            p.on_call_result(&env(1_500), 0, &retryable, None, 1_000, 0.5),
             p.expired(Reason::Refused(Stage::Retry, RefusalCause::WouldOvershoot))
         );
     }
@@ -747,7 +764,7 @@ mod tests {
                 prop_assert!(now + unc as i64 + (min_rt as i64) <= expires);
             }
             let r = CallResult::Failed { retryable: true, reason: Reason::Backend("x".into()), retry_after_ms: None };
-            if let Disposition::Retry { delay_ms, ttl_ms, .. } = p.on_call_result(&e, attempt, &r, now, jitter) {
+            if let Disposition::Retry { delay_ms, ttl_ms, .. } = p.on_call_result(&e, attempt, &r, None, now, jitter) {
                 prop_assert!(now + delay_ms as i64 + unc as i64 + min_rt as i64 <= expires);
                 prop_assert!(ttl_ms as i64 <= expires - now);
             }

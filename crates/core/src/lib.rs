@@ -10,6 +10,7 @@
 //! - [`envelope`]: the v1 job envelope (CONTRACT §1) with validation reasons that name the field.
 //! - [`deadline`]: the immutable absolute deadline, the remaining budget and the broker TTL.
 //! - [`admission`]: the last admission check before a model call.
+//! - [`breaker`]: the circuit breaker per model server (closed, open, half-open).
 //! - [`retry`]: exponential backoff with jitter, clipped to the deadline.
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
 //! - [`delivery`]: the life of one delivery as a state machine over those decisions.
@@ -28,6 +29,7 @@
 pub mod ack_plan;
 pub mod ack_window;
 pub mod admission;
+pub mod breaker;
 pub mod deadletter;
 pub mod deadline;
 pub mod delivery;

@@ -24,6 +24,13 @@ pub enum RefusalCause {
     ExpectedWaitExceedsBudget,
     /// The retry's delay would end past the useful start (`would_overshoot`).
     WouldOvershoot,
+    /// The model server's circuit breaker is open and the job's budget does not outlast
+    /// it: no call to a server known to be down (`upstream_unavailable`, issue #32).
+    UpstreamUnavailable,
+    /// The server's `Retry-After` plus the learned call time does not fit the remaining
+    /// budget (or is longer than the longest retry queue): no retry earlier than the
+    /// server asked, no wait that cannot end in a useful call (`rate_limited`).
+    RateLimited,
 }
 
 impl RefusalCause {
@@ -34,6 +41,8 @@ impl RefusalCause {
             RefusalCause::BelowLearnedRuntime => "below_learned_runtime",
             RefusalCause::ExpectedWaitExceedsBudget => "expected_wait_exceeds_budget",
             RefusalCause::WouldOvershoot => "would_overshoot",
+            RefusalCause::UpstreamUnavailable => "upstream_unavailable",
+            RefusalCause::RateLimited => "rate_limited",
         }
     }
 }
@@ -203,6 +212,14 @@ mod tests {
             (
                 Reason::Refused(Stage::Retry, C::WouldOvershoot),
                 "retry:would_overshoot",
+            ),
+            (
+                Reason::Refused(Stage::Admission, C::UpstreamUnavailable),
+                "admission:upstream_unavailable",
+            ),
+            (
+                Reason::Refused(Stage::Retry, C::RateLimited),
+                "retry:rate_limited",
             ),
             (
                 Reason::Refused(Stage::Publish, C::DeadlinePassed),

@@ -48,6 +48,10 @@ pub enum RetryDecision {
     },
     /// The backoff plus minimum runtime would overshoot the deadline: the retry is not made.
     WouldOvershoot { delay_ms: u64 },
+    /// The server's `Retry-After` cannot be honoured inside the deadline: its wait plus the
+    /// minimum runtime overshoots, or no retry queue waits that long (a retry from a
+    /// shorter queue would come earlier than the server asked). The retry is not made.
+    RateLimited { retry_after_ms: u64 },
     /// All attempts are used up.
     Exhausted,
 }
@@ -113,8 +117,10 @@ impl RetryPolicy {
     }
 
     /// [`decide`](Self::decide) with a server's `Retry-After`: the retry waits at least
-    /// `min_delay_ms` (the shortest queue that long, capped by the longest queue), and is
-    /// only made if that wait still fits inside the deadline.
+    /// `min_delay_ms` (the shortest queue that long), and is only made if that wait still
+    /// fits inside the deadline. It never comes earlier than `min_delay_ms`: when no queue
+    /// waits that long, or the wait plus `min_runtime_ms` overshoots, the decision is
+    /// [`RetryDecision::RateLimited`] (when `min_delay_ms` > 0).
     #[allow(clippy::too_many_arguments)]
     pub fn decide_after(
         &self,
@@ -130,6 +136,12 @@ impl RetryPolicy {
         if attempt.saturating_add(1) >= self.max_attempts {
             return RetryDecision::Exhausted;
         }
+        let longest = self.queue_delays_ms[self.queue_delays_ms.len() - 1];
+        if min_delay_ms > longest {
+            return RetryDecision::RateLimited {
+                retry_after_ms: min_delay_ms,
+            };
+        }
         let queue_index = self.queue_for(self.backoff_ms(attempt, jitter).max(min_delay_ms));
         let delay_ms = self.queue_delays_ms[queue_index];
         let start_at = now_ms.saturating_add(delay_ms as i64);
@@ -137,6 +149,11 @@ impl RetryPolicy {
             .check(deadline, min_runtime_ms, start_at)
             .is_admitted()
         {
+            if min_delay_ms > 0 {
+                return RetryDecision::RateLimited {
+                    retry_after_ms: min_delay_ms,
+                };
+            }
             return RetryDecision::WouldOvershoot { delay_ms };
         }
         match deadline.broker_ttl_ms(now_ms) {
@@ -210,7 +227,24 @@ mod tests {
         // Retry-After 10 s → the 30 s queue, which overshoots a 20 s deadline: no retry.
         assert_eq!(
             p.decide_after(0, d, None, &a, 0, 0.5, 10_000),
-            RetryDecision::WouldOvershoot { delay_ms: 30_000 }
+            RetryDecision::RateLimited {
+                retry_after_ms: 10_000
+            }
+        );
+        // Retry-After 60 s: no queue waits that long; the 30 s queue would come too early.
+        let far = Deadline::new(0, 600_000);
+        assert_eq!(
+            p.decide_after(0, far, None, &a, 0, 0.5, 60_000),
+            RetryDecision::RateLimited {
+                retry_after_ms: 60_000
+            }
+        );
+        // Retry-After 4 s → the 5 s queue; with a learned 16 s call it no longer fits 20 s.
+        assert_eq!(
+            p.decide_after(0, d, Some(16_000), &a, 0, 0.5, 4_000),
+            RetryDecision::RateLimited {
+                retry_after_ms: 4_000
+            }
         );
     }
 
@@ -231,7 +265,34 @@ mod tests {
                     prop_assert_eq!(next_attempt, attempt + 1);
                 }
                 RetryDecision::Exhausted => prop_assert!(attempt >= max_attempts - 1),
-                RetryDecision::WouldOvershoot { .. } => {}
+                RetryDecision::WouldOvershoot { .. } | RetryDecision::RateLimited { .. } => {}
+            }
+        }
+
+        /// With a server's Retry-After: a retry never comes earlier than it asked, and
+        /// always leaves the minimum runtime before the deadline; otherwise it is refused
+        /// as rate limited.
+        #[test]
+        fn a_retry_never_comes_before_retry_after(
+            attempt in 0u32..5, now in 0i64..100_000, expires in 0i64..200_000,
+            min_rt in 0u64..5_000, jitter in 0.0f64..1.0, ra in 1u64..60_000,
+        ) {
+            let p = RetryPolicy::new(6, 500, vec![1_000, 5_000, 30_000]).unwrap();
+            let a = AdmissionPolicy { clock_uncertainty_ms: 0, default_min_runtime_ms: 0 };
+            let d = Deadline::new(0, expires);
+            match p.decide_after(attempt, d, Some(min_rt), &a, now, jitter, ra) {
+                RetryDecision::Retry { delay_ms, .. } => {
+                    prop_assert!(delay_ms >= ra);
+                    prop_assert!(now + delay_ms as i64 + min_rt as i64 <= expires);
+                }
+                RetryDecision::RateLimited { retry_after_ms } => {
+                    prop_assert_eq!(retry_after_ms, ra);
+                    let q = p.queue_delays_ms.iter().find(|q| **q >= ra.max(p.backoff_ms(attempt, jitter)));
+                    let fits = q.is_some_and(|q| now + *q as i64 + min_rt.max(1) as i64 <= expires);
+                    prop_assert!(!fits || ra > 30_000);
+                }
+                RetryDecision::WouldOvershoot { .. } => prop_assert!(false, "a Retry-After refusal is named rate_limited"),
+                RetryDecision::Exhausted => prop_assert!(attempt + 1 >= 6),
             }
         }
 

@@ -596,6 +596,14 @@ impl ServiceTimes {
         })
     }
 
+    /// The estimate of `key` from its completed calls alone (cut calls left out): what a
+    /// call takes when the server answers. The circuit breaker ([`crate::breaker`]) calls a
+    /// cut call a hang when its budget was far past this.
+    pub fn completed_estimate(&self, key: &str, now_ms: i64) -> Option<Estimate> {
+        (self.keys.get(key))
+            .and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, false))
+    }
+
     /// A job of `key` with `room_ms` for its call is refused by the learned estimate alone
     /// although a slot is free: may it run as a *probe* (half-open), to find out whether
     /// the estimate is stale? Only when the refusal rests on calls cut at the deadline

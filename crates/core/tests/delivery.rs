@@ -161,7 +161,7 @@ impl Run {
             (Phase::Admitted(a), Ev::Lost) => Phase::Admitted(a.channel_lost()),
             (Phase::Admitted(a), Ev::Shutdown) => self.finish(a.shutdown()),
             (Phase::Calling(c), Ev::CallEnded(result)) => {
-                let ended = c.call_ended(p, result, now, 0.5);
+                let ended = c.call_ended(p, result, None, now, 0.5);
                 if let Some(n) = &ended.note {
                     self.steps
                         .push(format!("note({})", &n[..n.find(':').unwrap_or(n.len())]));
@@ -891,7 +891,7 @@ fn the_facts_carry_the_instants_the_ledger_records() {
         panic!("called");
     };
     assert_eq!(c.budget_ms(), 6_800);
-    let ended = c.call_ended(&p, CallResult::Completed, 4_000, 0.0);
+    let ended = c.call_ended(&p, CallResult::Completed, None, 4_000, 0.0);
     let Settle::Record(r) = ended.settle else {
         panic!("recorded");
     };

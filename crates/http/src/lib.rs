@@ -239,7 +239,7 @@ pub fn metrics_app(source: MetricsSource) -> Router {
         .route(
             "/readyz",
             get(|State(s): State<Arc<MetricsSource>>| async move {
-                readiness(source_checks(&s).await)
+                readiness_with(source_checks(&s).await, s.backends())
             }),
         )
         .with_state(Arc::new(source))
@@ -275,7 +275,7 @@ async fn serve_readyz(State(state): State<Arc<AppState>>) -> Response {
     .await;
     checks.push(("ledger", matches!(ledger, Ok(Ok(_)))));
     checks.extend(source_checks(&state.metrics).await);
-    readiness(checks)
+    readiness_with(checks, state.metrics.backends())
 }
 
 /// Readiness of what a [`MetricsSource`] holds (registered with
@@ -285,8 +285,12 @@ async fn source_checks(s: &MetricsSource) -> Vec<(&'static str, bool)> {
     s.checks()
 }
 
-/// `200 {"ready": true, …}` when every check passes, else `503` naming what is down.
-fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
+/// `200 {"ready": true, …}` when every check passes, else `503` naming what is down;
+/// `backends`: the worker's model servers by breaker state (degraded, never a failure).
+fn readiness_with(
+    checks: Vec<(&'static str, bool)>,
+    backends: std::collections::BTreeMap<String, String>,
+) -> Response {
     let down: Vec<&str> = checks
         .iter()
         .filter(|(_, ok)| !ok)
@@ -296,6 +300,8 @@ fn readiness(checks: Vec<(&'static str, bool)>) -> Response {
         ready: down.is_empty(),
         checks: checks.iter().copied().collect(),
         down,
+        degraded: backends.values().any(|s| s != "closed"),
+        backends,
     };
     let status = if body.ready {
         axum::http::StatusCode::OK

@@ -65,6 +65,8 @@ impl HttpStats {
 
 /// A readiness check: `(name, ok)` pairs read at each `/readyz`.
 type ReadyCheck = Box<dyn Fn() -> Vec<(&'static str, bool)> + Send + Sync>;
+/// The model servers' breaker states (`/readyz`'s `backends`).
+type BackendsCheck = Box<dyn Fn() -> std::collections::BTreeMap<String, String> + Send + Sync>;
 
 /// What `/metrics` renders and `/readyz` checks: this process's registry, its readiness
 /// checks, and the parts read at each scrape (queue depths, ledger counts). Every part is
@@ -73,6 +75,7 @@ type ReadyCheck = Box<dyn Fn() -> Vec<(&'static str, bool)> + Send + Sync>;
 pub struct MetricsSource {
     registry: Registry,
     checks: Vec<ReadyCheck>,
+    backends: Vec<BackendsCheck>,
     /// Broker queue depths, read at each scrape.
     pub depth: Option<DepthProbe>,
     /// Jobs by state and late outcomes, counted at each scrape.
@@ -105,6 +108,21 @@ impl MetricsSource {
     ) -> Self {
         self.checks.push(Box::new(check));
         self
+    }
+
+    /// A worker's model servers by circuit breaker state (e.g. `WorkerStats::backends`),
+    /// read at each `/readyz` (its `backends` field; degraded, never a failed check).
+    pub fn with_backends(
+        mut self,
+        f: impl Fn() -> std::collections::BTreeMap<String, String> + Send + Sync + 'static,
+    ) -> Self {
+        self.backends.push(Box::new(f));
+        self
+    }
+
+    /// Every registered component's model servers by breaker state.
+    pub fn backends(&self) -> std::collections::BTreeMap<String, String> {
+        self.backends.iter().flat_map(|f| f()).collect()
     }
 
     /// The HTTP ingress counters.

@@ -351,6 +351,14 @@ pub struct Readiness {
     /// The checks that fail (e.g. broker, broker_alarm, ledger, events_follower, dead_letter_processor)
     pub down: Vec<&'static str>,
     pub checks: std::collections::BTreeMap<&'static str, bool>,
+    /// A worker's model servers (backend, or route) by their circuit breaker's state:
+    /// `closed`, `half_open` or `open`. An open breaker is degraded, not a failed check:
+    /// the worker keeps its jobs waiting or ends them without a call.
+    #[serde(skip_serializing_if = "std::collections::BTreeMap::is_empty")]
+    pub backends: std::collections::BTreeMap<String, String>,
+    /// Some backend's breaker is not closed.
+    #[serde(skip_serializing_if = "std::ops::Not::not")]
+    pub degraded: bool,
 }
 
 // A job's record as the ledger holds it: `lastcall_store::JobRecord` (CONTRACT §3) as it

@@ -83,6 +83,8 @@ impl Startup {
                     ready: false,
                     checks: WAITING.iter().map(|w| (*w, !waiting.contains(w))).collect(),
                     down: waiting,
+                    backends: Default::default(),
+                    degraded: false,
                 };
                 (
                     axum::http::StatusCode::SERVICE_UNAVAILABLE,

@@ -56,9 +56,26 @@ pub(crate) struct Ctx {
     /// broadcast (`{prefix}.control`) fires the token, which ends the wait or aborts the
     /// call. The count is the deliveries sharing it.
     pub(crate) cancels: Mutex<HashMap<String, (CancellationToken, usize)>>,
+    /// The circuit breaker of each model server (backend, or route).
+    pub(crate) breakers: Arc<crate::breakers::Breakers>,
 }
 
 impl Ctx {
+    /// The circuit breaker key of a kind: the backend its calls go to (the route's backend
+    /// when kinds are routed).
+    pub(crate) fn breaker_key<'a>(&'a self, kind: &str) -> &'a str {
+        self.backend.route_of(kind).unwrap_or(self.backend.name())
+    }
+
+    /// The learned p99 of `kind`'s completed calls (cut calls left out).
+    pub(crate) fn completed_p99(&self, kind: &str, now_ms: i64) -> Option<u64> {
+        let key = self.service_key(kind);
+        let service = self.service.lock().expect("service times lock");
+        service
+            .completed_estimate(&key, now_ms)
+            .map(|e| e.quantile_ms)
+    }
+
     /// The estimator key of a kind: one backend per worker (or per kind when routed).
     fn service_key(&self, kind: &str) -> String {
         format!("{kind}|{}", self.backend.name())

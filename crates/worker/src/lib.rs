@@ -24,6 +24,7 @@
 //! [`shed`], [`cancel`]) so that existing callers keep their paths. New code imports them
 //! from their own crates.
 
+mod breakers;
 mod ctx;
 pub mod dlq;
 pub mod events;

@@ -68,6 +68,8 @@ pub struct WorkerConfig {
     /// ([`lastcall_core::ack_window`]). `None`: unknown, the job's budget alone decides and a
     /// broker that closes the channel is survived like any lost channel.
     pub consumer_timeout: Option<Duration>,
+    /// The circuit breaker of each model server ([`lastcall_core::breaker`]).
+    pub breaker: lastcall_core::breaker::BreakerPolicy,
 }
 
 impl WorkerConfig {
@@ -89,6 +91,7 @@ impl WorkerConfig {
             buffer_order: BufferOrder::default(),
             signing_key: None,
             consumer_timeout: None,
+            breaker: Default::default(),
         }
     }
 }
@@ -148,7 +151,9 @@ impl Worker {
             clock.clone(),
         );
         let names_events = cfg.topology.names.events_exchange.clone();
+        let breakers = Arc::new(crate::breakers::Breakers::new(cfg.breaker, stats.clone()));
         let ctx = Ctx {
+            breakers,
             door,
             service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(
                 ServiceTimeConfig::default(),
@@ -169,6 +174,8 @@ impl Worker {
             cancels: std::sync::Mutex::default(),
         };
         (ctx.stats.metrics).attach(ctx.slots.clone(), ctx.cfg.prefetch);
+        // The backend (or default route) shows in /readyz and /metrics before its first call.
+        ctx.breakers.register(ctx.breaker_key(""));
         ctx.learn_from_ledger().await;
         Ok(Self {
             ctx: Arc::new(ctx),

@@ -56,6 +56,17 @@ pub struct WorkerStats {
     pub task_panics: AtomicU64,
     /// Histograms, labelled outcomes and slot gauges for `/metrics`.
     pub metrics: WorkerMetrics,
+    /// The circuit breaker of each model server (backend, or route), mirrored at every
+    /// change for `/metrics` and `/readyz`.
+    pub breakers: Mutex<BTreeMap<String, BreakerView>>,
+}
+
+/// A model server's circuit breaker as `/metrics` and `/readyz` show it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct BreakerView {
+    pub state: lastcall_core::breaker::BreakerState,
+    /// Times it opened.
+    pub opens: u64,
 }
 
 impl WorkerStats {
@@ -85,6 +96,15 @@ impl WorkerStats {
 
     /// What `/readyz` reports for a worker: its consuming connection, the ledger, and the
     /// retry publisher's own connection.
+    /// Each model server's circuit breaker state (`closed`, `half_open`, `open`), for the
+    /// `backends` field of `/readyz`: an open breaker is degraded, not a failed check.
+    pub fn backends(&self) -> BTreeMap<String, String> {
+        let view = self.breakers.lock().expect("breaker view");
+        (view.iter())
+            .map(|(k, v)| (k.clone(), v.state.as_str().to_owned()))
+            .collect()
+    }
+
     pub fn readiness(&self) -> Vec<(&'static str, bool)> {
         vec![
             ("broker", self.broker_connected.load(Ordering::Relaxed)),
@@ -361,8 +381,34 @@ impl Collector for WorkerCollector {
         let w = &*self.0;
         encode_counters(w, &mut enc)?;
         encode_gauges(w, &mut enc)?;
+        encode_breakers(w, &mut enc)?;
         encode_distributions(&w.metrics, &mut enc)
     }
+}
+
+/// Each model server's breaker: its state (0 closed, 1 half-open, 2 open) and its opens.
+fn encode_breakers(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
+    let view: Vec<(String, BreakerView)> = (w.breakers.lock().expect("breaker view").iter())
+        .map(|(k, v)| (k.clone(), *v))
+        .collect();
+    labelled(
+        enc,
+        "lastcall_worker_breaker_state",
+        "Circuit breaker of each model server: 0 closed, 1 half-open, 2 open",
+        "backend",
+        view.iter()
+            .map(|(k, v)| (k.clone(), ConstGauge::new(v.state.gauge()))),
+        prometheus_client::metrics::MetricType::Gauge,
+    )?;
+    labelled(
+        enc,
+        "lastcall_worker_breaker_opens",
+        "Times each model server's circuit breaker opened",
+        "backend",
+        view.iter()
+            .map(|(k, v)| (k.clone(), ConstCounter::new(v.opens))),
+        prometheus_client::metrics::MetricType::Counter,
+    )
 }
 
 /// The worker's plain counters (`lastcall_worker_*_total`).
@@ -594,6 +640,30 @@ mod tests {
         let only = BoundedLabels::only(&["a"]);
         assert_eq!(&*only.label("a"), "a");
         assert_eq!(&*only.label("b"), "other");
+    }
+
+    #[test]
+    fn breakers_are_a_gauge_and_a_counter_per_backend_and_readyz_backends() {
+        use lastcall_core::breaker::BreakerState;
+        let stats = Arc::new(WorkerStats::default());
+        let view = |state, opens| BreakerView { state, opens };
+        (stats.breakers.lock().unwrap()).insert("openai".into(), view(BreakerState::Open, 3));
+        (stats.breakers.lock().unwrap()).insert("sim".into(), view(BreakerState::Closed, 0));
+        let text = exposition(WorkerCollector(stats.clone()));
+        for line in [
+            "# TYPE lastcall_worker_breaker_state gauge",
+            "lastcall_worker_breaker_state{backend=\"openai\"} 2",
+            "lastcall_worker_breaker_state{backend=\"sim\"} 0",
+            "# TYPE lastcall_worker_breaker_opens_total counter",
+            "lastcall_worker_breaker_opens_total{backend=\"openai\"} 3",
+        ] {
+            assert!(text.lines().any(|l| l == line), "{line} in\n{text}");
+        }
+        let backends = stats.backends();
+        assert_eq!(backends["openai"], "open");
+        assert_eq!(backends["sim"], "closed");
+        // An open breaker is degraded, not a failed readiness check.
+        assert!(stats.readiness().iter().all(|(n, _)| *n != "openai"));
     }
 
     #[test]

@@ -376,6 +376,10 @@ pub async fn install_worker_metrics(
             let stats = stats.clone();
             move || stats.readiness()
         })
+        .with_backends({
+            let stats = stats.clone();
+            move || stats.backends()
+        })
         .with_collector(WorkerCollector(stats))
         .with_collector(ledger)
         .with_depth(DepthProbe::new(

@@ -245,6 +245,12 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
     }
     cfg.shutdown_grace = Duration::from_millis(a.shutdown_grace_ms);
     cfg.consumer_timeout = consumer_timeout(a.consumer_timeout_ms, limits.horizon_ms);
+    cfg.breaker = lastcall_core::breaker::BreakerPolicy {
+        failures_to_open: a.breaker_failures,
+        cool_down_ms: a.breaker_cool_down_ms,
+        max_cool_down_ms: a.breaker_max_cool_down_ms.max(a.breaker_cool_down_ms),
+        ..Default::default()
+    };
     cfg.clock_sync = a
         .clock_sync
         .parse::<ClockSyncMode>()

@@ -57,6 +57,8 @@ pub(crate) struct Job {
     probe: Option<crate::ctx::Probe>,
     /// The request's size from its payload, for the request-aware call-time estimate.
     size: Option<RequestSize>,
+    /// Set when this job's call is its model server's half-open breaker trial.
+    trial: Option<crate::breakers::Trial>,
 }
 
 impl Job {
@@ -134,6 +136,7 @@ pub(crate) async fn handle(
         prior_starts: 0,
         probe: None,
         size,
+        trial: None,
     };
     drive(ctx, job, received).instrument(span).await;
 }

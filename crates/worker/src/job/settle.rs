@@ -9,6 +9,7 @@ use crate::slots::SlotPermit;
 use crate::stats::WorkerStats;
 use lastcall_broker::PublishProps;
 use lastcall_core::CallResult;
+use lastcall_core::breaker::Verdict;
 use lastcall_core::delivery::{Calling, Finish, PublishFailed, Publishing, Recording, Settle};
 use lastcall_core::service_time::ProbeEnd;
 use lastcall_store::LedgerWrite;
@@ -40,6 +41,9 @@ pub(crate) async fn call_and_settle(
         }
         None => None,
     };
+    // What the kind's completed calls take, before this one: a call cut at the deadline
+    // far past it is a hung server for the circuit breaker.
+    let p99_before = ctx.completed_p99(c.env().kind().as_str(), ctx.clock.now_ms());
     let mut call = call_backend(
         ctx,
         c.env(),
@@ -63,8 +67,14 @@ pub(crate) async fn call_and_settle(
         c
     };
     let now = ctx.clock.now_ms();
-    let ended = c.call_ended(&ctx.cfg.policy, call.result.clone(), now, jitter());
+    let learned = job.learned(ctx, &kind, now).map(|e| e.quantile_ms);
+    let ended = c.call_ended(&ctx.cfg.policy, call.result.clone(), learned, now, jitter());
     call.result = ended.result;
+    let verdict = Verdict::of(ctx.breakers.policy(), &call.result, c_budget_ms, p99_before);
+    match job.trial.take() {
+        Some(trial) => trial.ended(verdict, now),
+        None => ctx.breakers.ended(ctx.breaker_key(&kind), verdict, now),
+    }
     if ended.note.is_some() {
         call.error = ended.note;
     }

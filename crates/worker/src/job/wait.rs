@@ -10,6 +10,7 @@ use super::record::learned_note;
 use crate::ctx::{CancelGuard, Ctx};
 use crate::slots::SlotPermit;
 use crate::stats::WorkerStats;
+use lastcall_core::breaker::Permit;
 use lastcall_core::delivery::{
     Admission, Admitted, ClockState, ClockTick, ClockWait, Finish, Settle, WaitTick, Waiting,
 };
@@ -40,7 +41,7 @@ pub(crate) async fn for_slot(
     cancel: &CancelGuard,
 ) -> Waited {
     loop {
-        let (w, permit) = match buffered(ctx, job, waiting, mean_ms, cancel).await {
+        let (w, mut permit) = match buffered(ctx, job, waiting, mean_ms, cancel).await {
             Slotted::Slot(w, permit) => (w, permit),
             Slotted::Settle(s) => return Waited::Settle(s),
             Slotted::Finish(f) => return Waited::Finish(f),
@@ -53,6 +54,21 @@ pub(crate) async fn for_slot(
             ClockState::Untrusted
         };
         let now = ctx.clock.now_ms();
+        // The model server's circuit breaker: no call to a server known to be down.
+        let w = match breaker(ctx, job, w, permit, now) {
+            Gate::Go(w, p) => {
+                permit = p;
+                w
+            }
+            Gate::Settle(s) => return Waited::Settle(s),
+            Gate::Wait(w, next_call_at_ms) => {
+                waiting = match until_breaker(ctx, job, w, next_call_at_ms, cancel).await {
+                    Ok(w) => w,
+                    Err(end) => return end,
+                };
+                continue;
+            }
+        };
         let learned = job.learned(ctx, w.env().kind().as_str(), now);
         // This job holds a free slot: if the estimate alone refuses it, it may probe.
         let learned = job.maybe_probe(ctx, w.env(), learned, true, now);
@@ -88,6 +104,77 @@ pub(crate) async fn for_slot(
             }
         }
     }
+}
+
+/// Whether a job holding a slot may call now.
+#[allow(clippy::large_enum_variant)] // short-lived, moved once
+enum Gate {
+    /// Yes (closed, or this job has the half-open trial).
+    Go(Waiting, SlotPermit),
+    /// Its model server's breaker is open past the job's latest useful start.
+    Settle(Settle),
+    /// Open (or half-open with the trial running) until about this instant: wait without
+    /// the slot.
+    Wait(Waiting, i64),
+}
+
+/// Ask the job's model server's breaker whether its call may go out now. A half-open
+/// breaker's one trial goes to this job (`job.trial`); an open one keeps the job waiting,
+/// without its slot, while its budget still allows a call after the breaker's next
+/// trial, and ends it without a call (`admission:upstream_unavailable`) otherwise.
+fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -> Gate {
+    if job.trial.is_some() {
+        return Gate::Go(w, permit);
+    }
+    let kind = w.env().kind().as_str();
+    let key = ctx.breaker_key(kind);
+    // A trial running past the hang limit of the kind's completed calls has failed.
+    let policy = ctx.breakers.policy();
+    let trial_limit = (ctx.completed_p99(kind, now)).map_or(policy.cool_down_ms, |p99| {
+        p99.max(1).saturating_mul(policy.hang_factor)
+    });
+    match ctx.breakers.permit(key, trial_limit, now) {
+        (Permit::Call, _) => Gate::Go(w, permit),
+        (Permit::Trial, trial) => {
+            job.trial = trial;
+            Gate::Go(w, permit)
+        }
+        (Permit::Wait { next_call_at_ms }, _) => {
+            drop(permit);
+            let learned = job.learned(ctx, w.env().kind().as_str(), now);
+            let latest = w.latest_start_ms(&ctx.cfg.policy, learned.map(|e| e.quantile_ms));
+            if latest.is_some_and(|latest| next_call_at_ms > latest) {
+                tracing::info!(job_id = %job.id, backend = key, next_call_at_ms, "the model server's circuit breaker is open past this job's latest useful start: ending it without a call");
+                return Gate::Settle(w.upstream_unavailable(&ctx.cfg.policy, now));
+            }
+            Gate::Wait(w, next_call_at_ms)
+        }
+    }
+}
+
+/// Hold a job (without a slot) while its model server's breaker is open: until about
+/// `next_call_at_ms`, a change of the breaker, a cancellation, a shutdown or the loss of
+/// the channel. `Ok`: wait for a slot again (and ask the breaker again).
+async fn until_breaker(
+    ctx: &Ctx,
+    job: &Job,
+    waiting: Waiting,
+    next_call_at_ms: i64,
+    cancel: &CancelGuard,
+) -> Result<Waiting, Waited> {
+    let now = ctx.clock.now_ms();
+    let until = Duration::from_millis((next_call_at_ms - now).max(0) as u64 + 1);
+    let changed = ctx.breakers.changed.notified();
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    let end = tokio::select! {
+        _ = tokio::time::sleep(until) => Ok(waiting),
+        _ = changed => Ok(waiting),
+        _ = ctx.shutdown.cancelled() => Err(Waited::Finish(waiting.shutdown())),
+        _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
+        _ = cancel.token.cancelled() => Err(Waited::Settle(waiting.cancel())),
+    };
+    WorkerStats::add(&ctx.stats.waiting, -1);
+    end
 }
 
 /// One wait in the buffer: until a slot, the latest useful start, a cancellation, a
