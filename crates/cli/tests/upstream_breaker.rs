@@ -1,6 +1,6 @@
 //! The circuit breaker per model server and `Retry-After` (issue #32 items 2 and 3),
 //! against a worker with the OpenAI-compatible backend: a fault-injecting chat-completions
-//! server of the test's own (copied from `upstream_faults.rs`), over real HTTP, with real
+//! server of `common::upstream`, over real HTTP, with real
 //! RabbitMQ and the ledger.
 //!
 //! Phases: healthy (150 ms calls); 503s without `Retry-After` → the breaker opens, and
@@ -12,110 +12,15 @@
 
 mod common;
 
+use common::upstream::{FAILING, HANGING, HEALTHY, LIMITED, Upstream};
 use common::*;
 use lastcall_backend::Backend;
 use lastcall_core::breaker::{BreakerPolicy, BreakerState};
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::clock::now_ms;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-const HEALTHY: u8 = 0;
-/// 503 without `Retry-After`.
-const FAILING: u8 = 1;
-const HANGING: u8 = 2;
-/// 429 with `Retry-After: 2`.
-const LIMITED: u8 = 3;
-
-/// The fault server's state: its phase, and what it saw.
-#[derive(Default)]
-struct Upstream {
-    phase: AtomicU8,
-    requests: AtomicU64,
-    answered: AtomicU64,
-    /// When each request arrived.
-    arrivals: Mutex<Vec<Instant>>,
-}
-
-/// Serve `POST /v1/chat/completions` on `listener` as `up.phase` says, until dropped.
-async fn serve(listener: TcpListener, up: Arc<Upstream>) {
-    loop {
-        let Ok((sock, _)) = listener.accept().await else {
-            return;
-        };
-        let up = up.clone();
-        tokio::spawn(async move {
-            let _ = answer(sock, &up).await;
-        });
-    }
-}
-
-/// Read one request (headers and a `Content-Length` body), then answer it.
-async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let body_len = loop {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            break end + 4 + len;
-        }
-    };
-    while buf.len() < body_len {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    up.requests.fetch_add(1, Ordering::SeqCst);
-    up.arrivals.lock().unwrap().push(Instant::now());
-    match up.phase.load(Ordering::SeqCst) {
-        phase @ (FAILING | LIMITED) => {
-            let (status, text, extra) = match phase {
-                FAILING => (503, "Service Unavailable", ""),
-                _ => (429, "Too Many Requests", "Retry-After: 2\r\n"),
-            };
-            let body = r#"{"error":{"message":"the model is busy"}}"#;
-            let resp = format!(
-                "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            sock.write_all(resp.as_bytes()).await?;
-        }
-        HANGING => {
-            // Accepted and never answered; the connection stays open until the client
-            // gives up (cancellation at the deadline closes it).
-            let mut sink = [0u8; 64];
-            while sock.read(&mut sink).await? > 0 {}
-        }
-        _ => {
-            tokio::time::sleep(Duration::from_millis(150)).await;
-            let chunk = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#;
-            let last = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
-            let body = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
-            let resp = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            sock.write_all(resp.as_bytes()).await?;
-            up.answered.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    sock.shutdown().await
-}
 
 /// The worker's one breaker (its backend) as `/metrics` and `/readyz` see it.
 fn breaker(w: &lastcall_worker::stats::WorkerStats) -> (BreakerState, u64) {
@@ -150,10 +55,8 @@ async fn submit_all(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_breaker_opens_on_errors_and_hangs_holds_calls_and_closes_after_recovery() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}/v1", listener.local_addr().unwrap());
     let up = Arc::new(Upstream::default());
-    let server = tokio::spawn(serve(listener, up.clone()));
+    let (base, server) = up.start().await;
 
     let env = Env::sqlite("upstream-breaker").await;
     let backend: Arc<dyn Backend> =
@@ -176,7 +79,7 @@ async fn the_breaker_opens_on_errors_and_hangs_holds_calls_and_closes_after_reco
     assert_eq!(breaker(&w.stats), (BreakerState::Closed, 0));
 
     // 503s: three failures open it.
-    up.phase.store(FAILING, Ordering::SeqCst);
+    up.set(FAILING);
     let failing = submit_all(&s, "failing", 3, 30_000).await;
     until("the breaker opens", Duration::from_secs(10), || {
         breaker(&w.stats).0 == BreakerState::Open
@@ -223,7 +126,7 @@ async fn the_breaker_opens_on_errors_and_hangs_holds_calls_and_closes_after_reco
     );
 
     // Healthy again: the next trial closes it; the jobs that waited complete.
-    up.phase.store(HEALTHY, Ordering::SeqCst);
+    up.set(HEALTHY);
     until("the breaker closes", Duration::from_secs(10), || {
         breaker(&w.stats).0 == BreakerState::Closed
     })
@@ -235,7 +138,7 @@ async fn the_breaker_opens_on_errors_and_hangs_holds_calls_and_closes_after_reco
 
     // A hang: calls cut at a deadline far past the learned call time open it again.
     let opens_before = breaker(&w.stats).1;
-    up.phase.store(HANGING, Ordering::SeqCst);
+    up.set(HANGING);
     let hung = submit_all(&s, "hung", 4, 2_000).await;
     until("a hang opens the breaker", Duration::from_secs(15), || {
         breaker(&w.stats) == (BreakerState::Open, opens_before + 1)
@@ -243,7 +146,7 @@ async fn the_breaker_opens_on_errors_and_hangs_holds_calls_and_closes_after_reco
     .await;
     let recs = env.wait_terminal(&hung, Duration::from_secs(15)).await;
     assert_eq!(recs.len(), hung.len());
-    up.phase.store(HEALTHY, Ordering::SeqCst);
+    up.set(HEALTHY);
     let after = submit_all(&s, "after", 4, 10_000).await;
     let recs = env.wait_terminal(&after, Duration::from_secs(30)).await;
     assert!(recs.iter().all(|r| r.state == "completed"), "{recs:#?}");
@@ -255,10 +158,8 @@ async fn the_breaker_opens_on_errors_and_hangs_holds_calls_and_closes_after_reco
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retry_after_is_honoured_within_the_budget() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}/v1", listener.local_addr().unwrap());
     let up = Arc::new(Upstream::default());
-    let server = tokio::spawn(serve(listener, up.clone()));
+    let (base, server) = up.start().await;
 
     let env = Env::sqlite("retry-after").await;
     let backend: Arc<dyn Backend> =
@@ -269,7 +170,7 @@ async fn retry_after_is_honoured_within_the_budget() {
     let s = env.submitter(100, true).await;
 
     // 429 with Retry-After: 2. A job with 1.5 s cannot wait 2 s: it ends at once.
-    up.phase.store(LIMITED, Ordering::SeqCst);
+    up.set(LIMITED);
     let tight = submit_all(&s, "tight", 1, 1_500).await;
     let recs = env.wait_terminal(&tight, Duration::from_secs(10)).await;
     assert_eq!(recs[0].state, "expired_not_started", "{recs:#?}");
@@ -283,7 +184,7 @@ async fn retry_after_is_honoured_within_the_budget() {
         up.requests.load(Ordering::SeqCst) > n0
     })
     .await;
-    up.phase.store(HEALTHY, Ordering::SeqCst);
+    up.set(HEALTHY);
     let recs = env.wait_terminal(&roomy, Duration::from_secs(30)).await;
     assert_eq!(recs[0].state, "completed", "{recs:#?}");
     let arrivals = up.arrivals.lock().unwrap().clone();

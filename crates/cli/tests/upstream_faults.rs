@@ -1,6 +1,6 @@
 //! A model server that misbehaves, then recovers (issue #32), against a worker with the
-//! OpenAI-compatible backend and default settings: a fault-injecting chat-completions
-//! server of the test's own, over real HTTP, with real RabbitMQ and the ledger.
+//! OpenAI-compatible backend and default settings: the fault-injecting chat-completions
+//! server of `common::upstream`, over real HTTP, with real RabbitMQ and the ledger.
 //!
 //! Phases, as a user saw them: 150 ms calls; 503s and 429s with `Retry-After: 1`; calls
 //! accepted and never answered (a stuck GPU); healthy again. The calls cut at their
@@ -11,132 +11,14 @@
 
 mod common;
 
+use common::upstream::{BUSY, BY_LENGTH, HANGING, HEALTHY, Upstream};
 use common::*;
 use lastcall_backend::Backend;
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::clock::now_ms;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
-use tokio::io::{AsyncReadExt, AsyncWriteExt};
-use tokio::net::{TcpListener, TcpStream};
-
-const HEALTHY: u8 = 0;
-const FAILING: u8 = 1;
-const HANGING: u8 = 2;
-/// Healthy, but a call takes 50 ms + 2 ms per prompt word, × (1 + 0.15 per other call in
-/// flight): prefill grows with the prompt, and calls slow each other down in a batch.
-const BY_LENGTH: u8 = 3;
-
-/// The fault server's state: its phase, and what it saw.
-#[derive(Default)]
-struct Upstream {
-    phase: AtomicU8,
-    requests: AtomicU64,
-    answered: AtomicU64,
-    in_flight: AtomicU64,
-}
-
-/// Serve `POST /v1/chat/completions` on `listener` as `up.phase` says, until dropped.
-async fn serve(listener: TcpListener, up: Arc<Upstream>) {
-    loop {
-        let Ok((sock, _)) = listener.accept().await else {
-            return;
-        };
-        let up = up.clone();
-        tokio::spawn(async move {
-            let _ = answer(sock, &up).await;
-        });
-    }
-}
-
-/// Read one request (headers and a `Content-Length` body), then answer it.
-async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
-    let mut buf = Vec::new();
-    let mut chunk = [0u8; 4096];
-    let body_len = loop {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
-            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
-            let len: usize = head
-                .lines()
-                .find_map(|l| l.strip_prefix("content-length:"))
-                .and_then(|v| v.trim().parse().ok())
-                .unwrap_or(0);
-            break end + 4 + len;
-        }
-    };
-    while buf.len() < body_len {
-        let n = sock.read(&mut chunk).await?;
-        if n == 0 {
-            return Ok(());
-        }
-        buf.extend_from_slice(&chunk[..n]);
-    }
-    let n = up.requests.fetch_add(1, Ordering::SeqCst);
-    match up.phase.load(Ordering::SeqCst) {
-        FAILING => {
-            let (status, text) = match n % 2 {
-                0 => (503, "Service Unavailable"),
-                _ => (429, "Too Many Requests"),
-            };
-            let body = r#"{"error":{"message":"the model is busy"}}"#;
-            let resp = format!(
-                "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\nRetry-After: 1\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            sock.write_all(resp.as_bytes()).await?;
-        }
-        HANGING => {
-            // Accepted and never answered; the connection stays open until the client
-            // gives up (cancellation at the deadline closes it).
-            let mut sink = [0u8; 64];
-            while sock.read(&mut sink).await? > 0 {}
-        }
-        phase => {
-            let ms = if phase == BY_LENGTH {
-                let words = prompt_words(&buf[buf.len() - (body_len - head_len(&buf))..]);
-                let others = up.in_flight.fetch_add(1, Ordering::SeqCst);
-                (50.0 + 2.0 * words as f64) * (1.0 + 0.15 * others as f64)
-            } else {
-                150.0
-            };
-            tokio::time::sleep(Duration::from_millis(ms as u64)).await;
-            if phase == BY_LENGTH {
-                up.in_flight.fetch_sub(1, Ordering::SeqCst);
-            }
-            let chunk = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#;
-            let last = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
-            let body = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
-            let resp = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
-                body.len()
-            );
-            sock.write_all(resp.as_bytes()).await?;
-            up.answered.fetch_add(1, Ordering::SeqCst);
-        }
-    }
-    sock.shutdown().await
-}
-
-fn head_len(buf: &[u8]) -> usize {
-    buf.windows(4)
-        .position(|w| w == b"\r\n\r\n")
-        .map_or(0, |e| e + 4)
-}
-
-/// The words of a chat request's messages.
-fn prompt_words(body: &[u8]) -> usize {
-    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
-    (v["messages"].as_array().into_iter().flatten())
-        .filter_map(|m| m["content"].as_str())
-        .map(|c| c.split_whitespace().count())
-        .sum()
-}
 
 /// Submit one job with a 3 s budget every 100 ms for `for_ms`; the ids.
 async fn send(
@@ -160,10 +42,8 @@ async fn send(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_hang_and_errors_the_estimate_recovers_and_jobs_run_again() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}/v1", listener.local_addr().unwrap());
     let up = Arc::new(Upstream::default());
-    let server = tokio::spawn(serve(listener, up.clone()));
+    let (base, server) = up.start().await;
 
     let env = Env::sqlite("upstream-faults").await;
     let backend: Arc<dyn Backend> =
@@ -176,11 +56,11 @@ async fn after_a_hang_and_errors_the_estimate_recovers_and_jobs_run_again() {
     let mut all = Vec::new();
 
     send(&s, "healthy", 4_000, &mut all).await;
-    up.phase.store(FAILING, Ordering::SeqCst);
+    up.set(BUSY);
     send(&s, "failing", 4_000, &mut all).await;
-    up.phase.store(HANGING, Ordering::SeqCst);
+    up.set(HANGING);
     send(&s, "hang", 2_000, &mut all).await;
-    up.phase.store(HEALTHY, Ordering::SeqCst);
+    up.set(HEALTHY);
     let after = send(&s, "after", 5_000, &mut all).await;
     // The last two seconds of jobs come once the cut calls have ended and been probed.
     let late = send(&s, "late", 2_000, &mut all).await;
@@ -243,11 +123,9 @@ async fn after_a_hang_and_errors_the_estimate_recovers_and_jobs_run_again() {
 /// each job to its own predicted time.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn short_and_long_prompts_of_one_kind_are_each_held_to_their_own_call_time() {
-    let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let base = format!("http://{}/v1", listener.local_addr().unwrap());
     let up = Arc::new(Upstream::default());
-    up.phase.store(BY_LENGTH, Ordering::SeqCst);
-    let server = tokio::spawn(serve(listener, up.clone()));
+    up.set(BY_LENGTH);
+    let (base, server) = up.start().await;
 
     let env = Env::sqlite("by-length").await;
     let backend: Arc<dyn Backend> =

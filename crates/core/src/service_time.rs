@@ -546,7 +546,7 @@ impl ServiceTimes {
         ratios.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
         let total: f64 = ratios.iter().map(|r| r.1).sum();
         let ranked: Vec<(f64, f64)> = ratios.iter().map(|r| (r.0, r.1)).collect();
-        let empirical = weighted_rank_f(&ranked, self.cfg.quantile, total);
+        let empirical = weighted_rank(&ranked, self.cfg.quantile, total);
         let counted: Vec<(f64, f64)> = (ratios.iter())
             .filter(|r| r.1 > FORGOTTEN && !r.2)
             .map(|r| (r.0, r.1))
@@ -736,19 +736,6 @@ impl ServiceTimes {
     }
 }
 
-/// [`weighted_rank`] over reals.
-fn weighted_rank_f(samples: &[(f64, f64)], q: f64, total: f64) -> f64 {
-    let target = q * total - 1e-9 * total.max(1.0) / samples.len().max(1) as f64;
-    let mut cum = 0.0;
-    for &(d, w) in samples {
-        cum += w;
-        if cum >= target {
-            return d;
-        }
-    }
-    samples.last().map_or(0.0, |&(d, _)| d)
-}
-
 /// The fewest completed calls of known size the request-aware fit needs
 /// ([`ServiceTimes::estimate_for`]).
 pub const MIN_SIZED: usize = 8;
@@ -821,10 +808,10 @@ impl CallModel {
     }
 }
 
-/// The weighted nearest rank: the smallest duration whose cumulative weight reaches
-/// `q × total` (`samples` sorted by duration). With equal weights it is the
+/// The weighted nearest rank: the smallest value (a duration, or a ratio) whose cumulative
+/// weight reaches `q × total` (`samples` sorted by value). With equal weights it is the
 /// `⌈q·n⌉`-th smallest, with the same tolerance as [`nearest_rank`].
-fn weighted_rank(samples: &[(u64, f64)], q: f64, total: f64) -> u64 {
+fn weighted_rank<T: Copy + Default>(samples: &[(T, f64)], q: f64, total: f64) -> T {
     let target = q * total - 1e-9 * total.max(1.0) / samples.len().max(1) as f64;
     let mut cum = 0.0;
     for &(d, w) in samples {
@@ -833,7 +820,7 @@ fn weighted_rank(samples: &[(u64, f64)], q: f64, total: f64) -> u64 {
             return d;
         }
     }
-    samples.last().map_or(0, |&(d, _)| d)
+    samples.last().map_or_else(T::default, |&(d, _)| d)
 }
 
 /// Append `sample` to a window: stale samples go first, then the oldest while full.

@@ -1,0 +1,153 @@
+//! A fault-injecting OpenAI-compatible model server of the tests' own, over real HTTP:
+//! `POST …/chat/completions` answered as its phase says (issue #32's upstream faults, #31's
+//! call times that grow with the prompt and the batch).
+
+use std::sync::atomic::{AtomicU8, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::{TcpListener, TcpStream};
+
+/// 150 ms calls, streamed with usage.
+pub const HEALTHY: u8 = 0;
+/// 503 without `Retry-After`.
+pub const FAILING: u8 = 1;
+/// Accepted and never answered (a stuck GPU).
+pub const HANGING: u8 = 2;
+/// 429 with `Retry-After: 2`.
+pub const LIMITED: u8 = 3;
+/// 503 and 429 in turn, both with `Retry-After: 1`.
+pub const BUSY: u8 = 4;
+/// Healthy, but a call takes 50 ms + 2 ms per prompt word, × (1 + 0.15 per other call in
+/// flight): prefill grows with the prompt, and calls slow each other down in a batch.
+pub const BY_LENGTH: u8 = 5;
+
+/// The fault server's state: its phase, and what it saw.
+#[derive(Default)]
+pub struct Upstream {
+    pub phase: AtomicU8,
+    pub requests: AtomicU64,
+    pub answered: AtomicU64,
+    pub in_flight: AtomicU64,
+    /// When each request arrived.
+    pub arrivals: Mutex<Vec<Instant>>,
+}
+
+impl Upstream {
+    /// Serve on a free local port; the base URL (`http://127.0.0.1:PORT/v1`) and the task
+    /// (abort it to stop).
+    pub async fn start(self: &Arc<Self>) -> (String, tokio::task::JoinHandle<()>) {
+        let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let base = format!("http://{}/v1", listener.local_addr().unwrap());
+        (base, tokio::spawn(serve(listener, self.clone())))
+    }
+
+    pub fn set(&self, phase: u8) {
+        self.phase.store(phase, Ordering::SeqCst);
+    }
+}
+
+async fn serve(listener: TcpListener, up: Arc<Upstream>) {
+    loop {
+        let Ok((sock, _)) = listener.accept().await else {
+            return;
+        };
+        let up = up.clone();
+        tokio::spawn(async move {
+            let _ = answer(sock, &up).await;
+        });
+    }
+}
+
+/// Read one request (headers and a `Content-Length` body), then answer it.
+async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
+    let mut buf = Vec::new();
+    let mut chunk = [0u8; 4096];
+    let (head_len, body_len) = loop {
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+        if let Some(end) = buf.windows(4).position(|w| w == b"\r\n\r\n") {
+            let head = String::from_utf8_lossy(&buf[..end]).to_ascii_lowercase();
+            let len: usize = head
+                .lines()
+                .find_map(|l| l.strip_prefix("content-length:"))
+                .and_then(|v| v.trim().parse().ok())
+                .unwrap_or(0);
+            break (end + 4, len);
+        }
+    };
+    while buf.len() < head_len + body_len {
+        let n = sock.read(&mut chunk).await?;
+        if n == 0 {
+            return Ok(());
+        }
+        buf.extend_from_slice(&chunk[..n]);
+    }
+    let n = up.requests.fetch_add(1, Ordering::SeqCst);
+    up.arrivals.lock().unwrap().push(Instant::now());
+    let error = |status: u16, text: &str, extra: &str| {
+        let body = r#"{"error":{"message":"the model is busy"}}"#;
+        format!(
+            "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    match up.phase.load(Ordering::SeqCst) {
+        FAILING => {
+            let resp = error(503, "Service Unavailable", "");
+            sock.write_all(resp.as_bytes()).await?;
+        }
+        LIMITED => {
+            let resp = error(429, "Too Many Requests", "Retry-After: 2\r\n");
+            sock.write_all(resp.as_bytes()).await?;
+        }
+        BUSY => {
+            let resp = match n % 2 {
+                0 => error(503, "Service Unavailable", "Retry-After: 1\r\n"),
+                _ => error(429, "Too Many Requests", "Retry-After: 1\r\n"),
+            };
+            sock.write_all(resp.as_bytes()).await?;
+        }
+        HANGING => {
+            // Accepted and never answered; the connection stays open until the client
+            // gives up (cancellation at the deadline closes it).
+            let mut sink = [0u8; 64];
+            while sock.read(&mut sink).await? > 0 {}
+        }
+        phase => {
+            let ms = if phase == BY_LENGTH {
+                let words = prompt_words(&buf[head_len..]);
+                let others = up.in_flight.fetch_add(1, Ordering::SeqCst);
+                (50.0 + 2.0 * words as f64) * (1.0 + 0.15 * others as f64)
+            } else {
+                150.0
+            };
+            tokio::time::sleep(Duration::from_millis(ms as u64)).await;
+            if phase == BY_LENGTH {
+                up.in_flight.fetch_sub(1, Ordering::SeqCst);
+            }
+            let chunk = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#;
+            let last = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+            let body = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            sock.write_all(resp.as_bytes()).await?;
+            up.answered.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+    sock.shutdown().await
+}
+
+/// The words of a chat request's messages.
+fn prompt_words(body: &[u8]) -> usize {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    (v["messages"].as_array().into_iter().flatten())
+        .filter_map(|m| m["content"].as_str())
+        .map(|c| c.split_whitespace().count())
+        .sum()
+}
