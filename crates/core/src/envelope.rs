@@ -5,6 +5,7 @@
 
 use crate::deadline::Deadline;
 use crate::ids::{JobId, Kind};
+use crate::tenant::{Priority, Tenant};
 use serde_json::{Map, Value};
 use std::fmt;
 
@@ -110,6 +111,10 @@ pub struct Envelope {
     /// The producer's minimum useful runtime, if it set one.
     pub min_runtime_ms: Option<u64>,
     pub trace_id: Option<String>,
+    /// The tenant the producer named (`tenant`); absent: [`Tenant::DEFAULT`].
+    tenant: Option<Tenant>,
+    /// The priority tier the producer named (`priority`); absent: `standard`.
+    priority: Option<Priority>,
     /// Kind-specific input, always a JSON object.
     pub payload: Map<String, Value>,
     /// Unknown fields, kept so a re-serialized envelope loses nothing.
@@ -132,9 +137,33 @@ impl Envelope {
             deadline,
             min_runtime_ms,
             trace_id,
+            tenant: None,
+            priority: None,
             payload,
             extra: Map::new(),
         }
+    }
+
+    /// The same envelope for `tenant` (written as `tenant` on the wire).
+    pub fn with_tenant(mut self, tenant: Tenant) -> Self {
+        self.tenant = Some(tenant);
+        self
+    }
+
+    /// The same envelope at `priority` (written as `priority` on the wire).
+    pub fn with_priority(mut self, priority: Priority) -> Self {
+        self.priority = Some(priority);
+        self
+    }
+
+    /// The job's tenant: the envelope's `tenant`, else [`Tenant::DEFAULT`].
+    pub fn tenant(&self) -> &str {
+        self.tenant.as_ref().map_or(Tenant::DEFAULT, Tenant::as_str)
+    }
+
+    /// The job's priority tier: the envelope's `priority`, else `standard`.
+    pub fn priority(&self) -> Priority {
+        self.priority.unwrap_or_default()
     }
 
     pub fn job_id(&self) -> &JobId {
@@ -268,6 +297,21 @@ impl Envelope {
             Some(Value::String(s)) if s.len() <= 256 => Some(s),
             Some(_) => return Err(invalid("trace_id", "must be a string of at most 256 bytes")),
         };
+        let tenant =
+            match obj.remove("tenant") {
+                None | Some(Value::Null) => None,
+                Some(Value::String(s)) => Some(Tenant::parse(&s).map_err(|e| {
+                    RejectError::new(RejectReason::InvalidField, Some("tenant"), e.0)
+                })?),
+                Some(_) => return Err(invalid("tenant", "must be a string")),
+            };
+        let priority = match obj.remove("priority") {
+            None | Some(Value::Null) => None,
+            Some(Value::String(s)) => Some(s.parse::<Priority>().map_err(|e| {
+                RejectError::new(RejectReason::InvalidField, Some("priority"), e.0)
+            })?),
+            Some(_) => return Err(invalid("priority", "must be a string")),
+        };
         let payload = match obj.remove("payload") {
             None => return Err(missing("payload")),
             Some(Value::Object(p)) => p,
@@ -279,6 +323,8 @@ impl Envelope {
             deadline: Deadline::new(created_at_ms, expires_at_ms),
             min_runtime_ms,
             trace_id,
+            tenant,
+            priority,
             payload,
             extra: obj,
         })
@@ -297,6 +343,12 @@ impl Envelope {
         }
         if let Some(t) = &self.trace_id {
             obj.insert("trace_id".into(), t.clone().into());
+        }
+        if let Some(t) = &self.tenant {
+            obj.insert("tenant".into(), t.as_str().into());
+        }
+        if let Some(p) = self.priority {
+            obj.insert("priority".into(), p.as_str().into());
         }
         obj.insert("payload".into(), Value::Object(self.payload.clone()));
         Value::Object(obj)
@@ -365,6 +417,24 @@ mod tests {
         assert_eq!(e.job_id().as_str(), "job-1");
         assert_eq!(e.deadline().expires_at_ms(), NOW + 5_000);
         assert_eq!(e.extra["extra_field"], json!({"kept": true}));
+        let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), NOW).unwrap();
+        assert_eq!(again, e);
+    }
+
+    #[test]
+    fn tenant_and_priority_are_optional_and_round_trip() {
+        let plain = parse(&good()).unwrap();
+        assert_eq!(
+            (plain.tenant(), plain.priority()),
+            ("default", Priority::Standard)
+        );
+        assert!(plain.to_json().get("tenant").is_none());
+        let mut v = good();
+        v["tenant"] = json!("team-b");
+        v["priority"] = json!("critical");
+        let e = parse(&v).unwrap();
+        assert_eq!((e.tenant(), e.priority()), ("team-b", Priority::Critical));
+        assert!(e.extra.get("tenant").is_none());
         let again = Envelope::parse(&e.to_bytes(), &EnvelopeLimits::default(), NOW).unwrap();
         assert_eq!(again, e);
     }
@@ -458,6 +528,21 @@ mod tests {
                 with("trace_id", json!(5)),
                 RejectReason::InvalidField,
                 Some("trace_id"),
+            ),
+            (
+                with("tenant", json!("team a")),
+                RejectReason::InvalidField,
+                Some("tenant"),
+            ),
+            (
+                with("tenant", json!(7)),
+                RejectReason::InvalidField,
+                Some("tenant"),
+            ),
+            (
+                with("priority", json!("urgent")),
+                RejectReason::InvalidField,
+                Some("priority"),
             ),
             (
                 without("payload"),

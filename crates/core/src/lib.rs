@@ -25,6 +25,7 @@
 //! - [`ack_window`]: the model call's timeout capped inside the broker's consumer timeout.
 //! - [`event`]: the outcome event published to `{prefix}.events` after a durable outcome.
 //! - [`delta`]: token deltas of a streaming call, sent to the job's `reply_to`.
+//! - [`tenant`]: the envelope's optional `tenant` and `priority` tier.
 
 pub mod ack_plan;
 pub mod ack_window;
@@ -45,6 +46,7 @@ pub mod request_size;
 pub mod retry;
 pub mod service_time;
 pub mod signature;
+pub mod tenant;
 pub mod wait;
 
 pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};
@@ -62,3 +64,4 @@ pub use service_time::{
     CallToken, Estimate, EstimateSource, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes,
 };
 pub use signature::SigningKey;
+pub use tenant::{Priority, Tenant};
