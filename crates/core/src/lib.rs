@@ -19,6 +19,7 @@
 //! - [`reason`]: the ledger's outcome reasons and attempt decisions, typed up to the store.
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
+//! - [`schedule`]: the wait queue for model slots and its policies (EDF, fair share, tiers).
 //! - [`wait`]: the expected wait for a model slot, for the refusal at receipt.
 //! - [`service_time`]: model-call durations learned per key (windowed p90 and mean), for admission.
 //! - [`signature`]: the `x-lastcall-signature` HMAC over job id, deadline and body.
@@ -44,6 +45,7 @@ pub mod reason;
 pub mod report;
 pub mod request_size;
 pub mod retry;
+pub mod schedule;
 pub mod service_time;
 pub mod signature;
 pub mod tenant;
