@@ -21,9 +21,10 @@
 use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_core::request_size::RequestSize;
+use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
 use lastcall_core::service_time::{Estimate, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes};
 use lastcall_core::{
-    Deadline, Envelope, JobId, Kind, ReceiptFacts, WorkerPolicy,
+    Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, Tenant, WorkerPolicy,
     disposition::{Receipt, Slot},
     wait,
 };
@@ -70,9 +71,131 @@ pub struct SimArgs {
     /// held is redelivered, its calls in flight are lost
     #[arg(long)]
     pub crash_every_s: Option<f64>,
+    /// Tenants and their arrival rates (multiples of the capacity; replaces --overload):
+    /// `NAME:RATE[:WEIGHT[:PRIORITY]],…` (e.g. `flood:10,light:0.1`), or `zipf:N` for N
+    /// tenants with Zipf-distributed rates summing to --overload
+    #[arg(long)]
+    pub tenants: Option<String>,
+    /// The buffer's order: `fair` (the worker's default: priority tiers, fair share among
+    /// tenants, EDF within one), `edf` or `fifo`
+    #[arg(long, default_value = "fair")]
+    pub order: String,
+    /// Broker queues (lanes) a tenant is hashed to; a worker takes from each with a
+    /// prefetch window of its own
+    #[arg(long, default_value_t = 1)]
+    pub lanes: usize,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
+}
+
+/// One tenant of `--tenants`.
+#[derive(Debug, Clone)]
+struct TenantSpec {
+    name: String,
+    /// Arrivals as a multiple of the capacity.
+    rate: f64,
+    weight: u32,
+    priority: Priority,
+}
+
+fn parse_tenants(spec: &str, overload: f64) -> Result<Vec<TenantSpec>> {
+    if let Some(n) = spec.strip_prefix("zipf:") {
+        let n: usize = n
+            .trim()
+            .parse()
+            .ok()
+            .filter(|n| *n > 0)
+            .ok_or_else(|| anyhow::anyhow!("--tenants {spec}: expected zipf:N with N ≥ 1"))?;
+        let h: f64 = (1..=n).map(|k| 1.0 / k as f64).sum();
+        return Ok((1..=n)
+            .map(|k| TenantSpec {
+                name: format!("t{k}"),
+                rate: overload / (k as f64 * h),
+                weight: 1,
+                priority: Priority::Standard,
+            })
+            .collect());
+    }
+    spec.split(',')
+        .map(|part| {
+            let f: Vec<&str> = part.trim().split(':').collect();
+            let bad = || {
+                anyhow::anyhow!(
+                    "--tenants {spec}: `{part}` is not NAME:RATE[:WEIGHT[:PRIORITY]] (RATE > 0, WEIGHT ≥ 1, PRIORITY critical|standard|batch)"
+                )
+            };
+            if f.len() < 2 || f.len() > 4 {
+                return Err(bad());
+            }
+            Tenant::parse(f[0]).map_err(|_| bad())?;
+            let rate: f64 = f[1].parse().map_err(|_| bad())?;
+            if rate.is_nan() || rate <= 0.0 {
+                return Err(bad());
+            }
+            let weight: u32 = match f.get(2) {
+                Some(w) => w.parse().ok().filter(|w| *w >= 1).ok_or_else(bad)?,
+                None => 1,
+            };
+            let priority = match f.get(3) {
+                Some(p) => p.parse().map_err(|_| bad())?,
+                None => Priority::Standard,
+            };
+            Ok(TenantSpec {
+                name: f[0].to_owned(),
+                rate,
+                weight,
+                priority,
+            })
+        })
+        .collect()
+}
+
+/// The buffer's policy for `--order`.
+fn policy_for(order: &str, tenants: &[TenantSpec]) -> Result<Box<dyn Policy>> {
+    Ok(match order {
+        "fair" => Box::new(
+            FairShare::new(Within::Edf)
+                .with_weights(tenants.iter().map(|t| (t.name.clone(), t.weight))),
+        ),
+        "edf" => Box::new(Edf),
+        "fifo" => Box::new(Fifo),
+        other => bail!("--order {other}: expected fair, edf or fifo"),
+    })
+}
+
+/// The lane of `tenant` among `lanes` (FNV-1a, stable across runs and builds).
+fn lane_of(tenant: &str, lanes: usize) -> usize {
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tenant.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    (h % lanes.max(1) as u64) as usize
+}
+
+/// Max-min fair shares of `capacity` among `demands` (water-filling).
+fn max_min_shares(demands: &[f64], capacity: f64) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..demands.len()).collect();
+    order.sort_by(|&a, &b| demands[a].total_cmp(&demands[b]));
+    let mut out = vec![0.0; demands.len()];
+    let mut left = capacity;
+    for (k, &i) in order.iter().enumerate() {
+        let fair = left / (order.len() - k) as f64;
+        out[i] = demands[i].min(fair);
+        left -= out[i];
+    }
+    out
+}
+
+/// Jain's fairness index of `x` (1 = all equal).
+fn jain(x: &[f64]) -> f64 {
+    let (sum, sq) = x.iter().fold((0.0, 0.0), |(s, q), v| (s + v, q + v * v));
+    if sq == 0.0 {
+        1.0
+    } else {
+        sum * sum / (x.len() as f64 * sq)
+    }
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -149,6 +272,7 @@ fn normal(rng: &mut StdRng) -> f64 {
 
 struct Job {
     env: Envelope,
+    tenant: usize,
     size: Option<RequestSize>,
     tokens: u64,
     outcome: Option<&'static str>,
@@ -160,10 +284,10 @@ struct Worker {
     /// The estimator's fit, reused until an observation or [`REFIT_MS`] of simulated time.
     pred: Option<(i64, Predictor)>,
     free: usize,
-    /// (deadline, job) in the buffer, earliest deadline first.
-    buffer: BinaryHeap<Reverse<(i64, usize)>>,
-    /// Deliveries held (buffered or running).
-    held: usize,
+    /// The jobs in the buffer, in the policy's order.
+    buffer: Schedule<usize, Box<dyn Policy>>,
+    /// Deliveries held (buffered or running), per lane.
+    held: Vec<usize>,
     running: usize,
     /// The jobs whose calls run here.
     running_jobs: Vec<usize>,
@@ -224,12 +348,27 @@ pub struct SimReport {
     pub expired_before_receive: u64,
     pub deadline_exceeded: u64,
     pub probes: u64,
+    /// Per tenant (the first 20 of --tenants).
+    pub tenants: Vec<TenantReport>,
+    /// Jain's index over the tenants' on-time completions ÷ their max-min fair shares of
+    /// all on-time completions (1 = perfectly fair); absent with one tenant.
+    pub jain: Option<f64>,
     pub crashes: u64,
     /// Deliveries requeued by crashes.
     pub redelivered: u64,
     pub lost: u64,
     pub sim_seconds: f64,
     pub wall_ms: u128,
+}
+
+/// One tenant's figures.
+#[derive(Debug, Serialize)]
+pub struct TenantReport {
+    pub name: String,
+    pub arrivals: u64,
+    pub on_time: u64,
+    /// On-time completions ÷ its arrivals.
+    pub on_time_share: f64,
 }
 
 /// Run one simulation.
@@ -250,10 +389,31 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         }
     };
     let prefetch = a.prefetch.unwrap_or(2 * a.slots).max(1);
+    let lanes = a.lanes.max(1);
+    let tenants = match &a.tenants {
+        Some(spec) => parse_tenants(spec, a.overload)?,
+        None => vec![TenantSpec {
+            name: Tenant::DEFAULT.into(),
+            rate: a.overload,
+            weight: 1,
+            priority: Priority::Standard,
+        }],
+    };
+    policy_for(&a.order, &tenants)?;
+    let overload: f64 = tenants.iter().map(|t| t.rate).sum();
+    let lane: Vec<usize> = tenants.iter().map(|t| lane_of(&t.name, lanes)).collect();
+    // Cumulative rates, to draw each arrival's tenant.
+    let cumulative: Vec<f64> = tenants
+        .iter()
+        .scan(0.0, |acc, t| {
+            *acc += t.rate / overload;
+            Some(*acc)
+        })
+        .collect();
     let policy = WorkerPolicy::default();
     let mut rng = StdRng::seed_from_u64(a.seed);
     let capacity = (a.workers * a.slots) as f64 * 1000.0 / service.mean_ms(); // jobs/s
-    let gap_ms = 1000.0 / (capacity * a.overload);
+    let gap_ms = 1000.0 / (capacity * overload);
     let kind = Kind::parse("sim").expect("a valid kind");
 
     let mut jobs: Vec<Job> = Vec::with_capacity(a.jobs as usize);
@@ -263,11 +423,19 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         seq += 1;
         events.push(Reverse((at, seq, ev)));
     };
-    // Arrivals: Poisson at overload × capacity.
+    // Arrivals: Poisson at overload × capacity, each of a tenant drawn by its rate.
     let mut t = 0.0f64;
     for i in 0..a.jobs as usize {
         t += -gap_ms * rng.random::<f64>().max(f64::MIN_POSITIVE).ln();
         let at = t as i64;
+        let tenant = if tenants.len() == 1 {
+            0
+        } else {
+            let u: f64 = rng.random();
+            cumulative
+                .partition_point(|&c| c < u)
+                .min(tenants.len() - 1)
+        };
         let (payload, size, tokens) = match service {
             Service::Length { long_share, .. } => {
                 let tokens = if rng.random::<f64>() < long_share {
@@ -284,7 +452,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             }
             _ => (serde_json::Map::new(), None, 0),
         };
-        let env = Envelope::new(
+        let mut env = Envelope::new(
             JobId::parse(&format!("sim-{i}")).expect("a valid id"),
             kind.clone(),
             Deadline::from_budget(at, a.deadline_ms),
@@ -292,8 +460,14 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             None,
             payload,
         );
+        if a.tenants.is_some() {
+            env = env
+                .with_tenant(Tenant::parse(&tenants[tenant].name).expect("checked"))
+                .with_priority(tenants[tenant].priority);
+        }
         jobs.push(Job {
             env,
+            tenant,
             size,
             tokens,
             outcome: None,
@@ -313,14 +487,15 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             est: ServiceTimes::new(ServiceTimeConfig::default()),
             pred: None,
             free: a.slots,
-            buffer: BinaryHeap::new(),
-            held: 0,
+            buffer: Schedule::new(policy_for(&a.order, &tenants).expect("checked")),
+            held: vec![0; lanes],
             running: 0,
             running_jobs: Vec::new(),
             generation: 0,
         })
         .collect();
-    let mut queue: VecDeque<usize> = VecDeque::new();
+    let mut queues: Vec<VecDeque<usize>> = vec![VecDeque::new(); lanes];
+    let mut receipts = 0u64;
     let (mut started_late, mut wasted_calls, mut probes) = (0u64, 0u64, 0u64);
     let (mut crashes, mut redelivered) = (0u64, 0u64);
     if let Some(every) = a.crash_every_s {
@@ -350,17 +525,19 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     while let Some(Reverse((at, _, ev))) = events.pop() {
         now = at;
         match ev {
-            Ev::Arrive(j) => queue.push_back(j),
+            Ev::Arrive(j) => queues[lane[jobs[j].tenant]].push_back(j),
             Ev::Latest(w, j) => {
                 // Still buffered? (It may have started or left since.)
-                if jobs[j].outcome.is_none() && workers[w].buffer.iter().any(|r| r.0.1 == j) {
+                let buffered = workers[w].buffer.iter().find(|(_, x)| **x == j);
+                if let (None, Some((tk, _))) = (jobs[j].outcome, buffered) {
+                    let receipt = tk.receipt;
                     let learned = workers[w]
                         .learned(key, jobs[j].size, now)
                         .map(|e| e.quantile_ms);
                     let latest = policy.latest_start_ms(&jobs[j].env, learned);
                     if now >= latest {
-                        workers[w].buffer.retain(|r| r.0.1 != j);
-                        workers[w].held -= 1;
+                        workers[w].buffer.remove(receipt);
+                        workers[w].held[lane[jobs[j].tenant]] -= 1;
                         settle(&mut jobs, j, "expired_not_started", false)?;
                     } else {
                         push(&mut events, latest, Ev::Latest(w, j));
@@ -375,18 +552,18 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 // is kept.
                 crashes += 1;
                 let wk = &mut workers[w];
-                let mut back: Vec<usize> = wk.buffer.drain().map(|r| r.0.1).collect();
+                let mut back: Vec<usize> = wk.buffer.drain().into_iter().map(|(_, j)| j).collect();
                 back.append(&mut wk.running_jobs);
                 back.sort_unstable();
                 server_in_flight -= wk.running;
                 redelivered += back.len() as u64;
                 for j in back.into_iter().rev() {
-                    queue.push_front(j);
+                    queues[lane[jobs[j].tenant]].push_front(j);
                 }
                 wk.generation += 1;
                 wk.free = a.slots;
                 wk.running = 0;
-                wk.held = 0;
+                wk.held = vec![0; lanes];
                 wk.pred = None;
                 // The next crash, while work remains (else the run would never end).
                 let open = jobs.iter().any(|j| j.outcome.is_none());
@@ -402,7 +579,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 wk.pred = None;
                 wk.free += 1;
                 wk.running -= 1;
-                wk.held -= 1;
+                wk.held[lane[jobs[j].tenant]] -= 1;
                 server_in_flight -= 1;
                 model_ms += u128::from(d);
                 if cut {
@@ -425,48 +602,57 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 }
             }
         }
-        // Deliver from the queue to workers with room in their prefetch window (round robin).
+        // Deliver from the lanes to workers with room in that lane's prefetch window
+        // (round robin over workers, then lanes).
         let mut progress = true;
-        while progress && !queue.is_empty() {
+        while progress && queues.iter().any(|q| !q.is_empty()) {
             progress = false;
             for (w, wk) in workers.iter_mut().enumerate() {
-                if wk.held >= prefetch {
-                    continue;
-                }
-                let Some(j) = queue.pop_front() else { break };
-                progress = true;
-                if jobs[j].env.deadline().expires_at_ms() <= now {
-                    // The broker's TTL expired it in the queue.
-                    settle(&mut jobs, j, "expired_before_receive", false)?;
-                    continue;
-                }
-                let learned = wk.learned(key, jobs[j].size, now);
-                let deadline = jobs[j].env.deadline().expires_at_ms();
-                let (ahead, work) = wk
-                    .buffer
-                    .iter()
-                    .filter(|r| r.0.0 <= deadline)
-                    .fold((0usize, 0u64), |(n, ms), _| {
-                        (n + 1, ms + learned.map_or(0, |e| e.mean_ms))
-                    });
-                let mean = if ahead == 0 {
-                    learned.map_or(0, |e| e.mean_ms)
-                } else {
-                    work / ahead as u64
-                };
-                let facts = ReceiptFacts {
-                    expected_wait_ms: wait::expected_wait_ms(ahead, wk.free, a.slots, mean),
-                    learned_runtime_ms: learned.map(|e| e.quantile_ms),
-                    ..ReceiptFacts::default()
-                };
-                match policy.on_receipt(&Ok(jobs[j].env.clone()), facts, now) {
-                    Receipt::Settle(_) => settle(&mut jobs, j, "expired_not_started", false)?,
-                    Receipt::WaitForSlot => {
-                        wk.held += 1;
-                        wk.buffer.push(Reverse((deadline, j)));
-                        let latest =
-                            policy.latest_start_ms(&jobs[j].env, learned.map(|e| e.quantile_ms));
-                        push(&mut events, latest.max(now), Ev::Latest(w, j));
+                for l in 0..lanes {
+                    if wk.held[l] >= prefetch {
+                        continue;
+                    }
+                    let Some(j) = queues[l].pop_front() else {
+                        continue;
+                    };
+                    progress = true;
+                    if jobs[j].env.deadline().expires_at_ms() <= now {
+                        // The broker's TTL expired it in the queue.
+                        settle(&mut jobs, j, "expired_before_receive", false)?;
+                        continue;
+                    }
+                    let learned = wk.learned(key, jobs[j].size, now);
+                    let own_mean = learned.map_or(0, |e| e.mean_ms);
+                    receipts += 1;
+                    let ticket = Ticket {
+                        receipt: receipts,
+                        deadline_ms: jobs[j].env.deadline().expires_at_ms(),
+                        work_ms: own_mean,
+                        tenant: jobs[j].env.tenant().to_owned(),
+                        priority: jobs[j].env.priority(),
+                    };
+                    let (ahead, work) = wk.buffer.ahead_of(&ticket, |_| true);
+                    let mean = if ahead == 0 || work == 0 {
+                        own_mean
+                    } else {
+                        work / ahead as u64
+                    };
+                    let facts = ReceiptFacts {
+                        expected_wait_ms: wait::expected_wait_ms(ahead, wk.free, a.slots, mean),
+                        learned_runtime_ms: learned.map(|e| e.quantile_ms),
+                        ..ReceiptFacts::default()
+                    };
+                    match policy.on_receipt(&Ok(jobs[j].env.clone()), facts, now) {
+                        Receipt::Settle(_) => {
+                            settle(&mut jobs, j, "expired_not_started", false)?;
+                        }
+                        Receipt::WaitForSlot => {
+                            wk.held[l] += 1;
+                            wk.buffer.push(ticket, j);
+                            let latest = policy
+                                .latest_start_ms(&jobs[j].env, learned.map(|e| e.quantile_ms));
+                            push(&mut events, latest.max(now), Ev::Latest(w, j));
+                        }
                     }
                 }
             }
@@ -474,7 +660,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         // Start calls on free slots, earliest deadline first.
         for (w, wk) in workers.iter_mut().enumerate() {
             while wk.free > 0 {
-                let Some(Reverse((_, j))) = wk.buffer.pop() else {
+                let Some((ticket, j)) = wk.buffer.pop() else {
                     break;
                 };
                 let learned = wk.learned(key, jobs[j].size, now);
@@ -492,10 +678,11 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         if probe.is_some() {
                             wk.est.probe_ended(key, ProbeEnd::Released, now);
                         }
-                        wk.held -= 1;
+                        wk.held[lane[jobs[j].tenant]] -= 1;
                         settle(&mut jobs, j, "expired_not_started", false)?;
                     }
                     Slot::Run { budget_ms } => {
+                        wk.buffer.granted(&ticket);
                         if now >= jobs[j].env.deadline().expires_at_ms() {
                             started_late += 1;
                         }
@@ -543,13 +730,44 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         bail!("invariant: {lost} jobs ended without an outcome");
     }
     let on_time = jobs.iter().filter(|j| j.on_time).count() as u64;
+    let mut per = vec![(0u64, 0u64); tenants.len()];
+    for j in &jobs {
+        per[j.tenant].0 += 1;
+        per[j.tenant].1 += u64::from(j.on_time);
+    }
+    let jain_index = (tenants.len() > 1).then(|| {
+        let demands: Vec<f64> = per.iter().map(|p| p.0 as f64).collect();
+        let fair = max_min_shares(&demands, on_time as f64);
+        let x: Vec<f64> = per
+            .iter()
+            .zip(&fair)
+            .filter(|(_, f)| **f > 0.0)
+            .map(|(p, f)| p.1 as f64 / f)
+            .collect();
+        jain(&x)
+    });
+    let tenant_reports = tenants
+        .iter()
+        .zip(&per)
+        .take(20)
+        .map(|(t, p)| TenantReport {
+            name: t.name.clone(),
+            arrivals: p.0,
+            on_time: p.1,
+            on_time_share: if p.0 == 0 {
+                0.0
+            } else {
+                p.1 as f64 / p.0 as f64
+            },
+        })
+        .collect();
     let window_s = (last_deadline - first_arrival) as f64 / 1000.0;
     let bound = capacity * window_s;
     Ok(SimReport {
         jobs: a.jobs,
         seed: a.seed,
         service: a.service.clone(),
-        overload: a.overload,
+        overload,
         workers: a.workers,
         slots: a.slots,
         on_time,
@@ -566,6 +784,8 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         expired_before_receive: count("expired_before_receive"),
         deadline_exceeded: count("deadline_exceeded"),
         probes,
+        tenants: tenant_reports,
+        jain: jain_index,
         crashes,
         redelivered,
         lost,
@@ -621,6 +841,27 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
         r.seed, r.workers, r.slots, r.service, r.overload, a.deadline_ms, r.sim_seconds
     );
     print!("{}", table(&head, &[row]));
+    if r.tenants.len() > 1 {
+        let rows: Vec<Vec<String>> = r
+            .tenants
+            .iter()
+            .map(|t| {
+                vec![
+                    t.name.clone(),
+                    t.arrivals.to_string(),
+                    t.on_time.to_string(),
+                    pct(t.on_time_share),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            table(&["tenant", "arrivals", "on_time", "of_its_arrivals"], &rows)
+        );
+        if let Some(j) = r.jain {
+            println!("Jain's fairness index (on time ÷ max-min fair share): {j:.3}");
+        }
+    }
     Ok(ExitCode::SUCCESS)
 }
 
@@ -640,6 +881,9 @@ mod tests {
             deadline_ms: 2_000,
             hang: None,
             crash_every_s: None,
+            tenants: None,
+            order: "fair".into(),
+            lanes: 1,
             json: false,
         }
     }

@@ -605,6 +605,20 @@ lastcall_worker::with_test_hooks!({
     pub struct TestHookArgs {}
 });
 
+/// `TENANT=WEIGHT` of `--tenant-weight`.
+fn parse_tenant_weight(s: &str) -> Result<(String, u32), String> {
+    let (name, weight) = s
+        .split_once('=')
+        .ok_or_else(|| format!("`{s}`: expected TENANT=WEIGHT, e.g. team-a=3"))?;
+    lastcall_core::Tenant::parse(name).map_err(|e| format!("tenant `{name}`: {e}"))?;
+    let weight = weight
+        .parse::<u32>()
+        .ok()
+        .filter(|w| (1..=1_000).contains(w))
+        .ok_or_else(|| format!("weight `{weight}`: expected a whole number from 1 to 1000"))?;
+    Ok((name.to_owned(), weight))
+}
+
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
     /// Model slots: how many model calls run at once
@@ -621,6 +635,12 @@ pub struct WorkerArgs {
     /// buffer as soon as that is known
     #[arg(long, value_enum, default_value = "edf")]
     pub buffer_order: BufferOrderArg,
+    /// A tenant's weight in the fair share of model time, `TENANT=WEIGHT` (repeatable;
+    /// `[worker] tenant_weight = ["team-a=3"]`). Under overload the tenants with jobs
+    /// waiting share the slots in proportion to their weights; a tenant not named weighs 1.
+    /// Give every worker the same weights
+    #[arg(long = "tenant-weight", value_name = "TENANT=WEIGHT", value_parser = parse_tenant_weight, action = clap::ArgAction::Append)]
+    pub tenant_weight: Vec<(String, u32)>,
     /// What to do with a job found expired before its model call
     #[arg(long, value_enum, default_value = "ack")]
     pub expired_action: ExpiredActionArg,

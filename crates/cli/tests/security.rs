@@ -84,6 +84,31 @@ async fn a_forged_cancel_broadcast_does_not_cancel_a_running_job() {
     env.cleanup().await;
 }
 
+/// A cancellation whose broadcast never reached the worker (it was reconnecting, or its
+/// follower not yet subscribed) still stops the call: the worker sweeps the ledger's
+/// `cancel_requested` flags of the jobs it holds every 2 s. Here the ledger is flagged with
+/// no broadcast at all.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cancellation_without_its_broadcast_still_stops_the_running_job() {
+    let env = Env::sqlite("cancel-sweep").await;
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim(60_000), system_clock())
+        .await;
+    let s = env.submitter(100, true).await;
+    s.submit(&job("unheard", 120_000), now_ms()).await.unwrap();
+    wait_running(&env, "unheard").await;
+    let asked = env.ledger.cancel("unheard", now_ms()).await.unwrap();
+    assert_eq!(asked, lastcall_store::CancelOutcome::Requested);
+    let rec = &env
+        .wait_terminal(&["unheard".into()], Duration::from_secs(20))
+        .await[0];
+    assert_eq!(rec.state, "cancelled", "{rec:?}");
+    assert_eq!(rec.reason.as_deref(), Some("cancel_requested"), "{rec:?}");
+    assert_eq!(rec.backend_calls, 1, "{rec:?}");
+    w.stop().await;
+    env.cleanup().await;
+}
+
 /// Publish `env`'s job `id` straight to the work queue with `reply_to` set, as any client
 /// with the producer role could (the worker holds no signing key here).
 async fn publish_with_reply_to(env: &Env, id: &str, payload: serde_json::Value, reply_to: &str) {

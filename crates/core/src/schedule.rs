@@ -270,9 +270,22 @@ impl<T, P: Policy> Schedule<T, P> {
         self.waiting.retain(|(t, x)| keep(t, x));
     }
 
+    /// The waiting entries, in no particular order.
+    pub fn iter(&self) -> impl Iterator<Item = (&Ticket, &T)> {
+        self.waiting.iter().map(|(t, x)| (t, x))
+    }
+
+    /// Take every entry out (a crash hands them back), in no particular order.
+    pub fn drain(&mut self) -> Vec<(Ticket, T)> {
+        std::mem::take(&mut self.waiting)
+    }
+
     /// Take out the entry with receipt number `receipt`.
     pub fn remove(&mut self, receipt: u64) -> Option<(Ticket, T)> {
-        let i = self.waiting.iter().position(|(t, _)| t.receipt == receipt)?;
+        let i = self
+            .waiting
+            .iter()
+            .position(|(t, _)| t.receipt == receipt)?;
         Some(self.waiting.swap_remove(i))
     }
 
@@ -297,7 +310,11 @@ impl<T, P: Policy> Schedule<T, P> {
     /// The tickets in their order of service (for tests and tables).
     pub fn in_order(&self) -> Vec<&Ticket> {
         let refs: Vec<&Ticket> = self.waiting.iter().map(|(t, _)| t).collect();
-        self.policy.order(&refs).into_iter().map(|i| refs[i]).collect()
+        self.policy
+            .order(&refs)
+            .into_iter()
+            .map(|i| refs[i])
+            .collect()
     }
 }
 
@@ -472,5 +489,4 @@ mod tests {
             }
         }
     }
-
 }

@@ -7,8 +7,9 @@
 //! `{prefix}.control`: the worker that runs it aborts the call through the backend's
 //! cancellation and records `cancelled` (with whether the backend confirmed the stop); any
 //! later delivery of it (a retry, a redelivery) is recorded `cancelled` without a call. A
-//! worker that was disconnected from the broadcast lets its call finish; the outcome it
-//! records then stands. A terminal job is left as it is.
+//! worker that missed the broadcast finds the ledger's flag within 2 s (it sweeps the flags
+//! of the jobs it holds); a call that ended before that keeps its outcome. A terminal job
+//! is left as it is.
 
 use lastcall_broker::EventSink;
 use lastcall_core::event::ControlMessage;

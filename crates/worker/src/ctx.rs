@@ -159,10 +159,19 @@ impl Ctx {
         map.contains_key(job_id)
     }
 
+    /// The ids of the jobs held here (waiting for a slot or running), for the cancellation
+    /// sweep.
+    pub(crate) fn held_ids(&self) -> Vec<String> {
+        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
+        map.keys().cloned().collect()
+    }
+
     /// A cancellation the ledger confirmed for `job_id`: end its wait or abort its call here.
     pub(crate) fn cancel_local(&self, job_id: &str) {
         let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((token, _)) = map.get(job_id) {
+        if let Some((token, _)) = map.get(job_id)
+            && !token.is_cancelled()
+        {
             tracing::info!(job_id, "cancellation requested: stopping the job here");
             token.cancel();
         }
@@ -229,15 +238,15 @@ impl Ctx {
         }
     }
 
-    /// The expected wait for a slot of a job received now with deadline `expires_at_ms`:
-    /// the jobs waiting that the buffer order serves first (all of them under FIFO, those
-    /// with an earlier deadline under EDF) are ahead of it, each with the learned mean
-    /// duration of its own kind; `own_mean_ms` (this job's kind) stands in when none wait.
-    /// Zero while nothing is learned. (The reference policies ignore it.)
-    pub(crate) fn expected_wait_ms(&self, expires_at_ms: i64, own_mean_ms: u64) -> u64 {
-        let (ahead, work_ms) = self.slots.ahead_of(expires_at_ms);
+    /// The expected wait for a slot of a job received now (`ticket`): the jobs waiting
+    /// that the buffer's order serves first ([`crate::slots`]: a higher tier, a tenant with
+    /// less model time served, an earlier deadline) are ahead of it, each with the learned
+    /// mean duration of its own kind; the ticket's own (`work_ms`) stands in when none
+    /// wait. Zero while nothing is learned. (The reference policies ignore it.)
+    pub(crate) fn expected_wait_ms(&self, ticket: &lastcall_core::schedule::Ticket) -> u64 {
+        let (ahead, work_ms) = self.slots.ahead_of(ticket);
         let mean_ms = match (ahead, work_ms) {
-            (0, _) | (_, 0) => own_mean_ms,
+            (0, _) | (_, 0) => ticket.work_ms,
             (n, w) => w / n as u64,
         };
         lastcall_core::wait::expected_wait_ms(

@@ -58,8 +58,11 @@ pub struct WorkerConfig {
     /// and the admission check (work delivered in time that waits past its deadline).
     #[cfg(feature = "test-hooks")]
     pub hold_before_admission: Duration,
-    /// Which waiting job gets a free model slot ([`crate::slots`]).
+    /// Which waiting job gets a free model slot ([`crate::slots`]): the order within one
+    /// tenant's jobs of one priority tier.
     pub buffer_order: BufferOrder,
+    /// The tenants' weights in the fair share of model time (absent: 1).
+    pub tenant_weights: Vec<(String, u32)>,
     /// When set, a valid envelope whose `x-lastcall-signature` is missing or wrong is
     /// `rejected`/`bad_signature` (never run), so a producer cannot extend its deadline.
     pub signing_key: Option<lastcall_core::SigningKey>,
@@ -89,6 +92,7 @@ impl WorkerConfig {
             #[cfg(feature = "test-hooks")]
             hold_before_admission: Duration::ZERO,
             buffer_order: BufferOrder::default(),
+            tenant_weights: Vec::new(),
             signing_key: None,
             consumer_timeout: None,
             breaker: Default::default(),
@@ -159,7 +163,11 @@ impl Worker {
                 ServiceTimeConfig::default(),
             ))),
             in_flight: std::sync::Mutex::default(),
-            slots: Arc::new(Slots::new(cfg.slots.max(1), cfg.buffer_order)),
+            slots: Arc::new(Slots::new(
+                cfg.slots.max(1),
+                cfg.buffer_order,
+                cfg.tenant_weights.clone(),
+            )),
             cfg,
             ledger,
             backend,

@@ -21,27 +21,66 @@ pub(crate) struct Sidecars {
 /// Cancellation broadcasts waiting for their ledger check, at most.
 const CONTROL_QUEUE: usize = 1_024;
 
+/// How often the cancellation checker also reads the ledger for every job held here: the
+/// backstop for a broadcast that never arrived (the follower was reconnecting, or not yet
+/// subscribed when the request came).
+const CANCEL_SWEEP: std::time::Duration = std::time::Duration::from_secs(2);
+
 /// Check each cancellation broadcast against the ledger, in the order they came: a job held
 /// here (waiting for a slot or running) is stopped only if its ledger row has
 /// `cancel_requested`. A broadcast for a job not held here costs nothing; a forged one for a
 /// job held here costs one ledger read and changes nothing. A ledger that cannot answer
 /// leaves the job running (as a lost broadcast would): its outcome stands.
+///
+/// Every [`CANCEL_SWEEP`] it also reads the flags of all the jobs held here in one query,
+/// so a request whose broadcast was lost still stops its job within that period.
 async fn check_cancels(ctx: Arc<Ctx>, mut requests: tokio::sync::mpsc::Receiver<String>) {
-    while let Some(job_id) = requests.recv().await {
-        if !ctx.holds(&job_id) {
-            continue;
+    let mut sweep = tokio::time::interval(CANCEL_SWEEP);
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            next = requests.recv() => {
+                let Some(job_id) = next else { return };
+                check_one(&ctx, &job_id).await;
+            }
+            _ = sweep.tick() => sweep_held(&ctx).await,
         }
-        match ctx.ledger.get(&job_id).await {
-            Ok(Some(rec)) if rec.cancel_requested => ctx.cancel_local(&job_id),
-            Ok(_) => tracing::warn!(
-                job_id = %job_id.escape_debug(),
-                "a cancellation broadcast for a job the ledger holds no cancellation request for: ignored"
-            ),
-            Err(e) => tracing::warn!(
-                job_id = %job_id.escape_debug(),
-                error = %e,
-                "cannot read the ledger to check a cancellation broadcast: the job goes on"
-            ),
+    }
+}
+
+async fn check_one(ctx: &Ctx, job_id: &str) {
+    if !ctx.holds(job_id) {
+        return;
+    }
+    match ctx.ledger.get(job_id).await {
+        Ok(Some(rec)) if rec.cancel_requested => ctx.cancel_local(job_id),
+        Ok(_) => tracing::warn!(
+            job_id = %job_id.escape_debug(),
+            "a cancellation broadcast for a job the ledger holds no cancellation request for: ignored"
+        ),
+        Err(e) => tracing::warn!(
+            job_id = %job_id.escape_debug(),
+            error = %e,
+            "cannot read the ledger to check a cancellation broadcast: the job goes on"
+        ),
+    }
+}
+
+async fn sweep_held(ctx: &Ctx) {
+    let held = ctx.held_ids();
+    if held.is_empty() {
+        return;
+    }
+    match ctx.ledger.receipt_info_many(&held).await {
+        Ok(found) => {
+            for (job_id, info) in found {
+                if info.cancel_requested {
+                    ctx.cancel_local(&job_id);
+                }
+            }
+        }
+        Err(e) => {
+            tracing::debug!(error = %e, "cannot read the ledger's cancellation flags; next sweep")
         }
     }
 }

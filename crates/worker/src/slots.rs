@@ -2,9 +2,15 @@
 //!
 //! A worker runs at most `slots` model calls at once. Jobs received while every slot is
 //! busy wait in the bounded local buffer (at most `prefetch` deliveries). When a call ends
-//! its slot goes to the waiting job that comes first in the [`BufferOrder`]:
-//! - [`BufferOrder::Fifo`]: the job received first;
-//! - [`BufferOrder::Edf`]: the job whose deadline is earliest (ties: received first).
+//! its slot goes to the waiting job that comes first in [`lastcall_core::schedule`]'s
+//! fair share: the highest priority tier first; within a tier, the tenant with the least
+//! model time served for its weight; within a tenant, by [`BufferOrder`]:
+//! - [`BufferOrder::Edf`]: the job whose deadline is earliest (ties: received first);
+//! - [`BufferOrder::Fifo`]: the job received first.
+//!
+//! With one tenant and one tier (every job of an old producer) that is plain EDF or FIFO.
+//! This file is a thin wrapper: the order and the expected work ahead are the core's
+//! [`Schedule`]; here are only the waiters' channels and the permits.
 //!
 //! "Received first" is the order of receipt ([`Slots::receipt`], taken as the consumer
 //! registers each delivery, one after the other), not the order in which the jobs' tasks
@@ -18,14 +24,13 @@
 //! cancelled, the connection was lost) simply drops its [`Slots::acquire`] future; a slot
 //! granted to it in the same instant goes back to the next waiter. Memory is bounded by
 //! the buffer: one entry per waiting delivery, and entries of waiters that gave up are
-//! swept as the heap grows.
+//! swept as the queue grows.
 
-use std::cmp::Ordering as CmpOrdering;
-use std::collections::BinaryHeap;
+use lastcall_core::schedule::{FairShare, Schedule, Ticket, Within};
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 
-/// The order in which waiting jobs get a free model slot.
+/// The order among one tenant's waiting jobs of one priority tier.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub enum BufferOrder {
     /// Earliest deadline first (ties: the job received first).
@@ -40,6 +45,13 @@ impl BufferOrder {
         match self {
             BufferOrder::Edf => "edf",
             BufferOrder::Fifo => "fifo",
+        }
+    }
+
+    fn within(self) -> Within {
+        match self {
+            BufferOrder::Edf => Within::Edf,
+            BufferOrder::Fifo => Within::Fifo,
         }
     }
 }
@@ -66,45 +78,17 @@ pub struct Slots {
 #[derive(Debug)]
 struct Inner {
     total: usize,
-    order: BufferOrder,
     /// The next receipt number ([`Slots::receipt`]).
     receipts: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
 }
 
+/// Invariant: `free > 0` only while no waiter is queued that has not given up (a release
+/// hands its slot to a waiter before counting it free).
 #[derive(Debug)]
 struct State {
     free: usize,
-    waiters: BinaryHeap<Waiter>,
-}
-
-/// One job waiting for a slot. Invariant: `free > 0` only while no waiter is in the heap
-/// that has not given up (a release hands its slot to a waiter before counting it free).
-#[derive(Debug)]
-struct Waiter {
-    /// `(deadline, receipt)` for EDF, `(0, receipt)` for FIFO: the smallest comes first.
-    key: (i64, u64),
-    /// The learned mean call time of the job (for the expected wait of later jobs).
-    work_ms: u64,
-    tx: oneshot::Sender<SlotPermit>,
-}
-
-impl PartialEq for Waiter {
-    fn eq(&self, other: &Self) -> bool {
-        self.key == other.key
-    }
-}
-impl Eq for Waiter {}
-impl PartialOrd for Waiter {
-    fn partial_cmp(&self, other: &Self) -> Option<CmpOrdering> {
-        Some(self.cmp(other))
-    }
-}
-impl Ord for Waiter {
-    /// Reversed: `BinaryHeap` pops the greatest, and the smallest key comes first.
-    fn cmp(&self, other: &Self) -> CmpOrdering {
-        other.key.cmp(&self.key)
-    }
+    queue: Schedule<oneshot::Sender<SlotPermit>, FairShare>,
 }
 
 /// A held model slot; dropping it hands the slot to the next waiter.
@@ -118,22 +102,20 @@ impl Drop for SlotPermit {
         let Some(inner) = self.inner.take() else {
             return;
         };
+        let mut s = inner.lock();
         loop {
-            let next = {
-                let mut s = inner.lock();
-                match s.waiters.pop() {
-                    Some(w) => w,
-                    None => {
-                        s.free += 1;
-                        return;
-                    }
-                }
+            let Some((ticket, tx)) = s.queue.pop() else {
+                s.free += 1;
+                return;
             };
             let permit = SlotPermit {
                 inner: Some(inner.clone()),
             };
-            match next.tx.send(permit) {
-                Ok(()) => return,
+            match tx.send(permit) {
+                Ok(()) => {
+                    s.queue.granted(&ticket);
+                    return;
+                }
                 // That waiter gave up: disarm the returned permit and try the next one.
                 Err(mut p) => p.inner = None,
             }
@@ -148,16 +130,21 @@ impl Inner {
 }
 
 impl Slots {
-    pub fn new(total: usize, order: BufferOrder) -> Self {
+    /// `total` slots; waiting jobs in `order` within each tenant, tenants weighted by
+    /// `weights` (absent: 1).
+    pub fn new(
+        total: usize,
+        order: BufferOrder,
+        weights: impl IntoIterator<Item = (String, u32)>,
+    ) -> Self {
         let total = total.max(1);
         Self {
             inner: Arc::new(Inner {
                 total,
-                order,
                 receipts: std::sync::atomic::AtomicU64::new(0),
                 state: Mutex::new(State {
                     free: total,
-                    waiters: BinaryHeap::new(),
+                    queue: Schedule::new(FairShare::new(order.within()).with_weights(weights)),
                 }),
             }),
         }
@@ -178,70 +165,70 @@ impl Slots {
         (self.inner.receipts).fetch_add(1, std::sync::atomic::Ordering::Relaxed)
     }
 
-    /// Wait for a slot. `deadline_ms` orders the job under EDF, and `receipt` (from
-    /// [`Slots::receipt`] at its receipt) under FIFO and among equal deadlines; `work_ms`
-    /// is its expected call time, counted in [`Slots::ahead_of`] for jobs behind it.
-    /// Dropping the future gives up the place (and a slot granted meanwhile goes to the
-    /// next waiter). The future owns what it needs (it does not borrow `self`).
+    /// Wait for a slot. The ticket places the job in the order (its receipt number from
+    /// [`Slots::receipt`], deadline, tenant, priority) and says its expected call time,
+    /// counted in [`Slots::ahead_of`] for the jobs behind it. Dropping the future gives up
+    /// the place (and a slot granted meanwhile goes to the next waiter). The future owns
+    /// what it needs (it does not borrow `self`).
     pub fn acquire(
         &self,
-        deadline_ms: i64,
-        receipt: u64,
-        work_ms: u64,
+        ticket: Ticket,
     ) -> impl std::future::Future<Output = SlotPermit> + Send + 'static {
         let inner = self.inner.clone();
-        async move { Self::acquire_in(inner, deadline_ms, receipt, work_ms).await }
+        async move { Self::acquire_in(inner, ticket).await }
     }
 
-    async fn acquire_in(
-        inner: Arc<Inner>,
-        deadline_ms: i64,
-        receipt: u64,
-        work_ms: u64,
-    ) -> SlotPermit {
+    async fn acquire_in(inner: Arc<Inner>, ticket: Ticket) -> SlotPermit {
         let rx = {
             let mut s = inner.lock();
             if s.free > 0 {
                 s.free -= 1;
+                s.queue.granted(&ticket);
                 drop(s);
                 return SlotPermit { inner: Some(inner) };
             }
-            let key = match inner.order {
-                BufferOrder::Edf => (deadline_ms, receipt),
-                BufferOrder::Fifo => (0, receipt),
-            };
-            // Sweep the entries of waiters that gave up once the heap is larger than the
+            // Sweep the entries of waiters that gave up once the queue is larger than the
             // buffer can explain (amortised: at each doubling).
-            let n = s.waiters.len();
+            let n = s.queue.len();
             if n >= 64 && n.is_power_of_two() {
-                s.waiters.retain(|w| !w.tx.is_closed());
+                s.queue.retain(|_, tx| !tx.is_closed());
             }
             let (tx, rx) = oneshot::channel();
-            s.waiters.push(Waiter { key, work_ms, tx });
+            s.queue.push(ticket, tx);
             rx
         };
         rx.await
-            .expect("a waiter's sender lives in the heap until it is sent to")
+            .expect("a waiter's sender lives in the queue until it is sent to")
     }
 
-    /// The jobs that would get a slot before a job with `deadline_ms` received now, and
-    /// the sum of their expected call times: under FIFO every waiter, under EDF those with
-    /// a deadline not after it.
-    pub fn ahead_of(&self, deadline_ms: i64) -> (usize, u64) {
+    /// The jobs that would get a slot before `candidate` if it were received now, and the
+    /// sum of their expected call times.
+    pub fn ahead_of(&self, candidate: &Ticket) -> (usize, u64) {
         let s = self.inner.lock();
-        s.waiters
-            .iter()
-            .filter(|w| !w.tx.is_closed())
-            .filter(|w| self.inner.order == BufferOrder::Fifo || w.key.0 <= deadline_ms)
-            .fold((0, 0), |(n, ms), w| (n + 1, ms + w.work_ms))
+        s.queue.ahead_of(candidate, |tx| !tx.is_closed())
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use lastcall_core::Priority;
     use proptest::prelude::*;
     use std::time::Duration;
+
+    fn tk(deadline_ms: i64, receipt: u64, work_ms: u64) -> Ticket {
+        of(deadline_ms, receipt, work_ms, "default")
+    }
+
+    fn of(deadline_ms: i64, receipt: u64, work_ms: u64, tenant: &str) -> Ticket {
+        Ticket {
+            receipt,
+            deadline_ms,
+            work_ms,
+            tenant: tenant.into(),
+            priority: Priority::Standard,
+        }
+    }
 
     /// Let spawned tasks run until they block again.
     async fn settle() {
@@ -255,8 +242,8 @@ mod tests {
     /// one slot at a time and return the order (indices into `deadlines`) in which the
     /// waiters got one.
     async fn grant_order(order: BufferOrder, deadlines: &[i64], gave_up: &[usize]) -> Vec<usize> {
-        let slots = Arc::new(Slots::new(1, order));
-        let first = slots.acquire(0, slots.receipt(), 0).await;
+        let slots = Arc::new(Slots::new(1, order, []));
+        let first = slots.acquire(tk(0, slots.receipt(), 0)).await;
         let receipts: Vec<u64> = deadlines.iter().map(|_| slots.receipt()).collect();
         let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
         let mut tasks: Vec<Option<tokio::task::JoinHandle<()>>> =
@@ -264,7 +251,7 @@ mod tests {
         for (i, &d) in deadlines.iter().enumerate().rev() {
             let (slots, tx, receipt) = (slots.clone(), tx.clone(), receipts[i]);
             tasks[i] = Some(tokio::spawn(async move {
-                let p = slots.acquire(d, receipt, 10).await;
+                let p = slots.acquire(tk(d, receipt, 10)).await;
                 tx.send((i, p)).unwrap();
             }));
             settle().await; // queued in the reverse order
@@ -311,26 +298,59 @@ mod tests {
     #[tokio::test]
     async fn ahead_of_counts_the_waiters_served_first() {
         for order in [BufferOrder::Edf, BufferOrder::Fifo] {
-            let slots = Arc::new(Slots::new(1, order));
-            let held = slots.acquire(0, slots.receipt(), 0).await;
+            let slots = Arc::new(Slots::new(1, order, []));
+            let held = slots.acquire(tk(0, slots.receipt(), 0)).await;
             let mut waiting = Vec::new();
             for (d, w) in [(100, 10), (300, 30)] {
                 let (s, r) = (slots.clone(), slots.receipt());
-                waiting.push(tokio::spawn(async move { drop(s.acquire(d, r, w).await) }));
+                waiting.push(tokio::spawn(
+                    async move { drop(s.acquire(tk(d, r, w)).await) },
+                ));
                 settle().await;
             }
             let expect = match order {
                 BufferOrder::Edf => (1, 10),
                 BufferOrder::Fifo => (2, 40),
             };
-            assert_eq!(slots.ahead_of(200), expect, "{order:?}");
-            assert_eq!(slots.ahead_of(1_000), (2, 40), "{order:?}");
+            assert_eq!(slots.ahead_of(&tk(200, u64::MAX, 0)), expect, "{order:?}");
+            assert_eq!(
+                slots.ahead_of(&tk(1_000, u64::MAX, 0)),
+                (2, 40),
+                "{order:?}"
+            );
             drop(held);
             for t in waiting {
                 t.await.unwrap();
             }
-            assert_eq!(slots.ahead_of(1_000), (0, 0));
+            assert_eq!(slots.ahead_of(&tk(1_000, u64::MAX, 0)), (0, 0));
         }
+    }
+
+    /// A light tenant's job waits behind none of a flooding tenant's: the next free slot
+    /// is its own, though its deadline is the latest.
+    #[tokio::test]
+    async fn a_light_tenants_job_gets_the_next_slot_before_a_flood() {
+        let slots = Arc::new(Slots::new(1, BufferOrder::Edf, []));
+        let held = slots.acquire(of(0, slots.receipt(), 100, "flood")).await;
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for (d, tenant) in [
+            (100, "flood"),
+            (200, "flood"),
+            (300, "flood"),
+            (900, "light"),
+        ] {
+            let (s, r, tx) = (slots.clone(), slots.receipt(), tx.clone());
+            tokio::spawn(async move {
+                let p = s.acquire(of(d, r, 100, tenant)).await;
+                tx.send((tenant, p)).unwrap();
+            });
+            settle().await;
+        }
+        assert_eq!(slots.ahead_of(&of(950, u64::MAX, 100, "light2")), (1, 100));
+        drop(held);
+        let (first, p) = rx.recv().await.unwrap();
+        assert_eq!(first, "light");
+        drop(p);
     }
 
     proptest! {

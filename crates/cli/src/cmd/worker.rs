@@ -237,6 +237,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
     }
     cfg.max_buffer_bytes = a.max_buffer_bytes;
     cfg.buffer_order = a.buffer_order.into();
+    cfg.tenant_weights = a.tenant_weight.clone();
     cfg.signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
     if cfg.signing_key.is_some() {
         tracing::info!(

@@ -237,10 +237,11 @@ async fn look_up(
         prior_starts: info.prior_starts,
         cancel_requested: info.cancel_requested,
         expected_wait_ms: env.map_or(0, |e| {
-            ctx.expected_wait_ms(
-                e.deadline().expires_at_ms(),
+            ctx.expected_wait_ms(&ticket(
+                e,
+                job.msg.receipt,
                 learned.map_or(0, |l| l.mean_ms),
-            )
+            ))
         }),
         learned_runtime_ms: learned.map(|e| e.quantile_ms),
     };
@@ -253,6 +254,21 @@ async fn look_up(
         job.note = record::learned_note(learned, r.terminal());
     }
     Ok((looked, learned))
+}
+
+/// The job's place in the buffer's order ([`crate::slots`]).
+pub(crate) fn ticket(
+    env: &Envelope,
+    receipt: u64,
+    work_ms: u64,
+) -> lastcall_core::schedule::Ticket {
+    lastcall_core::schedule::Ticket {
+        receipt,
+        deadline_ms: env.deadline().expires_at_ms(),
+        work_ms,
+        tenant: env.tenant().to_owned(),
+        priority: env.priority(),
+    }
 }
 
 /// A call of this job may still run on another worker (whose connection was lost, so the

@@ -1,5 +1,6 @@
-//! The wait for a model slot in the bounded local buffer (in `--buffer-order`: earliest
-//! deadline first or FIFO, [`crate::slots`]), and for a trusted clock.
+//! The wait for a model slot in the bounded local buffer (priority tiers, fair share among
+//! tenants, then `--buffer-order` within a tenant: [`crate::slots`]), and for a trusted
+//! clock.
 //!
 //! A job that can no longer finish in time leaves the buffer as soon as that is known,
 //! not when it reaches a slot: it is settled at its latest useful start, which frees its
@@ -188,11 +189,9 @@ async fn buffered(
 ) -> Slotted {
     let policy = &ctx.cfg.policy;
     let kind = waiting.env().kind().as_str().to_owned();
-    let acquire = ctx.slots.acquire(
-        waiting.env().deadline().expires_at_ms(),
-        job.msg.receipt,
-        mean_ms,
-    );
+    let acquire = ctx
+        .slots
+        .acquire(super::ticket(waiting.env(), job.msg.receipt, mean_ms));
     tokio::pin!(acquire);
     WorkerStats::add(&ctx.stats.waiting, 1);
     let end = loop {
