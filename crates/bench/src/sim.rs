@@ -84,6 +84,11 @@ pub struct SimArgs {
     /// prefetch window of its own
     #[arg(long, default_value_t = 1)]
     pub lanes: usize,
+    /// Experimental: while two or more tenants were received in the last 10 s, refuse at
+    /// receipt a job whose tenant already has its weighted share of the buffer's waiting
+    /// places (one place kept free, so the worker keeps taking from the queue)
+    #[arg(long)]
+    pub share_cap: bool,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -293,6 +298,8 @@ struct Worker {
     running_jobs: Vec<usize>,
     /// Bumped by a crash: the calls of an earlier generation were lost with it.
     generation: u64,
+    /// The tenants received lately (tenant → last receipt), for --share-cap.
+    seen: std::collections::HashMap<usize, i64>,
 }
 
 /// The estimator's fit is recomputed after every observation, and at least this often
@@ -489,6 +496,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             free: a.slots,
             buffer: Schedule::new(policy_for(&a.order, &tenants).expect("checked")),
             held: vec![0; lanes],
+            seen: std::collections::HashMap::new(),
             running: 0,
             running_jobs: Vec::new(),
             generation: 0,
@@ -642,7 +650,31 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         learned_runtime_ms: learned.map(|e| e.quantile_ms),
                         ..ReceiptFacts::default()
                     };
-                    match policy.on_receipt(&Ok(jobs[j].env.clone()), facts, now) {
+                    let over_share = a.share_cap && {
+                        wk.seen.insert(jobs[j].tenant, now);
+                        wk.seen.retain(|_, at| now - *at < 10_000);
+                        let active: Vec<usize> = wk.seen.keys().copied().collect();
+                        active.len() >= 2 && {
+                            let total_w: u32 = active.iter().map(|&t| tenants[t].weight).sum();
+                            let room = prefetch.saturating_sub(a.slots + 1) as f64;
+                            let cap = ((room * f64::from(tenants[jobs[j].tenant].weight)
+                                / f64::from(total_w))
+                            .floor() as usize)
+                                .max(1);
+                            let mine = wk
+                                .buffer
+                                .iter()
+                                .filter(|(t, _)| t.tenant == ticket.tenant)
+                                .count();
+                            mine >= cap
+                        }
+                    };
+                    let receipt = if over_share {
+                        Receipt::Settle(lastcall_core::Disposition::AckDuplicate)
+                    } else {
+                        policy.on_receipt(&Ok(jobs[j].env.clone()), facts, now)
+                    };
+                    match receipt {
                         Receipt::Settle(_) => {
                             settle(&mut jobs, j, "expired_not_started", false)?;
                         }
@@ -884,6 +916,7 @@ mod tests {
             tenants: None,
             order: "fair".into(),
             lanes: 1,
+            share_cap: false,
             json: false,
         }
     }
