@@ -9,7 +9,10 @@
 //!   window per worker;
 //! - a simulated model server: fixed, lognormal, or length- and load-dependent call
 //!   times, with an optional hang (calls started during it never answer);
-//! - several workers with their own slots, buffers and estimators.
+//! - several workers with their own slots, buffers and estimators;
+//! - tenants with their own arrival rates, weights and priority tiers, the buffer ordered
+//!   by [`lastcall_core::schedule`]'s policies, and `--lanes` broker queues a tenant is
+//!   hashed to (a topology lastcall does not have yet: the simulator measures it first).
 //!
 //! The same seed gives the same outcomes. Every run checks the invariants: no call starts
 //! at or after its job's deadline, every job has exactly one outcome, none is lost; a
