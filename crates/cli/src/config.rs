@@ -744,6 +744,21 @@ mod tests {
     }
 
     #[test]
+    fn tenant_weights_come_from_flags_or_the_file() {
+        let l = loaded("[worker]\ntenant_weight = [\"team-a=3\", \"team-b=1\"]\n").unwrap();
+        let (w, _) = worker(&l, &["worker", "--backend", "sim"]);
+        assert_eq!(
+            w.tenant_weight,
+            vec![("team-a".to_owned(), 3), ("team-b".to_owned(), 1)]
+        );
+        let (w, _) = worker(
+            &l,
+            &["worker", "--backend", "sim", "--tenant-weight", "x=7"],
+        );
+        assert_eq!(w.tenant_weight, vec![("x".to_owned(), 7)]);
+    }
+
+    #[test]
     fn bad_values_are_refused_with_the_flags_own_rule() {
         for (text, expect) in [
             (
@@ -759,6 +774,18 @@ mod tests {
             ("[dlq]\npark = \"maybe\"\n", "`park` in section [dlq]"),
             ("[worker]\nslots = [1, 2]\n", "found an array"),
             ("[worker]\nslots = { a = 1 }\n", "found table"),
+            (
+                "[worker]\ntenant_weight = [\"team-a\"]\n",
+                "expected TENANT=WEIGHT",
+            ),
+            (
+                "[worker]\ntenant_weight = [\"team a=2\"]\n",
+                "tenant `team a`",
+            ),
+            (
+                "[worker]\ntenant_weight = [\"team-a=0\"]\n",
+                "from 1 to 1000",
+            ),
         ] {
             let e = loaded(text).err().unwrap().to_string();
             assert!(e.contains(expect), "{text}: {e}");
