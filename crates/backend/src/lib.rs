@@ -131,6 +131,12 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// Every name [`route_of`](Self::route_of) can answer, or this one's: the backends whose
+    /// calls this one makes (a worker reads their recent call times from the ledger).
+    fn serving_names(&self) -> Vec<&str> {
+        vec![self.name()]
+    }
+
     /// Run one call. Must return promptly with [`BackendError::Cancelled`] once `cancel`
     /// fires, and must not run past `req.timeout`.
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_>;

@@ -197,6 +197,12 @@ impl Backend for RoutedBackend {
         self.backend_for(kind)
     }
 
+    fn serving_names(&self) -> Vec<&str> {
+        let mut names: Vec<&str> = self.backends.keys().map(String::as_str).collect();
+        names.sort_unstable();
+        names
+    }
+
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
         self.routed(req, cancel, None)
     }

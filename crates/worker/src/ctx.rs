@@ -60,6 +60,11 @@ pub(crate) struct Ctx {
     pub(crate) breakers: Arc<crate::breakers::Breakers>,
 }
 
+/// The estimator key of `kind`'s calls served by `backend`.
+fn key_of(kind: &str, backend: &str) -> String {
+    format!("{kind}|{backend}")
+}
+
 impl Ctx {
     /// The circuit breaker key of a kind: the backend its calls go to (the route's backend
     /// when kinds are routed).
@@ -76,9 +81,10 @@ impl Ctx {
             .map(|e| e.quantile_ms)
     }
 
-    /// The estimator key of a kind: one backend per worker (or per kind when routed).
+    /// The estimator key of a kind: the kind and the backend that serves its calls (the
+    /// route's backend when kinds are routed), so two routes never share call times.
     fn service_key(&self, kind: &str) -> String {
-        format!("{kind}|{}", self.backend.name())
+        key_of(kind, self.breaker_key(kind))
     }
 
     /// What is learned about the calls of `kind` at `now_ms`: for a request of `size`
@@ -102,11 +108,17 @@ impl Ctx {
     pub(crate) async fn learn_from_ledger(&self) -> usize {
         let cfg = self.service_config();
         let now = self.clock.now_ms();
-        let read = self.ledger.recent_calls(
-            self.backend.name(),
-            now.saturating_sub(cfg.max_age_ms),
-            LEDGER_CALLS,
-        );
+        let since = now.saturating_sub(cfg.max_age_ms);
+        // Each serving backend's calls, keyed by that backend (not by today's route: a
+        // call taught only the backend that made it).
+        let read = async {
+            let mut all = Vec::new();
+            for name in self.backend.serving_names() {
+                let calls = self.ledger.recent_calls(name, since, LEDGER_CALLS).await?;
+                all.extend(calls.into_iter().map(|c| (name.to_owned(), c)));
+            }
+            Ok::<_, lastcall_store::StoreError>(all)
+        };
         let calls = match tokio::time::timeout(LEDGER_READ_LIMIT, read).await {
             Ok(Ok(calls)) => calls,
             Ok(Err(e)) => {
@@ -123,8 +135,8 @@ impl Ctx {
         let mut kinds = std::collections::BTreeSet::new();
         {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-            for c in &calls {
-                let key = self.service_key(&c.kind);
+            for (backend, c) in &calls {
+                let key = key_of(&c.kind, backend);
                 match c.cut {
                     true => service.observe_cut(&key, c.latency_ms, c.recorded_at_ms.min(now)),
                     false => service.observe(&key, c.latency_ms, c.recorded_at_ms.min(now)),

@@ -69,7 +69,12 @@ pub(crate) fn outcome_row(
         latency_ms: call.map(|c| c.latency_ms),
         cancel_requested: call.is_some_and(|c| c.cancel_requested),
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
-        backend: Some(ctx.backend.name().to_owned()),
+        // The backend that served (or would have served) the call: the route's, when
+        // kinds are routed.
+        backend: Some(
+            env.map_or(ctx.backend.name(), |e| ctx.breaker_key(e.kind().as_str()))
+                .to_owned(),
+        ),
         model: output.and_then(|o| o.model.clone()),
         min_runtime_ms: facts
             .min_runtime_ms
