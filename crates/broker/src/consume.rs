@@ -118,9 +118,11 @@ impl Settler {
     }
 }
 
-/// A stream of deliveries from one consumer.
+/// A stream of deliveries from the consumers of one channel (one queue, or several: the
+/// worker's lanes), merged.
 pub struct IncomingStream {
-    consumer: Consumer,
+    consumers: futures_util::stream::SelectAll<Consumer>,
+    tags: Vec<lapin::types::ShortString>,
     channel: Channel,
     /// Unique within the process ([`Incoming::stream`]).
     stream: u64,
@@ -142,6 +144,19 @@ impl IncomingStream {
         prefetch: u16,
         tag: &str,
     ) -> Result<Self, BrokerError> {
+        Self::open_queues(broker, &[queue.to_owned()], prefetch, tag).await
+    }
+
+    /// Consume each of `queues` on one channel (delivery tags, and so acks, are per
+    /// channel), each consumer with its own window of `prefetch` unacked deliveries (the
+    /// per-consumer `basic.qos`): a queue that is never empty cannot hold the window of
+    /// another. Consumer tags are `tag` for the first queue and `tag-<i>` for the others.
+    pub async fn open_queues(
+        broker: &Broker,
+        queues: &[String],
+        prefetch: u16,
+        tag: &str,
+    ) -> Result<Self, BrokerError> {
         let channel = broker.channel().await?;
         channel
             .basic_qos(prefetch, BasicQosOptions::default())
@@ -150,21 +165,32 @@ impl IncomingStream {
                 doing: "setting prefetch",
                 source,
             })?;
-        let consumer = channel
-            .basic_consume(
-                queue.into(),
-                tag.into(),
-                BasicConsumeOptions::default(),
-                FieldTable::default(),
-            )
-            .await
-            .map_err(|source| BrokerError::Amqp {
-                doing: "starting the consumer",
-                source,
-            })?;
+        let mut consumers = Vec::with_capacity(queues.len());
+        let mut tags = Vec::with_capacity(queues.len());
+        for (i, queue) in queues.iter().enumerate() {
+            let tag = match i {
+                0 => tag.to_owned(),
+                i => format!("{tag}-{i}"),
+            };
+            let consumer = channel
+                .basic_consume(
+                    queue.as_str().into(),
+                    tag.as_str().into(),
+                    BasicConsumeOptions::default(),
+                    FieldTable::default(),
+                )
+                .await
+                .map_err(|source| BrokerError::Amqp {
+                    doing: "starting the consumer",
+                    source,
+                })?;
+            tags.push(consumer.tag());
+            consumers.push(consumer);
+        }
         let stream = STREAMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
-            consumer,
+            consumers: futures_util::stream::select_all(consumers),
+            tags,
             channel,
             stream,
         })
@@ -172,7 +198,7 @@ impl IncomingStream {
 
     /// The next delivery; `None` when the consumer was cancelled or the channel closed.
     pub async fn next(&mut self) -> Option<Result<Incoming, BrokerError>> {
-        let item = self.consumer.next().await?;
+        let item = self.consumers.next().await?;
         let stream = self.stream;
         Some(
             item.map(|d| convert(d, stream))
@@ -186,11 +212,12 @@ impl IncomingStream {
     /// Stop receiving new deliveries; unsettled ones stay with this channel until settled
     /// or until the channel closes (then the broker requeues them).
     pub async fn cancel(&self) {
-        let cancel = self.channel.basic_cancel(
-            self.consumer.tag(),
-            lapin::options::BasicCancelOptions::default(),
-        );
-        crate::goodbye("cancelling the consumer", cancel).await;
+        for tag in &self.tags {
+            let cancel = self
+                .channel
+                .basic_cancel(tag.clone(), lapin::options::BasicCancelOptions::default());
+            crate::goodbye("cancelling the consumer", cancel).await;
+        }
     }
 
     /// Close the channel; the broker requeues every unsettled delivery.

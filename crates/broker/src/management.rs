@@ -167,7 +167,8 @@ impl Management {
         }
         vec![(
             format!("{}-work", n.prefix),
-            format!("^{}$", escape(&n.work_queue)),
+            // The work queue and its lanes (`P.work.lane1` …).
+            format!("^{}(\\.lane[0-9]+)?$", escape(&n.work_queue)),
             work,
         )]
     }
@@ -379,7 +380,7 @@ mod tests {
     fn quorum_policies_carry_the_at_least_once_settings() {
         let mut t = Topology::new("lc");
         let p = Management::policies(&t);
-        assert_eq!(p[0].1, "^lc\\.work$");
+        assert_eq!(p[0].1, "^lc\\.work(\\.lane[0-9]+)?$");
         assert!(p[0].2.get("dead-letter-strategy").is_none());
         t.queue_type = QueueType::Quorum;
         let d = &Management::policies(&t)[0].2;

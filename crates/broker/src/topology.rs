@@ -51,6 +51,9 @@ pub struct Names {
     /// Fanout exchange of control broadcasts to every worker (cancellations); each worker
     /// follows it through a queue of its own.
     pub control_exchange: String,
+    /// Direct exchange of the named tenants' jobs: routing key = the lane number
+    /// ([`lastcall_core::lane_of`]), bound to the lane queues `1..LANES`.
+    pub lanes_exchange: String,
 }
 
 impl Names {
@@ -63,6 +66,32 @@ impl Names {
             dead_queue: format!("{prefix}.dead"),
             events_exchange: format!("{prefix}.events"),
             control_exchange: format!("{prefix}.control"),
+            lanes_exchange: format!("{prefix}.lanes"),
+        }
+    }
+
+    /// The queue of `lane`: the work queue for lane 0, `{prefix}.work.lane<N>` else.
+    pub fn lane_queue(&self, lane: u8) -> String {
+        match lane {
+            0 => self.work_queue.clone(),
+            n => format!("{}.lane{n}", self.work_queue),
+        }
+    }
+
+    /// Every queue workers consume jobs from: the work queue, then lanes `1..LANES`.
+    pub fn lane_queues(&self) -> Vec<String> {
+        (0..lastcall_core::LANES)
+            .map(|l| self.lane_queue(l))
+            .collect()
+    }
+
+    /// Where a job of `tenant` and `kind` is published: the jobs exchange with the kind as
+    /// the routing key for the `default` tenant (lane 0, as before lanes), the lanes
+    /// exchange with the lane number for a named tenant.
+    pub fn job_route(&self, tenant: &str, kind: &str) -> (&str, String) {
+        match lastcall_core::lane_of(tenant) {
+            0 => (&self.jobs_exchange, kind.to_owned()),
+            lane => (&self.lanes_exchange, lane.to_string()),
         }
     }
 
@@ -186,6 +215,15 @@ impl Topology {
         self.queue(broker, &n.work_queue, self.work_args()).await?;
         self.bind(broker, &n.work_queue, &n.jobs_exchange, "#")
             .await?;
+        // The named tenants' lanes: queues like the work queue, one routing key each.
+        self.exchange_of(broker, &n.lanes_exchange, ExchangeKind::Direct)
+            .await?;
+        for lane in 1..lastcall_core::LANES {
+            let q = n.lane_queue(lane);
+            self.queue(broker, &q, self.work_args()).await?;
+            self.bind(broker, &q, &n.lanes_exchange, &lane.to_string())
+                .await?;
+        }
         self.side_queue(broker, &n.retry_ready_queue(), self.retry_ready_args())
             .await?;
         for d in &self.retry_delays_ms {
@@ -234,12 +272,12 @@ impl Topology {
     pub async fn delete(&self, broker: &Broker) -> Result<(), BrokerError> {
         let ch = broker.channel().await?;
         let n = &self.names;
-        let mut queues = vec![
-            n.work_queue.clone(),
+        let mut queues = n.lane_queues();
+        queues.extend([
             n.dead_queue.clone(),
             format!("{}.parked", n.prefix),
             n.retry_ready_queue(),
-        ];
+        ]);
         // The per-class copy queues of `lastcall dlq --split-by-reason` (and the names of
         // earlier versions: `rejected`, `delivery_limit`).
         queues.extend(
@@ -262,6 +300,7 @@ impl Topology {
             &n.dlx,
             &n.events_exchange,
             &n.control_exchange,
+            &n.lanes_exchange,
         ] {
             let _ = ch
                 .exchange_delete(

@@ -678,13 +678,13 @@ async fn topology_delete_asks_first_then_removes_queues_and_exchanges() {
     ]);
     assert!(sub.status.success(), "{}", text(&sub.stderr));
     let n = &env.topo.names;
-    let queues = [
-        n.work_queue.clone(),
+    let mut queues = n.lane_queues();
+    queues.extend([
         n.dead_queue.clone(),
         n.retry_ready_queue(),
         n.retry_queue(1_000),
         n.retry_queue(5_000),
-    ];
+    ]);
     let exists = |q: String| {
         let broker = env.broker.clone();
         async move {
@@ -775,12 +775,16 @@ async fn topology_delete_asks_first_then_removes_queues_and_exchanges() {
     let conn = lapin::Connection::connect(AMQP, lapin::ConnectionProperties::default())
         .await
         .unwrap();
-    for x in [&n.jobs_exchange, &n.dlx] {
+    for (x, kind) in [
+        (&n.jobs_exchange, lapin::ExchangeKind::Topic),
+        (&n.dlx, lapin::ExchangeKind::Topic),
+        (&n.lanes_exchange, lapin::ExchangeKind::Direct),
+    ] {
         let ch = conn.create_channel().await.unwrap();
         let r = ch
             .exchange_declare(
                 x.as_str().into(),
-                lapin::ExchangeKind::Topic,
+                kind,
                 lapin::options::ExchangeDeclareOptions {
                     passive: true,
                     ..Default::default()

@@ -37,9 +37,9 @@ struct Role {
 /// `lastcall topology apply` / `topology delete`.
 const DEPLOYER: Role = Role {
     name: "deployer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|parked|retry\..+|dead\..+)$",
-    write: r"^(lastcall\.(work|dead|dlx)|amq\.default)$",
-    read: r"^lastcall\.(jobs|dlx|work|retry\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|parked|retry\..+|dead\..+)$",
+    write: r"^(lastcall\.(work(\.lane[1-7])?|dead|dlx)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|retry\..+)$",
 };
 
 /// `lastcall submit` / `lastcall serve` / `lastcall cancel`. No queue of its own: it can
@@ -48,9 +48,9 @@ const DEPLOYER: Role = Role {
 /// read every job's payload).
 const PRODUCER: Role = Role {
     name: "producer",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|retry\..+)$",
-    write: r"^lastcall\.(jobs|work|dead|events|control)$",
-    read: r"^lastcall\.(jobs|dlx)$",
+    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|retry\..+)$",
+    write: r"^lastcall\.(jobs|lanes|work(\.lane[1-7])?|dead|events|control)$",
+    read: r"^lastcall\.(jobs|dlx|lanes)$",
 };
 
 /// The outcome-events follower of `serve` and `submit --wait` (`--events-amqp-url`): its
@@ -65,17 +65,17 @@ const FOLLOWER: Role = Role {
 /// `lastcall worker`.
 const WORKER: Role = Role {
     name: "worker",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|control\.follow\..+|retry\..+)$",
-    write: r"^(lastcall\.(jobs|work|dead|events|control\.follow\..+)|amq\.default)$",
-    read: r"^lastcall\.(jobs|dlx|work|retry\.ready|control|control\.follow\..+)$",
+    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|control\.follow\..+|retry\..+)$",
+    write: r"^(lastcall\.(jobs|lanes|work(\.lane[1-7])?|dead|events|control\.follow\..+)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|retry\.ready|control|control\.follow\..+)$",
 };
 
 /// `lastcall dlq --park --split-by-reason`.
 const DLQ: Role = Role {
     name: "dlq",
-    configure: r"^lastcall\.(jobs|dlx|work|dead|events|control|parked|retry\..+|dead\..+)$",
-    write: r"^(lastcall\.(work|dead|events)|amq\.default)$",
-    read: r"^lastcall\.(jobs|dlx|dead)$",
+    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|parked|retry\..+|dead\..+)$",
+    write: r"^(lastcall\.(work(\.lane[1-7])?|dead|events)|amq\.default)$",
+    read: r"^lastcall\.(jobs|dlx|lanes|dead)$",
 };
 
 /// What a producer would get if publishing were all it did: not enough today.

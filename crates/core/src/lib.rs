@@ -66,4 +66,4 @@ pub use service_time::{
     CallToken, Estimate, EstimateSource, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes,
 };
 pub use signature::SigningKey;
-pub use tenant::{Priority, Tenant};
+pub use tenant::{LANES, Priority, Tenant, lane_of};

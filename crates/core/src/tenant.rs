@@ -46,6 +46,28 @@ impl fmt::Display for Tenant {
     }
 }
 
+/// The broker queues ("lanes") jobs are spread over by tenant: lane 0 is the work queue of
+/// before (the `default` tenant, and every job published to the jobs exchange), lanes
+/// `1..LANES` take the named tenants by a hash ([`lane_of`]). A bounded number of queues
+/// for any number of tenants (stochastic fair queueing): a flood fills its own lane, and a
+/// tenant in another lane does not wait behind it in the broker.
+pub const LANES: u8 = 8;
+
+/// The lane of `tenant`'s jobs: 0 for [`Tenant::DEFAULT`], else `1 + FNV-1a-64(tenant's
+/// bytes) mod (LANES − 1)`. Producers in other languages compute the same (the wire
+/// format documents it with test vectors).
+pub fn lane_of(tenant: &str) -> u8 {
+    if tenant == Tenant::DEFAULT {
+        return 0;
+    }
+    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
+    for b in tenant.bytes() {
+        h ^= u64::from(b);
+        h = h.wrapping_mul(0x0100_0000_01b3);
+    }
+    1 + (h % u64::from(LANES - 1)) as u8
+}
+
 /// A job's priority tier. Under overload a higher tier is always served first: a lower
 /// tier gets a model slot only when no job of a higher tier waits that can still finish in
 /// time, so sustained overload of a higher tier can starve a lower one completely (by
@@ -117,6 +139,24 @@ mod tests {
         assert!(Tenant::parse(&"x".repeat(64)).is_ok());
         assert!(Tenant::parse("a b").is_err());
         assert!(Tenant::parse("ä").is_err());
+    }
+
+    #[test]
+    fn lanes_keep_the_default_tenant_on_the_work_queue_and_spread_the_rest() {
+        assert_eq!(lane_of("default"), 0);
+        // Test vectors for producers in other languages (docs/wire-format.md).
+        assert_eq!(lane_of("team-a"), 1);
+        assert_eq!(lane_of("team-b"), 5);
+        assert_eq!(lane_of("flood"), 1);
+        assert_eq!(lane_of("light"), 5);
+        let mut seen = [0u32; LANES as usize];
+        for i in 0..7_000 {
+            seen[usize::from(lane_of(&format!("t{i}")))] += 1;
+        }
+        assert_eq!(seen[0], 0);
+        for n in &seen[1..] {
+            assert!((800..1_200).contains(n), "{seen:?}");
+        }
     }
 
     #[test]

@@ -463,10 +463,15 @@ impl Submitter {
             timestamp_s: (now_ms / 1000).max(0) as u64,
             signature,
         };
-        let (exchange, key) = (&self.names.jobs_exchange, env.kind().as_str());
+        // A named tenant's lane, or the jobs exchange (the `default` tenant).
+        let (exchange, key) = self.names.job_route(env.tenant(), env.kind().as_str());
         match via {
-            Some(reply) => reply.publish(exchange, key, &body, &props).await?,
-            None => self.publisher.publish(exchange, key, &body, &props).await?,
+            Some(reply) => reply.publish(exchange, &key, &body, &props).await?,
+            None => {
+                self.publisher
+                    .publish(exchange, &key, &body, &props)
+                    .await?
+            }
         }
         Ok(Submitted {
             job_id: env.job_id().to_string(),

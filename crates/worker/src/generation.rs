@@ -42,9 +42,10 @@ impl Generation {
     ) -> Result<Self, WorkerError> {
         let cfg = &ctx.cfg;
         let setup = |e: String| WorkerError::Setup(e);
-        let stream = IncomingStream::open(
+        // The work queue and the named tenants' lanes, each with its own prefetch window.
+        let stream = IncomingStream::open_queues(
             broker,
-            &cfg.topology.names.work_queue,
+            &cfg.topology.names.lane_queues(),
             cfg.prefetch,
             &format!("lastcall-worker-{}", ctx.nonce),
         )

@@ -188,14 +188,11 @@ impl RetryRelay {
             timestamp_s: (now / 1000).max(0) as u64,
             signature: m.signature.clone(),
         };
+        // Back to its tenant's lane (the jobs exchange for the `default` tenant).
+        let (exchange, key) = self.names.job_route(env.tenant(), env.kind().as_str());
         match self
             .publisher
-            .publish(
-                &self.names.jobs_exchange,
-                env.kind().as_str(),
-                &m.body,
-                &props,
-            )
+            .publish(exchange, &key, &m.body, &props)
             .await
         {
             Ok(()) => {

@@ -50,6 +50,13 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
                     .collect::<Vec<_>>()
                     .join(", ")
             );
+            println!(
+                "named tenants' lanes: exchange {} → queues {}.lane1 … {}.lane{}",
+                topo.names.lanes_exchange,
+                topo.names.work_queue,
+                topo.names.work_queue,
+                lastcall_core::LANES - 1
+            );
             if t.policies {
                 let m = lastcall_broker::management::Management::from_amqp_url(
                     &settings.amqp_url,

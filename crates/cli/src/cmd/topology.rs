@@ -11,7 +11,7 @@ use std::process::ExitCode;
 /// Every queue `Topology::delete` removes, in the order shown to the user.
 fn queue_names(topo: &Topology) -> Vec<String> {
     let n = &topo.names;
-    let mut q = vec![n.work_queue.clone()];
+    let mut q = n.lane_queues();
     q.extend(topo.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
     q.push(n.retry_ready_queue());
     q.push(n.dead_queue.clone());
@@ -34,13 +34,14 @@ pub async fn delete(s: &Settings, a: TopologyDeleteArgs) -> Result<ExitCode> {
             existing.push((q.clone(), ready, consumers));
         }
     }
-    let exchanges = [&topo.names.jobs_exchange, &topo.names.dlx];
+    let n = &topo.names;
     let mut plan = format!(
-        "prefix `{}` on {}: exchanges {} and {}; ",
+        "prefix `{}` on {}: exchanges {}, {} and {}; ",
         s.prefix,
         lastcall_broker::redact(&s.amqp_url),
-        exchanges[0],
-        exchanges[1]
+        n.jobs_exchange,
+        n.lanes_exchange,
+        n.dlx
     );
     if existing.is_empty() {
         plan.push_str("no queue of this prefix exists");
