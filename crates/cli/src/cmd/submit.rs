@@ -75,7 +75,16 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
     } else {
         None
     };
-    let submitted = match submitter.submit(&job, clock.now_ms()).await {
+    let now = clock.now_ms();
+    let priority: lastcall_core::Priority = a
+        .priority
+        .parse()
+        .map_err(|e: lastcall_core::ids::IdError| anyhow::anyhow!("--priority {}", e.0))?;
+    let mut env = submitter.envelope(&job, now)?.with_priority(priority);
+    if let Some(t) = a.tenant {
+        env = env.with_tenant(t);
+    }
+    let submitted = match submitter.submit_envelope(&env, None, now).await {
         Ok(submitted) => submitted,
         Err(SubmitError::WouldExpireInQueue(estimate)) => {
             eprintln!("error: not accepted: {estimate} (--no-shed publishes it anyway)");
