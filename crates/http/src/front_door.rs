@@ -185,7 +185,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         ("X-Stainless-Read-Timeout" = Option<f64>, Header, nullable = false),
         ("Idempotency-Key" = Option<String>, Header, nullable = false),
         ("X-Lastcall-Tenant" = Option<String>, Header, nullable = false, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The job's tenant (`default` when absent). A token of the tokens file acts for its own tenant: leave it out or name the same one (another is `403 tenant_mismatch`, in lastcall's error shape like every `403`). The body's `user` is never the tenant"),
-        ("X-Lastcall-Priority" = Option<String>, Header, nullable = false, description = "The job's priority tier: `critical`, `standard` (when absent) or `batch`"),
+        ("X-Lastcall-Priority" = Option<crate::openapi::PriorityTier>, Header, nullable = false, description = "The job's priority tier: `critical`, `standard` (when absent) or `batch`"),
     ),
     request_body(content = inline(crate::openapi::ChatCompletionRequest), content_type = "application/json"),
     responses(
@@ -193,7 +193,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
             (inline(crate::openapi::ChatCompletion) = "application/json"),
             (String = "text/event-stream"),
         )),
-        (status = 400, description = "Not an OpenAI chat request, a malformed deadline header, `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
+        (status = 400, description = "Not an OpenAI chat request, a malformed deadline, `X-Lastcall-Tenant` or `X-Lastcall-Priority` header (`param` names it), `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`); or, with a token of the tokens file, `X-Lastcall-Tenant` names another tenant (`tenant_mismatch`) or the model's kind is not one the token may submit (`kind_not_allowed`); every `403` is in lastcall's error shape, `field` naming the header or `kind`", body = crate::openapi::ErrorBody),
         (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),

@@ -34,7 +34,7 @@ use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
     servers((url = "http://127.0.0.1:8080")),
     security(("bearer" = []), ("basic" = [])),
     components(
-        schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError),
+        schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError, PriorityTier),
         responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError),
     ),
 )]
@@ -594,6 +594,22 @@ pub(crate) struct RetryAfter(u64);
 
 #[cfg(test)]
 mod tests {
+    /// The documented tiers are the core's, and `NewJob` documents `tenant` and `priority`.
+    #[test]
+    fn the_priority_schema_lists_the_cores_tiers() {
+        let doc = serde_json::to_value(crate::api_doc()).unwrap();
+        let tiers = doc
+            .pointer("/components/schemas/PriorityTier/enum")
+            .expect("PriorityTier documented");
+        let core: Vec<&str> = lastcall_core::Priority::ALL
+            .iter()
+            .map(|p| p.as_str())
+            .collect();
+        assert_eq!(tiers, &serde_json::json!(core));
+        let text = doc.to_string();
+        assert!(text.contains("X-Lastcall-Tenant") && text.contains("tenant_mismatch"));
+    }
+
     /// Every field the ledger's record serializes is documented, and nothing else.
     #[test]
     fn the_job_record_schema_has_the_ledgers_fields() {
