@@ -307,10 +307,13 @@ impl std::fmt::Display for QuotaRefusal {
     }
 }
 
+/// A tenant's buckets: jobs, tokens (`None`: that quota is not set).
+type TenantBuckets = (Option<Bucket>, Option<Bucket>);
+
 /// The quota buckets of the tenants the tokens file gives quotas (bounded by the file).
 #[derive(Debug, Default)]
 pub struct Quotas {
-    buckets: Mutex<HashMap<String, (Option<Bucket>, Option<Bucket>)>>,
+    buckets: Mutex<HashMap<String, TenantBuckets>>,
 }
 
 impl Quotas {
