@@ -109,14 +109,16 @@ const SELECT_DEAD_LETTERS: &str = concat!(
 );
 
 /// Outcomes per (tenant, state, reason) with the summed model time and tokens of their
-/// recorded calls (`CAST`: PostgreSQL's `SUM` of a `bigint` is a `numeric`).
+/// recorded calls (`CAST`: PostgreSQL's `SUM` of a `bigint` is a `numeric`). The largest
+/// groups first, so that a window of more groups than the `LIMIT` keeps the busiest
+/// tenants' and drops the smallest groups (which only `other` would have summed).
 const SELECT_TENANTS: &str = concat!(
     "SELECT tenant, state, reason, COUNT(*), \
      CAST(SUM(COALESCE(latency_ms, 0)) AS BIGINT), \
      CAST(SUM(COALESCE(prompt_tokens, 0)) AS BIGINT), \
      CAST(SUM(COALESCE(completion_tokens, 0)) AS BIGINT) ",
     window!(),
-    " GROUP BY tenant, state, reason ORDER BY tenant, state, reason LIMIT $2"
+    " GROUP BY tenant, state, reason ORDER BY COUNT(*) DESC, tenant, state, reason LIMIT $2"
 );
 
 /// Every statement [`Ledger::dashboard_counts`] runs (none reads `result`, `error` or a
@@ -204,7 +206,7 @@ impl Ledger {
 
     /// The terminal outcomes recorded at or after `since_ms`, one group per (tenant, state,
     /// reason) with the summed model time (`latency_ms`) and tokens of their recorded
-    /// calls; at most [`DASHBOARD_MAX_ROWS`] groups (by tenant name), no job row read. Fold
+    /// calls; at most [`DASHBOARD_MAX_ROWS`] groups (the largest), no job row read. Fold
     /// them with `lastcall_core::report::tenant_accounts`.
     pub async fn tenant_counts(&self, since_ms: i64) -> Result<Vec<TenantSample>, StoreError> {
         let n = |c: i64| c.max(0) as u64;
