@@ -552,8 +552,9 @@ pub struct SubmitArgs {
     #[arg(long, value_parser = parse_tenant)]
     pub tenant: Option<lastcall_core::Tenant>,
     /// The job's priority tier: under overload `critical` is served first and `batch` last
-    #[arg(long, value_parser = ["critical", "standard", "batch"], default_value = "standard")]
-    pub priority: String,
+    /// (without it: `standard`)
+    #[arg(long, value_parser = ["critical", "standard", "batch"])]
+    pub priority: Option<String>,
     /// How long to wait for the broker's publisher confirm, in ms
     #[arg(long, default_value_t = 5_000)]
     pub confirm_timeout_ms: u64,

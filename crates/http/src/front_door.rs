@@ -289,13 +289,13 @@ async fn run(
             e => from_api_error(e),
         })?;
     let priority = match header(headers, "x-lastcall-priority") {
-        Some(p) => p.parse::<lastcall_core::Priority>().map_err(|e| {
+        Some(p) => Some(p.parse::<lastcall_core::Priority>().map_err(|e| {
             bad(
                 "X-Lastcall-Priority",
                 format!("`X-Lastcall-Priority` {}", e.0),
             )
-        })?,
-        None => lastcall_core::Priority::default(),
+        })?),
+        None => None,
     };
     caller
         .check_kind(&kind)
@@ -312,9 +312,8 @@ async fn run(
     let env = state
         .submitter
         .envelope(&job, now)
-        .map_err(|e| from_api_error(submit_error(e, deadline)))?
-        .with_tenant(tenant)
-        .with_priority(priority);
+        .map_err(|e| from_api_error(submit_error(e, deadline)))?;
+    let env = crate::jobs::tagged(env, tenant, priority);
     let id = env.job_id().to_string();
     let tokens = lastcall_core::request_size::RequestSize::of_payload(&env.payload)
         .map_or(0, |s| s.prompt_tokens);

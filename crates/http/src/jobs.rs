@@ -73,9 +73,8 @@ pub async fn create(
     let env = state
         .submitter
         .envelope(&job, now)
-        .map_err(|e| submit_error(e, spec))?
-        .with_tenant(tenant)
-        .with_priority(tags.priority.unwrap_or_default());
+        .map_err(|e| submit_error(e, spec))?;
+    let env = tagged(env, tenant, tags.priority);
     let job_id = env.job_id().to_string();
     // The tenant's quotas, before anything is claimed or published.
     let tokens = RequestSize::of_payload(&env.payload).map_or(0, |s| s.prompt_tokens);
@@ -153,6 +152,25 @@ pub async fn create(
             }
             Err(submit_error(e, spec))
         }
+    }
+}
+
+/// `env` for `tenant` at `priority`, written into the body only when they say something:
+/// a job of tenant `default` at the default tier is the same message an old producer
+/// sends.
+pub(crate) fn tagged(
+    env: lastcall_core::Envelope,
+    tenant: lastcall_core::Tenant,
+    priority: Option<Priority>,
+) -> lastcall_core::Envelope {
+    let env = if tenant.as_str() == lastcall_core::Tenant::DEFAULT {
+        env
+    } else {
+        env.with_tenant(tenant)
+    };
+    match priority {
+        Some(p) => env.with_priority(p),
+        None => env,
     }
 }
 
@@ -612,6 +630,29 @@ pub async fn list(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job of tenant `default` at the default tier is published as an old producer's:
+    /// neither field in the body; anything else is written.
+    #[test]
+    fn only_a_tenant_or_tier_that_says_something_is_written() {
+        let body = br#"{"schema_version":1,"job_id":"j","kind":"k","created_at_ms":0,"expires_at_ms":1000,"payload":{}}"#;
+        let env = || {
+            lastcall_core::Envelope::parse(body, &lastcall_core::EnvelopeLimits::default(), 0)
+                .unwrap()
+        };
+        let default = lastcall_core::Tenant::default_tenant;
+        let plain = tagged(env(), default(), None).to_json();
+        assert!(plain.get("tenant").is_none() && plain.get("priority").is_none());
+        let team = lastcall_core::Tenant::parse("team-a").unwrap();
+        let tagged_env = tagged(env(), team, Some(Priority::Batch));
+        assert_eq!(
+            (tagged_env.tenant(), tagged_env.priority()),
+            ("team-a", Priority::Batch)
+        );
+        let explicit = tagged(env(), default(), Some(Priority::Standard)).to_json();
+        assert_eq!(explicit["priority"], "standard");
+        assert!(explicit.get("tenant").is_none());
+    }
 
     /// `40.0` is the integer 40 (JSON Schema's reading, which the 3.1 document follows);
     /// `40.5`, `-1` and `1e20` are no deadline.

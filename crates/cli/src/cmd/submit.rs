@@ -76,11 +76,14 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         None
     };
     let now = clock.now_ms();
-    let priority: lastcall_core::Priority = a
-        .priority
-        .parse()
-        .map_err(|e: lastcall_core::ids::IdError| anyhow::anyhow!("--priority {}", e.0))?;
-    let mut env = submitter.envelope(&job, now)?.with_priority(priority);
+    // Only what was asked for goes into the body (absent: `default`, `standard`).
+    let mut env = submitter.envelope(&job, now)?;
+    if let Some(p) = &a.priority {
+        let p: lastcall_core::Priority = p
+            .parse()
+            .map_err(|e: lastcall_core::ids::IdError| anyhow::anyhow!("--priority {}", e.0))?;
+        env = env.with_priority(p);
+    }
     if let Some(t) = a.tenant {
         env = env.with_tenant(t);
     }
