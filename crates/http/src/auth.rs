@@ -115,11 +115,14 @@ impl Caller {
         }
     }
 
-    /// The idempotency scope of this caller's requests: the operator token's fingerprint,
-    /// or the tenant (its tokens share one scope; another tenant's never matches).
-    pub fn scope(&self, operator: &Token) -> String {
+    /// The idempotency scope of this caller's requests for a job of `tenant`: the
+    /// operator token's fingerprint (with the tenant when it is not `default`, so the
+    /// same job id for another tenant is a conflict, never the first one's answer), or the
+    /// token's tenant (its tokens share one scope; another tenant's never matches).
+    pub fn scope(&self, operator: &Token, tenant: &str) -> String {
         match self {
-            Caller::Operator => operator.tenant(),
+            Caller::Operator if tenant == lastcall_core::Tenant::DEFAULT => operator.tenant(),
+            Caller::Operator => format!("{}|tenant:{tenant}", operator.tenant()),
             Caller::Tenant(e) => format!("tenant:{}", e.tenant),
         }
     }

@@ -348,7 +348,7 @@ async fn run(
     // The idempotency scope: the token's tenant, this route and the model (the payload
     // no longer holds it, and several models may map to one kind). The same key with
     // another model, kind or body is a 409, never the first request's answer.
-    let scope = format!("{}|chat|{model}", caller.scope(&state.token));
+    let scope = format!("{}|chat|{model}", caller.scope(&state.token, env.tenant()));
     let submitted = match &reply {
         Some(r) => {
             state

@@ -97,7 +97,7 @@ pub async fn create(
     };
     // The idempotency scope (part of the fingerprint with the kind, the payload and the
     // minimum runtime): the token's tenant and this route.
-    let scope = format!("{}|jobs", caller.scope(&state.token));
+    let scope = format!("{}|jobs", caller.scope(&state.token, env.tenant()));
     let submitted = state
         .submitter
         .submit_once_scoped(&env, now, state.claim_wait, &scope, register)

@@ -152,6 +152,23 @@ async fn a_tenant_token_stamps_its_tenant_and_sees_only_its_jobs() {
         assert!(env.ledger.get(id).await.unwrap().is_none(), "{id}");
     }
 
+    // The same job id for another tenant is a conflict, never the first one's answer.
+    let mut body = job("b-1");
+    body["tenant"] = json!("team-b");
+    body["priority"] = json!("batch");
+    assert_eq!(post_as(&app, TOKEN, &body).await.0, StatusCode::ACCEPTED);
+    assert_eq!(post_as(&app, TOKEN, &body).await.1["duplicate"], true);
+    body["tenant"] = json!("team-q");
+    let (s, b) = post_as(&app, TOKEN, &body).await;
+    assert_eq!(
+        (s, b["error"].as_str()),
+        (StatusCode::CONFLICT, Some("job_id_conflict")),
+        "{b}"
+    );
+    let mut body = job("b-1");
+    body["tenant"] = json!("team-b");
+    assert_eq!(post_as(&app, TEAM_A, &body).await.0, StatusCode::FORBIDDEN);
+
     // Malformed fields: 400 naming them, whoever asks.
     for (field, value) in [
         ("tenant", json!("team a")),
@@ -165,11 +182,7 @@ async fn a_tenant_token_stamps_its_tenant_and_sees_only_its_jobs() {
         assert_eq!(b["field"], field, "{b}");
     }
 
-    // The operator's token: the body's tenant, else `default`.
-    let mut body = job("b-1");
-    body["tenant"] = json!("team-b");
-    body["priority"] = json!("batch");
-    assert_eq!(post_as(&app, TOKEN, &body).await.0, StatusCode::ACCEPTED);
+    // The operator's token: the body's tenant (b-1 above), else `default`.
     assert_eq!(
         post_as(&app, TOKEN, &job("d-1")).await.0,
         StatusCode::ACCEPTED
