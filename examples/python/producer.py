@@ -54,6 +54,8 @@ EXIT_NO_OUTCOME = 4
 
 JOB_ID_RE = re.compile(r"^[A-Za-z0-9._:-]{1,128}$")
 KIND_RE = re.compile(r"^[a-z0-9._-]{1,64}$")
+TENANT_RE = re.compile(r"^[A-Za-z0-9._:-]{1,64}$")
+PRIORITIES = ("critical", "standard", "batch")
 MIN_KEY_BYTES = 32
 MAX_WAIT_MS = 60_000
 # Against a server that answers at once (no long-poll), poll at most this often.
@@ -149,6 +151,11 @@ def build_envelope(args, created_at_ms: int) -> dict:
         job["min_runtime_ms"] = args.min_runtime_ms
     if args.trace_id:
         job["trace_id"] = args.trace_id
+    # Optional, inside the signed body (§2): absent means tenant `default`, tier `standard`.
+    if args.tenant:
+        job["tenant"] = args.tenant
+    if args.priority:
+        job["priority"] = args.priority
     return job
 
 
@@ -317,6 +324,11 @@ def parse_args(argv):
                    help='extra payload fields, a JSON object merged in (e.g. \'{"sim_latency_ms": 5000}\')')
     p.add_argument("--min-runtime-ms", type=int, default=None)
     p.add_argument("--trace-id", default=None)
+    p.add_argument("--tenant", default=None,
+                   help="whose job it is: 1-64 characters of [A-Za-z0-9._:-] (default: none, "
+                        "the job belongs to tenant `default`)")
+    p.add_argument("--priority", default=None, choices=PRIORITIES,
+                   help="priority tier under overload (default: none, i.e. `standard`)")
     p.add_argument("--signing-key-file", default=None,
                    help="file holding the signing key (else LASTCALL_SIGNING_KEY)")
     p.add_argument("--grace-ms", type=int, default=30_000,
@@ -341,6 +353,8 @@ def main(argv=None) -> int:
         problems.append(f"--job-id {args.job_id!r}: 1-128 characters of [A-Za-z0-9._:-]")
     if not KIND_RE.match(args.kind):
         problems.append(f"--kind {args.kind!r}: 1-64 characters of [a-z0-9._-]")
+    if args.tenant is not None and not TENANT_RE.match(args.tenant):
+        problems.append(f"--tenant {args.tenant!r}: 1-64 characters of [A-Za-z0-9._:-]")
     if args.grace_ms < 0 or args.poll_wait_ms < 1:
         problems.append("--grace-ms must be >= 0 and --poll-wait-ms >= 1")
     key = None

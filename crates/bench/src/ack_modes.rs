@@ -629,6 +629,7 @@ async fn run_pipeline(
             state: Some("completed".into()),
             kind: Some("bench.pipeline".into()),
             limit: None,
+            tenant: None,
         })
         .await?
         .iter()

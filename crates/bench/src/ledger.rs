@@ -229,6 +229,8 @@ async fn one(
                 received_at_ms: now,
                 checked_at_ms: now,
                 started_at_ms: now,
+                tenant: lastcall_core::Tenant::default_tenant(),
+                priority: lastcall_core::Priority::Standard,
             })
             .await?;
     }

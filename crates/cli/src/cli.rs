@@ -167,6 +167,37 @@ pub enum Command {
     /// jobs as JSON lines, `ledger copy` moves a SQLite ledger to PostgreSQL.
     #[command(subcommand)]
     Ledger(LedgerCommand),
+    /// API tokens of `serve --tokens-file`: `tokens hash` prints a token's SHA-256 for the file
+    #[command(subcommand)]
+    Tokens(TokensCommand),
+}
+
+#[derive(Debug, Subcommand)]
+pub enum TokensCommand {
+    /// Print the SHA-256 of the token read from stdin, as the tokens file's `sha256` wants it
+    ///
+    /// Reads the token from standard input (surrounding whitespace and the newline are
+    /// removed, as `serve` does with a presented token), so it never appears in a command
+    /// line or a shell history, and prints a `[[token]]` entry to fill in:
+    ///
+    ///   openssl rand -hex 24 > team-a.token
+    ///
+    ///   lastcall tokens hash --tenant team-a < team-a.token >> tokens.toml
+    ///
+    /// A token shorter than 16 characters is refused.
+    Hash {
+        /// The tenant to put in the printed entry
+        #[arg(long, value_parser = parse_tenant, default_value = "default")]
+        tenant: lastcall_core::Tenant,
+        /// Print the hash alone (no entry)
+        #[arg(long)]
+        bare: bool,
+    },
+}
+
+/// A tenant name for clap, its rule in the error.
+pub fn parse_tenant(s: &str) -> Result<lastcall_core::Tenant, String> {
+    lastcall_core::Tenant::parse(s).map_err(|e| format!("a tenant {}", e.0))
 }
 
 #[derive(Debug, Subcommand)]
@@ -516,6 +547,14 @@ pub struct SubmitArgs {
     /// Correlation id for logs and traces
     #[arg(long)]
     pub trace_id: Option<String>,
+    /// Whose job it is (signed with the envelope): 1–64 characters of [A-Za-z0-9._:-];
+    /// without it the job belongs to tenant `default`
+    #[arg(long, value_parser = parse_tenant)]
+    pub tenant: Option<lastcall_core::Tenant>,
+    /// The job's priority tier: under overload `critical` is served first and `batch` last
+    /// (without it: `standard`)
+    #[arg(long, value_parser = ["critical", "standard", "batch"])]
+    pub priority: Option<String>,
     /// How long to wait for the broker's publisher confirm, in ms
     #[arg(long, default_value_t = 5_000)]
     pub confirm_timeout_ms: u64,
@@ -826,6 +865,9 @@ pub enum JobsCommand {
         /// Only this kind
         #[arg(long)]
         kind: Option<String>,
+        /// Only this tenant's jobs (`default`: the jobs that named no tenant)
+        #[arg(long, value_parser = parse_tenant)]
+        tenant: Option<lastcall_core::Tenant>,
         /// At most this many records
         #[arg(long, default_value_t = 1000)]
         limit: i64,
@@ -950,6 +992,9 @@ pub struct ReportArgs {
     /// Output format
     #[arg(long, value_enum, default_value = "table")]
     pub format: ReportFormat,
+    /// Only this tenant's jobs (the per-tenant table then has its one row)
+    #[arg(long, value_parser = parse_tenant)]
+    pub tenant: Option<lastcall_core::Tenant>,
 }
 
 /// `lastcall serve` (see the subcommand's help).
@@ -977,9 +1022,18 @@ pub struct ServeArgs {
         requires = "tls_cert"
     )]
     pub tls_key: Option<PathBuf>,
-    /// File holding the bearer token (else the environment variable LASTCALL_HTTP_TOKEN)
+    /// File holding the bearer token (else the environment variable LASTCALL_HTTP_TOKEN):
+    /// the operator's token, which may use every route and submit for any tenant
     #[arg(long)]
     pub token_file: Option<PathBuf>,
+    /// Tokens file (TOML): one `[[token]]` per API token with its SHA-256 (`sha256`, from
+    /// `lastcall tokens hash`; never the token), the `tenant` it acts for, the tenant's
+    /// `weight` (default 1), quotas `jobs_per_second` and `tokens_per_minute` (optional)
+    /// and the `kinds` it may submit (optional). A request with such a token is stamped with
+    /// its tenant and reads only that tenant's jobs; over a quota it is answered 429
+    /// over_quota with Retry-After, nothing published. Read at startup
+    #[arg(long, value_name = "FILE", env = "LASTCALL_TOKENS_FILE")]
+    pub tokens_file: Option<PathBuf>,
     /// How long to wait for the broker's publisher confirm before answering 503, in ms
     #[arg(long, default_value_t = 5_000)]
     pub confirm_timeout_ms: u64,

@@ -403,6 +403,12 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
         Some("2".into()),
         "dead letters by reason:\n{dom}"
     );
+    // The per-tenant table: every job here is tenant `default`'s (it named none).
+    assert_eq!(
+        text_of(&dom, "tenant-on-time-default").as_deref(),
+        Some(count("completed").to_string().as_str()),
+        "the per-tenant table:\n{dom}"
+    );
     assert_eq!(text_of(&dom, "wait-waiting_for_slot").as_deref(), Some("0"));
     assert_eq!(text_of(&dom, "wait-running").as_deref(), Some("0"));
 

@@ -54,6 +54,8 @@ async fn fixture(l: &Ledger) {
         accepted_at_ms: now() - 60 * DAY_MS,
         trace_id: None,
         payload_hash: "h".into(),
+        tenant: lastcall_core::Tenant::default_tenant(),
+        priority: lastcall_core::Priority::Standard,
     })
     .await
     .unwrap();

@@ -156,7 +156,19 @@ async fn a_signed_python_job_completes_and_its_outcome_is_read_over_http() {
     let env = Env::sqlite("py-example").await;
     let stack = Stack::start(&env, python).await;
     let out = stack
-        .produce(&env, &["--job-id", "py-ok", "--budget-ms", "30000"])
+        .produce(
+            &env,
+            &[
+                "--job-id",
+                "py-ok",
+                "--budget-ms",
+                "30000",
+                "--tenant",
+                "team-py",
+                "--priority",
+                "critical",
+            ],
+        )
         .await;
     assert_eq!(out.status.code(), Some(0), "{}", show(&out));
     let stdout = String::from_utf8_lossy(&out.stdout);
@@ -171,6 +183,12 @@ async fn a_signed_python_job_completes_and_its_outcome_is_read_over_http() {
     let rec = env.ledger.get("py-ok").await.unwrap().expect("a record");
     assert_eq!(rec.state, "completed", "{rec:?}");
     assert_eq!(rec.backend_calls, 1, "{rec:?}");
+    // The tenant and tier, signed with the body, reached the worker's record.
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("team-py", "critical"),
+        "{rec:?}"
+    );
     assert_eq!(calls_in(&stack.log, "py-ok"), 1);
     assert_eq!(
         rec.expires_at_ms.unwrap() - rec.created_at_ms.unwrap(),

@@ -357,6 +357,8 @@ async fn the_ledger_on_postgres_over_tls_verifies_the_server() {
         accepted_at_ms: now,
         trace_id: None,
         payload_hash: "h".into(),
+        tenant: lastcall_core::Tenant::default_tenant(),
+        priority: lastcall_core::Priority::Standard,
     };
     assert!(ledger.record_accepted(&accepted).await.unwrap());
     let rec = ledger.get("pg-tls-1").await.unwrap().unwrap();

@@ -8,6 +8,13 @@
 //! real outcome arrived afterwards and replaced it: it has a `reconciled_at_ms` and a state
 //! other than `unknown`. It is counted under its real state like any job, and again in
 //! [`Report::late_outcomes`].
+//!
+//! Per tenant (issue #33), [`tenant_accounts`] folds outcome groups into one
+//! [`TenantAccount`] each: on time, refused and every other outcome by reason, model time
+//! (and the share of it wasted on calls that did not complete), tokens. The same fold
+//! serves `lastcall report` (one group per job), the dashboard and `/metrics` (one group
+//! per row of the ledger's `GROUP BY tenant, state, reason`), and bounds the tenants shown:
+//! the busiest `top`, the rest summed as [`OTHER_TENANTS`].
 
 use crate::outcome::State;
 use serde::Serialize;
@@ -24,6 +31,12 @@ pub struct ReportRow {
     pub recorded_at_ms: Option<i64>,
     /// When reconciliation marked the job `unknown`, if it did (kept after a late outcome).
     pub reconciled_at_ms: Option<i64>,
+    /// Whose job it was (`default` when it named none).
+    pub tenant: String,
+    /// The recorded model call's duration, ms.
+    pub latency_ms: Option<i64>,
+    pub prompt_tokens: Option<i64>,
+    pub completion_tokens: Option<i64>,
 }
 
 impl ReportRow {
@@ -73,6 +86,134 @@ pub struct Report {
     pub late_outcomes: u64,
     /// The late outcomes by their real state, in [`State::ALL`] order.
     pub late_by_state: Vec<Count>,
+    /// Per tenant, the busiest [`REPORT_TENANTS`] first, the rest as [`OTHER_TENANTS`].
+    pub by_tenant: Vec<TenantAccount>,
+}
+
+/// How many tenants [`build`] accounts for one by one (the rest: [`OTHER_TENANTS`]).
+pub const REPORT_TENANTS: usize = 50;
+
+/// The account that sums the tenants beyond the busiest ones ([`tenant_accounts`]).
+pub const OTHER_TENANTS: &str = "other";
+
+/// One group of a tenant's outcomes: one job (`lastcall report`), or one row of the
+/// ledger's `GROUP BY tenant, state, reason` (the dashboard, `/metrics`).
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct TenantSample {
+    pub tenant: String,
+    pub state: String,
+    pub reason: Option<String>,
+    pub jobs: u64,
+    /// Summed duration of the recorded model calls (`latency_ms`), ms.
+    pub model_ms: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+/// What one tenant got from the shared capacity in a window.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Default)]
+pub struct TenantAccount {
+    pub tenant: String,
+    /// Terminal outcomes.
+    pub jobs: u64,
+    /// `completed`: the call finished before the deadline.
+    pub on_time: u64,
+    /// Refused without a model call: `expired_not_started`, `expired_before_receive`,
+    /// `rejected`. (Refusals at the door, shedding and quotas, write no ledger row: they are
+    /// counted by `serve`'s `/metrics`.)
+    pub refused: u64,
+    /// Every outcome but `completed`, keyed `state/reason` (`state` alone without a
+    /// reason), most frequent first.
+    pub not_on_time: Vec<Count>,
+    /// Model time of the recorded calls, ms.
+    pub model_ms: u64,
+    /// The part of `model_ms` spent on calls that did not complete (cut at the deadline,
+    /// failed, cancelled): work nobody could use.
+    pub wasted_model_ms: u64,
+    pub prompt_tokens: u64,
+    pub completion_tokens: u64,
+}
+
+impl TenantAccount {
+    fn add(&mut self, s: &TenantSample, reasons: &mut BTreeMap<String, u64>) {
+        self.jobs += s.jobs;
+        self.model_ms += s.model_ms;
+        self.prompt_tokens += s.prompt_tokens;
+        self.completion_tokens += s.completion_tokens;
+        if s.state == State::Completed.as_str() {
+            self.on_time += s.jobs;
+            return;
+        }
+        self.wasted_model_ms += s.model_ms;
+        let refused = [
+            State::ExpiredNotStarted,
+            State::ExpiredBeforeReceive,
+            State::Rejected,
+        ];
+        if refused.iter().any(|r| r.as_str() == s.state) {
+            self.refused += s.jobs;
+        }
+        let key = match &s.reason {
+            Some(r) if !r.is_empty() => format!("{}/{r}", s.state),
+            _ => s.state.clone(),
+        };
+        *reasons.entry(key).or_default() += s.jobs;
+    }
+}
+
+/// Fold `samples` into one account per tenant: the `top` tenants with the most jobs (ties
+/// by name) in that order, then, if any is left, one [`OTHER_TENANTS`] account summing
+/// the rest. Pure; the caller decides the window.
+pub fn tenant_accounts(samples: &[TenantSample], top: usize) -> Vec<TenantAccount> {
+    let mut per = BTreeMap::<&str, (TenantAccount, BTreeMap<String, u64>)>::new();
+    for s in samples {
+        let (acc, reasons) = per.entry(s.tenant.as_str()).or_insert_with(|| {
+            (
+                TenantAccount {
+                    tenant: s.tenant.clone(),
+                    ..Default::default()
+                },
+                BTreeMap::new(),
+            )
+        });
+        acc.add(s, reasons);
+    }
+    let mut ranked: Vec<(TenantAccount, BTreeMap<String, u64>)> = per.into_values().collect();
+    ranked.sort_by(|a, b| {
+        b.0.jobs
+            .cmp(&a.0.jobs)
+            .then_with(|| a.0.tenant.cmp(&b.0.tenant))
+    });
+    let rest = ranked.split_off(top.min(ranked.len()));
+    let mut out: Vec<TenantAccount> = ranked
+        .into_iter()
+        .map(|(mut acc, reasons)| {
+            acc.not_on_time = counted(reasons);
+            acc
+        })
+        .collect();
+    if !rest.is_empty() {
+        let mut other = TenantAccount {
+            tenant: OTHER_TENANTS.to_owned(),
+            ..Default::default()
+        };
+        let mut reasons = BTreeMap::<String, u64>::new();
+        for (acc, r) in rest {
+            other.jobs += acc.jobs;
+            other.on_time += acc.on_time;
+            other.refused += acc.refused;
+            other.model_ms += acc.model_ms;
+            other.wasted_model_ms += acc.wasted_model_ms;
+            other.prompt_tokens += acc.prompt_tokens;
+            other.completion_tokens += acc.completion_tokens;
+            for (k, n) in r {
+                *reasons.entry(k).or_default() += n;
+            }
+        }
+        other.not_on_time = counted(reasons);
+        out.push(other);
+    }
+    out
 }
 
 /// How many error messages [`build`] lists.
@@ -144,7 +285,18 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
     let mut errors = BTreeMap::<String, u64>::new();
     let mut times = BTreeMap::<String, Vec<i64>>::new();
     let mut late = BTreeMap::<String, u64>::new();
+    let mut tenants = Vec::with_capacity(rows.len());
     for r in rows {
+        let n = |v: Option<i64>| v.map_or(0, |v| v.max(0) as u64);
+        tenants.push(TenantSample {
+            tenant: r.tenant.clone(),
+            state: r.state.clone(),
+            reason: r.reason.clone(),
+            jobs: 1,
+            model_ms: n(r.latency_ms),
+            prompt_tokens: n(r.prompt_tokens),
+            completion_tokens: n(r.completion_tokens),
+        });
         *state.entry(r.state.clone()).or_default() += 1;
         if r.is_late_outcome() {
             *late.entry(r.state.clone()).or_default() += 1;
@@ -202,6 +354,7 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
         latency,
         late_outcomes: late_by_state.iter().map(|c| c.count).sum(),
         late_by_state,
+        by_tenant: tenant_accounts(&tenants, REPORT_TENANTS),
     }
 }
 
@@ -239,7 +392,117 @@ mod tests {
             created_at_ms: Some(created),
             recorded_at_ms: Some(recorded),
             reconciled_at_ms: None,
+            tenant: "default".into(),
+            ..Default::default()
         }
+    }
+
+    fn sample(tenant: &str, state: &str, reason: Option<&str>, jobs: u64, ms: u64) -> TenantSample {
+        TenantSample {
+            tenant: tenant.into(),
+            state: state.into(),
+            reason: reason.map(Into::into),
+            jobs,
+            model_ms: ms,
+            prompt_tokens: jobs * 10,
+            completion_tokens: jobs,
+        }
+    }
+
+    #[test]
+    fn tenant_accounts_split_on_time_refused_and_wasted_model_time() {
+        let samples = [
+            sample("a", "completed", None, 8, 800),
+            sample(
+                "a",
+                "deadline_exceeded",
+                Some("cancelled_at_deadline"),
+                2,
+                300,
+            ),
+            sample(
+                "a",
+                "expired_not_started",
+                Some("admission:deadline_passed"),
+                3,
+                0,
+            ),
+            sample("b", "completed", None, 1, 100),
+            sample(
+                "b",
+                "expired_before_receive",
+                Some("broker_ttl_expired"),
+                1,
+                0,
+            ),
+            sample("c", "rejected", Some("missing_field"), 1, 0),
+            sample("d", "failed", None, 1, 50),
+        ];
+        let all = tenant_accounts(&samples, usize::MAX);
+        let names: Vec<&str> = all.iter().map(|a| a.tenant.as_str()).collect();
+        assert_eq!(names, ["a", "b", "c", "d"], "busiest first, ties by name");
+        let a = &all[0];
+        assert_eq!((a.jobs, a.on_time, a.refused), (13, 8, 3));
+        assert_eq!((a.model_ms, a.wasted_model_ms), (1100, 300));
+        assert_eq!((a.prompt_tokens, a.completion_tokens), (130, 13));
+        assert_eq!(
+            a.not_on_time,
+            vec![
+                Count {
+                    key: "expired_not_started/admission:deadline_passed".into(),
+                    count: 3
+                },
+                Count {
+                    key: "deadline_exceeded/cancelled_at_deadline".into(),
+                    count: 2
+                },
+            ]
+        );
+        assert_eq!(all[3].not_on_time[0].key, "failed");
+        assert_eq!(all[3].wasted_model_ms, 50);
+
+        // Bounded: the busiest one alone, the rest summed as `other`.
+        let top = tenant_accounts(&samples, 1);
+        assert_eq!(top.len(), 2);
+        assert_eq!(top[0], all[0]);
+        let other = &top[1];
+        assert_eq!(other.tenant, OTHER_TENANTS);
+        assert_eq!((other.jobs, other.on_time, other.refused), (4, 1, 2));
+        assert_eq!((other.model_ms, other.wasted_model_ms), (150, 50));
+        assert_eq!(other.not_on_time.iter().map(|c| c.count).sum::<u64>(), 3);
+        // Nothing left over: no `other`.
+        assert_eq!(tenant_accounts(&samples, 4), all);
+        assert!(tenant_accounts(&[], 3).is_empty());
+    }
+
+    #[test]
+    fn the_report_accounts_per_tenant() {
+        let mut rows = vec![
+            row("completed", "k", None, 0, 10),
+            row(
+                "expired_not_started",
+                "k",
+                Some("receipt:below_min_runtime"),
+                0,
+                10,
+            ),
+        ];
+        rows[0].tenant = "team-a".into();
+        rows[0].latency_ms = Some(40);
+        rows[0].prompt_tokens = Some(7);
+        let rep = build(&rows, 0, 1);
+        assert_eq!(rep.by_tenant.len(), 2);
+        let a = rep.by_tenant.iter().find(|t| t.tenant == "team-a").unwrap();
+        assert_eq!(
+            (a.jobs, a.on_time, a.model_ms, a.prompt_tokens),
+            (1, 1, 40, 7)
+        );
+        let d = rep
+            .by_tenant
+            .iter()
+            .find(|t| t.tenant == "default")
+            .unwrap();
+        assert_eq!((d.jobs, d.on_time, d.refused), (1, 0, 1));
     }
 
     #[test]

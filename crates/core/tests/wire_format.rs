@@ -63,6 +63,52 @@ fn the_documented_example_parses_and_its_signature_verifies() {
     );
 }
 
+/// The example with `tenant` and `priority` parses, and the signature covers them: the same
+/// job for another tenant or tier no longer verifies.
+#[test]
+fn the_documented_tenant_and_priority_parse_and_are_signed() {
+    let body = block_after("<!-- wire-format-example-tenant -->");
+    let env = Envelope::parse(
+        body.as_bytes(),
+        &EnvelopeLimits::default(),
+        1_800_000_000_000,
+    )
+    .expect("the documented example is a valid envelope");
+    assert_eq!(env.tenant(), "team-a");
+    assert_eq!(env.priority(), lastcall_core::Priority::Critical);
+    let key = SigningKey::new("0123456789abcdef0123456789abcdef").unwrap();
+    let signature = sign(&key, "inc-4712", 1_800_000_030_000, body.as_bytes());
+    for forged in [
+        body.replace("\"team-a\"", "\"team-b\""),
+        body.replace("\"critical\"", "\"standard\""),
+        body.replace(",\"tenant\":\"team-a\"", ""),
+    ] {
+        assert_ne!(forged, body);
+        assert!(
+            verify(
+                &key,
+                "inc-4712",
+                1_800_000_030_000,
+                forged.as_bytes(),
+                Some(signature.as_str())
+            )
+            .is_err(),
+            "{forged}"
+        );
+    }
+    // Absent: tenant `default`, tier `standard` (the first example names neither).
+    let plain = Envelope::parse(
+        block_after("<!-- wire-format-example-body -->").as_bytes(),
+        &EnvelopeLimits::default(),
+        1_800_000_000_000,
+    )
+    .unwrap();
+    assert_eq!(
+        (plain.tenant(), plain.priority()),
+        ("default", lastcall_core::Priority::Standard)
+    );
+}
+
 #[test]
 fn the_documented_event_is_what_the_code_writes() {
     let body = block_after("<!-- wire-format-example-event -->");

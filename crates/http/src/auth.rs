@@ -12,9 +12,17 @@
 //! changes something (`POST`, `DELETE`) from another origin (`Origin` not this server's
 //! `Host`, or `Sec-Fetch-Site: cross-site`/`same-site`) is refused with `403` before its
 //! credentials are looked at.
+//!
+//! Two kinds of token (issue #33): the operator's one token (`--token-file` /
+//! `LASTCALL_HTTP_TOKEN`), which may do everything and submit for any tenant, and the
+//! tokens of the tokens file (`serve --tokens-file`, [`crate::tokens`]), each acting for one
+//! tenant: its jobs are stamped with that tenant, it lists and reads only that tenant's
+//! jobs, and the dashboard and `/metrics` (every tenant's numbers) are not its to read
+//! (`403 operator_only`). The middleware puts the [`Caller`] in the request's extensions.
 
 use crate::AppState;
 use crate::error::ApiError;
+use crate::tokens::TokenEntry;
 use axum::extract::{Request, State};
 use axum::middleware::Next;
 use axum::response::Response;
@@ -78,11 +86,100 @@ impl Token {
         lastcall_core::request_hash(&[b"lastcall-token", &self.0])
     }
 
+    /// The token's bytes, to check that the tokens file does not list it too.
+    pub fn expose_for_lookup(&self) -> &[u8] {
+        &self.0
+    }
+
     /// Constant-time comparison (the length is not secret).
     pub fn matches(&self, candidate: &[u8]) -> bool {
         ct_eq(&self.0, candidate)
     }
 }
+
+/// Who a request is from (see the module doc).
+#[derive(Debug, Clone)]
+pub enum Caller {
+    /// The operator's token: every route, any tenant.
+    Operator,
+    /// A token of the tokens file: its tenant only.
+    Tenant(Arc<TokenEntry>),
+}
+
+impl Caller {
+    /// The tenant this caller is bound to (`None`: the operator, who may name any).
+    pub fn tenant(&self) -> Option<&str> {
+        match self {
+            Caller::Operator => None,
+            Caller::Tenant(e) => Some(e.tenant.as_str()),
+        }
+    }
+
+    /// The idempotency scope of this caller's requests for a job of `tenant`: the
+    /// operator token's fingerprint (with the tenant when it is not `default`, so the
+    /// same job id for another tenant is a conflict, never the first one's answer), or the
+    /// token's tenant (its tokens share one scope; another tenant's never matches).
+    pub fn scope(&self, operator: &Token, tenant: &str) -> String {
+        match self {
+            Caller::Operator if tenant == lastcall_core::Tenant::DEFAULT => operator.tenant(),
+            Caller::Operator => format!("{}|tenant:{tenant}", operator.tenant()),
+            Caller::Tenant(e) => format!("tenant:{}", e.tenant),
+        }
+    }
+
+    /// The job tenant for a request that names `named` in `field` (a body field, a header,
+    /// a query parameter): a tenant token's own, refusing another (`403 tenant_mismatch`);
+    /// for the operator, the named one, else `default`.
+    pub fn job_tenant(
+        &self,
+        named: Option<&str>,
+        field: &'static str,
+    ) -> Result<lastcall_core::Tenant, ApiError> {
+        let parsed = match named {
+            Some(n) => Some(lastcall_core::Tenant::parse(n).map_err(|e| {
+                ApiError::bad(field, "invalid_field", format!("`{field}` {}", e.0))
+            })?),
+            None => None,
+        };
+        match (self, parsed) {
+            (Caller::Tenant(e), Some(t)) if t != e.tenant => Err(ApiError::NotAllowed {
+                field,
+                code: "tenant_mismatch",
+                message: format!(
+                    "this token acts for tenant `{}`, and `{field}` names `{t}`: leave `{field}` out or name `{}`",
+                    e.tenant, e.tenant
+                ),
+            }),
+            (Caller::Tenant(e), _) => Ok(e.tenant.clone()),
+            (Caller::Operator, Some(t)) => Ok(t),
+            (Caller::Operator, None) => Ok(lastcall_core::Tenant::default_tenant()),
+        }
+    }
+
+    /// `403 kind_not_allowed` unless this caller may submit jobs of `kind`.
+    pub fn check_kind(&self, kind: &str) -> Result<(), ApiError> {
+        match self {
+            Caller::Tenant(e) if !e.allows(kind) => Err(ApiError::NotAllowed {
+                field: "kind",
+                code: "kind_not_allowed",
+                message: format!(
+                    "this token may not submit jobs of kind `{}`; its tokens-file entry allows {}",
+                    crate::params::shorten(kind),
+                    e.kinds
+                        .iter()
+                        .flatten()
+                        .map(|k| format!("`{k}`"))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            }),
+            _ => Ok(()),
+        }
+    }
+}
+
+/// Routes only the operator's token may read: they show every tenant's numbers.
+const OPERATOR_ONLY: [&str; 3] = ["/", "/v1/dashboard", "/metrics"];
 
 /// Equal in time that depends only on the lengths.
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
@@ -114,18 +211,39 @@ pub async fn require_token(
         });
     }
     let header = req.headers().get(axum::http::header::AUTHORIZATION);
-    match header.and_then(|v| presented(v.as_bytes())) {
-        Some((scheme, t)) if state.token.matches(&t) => {
-            if writes && scheme == Scheme::Basic {
-                return Err(ApiError::Forbidden {
-                    code: "basic_credentials_read_only",
-                    message: "Basic credentials are accepted for reads only (the dashboard); send `Authorization: Bearer <token>` to change anything".into(),
-                });
-            }
-            Ok(next.run(req).await)
+    let Some((scheme, t)) = header.and_then(|v| presented(v.as_bytes())) else {
+        return Err(ApiError::Unauthorized);
+    };
+    let caller = if state.token.matches(&t) {
+        Caller::Operator
+    } else {
+        match state.tokens.as_ref().and_then(|f| f.lookup(&t)) {
+            Some(entry) => Caller::Tenant(entry),
+            None => return Err(ApiError::Unauthorized),
         }
-        _ => Err(ApiError::Unauthorized),
+    };
+    if writes && scheme == Scheme::Basic {
+        return Err(ApiError::Forbidden {
+            code: "basic_credentials_read_only",
+            message: "Basic credentials are accepted for reads only (the dashboard); send `Authorization: Bearer <token>` to change anything".into(),
+        });
     }
+    if let Caller::Tenant(e) = &caller
+        && let Some(path) = req.extensions().get::<axum::extract::MatchedPath>()
+        && OPERATOR_ONLY.contains(&path.as_str())
+    {
+        return Err(ApiError::Forbidden {
+            code: "operator_only",
+            message: format!(
+                "`{}` shows every tenant's numbers: only the operator's token may read it, and this token acts for tenant `{}`",
+                path.as_str(),
+                e.tenant
+            ),
+        });
+    }
+    let mut req = req;
+    req.extensions_mut().insert(caller);
+    Ok(next.run(req).await)
 }
 
 /// Why a request comes from another origin than this server's, if it does: its

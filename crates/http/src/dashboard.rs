@@ -1,6 +1,8 @@
 //! The live dashboard: a static page (`assets/dashboard.html`, no CDN, no data in it)
 //! and the JSON it polls, `GET /v1/dashboard`: where work waits right now, outcomes per
-//! minute, dwell histograms and dead letters by reason.
+//! minute, dwell histograms, dead letters by reason, and per tenant (the busiest ten, the
+//! rest as `other`): on time, refused, the other outcomes by reason, model time (wasted)
+//! and tokens.
 
 use crate::AppState;
 use crate::error::ApiError;
@@ -10,6 +12,7 @@ use axum::Json;
 use axum::extract::State;
 use axum::response::Html;
 use lastcall_core::State as JobState;
+use lastcall_core::report::{TenantSample, tenant_accounts};
 use lastcall_store::{DashboardCounts, JobRecord};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
@@ -178,6 +181,7 @@ pub fn summarize_counts(c: &DashboardCounts, since_ms: i64, now_ms: i64) -> Map<
         }),
     );
     out.insert("dead_letters".into(), json!(dead));
+    out.insert("tenants".into(), json!(c.tenants));
     out
 }
 
@@ -201,10 +205,21 @@ pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<Strin
     let mut queue_dwell = vec![0u64; DWELL_BUCKETS_MS.len() + 1];
     let mut consumer_dwell = vec![0u64; DWELL_BUCKETS_MS.len() + 1];
     let mut dead: BTreeMap<String, u64> = BTreeMap::new();
+    let mut tenants = Vec::new();
     for r in records {
         let Some(state) = terminal.iter().find(|s| **s == r.state) else {
             continue;
         };
+        let n = |v: Option<i64>| v.map_or(0, |v| v.max(0) as u64);
+        tenants.push(TenantSample {
+            tenant: r.tenant.clone(),
+            state: r.state.clone(),
+            reason: r.reason.clone(),
+            jobs: 1,
+            model_ms: n(r.latency_ms),
+            prompt_tokens: n(r.prompt_tokens),
+            completion_tokens: n(r.completion_tokens),
+        });
         *totals.entry(state).or_default() += 1;
         if let Some(at) = r.recorded_at_ms {
             *per_minute
@@ -243,6 +258,10 @@ pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<Strin
         }),
     );
     out.insert("dead_letters".into(), json!(dead));
+    out.insert(
+        "tenants".into(),
+        json!(tenant_accounts(&tenants, lastcall_store::DASHBOARD_TENANTS)),
+    );
     out
 }
 
@@ -286,6 +305,9 @@ mod tests {
                 worker: if i % 4 == 0 { "dlq:x" } else { "w" }.into(),
                 reason: (i % 3 == 0).then_some(Reason::RetriesExhausted),
                 result: Some("text".into()),
+                tenant: lastcall_core::Tenant::parse(&format!("t{}", i % 13)).unwrap(),
+                latency_ms: Some(i * 3),
+                prompt_tokens: Some(i),
                 ..OutcomeRecord::new(format!("j{i}"), "chat", state, Decision::Ack, recorded)
             };
             ledger.record_outcome(&rec).await.unwrap();
@@ -293,6 +315,7 @@ mod tests {
         let records = ledger.records_since(since).await.unwrap();
         let counts = ledger.dashboard_counts(since).await.unwrap();
         assert!(records.len() > 40);
+        assert_eq!(counts.tenants.len(), lastcall_store::DASHBOARD_TENANTS + 1);
         assert_eq!(
             summarize_counts(&counts, since, now),
             summarize(&records, since, now)

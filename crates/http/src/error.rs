@@ -25,6 +25,18 @@ pub enum ApiError {
     /// from another origin (`code` says which).
     #[error("{message}")]
     Forbidden { code: &'static str, message: String },
+    /// 403: a field the caller's token may not set that way (another tenant than the
+    /// token's, a kind the token may not submit).
+    #[error("{message}")]
+    NotAllowed {
+        field: &'static str,
+        code: &'static str,
+        message: String,
+    },
+    /// 429: over a quota of the job's tenant (`serve --tokens-file`); nothing was
+    /// published or recorded. Answered with `Retry-After`; `field` names the quota.
+    #[error("{0}")]
+    OverQuota(crate::tokens::QuotaRefusal),
     /// 415: a body that is not declared `application/json`.
     #[error(
         "the `Content-Type` header must be `application/json`{}",
@@ -147,13 +159,15 @@ impl ApiError {
         match self {
             ApiError::BadField { .. } => StatusCode::BAD_REQUEST,
             ApiError::Unauthorized => StatusCode::UNAUTHORIZED,
-            ApiError::Forbidden { .. } => StatusCode::FORBIDDEN,
+            ApiError::Forbidden { .. } | ApiError::NotAllowed { .. } => StatusCode::FORBIDDEN,
             ApiError::UnsupportedMediaType(_) => StatusCode::UNSUPPORTED_MEDIA_TYPE,
             ApiError::NotFound(_) => StatusCode::NOT_FOUND,
             ApiError::Conflict(_) | ApiError::AlreadyTerminal { .. } => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::WouldExpireInQueue { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::WouldExpireInQueue { .. } | ApiError::OverQuota(_) => {
+                StatusCode::TOO_MANY_REQUESTS
+            }
             ApiError::Unavailable(_)
             | ApiError::LedgerUnavailable
             | ApiError::TooManyWaiting
@@ -167,7 +181,8 @@ impl ApiError {
         match self {
             ApiError::BadField { code, .. } => code,
             ApiError::Unauthorized => "unauthorized",
-            ApiError::Forbidden { code, .. } => code,
+            ApiError::Forbidden { code, .. } | ApiError::NotAllowed { code, .. } => code,
+            ApiError::OverQuota(_) => "over_quota",
             ApiError::UnsupportedMediaType(_) => "unsupported_media_type",
             ApiError::NotFound(_) => "not_found",
             ApiError::Conflict(_) => "job_id_conflict",
@@ -187,6 +202,8 @@ impl ApiError {
     pub(crate) fn field(&self) -> Option<&str> {
         match self {
             ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
+            ApiError::NotAllowed { field, .. } => Some(field),
+            ApiError::OverQuota(r) => Some(r.quota),
             ApiError::Conflict(_) => Some("job_id"),
             ApiError::UnsupportedMediaType(_) => Some("Content-Type"),
             _ => None,
@@ -214,10 +231,15 @@ impl IntoResponse for ApiError {
             },
         };
         let mut resp = (status, Json(body)).into_response();
-        if let ApiError::WouldExpireInQueue { retry_after_s, .. } = &self {
+        let retry_after = match &self {
+            ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
+            ApiError::OverQuota(r) => Some(r.retry_after_s),
+            _ => None,
+        };
+        if let Some(retry_after_s) = retry_after {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
-                axum::http::HeaderValue::from(*retry_after_s),
+                axum::http::HeaderValue::from(retry_after_s),
             );
         }
         if let ApiError::Starting(_) | ApiError::TooManyWaiting = &self {

@@ -24,15 +24,21 @@
 //!   `lastcall_producer::cancel`.
 //!
 //! - `"stream": true` answers with server-sent events (`front_door_stream.rs`).
+//! - the tenant (issue #33): a token of the tokens file stamps its own tenant, and may
+//!   submit only the kinds its entry allows; the operator's token may name one in
+//!   `X-Lastcall-Tenant` (else `default`). `X-Lastcall-Priority` sets the tier. The OpenAI
+//!   `user` field stays in the payload for the model, and is never taken as a tenant. The
+//!   tenant's quotas apply as on `POST /v1/jobs` (`429` `over_quota`, `Retry-After`).
 
 use crate::AppState;
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::jobs::{read_job, submit_error};
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, HeaderName, HeaderValue, StatusCode};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::JobRecord;
 use serde_json::{Value, json};
@@ -124,6 +130,7 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
     };
     let retry_after = match &e {
         ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
+        ApiError::OverQuota(r) => Some(r.retry_after_s),
         ApiError::TooManyWaiting => Some(1),
         _ => None,
     };
@@ -177,6 +184,8 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         ("X-Lastcall-Expires-At-Ms" = Option<i64>, Header, nullable = false),
         ("X-Stainless-Read-Timeout" = Option<f64>, Header, nullable = false),
         ("Idempotency-Key" = Option<String>, Header, nullable = false),
+        ("X-Lastcall-Tenant" = Option<String>, Header, nullable = false, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The job's tenant (`default` when absent). A token of the tokens file acts for its own tenant: leave it out or name the same one (another is `403 tenant_mismatch`, in lastcall's error shape like every `403`). The body's `user` is never the tenant"),
+        ("X-Lastcall-Priority" = Option<crate::openapi::PriorityTier>, Header, nullable = false, description = "The job's priority tier: `critical`, `standard` (when absent) or `batch`"),
     ),
     request_body(content = inline(crate::openapi::ChatCompletionRequest), content_type = "application/json"),
     responses(
@@ -184,15 +193,15 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
             (inline(crate::openapi::ChatCompletion) = "application/json"),
             (String = "text/event-stream"),
         )),
-        (status = 400, description = "Not an OpenAI chat request, a malformed deadline header, `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
+        (status = 400, description = "Not an OpenAI chat request, a malformed deadline, `X-Lastcall-Tenant` or `X-Lastcall-Priority` header (`param` names it), `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
-        (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`)", body = crate::openapi::ErrorBody),
+        (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`); or, with a token of the tokens file, `X-Lastcall-Tenant` names another tenant (`tenant_mismatch`) or the model's kind is not one the token may submit (`kind_not_allowed`); every `403` is in lastcall's error shape, `field` naming the header or `kind`", body = crate::openapi::ErrorBody),
         (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),
         (status = 409, description = "The job was cancelled (`x-should-retry: false`)", body = crate::openapi::OpenAiError),
         (status = 413, description = "The body is larger than this server's limit (`serve --max-body-bytes`, 1 MiB by default), or the job as published would be too large (`body_too_large`)", body = crate::openapi::OpenAiError),
         (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`, `param` `Content-Type`)", body = crate::openapi::OpenAiError),
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
-        (status = 429, description = "Shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
+        (status = 429, description = "Over a quota of the tenant (`over_quota`, `param` names it; `Retry-After`), or shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
         (status = 503, description = "Not accepted: the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
         (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
@@ -200,6 +209,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
 )]
 pub async fn chat_completions(
     State(state): State<Arc<AppState>>,
+    Extension(caller): Extension<Caller>,
     headers: HeaderMap,
     body: Body,
 ) -> Response {
@@ -211,13 +221,14 @@ pub async fn chat_completions(
         Ok(b) => b,
         Err(e) => return from_api_error(e),
     };
-    match run(&state, &headers, &body).await {
+    match run(&state, &caller, &headers, &body).await {
         Ok(r) | Err(r) => r,
     }
 }
 
 async fn run(
     state: &Arc<AppState>,
+    caller: &Caller,
     headers: &HeaderMap,
     body: &[u8],
 ) -> Result<Response, Response> {
@@ -271,6 +282,24 @@ async fn run(
     }
     let deadline =
         deadline_of(headers, state.front_door.default_deadline_ms).map_err(|(h, m)| bad(h, m))?;
+    let tenant = caller
+        .job_tenant(header(headers, "x-lastcall-tenant"), "X-Lastcall-Tenant")
+        .map_err(|e| match e {
+            e @ ApiError::NotAllowed { .. } => e.into_response(),
+            e => from_api_error(e),
+        })?;
+    let priority = match header(headers, "x-lastcall-priority") {
+        Some(p) => Some(p.parse::<lastcall_core::Priority>().map_err(|e| {
+            bad(
+                "X-Lastcall-Priority",
+                format!("`X-Lastcall-Priority` {}", e.0),
+            )
+        })?),
+        None => None,
+    };
+    caller
+        .check_kind(&kind)
+        .map_err(IntoResponse::into_response)?;
     let job = NewJob {
         job_id: header(headers, "idempotency-key").map(str::to_owned),
         kind,
@@ -284,7 +313,13 @@ async fn run(
         .submitter
         .envelope(&job, now)
         .map_err(|e| from_api_error(submit_error(e, deadline)))?;
+    let env = crate::jobs::tagged(env, tenant, priority);
     let id = env.job_id().to_string();
+    let tokens = lastcall_core::request_size::RequestSize::of_payload(&env.payload)
+        .map_or(0, |s| s.prompt_tokens);
+    state
+        .admit_quota(env.tenant(), tokens)
+        .map_err(from_api_error)?;
     let expires_at_ms = env.deadline().expires_at_ms();
     // A channel of its own whose direct reply-to address the job carries: the worker's
     // token deltas come back on it.
@@ -313,7 +348,7 @@ async fn run(
     // The idempotency scope: the token's tenant, this route and the model (the payload
     // no longer holds it, and several models may map to one kind). The same key with
     // another model, kind or body is a 409, never the first request's answer.
-    let scope = format!("{}|chat|{model}", state.token.tenant());
+    let scope = format!("{}|chat|{model}", caller.scope(&state.token, env.tenant()));
     let submitted = match &reply {
         Some(r) => {
             state
@@ -329,7 +364,10 @@ async fn run(
         }
     };
     match submitted {
-        Ok(Submission::Published(_)) => guard.armed = true,
+        Ok(Submission::Published(_)) => {
+            state.http_stats.accepted_for(env.tenant());
+            guard.armed = true;
+        }
         Ok(Submission::Duplicate(_)) => {} // an earlier request with this key owns the job
         Err(SubmitError::Ledger(_)) => guard.armed = true,
         Err(e) => return Err(shed_or_refuse(e, deadline, expires_at_ms, now)),

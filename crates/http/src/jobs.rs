@@ -1,22 +1,26 @@
 //! `POST /v1/jobs`, `GET /v1/jobs/{id}`, `GET /v1/jobs?state=…&kind=…`.
 
 use crate::AppState;
+use crate::auth::Caller;
 use crate::error::ApiError;
 use crate::openapi::{Accepted, CancelRequested, JobList, Running, ShedEstimate};
 use crate::params::{PathParam, QueryParams, shorten};
-use axum::Json;
 use axum::body::Body;
 use axum::extract::State;
 use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
+use axum::{Extension, Json};
 use lastcall_broker::PublishError;
-use lastcall_core::{RejectReason, State as JobState};
+use lastcall_core::request_size::RequestSize;
+use lastcall_core::{Priority, RejectReason, State as JobState};
 use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
 use serde_json::{Map, Value};
 use std::sync::Arc;
 
-/// `POST /v1/jobs`: validate, stamp the deadline, shed a job the queue wait would make
+/// `POST /v1/jobs`: validate, stamp the tenant (the caller's token's, or the body's),
+/// check the kind the token may submit and the tenant's quotas (`429 over_quota` with
+/// `Retry-After`), stamp the deadline, shed a job the queue wait would make
 /// expire (`429 would_expire_in_queue` with `Retry-After`, when the submitter sheds), claim
 /// the id, publish with confirm, stamp `accepted` (or release the claim and answer 503).
 #[utoipa::path(
@@ -36,18 +40,21 @@ use std::sync::Arc;
         (status = 413, response = crate::openapi::TooLarge),
         (status = 415, response = crate::openapi::NotJson),
         (status = 422, description = "The deadline is well-formed but the clock refuses it, nothing was published: it has already passed or lies within the clock margin (`already_expired`; also a `deadline_ms` shorter than the margin), or an `expires_at_ms` lies farther ahead than the horizon (`deadline_beyond_horizon`). `field` names the deadline field the request sent; or a `callback_url` this server does not allow (`callback_not_allowed`, `field` is `callback_url`)", body = crate::openapi::ErrorBody),
-        (status = 429, description = "Shed at the door, nothing published or recorded: the estimated wait in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
+        (status = 429, description = "Over a quota of the job's tenant (`over_quota`, `field` names the quota: `jobs_per_second` or `tokens_per_minute`, the prompt tokens estimated as chars ÷ 4 + 4 per message), nothing published or recorded, `Retry-After` in whole seconds; or shed at the door, nothing published or recorded: the estimated wait in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
         (status = 503, description = "Not accepted, nothing recorded for the job id: the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody),
     ),
 )]
 pub async fn create(
     State(state): State<Arc<AppState>>,
+    Extension(caller): Extension<Caller>,
     headers: HeaderMap,
     body: Body,
 ) -> Result<Response, ApiError> {
     ApiError::require_json(&headers)?;
     let bytes = read_body(&headers, body, state.max_body_bytes).await?;
-    let (job, callback) = parse_request_with_callback(&bytes)?;
+    let (job, callback, tags) = parse_request_with_callback(&bytes)?;
+    let tenant = caller.job_tenant(tags.tenant.as_deref(), "tenant")?;
+    caller.check_kind(&job.kind)?;
     let callback = match callback {
         Some(url) => Some(
             state
@@ -67,7 +74,11 @@ pub async fn create(
         .submitter
         .envelope(&job, now)
         .map_err(|e| submit_error(e, spec))?;
+    let env = tagged(env, tenant, tags.priority);
     let job_id = env.job_id().to_string();
+    // The tenant's quotas, before anything is claimed or published.
+    let tokens = RequestSize::of_payload(&env.payload).map_or(0, |s| s.prompt_tokens);
+    state.admit_quota(env.tenant(), tokens)?;
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
     // same id again (even concurrently, even from another `serve`) is published at most
@@ -86,7 +97,7 @@ pub async fn create(
     };
     // The idempotency scope (part of the fingerprint with the kind, the payload and the
     // minimum runtime): the token's tenant and this route.
-    let scope = format!("{}|jobs", state.token.tenant());
+    let scope = format!("{}|jobs", caller.scope(&state.token, env.tenant()));
     let submitted = state
         .submitter
         .submit_once_scoped(&env, now, state.claim_wait, &scope, register)
@@ -98,12 +109,15 @@ pub async fn create(
         }
     }
     match submitted {
-        Ok(Submission::Published(s)) => Ok(accepted(Accepted {
-            created_at_ms: Some(s.created_at_ms),
-            expires_at_ms: Some(s.expires_at_ms),
-            ttl_ms: Some(s.ttl_ms),
-            ..Accepted::new(s.job_id, "accepted")
-        })),
+        Ok(Submission::Published(s)) => {
+            state.http_stats.accepted_for(env.tenant());
+            Ok(accepted(Accepted {
+                created_at_ms: Some(s.created_at_ms),
+                expires_at_ms: Some(s.expires_at_ms),
+                ttl_ms: Some(s.ttl_ms),
+                ..Accepted::new(s.job_id, "accepted")
+            }))
+        }
         Ok(Submission::Duplicate(rec)) => {
             let body = Accepted {
                 expires_at_ms: rec.expires_at_ms,
@@ -138,6 +152,25 @@ pub async fn create(
             }
             Err(submit_error(e, spec))
         }
+    }
+}
+
+/// `env` for `tenant` at `priority`, written into the body only when they say something:
+/// a job of tenant `default` at the default tier is the same message an old producer
+/// sends.
+pub(crate) fn tagged(
+    env: lastcall_core::Envelope,
+    tenant: lastcall_core::Tenant,
+    priority: Option<Priority>,
+) -> lastcall_core::Envelope {
+    let env = if tenant.as_str() == lastcall_core::Tenant::DEFAULT {
+        env
+    } else {
+        env.with_tenant(tenant)
+    };
+    match priority {
+        Some(p) => env.with_priority(p),
+        None => env,
     }
 }
 
@@ -246,11 +279,19 @@ pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
 /// The request body of `POST /v1/jobs`, checked field by field so that errors name the
 /// field.
 pub fn parse_request(body: &[u8]) -> Result<NewJob, ApiError> {
-    parse_request_with_callback(body).map(|(job, _)| job)
+    parse_request_with_callback(body).map(|(job, _, _)| job)
 }
 
-/// [`parse_request`] and the optional `callback_url` (a string of at most 2,048 bytes).
-fn parse_request_with_callback(body: &[u8]) -> Result<(NewJob, Option<String>), ApiError> {
+/// The optional `tenant` and `priority` of a request body (checked when stamped).
+#[derive(Debug, Default)]
+pub(crate) struct Tags {
+    pub tenant: Option<String>,
+    pub priority: Option<Priority>,
+}
+
+/// [`parse_request`], the optional `callback_url` (a string of at most 2,048 bytes) and
+/// the optional `tenant` and `priority`.
+fn parse_request_with_callback(body: &[u8]) -> Result<(NewJob, Option<String>, Tags), ApiError> {
     let v: Value = serde_json::from_slice(body)
         .map_err(|e| ApiError::bad("body", "invalid_json", format!("not valid JSON: {e}")))?;
     let Value::Object(mut o) = v else {
@@ -321,6 +362,13 @@ fn parse_request_with_callback(body: &[u8]) -> Result<(NewJob, Option<String>), 
             "`callback_url` is longer than 2048 bytes",
         ));
     }
+    let tenant = opt_string(&mut o, "tenant")?;
+    let priority = match opt_string(&mut o, "priority")? {
+        Some(p) => Some(p.parse::<Priority>().map_err(|e| {
+            ApiError::bad("priority", "invalid_field", format!("`priority` {}", e.0))
+        })?),
+        None => None,
+    };
     Ok((
         NewJob {
             job_id,
@@ -331,6 +379,7 @@ fn parse_request_with_callback(body: &[u8]) -> Result<(NewJob, Option<String>), 
             trace_id: trace_id(&mut o)?,
         },
         callback,
+        Tags { tenant, priority },
     ))
 }
 
@@ -420,6 +469,7 @@ pub const MAX_WAIT_MS: i64 = 60_000;
 )]
 pub async fn show(
     State(state): State<Arc<AppState>>,
+    Extension(caller): Extension<Caller>,
     PathParam(id): PathParam,
     q: QueryParams,
 ) -> Result<Response, ApiError> {
@@ -435,10 +485,16 @@ pub async fn show(
     } else {
         read_job(&state, &id).await?
     };
-    match rec {
+    match rec.filter(|r| visible(&caller, r)) {
         Some(rec) => Ok(Json(rec).into_response()),
         None => Err(ApiError::NotFound(id)),
     }
+}
+
+/// Whether `caller` may see `rec`: a tenant's token sees only its tenant's jobs (another
+/// tenant's job is "no such job", its existence not revealed).
+fn visible(caller: &Caller, rec: &JobRecord) -> bool {
+    caller.tenant().is_none_or(|t| t == rec.tenant)
 }
 
 /// `DELETE /v1/jobs/{id}`: cancel a job (`lastcall_producer::cancel`). `200` with the
@@ -465,8 +521,16 @@ pub async fn show(
 )]
 pub async fn cancel(
     State(state): State<Arc<AppState>>,
+    Extension(caller): Extension<Caller>,
     PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
+    if caller.tenant().is_some()
+        && !read_job(&state, &id)
+            .await?
+            .is_some_and(|r| visible(&caller, &r))
+    {
+        return Err(ApiError::NotFound(id));
+    }
     let now = state.clock.now_ms();
     let out =
         lastcall_producer::cancel::cancel(&state.ledger, &state.events, &state.control, &id, now)
@@ -501,8 +565,8 @@ pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRec
         .map_err(|e| ApiError::Internal(e.to_string()))
 }
 
-/// `GET /v1/jobs?state=…&kind=…&limit=…` (limit 1–1000, default 100). Each parameter at
-/// most once.
+/// `GET /v1/jobs?state=…&kind=…&tenant=…&limit=…` (limit 1–1000, default 100). Each
+/// parameter at most once. A tenant's token lists only its tenant's jobs.
 #[utoipa::path(
     get,
     path = "/v1/jobs",
@@ -512,13 +576,15 @@ pub(crate) async fn read_job(state: &AppState, id: &str) -> Result<Option<JobRec
     params(crate::openapi::ListParams),
     responses(
         (status = 200, description = "Records", body = inline(crate::openapi::JobList)),
-        (status = 400, description = "An unknown `state`, a `limit` that is not an integer from 1 to 1000, or a parameter given more than once; `field` names it", body = crate::openapi::ErrorBody),
+        (status = 400, description = "An unknown `state`, a `tenant` outside its pattern, a `limit` that is not an integer from 1 to 1000, or a parameter given more than once; `field` names it", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
+        (status = 403, response = crate::openapi::Forbidden),
         (status = 500, response = crate::openapi::LedgerError),
     ),
 )]
 pub async fn list(
     State(state): State<Arc<AppState>>,
+    Extension(caller): Extension<Caller>,
     q: QueryParams,
 ) -> Result<Response, ApiError> {
     let job_state = q.single("state")?.map(str::to_owned);
@@ -537,12 +603,19 @@ pub async fn list(
         ));
     }
     let kind = q.single("kind")?.map(str::to_owned);
+    let named = q.single("tenant")?;
+    // A tenant's token: its own tenant (another is refused); the operator: any, or all.
+    let tenant = match (named, caller.tenant()) {
+        (None, None) => None,
+        (named, _) => Some(caller.job_tenant(named, "tenant")?.as_str().to_owned()),
+    };
     let limit = q.integer("limit", 1..=1000)?.unwrap_or(100);
     let recs = state
         .ledger
         .list(&ListFilter {
             state: job_state,
             kind,
+            tenant,
             limit: Some(limit),
         })
         .await
@@ -557,6 +630,29 @@ pub async fn list(
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A job of tenant `default` at the default tier is published as an old producer's:
+    /// neither field in the body; anything else is written.
+    #[test]
+    fn only_a_tenant_or_tier_that_says_something_is_written() {
+        let body = br#"{"schema_version":1,"job_id":"j","kind":"k","created_at_ms":0,"expires_at_ms":1000,"payload":{}}"#;
+        let env = || {
+            lastcall_core::Envelope::parse(body, &lastcall_core::EnvelopeLimits::default(), 0)
+                .unwrap()
+        };
+        let default = lastcall_core::Tenant::default_tenant;
+        let plain = tagged(env(), default(), None).to_json();
+        assert!(plain.get("tenant").is_none() && plain.get("priority").is_none());
+        let team = lastcall_core::Tenant::parse("team-a").unwrap();
+        let tagged_env = tagged(env(), team, Some(Priority::Batch));
+        assert_eq!(
+            (tagged_env.tenant(), tagged_env.priority()),
+            ("team-a", Priority::Batch)
+        );
+        let explicit = tagged(env(), default(), Some(Priority::Standard)).to_json();
+        assert_eq!(explicit["priority"], "standard");
+        assert!(explicit.get("tenant").is_none());
+    }
 
     /// `40.0` is the integer 40 (JSON Schema's reading, which the 3.1 document follows);
     /// `40.5`, `-1` and `1e20` are no deadline.

@@ -36,10 +36,11 @@ pub mod openapi;
 mod params;
 pub mod starting;
 pub mod tls;
+pub mod tokens;
 pub mod waiters;
 pub mod webhooks;
 
-pub use auth::{Token, TokenError};
+pub use auth::{Caller, Token, TokenError};
 pub use error::ApiError;
 pub use jobs::parse_request;
 pub use metrics::{HttpStats, MetricsSource};
@@ -108,6 +109,11 @@ pub struct AppState {
     /// The broker's resource alarms from its management API (`serve` without
     /// `--no-management`): `/readyz` reports `broker_alarm` while one is on.
     pub alarms: Option<lastcall_broker::management::AlarmWatch>,
+    /// The tokens file (`serve --tokens-file`): each token's tenant, the tenants' weights
+    /// and quotas. `None`: only the operator's token.
+    pub tokens: Option<Arc<tokens::TokensFile>>,
+    /// The quota buckets of the tenants the tokens file gives quotas.
+    pub quotas: Arc<tokens::Quotas>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -133,6 +139,7 @@ impl AppState {
             submitter,
             metrics: MetricsSource::default()
                 .with_ledger(ledger.clone())
+                .with_clock(clock.clone())
                 .with_http(&http_stats),
             ledger,
             clock,
@@ -152,6 +159,8 @@ impl AppState {
             webhooks: webhooks::WebhookConfig::default(),
             front_door: front_door::FrontDoor::default(),
             alarms: None,
+            tokens: None,
+            quotas: Arc::new(tokens::Quotas::default()),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()
@@ -164,6 +173,21 @@ impl AppState {
 pub const MAX_WAITING: usize = 4_096;
 
 impl AppState {
+    /// Admit one job of `tenant` needing about `tokens` prompt tokens under the tenant's
+    /// quotas (`429 over_quota` with `Retry-After` when over one; nothing taken then), and
+    /// count the refusal.
+    pub(crate) fn admit_quota(&self, tenant: &str, tokens: u64) -> Result<(), ApiError> {
+        let Some(policy) = self.tokens.as_ref().and_then(|f| f.policy(tenant)) else {
+            return Ok(());
+        };
+        self.quotas
+            .admit(tenant, &policy.quota, tokens, self.clock.now_ms())
+            .map_err(|r| {
+                self.http_stats.quota_refused(tenant, r.quota);
+                ApiError::OverQuota(r)
+            })
+    }
+
     /// A permit to wait for an outcome, or `503 too_many_waiting` when all are taken.
     pub(crate) fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
         self.waiting

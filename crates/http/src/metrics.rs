@@ -3,9 +3,14 @@
 //! (`lastcall_worker::stats`), this crate registers the HTTP counters; the broker queue
 //! depths and the ledger's counts are read at each scrape. `/readyz` asks the readiness
 //! checks registered beside them. **Invariant:** every label value comes from a fixed,
-//! bounded vocabulary; no job id is ever a label.
+//! bounded vocabulary; no job id is ever a label. Tenants (issue #33) are producers' names:
+//! the door's counters label the first [`MAX_TENANT_LABELS`] tenants they see and count the
+//! rest as `other`; the ledger's per-tenant gauges name the [`METRICS_TENANTS`] busiest of
+//! the last hour and sum the rest as `other`.
 
 use crate::depth::{DepthProbe, QueueDepth};
+use lastcall_clock::Clock;
+use lastcall_core::report::{TenantAccount, tenant_accounts};
 use lastcall_store::Ledger;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::prometheus_text::encode;
@@ -25,11 +30,57 @@ pub struct ResponseLabels {
     pub status: u16,
 }
 
+/// The label of a per-tenant counter.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TenantLabels {
+    pub tenant: String,
+}
+
+/// The labels of `lastcall_http_quota_refused_total`.
+#[derive(Debug, Clone, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct QuotaLabels {
+    pub tenant: String,
+    /// `jobs_per_second` or `tokens_per_minute`.
+    pub quota: String,
+}
+
+/// How many tenants the door's counters name; later ones are `other`.
+pub const MAX_TENANT_LABELS: usize = 32;
+/// How many tenants the ledger's per-tenant gauges name (the busiest of the window).
+pub const METRICS_TENANTS: usize = 20;
+/// The window of the ledger's per-tenant gauges.
+pub const TENANT_WINDOW_MS: i64 = 3_600_000;
+
+/// The first [`MAX_TENANT_LABELS`] tenant names seen keep their name as a label.
+#[derive(Debug, Default)]
+pub struct TenantLabelSet {
+    seen: std::sync::Mutex<std::collections::BTreeSet<String>>,
+}
+
+impl TenantLabelSet {
+    pub fn label(&self, tenant: &str) -> String {
+        let mut seen = self.seen.lock().unwrap_or_else(|p| p.into_inner());
+        if seen.contains(tenant) {
+            return tenant.to_owned();
+        }
+        if seen.len() < MAX_TENANT_LABELS {
+            seen.insert(tenant.to_owned());
+            return tenant.to_owned();
+        }
+        lastcall_core::report::OTHER_TENANTS.to_owned()
+    }
+}
+
 /// HTTP responses of the ingress, by route and status (bounded). Clones share the
 /// counters.
 #[derive(Debug, Clone, Default)]
 pub struct HttpStats {
     pub responses: Family<ResponseLabels, Counter>,
+    /// Jobs accepted per tenant (bounded labels).
+    pub tenant_accepted: Family<TenantLabels, Counter>,
+    /// Jobs refused over a tenant's quota (`429 over_quota`, never published).
+    pub quota_refused_total: Family<QuotaLabels, Counter>,
+    tenant_labels: Arc<TenantLabelSet>,
     /// Jobs accepted (published, confirmed and recorded).
     pub accepted: Counter,
     /// Jobs shed at the door (`429 would_expire_in_queue`): never published.
@@ -39,7 +90,36 @@ pub struct HttpStats {
 }
 
 impl HttpStats {
+    /// Count a job of `tenant` accepted.
+    pub fn accepted_for(&self, tenant: &str) {
+        let tenant = self.tenant_labels.label(tenant);
+        self.tenant_accepted
+            .get_or_create(&TenantLabels { tenant })
+            .inc();
+    }
+
+    /// Count a job of `tenant` refused over `quota`.
+    pub fn quota_refused(&self, tenant: &str, quota: &str) {
+        let tenant = self.tenant_labels.label(tenant);
+        self.quota_refused_total
+            .get_or_create(&QuotaLabels {
+                tenant,
+                quota: quota.to_owned(),
+            })
+            .inc();
+    }
+
     fn register(&self, r: &mut Registry) {
+        r.register(
+            "lastcall_http_tenant_accepted",
+            "Jobs accepted over HTTP per tenant (the first 32 tenants seen, the rest as `other`)",
+            self.tenant_accepted.clone(),
+        );
+        r.register(
+            "lastcall_http_quota_refused",
+            "Jobs refused at the door over a quota of their tenant (429 over_quota, never published), by tenant and quota",
+            self.quota_refused_total.clone(),
+        );
         r.register(
             "lastcall_http_accepted",
             "Jobs accepted over HTTP (published with confirm and recorded)",
@@ -80,6 +160,8 @@ pub struct MetricsSource {
     pub depth: Option<DepthProbe>,
     /// Jobs by state and late outcomes, counted at each scrape.
     pub ledger: Option<Arc<Ledger>>,
+    /// With the ledger: the per-tenant gauges over the last [`TENANT_WINDOW_MS`] before now.
+    clock: Option<Arc<dyn Clock>>,
 }
 
 impl std::fmt::Debug for MetricsSource {
@@ -136,6 +218,12 @@ impl MetricsSource {
         self
     }
 
+    /// With [`with_ledger`](Self::with_ledger): the per-tenant gauges (the window ends now).
+    pub fn with_clock(mut self, clock: Arc<dyn Clock>) -> Self {
+        self.clock = Some(clock);
+        self
+    }
+
     pub fn with_depth(mut self, depth: DepthProbe) -> Self {
         self.depth = Some(depth);
         self
@@ -167,6 +255,14 @@ impl MetricsSource {
                 Ok(n) => scraped.late_outcomes = Some(n),
                 Err(e) => tracing::warn!(error = %e, "metrics: cannot count late outcomes"),
             }
+            if let Some(clock) = &self.clock {
+                match l.tenant_counts(clock.now_ms() - TENANT_WINDOW_MS).await {
+                    Ok(groups) => {
+                        scraped.tenants = Some(tenant_accounts(&groups, METRICS_TENANTS));
+                    }
+                    Err(e) => tracing::warn!(error = %e, "metrics: cannot count per tenant"),
+                }
+            }
         }
         let mut now = Registry::default();
         now.register_collector(Box::new(scraped));
@@ -185,6 +281,7 @@ struct Scraped {
     depths: Option<Vec<QueueDepth>>,
     ledger_jobs: Option<Vec<(String, i64)>>,
     late_outcomes: Option<i64>,
+    tenants: Option<Vec<TenantAccount>>,
 }
 
 impl Collector for Scraped {
@@ -241,6 +338,64 @@ impl Collector for Scraped {
                 None,
                 g.metric_type(),
             )?)?;
+        }
+        if let Some(tenants) = &self.tenants {
+            let mut family = enc.encode_descriptor(
+                "lastcall_tenant_on_time_last_hour",
+                "Jobs completed before their deadline in the last hour, per tenant (the 20 busiest, the rest as `other`)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for t in tenants {
+                ConstGauge::new(t.on_time as i64)
+                    .encode(family.encode_family(&[("tenant", t.tenant.as_str())])?)?;
+            }
+            let mut family = enc.encode_descriptor(
+                "lastcall_tenant_not_on_time_last_hour",
+                "Jobs that ended otherwise in the last hour, per tenant, state and reason (refusals are expired_not_started, expired_before_receive and rejected)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for t in tenants {
+                for c in &t.not_on_time {
+                    let (state, reason) = c.key.split_once('/').unwrap_or((c.key.as_str(), ""));
+                    let labels = [
+                        ("tenant", t.tenant.as_str()),
+                        ("state", state),
+                        ("reason", reason),
+                    ];
+                    ConstGauge::new(c.count as i64).encode(family.encode_family(&labels)?)?;
+                }
+            }
+            let mut family = enc.encode_descriptor(
+                "lastcall_tenant_model_seconds_last_hour",
+                "Model time of the calls recorded in the last hour, per tenant; `use` is `wasted` for calls that did not complete (cut at the deadline, failed, cancelled), else `useful`",
+                None,
+                MetricType::Gauge,
+            )?;
+            for t in tenants {
+                let wasted = t.wasted_model_ms as f64 / 1000.0;
+                let useful = t.model_ms.saturating_sub(t.wasted_model_ms) as f64 / 1000.0;
+                for (use_, v) in [("useful", useful), ("wasted", wasted)] {
+                    let labels = [("tenant", t.tenant.as_str()), ("use", use_)];
+                    ConstGauge::new(v).encode(family.encode_family(&labels)?)?;
+                }
+            }
+            let mut family = enc.encode_descriptor(
+                "lastcall_tenant_tokens_last_hour",
+                "Tokens of the calls recorded in the last hour, per tenant and type (prompt, completion)",
+                None,
+                MetricType::Gauge,
+            )?;
+            for t in tenants {
+                for (ty, v) in [
+                    ("prompt", t.prompt_tokens),
+                    ("completion", t.completion_tokens),
+                ] {
+                    let labels = [("tenant", t.tenant.as_str()), ("type", ty)];
+                    ConstGauge::new(v as i64).encode(family.encode_family(&labels)?)?;
+                }
+            }
         }
         Ok(())
     }

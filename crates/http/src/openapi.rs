@@ -34,7 +34,7 @@ use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
     servers((url = "http://127.0.0.1:8080")),
     security(("bearer" = []), ("basic" = [])),
     components(
-        schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError),
+        schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError, PriorityTier),
         responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError),
     ),
 )]
@@ -166,6 +166,22 @@ pub(crate) struct NewJobFields {
     /// Optional webhook: when the job ends, its outcome event (docs/wire-format.md §8) is POSTed here, signed when the server has a webhook key (`x-lastcall-webhook-signature`), retried with backoff. Only URLs under a prefix the operator allowed (`serve --webhook-allow`) are taken; any other is refused with `422 callback_not_allowed`.
     #[schema(max_length = 2048)]
     callback_url: Option<String>,
+    /// Whose job it is (`default` when absent): 1–64 characters of `[A-Za-z0-9._:-]`. A request made with a token of the server's tokens file acts for that token's tenant: leave it out or name the same one (another is refused with `403 tenant_mismatch`)
+    #[schema(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
+    tenant: Option<String>,
+    /// The job's priority tier (`standard` when absent): under overload `critical` is served first, `batch` last
+    #[schema(inline)]
+    priority: Option<PriorityTier>,
+}
+
+/// A priority tier.
+#[derive(ToSchema)]
+#[schema(rename_all = "lowercase")]
+#[allow(dead_code)]
+pub(crate) enum PriorityTier {
+    Critical,
+    Standard,
+    Batch,
 }
 
 /// The body of `POST /v1/jobs`: [`NewJobFields`] and exactly one deadline, a budget
@@ -323,6 +339,9 @@ pub(crate) struct ListParams {
     state: Option<JobState>,
     #[param(nullable = false)]
     kind: Option<String>,
+    /// Only this tenant's jobs. A token of the tokens file lists only its own tenant's (another is `403 tenant_mismatch`)
+    #[param(nullable = false, pattern = "^[A-Za-z0-9._:-]{1,64}$")]
+    tenant: Option<String>,
     #[param(nullable = false, minimum = 1, maximum = 1000, default = 100)]
     limit: Option<i64>,
 }
@@ -398,6 +417,10 @@ pub(crate) struct JobRecord {
     model: Option<String>,
     /// The minimum useful runtime the admission decision used: the job's own, the learned call time of its kind, or the configured floor
     min_runtime_ms: Option<i64>,
+    /// Whose job it is (`default` when the envelope named none)
+    tenant: String,
+    /// The priority tier: `critical`, `standard` or `batch`
+    priority: String,
 }
 
 /// The front door's errors, in OpenAI's shape
@@ -505,7 +528,7 @@ impl<'r> ToResponse<'r> for Forbidden {
         (
             "Forbidden",
             ResponseBuilder::new()
-                .description("A request that changes something sent from another origin (`cross_origin`: `Origin` is not this server's `Host`, or `Sec-Fetch-Site` is `cross-site` or `same-site`), or presenting Basic credentials, which are for reads only (`basic_credentials_read_only`: send the token as `Bearer`)")
+                .description("A request that changes something sent from another origin (`cross_origin`: `Origin` is not this server's `Host`, or `Sec-Fetch-Site` is `cross-site` or `same-site`), or presenting Basic credentials, which are for reads only (`basic_credentials_read_only`: send the token as `Bearer`); with a token of the tokens file (`serve --tokens-file`): a body, header or query naming another tenant than the token's (`tenant_mismatch`, `field` names it), a kind the token may not submit (`kind_not_allowed`, `field` is `kind`), or a route only the operator's token may read, the dashboard and `/metrics` (`operator_only`)")
                 .content("application/json", error_content())
                 .build()
                 .into(),
@@ -571,6 +594,22 @@ pub(crate) struct RetryAfter(u64);
 
 #[cfg(test)]
 mod tests {
+    /// The documented tiers are the core's, and `NewJob` documents `tenant` and `priority`.
+    #[test]
+    fn the_priority_schema_lists_the_cores_tiers() {
+        let doc = serde_json::to_value(crate::api_doc()).unwrap();
+        let tiers = doc
+            .pointer("/components/schemas/PriorityTier/enum")
+            .expect("PriorityTier documented");
+        let core: Vec<&str> = lastcall_core::Priority::ALL
+            .iter()
+            .map(|p| p.as_str())
+            .collect();
+        assert_eq!(tiers, &serde_json::json!(core));
+        let text = doc.to_string();
+        assert!(text.contains("X-Lastcall-Tenant") && text.contains("tenant_mismatch"));
+    }
+
     /// Every field the ledger's record serializes is documented, and nothing else.
     #[test]
     fn the_job_record_schema_has_the_ledgers_fields() {
@@ -602,6 +641,8 @@ mod tests {
             backend: None,
             model: None,
             min_runtime_ms: None,
+            tenant: "default".into(),
+            priority: "standard".into(),
         };
         let sent: std::collections::BTreeSet<String> = serde_json::to_value(&rec)
             .unwrap()

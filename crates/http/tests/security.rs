@@ -319,6 +319,8 @@ async fn ledger_job(env: &Env, id: &str, url: &str, cancel: bool) {
             accepted_at_ms: now,
             trace_id: None,
             payload_hash: "h".into(),
+            tenant: lastcall_core::Tenant::default_tenant(),
+            priority: lastcall_core::Priority::Standard,
         })
         .await
         .unwrap();

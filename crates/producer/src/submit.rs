@@ -522,6 +522,9 @@ fn accepted_job(env: &Envelope, now_ms: i64, scope: &str) -> AcceptedJob {
         accepted_at_ms: now_ms,
         trace_id: env.trace_id.clone(),
         payload_hash: request_fingerprint(scope, env),
+        tenant: lastcall_core::Tenant::parse(env.tenant())
+            .unwrap_or_else(|_| lastcall_core::Tenant::default_tenant()),
+        priority: env.priority(),
     }
 }
 

@@ -77,7 +77,7 @@ macro_rules! job_columns {
             " AS backend_calls, created_at_ms, expires_at_ms, accepted_at_ms, received_at_ms, \
              checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, reconciled_at_ms, \
              worker, result, error, trace_id, prompt_tokens, completion_tokens, latency_ms, \
-             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms"
+             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms, tenant, priority"
         )
     };
 }
@@ -91,28 +91,53 @@ macro_rules! attempt_columns {
 }
 
 const INSERT_ACCEPTED: &str = "INSERT INTO jobs \
-     (job_id, kind, state, created_at_ms, expires_at_ms, accepted_at_ms, trace_id, payload_hash) \
-     VALUES ($1, $2, 'accepted', $3, $4, $5, $6, $7) \
+     (job_id, kind, state, created_at_ms, expires_at_ms, accepted_at_ms, trace_id, payload_hash, \
+      tenant, priority) \
+     VALUES ($1, $2, 'accepted', $3, $4, $5, $6, $7, $8, $9) \
      ON CONFLICT (job_id) DO NOTHING";
+
+/// How a write that finds the job's row keeps its tenant and tier: a row that names a
+/// tenant other than `default` (a tier other than `standard`) keeps it; only the defaults
+/// give way. Every writer reads both from the same signed envelope, so they agree; a
+/// writer that could not parse it (a dead letter) writes the defaults, which never
+/// replace what the ingress's claim recorded. A macro so that statements stay `&'static str`.
+macro_rules! keep_tenant {
+    ($new:literal) => {
+        concat!(
+            "tenant = CASE WHEN jobs.tenant = 'default' THEN ",
+            $new,
+            ".tenant ELSE jobs.tenant END, \
+             priority = CASE WHEN jobs.priority = 'standard' THEN ",
+            $new,
+            ".priority ELSE jobs.priority END"
+        )
+    };
+}
 
 /// The worker may have written the row before the producer's inventory write landed:
 /// fill in what only the producer knows, once.
 const BACKFILL_ACCEPTED: &str = "UPDATE jobs SET accepted_at_ms = $2, \
      trace_id = COALESCE(trace_id, $3), payload_hash = COALESCE(payload_hash, $4), \
-     created_at_ms = COALESCE(created_at_ms, $5), expires_at_ms = COALESCE(expires_at_ms, $6) \
+     created_at_ms = COALESCE(created_at_ms, $5), expires_at_ms = COALESCE(expires_at_ms, $6), \
+     tenant = CASE WHEN tenant = 'default' THEN $7 ELSE tenant END, \
+     priority = CASE WHEN priority = 'standard' THEN $8 ELSE priority END \
      WHERE job_id = $1 AND accepted_at_ms IS NULL";
 
-const UPSERT_JOB_RUNNING: &str = "INSERT INTO jobs \
+const UPSERT_JOB_RUNNING: &str = concat!(
+    "INSERT INTO jobs \
      (job_id, kind, state, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
-      started_at_ms, worker) \
-     VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8) \
-     ON CONFLICT (job_id) DO UPDATE SET state = 'running', \
+      started_at_ms, worker, tenant, priority) \
+     VALUES ($1, $2, 'running', $3, $4, $5, $6, $7, $8, $9, $10) \
+     ON CONFLICT (job_id) DO UPDATE SET state = 'running', ",
+    keep_tenant!("excluded"),
+    ", \
      kind = CASE WHEN jobs.kind = '' THEN excluded.kind ELSE jobs.kind END, \
      created_at_ms = COALESCE(jobs.created_at_ms, excluded.created_at_ms), \
      expires_at_ms = COALESCE(jobs.expires_at_ms, excluded.expires_at_ms), \
      received_at_ms = excluded.received_at_ms, checked_at_ms = excluded.checked_at_ms, \
      started_at_ms = excluded.started_at_ms, worker = excluded.worker \
-     WHERE jobs.state IN ('accepted', 'running')";
+     WHERE jobs.state IN ('accepted', 'running')"
+);
 
 const UPSERT_ATTEMPT_START: &str = "INSERT INTO attempts \
      (attempt_key, job_id, attempt, worker, redelivered, received_at_ms, checked_at_ms, \
@@ -125,14 +150,17 @@ const UPSERT_ATTEMPT_START: &str = "INSERT INTO attempts \
 /// The write-once terminal outcome. One affected row means this call wrote it: over a
 /// non-terminal row, or a real outcome over `unknown` (see the module doc); it never names
 /// `reconciled_at_ms`, so a replaced `unknown` keeps it.
-const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
+const UPSERT_JOB_TERMINAL: &str = concat!(
+    "INSERT INTO jobs \
      (job_id, kind, state, reason, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
       started_at_ms, finished_at_ms, recorded_at_ms, worker, result, error, prompt_tokens, \
       completion_tokens, latency_ms, cancel_requested, cancel_confirmed, backend, model, \
-      min_runtime_ms) \
+      min_runtime_ms, tenant, priority) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-      $20, $21, $22) \
-     ON CONFLICT (job_id) DO UPDATE SET \
+      $20, $21, $22, $23, $24) \
+     ON CONFLICT (job_id) DO UPDATE SET ",
+    keep_tenant!("excluded"),
+    ", \
      kind = CASE WHEN jobs.kind = '' THEN excluded.kind ELSE jobs.kind END, \
      state = excluded.state, reason = excluded.reason, \
      created_at_ms = COALESCE(excluded.created_at_ms, jobs.created_at_ms), \
@@ -146,14 +174,18 @@ const UPSERT_JOB_TERMINAL: &str = "INSERT INTO jobs \
      cancel_confirmed = excluded.cancel_confirmed, backend = excluded.backend, \
      model = excluded.model, min_runtime_ms = excluded.min_runtime_ms \
      WHERE jobs.state IN ('accepted', 'running') \
-     OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')";
+     OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')"
+);
 
 /// A non-terminal decision (e.g. a retry): moves the live state, never a terminal one.
-const UPSERT_JOB_LIVE: &str = "INSERT INTO jobs \
-     (job_id, kind, state, created_at_ms, expires_at_ms, worker) \
-     VALUES ($1, $2, $3, $4, $5, $6) \
-     ON CONFLICT (job_id) DO UPDATE SET state = excluded.state \
-     WHERE jobs.state IN ('accepted', 'running')";
+const UPSERT_JOB_LIVE: &str = concat!(
+    "INSERT INTO jobs \
+     (job_id, kind, state, created_at_ms, expires_at_ms, worker, tenant, priority) \
+     VALUES ($1, $2, $3, $4, $5, $6, $7, $8) \
+     ON CONFLICT (job_id) DO UPDATE SET state = excluded.state, ",
+    keep_tenant!("excluded"),
+    " WHERE jobs.state IN ('accepted', 'running')"
+);
 
 /// An attempt row keeps its first receipt/check/start times (set by `record_start`, or by
 /// the first write of a replayed outcome); the decision fields take the latest write, and
@@ -260,7 +292,9 @@ fn run_params(
                 .v(&st.received_at_ms)
                 .v(&st.checked_at_ms)
                 .v(&st.started_at_ms)
-                .v(&st.worker);
+                .v(&st.worker)
+                .v(st.tenant.as_str())
+                .v(st.priority.as_str());
         });
         attempt_start.row(|r| {
             r.v(&st.attempt_key)
@@ -297,7 +331,9 @@ fn run_params(
                 .v(&rec.cancel_confirmed)
                 .v(&rec.backend)
                 .v(&rec.model)
-                .v(&rec.min_runtime_ms);
+                .v(&rec.min_runtime_ms)
+                .v(rec.tenant.as_str())
+                .v(rec.priority.as_str());
         });
     }
     let mut job_live = JsonRows::default();
@@ -308,7 +344,9 @@ fn run_params(
                 .v(&rec.state.as_str())
                 .v(&rec.created_at_ms)
                 .v(&rec.expires_at_ms)
-                .v(&non_empty(&rec.worker));
+                .v(&non_empty(&rec.worker))
+                .v(rec.tenant.as_str())
+                .v(rec.priority.as_str());
         });
     }
     let mut attempt_outcome = JsonRows::default();
@@ -629,6 +667,8 @@ impl Ledger {
                 .bind(job.accepted_at_ms)
                 .bind(&job.trace_id)
                 .bind(&job.payload_hash)
+                .bind(job.tenant.as_str())
+                .bind(job.priority.as_str())
                 .execute(pool)
                 .await
                 .map_err(db("recording an accepted job"))?;
@@ -640,6 +680,8 @@ impl Ledger {
                     .bind(&job.payload_hash)
                     .bind(job.created_at_ms)
                     .bind(job.expires_at_ms)
+                    .bind(job.tenant.as_str())
+                    .bind(job.priority.as_str())
                     .execute(pool)
                     .await
                     .map_err(db("recording an accepted job"))?;
@@ -945,6 +987,9 @@ impl Ledger {
         if filter.kind.is_some() {
             clause(&mut sql, "kind");
         }
+        if filter.tenant.is_some() {
+            clause(&mut sql, "tenant");
+        }
         sql.push_str(
             " ORDER BY COALESCE(recorded_at_ms, accepted_at_ms, created_at_ms, 0), job_id",
         );
@@ -958,6 +1003,9 @@ impl Ledger {
             }
             if let Some(kind) = &filter.kind {
                 query = query.bind(kind);
+            }
+            if let Some(tenant) = &filter.tenant {
+                query = query.bind(tenant);
             }
             if let Some(limit) = filter.limit {
                 query = query.bind(limit.max(0));
@@ -1139,8 +1187,9 @@ impl Ledger {
     /// Concurrent claims of one id: exactly one gets `true` (the primary key decides).
     pub async fn claim_accepted(&self, job: &AcceptedJob) -> Result<bool, StoreError> {
         const CLAIM: &str = "INSERT INTO jobs \
-             (job_id, kind, state, created_at_ms, expires_at_ms, trace_id, payload_hash) \
-             VALUES ($1, $2, 'accepted', $3, $4, $5, $6) \
+             (job_id, kind, state, created_at_ms, expires_at_ms, trace_id, payload_hash, \
+              tenant, priority) \
+             VALUES ($1, $2, 'accepted', $3, $4, $5, $6, $7, $8) \
              ON CONFLICT (job_id) DO NOTHING";
         on_pool!(self, write, |pool| {
             sqlx::query(CLAIM)
@@ -1150,6 +1199,8 @@ impl Ledger {
                 .bind(job.expires_at_ms)
                 .bind(&job.trace_id)
                 .bind(&job.payload_hash)
+                .bind(job.tenant.as_str())
+                .bind(job.priority.as_str())
                 .execute(pool)
                 .await
                 .map(|done| done.rows_affected() > 0)
@@ -1391,6 +1442,8 @@ where
         backend: row.try_get("backend")?,
         model: row.try_get("model")?,
         min_runtime_ms: row.try_get("min_runtime_ms")?,
+        tenant: row.try_get("tenant")?,
+        priority: row.try_get("priority")?,
     })
 }
 
@@ -1517,6 +1570,8 @@ mod tests {
                 received_at_ms: 0,
                 checked_at_ms: 0,
                 started_at_ms: 0,
+                tenant: lastcall_core::Tenant::default_tenant(),
+                priority: lastcall_core::Priority::Standard,
             })
         };
         let w = [

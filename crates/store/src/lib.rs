@@ -41,12 +41,13 @@ mod migrate;
 
 pub use ledger::copy::{COPY_TABLES, CopyCounts, TableDigest, copy_columns};
 pub use ledger::dashboard::{
-    DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DWELL_BUCKET_SQL, DWELL_BUCKETS_MS, DashboardCounts,
+    DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DASHBOARD_TENANTS, DWELL_BUCKET_SQL,
+    DWELL_BUCKETS_MS, DashboardCounts,
 };
 pub use ledger::retention::{ArchiveFn, JobStream, LedgerSize, PruneCounts, PruneLock};
 pub use ledger::{Ledger, LedgerWrite};
 
-use lastcall_core::{Decision, Reason, State};
+use lastcall_core::{Decision, Priority, Reason, State, Tenant};
 use serde::Serialize;
 
 /// Errors of the store. `Unavailable` is worth retrying (connection refused, pool timeout,
@@ -78,6 +79,10 @@ pub struct AcceptedJob {
     /// SHA-256 over scope, kind, minimum runtime and payload) to detect id reuse with a
     /// different request at the ingress (`409`).
     pub payload_hash: String,
+    /// Whose job it is (the envelope's `tenant`, [`Tenant::DEFAULT`] when it names none).
+    pub tenant: Tenant,
+    /// Its priority tier (the envelope's `priority`, `standard` when it names none).
+    pub priority: Priority,
 }
 
 /// Written right before a model call starts (state `running`, one attempt row with
@@ -96,6 +101,9 @@ pub struct AttemptStart {
     pub received_at_ms: i64,
     pub checked_at_ms: i64,
     pub started_at_ms: i64,
+    /// The envelope's tenant and tier (see [`AcceptedJob::tenant`]).
+    pub tenant: Tenant,
+    pub priority: Priority,
 }
 
 /// One delivery's decision, and the terminal outcome when `state` is terminal.
@@ -140,6 +148,12 @@ pub struct OutcomeRecord {
     pub model: Option<String>,
     /// The minimum useful runtime the admission decision used (own, learned or floor).
     pub min_runtime_ms: Option<i64>,
+    /// The envelope's tenant and tier; [`Tenant::DEFAULT`] and `standard` when the
+    /// envelope names none or could not be parsed. A row never trades a tenant other than
+    /// `default` (or a tier other than `standard`) for another one: the first writer that
+    /// knew it (the ingress's claim, stamped from the caller's token) wins.
+    pub tenant: Tenant,
+    pub priority: Priority,
 }
 
 impl OutcomeRecord {
@@ -181,6 +195,8 @@ impl OutcomeRecord {
             backend: None,
             model: None,
             min_runtime_ms: None,
+            tenant: Tenant::default_tenant(),
+            priority: Priority::Standard,
         }
     }
 }
@@ -271,6 +287,11 @@ pub struct JobRecord {
     /// The minimum useful runtime the last admission decision used: the job's own, the
     /// learned call time of its kind, or the configured floor.
     pub min_runtime_ms: Option<i64>,
+    /// Whose job it is: the envelope's `tenant`, `default` when it names none (and for
+    /// every job recorded before tenants existed).
+    pub tenant: String,
+    /// Its priority tier: `critical`, `standard` (also when it names none) or `batch`.
+    pub priority: String,
 }
 
 impl JobRecord {
@@ -306,5 +327,6 @@ pub struct AttemptRow {
 pub struct ListFilter {
     pub state: Option<String>,
     pub kind: Option<String>,
+    pub tenant: Option<String>,
     pub limit: Option<i64>,
 }

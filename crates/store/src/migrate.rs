@@ -63,6 +63,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0007_retention.sql"),
         postgres: include_str!("../migrations/postgres/0007_retention.sql"),
     },
+    Migration {
+        version: 8,
+        name: "tenants",
+        sqlite: include_str!("../migrations/sqlite/0008_tenants.sql"),
+        postgres: include_str!("../migrations/postgres/0008_tenants.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

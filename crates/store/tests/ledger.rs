@@ -11,7 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lastcall_core::envelope::RejectReason;
-use lastcall_core::{Decision, Reason, RefusalCause, Stage, State};
+use lastcall_core::{Decision, Priority, Reason, RefusalCause, Stage, State, Tenant};
 use lastcall_store::{
     AcceptedJob, AttemptStart, JobRecord, Ledger, LedgerWrite, ListFilter, OutcomeRecord,
     ReceiptInfo, StoreError,
@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 7;
+const LATEST_VERSION: i64 = 8;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -240,6 +240,8 @@ both_backends!(
     recent_calls_are_the_durations_a_starting_worker_learns_from,
     the_doors_call_time_comes_from_measured_calls_only,
     dashboard_counts_equal_the_records_and_read_no_text,
+    every_row_keeps_the_tenant_and_tier_its_first_writer_knew,
+    tenant_counts_equal_the_records,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -254,6 +256,8 @@ fn accepted(job_id: &str, kind: &str, accepted_at_ms: i64, expires_at_ms: i64) -
         accepted_at_ms,
         trace_id: Some(format!("trace-{job_id}")),
         payload_hash: format!("hash-{job_id}"),
+        tenant: Tenant::default_tenant(),
+        priority: Priority::Standard,
     }
 }
 
@@ -270,6 +274,8 @@ fn start(job_id: &str, attempt_key: &str, attempt: u32, at_ms: i64) -> AttemptSt
         received_at_ms: at_ms,
         checked_at_ms: at_ms + 1,
         started_at_ms: at_ms + 2,
+        tenant: Tenant::default_tenant(),
+        priority: Priority::Standard,
     }
 }
 
@@ -884,6 +890,7 @@ async fn list_filters_by_state_and_kind(db: &TestDb) {
         state: Some("completed".to_owned()),
         kind: Some("embed".to_owned()),
         limit: None,
+        tenant: None,
     };
     assert_eq!(ids(l.list(&both).await.unwrap()), ["b"]);
     let limited = ListFilter {
@@ -2686,10 +2693,16 @@ async fn dashboard_counts_equal_the_records_and_read_no_text(db: &TestDb) {
         dead
     );
     // Counts, not rows: far fewer rows than jobs, each statement bounded.
+    let tenant_groups: std::collections::BTreeSet<(String, String, Option<String>)> = records
+        .iter()
+        .filter(|r| terminal.contains(&r.state.as_str()))
+        .map(|r| (r.tenant.clone(), r.state.clone(), r.reason.clone()))
+        .collect();
     let expected_rows = per_minute.len()
         + queue.iter().filter(|n| **n > 0).count()
         + consumer.iter().filter(|n| **n > 0).count()
-        + dead.len();
+        + dead.len()
+        + tenant_groups.len();
     assert_eq!(got.rows_read, expected_rows);
     assert!(got.rows_read < records.len() / 2, "{} rows", got.rows_read);
     for sql in DASHBOARD_STATEMENTS {
@@ -2703,4 +2716,182 @@ async fn dashboard_counts_equal_the_records_and_read_no_text(db: &TestDb) {
         );
     }
     const { assert!(DASHBOARD_MAX_ROWS <= 20_000) };
+}
+
+fn tenant(name: &str) -> Tenant {
+    Tenant::parse(name).unwrap()
+}
+
+/// Issue #33: the ingress's claim, the worker's start and its outcome all write the
+/// envelope's tenant and tier; a writer that could not parse the envelope writes the
+/// defaults, which never replace a known tenant; a job written first by a worker gets its
+/// tenant from the worker, and the producer's late inventory write keeps it. `list`
+/// filters by tenant.
+async fn every_row_keeps_the_tenant_and_tier_its_first_writer_knew(db: &TestDb) {
+    let l = &db.ledger;
+    // Claimed at the door for team-a, critical; started; then an outcome without the
+    // envelope (a dead letter that could not be parsed) must not erase either.
+    let claim = AcceptedJob {
+        tenant: tenant("team-a"),
+        priority: Priority::Critical,
+        ..accepted("a1", "chat", 10, 60_000)
+    };
+    assert!(l.claim_accepted(&claim).await.unwrap());
+    let rec = must_get(l, "a1").await;
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("team-a", "critical")
+    );
+    l.record_start(&AttemptStart {
+        tenant: tenant("team-a"),
+        priority: Priority::Critical,
+        ..start("a1", "ka1", 1, 100)
+    })
+    .await
+    .unwrap();
+    assert!(
+        l.record_outcome(&OutcomeRecord {
+            attempt_key: "dlq:a1".into(),
+            ..OutcomeRecord::new(
+                "a1",
+                "chat",
+                State::Failed,
+                Decision::DeadLetterProcessed,
+                200
+            )
+        })
+        .await
+        .unwrap()
+    );
+    let rec = must_get(l, "a1").await;
+    assert_eq!(rec.state, "failed");
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("team-a", "critical")
+    );
+
+    // The worker first (through a group commit), the producer's inventory write later.
+    let done = OutcomeRecord {
+        tenant: tenant("team-b"),
+        priority: Priority::Batch,
+        ..completed("b1", "kb1", 300, "x")
+    };
+    assert_eq!(
+        l.write_batch(&[LedgerWrite::outcome(done)]).await.unwrap(),
+        vec![true]
+    );
+    l.record_accepted(&AcceptedJob {
+        tenant: tenant("team-b"),
+        priority: Priority::Batch,
+        ..accepted("b1", "chat", 20, 60_000)
+    })
+    .await
+    .unwrap();
+    let rec = must_get(l, "b1").await;
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("team-b", "batch")
+    );
+    assert_eq!(rec.accepted_at_ms, Some(20));
+
+    // A row the defaults wrote first takes the tenant a later writer knows.
+    l.record_start(&start("c1", "kc1", 1, 400)).await.unwrap();
+    assert_eq!(must_get(l, "c1").await.tenant, "default");
+    l.record_outcome(&OutcomeRecord {
+        tenant: tenant("team-b"),
+        ..completed("c1", "kc1", 500, "y")
+    })
+    .await
+    .unwrap();
+    assert_eq!(must_get(l, "c1").await.tenant, "team-b");
+
+    // An old producer: no tenant named, `default`/`standard`.
+    l.record_accepted(&accepted("d1", "chat", 30, 60_000))
+        .await
+        .unwrap();
+    let rec = must_get(l, "d1").await;
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("default", "standard")
+    );
+
+    let ids = |jobs: Vec<JobRecord>| jobs.into_iter().map(|j| j.job_id).collect::<Vec<_>>();
+    let of = |t: &str| ListFilter {
+        tenant: Some(t.to_owned()),
+        ..ListFilter::default()
+    };
+    assert_eq!(ids(l.list(&of("team-b")).await.unwrap()), ["b1", "c1"]);
+    assert_eq!(ids(l.list(&of("team-a")).await.unwrap()), ["a1"]);
+    assert_eq!(ids(l.list(&of("default")).await.unwrap()), ["d1"]);
+    assert!(l.list(&of("nobody")).await.unwrap().is_empty());
+    let json = serde_json::to_value(must_get(l, "b1").await).unwrap();
+    assert_eq!(json["tenant"], "team-b");
+    assert_eq!(json["priority"], "batch");
+}
+
+/// Issue #33: the per-tenant groups of a window equal what the window's records say, and
+/// their fold bounds the tenants it names.
+async fn tenant_counts_equal_the_records(db: &TestDb) {
+    use lastcall_core::report::{OTHER_TENANTS, TenantSample, tenant_accounts};
+    let l = &db.ledger;
+    let since = 1_000_000;
+    let states = [
+        (State::Completed, None),
+        (State::DeadlineExceeded, Some(Reason::CancelledAtDeadline)),
+        (State::ExpiredNotStarted, Some(Reason::BrokerTtlExpired)),
+        (State::Failed, Some(Reason::RetriesExhausted)),
+    ];
+    let mut n = 0;
+    for t in 0..7 {
+        for (k, (state, reason)) in states.iter().enumerate() {
+            // Tenant t has t+1 jobs of each state; some before the window.
+            for j in 0..=t {
+                n += 1;
+                let recorded = since - 5 + ((t + k + j) % 4) as i64 * 3;
+                l.record_outcome(&OutcomeRecord {
+                    tenant: tenant(&format!("t{t}")),
+                    reason: reason.clone(),
+                    model_called: *state != State::ExpiredNotStarted,
+                    latency_ms: (*state != State::ExpiredNotStarted).then_some(10 + j as i64),
+                    prompt_tokens: Some(3),
+                    completion_tokens: (*state == State::Completed).then_some(5),
+                    ..outcome(&format!("j{n}"), &format!("k{n}"), *state, recorded)
+                })
+                .await
+                .unwrap();
+            }
+        }
+    }
+    let mut expected: Vec<TenantSample> = Vec::new();
+    for r in l.records_since(since).await.unwrap() {
+        expected.push(TenantSample {
+            tenant: r.tenant,
+            state: r.state,
+            reason: r.reason,
+            jobs: 1,
+            model_ms: r.latency_ms.unwrap_or(0) as u64,
+            prompt_tokens: r.prompt_tokens.unwrap_or(0) as u64,
+            completion_tokens: r.completion_tokens.unwrap_or(0) as u64,
+        });
+    }
+    assert!(expected.len() > 50, "{}", expected.len());
+    let got = l.tenant_counts(since).await.unwrap();
+    assert!(got.len() < expected.len(), "groups, not rows");
+    assert_eq!(
+        tenant_accounts(&got, usize::MAX),
+        tenant_accounts(&expected, usize::MAX)
+    );
+    let top = tenant_accounts(&got, 3);
+    assert_eq!(top.len(), 4);
+    assert_eq!(top[0].tenant, "t6");
+    assert_eq!(top[3].tenant, OTHER_TENANTS);
+    let total: u64 = top.iter().map(|a| a.jobs).sum();
+    assert_eq!(total, expected.len() as u64);
+    let wasted: u64 = top.iter().map(|a| a.wasted_model_ms).sum();
+    assert!(wasted > 0 && wasted < top.iter().map(|a| a.model_ms).sum::<u64>());
+    let dash = l.dashboard_counts(since).await.unwrap();
+    assert_eq!(
+        dash.tenants,
+        tenant_accounts(&got, lastcall_store::DASHBOARD_TENANTS)
+    );
 }

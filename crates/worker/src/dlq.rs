@@ -390,6 +390,16 @@ impl Letter {
             ),
             Err(_) => ("invalid".into(), None, None),
         };
+        // An unparsed letter writes the defaults, which never replace a known tenant.
+        let tenant = self.parsed.as_ref().ok().map(|e| {
+            lastcall_core::Tenant::parse(e.tenant())
+                .unwrap_or_else(|_| lastcall_core::Tenant::default_tenant())
+        });
+        let priority = self
+            .parsed
+            .as_ref()
+            .map(|e| e.priority())
+            .unwrap_or_default();
         OutcomeRecord {
             attempt_key: format!(
                 "dlq:{}:{}:{}",
@@ -408,6 +418,8 @@ impl Letter {
                 Err(e) => format!("{detail}; {e}"),
                 Ok(_) => detail,
             }),
+            tenant: tenant.unwrap_or_else(lastcall_core::Tenant::default_tenant),
+            priority,
             ..OutcomeRecord::new(
                 self.job_id.to_string(),
                 kind,

@@ -158,6 +158,9 @@ impl RetryRelay {
             checked_at_ms: Some(now),
             worker: self.name.clone(),
             redelivered: m.redelivered,
+            tenant: lastcall_core::Tenant::parse(env.tenant())
+                .unwrap_or_else(|_| lastcall_core::Tenant::default_tenant()),
+            priority: env.priority(),
             ..OutcomeRecord::new(
                 env.job_id().to_string(),
                 env.kind().to_string(),

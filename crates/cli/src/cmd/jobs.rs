@@ -88,6 +88,7 @@ pub async fn run(s: &Settings, c: JobsCommand) -> Result<ExitCode> {
         JobsCommand::List {
             state,
             kind,
+            tenant,
             limit,
             json,
         } => {
@@ -98,6 +99,7 @@ pub async fn run(s: &Settings, c: JobsCommand) -> Result<ExitCode> {
                 .list(&ListFilter {
                     state: state.clone(),
                     kind: kind.clone(),
+                    tenant: tenant.as_ref().map(|t| t.as_str().to_owned()),
                     limit: Some(limit),
                 })
                 .await?;

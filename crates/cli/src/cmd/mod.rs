@@ -9,6 +9,7 @@ mod reconcile;
 mod report;
 mod serve;
 mod submit;
+mod tokens;
 mod topology;
 mod worker;
 
@@ -78,6 +79,7 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
         Command::Bench(c) => lastcall_bench::run(&bench_env(&settings), c).await,
         Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),
         Command::Ledger(c) => ledger::run(&settings, c, &clock).await,
+        Command::Tokens(c) => tokens::run(c),
     }
 }
 

@@ -23,6 +23,7 @@ pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitC
     ledger.close().await;
     let rows: Vec<ReportRow> = recs
         .into_iter()
+        .filter(|r| a.tenant.as_ref().is_none_or(|t| t.as_str() == r.tenant))
         .map(|r| ReportRow {
             state: r.state,
             kind: r.kind,
@@ -31,6 +32,10 @@ pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitC
             created_at_ms: r.created_at_ms,
             recorded_at_ms: r.recorded_at_ms,
             reconciled_at_ms: r.reconciled_at_ms,
+            tenant: r.tenant,
+            latency_ms: r.latency_ms,
+            prompt_tokens: r.prompt_tokens,
+            completion_tokens: r.completion_tokens,
         })
         .collect();
     let rep = report::build(&rows, since, until);
@@ -54,6 +59,29 @@ fn csv_field(s: &str) -> String {
 /// `late_outcome,total,N` (always) and one `late_outcome,<state>,n` per real state.
 pub fn csv(r: &Report) -> String {
     let mut out = String::from("section,key,count,p50_ms,p90_ms,p99_ms,max_ms\n");
+    // Per tenant: `tenant,<name>,jobs`, then one `tenant_<field>,<name>,n` per number and
+    // one `tenant_not_on_time,<name>/<state>/<reason>,n` per outcome key.
+    for t in &r.by_tenant {
+        let name = csv_field(&t.tenant);
+        for (field, n) in [
+            ("tenant", t.jobs),
+            ("tenant_on_time", t.on_time),
+            ("tenant_refused", t.refused),
+            ("tenant_model_ms", t.model_ms),
+            ("tenant_wasted_model_ms", t.wasted_model_ms),
+            ("tenant_prompt_tokens", t.prompt_tokens),
+            ("tenant_completion_tokens", t.completion_tokens),
+        ] {
+            out.push_str(&format!("{field},{name},{n},,,,\n"));
+        }
+        for c in &t.not_on_time {
+            out.push_str(&format!(
+                "tenant_not_on_time,{},{},,,,\n",
+                csv_field(&format!("{}/{}", t.tenant, c.key)),
+                c.count
+            ));
+        }
+    }
     let sections: [(&str, &[Count]); 5] = [
         ("state", &r.by_state),
         ("kind", &r.by_kind),
@@ -112,6 +140,52 @@ fn text(r: &Report, since: &str) -> String {
     } else {
         out += "\n";
     }
+    let tenants: Vec<Vec<String>> = r
+        .by_tenant
+        .iter()
+        .map(|t| {
+            let pct = |n: u64| {
+                if t.jobs == 0 {
+                    "-".to_owned()
+                } else {
+                    format!("{:.0}%", 100.0 * n as f64 / t.jobs as f64)
+                }
+            };
+            vec![
+                table::clip(&t.tenant, 40),
+                t.jobs.to_string(),
+                format!("{} ({})", t.on_time, pct(t.on_time)),
+                t.refused.to_string(),
+                format!("{:.1}", t.model_ms as f64 / 1000.0),
+                format!("{:.1}", t.wasted_model_ms as f64 / 1000.0),
+                format!("{} / {}", t.prompt_tokens, t.completion_tokens),
+                table::clip(
+                    &t.not_on_time
+                        .iter()
+                        .take(3)
+                        .map(|c| format!("{} {}", c.key, c.count))
+                        .collect::<Vec<_>>()
+                        .join(", "),
+                    80,
+                ),
+            ]
+        })
+        .collect();
+    out += "per tenant (refused: never started; model s: wasted = calls that did not complete)\n";
+    out += &table::render(
+        &[
+            "tenant",
+            "jobs",
+            "on time",
+            "refused",
+            "model s",
+            "wasted s",
+            "tokens in / out",
+            "top reasons, not on time",
+        ],
+        &tenants,
+    );
+    out += "\n";
     let rows: Vec<Vec<String>> = r
         .latency
         .iter()
@@ -158,6 +232,9 @@ mod tests {
             created_at_ms: Some(0),
             recorded_at_ms: Some(10),
             reconciled_at_ms: Some(5),
+            tenant: "team-a".into(),
+            latency_ms: Some(4),
+            ..Default::default()
         }];
         let out = csv(&report::build(&rows, 0, 1));
         assert!(out.starts_with("section,key,count,p50_ms"));
@@ -168,8 +245,18 @@ mod tests {
         assert!(out.contains("latency,failed,1,10,10,10,10\n"));
         assert!(out.contains("late_outcome,total,1,,,,\n"), "{out}");
         assert!(out.contains("late_outcome,failed,1,,,,\n"), "{out}");
+        assert!(out.contains("tenant,team-a,1,,,,\n"), "{out}");
+        assert!(
+            out.contains("tenant_wasted_model_ms,team-a,4,,,,\n"),
+            "{out}"
+        );
+        assert!(
+            out.contains("tenant_not_on_time,team-a/failed/sim_400,1,,,,\n"),
+            "{out}"
+        );
         let text = text(&report::build(&rows, 0, 1), "1h");
         assert!(text.contains("real outcome recorded later): 1\n"), "{text}");
+        assert!(text.contains("team-a"), "{text}");
         let none = csv(&report::build(&[], 0, 1));
         assert!(none.contains("late_outcome,total,0,,,,\n"), "{none}");
     }

@@ -25,6 +25,20 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     // Everything a flag, a file or the environment can get wrong is read first: a usage
     // error is reported at once, before anything is bound or connected.
     let token = Token::load(a.token_file.as_deref(), "LASTCALL_HTTP_TOKEN")?;
+    let tokens = match &a.tokens_file {
+        Some(path) => {
+            let file = lastcall_http::tokens::TokensFile::load(path)?;
+            if file.lookup(token.expose_for_lookup()).is_some() {
+                anyhow::bail!(
+                    "the tokens file {} lists the operator's token (--token-file / LASTCALL_HTTP_TOKEN); give each tenant a token of its own",
+                    path.display()
+                );
+            }
+            tracing::info!(tokens = file.len(), tenants = ?file.weights(), "tokens file read");
+            Some(Arc::new(file))
+        }
+        None => None,
+    };
     let tls = match (&a.tls_cert, &a.tls_key) {
         (Some(cert), Some(key)) => Some(
             lastcall_http::tls::TlsServerConfig::from_pem_files(cert, key)
@@ -81,6 +95,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
     );
     let parts = Parts {
         token,
+        tokens,
         signing_key,
         topo,
         front_door,
@@ -141,6 +156,7 @@ fn bind_error(e: std::io::Error, what: &str, flag: &str) -> anyhow::Error {
 /// What `run` read from the flags before connecting.
 struct Parts {
     token: Token,
+    tokens: Option<Arc<lastcall_http::tokens::TokensFile>>,
     signing_key: Option<lastcall_core::SigningKey>,
     topo: Topology,
     front_door: lastcall_http::front_door::FrontDoor,
@@ -180,6 +196,7 @@ async fn build(
 ) -> Result<(AppState, Running)> {
     let Parts {
         token,
+        tokens,
         signing_key,
         topo,
         front_door,
@@ -212,6 +229,7 @@ async fn build(
     state.waiting = std::sync::Arc::new(tokio::sync::Semaphore::new(a.max_waiting));
     state.front_door = front_door;
     state.webhooks = webhooks;
+    state.tokens = tokens;
     // The served OpenAPI document states this server's own horizon.
     state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));

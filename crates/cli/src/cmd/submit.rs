@@ -75,7 +75,19 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
     } else {
         None
     };
-    let submitted = match submitter.submit(&job, clock.now_ms()).await {
+    let now = clock.now_ms();
+    // Only what was asked for goes into the body (absent: `default`, `standard`).
+    let mut env = submitter.envelope(&job, now)?;
+    if let Some(p) = &a.priority {
+        let p: lastcall_core::Priority = p
+            .parse()
+            .map_err(|e: lastcall_core::ids::IdError| anyhow::anyhow!("--priority {}", e.0))?;
+        env = env.with_priority(p);
+    }
+    if let Some(t) = a.tenant {
+        env = env.with_tenant(t);
+    }
+    let submitted = match submitter.submit_envelope(&env, None, now).await {
         Ok(submitted) => submitted,
         Err(SubmitError::WouldExpireInQueue(estimate)) => {
             eprintln!("error: not accepted: {estimate} (--no-shed publishes it anyway)");

@@ -99,10 +99,11 @@ pub async fn delete(s: &Settings, a: TopologyDeleteArgs) -> Result<ExitCode> {
         );
     }
     println!(
-        "deleted {} queue(s) and the exchanges {} and {} of prefix `{}`",
+        "deleted {} queue(s) and the exchanges {}, {} and {} of prefix `{}`",
         existing.len(),
-        exchanges[0],
-        exchanges[1],
+        n.jobs_exchange,
+        n.lanes_exchange,
+        n.dlx,
         s.prefix
     );
     Ok(ExitCode::SUCCESS)

@@ -69,6 +69,8 @@ const TABLES: [Table; 5] = [
             ("backend", Text),
             ("model", Text),
             ("min_runtime_ms", Int),
+            ("tenant", Text),
+            ("priority", Text),
         ],
     },
     Table {

@@ -3,7 +3,13 @@
 //! reads only counts: terminal outcomes per (state, minute), the two dwell histograms and
 //! the dead letters per reason, each a `GROUP BY` whose rows are bounded by a `LIMIT`
 //! (states × minutes, histogram buckets, reasons), never a job's row or its text.
+//!
+//! Per tenant (issue #33): [`Ledger::tenant_counts`] groups a window's outcomes by
+//! (tenant, state, reason) with their model time and tokens; the dashboard, `serve`'s
+//! `/metrics` and their tests fold the groups with `lastcall_core::report::tenant_accounts`
+//! (the busiest tenants, the rest as `other`).
 
+use lastcall_core::report::{TenantAccount, TenantSample, tenant_accounts};
 use sqlx::Row;
 
 use super::{Backend, Ledger};
@@ -102,14 +108,31 @@ const SELECT_DEAD_LETTERS: &str = concat!(
     " AND SUBSTR(COALESCE(worker, ''), 1, 4) = 'dlq:') AS t GROUP BY r ORDER BY r LIMIT $2"
 );
 
+/// Outcomes per (tenant, state, reason) with the summed model time and tokens of their
+/// recorded calls (`CAST`: PostgreSQL's `SUM` of a `bigint` is a `numeric`). The largest
+/// groups first, so that a window of more groups than the `LIMIT` keeps the busiest
+/// tenants' and drops the smallest groups (which only `other` would have summed).
+const SELECT_TENANTS: &str = concat!(
+    "SELECT tenant, state, reason, COUNT(*), \
+     CAST(SUM(COALESCE(latency_ms, 0)) AS BIGINT), \
+     CAST(SUM(COALESCE(prompt_tokens, 0)) AS BIGINT), \
+     CAST(SUM(COALESCE(completion_tokens, 0)) AS BIGINT) ",
+    window!(),
+    " GROUP BY tenant, state, reason ORDER BY COUNT(*) DESC, tenant, state, reason LIMIT $2"
+);
+
 /// Every statement [`Ledger::dashboard_counts`] runs (none reads `result`, `error` or a
-/// payload; the tests check).
-pub const DASHBOARD_STATEMENTS: [&str; 4] = [
+/// payload; the tests check); the last one is [`Ledger::tenant_counts`]'s.
+pub const DASHBOARD_STATEMENTS: [&str; 5] = [
     SELECT_PER_MINUTE,
     SELECT_QUEUE_DWELL,
     SELECT_CONSUMER_DWELL,
     SELECT_DEAD_LETTERS,
+    SELECT_TENANTS,
 ];
+
+/// How many tenants the dashboard shows one by one (the rest: `other`).
+pub const DASHBOARD_TENANTS: usize = 10;
 
 /// The dashboard's numbers for the window `recorded_at_ms >= since_ms`.
 #[derive(Debug, Clone, Default, PartialEq, Eq)]
@@ -121,16 +144,18 @@ pub struct DashboardCounts {
     pub consumer_dwell: Vec<u64>,
     /// (reason, dead letters).
     pub dead_letters: Vec<(String, u64)>,
+    /// Per tenant: the [`DASHBOARD_TENANTS`] busiest, then `other`.
+    pub tenants: Vec<TenantAccount>,
     /// Rows the statements returned (each at most [`DASHBOARD_MAX_ROWS`]).
     pub rows_read: usize,
 }
 
 impl Ledger {
     /// The dashboard's aggregates of the window `recorded_at_ms >= since_ms` (see the
-    /// module): four `GROUP BY` statements, no job row read.
+    /// module): five `GROUP BY` statements, no job row read.
     pub async fn dashboard_counts(&self, since_ms: i64) -> Result<DashboardCounts, StoreError> {
         let mut rows: Vec<Vec<(String, i64, i64)>> = Vec::with_capacity(4);
-        for (i, sql) in DASHBOARD_STATEMENTS.iter().enumerate() {
+        for (i, sql) in DASHBOARD_STATEMENTS[..4].iter().enumerate() {
             let got: Vec<(String, i64, i64)> = on_pool!(self, read, |pool| {
                 sqlx::query(*sql)
                     .bind(since_ms)
@@ -173,6 +198,40 @@ impl Ledger {
             }
         }
         out.dead_letters = rows[3].iter().map(|(r, _, c)| (r.clone(), n(*c))).collect();
+        let tenants = self.tenant_counts(since_ms).await?;
+        out.rows_read += tenants.len();
+        out.tenants = tenant_accounts(&tenants, DASHBOARD_TENANTS);
         Ok(out)
+    }
+
+    /// The terminal outcomes recorded at or after `since_ms`, one group per (tenant, state,
+    /// reason) with the summed model time (`latency_ms`) and tokens of their recorded
+    /// calls; at most [`DASHBOARD_MAX_ROWS`] groups (the largest), no job row read. Fold
+    /// them with `lastcall_core::report::tenant_accounts`.
+    pub async fn tenant_counts(&self, since_ms: i64) -> Result<Vec<TenantSample>, StoreError> {
+        let n = |c: i64| c.max(0) as u64;
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_TENANTS)
+                .bind(since_ms)
+                .bind(DASHBOARD_MAX_ROWS)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            Ok(TenantSample {
+                                tenant: r.try_get(0)?,
+                                state: r.try_get(1)?,
+                                reason: r.try_get(2)?,
+                                jobs: n(r.try_get(3)?),
+                                model_ms: n(r.try_get(4)?),
+                                prompt_tokens: n(r.try_get(5)?),
+                                completion_tokens: n(r.try_get(6)?),
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading the per-tenant counts"))
+        })
     }
 }

@@ -5,7 +5,7 @@ use super::call::Call;
 use crate::ctx::Ctx;
 use lastcall_core::delivery::{Admitted, Recording};
 use lastcall_core::service_time::{Estimate, EstimateSource};
-use lastcall_core::{Reason, State, Terminal};
+use lastcall_core::{Envelope, Reason, State, Tenant, Terminal};
 use lastcall_store::{AttemptStart, OutcomeRecord};
 
 /// The durable `running` row written before the call (makes crash loops countable).
@@ -24,6 +24,8 @@ pub(crate) fn start_row(ctx: &Ctx, job: &Job, a: &Admitted) -> AttemptStart {
         received_at_ms: facts.received_at_ms,
         checked_at_ms,
         started_at_ms: checked_at_ms,
+        tenant: tenant_of(env),
+        priority: env.priority(),
     }
 }
 
@@ -79,7 +81,14 @@ pub(crate) fn outcome_row(
         min_runtime_ms: facts
             .min_runtime_ms
             .map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
+        tenant: env.map_or_else(Tenant::default_tenant, tenant_of),
+        priority: env.map(Envelope::priority).unwrap_or_default(),
     }
+}
+
+/// The envelope's tenant (parsed with it, so always valid).
+pub(crate) fn tenant_of(env: &Envelope) -> Tenant {
+    Tenant::parse(env.tenant()).unwrap_or_else(|_| Tenant::default_tenant())
 }
 
 /// The ledger note of a refusal decided by the learned call duration: which estimate it

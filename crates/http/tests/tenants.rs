@@ -1,0 +1,579 @@
+//! Tenants at the door (issue #33), against the real RabbitMQ and a real ledger: the
+//! tokens file stamps each token's tenant on the envelope and the ledger row, refuses
+//! another tenant or a kind the token may not submit, keeps a tenant to its own jobs, and
+//! the quotas answer 429 with `Retry-After` with nothing published and nothing recorded;
+//! `/metrics` and the dashboard account per tenant, with bounded labels.
+
+mod common;
+
+use axum::body::Body;
+use axum::http::{Request, StatusCode};
+use common::*;
+use lastcall_core::{Decision, Envelope, EnvelopeLimits, Priority, Reason, State, Tenant};
+use lastcall_http::tokens::{TokensFile, hash_token};
+use lastcall_store::OutcomeRecord;
+use serde_json::{Value, json};
+use std::sync::Arc;
+use std::time::Duration;
+use tower::ServiceExt;
+
+const TEAM_A: &str = "token-of-team-a-00000001";
+const TEAM_B: &str = "token-of-team-b-00000001";
+const TEAM_Q: &str = "token-of-team-q-00000001";
+const TEAM_T: &str = "token-of-team-t-00000001";
+
+fn tokens_file() -> TokensFile {
+    TokensFile::parse(&format!(
+        r#"
+[[token]]
+sha256 = "{}"
+tenant = "team-a"
+weight = 3
+kinds = ["incident.summary"]
+
+[[token]]
+sha256 = "{}"
+tenant = "team-b"
+
+[[token]]
+sha256 = "{}"
+tenant = "team-q"
+jobs_per_second = 1
+
+[[token]]
+sha256 = "{}"
+tenant = "team-t"
+tokens_per_minute = 100
+"#,
+        hash_token(TEAM_A),
+        hash_token(TEAM_B),
+        hash_token(TEAM_Q),
+        hash_token(TEAM_T),
+    ))
+    .unwrap()
+}
+
+async fn app_with_tokens(env: &Env) -> axum::Router {
+    let mut state = env.state_with(Duration::from_secs(5)).await;
+    state.tokens = Some(Arc::new(tokens_file()));
+    lastcall_http::app(Arc::new(state))
+}
+
+fn job(id: &str) -> Value {
+    json!({
+        "job_id": id,
+        "kind": "incident.summary",
+        "deadline_ms": 60_000,
+        "payload": {"messages": [{"role": "user", "content": "summarize"}]},
+    })
+}
+
+async fn post_as(app: &axum::Router, token: &str, body: &Value) -> (StatusCode, Value) {
+    call(
+        app,
+        "POST",
+        "/v1/jobs",
+        Some(token),
+        Some(serde_json::to_vec(body).unwrap()),
+    )
+    .await
+}
+
+/// The next envelope in the work queue (acked), as a worker would parse it.
+async fn next_envelope(env: &Env) -> Envelope {
+    let mut stream = lastcall_broker::IncomingStream::open(
+        &env.broker,
+        &env.topo.names.work_queue,
+        1,
+        "tenants-test",
+    )
+    .await
+    .unwrap();
+    let msg = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .expect("a message in the work queue")
+        .unwrap()
+        .unwrap();
+    msg.settler.ack().await.unwrap();
+    stream.close().await;
+    Envelope::parse(
+        &msg.body,
+        &EnvelopeLimits::default(),
+        lastcall_clock::now_ms(),
+    )
+    .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_token_stamps_its_tenant_and_sees_only_its_jobs() {
+    let env = Env::new("tenant-stamp").await;
+    let app = app_with_tokens(&env).await;
+    let work = env.topo.names.work_queue.clone();
+
+    // team-a's token: its tenant on the envelope and the ledger row, the body's tier too.
+    let mut body = job("a-1");
+    body["priority"] = json!("critical");
+    let (s, b) = post_as(&app, TEAM_A, &body).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    let e = next_envelope(&env).await;
+    assert_eq!((e.tenant(), e.priority()), ("team-a", Priority::Critical));
+    let rec = env.ledger.get("a-1").await.unwrap().unwrap();
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("team-a", "critical")
+    );
+    // Naming its own tenant is the same.
+    let mut body = job("a-2");
+    body["tenant"] = json!("team-a");
+    assert_eq!(post_as(&app, TEAM_A, &body).await.0, StatusCode::ACCEPTED);
+
+    // Another tenant, a kind the token may not submit: 403 naming the field, nothing
+    // published, no ledger row.
+    let ready = env.ready(&work).await;
+    let mut body = job("a-3");
+    body["tenant"] = json!("team-b");
+    let (s, b) = post_as(&app, TEAM_A, &body).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{b}");
+    assert_eq!(
+        (b["error"].as_str(), b["field"].as_str()),
+        (Some("tenant_mismatch"), Some("tenant"))
+    );
+    assert!(b["message"].as_str().unwrap().contains("team-a"), "{b}");
+    let mut body = job("a-4");
+    body["kind"] = json!("code.review");
+    let (s, b) = post_as(&app, TEAM_A, &body).await;
+    assert_eq!(s, StatusCode::FORBIDDEN, "{b}");
+    assert_eq!(
+        (b["error"].as_str(), b["field"].as_str()),
+        (Some("kind_not_allowed"), Some("kind"))
+    );
+    assert_eq!(env.ready(&work).await, ready);
+    for id in ["a-3", "a-4"] {
+        assert!(env.ledger.get(id).await.unwrap().is_none(), "{id}");
+    }
+
+    // The same job id for another tenant is a conflict, never the first one's answer.
+    let mut body = job("b-1");
+    body["tenant"] = json!("team-b");
+    body["priority"] = json!("batch");
+    assert_eq!(post_as(&app, TOKEN, &body).await.0, StatusCode::ACCEPTED);
+    assert_eq!(post_as(&app, TOKEN, &body).await.1["duplicate"], true);
+    body["tenant"] = json!("team-q");
+    let (s, b) = post_as(&app, TOKEN, &body).await;
+    assert_eq!(
+        (s, b["error"].as_str()),
+        (StatusCode::CONFLICT, Some("job_id_conflict")),
+        "{b}"
+    );
+    let mut body = job("b-1");
+    body["tenant"] = json!("team-b");
+    assert_eq!(post_as(&app, TEAM_A, &body).await.0, StatusCode::FORBIDDEN);
+
+    // Malformed fields: 400 naming them, whoever asks.
+    for (field, value) in [
+        ("tenant", json!("team a")),
+        ("tenant", json!(7)),
+        ("priority", json!("urgent")),
+    ] {
+        let mut body = job("bad");
+        body[field] = value;
+        let (s, b) = post_as(&app, TOKEN, &body).await;
+        assert_eq!(s, StatusCode::BAD_REQUEST, "{b}");
+        assert_eq!(b["field"], field, "{b}");
+    }
+
+    // The operator's token: the body's tenant (b-1 above), else `default`.
+    assert_eq!(
+        post_as(&app, TOKEN, &job("d-1")).await.0,
+        StatusCode::ACCEPTED
+    );
+    let rec = env.ledger.get("b-1").await.unwrap().unwrap();
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("team-b", "batch")
+    );
+    let rec = env.ledger.get("d-1").await.unwrap().unwrap();
+    assert_eq!(
+        (rec.tenant.as_str(), rec.priority.as_str()),
+        ("default", "standard")
+    );
+
+    // Lists and reads: a tenant's token sees its own jobs only.
+    let ids = |b: &Value| -> Vec<String> {
+        let mut v: Vec<String> = b["jobs"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|j| j["job_id"].as_str().unwrap().to_owned())
+            .collect();
+        v.sort();
+        v
+    };
+    let (s, b) = call(&app, "GET", "/v1/jobs", Some(TEAM_A), None).await;
+    assert_eq!(s, StatusCode::OK);
+    assert_eq!(ids(&b), ["a-1", "a-2"]);
+    let (s, b) = call(&app, "GET", "/v1/jobs?tenant=team-b", Some(TEAM_A), None).await;
+    assert_eq!(
+        (s, b["field"].as_str()),
+        (StatusCode::FORBIDDEN, Some("tenant"))
+    );
+    let (_, b) = call(&app, "GET", "/v1/jobs?tenant=team-b", Some(TOKEN), None).await;
+    assert_eq!(ids(&b), ["b-1"]);
+    let (_, b) = call(&app, "GET", "/v1/jobs", Some(TOKEN), None).await;
+    assert_eq!(ids(&b), ["a-1", "a-2", "b-1", "d-1"]);
+    let (s, b) = call(&app, "GET", "/v1/jobs?tenant=a%20b", Some(TOKEN), None).await;
+    assert_eq!(
+        (s, b["field"].as_str()),
+        (StatusCode::BAD_REQUEST, Some("tenant"))
+    );
+    let (s, b) = call(&app, "GET", "/v1/jobs/a-1", Some(TEAM_A), None).await;
+    assert_eq!((s, b["tenant"].as_str()), (StatusCode::OK, Some("team-a")));
+    assert_eq!(
+        call(&app, "GET", "/v1/jobs/b-1", Some(TEAM_A), None)
+            .await
+            .0,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        call(&app, "DELETE", "/v1/jobs/b-1", Some(TEAM_A), None)
+            .await
+            .0,
+        StatusCode::NOT_FOUND
+    );
+    assert_eq!(
+        env.ledger.get("b-1").await.unwrap().unwrap().state,
+        "accepted",
+        "not cancelled"
+    );
+
+    // Every tenant's numbers are the operator's to read.
+    for uri in ["/", "/v1/dashboard", "/metrics"] {
+        let (s, b) = call(&app, "GET", uri, Some(TEAM_A), None).await;
+        assert_eq!(
+            (s, b["error"].as_str()),
+            (StatusCode::FORBIDDEN, Some("operator_only")),
+            "{uri}"
+        );
+        assert_eq!(
+            call(&app, "GET", uri, Some(TOKEN), None).await.0,
+            StatusCode::OK,
+            "{uri}"
+        );
+    }
+    env.cleanup().await;
+}
+
+/// One chat request through the front door, its body and extra headers.
+fn chat(token: &str, headers: &[(&str, &str)], body: &Value) -> Request<Body> {
+    let mut req = Request::builder()
+        .method("POST")
+        .uri("/v1/chat/completions")
+        .header("authorization", format!("Bearer {token}"))
+        .header("content-type", "application/json")
+        .header("x-lastcall-deadline-ms", "30000");
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.body(Body::from(serde_json::to_vec(body).unwrap()))
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_front_door_stamps_the_tokens_tenant_and_never_the_user_field() {
+    let env = Env::new("tenant-door").await;
+    let app = app_with_tokens(&env).await;
+    let body = json!({
+        "model": "any",
+        "user": "team-a",
+        "messages": [{"role": "user", "content": "hello"}],
+    });
+    // team-b's token, `user` naming team-a: the job is team-b's, the `user` stays payload.
+    let pending = tokio::spawn({
+        let app = app.clone();
+        let req = chat(TEAM_B, &[("x-lastcall-priority", "batch")], &body);
+        async move { app.oneshot(req).await.unwrap() }
+    });
+    let e = next_envelope(&env).await;
+    assert_eq!((e.tenant(), e.priority()), ("team-b", Priority::Batch));
+    assert_eq!(e.payload["user"], "team-a");
+    pending.abort();
+
+    // The operator names a tenant in the header; a tenant token naming another is refused.
+    let pending = tokio::spawn({
+        let app = app.clone();
+        let req = chat(TOKEN, &[("x-lastcall-tenant", "team-q")], &body);
+        async move { app.oneshot(req).await.unwrap() }
+    });
+    assert_eq!(next_envelope(&env).await.tenant(), "team-q");
+    pending.abort();
+    let work = env.topo.names.work_queue.clone();
+    let ready = env.ready(&work).await;
+    for (token, headers, code, field) in [
+        (
+            TEAM_B,
+            vec![("x-lastcall-tenant", "team-a")],
+            "tenant_mismatch",
+            "X-Lastcall-Tenant",
+        ),
+        // team-a may submit `incident.summary` only; every model maps to `chat` here.
+        (TEAM_A, vec![], "kind_not_allowed", "kind"),
+    ] {
+        let resp = app
+            .clone()
+            .oneshot(chat(token, &headers, &body))
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), StatusCode::FORBIDDEN);
+        let b: Value = serde_json::from_slice(
+            &axum::body::to_bytes(resp.into_body(), usize::MAX)
+                .await
+                .unwrap(),
+        )
+        .unwrap();
+        assert_eq!(
+            (b["error"].as_str(), b["field"].as_str()),
+            (Some(code), Some(field)),
+            "{b}"
+        );
+    }
+    let resp = app
+        .clone()
+        .oneshot(chat(TOKEN, &[("x-lastcall-priority", "urgent")], &body))
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
+    assert_eq!(env.ready(&work).await, ready, "nothing published");
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn over_quota_is_429_with_retry_after_and_nothing_published_or_recorded() {
+    let env = Env::new("tenant-quota").await;
+    let app = app_with_tokens(&env).await;
+    let work = env.topo.names.work_queue.clone();
+    let raw = |token: &str, body: &Value| {
+        let req = Request::builder()
+            .method("POST")
+            .uri("/v1/jobs")
+            .header("authorization", format!("Bearer {token}"))
+            .header("content-type", "application/json")
+            .body(Body::from(serde_json::to_vec(body).unwrap()))
+            .unwrap();
+        let app = app.clone();
+        async move {
+            let resp = app.oneshot(req).await.unwrap();
+            let retry_after = resp
+                .headers()
+                .get("retry-after")
+                .map(|v| v.to_str().unwrap().parse::<u64>().unwrap());
+            let status = resp.status();
+            let b: Value = serde_json::from_slice(
+                &axum::body::to_bytes(resp.into_body(), usize::MAX)
+                    .await
+                    .unwrap(),
+            )
+            .unwrap();
+            (status, retry_after, b)
+        }
+    };
+
+    // team-q: 1 job per second (a bucket of one).
+    let (s, _, b) = raw(TEAM_Q, &job("q-1")).await;
+    assert_eq!(s, StatusCode::ACCEPTED, "{b}");
+    let (s, retry, b) = raw(TEAM_Q, &job("q-2")).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert_eq!(
+        (b["error"].as_str(), b["field"].as_str()),
+        (Some("over_quota"), Some("jobs_per_second"))
+    );
+    assert_eq!(retry, Some(1));
+    assert!(
+        env.ledger.get("q-2").await.unwrap().is_none(),
+        "no ledger row"
+    );
+    assert_eq!(env.ready(&work).await, 1, "only q-1 was published");
+    // The operator submitting for team-q is held to team-q's quota too; another tenant is not.
+    let mut body = job("q-3");
+    body["tenant"] = json!("team-q");
+    assert_eq!(raw(TOKEN, &body).await.0, StatusCode::TOO_MANY_REQUESTS);
+    assert_eq!(raw(TEAM_B, &job("b-1")).await.0, StatusCode::ACCEPTED);
+
+    // team-t: 100 estimated prompt tokens per minute; 300 characters ≈ 79 tokens.
+    let big = |id: &str| {
+        json!({
+            "job_id": id,
+            "kind": "incident.summary",
+            "deadline_ms": 60_000,
+            "payload": {"messages": [{"role": "user", "content": "x".repeat(300)}]},
+        })
+    };
+    assert_eq!(raw(TEAM_T, &big("t-1")).await.0, StatusCode::ACCEPTED);
+    let (s, retry, b) = raw(TEAM_T, &big("t-2")).await;
+    assert_eq!(s, StatusCode::TOO_MANY_REQUESTS, "{b}");
+    assert_eq!(b["field"], "tokens_per_minute", "{b}");
+    // (79 − 21 left) tokens at 100/60 per second: 35 s, a little less as time passes.
+    let retry = retry.unwrap();
+    assert!((30..=35).contains(&retry), "Retry-After {retry}");
+    assert!(b["message"].as_str().unwrap().contains("about 79"), "{b}");
+    assert!(env.ledger.get("t-2").await.unwrap().is_none());
+    // A small job still fits what is left.
+    let small = json!({
+        "job_id": "t-3", "kind": "incident.summary", "deadline_ms": 60_000,
+        "payload": {"messages": [{"role": "user", "content": "hi"}]},
+    });
+    assert_eq!(raw(TEAM_T, &small).await.0, StatusCode::ACCEPTED);
+
+    // Counted per tenant and quota.
+    let (_, metrics) = call(&app, "GET", "/metrics", Some(TOKEN), None).await;
+    let text = metrics.as_str().unwrap();
+    for (series, n) in [
+        (
+            "lastcall_http_quota_refused_total{tenant=\"team-q\",quota=\"jobs_per_second\"}",
+            2.0,
+        ),
+        (
+            "lastcall_http_quota_refused_total{tenant=\"team-t\",quota=\"tokens_per_minute\"}",
+            1.0,
+        ),
+        (
+            "lastcall_http_tenant_accepted_total{tenant=\"team-t\"}",
+            2.0,
+        ),
+        (
+            "lastcall_http_tenant_accepted_total{tenant=\"team-b\"}",
+            1.0,
+        ),
+    ] {
+        assert_eq!(
+            lastcall_http::metrics::sample_value(text, series),
+            Some(n),
+            "{series}\n{text}"
+        );
+    }
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_and_the_dashboard_account_per_tenant_with_bounded_labels() {
+    let env = Env::new("tenant-metrics").await;
+    let app = app_with_tokens(&env).await;
+    let now = lastcall_clock::now_ms();
+    // 25 tenants; tenant tN has N+1 jobs completed (each a 200 ms call, 10 + 2 tokens) and
+    // one cut at its deadline (a 300 ms call, wasted) or refused before the call.
+    let mut n = 0;
+    for t in 0..25 {
+        let tenant = Tenant::parse(&format!("t{t:02}")).unwrap();
+        for j in 0..=t {
+            n += 1;
+            env.ledger
+                .record_outcome(&OutcomeRecord {
+                    attempt_key: format!("k{n}"),
+                    tenant: tenant.clone(),
+                    model_called: true,
+                    latency_ms: Some(200),
+                    prompt_tokens: Some(10),
+                    completion_tokens: Some(2),
+                    ..OutcomeRecord::new(
+                        format!("j{n}"),
+                        "chat",
+                        State::Completed,
+                        Decision::Ack,
+                        now - 1_000 - j,
+                    )
+                })
+                .await
+                .unwrap();
+        }
+        n += 1;
+        let cut = t % 2 == 0;
+        env.ledger
+            .record_outcome(&OutcomeRecord {
+                attempt_key: format!("k{n}"),
+                tenant: tenant.clone(),
+                reason: Some(if cut {
+                    Reason::CancelledAtDeadline
+                } else {
+                    Reason::BrokerTtlExpired
+                }),
+                model_called: cut,
+                latency_ms: cut.then_some(300),
+                ..OutcomeRecord::new(
+                    format!("j{n}"),
+                    "chat",
+                    if cut {
+                        State::DeadlineExceeded
+                    } else {
+                        State::ExpiredBeforeReceive
+                    },
+                    Decision::Ack,
+                    now - 2_000,
+                )
+            })
+            .await
+            .unwrap();
+    }
+    let (s, metrics) = call(&app, "GET", "/metrics", Some(TOKEN), None).await;
+    assert_eq!(s, StatusCode::OK);
+    let text = metrics.as_str().unwrap();
+    let v = |series: &str| lastcall_http::metrics::sample_value(text, series);
+    // The busiest, t24: 25 on time, one cut at the deadline (0.3 s wasted).
+    assert_eq!(
+        v("lastcall_tenant_on_time_last_hour{tenant=\"t24\"}"),
+        Some(25.0)
+    );
+    assert_eq!(
+        v(
+            "lastcall_tenant_not_on_time_last_hour{tenant=\"t24\",state=\"deadline_exceeded\",reason=\"cancelled_at_deadline\"}"
+        ),
+        Some(1.0)
+    );
+    assert_eq!(
+        v("lastcall_tenant_model_seconds_last_hour{tenant=\"t24\",use=\"wasted\"}"),
+        Some(0.3)
+    );
+    assert_eq!(
+        v("lastcall_tenant_model_seconds_last_hour{tenant=\"t24\",use=\"useful\"}"),
+        Some(5.0)
+    );
+    assert_eq!(
+        v("lastcall_tenant_tokens_last_hour{tenant=\"t24\",type=\"prompt\"}"),
+        Some(250.0)
+    );
+    assert_eq!(
+        v(
+            "lastcall_tenant_not_on_time_last_hour{tenant=\"t23\",state=\"expired_before_receive\",reason=\"broker_ttl_expired\"}"
+        ),
+        Some(1.0)
+    );
+    // Bounded: the 20 busiest (t05…t24) by name, the other five summed: 1+…+5 on time.
+    let tenants_named: std::collections::BTreeSet<&str> = text
+        .lines()
+        .filter(|l| l.starts_with("lastcall_tenant_on_time_last_hour{"))
+        .filter_map(|l| l.split('"').nth(1))
+        .collect();
+    assert_eq!(
+        tenants_named.len(),
+        lastcall_http::metrics::METRICS_TENANTS + 1,
+        "{tenants_named:?}"
+    );
+    assert!(!tenants_named.contains("t04"));
+    assert_eq!(
+        v("lastcall_tenant_on_time_last_hour{tenant=\"other\"}"),
+        Some(15.0)
+    );
+
+    // The dashboard: the ten busiest and `other`.
+    let (s, d) = call(&app, "GET", "/v1/dashboard?minutes=5", Some(TOKEN), None).await;
+    assert_eq!(s, StatusCode::OK);
+    let tenants = d["tenants"].as_array().unwrap();
+    assert_eq!(tenants.len(), lastcall_store::DASHBOARD_TENANTS + 1);
+    assert_eq!(tenants[0]["tenant"], "t24");
+    assert_eq!(tenants[0]["on_time"], 25);
+    assert_eq!(tenants[0]["wasted_model_ms"], 300);
+    assert_eq!(tenants[0]["refused"], 0);
+    assert_eq!(tenants[1]["refused"], 1, "t23's job expired in the broker");
+    let other = tenants.last().unwrap();
+    assert_eq!(other["tenant"], "other");
+    assert_eq!(other["jobs"], (1..=15).sum::<u64>() + 15);
+    env.cleanup().await;
+}
