@@ -122,6 +122,11 @@ def self_test() -> int:
     if signing_key(VECTOR_KEY.decode() + "\n", "self-test") != VECTOR_KEY:
         print("self-test FAILED: the key's surrounding whitespace was kept")
         return 1
+    # The lanes' test vectors (crates/core/src/tenant.rs, docs/wire-format.md §1).
+    lanes = {t: lane_of(t) for t in ("default", "team-a", "team-b", "flood", "light")}
+    if lanes != {"default": 0, "team-a": 1, "team-b": 5, "flood": 1, "light": 5}:
+        print(f"self-test FAILED: lanes {lanes}")
+        return 1
     print(f"self-test ok: {got}")
     return 0
 
@@ -166,12 +171,35 @@ class NotPublished(Exception):
     pass
 
 
+LANES = 8  # the work queue and 7 lanes (docs/wire-format.md §1)
+
+
+def lane_of(tenant: str) -> int:
+    """A tenant's lane: 0 for `default`, else 1 + FNV-1a-64(its bytes) mod 7."""
+    if tenant == "default":
+        return 0
+    h = 0xCBF29CE484222325
+    for b in tenant.encode():
+        h ^= b
+        h = (h * 0x100000001B3) % (1 << 64)
+    return 1 + h % (LANES - 1)
+
+
+def job_route(prefix: str, job: dict):
+    """(exchange, routing key): the jobs exchange by kind for the `default` tenant, the
+    lanes exchange by lane number for a named one."""
+    lane = lane_of(job.get("tenant", "default"))
+    if lane == 0:
+        return f"{prefix}.jobs", job["kind"]
+    return f"{prefix}.lanes", str(lane)
+
+
 def publish(args, job: dict, body: bytes, signature) -> int:
     """Publish with confirm; returns the TTL sent (ms). Raises NotPublished."""
     import pika  # only here, so that --self-test runs without it
     from pika.compat import long as amqp_long
 
-    exchange = f"{args.prefix}.jobs"
+    exchange, routing_key = job_route(args.prefix, job)
     try:
         conn = pika.BlockingConnection(pika.URLParameters(args.amqp_url))
     except pika.exceptions.AMQPError as e:
@@ -201,7 +229,7 @@ def publish(args, job: dict, body: bytes, signature) -> int:
         try:
             channel.basic_publish(
                 exchange=exchange,
-                routing_key=job["kind"],
+                routing_key=routing_key,
                 body=body,
                 properties=props,
                 mandatory=True,

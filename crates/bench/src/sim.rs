@@ -12,7 +12,7 @@
 //! - several workers with their own slots, buffers and estimators;
 //! - tenants with their own arrival rates, weights and priority tiers, the buffer ordered
 //!   by [`lastcall_core::schedule`]'s policies, and `--lanes` broker queues a tenant is
-//!   hashed to (a topology lastcall does not have yet: the simulator measures it first).
+//!   hashed to ([`lastcall_core::lane_of`]'s rule).
 //!
 //! The same seed gives the same outcomes. Every run checks the invariants: no call starts
 //! at or after its job's deadline, every job has exactly one outcome, none is lost; a
@@ -83,9 +83,10 @@ pub struct SimArgs {
     /// tenants, EDF within one), `edf` or `fifo`
     #[arg(long, default_value = "fair")]
     pub order: String,
-    /// Broker queues (lanes) a tenant is hashed to; a worker takes from each with a
-    /// prefetch window of its own
-    #[arg(long, default_value_t = 1)]
+    /// Broker queues (lanes) a tenant is hashed to (the product has 8: the work queue for
+    /// `default` and 7 for the named tenants); a worker takes from each with a prefetch
+    /// window of its own
+    #[arg(long, default_value_t = 8)]
     pub lanes: usize,
     /// Experimental: while two or more tenants were received in the last 10 s, refuse at
     /// receipt a job whose tenant already has its weighted share of the buffer's waiting
@@ -170,16 +171,6 @@ fn policy_for(order: &str, tenants: &[TenantSpec]) -> Result<Box<dyn Policy>> {
         "fifo" => Box::new(Fifo),
         other => bail!("--order {other}: expected fair, edf or fifo"),
     })
-}
-
-/// The lane of `tenant` among `lanes` (FNV-1a, stable across runs and builds).
-fn lane_of(tenant: &str, lanes: usize) -> usize {
-    let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in tenant.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
-    }
-    (h % lanes.max(1) as u64) as usize
 }
 
 /// Max-min fair shares of `capacity` among `demands` (water-filling).
@@ -411,7 +402,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     };
     policy_for(&a.order, &tenants)?;
     let overload: f64 = tenants.iter().map(|t| t.rate).sum();
-    let lane: Vec<usize> = tenants.iter().map(|t| lane_of(&t.name, lanes)).collect();
+    let lane: Vec<usize> = tenants
+        .iter()
+        .map(|t| lastcall_core::tenant::lane_in(&t.name, lanes))
+        .collect();
     // Cumulative rates, to draw each arrival's tenant.
     let cumulative: Vec<f64> = tenants
         .iter()
@@ -918,7 +912,7 @@ mod tests {
             crash_every_s: None,
             tenants: None,
             order: "fair".into(),
-            lanes: 1,
+            lanes: 8,
             share_cap: false,
             json: false,
         }

@@ -387,15 +387,16 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         depth(&inspect, work).await == 1
     })
     .await;
-    // … and one that fails until retries run out.
-    let (ok, out, err) = sb.run(
-        &producer,
-        &submit("lp-retry", "sim.fail-retryable", "60000"),
-        long,
-    );
+    // … and one of a named tenant that fails until retries run out: it goes through the
+    // tenant's lane (`lastcall.lanes` → `lastcall.work.lane1`), and so does its retry.
+    assert_eq!(lastcall_core::lane_of("team-a"), 1);
+    let mut retry_args = submit("lp-retry", "sim.fail-retryable", "60000").to_vec();
+    retry_args.extend(["--tenant", "team-a"]);
+    let (ok, out, err) = sb.run(&producer, &retry_args, long);
     assert!(ok, "submit lp-retry as the producer: {err}");
     assert_eq!(out.trim(), "lp-retry");
-    assert_eq!(depth(&inspect, work).await, 2);
+    assert_eq!(depth(&inspect, work).await, 1);
+    assert_eq!(depth(&inspect, "lastcall.work.lane1").await, 1);
     let ledger = Ledger::connect(&sb.store_url).await.unwrap();
 
     // The worker: consumes work, publishes a retry through the default exchange, relays it

@@ -57,7 +57,13 @@ pub const LANES: u8 = 8;
 /// bytes) mod (LANES − 1)`. Producers in other languages compute the same (the wire
 /// format documents it with test vectors).
 pub fn lane_of(tenant: &str) -> u8 {
-    if tenant == Tenant::DEFAULT {
+    lane_in(tenant, usize::from(LANES)) as u8
+}
+
+/// [`lane_of`]'s rule for any number of lanes (the simulator varies it): 0 for
+/// [`Tenant::DEFAULT`] or a single lane, else `1 + FNV-1a-64 mod (lanes − 1)`.
+pub fn lane_in(tenant: &str, lanes: usize) -> usize {
+    if lanes <= 1 || tenant == Tenant::DEFAULT {
         return 0;
     }
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
@@ -65,7 +71,7 @@ pub fn lane_of(tenant: &str) -> u8 {
         h ^= u64::from(b);
         h = h.wrapping_mul(0x0100_0000_01b3);
     }
-    1 + (h % u64::from(LANES - 1)) as u8
+    1 + (h % (lanes as u64 - 1)) as usize
 }
 
 /// A job's priority tier. Under overload a higher tier is always served first: a lower

@@ -79,11 +79,11 @@ async fn post_as(app: &axum::Router, token: &str, body: &Value) -> (StatusCode, 
     .await
 }
 
-/// The next envelope in the work queue (acked), as a worker would parse it.
+/// The next envelope in the work queue or a lane (acked), as a worker would parse it.
 async fn next_envelope(env: &Env) -> Envelope {
-    let mut stream = lastcall_broker::IncomingStream::open(
+    let mut stream = lastcall_broker::IncomingStream::open_queues(
         &env.broker,
-        &env.topo.names.work_queue,
+        &env.topo.names.lane_queues(),
         1,
         "tenants-test",
     )
@@ -91,7 +91,7 @@ async fn next_envelope(env: &Env) -> Envelope {
     .unwrap();
     let msg = tokio::time::timeout(Duration::from_secs(10), stream.next())
         .await
-        .expect("a message in the work queue")
+        .expect("a message in the work queue or a lane")
         .unwrap()
         .unwrap();
     msg.settler.ack().await.unwrap();
@@ -108,7 +108,6 @@ async fn next_envelope(env: &Env) -> Envelope {
 async fn a_tenant_token_stamps_its_tenant_and_sees_only_its_jobs() {
     let env = Env::new("tenant-stamp").await;
     let app = app_with_tokens(&env).await;
-    let work = env.topo.names.work_queue.clone();
 
     // team-a's token: its tenant on the envelope and the ledger row, the body's tier too.
     let mut body = job("a-1");
@@ -129,7 +128,7 @@ async fn a_tenant_token_stamps_its_tenant_and_sees_only_its_jobs() {
 
     // Another tenant, a kind the token may not submit: 403 naming the field, nothing
     // published, no ledger row.
-    let ready = env.ready(&work).await;
+    let ready = env.ready_all().await;
     let mut body = job("a-3");
     body["tenant"] = json!("team-b");
     let (s, b) = post_as(&app, TEAM_A, &body).await;
@@ -147,7 +146,7 @@ async fn a_tenant_token_stamps_its_tenant_and_sees_only_its_jobs() {
         (b["error"].as_str(), b["field"].as_str()),
         (Some("kind_not_allowed"), Some("kind"))
     );
-    assert_eq!(env.ready(&work).await, ready);
+    assert_eq!(env.ready_all().await, ready);
     for id in ["a-3", "a-4"] {
         assert!(env.ledger.get(id).await.unwrap().is_none(), "{id}");
     }
@@ -306,8 +305,7 @@ async fn the_front_door_stamps_the_tokens_tenant_and_never_the_user_field() {
     });
     assert_eq!(next_envelope(&env).await.tenant(), "team-q");
     pending.abort();
-    let work = env.topo.names.work_queue.clone();
-    let ready = env.ready(&work).await;
+    let ready = env.ready_all().await;
     for (token, headers, code, field) in [
         (
             TEAM_B,
@@ -342,7 +340,7 @@ async fn the_front_door_stamps_the_tokens_tenant_and_never_the_user_field() {
         .await
         .unwrap();
     assert_eq!(resp.status(), StatusCode::BAD_REQUEST);
-    assert_eq!(env.ready(&work).await, ready, "nothing published");
+    assert_eq!(env.ready_all().await, ready, "nothing published");
     env.cleanup().await;
 }
 
@@ -350,7 +348,6 @@ async fn the_front_door_stamps_the_tokens_tenant_and_never_the_user_field() {
 async fn over_quota_is_429_with_retry_after_and_nothing_published_or_recorded() {
     let env = Env::new("tenant-quota").await;
     let app = app_with_tokens(&env).await;
-    let work = env.topo.names.work_queue.clone();
     let raw = |token: &str, body: &Value| {
         let req = Request::builder()
             .method("POST")
@@ -391,7 +388,7 @@ async fn over_quota_is_429_with_retry_after_and_nothing_published_or_recorded() 
         env.ledger.get("q-2").await.unwrap().is_none(),
         "no ledger row"
     );
-    assert_eq!(env.ready(&work).await, 1, "only q-1 was published");
+    assert_eq!(env.ready_all().await, 1, "only q-1 was published");
     // The operator submitting for team-q is held to team-q's quota too; another tenant is not.
     let mut body = job("q-3");
     body["tenant"] = json!("team-q");

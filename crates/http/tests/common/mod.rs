@@ -122,6 +122,15 @@ impl Env {
             .unwrap_or(0)
     }
 
+    /// The messages ready in the work queue and every lane.
+    pub async fn ready_all(&self) -> u32 {
+        let mut n = 0;
+        for q in self.topo.names.lane_queues() {
+            n += self.ready(&q).await;
+        }
+        n
+    }
+
     /// A plain consumer of the work queue (no worker, no ledger writes) that acks one
     /// delivery every `pace`: the sleep paces it on purpose, so the broker measures an ack
     /// rate of about `1 / pace`. Stop it with the token.
