@@ -87,22 +87,41 @@ async fn tiers_first_then_the_tenant_served_least_then_the_deadline() {
 /// (Before lanes and the fair share: 9.5% in the simulator, 4–5 of 24 in the run.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_light_tenant_beside_a_flood_finishes_on_time() {
+    light_beside_flood("sharing-flood", 1).await;
+}
+
+/// The same with two workers on one PostgreSQL ledger: each consumes every lane, and the
+/// light tenant's jobs still all finish on time, whichever worker takes them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenant_beside_a_flood_finishes_on_time_across_two_workers() {
+    light_beside_flood("sharing-flood-2", 2).await;
+}
+
+async fn light_beside_flood(name: &str, workers: usize) {
     assert_ne!(
         lastcall_core::lane_of("flood"),
         lastcall_core::lane_of("light")
     );
-    let env = Env::sqlite("sharing-flood").await;
-    let w = env
-        .start_worker(env.worker_config(2, 4), sim(100), system_clock())
-        .await;
+    let env = if workers == 1 {
+        Env::sqlite(name).await
+    } else {
+        Env::postgres(name).await
+    };
+    let mut ws = Vec::new();
+    for i in 0..workers {
+        let mut cfg = env.worker_config(2, 4);
+        cfg.name = format!("sharing-worker-{i}");
+        ws.push(env.start_worker(cfg, sim(100), system_clock()).await);
+    }
     let s = std::sync::Arc::new(env.submitter(100, true).await);
-    // Capacity: 2 slots ÷ 100 ms = 20 jobs/s. The flood: 200 jobs/s for 4 s, from 4 tasks.
+    // Capacity: 2 slots ÷ 100 ms = 20 jobs/s per worker. The flood: 10× that, for 4 s.
+    let per_task = 200 * workers;
     let mut flooders = Vec::new();
     for t in 0..4 {
         let s = s.clone();
         flooders.push(tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_millis(20));
-            for i in 0..200 {
+            let mut tick = tokio::time::interval(Duration::from_millis(20 / workers as u64));
+            for i in 0..per_task {
                 tick.tick().await;
                 let job = job(&format!("flood-{t}-{i}"), 2_000);
                 let e = s
@@ -139,6 +158,8 @@ async fn a_light_tenant_beside_a_flood_finishes_on_time() {
         .map(|r| (&r.job_id, &r.state, &r.reason))
         .collect();
     assert!(late.is_empty(), "light jobs not on time: {late:?}");
-    w.stop().await;
+    for w in ws {
+        w.stop().await;
+    }
     env.cleanup().await;
 }
