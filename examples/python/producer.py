@@ -123,8 +123,10 @@ def self_test() -> int:
         print("self-test FAILED: the key's surrounding whitespace was kept")
         return 1
     # The lanes' test vectors (crates/core/src/tenant.rs, docs/wire-format.md §1).
-    lanes = {t: lane_of(t) for t in ("default", "team-a", "team-b", "flood", "light")}
-    if lanes != {"default": 0, "team-a": 1, "team-b": 5, "flood": 1, "light": 5}:
+    cases = [("default", "standard"), ("team-a", "standard"), ("team-b", "standard"),
+             ("default", "critical"), ("default", "batch"), ("bulk", "batch")]
+    lanes = [lane_of(t, p) for t, p in cases]
+    if lanes != [0, 1, 5, 7, 3, 2]:
         print(f"self-test FAILED: lanes {lanes}")
         return 1
     print(f"self-test ok: {got}")
@@ -174,21 +176,24 @@ class NotPublished(Exception):
 LANES = 8  # the work queue and 7 lanes (docs/wire-format.md §1)
 
 
-def lane_of(tenant: str) -> int:
-    """A tenant's lane: 0 for `default`, else 1 + FNV-1a-64(its bytes) mod 7."""
-    if tenant == "default":
+def lane_of(tenant: str, priority: str = "standard") -> int:
+    """A job's lane: 0 for the `default` tenant's `standard` jobs, else
+    1 + FNV-1a-64(key) mod 7, the key being the tenant, plus `/` and the tier for
+    `critical` and `batch`."""
+    if tenant == "default" and priority == "standard":
         return 0
+    key = tenant if priority == "standard" else f"{tenant}/{priority}"
     h = 0xCBF29CE484222325
-    for b in tenant.encode():
+    for b in key.encode():
         h ^= b
         h = (h * 0x100000001B3) % (1 << 64)
     return 1 + h % (LANES - 1)
 
 
 def job_route(prefix: str, job: dict):
-    """(exchange, routing key): the jobs exchange by kind for the `default` tenant, the
-    lanes exchange by lane number for a named one."""
-    lane = lane_of(job.get("tenant", "default"))
+    """(exchange, routing key): the jobs exchange by kind for lane 0, the lanes exchange
+    by lane number for the others."""
+    lane = lane_of(job.get("tenant", "default"), job.get("priority", "standard"))
     if lane == 0:
         return f"{prefix}.jobs", job["kind"]
     return f"{prefix}.lanes", str(lane)

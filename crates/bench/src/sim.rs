@@ -404,7 +404,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     let overload: f64 = tenants.iter().map(|t| t.rate).sum();
     let lane: Vec<usize> = tenants
         .iter()
-        .map(|t| lastcall_core::tenant::lane_in(&t.name, lanes))
+        .map(|t| lastcall_core::tenant::lane_in(&t.name, t.priority, lanes))
         .collect();
     // Cumulative rates, to draw each arrival's tenant.
     let cumulative: Vec<f64> = tenants

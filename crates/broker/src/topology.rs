@@ -85,11 +85,16 @@ impl Names {
             .collect()
     }
 
-    /// Where a job of `tenant` and `kind` is published: the jobs exchange with the kind as
-    /// the routing key for the `default` tenant (lane 0, as before lanes), the lanes
-    /// exchange with the lane number for a named tenant.
-    pub fn job_route(&self, tenant: &str, kind: &str) -> (&str, String) {
-        match lastcall_core::lane_of(tenant) {
+    /// Where a job of `tenant`, `priority` and `kind` is published: the jobs exchange with
+    /// the kind as the routing key for the `default` tenant's `standard` jobs (lane 0, as
+    /// before lanes), the lanes exchange with the lane number for the others.
+    pub fn job_route(
+        &self,
+        tenant: &str,
+        priority: lastcall_core::Priority,
+        kind: &str,
+    ) -> (&str, String) {
+        match lastcall_core::lane_of(tenant, priority) {
             0 => (&self.jobs_exchange, kind.to_owned()),
             lane => (&self.lanes_exchange, lane.to_string()),
         }

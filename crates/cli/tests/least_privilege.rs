@@ -389,7 +389,10 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     .await;
     // … and one of a named tenant that fails until retries run out: it goes through the
     // tenant's lane (`lastcall.lanes` → `lastcall.work.lane1`), and so does its retry.
-    assert_eq!(lastcall_core::lane_of("team-a"), 1);
+    assert_eq!(
+        lastcall_core::lane_of("team-a", lastcall_core::Priority::Standard),
+        1
+    );
     let mut retry_args = submit("lp-retry", "sim.fail-retryable", "60000").to_vec();
     retry_args.extend(["--tenant", "team-a"]);
     let (ok, out, err) = sb.run(&producer, &retry_args, long);

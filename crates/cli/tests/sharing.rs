@@ -87,20 +87,44 @@ async fn tiers_first_then_the_tenant_served_least_then_the_deadline() {
 /// (Before lanes and the fair share: 9.5% in the simulator, 4–5 of 24 in the run.)
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_light_tenant_beside_a_flood_finishes_on_time() {
-    light_beside_flood("sharing-flood", 1).await;
+    light_beside_flood("sharing-flood", 1, FLOOD, LIGHT).await;
+}
+
+const FLOOD: (&str, Priority) = ("flood", Priority::Standard);
+const LIGHT: (&str, Priority) = ("light", Priority::Standard);
+
+/// A tenant's (here the `default` tenant's, as an old producer sends them) flood of
+/// `standard` jobs does not hold back its own `critical` jobs: those take a lane of their
+/// own in the broker and the first slot in the buffer, and all finish on time.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn critical_jobs_finish_on_time_through_their_own_tenants_flood() {
+    light_beside_flood(
+        "sharing-critical",
+        1,
+        ("default", Priority::Standard),
+        ("default", Priority::Critical),
+    )
+    .await;
 }
 
 /// The same with two workers on one PostgreSQL ledger: each consumes every lane, and the
 /// light tenant's jobs still all finish on time, whichever worker takes them.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_light_tenant_beside_a_flood_finishes_on_time_across_two_workers() {
-    light_beside_flood("sharing-flood-2", 2).await;
+    light_beside_flood("sharing-flood-2", 2, FLOOD, LIGHT).await;
 }
 
-async fn light_beside_flood(name: &str, workers: usize) {
+/// `flood` (tenant, tier) sends 10× what the workers' slots can do, `light` a tenth of it;
+/// every `light` job must finish on time.
+async fn light_beside_flood(
+    name: &str,
+    workers: usize,
+    flood: (&'static str, Priority),
+    light: (&'static str, Priority),
+) {
     assert_ne!(
-        lastcall_core::lane_of("flood"),
-        lastcall_core::lane_of("light")
+        lastcall_core::lane_of(flood.0, flood.1),
+        lastcall_core::lane_of(light.0, light.1)
     );
     let env = if workers == 1 {
         Env::sqlite(name).await
@@ -127,12 +151,13 @@ async fn light_beside_flood(name: &str, workers: usize) {
                 let e = s
                     .envelope(&job, now_ms())
                     .unwrap()
-                    .with_tenant(Tenant::parse("flood").unwrap());
+                    .with_tenant(Tenant::parse(flood.0).unwrap())
+                    .with_priority(flood.1);
                 let _ = s.submit_envelope(&e, None, now_ms()).await;
             }
         }));
     }
-    let mut light = Vec::new();
+    let mut light_ids = Vec::new();
     let mut tick = tokio::time::interval(Duration::from_millis(500));
     tick.tick().await;
     for i in 0..8 {
@@ -141,14 +166,15 @@ async fn light_beside_flood(name: &str, workers: usize) {
         let e = s
             .envelope(&job(&id, 2_000), now_ms())
             .unwrap()
-            .with_tenant(Tenant::parse("light").unwrap());
+            .with_tenant(Tenant::parse(light.0).unwrap())
+            .with_priority(light.1);
         s.submit_envelope(&e, None, now_ms()).await.unwrap();
-        light.push(id);
+        light_ids.push(id);
     }
     for f in flooders {
         f.await.unwrap();
     }
-    let recs = env.wait_terminal(&light, Duration::from_secs(30)).await;
+    let recs = env.wait_terminal(&light_ids, Duration::from_secs(30)).await;
     let late: Vec<_> = recs
         .iter()
         .filter(|r| {

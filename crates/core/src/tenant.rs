@@ -46,30 +46,39 @@ impl fmt::Display for Tenant {
     }
 }
 
-/// The broker queues ("lanes") jobs are spread over by tenant: lane 0 is the work queue of
-/// before (the `default` tenant, and every job published to the jobs exchange), lanes
-/// `1..LANES` take the named tenants by a hash ([`lane_of`]). A bounded number of queues
-/// for any number of tenants (stochastic fair queueing): a flood fills its own lane, and a
-/// tenant in another lane does not wait behind it in the broker.
+/// The broker queues ("lanes") jobs are spread over by tenant and tier: lane 0 is the work
+/// queue of before (the `default` tenant's `standard` jobs, and every job published to the
+/// jobs exchange), lanes `1..LANES` take the rest by a hash ([`lane_of`]). A bounded number
+/// of queues for any number of tenants (stochastic fair queueing): a flood fills its own
+/// lane, and a job in another lane does not wait behind it in the broker — nor does a
+/// tenant's `critical` job behind its own `batch` flood, unless the two hash alike.
 pub const LANES: u8 = 8;
 
-/// The lane of `tenant`'s jobs: 0 for [`Tenant::DEFAULT`], else `1 + FNV-1a-64(tenant's
-/// bytes) mod (LANES − 1)`. Producers in other languages compute the same (the wire
-/// format documents it with test vectors).
-pub fn lane_of(tenant: &str) -> u8 {
-    lane_in(tenant, usize::from(LANES)) as u8
+/// The lane of a job of `tenant` at `priority`: 0 for the `default` tenant's `standard`
+/// jobs, else `1 + FNV-1a-64(key) mod (LANES − 1)` where the key is the tenant, followed
+/// by `/` and the tier for `critical` and `batch` (`team-a`, `team-a/batch`). Producers in
+/// other languages compute the same (docs/wire-format.md §1 has test vectors).
+pub fn lane_of(tenant: &str, priority: Priority) -> u8 {
+    lane_in(tenant, priority, usize::from(LANES)) as u8
 }
 
-/// [`lane_of`]'s rule for any number of lanes (the simulator varies it): 0 for
-/// [`Tenant::DEFAULT`] or a single lane, else `1 + FNV-1a-64 mod (lanes − 1)`.
-pub fn lane_in(tenant: &str, lanes: usize) -> usize {
-    if lanes <= 1 || tenant == Tenant::DEFAULT {
+/// [`lane_of`]'s rule for any number of lanes (the simulator varies it).
+pub fn lane_in(tenant: &str, priority: Priority, lanes: usize) -> usize {
+    let standard = priority == Priority::Standard;
+    if lanes <= 1 || (standard && tenant == Tenant::DEFAULT) {
         return 0;
     }
     let mut h: u64 = 0xcbf2_9ce4_8422_2325;
-    for b in tenant.bytes() {
-        h ^= u64::from(b);
-        h = h.wrapping_mul(0x0100_0000_01b3);
+    let mut eat = |bytes: &[u8]| {
+        for &b in bytes {
+            h ^= u64::from(b);
+            h = h.wrapping_mul(0x0100_0000_01b3);
+        }
+    };
+    eat(tenant.as_bytes());
+    if !standard {
+        eat(b"/");
+        eat(priority.as_str().as_bytes());
     }
     1 + (h % (lanes as u64 - 1)) as usize
 }
@@ -149,15 +158,24 @@ mod tests {
 
     #[test]
     fn lanes_keep_the_default_tenant_on_the_work_queue_and_spread_the_rest() {
-        assert_eq!(lane_of("default"), 0);
-        // Test vectors for producers in other languages (docs/wire-format.md).
-        assert_eq!(lane_of("team-a"), 1);
-        assert_eq!(lane_of("team-b"), 5);
-        assert_eq!(lane_of("flood"), 1);
-        assert_eq!(lane_of("light"), 5);
+        use Priority::*;
+        assert_eq!(lane_of("default", Standard), 0);
+        // Test vectors for producers in other languages (docs/wire-format.md §1).
+        for (tenant, p, lane) in [
+            ("team-a", Standard, 1),
+            ("team-b", Standard, 5),
+            ("flood", Standard, 1),
+            ("light", Standard, 5),
+            ("default", Critical, 7),
+            ("default", Batch, 3),
+            ("bulk", Batch, 2),
+            ("bulk", Critical, 1),
+        ] {
+            assert_eq!(lane_of(tenant, p), lane, "{tenant} {p}");
+        }
         let mut seen = [0u32; LANES as usize];
         for i in 0..7_000 {
-            seen[usize::from(lane_of(&format!("t{i}")))] += 1;
+            seen[usize::from(lane_of(&format!("t{i}"), Standard))] += 1;
         }
         assert_eq!(seen[0], 0);
         for n in &seen[1..] {

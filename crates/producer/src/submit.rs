@@ -407,7 +407,7 @@ impl Submitter {
         };
         // The door watches the work queue: a named tenant's job waits in its own lane,
         // which that count says nothing about (the worker refuses what cannot finish).
-        if lastcall_core::lane_of(env.tenant()) != 0 {
+        if lastcall_core::lane_of(env.tenant(), env.priority()) != 0 {
             return Ok(());
         }
         let now_ms = self.clock.now_ms().max(now_ms);
@@ -469,7 +469,9 @@ impl Submitter {
             signature,
         };
         // A named tenant's lane, or the jobs exchange (the `default` tenant).
-        let (exchange, key) = self.names.job_route(env.tenant(), env.kind().as_str());
+        let (exchange, key) =
+            self.names
+                .job_route(env.tenant(), env.priority(), env.kind().as_str());
         match via {
             Some(reply) => reply.publish(exchange, &key, &body, &props).await?,
             None => {

@@ -192,7 +192,9 @@ impl RetryRelay {
             signature: m.signature.clone(),
         };
         // Back to its tenant's lane (the jobs exchange for the `default` tenant).
-        let (exchange, key) = self.names.job_route(env.tenant(), env.kind().as_str());
+        let (exchange, key) =
+            self.names
+                .job_route(env.tenant(), env.priority(), env.kind().as_str());
         match self
             .publisher
             .publish(exchange, &key, &m.body, &props)
