@@ -680,6 +680,15 @@ pub struct WorkerArgs {
     /// Give every worker the same weights
     #[arg(long = "tenant-weight", value_name = "TENANT=WEIGHT", value_parser = parse_tenant_weight, action = clap::ArgAction::Append)]
     pub tenant_weight: Vec<(String, u32)>,
+    /// The tenants' weights from `serve`'s tokens file (the same file: only the `tenant`
+    /// and `weight` of each entry are read). A `--tenant-weight` for a tenant wins over it.
+    /// Read at startup
+    #[arg(
+        long = "tokens-file",
+        value_name = "FILE",
+        env = "LASTCALL_TOKENS_FILE"
+    )]
+    pub tokens_file: Option<std::path::PathBuf>,
     /// What to do with a job found expired before its model call
     #[arg(long, value_enum, default_value = "ack")]
     pub expired_action: ExpiredActionArg,

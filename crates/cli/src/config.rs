@@ -756,6 +756,37 @@ mod tests {
             &["worker", "--backend", "sim", "--tenant-weight", "x=7"],
         );
         assert_eq!(w.tenant_weight, vec![("x".to_owned(), 7)]);
+        // serve's tokens file gives the weights; a flag wins for its tenant.
+        let file =
+            std::env::temp_dir().join(format!("lastcall-weights-{}.toml", std::process::id()));
+        let entry = |token: &str, tenant: &str, weight: u32| {
+            format!(
+                "[[token]]\nsha256 = \"{}\"\ntenant = \"{tenant}\"\nweight = {weight}\n",
+                lastcall_http::tokens::hash_token(token)
+            )
+        };
+        let text = entry("token-of-a", "team-a", 3) + &entry("token-of-b", "team-b", 2);
+        std::fs::write(&file, text).unwrap();
+        let path = file.to_str().unwrap();
+        let (w, _) = worker(
+            &l,
+            &[
+                "worker",
+                "--tokens-file",
+                path,
+                "--tenant-weight",
+                "team-b=5",
+            ],
+        );
+        let weights = crate::cmd::worker::tenant_weights(&w).unwrap();
+        assert!(weights.contains(&("team-a".to_owned(), 3)), "{weights:?}");
+        assert!(weights.contains(&("team-b".to_owned(), 5)), "{weights:?}");
+        let (w, _) = worker(&l, &["worker", "--tokens-file", "/no/such/file"]);
+        let e = crate::cmd::worker::tenant_weights(&w)
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("/no/such/file"), "{e}");
+        let _ = std::fs::remove_file(&file);
     }
 
     #[test]

@@ -461,18 +461,18 @@ async fn cancelling_over_http_stops_a_waiting_and_a_running_job() {
             serde_json::json!({"prompt": "x", "sim_latency_ms": 60_000}),
         )
     };
+    // c-run takes the one slot first (submitted alone: two jobs received together race
+    // for a free slot); then c-buffered waits for it in the worker's buffer.
     let now = lastcall_worker::clock::now_ms();
     sub.submit(&long("c-run"), now).await.unwrap();
-    sub.submit(&long("c-buffered"), now).await.unwrap();
-    // c-run holds the one slot; c-buffered waits for it in the worker's buffer.
     let until = Instant::now() + Duration::from_secs(20);
-    while env.ledger.get("c-run").await.unwrap().unwrap().state != "running"
-        || w.stats.waiting.load(std::sync::atomic::Ordering::SeqCst) < 1
-    {
-        assert!(
-            Instant::now() < until,
-            "c-run did not start or c-buffered did not wait"
-        );
+    while env.ledger.get("c-run").await.unwrap().unwrap().state != "running" {
+        assert!(Instant::now() < until, "c-run did not start");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    sub.submit(&long("c-buffered"), now).await.unwrap();
+    while w.stats.waiting.load(std::sync::atomic::Ordering::SeqCst) < 1 {
+        assert!(Instant::now() < until, "c-buffered did not wait");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     let delete = async |id: &str| {

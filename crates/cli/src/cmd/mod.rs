@@ -11,7 +11,7 @@ mod serve;
 mod submit;
 mod tokens;
 mod topology;
-mod worker;
+pub(crate) mod worker;
 
 use crate::cli::{AdmissionArgs, Cli, Command, ConfigCommand, TopologyArgs, TopologyCommand};
 use crate::config::{Loaded, Settings};

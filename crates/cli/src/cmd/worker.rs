@@ -237,7 +237,7 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
     }
     cfg.max_buffer_bytes = a.max_buffer_bytes;
     cfg.buffer_order = a.buffer_order.into();
-    cfg.tenant_weights = a.tenant_weight.clone();
+    cfg.tenant_weights = tenant_weights(a)?;
     cfg.signing_key = super::submit::signing_key(a.signing_key_file.as_deref())?;
     if cfg.signing_key.is_some() {
         tracing::info!(
@@ -283,4 +283,16 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         dispatch: lastcall_core::DispatchPolicy::Deadline,
     };
     Ok(cfg)
+}
+
+/// The fair share's weights: the tokens file's, then `--tenant-weight` over them.
+pub(crate) fn tenant_weights(a: &WorkerArgs) -> Result<Vec<(String, u32)>> {
+    let mut weights = match &a.tokens_file {
+        Some(path) => lastcall_http::tokens::TokensFile::load(path)?.weights(),
+        None => std::collections::BTreeMap::new(),
+    };
+    for (tenant, w) in &a.tenant_weight {
+        weights.insert(tenant.clone(), *w);
+    }
+    Ok(weights.into_iter().collect())
 }
