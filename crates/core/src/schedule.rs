@@ -185,7 +185,9 @@ impl Policy for FairShare {
                 .or_default()
                 .push(i);
         }
-        let mut keyed: Vec<((u8, u64, (i64, u64)), usize)> = Vec::with_capacity(waiting.len());
+        // (tier rank, virtual start, order within the tenant) → index.
+        type Key = (u8, u64, (i64, u64));
+        let mut keyed: Vec<(Key, usize)> = Vec::with_capacity(waiting.len());
         for ((rank, tenant), mut members) in groups {
             members.sort_by_key(|&i| within(waiting[i]));
             let mut tag = self.start_tag(rank, tenant);
