@@ -110,6 +110,29 @@ pub struct TenantSample {
     pub completion_tokens: u64,
 }
 
+impl TenantSample {
+    /// One job's sample from its record's fields (negative counts as 0).
+    pub fn of_job(
+        tenant: &str,
+        state: &str,
+        reason: Option<&str>,
+        latency_ms: Option<i64>,
+        prompt_tokens: Option<i64>,
+        completion_tokens: Option<i64>,
+    ) -> Self {
+        let n = |v: Option<i64>| v.map_or(0, |v| v.max(0) as u64);
+        Self {
+            tenant: tenant.to_owned(),
+            state: state.to_owned(),
+            reason: reason.map(str::to_owned),
+            jobs: 1,
+            model_ms: n(latency_ms),
+            prompt_tokens: n(prompt_tokens),
+            completion_tokens: n(completion_tokens),
+        }
+    }
+}
+
 /// What one tenant got from the shared capacity in a window.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Default)]
 pub struct TenantAccount {
@@ -287,16 +310,14 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
     let mut late = BTreeMap::<String, u64>::new();
     let mut tenants = Vec::with_capacity(rows.len());
     for r in rows {
-        let n = |v: Option<i64>| v.map_or(0, |v| v.max(0) as u64);
-        tenants.push(TenantSample {
-            tenant: r.tenant.clone(),
-            state: r.state.clone(),
-            reason: r.reason.clone(),
-            jobs: 1,
-            model_ms: n(r.latency_ms),
-            prompt_tokens: n(r.prompt_tokens),
-            completion_tokens: n(r.completion_tokens),
-        });
+        tenants.push(TenantSample::of_job(
+            &r.tenant,
+            &r.state,
+            r.reason.as_deref(),
+            r.latency_ms,
+            r.prompt_tokens,
+            r.completion_tokens,
+        ));
         *state.entry(r.state.clone()).or_default() += 1;
         if r.is_late_outcome() {
             *late.entry(r.state.clone()).or_default() += 1;

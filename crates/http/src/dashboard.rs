@@ -210,16 +210,14 @@ pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<Strin
         let Some(state) = terminal.iter().find(|s| **s == r.state) else {
             continue;
         };
-        let n = |v: Option<i64>| v.map_or(0, |v| v.max(0) as u64);
-        tenants.push(TenantSample {
-            tenant: r.tenant.clone(),
-            state: r.state.clone(),
-            reason: r.reason.clone(),
-            jobs: 1,
-            model_ms: n(r.latency_ms),
-            prompt_tokens: n(r.prompt_tokens),
-            completion_tokens: n(r.completion_tokens),
-        });
+        tenants.push(TenantSample::of_job(
+            &r.tenant,
+            &r.state,
+            r.reason.as_deref(),
+            r.latency_ms,
+            r.prompt_tokens,
+            r.completion_tokens,
+        ));
         *totals.entry(state).or_default() += 1;
         if let Some(at) = r.recorded_at_ms {
             *per_minute
