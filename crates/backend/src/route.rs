@@ -51,6 +51,10 @@ pub struct Route {
     /// is the operator's choice, not the producer's.
     #[serde(default)]
     pub model: Option<String>,
+    /// The most `max_tokens` a job of this route may ask for: a larger (or absent) value
+    /// in the payload becomes this one before the call.
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
 }
 
 impl Route {
@@ -58,6 +62,7 @@ impl Route {
         Resolved {
             backend: &self.backend,
             model: self.model.as_deref(),
+            max_tokens: self.max_tokens,
             pattern: Some(&self.kind),
         }
     }
@@ -68,6 +73,8 @@ impl Route {
 pub struct Resolved<'a> {
     pub backend: &'a str,
     pub model: Option<&'a str>,
+    /// The route's cap on `max_tokens`.
+    pub max_tokens: Option<u32>,
     /// The pattern that matched (`code.*`), or `None` for the default.
     pub pattern: Option<&'a str>,
 }
@@ -124,6 +131,7 @@ impl RouteTable {
         self.default.as_deref().map(|backend| Resolved {
             backend,
             model: None,
+            max_tokens: None,
             pattern: None,
         })
     }
@@ -247,6 +255,14 @@ impl RoutedBackend {
             req.payload
                 .insert("model".into(), Value::String(model.to_string()));
         }
+        if let Some(cap) = route.max_tokens {
+            // A larger or absent `max_tokens` becomes the cap; a malformed one is left for
+            // the backend to refuse (`bad_payload`).
+            let asked = req.payload.get("max_tokens");
+            if asked.is_none_or(|v| v.is_null() || v.as_u64().is_some_and(|n| n > u64::from(cap))) {
+                req.payload.insert("max_tokens".into(), cap.into());
+            }
+        }
         match deltas {
             Some(d) => backend.call_streaming(req, cancel, d),
             None => backend.call(req, cancel),
@@ -268,6 +284,7 @@ mod tests {
         kind = "incident.summary"
         backend = "openai"
         model = "smollm2"
+        max_tokens = 100
 
         [[routes]]
         kind = "code.*"
@@ -297,9 +314,10 @@ mod tests {
         }
     }
 
-    /// A backend that records the model each call asked for.
+    /// A backend that records the model and `max_tokens` each call asked for.
     struct Recorder {
         models: std::sync::Mutex<Vec<Option<String>>>,
+        max_tokens: std::sync::Mutex<Vec<Option<Value>>>,
     }
 
     impl Backend for Recorder {
@@ -313,6 +331,8 @@ mod tests {
                 .and_then(Value::as_str)
                 .map(str::to_string);
             self.models.lock().unwrap().push(model);
+            let max_tokens = req.payload.get("max_tokens").cloned();
+            self.max_tokens.lock().unwrap().push(max_tokens);
             Box::pin(async { Ok(crate::CallOutput::default()) })
         }
     }
@@ -353,6 +373,7 @@ mod tests {
                     kind: kind.into(),
                     backend: "b".into(),
                     model: None,
+                    max_tokens: None,
                 }],
             };
             assert_eq!(
@@ -446,6 +467,7 @@ mod tests {
                     kind: "chat".into(),
                     backend: "sim".into(),
                     model: None,
+                    max_tokens: None,
                 }],
             },
             [("sim".to_string(), sim.clone() as Arc<dyn Backend>)],
@@ -465,6 +487,7 @@ mod tests {
     async fn the_routes_model_replaces_the_payloads() {
         let rec = Arc::new(Recorder {
             models: Default::default(),
+            max_tokens: Default::default(),
         });
         let r: Arc<dyn Backend> = rec.clone();
         let router = RoutedBackend::new(
@@ -495,6 +518,47 @@ mod tests {
         assert_eq!(
             *rec.models.lock().unwrap(),
             vec![Some("smollm2".into()), Some("producer-choice".into())]
+        );
+    }
+
+    /// A route's `max_tokens` caps what a job asks for: a larger or absent value becomes
+    /// the cap, a smaller one stays, and a route without a cap passes it on.
+    #[tokio::test]
+    async fn the_routes_max_tokens_caps_the_payloads() {
+        let rec = Arc::new(Recorder {
+            models: Default::default(),
+            max_tokens: Default::default(),
+        });
+        let r: Arc<dyn Backend> = rec.clone();
+        let router = RoutedBackend::new(
+            table(),
+            [
+                ("openai".to_string(), r.clone()),
+                ("code".into(), r.clone()),
+                ("general".into(), r),
+            ],
+        )
+        .unwrap();
+        for (kind, asked) in [
+            ("incident.summary", Some(json!(1_000_000))),
+            ("incident.summary", None),
+            ("incident.summary", Some(json!(20))),
+            ("code.lint", Some(json!(1_000_000))),
+        ] {
+            let mut call = req(kind, "j");
+            if let Some(a) = asked {
+                call.payload.insert("max_tokens".into(), a);
+            }
+            router.call(call, CancellationToken::new()).await.unwrap();
+        }
+        assert_eq!(
+            *rec.max_tokens.lock().unwrap(),
+            vec![
+                Some(json!(100)),
+                Some(json!(100)),
+                Some(json!(20)),
+                Some(json!(1_000_000))
+            ]
         );
     }
 

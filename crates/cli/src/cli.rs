@@ -829,6 +829,10 @@ pub struct OpenAiArgs {
     /// OpenAI backend: default max_tokens when the job does not set one
     #[arg(long, default_value_t = 256)]
     pub max_tokens: u32,
+    /// OpenAI backend: the most max_tokens a job may ask for; a larger request is lowered
+    /// to it (a `[[routes]]` entry's `max_tokens` caps its kinds lower still)
+    #[arg(long, default_value_t = 4_096, value_parser = clap::value_parser!(u32).range(1..))]
+    pub max_tokens_limit: u32,
 }
 
 /// The simulated backend's behaviour.

@@ -19,6 +19,7 @@ async fn each_call_is_recorded_under_the_backend_that_served_it() {
             kind: "code.*".into(),
             backend: "code".into(),
             model: None,
+            max_tokens: None,
         }],
     };
     let router = RoutedBackend::new(

@@ -237,7 +237,12 @@ impl OpenAiBackend {
         );
         Box::pin(
             async move {
-                let body = chat_body(&req.payload, &self.cfg.model, self.cfg.max_tokens)?;
+                let body = chat_body(
+                    &req.payload,
+                    &self.cfg.model,
+                    self.cfg.max_tokens,
+                    self.cfg.max_tokens_limit,
+                )?;
                 let started = Instant::now();
                 let why = tokio::select! {
                     biased;

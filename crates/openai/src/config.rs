@@ -74,11 +74,15 @@ pub struct OpenAiConfig {
     /// `max_tokens` sent when the payload has none: an open-ended generation would run
     /// into the deadline and be thrown away.
     pub max_tokens: u32,
+    /// The most `max_tokens` a job may ask for: a payload's larger value is lowered to it
+    /// (a producer does not decide how long the model server works for it).
+    pub max_tokens_limit: u32,
 }
 
 impl OpenAiConfig {
     pub const DEFAULT_CONNECT_TIMEOUT: Duration = Duration::from_secs(2);
     pub const DEFAULT_MAX_TOKENS: u32 = 256;
+    pub const DEFAULT_MAX_TOKENS_LIMIT: u32 = 4_096;
 
     /// A config without an API key, with the default connect timeout and `max_tokens`.
     pub fn new(base_url: impl Into<String>, model: impl Into<String>) -> Self {
@@ -88,6 +92,7 @@ impl OpenAiConfig {
             api_key: None,
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             max_tokens: Self::DEFAULT_MAX_TOKENS,
+            max_tokens_limit: Self::DEFAULT_MAX_TOKENS_LIMIT,
         }
     }
 
@@ -116,6 +121,12 @@ impl OpenAiConfig {
         self
     }
 
+    /// The most `max_tokens` a job may ask for (at least 1).
+    pub fn with_max_tokens_limit(mut self, limit: u32) -> Self {
+        self.max_tokens_limit = limit.max(1);
+        self
+    }
+
     pub fn api_key(&self) -> Option<&ApiKey> {
         self.api_key.as_ref()
     }
@@ -134,6 +145,7 @@ impl fmt::Debug for OpenAiConfig {
             .field("api_key", &self.api_key.as_ref().map(|_| "<redacted>"))
             .field("connect_timeout", &self.connect_timeout)
             .field("max_tokens", &self.max_tokens)
+            .field("max_tokens_limit", &self.max_tokens_limit)
             .finish()
     }
 }

@@ -21,7 +21,8 @@ const PASS_THROUGH: &[&str] = &[
 /// - `messages` (an array) is sent as is; otherwise `prompt` (a string) becomes one user
 ///   message; a payload with neither is a terminal `bad_payload` error.
 /// - `model`: the payload's (a route may have put it there), else `default_model`.
-/// - `max_tokens`: the payload's (a positive integer), else `default_max_tokens`.
+/// - `max_tokens`: the payload's (a positive integer), else `default_max_tokens`; at most
+///   `limit` either way (a larger request is lowered to it).
 /// - the fields in [`PASS_THROUGH`] are copied; everything else in the payload is ignored.
 /// - always `stream: true` with `stream_options.include_usage`, so that a server that
 ///   counts tokens reports them in the last chunk, and so that closing the connection
@@ -31,6 +32,7 @@ pub fn chat_body(
     payload: &Map<String, Value>,
     default_model: &str,
     default_max_tokens: u32,
+    limit: u32,
 ) -> Result<Value, BackendError> {
     let messages = match (payload.get("messages"), payload.get("prompt")) {
         (Some(Value::Array(m)), _) if !m.is_empty() => Value::Array(m.clone()),
@@ -55,7 +57,8 @@ pub fn chat_body(
             Some(n) if n > 0 => n,
             _ => return Err(bad_payload("`max_tokens` must be a positive integer")),
         },
-    };
+    }
+    .min(u64::from(limit.max(1)));
 
     let mut body = Map::new();
     body.insert("model".into(), Value::String(model));
@@ -83,7 +86,19 @@ mod tests {
     use super::*;
 
     fn body(payload: Value) -> Result<Value, BackendError> {
-        chat_body(payload.as_object().unwrap(), "default-model", 64)
+        chat_body(payload.as_object().unwrap(), "default-model", 64, 1_000)
+    }
+
+    #[test]
+    fn a_max_tokens_above_the_limit_is_lowered_to_it() {
+        let b = body(json!({"prompt": "x", "max_tokens": 18_446_744_073_709_551_615u64})).unwrap();
+        assert_eq!(b["max_tokens"], 1_000);
+        let b = body(json!({"prompt": "x", "max_tokens": 999})).unwrap();
+        assert_eq!(b["max_tokens"], 999);
+        // A default above the limit is lowered too.
+        let p = json!({"prompt": "x"});
+        let b = chat_body(p.as_object().unwrap(), "m", 5_000, 1_000).unwrap();
+        assert_eq!(b["max_tokens"], 1_000);
     }
 
     #[test]

@@ -161,8 +161,9 @@ pub fn local(_: Option<&std::path::Path>, _: usize) -> Result<Arc<dyn Backend>> 
 
 /// The OpenAI-compatible backend from its flags; the key comes from the environment or a file.
 pub fn openai(a: &OpenAiArgs) -> Result<OpenAiBackend> {
-    let mut cfg =
-        OpenAiConfig::new(a.base_url.clone(), a.model.clone()).with_max_tokens(a.max_tokens);
+    let mut cfg = OpenAiConfig::new(a.base_url.clone(), a.model.clone())
+        .with_max_tokens(a.max_tokens)
+        .with_max_tokens_limit(a.max_tokens_limit);
     if let Some(path) = &a.api_key_file {
         cfg = cfg.api_key_from_file(path)?;
     } else if std::env::var_os(&a.api_key_env).is_some() {
