@@ -49,9 +49,10 @@ scripts/setup-python-example.sh
 echo "soak: $minutes min; results in $out" >&2
 
 export LASTCALL_SOAK_MINUTES="$minutes" LASTCALL_SOAK_OUT="$out"
-# The soak profile (.config/nextest.toml) lets the test run for hours.
+# The soak profile (.config/nextest.toml) lets the test run for hours. The feature set of
+# scripts/test.sh, so that the test build is reused.
 status=0
-cargo nextest run -p lastcall --test chaos --no-capture --profile soak \
+cargo nextest run --workspace --features lastcall/otlp --test chaos --no-capture --profile soak \
   --run-ignored all -E 'test(=soak_under_faults)' || status=$?
 for f in summary.md samples.csv rss.svg; do
   [ -f "$out/$f" ] && echo "soak: $out/$f" >&2
