@@ -361,19 +361,37 @@ fn soak_plan_has_every_fault_in_a_short_run_and_the_issues_in_an_hour() {
     for minutes in [3.0, 5.0, 15.0, 60.0] {
         let p = Plan::new(minutes, "unused".into());
         assert!(count(&p, |f| *f == Fault::BrokerRestart) >= 1, "{p:?}");
-        assert!(count(&p, |f| matches!(f, Fault::KillWorker(_))) >= 1, "{p:?}");
+        assert!(
+            count(&p, |f| matches!(f, Fault::KillWorker(_))) >= 1,
+            "{p:?}"
+        );
         assert_eq!(count(&p, |f| *f == Fault::PostgresRestart), 1, "{p:?}");
-        assert!(p.faults.iter().all(|(t, _)| t.as_secs_f64() < minutes * 54.0), "{p:?}");
+        assert!(
+            p.faults
+                .iter()
+                .all(|(t, _)| t.as_secs_f64() < minutes * 54.0),
+            "{p:?}"
+        );
         assert!(p.faults.windows(2).all(|w| w[0].0 <= w[1].0), "{p:?}");
         // Worker 0 is never killed: it is the memory witness of the whole run.
-        assert!(!p.faults.iter().any(|(_, f)| *f == Fault::KillWorker(0)), "{p:?}");
+        assert!(
+            !p.faults.iter().any(|(_, f)| *f == Fault::KillWorker(0)),
+            "{p:?}"
+        );
     }
     let hour = Plan::new(60.0, "unused".into());
     let at = |f: fn(&Fault) -> bool| -> Vec<u64> {
-        hour.faults.iter().filter(|(_, x)| f(x)).map(|(t, _)| t.as_secs() / 60).collect()
+        hour.faults
+            .iter()
+            .filter(|(_, x)| f(x))
+            .map(|(t, _)| t.as_secs() / 60)
+            .collect()
     };
     assert_eq!(at(|f| *f == Fault::BrokerRestart), [10, 20, 30, 40, 50]);
-    assert_eq!(at(|f| matches!(f, Fault::KillWorker(_))), [7, 14, 21, 28, 35, 42, 49]);
+    assert_eq!(
+        at(|f| matches!(f, Fault::KillWorker(_))),
+        [7, 14, 21, 28, 35, 42, 49]
+    );
     assert_eq!(hour.baseline_at.as_secs(), 600);
     assert_eq!(hour.memory_limit, 0.10);
 }

@@ -752,10 +752,15 @@ impl Run {
         row.duplicate_outcomes = dups;
         // Recovery: the fault's end to the first completion of a job delivered after it
         // (calls that ran through the fault and finish at once do not count).
+        // (Completions the monitor saw count too: retention may have pruned their rows.)
+        let seen_completions = self.seen.lock().unwrap().completions.clone();
         row.recovery_ms = self.fault_end_ms.and_then(|end| {
             recs.values()
-                .filter(|r| r.state == "completed" && r.received_at_ms.is_some_and(|t| t >= end))
-                .filter_map(|r| r.recorded_at_ms)
+                .filter(|r| r.state == "completed")
+                .filter_map(|r| Some((r.received_at_ms?, r.recorded_at_ms?)))
+                .chain(seen_completions)
+                .filter(|(received, _)| *received >= end)
+                .map(|(_, recorded)| recorded)
                 .min()
                 .map(|t| t - end)
         });
@@ -833,15 +838,27 @@ impl Drop for Run {
 struct Seen {
     first: HashMap<String, String>,
     changed: Vec<String>,
+    /// `(received_at_ms, recorded_at_ms)` of every completed job seen (the recovery, also
+    /// of completions that retention pruned before the end).
+    completions: Vec<(i64, i64)>,
 }
 
 fn observe(seen: &Mutex<Seen>, recs: &[JobRecord]) {
     let mut guard = seen.lock().unwrap();
-    let Seen { first, changed } = &mut *guard;
+    let Seen {
+        first,
+        changed,
+        completions,
+    } = &mut *guard;
     for r in recs.iter().filter(|r| r.is_terminal()) {
         match first.get(&r.job_id) {
             None => {
                 first.insert(r.job_id.clone(), r.state.clone());
+                if r.state == "completed"
+                    && let (Some(rcv), Some(rec)) = (r.received_at_ms, r.recorded_at_ms)
+                {
+                    completions.push((rcv, rec));
+                }
             }
             Some(s) if *s != r.state && !changed.contains(&r.job_id) => {
                 changed.push(r.job_id.clone());

@@ -84,18 +84,20 @@ impl Plan {
     /// under the target's test scratch directory).
     pub fn from_env() -> Plan {
         let minutes = match std::env::var("LASTCALL_SOAK_MINUTES") {
-            Ok(m) => m.parse::<f64>().ok().filter(|m| *m >= 3.0).unwrap_or_else(|| {
-                panic!("LASTCALL_SOAK_MINUTES={m}: give a number of minutes, at least 3")
-            }),
+            Ok(m) => m
+                .parse::<f64>()
+                .ok()
+                .filter(|m| *m >= 3.0)
+                .unwrap_or_else(|| {
+                    panic!("LASTCALL_SOAK_MINUTES={m}: give a number of minutes, at least 3")
+                }),
             Err(_) => 5.0,
         };
         let out = std::env::var_os("LASTCALL_SOAK_OUT")
             .map(PathBuf::from)
             .unwrap_or_else(|| {
-                Path::new(env!("CARGO_TARGET_TMPDIR")).join(format!(
-                    "soak-{}",
-                    lastcall_worker::clock::now_ms() / 1000
-                ))
+                Path::new(env!("CARGO_TARGET_TMPDIR"))
+                    .join(format!("soak-{}", lastcall_worker::clock::now_ms() / 1000))
             });
         Plan::new(minutes, out)
     }
@@ -306,7 +308,9 @@ fn increase(before: Option<&Buckets>, after: &Buckets) -> Buckets {
     match before {
         Some(b)
             if b.len() == after.len()
-                && b.iter().zip(after).all(|((lb, cb), (la, ca))| lb == la && ca >= cb) =>
+                && b.iter()
+                    .zip(after)
+                    .all(|((lb, cb), (la, ca))| lb == la && ca >= cb) =>
         {
             after
                 .iter()
@@ -715,9 +719,7 @@ pub async fn soak(plan: Plan) {
     }
     let (attempted, confirmed) = soak.producer.stop().await;
     let Soak {
-        mut run,
-        samples,
-        ..
+        mut run, samples, ..
     } = soak;
     run.add_other_producer(attempted, confirmed);
 
@@ -860,9 +862,9 @@ fn sample_table(samples: &[Sample], base: usize) -> String {
     for k in picks {
         let s = &samples[k];
         let mb = |p: &str| {
-            s.procs
-                .get(p)
-                .map_or("-".to_owned(), |x| format!("{:.1}", x.rss_kb as f64 / 1024.0))
+            s.procs.get(p).map_or("-".to_owned(), |x| {
+                format!("{:.1}", x.rss_kb as f64 / 1024.0)
+            })
         };
         let fd = |p: &str| s.procs.get(p).map_or("-".to_owned(), |x| x.fds.to_string());
         let (q, _) = p99_between(samples, k, k);
