@@ -7,7 +7,8 @@
 #
 #   scripts/chaos.sh                 # the short tier (the scenarios CI runs)
 #   scripts/chaos.sh stop_app proxy  # those scenarios only
-#   scripts/chaos.sh --all           # the short tier and the slow one (3-node clusters)
+#   scripts/chaos.sh --all           # the short tier and the slow one (3-node clusters,
+#                                    # the 5-minute soak; scripts/soak.sh runs it longer)
 #   scripts/chaos.sh --list          # the scenario names
 #
 # LASTCALL_CHAOS_ROWS=FILE appends each row to FILE as a Markdown table row.
@@ -25,11 +26,12 @@ declare -A TESTS=(
   [memory_alarm]=memory_alarm_while_serve_takes_posts
   [cluster_kill_workers_node]=cluster_of_three_the_workers_node_killed
   [cluster_kill_home_node]=cluster_of_three_the_topology_home_node_killed
+  [soak]=soak_under_faults
 )
 SHORT=(stop_app kill9_node close_all_connections proxy postgres_restart sigstop sigkill_loop memory_alarm)
-SLOW=(cluster_kill_workers_node cluster_kill_home_node)
+SLOW=(cluster_kill_workers_node cluster_kill_home_node soak)
 
-usage() { sed -n '2,13p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,14p' "$0" | sed 's/^# \{0,1\}//'; }
 
 chosen=()
 ignored=default

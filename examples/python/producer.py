@@ -166,6 +166,11 @@ def build_envelope(args, created_at_ms: int) -> dict:
     return job
 
 
+def envelope_bytes(job: dict) -> bytes:
+    """The body to publish (and sign): compact UTF-8 JSON."""
+    return json.dumps(job, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 # --- §1 and §3: publishing --------------------------------------------------------------
 
 
@@ -200,11 +205,10 @@ def job_route(prefix: str, job: dict):
 
 
 def publish(args, job: dict, body: bytes, signature) -> int:
-    """Publish with confirm; returns the TTL sent (ms). Raises NotPublished."""
+    """Publish with confirm on a connection of its own; returns the TTL sent (ms). Raises
+    NotPublished."""
     import pika  # only here, so that --self-test runs without it
-    from pika.compat import long as amqp_long
 
-    exchange, routing_key = job_route(args.prefix, job)
     try:
         conn = pika.BlockingConnection(pika.URLParameters(args.amqp_url))
     except pika.exceptions.AMQPError as e:
@@ -212,53 +216,64 @@ def publish(args, job: dict, body: bytes, signature) -> int:
     try:
         channel = conn.channel()
         channel.confirm_delivery()
-        headers = {"x-lastcall-attempt": amqp_long(0)}  # a long, as the Rust side sends it
-        if signature is not None:
-            headers["x-lastcall-signature"] = signature
-        # The TTL is the budget left *at this publish*, never the total budget.
-        now = now_ms()
-        remaining = job["expires_at_ms"] - now
-        if remaining <= 0:
-            raise NotPublished(
-                f"not publishing job {job['job_id']}: its remaining budget is {remaining} ms "
-                f"(expires_at_ms {job['expires_at_ms']}, now {now}); it would only expire"
-            )
-        props = pika.BasicProperties(
-            delivery_mode=2,
-            content_type="application/json",
-            message_id=job["job_id"],
-            timestamp=now // 1000,
-            expiration=str(remaining),
-            headers=headers,
-        )
-        try:
-            channel.basic_publish(
-                exchange=exchange,
-                routing_key=routing_key,
-                body=body,
-                properties=props,
-                mandatory=True,
-            )
-        except pika.exceptions.UnroutableError as e:
-            raise NotPublished(
-                f"the broker returned the job as unroutable: nothing is bound for kind "
-                f"{job['kind']!r} on {exchange} (run `lastcall topology apply`?): {e!r}"
-            ) from e
-        except pika.exceptions.NackError as e:
-            raise NotPublished(f"the broker nacked the job: {e!r}") from e
-        except pika.exceptions.ChannelClosedByBroker as e:
-            raise NotPublished(
-                f"the broker closed the channel (no exchange {exchange}? run "
-                f"`lastcall topology apply`): {e.reply_code} {e.reply_text}"
-            ) from e
-        except pika.exceptions.AMQPError as e:
-            raise NotPublished(f"publish failed: {e!r}") from e
-        return remaining
+        return publish_on(channel, args.prefix, job, body, signature)
     finally:
         try:
             conn.close()
         except Exception:  # already closed by the broker
             pass
+
+
+def publish_on(channel, prefix: str, job: dict, body: bytes, signature) -> int:
+    """Publish one job on `channel` (in confirm mode: `channel.confirm_delivery()`) and wait
+    for the broker's confirm; returns the TTL sent (ms). Raises NotPublished. A producer
+    that publishes many jobs keeps one connection and channel for all of them."""
+    import pika
+    from pika.compat import long as amqp_long
+
+    exchange, routing_key = job_route(prefix, job)
+    headers = {"x-lastcall-attempt": amqp_long(0)}  # a long, as the Rust side sends it
+    if signature is not None:
+        headers["x-lastcall-signature"] = signature
+    # The TTL is the budget left *at this publish*, never the total budget.
+    now = now_ms()
+    remaining = job["expires_at_ms"] - now
+    if remaining <= 0:
+        raise NotPublished(
+            f"not publishing job {job['job_id']}: its remaining budget is {remaining} ms "
+            f"(expires_at_ms {job['expires_at_ms']}, now {now}); it would only expire"
+        )
+    props = pika.BasicProperties(
+        delivery_mode=2,
+        content_type="application/json",
+        message_id=job["job_id"],
+        timestamp=now // 1000,
+        expiration=str(remaining),
+        headers=headers,
+    )
+    try:
+        channel.basic_publish(
+            exchange=exchange,
+            routing_key=routing_key,
+            body=body,
+            properties=props,
+            mandatory=True,
+        )
+    except pika.exceptions.UnroutableError as e:
+        raise NotPublished(
+            f"the broker returned the job as unroutable: nothing is bound for kind "
+            f"{job['kind']!r} on {exchange} (run `lastcall topology apply`?): {e!r}"
+        ) from e
+    except pika.exceptions.NackError as e:
+        raise NotPublished(f"the broker nacked the job: {e!r}") from e
+    except pika.exceptions.ChannelClosedByBroker as e:
+        raise NotPublished(
+            f"the broker closed the channel (no exchange {exchange}? run "
+            f"`lastcall topology apply`): {e.reply_code} {e.reply_text}"
+        ) from e
+    except pika.exceptions.AMQPError as e:
+        raise NotPublished(f"publish failed: {e!r}") from e
+    return remaining
 
 
 # --- §7: waiting for the outcome --------------------------------------------------------
@@ -414,7 +429,7 @@ def main(argv=None) -> int:
         return EXIT_NOT_PUBLISHED
 
     # The exact bytes published are the bytes signed.
-    body = json.dumps(job, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+    body = envelope_bytes(job)
     signature = lastcall_signature(key, job["job_id"], job["expires_at_ms"], body) if key else None
     try:
         ttl = publish(args, job, body, signature)

@@ -638,6 +638,19 @@ lastcall_worker::with_test_hooks!({
         /// before the ack, for kill tests)
         #[arg(long, hide = true)]
         pub fault: Option<String>,
+        /// Test only: the background pruning deletes terminal jobs recorded longer ago
+        /// than this, below `[ledger] retention`'s floor of 1d (the soak test's short
+        /// retention)
+        #[arg(long, hide = true, value_name = "DURATION", value_parser = parse_test_retention)]
+        pub test_retention: Option<i64>,
+        /// Test only: the background pruning clears result texts recorded longer ago than
+        /// this, below `[ledger] text_retention`'s floor of 1h
+        #[arg(long, hide = true, value_name = "DURATION", value_parser = parse_test_retention)]
+        pub test_text_retention: Option<i64>,
+    }
+
+    fn parse_test_retention(s: &str) -> Result<i64, String> {
+        duration_ms(s)
     }
 } else {
     #[derive(Debug, Args)]

@@ -339,3 +339,59 @@ async fn cluster_of_three_the_workers_node_killed() {
 async fn cluster_of_three_the_topology_home_node_killed() {
     cluster_one_node_killed("cluster_kill_home_node", 0).await;
 }
+
+/// Slow tier: the soak under faults (`common/soak.rs`), `LASTCALL_SOAK_MINUTES` long
+/// (default 5; `scripts/soak.sh --minutes N` sets it): 1.5× overload through serve and a
+/// pika producer, three workers on one private PostgreSQL ledger with a short retention,
+/// broker restarts, worker SIGKILLs and a PostgreSQL restart; samples every 30 s; fails
+/// on a lost job, a duplicate outcome, a late start, memory growth over the plan's limit
+/// or a ledger larger than retention allows.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: a soak of LASTCALL_SOAK_MINUTES (default 5) minutes (run with --run-ignored all, or scripts/soak.sh)"]
+async fn soak_under_faults() {
+    common::soak::soak(common::soak::Plan::from_env()).await;
+}
+
+/// The soak's schedule (no services): each fault at least once in the shortest run, none
+/// in its last tenth, and the 60-minute run as the issue has it.
+#[test]
+fn soak_plan_has_every_fault_in_a_short_run_and_the_issues_in_an_hour() {
+    use common::soak::{Fault, Plan};
+    let count = |p: &Plan, f: fn(&Fault) -> bool| p.faults.iter().filter(|(_, x)| f(x)).count();
+    for minutes in [3.0, 5.0, 15.0, 60.0] {
+        let p = Plan::new(minutes, "unused".into());
+        assert!(count(&p, |f| *f == Fault::BrokerRestart) >= 1, "{p:?}");
+        assert!(
+            count(&p, |f| matches!(f, Fault::KillWorker(_))) >= 1,
+            "{p:?}"
+        );
+        assert_eq!(count(&p, |f| *f == Fault::PostgresRestart), 1, "{p:?}");
+        assert!(
+            p.faults
+                .iter()
+                .all(|(t, _)| t.as_secs_f64() < minutes * 54.0),
+            "{p:?}"
+        );
+        assert!(p.faults.windows(2).all(|w| w[0].0 <= w[1].0), "{p:?}");
+        // Worker 0 is never killed: it is the memory witness of the whole run.
+        assert!(
+            !p.faults.iter().any(|(_, f)| *f == Fault::KillWorker(0)),
+            "{p:?}"
+        );
+    }
+    let hour = Plan::new(60.0, "unused".into());
+    let at = |f: fn(&Fault) -> bool| -> Vec<u64> {
+        hour.faults
+            .iter()
+            .filter(|(_, x)| f(x))
+            .map(|(t, _)| t.as_secs() / 60)
+            .collect()
+    };
+    assert_eq!(at(|f| *f == Fault::BrokerRestart), [10, 20, 30, 40, 50]);
+    assert_eq!(
+        at(|f| matches!(f, Fault::KillWorker(_))),
+        [7, 14, 21, 28, 35, 42, 49]
+    );
+    assert_eq!(hour.baseline_at.as_secs(), 600);
+    assert_eq!(hour.memory_limit, 0.10);
+}

@@ -20,9 +20,17 @@ use tokio_util::sync::CancellationToken;
 pub async fn run(
     s: &Settings,
     a: WorkerArgs,
-    retention: super::ledger::Policy,
+    #[allow(unused_mut)] mut retention: super::ledger::Policy,
 ) -> Result<ExitCode> {
     let cfg = config(s, &a)?;
+    lastcall_worker::with_test_hooks!({
+        if let Some(ms) = a.hooks.test_retention {
+            retention.retention_ms = Some(ms);
+        }
+        if let Some(ms) = a.hooks.test_text_retention {
+            retention.text_retention_ms = Some(ms);
+        }
+    } else {});
     let backend = backend(s, &a).await?;
     let stop = CancellationToken::new();
     let stop2 = stop.clone();

@@ -51,6 +51,13 @@ pub struct Spec {
     /// How long after the last deadline a confirmed job may still lack its outcome
     /// before it counts as lost.
     pub grace: Duration,
+    /// More arguments for every worker (after the harness's own).
+    pub worker_args: Vec<String>,
+    /// Each worker serves `/metrics` on a free port ([`Run::metrics_url`]).
+    pub metrics: bool,
+    /// How often the monitor reads the whole ledger (every terminal state it sees counts,
+    /// also of a job that retention prunes before the end).
+    pub monitor_every: Duration,
 }
 
 impl Default for Spec {
@@ -63,6 +70,9 @@ impl Default for Spec {
             deadline_ms: 8_000,
             queue_type: "classic",
             grace: Duration::from_secs(30),
+            worker_args: Vec::new(),
+            metrics: false,
+            monitor_every: Duration::from_millis(250),
         }
     }
 }
@@ -224,6 +234,15 @@ pub struct Run {
     monitor: Option<(CancellationToken, JoinHandle<()>)>,
     seen: Arc<Mutex<Seen>>,
     fault_end_ms: Option<i64>,
+    /// `http://127.0.0.1:PORT/metrics` of each worker (with `spec.metrics`).
+    metrics: Vec<String>,
+    /// Outcome events drained so far, per job.
+    events: Mutex<HashMap<String, usize>>,
+    /// Jobs another producer (not the harness's POSTs) attempted and had confirmed.
+    other_attempted: usize,
+    other_confirmed: Vec<String>,
+    /// Late starts found while the run went on ([`note_late_starts`](Self::note_late_starts)).
+    late_seen: Vec<String>,
 }
 
 impl Run {
@@ -282,6 +301,9 @@ impl Run {
             child: None,
         };
         serve.spawn();
+        let metrics: Vec<u16> = (0..spec.workers)
+            .map(|_| if spec.metrics { free_port() } else { 0 })
+            .collect();
         let workers = (0..spec.workers)
             .map(|i| {
                 let mut args = global(worker_amqp);
@@ -302,6 +324,10 @@ impl Run {
                     .map(str::to_owned),
                 );
                 args.extend(topology.clone());
+                if spec.metrics {
+                    args.extend(["--metrics-addr".into(), format!("127.0.0.1:{}", metrics[i])]);
+                }
+                args.extend(spec.worker_args.iter().cloned());
                 Proc {
                     name: format!("worker {i}"),
                     args,
@@ -330,6 +356,15 @@ impl Run {
             monitor: None,
             seen: Arc::default(),
             fault_end_ms: None,
+            metrics: metrics
+                .iter()
+                .filter(|p| **p != 0)
+                .map(|p| format!("http://127.0.0.1:{p}/metrics"))
+                .collect(),
+            events: Mutex::default(),
+            other_attempted: 0,
+            other_confirmed: Vec::new(),
+            late_seen: Vec::new(),
         };
         run.wait_for("serve to be ready", Duration::from_secs(90), async |r| {
             r.get("/readyz").await == 200
@@ -387,6 +422,7 @@ impl Run {
         // The monitor: the first terminal state of every job, and any change of it.
         let stop = CancellationToken::new();
         let (ledger, seen) = (self.ledger().clone(), self.seen.clone());
+        let every = self.spec.monitor_every;
         let handle = tokio::spawn({
             let stop = stop.clone();
             async move {
@@ -397,7 +433,7 @@ impl Run {
                     }
                     tokio::select! {
                         _ = stop.cancelled() => {}
-                        _ = tokio::time::sleep(Duration::from_millis(250)) => {}
+                        _ = tokio::time::sleep(every) => {}
                     }
                 }
             }
@@ -417,6 +453,34 @@ impl Run {
 
     pub fn worker_pid(&self, i: usize) -> u32 {
         self.workers[i].pid()
+    }
+
+    /// `(name, pid)` of serve and every worker; `None` for a worker killed and not
+    /// restarted.
+    pub fn pids(&self) -> Vec<(String, Option<u32>)> {
+        std::iter::once(&self.serve)
+            .chain(&self.workers)
+            .map(|p| (p.name.clone(), p.child.as_ref().map(Child::id)))
+            .collect()
+    }
+
+    /// `http://127.0.0.1:PORT/metrics` of worker `i` (a run with `spec.metrics`).
+    pub fn metrics_url(&self, i: usize) -> &str {
+        &self.metrics[i]
+    }
+
+    /// Jobs published by another producer than the harness's POSTs: `attempted` in all,
+    /// `confirmed` those the broker confirmed. [`finish`](Self::finish) accounts for them
+    /// like the confirmed POSTs.
+    pub fn add_other_producer(&mut self, attempted: usize, confirmed: Vec<String>) {
+        self.other_attempted += attempted;
+        self.other_confirmed.extend(confirmed);
+    }
+
+    /// Late starts found during the run (e.g. in attempt rows that retention prunes before
+    /// the end); [`finish`](Self::finish) reports them with its own.
+    pub fn note_late_starts(&mut self, ids: impl IntoIterator<Item = String>) {
+        self.late_seen.extend(ids);
     }
 
     /// `kill -SIG` worker `i` (`-STOP`, `-CONT`, …).
@@ -477,7 +541,7 @@ impl Run {
             .join("\n")
     }
 
-    fn ledger(&self) -> &Arc<Ledger> {
+    pub fn ledger(&self) -> &Arc<Ledger> {
         self.ledger.as_ref().expect("connected")
     }
 
@@ -526,13 +590,21 @@ impl Run {
         let _ = conn.close(200, "bound".into()).await;
     }
 
-    /// Outcome events per job, drained from the run's events queue (then deleted).
-    async fn drain_events(&self) -> HashMap<String, usize> {
-        let mut per_job = HashMap::new();
+    /// Drain the run's events queue into the count of outcome events per job (a long run
+    /// does this now and then, so that the queue does not grow). `false` when the broker
+    /// did not answer (the events stay queued for the next drain).
+    pub async fn collect_events(&self) -> bool {
+        self.drain_events(false).await
+    }
+
+    /// Drain the run's events queue into the count of outcome events per job (then delete
+    /// the queue when `delete`).
+    async fn drain_events(&self, delete: bool) -> bool {
         let Ok(conn) = lapin::Connection::connect(&self.events_amqp, Default::default()).await
         else {
-            return per_job;
+            return false;
         };
+        let mut per_job = HashMap::new();
         let ch = conn.create_channel().await.unwrap();
         let q = format!("{}.chaos-events", self.prefix);
         while let Ok(Some(m)) = ch
@@ -546,25 +618,38 @@ impl Run {
                 *per_job.entry(e.job_id).or_insert(0) += 1;
             }
         }
-        let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        if delete {
+            let _ = ch.queue_delete(q.as_str().into(), Default::default()).await;
+        }
         let _ = conn.close(200, "drained".into()).await;
-        per_job
+        let mut all = self.events.lock().unwrap();
+        for (id, n) in per_job {
+            *all.entry(id).or_insert(0) += n;
+        }
+        true
     }
 
     /// Stop the load, wait until every confirmed job has its outcome (or its deadline plus
     /// the grace has passed), compute and print the accounting row, and assert what must
     /// hold: lost = 0, duplicate outcomes = 0, late starts = 0, duplicate model calls
     /// within `duplicate_bound`, a completion after the fault, and no process died.
-    /// `exempt` lists workers the scenario killed on purpose (and left dead).
     pub async fn finish(mut self, duplicate_bound: usize) -> Row {
+        let row = self.account(duplicate_bound).await;
+        self.check(&row);
+        row
+    }
+
+    /// [`finish`](Self::finish) without the assertions: stop the load, wait for the
+    /// outcomes, compute and print the row (and append it to `LASTCALL_CHAOS_ROWS`).
+    pub async fn account(&mut self, duplicate_bound: usize) -> Row {
         let load = self.load.take().expect("start_load was called");
         load.stop.cancel();
         let posts = load.handle.await.unwrap();
         let confirmed: Vec<&Post> = posts.iter().filter(|p| p.status == 202).collect();
         let mut row = Row {
             scenario: self.scenario.clone(),
-            attempted: posts.len() + 1,
-            confirmed: confirmed.len() + 1,
+            attempted: posts.len() + 1 + self.other_attempted,
+            confirmed: confirmed.len() + 1 + self.other_confirmed.len(),
             statuses: posts.iter().fold(BTreeMap::new(), |mut m, p| {
                 *m.entry(p.status).or_insert(0) += 1;
                 m
@@ -574,6 +659,12 @@ impl Run {
         };
         let mut confirmed_ids: Vec<String> = confirmed.iter().map(|p| p.id.clone()).collect();
         confirmed_ids.push("warmup".into());
+        confirmed_ids.extend(self.other_confirmed.iter().cloned());
+        // A job the monitor saw end counts as ended even if retention has pruned its row
+        // since (its terminal state is what the monitor saw first).
+        let seen_ended = |seen: &Mutex<Seen>, id: &str| -> Option<String> {
+            seen.lock().unwrap().first.get(id).cloned()
+        };
         // Every confirmed job's deadline is at most `deadline_ms` after the last POST.
         let until = Instant::now()
             + Duration::from_millis(self.spec.deadline_ms)
@@ -588,6 +679,7 @@ impl Run {
             let open = confirmed_ids
                 .iter()
                 .filter(|id| recs.get(*id).is_none_or(|r| !r.is_terminal()))
+                .filter(|id| seen_ended(&self.seen, id).is_none())
                 .count();
             if (open == 0 && !recs.is_empty()) || Instant::now() > until {
                 break recs;
@@ -600,14 +692,20 @@ impl Run {
         let all: Vec<JobRecord> = recs.values().cloned().collect();
         observe(&self.seen, &all);
         for id in &confirmed_ids {
-            let state = recs.get(id).map_or("none", |r| r.state.as_str());
-            *row.states.entry(state.to_owned()).or_insert(0) += 1;
-            if recs
-                .get(id)
-                .is_none_or(|r| !r.is_terminal() || r.state == "unknown")
-            {
+            let state = match (recs.get(id), seen_ended(&self.seen, id)) {
+                (Some(r), _) if r.is_terminal() => r.state.clone(),
+                // Pruned after the monitor saw it end.
+                (_, Some(first)) => first,
+                (Some(r), None) => r.state.clone(),
+                (None, None) => "none".to_owned(),
+            };
+            let ended = state
+                .parse::<lastcall_core::State>()
+                .is_ok_and(|s| s.is_terminal());
+            if !ended || state == "unknown" {
                 row.lost.push(id.clone());
             }
+            *row.states.entry(state).or_insert(0) += 1;
         }
         let confirmed_set: std::collections::HashSet<&String> = confirmed_ids.iter().collect();
         row.unconfirmed_recorded = recs.keys().filter(|id| !confirmed_set.contains(id)).count();
@@ -625,6 +723,9 @@ impl Run {
                 row.late_starts.push(r.job_id.clone());
             }
         }
+        row.late_starts.extend(self.late_seen.iter().cloned());
+        row.late_starts.sort();
+        row.late_starts.dedup();
         // Model calls, from the sim's own log.
         let log = std::fs::read_to_string(&self.calls).unwrap_or_default();
         let mut calls: HashMap<&str, usize> = HashMap::new();
@@ -636,7 +737,8 @@ impl Run {
         row.model_calls = calls.values().sum();
         row.duplicate_calls = calls.values().map(|n| n.saturating_sub(1)).sum();
         // Duplicate outcomes: a terminal state that changed, or two winning writers.
-        let events = self.drain_events().await;
+        self.drain_events(true).await;
+        let events = std::mem::take(&mut *self.events.lock().unwrap());
         row.events = events.values().sum();
         let mut dups: Vec<String> = self.seen.lock().unwrap().changed.clone();
         dups.extend(
@@ -650,10 +752,15 @@ impl Run {
         row.duplicate_outcomes = dups;
         // Recovery: the fault's end to the first completion of a job delivered after it
         // (calls that ran through the fault and finish at once do not count).
+        // (Completions the monitor saw count too: retention may have pruned their rows.)
+        let seen_completions = self.seen.lock().unwrap().completions.clone();
         row.recovery_ms = self.fault_end_ms.and_then(|end| {
             recs.values()
-                .filter(|r| r.state == "completed" && r.received_at_ms.is_some_and(|t| t >= end))
-                .filter_map(|r| r.recorded_at_ms)
+                .filter(|r| r.state == "completed")
+                .filter_map(|r| Some((r.received_at_ms?, r.recorded_at_ms?)))
+                .chain(seen_completions)
+                .filter(|(received, _)| *received >= end)
+                .map(|(_, recorded)| recorded)
                 .min()
                 .map(|t| t - end)
         });
@@ -668,7 +775,12 @@ impl Run {
                 .unwrap();
             writeln!(f, "{line}").unwrap();
         }
-        let detail = format!("{line}\n{row:?}\n{}", self.logs());
+        row
+    }
+
+    /// The assertions of [`finish`](Self::finish) on `row`.
+    pub fn check(&mut self, row: &Row) {
+        let detail = format!("{}\n{row:?}\n{}", row.markdown(), self.logs());
         assert!(
             row.confirmed > 1,
             "no job was confirmed under load\n{detail}"
@@ -685,9 +797,10 @@ impl Run {
             row.late_starts
         );
         assert!(
-            row.duplicate_calls <= duplicate_bound,
-            "{} duplicate model calls, bound {duplicate_bound}\n{detail}",
-            row.duplicate_calls
+            row.duplicate_calls <= row.duplicate_bound,
+            "{} duplicate model calls, bound {}\n{detail}",
+            row.duplicate_calls,
+            row.duplicate_bound
         );
         if self.fault_end_ms.is_some() {
             assert!(
@@ -700,7 +813,6 @@ impl Run {
                 assert!(p.exited().is_none(), "{} exited\n{detail}", p.name);
             }
         }
-        row
     }
 }
 
@@ -726,15 +838,27 @@ impl Drop for Run {
 struct Seen {
     first: HashMap<String, String>,
     changed: Vec<String>,
+    /// `(received_at_ms, recorded_at_ms)` of every completed job seen (the recovery, also
+    /// of completions that retention pruned before the end).
+    completions: Vec<(i64, i64)>,
 }
 
 fn observe(seen: &Mutex<Seen>, recs: &[JobRecord]) {
     let mut guard = seen.lock().unwrap();
-    let Seen { first, changed } = &mut *guard;
+    let Seen {
+        first,
+        changed,
+        completions,
+    } = &mut *guard;
     for r in recs.iter().filter(|r| r.is_terminal()) {
         match first.get(&r.job_id) {
             None => {
                 first.insert(r.job_id.clone(), r.state.clone());
+                if r.state == "completed"
+                    && let (Some(rcv), Some(rec)) = (r.received_at_ms, r.recorded_at_ms)
+                {
+                    completions.push((rcv, rec));
+                }
             }
             Some(s) if *s != r.state && !changed.contains(&r.job_id) => {
                 changed.push(r.job_id.clone());

@@ -8,6 +8,7 @@ pub mod private_pg;
 pub mod private_rabbit;
 pub mod proxy;
 pub mod rabbitmqctl;
+pub mod soak;
 pub mod upstream;
 
 use lastcall_backend::Backend;

@@ -150,6 +150,17 @@ impl PrivatePg {
         ]);
     }
 
+    /// The postmaster's pid (the first line of `postmaster.pid`) while it runs.
+    pub fn postmaster_pid(&self) -> Option<u32> {
+        std::fs::read_to_string(self.data().join("postmaster.pid"))
+            .ok()?
+            .lines()
+            .next()?
+            .trim()
+            .parse()
+            .ok()
+    }
+
     pub fn is_up(&self) -> bool {
         Command::new(format!("{PG_BIN}/pg_isready"))
             .args(["-h", "127.0.0.1", "-p", &self.port.to_string(), "-q"])

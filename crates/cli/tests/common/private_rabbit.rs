@@ -163,7 +163,7 @@ impl PrivateRabbit {
     }
 
     /// The node's VM pid (from its pid file), if it is this node's VM and alive.
-    fn vm_pid(&self) -> Option<u32> {
+    pub fn vm_pid(&self) -> Option<u32> {
         std::fs::read_to_string(self.dir.join("pid"))
             .ok()
             .and_then(|p| p.trim().parse::<u32>().ok())
@@ -201,6 +201,23 @@ impl PrivateRabbit {
         assert!(self.child.is_none(), "the node is still running");
         self.spawn();
         self.wait_ready(Duration::from_secs(120));
+    }
+
+    /// A clean restart of the node: `rabbitmqctl stop` (returns once the VM is gone), then
+    /// started again on the same ports, data and name, and waited for until ready.
+    pub fn restart(&mut self) {
+        let pid_file = self.dir.join("pid");
+        let out = self.ctl(&["stop", pid_file.to_str().unwrap()]);
+        assert!(
+            out.status.success(),
+            "rabbitmqctl stop: {}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if let Some(mut child) = self.child.take() {
+            let _ = child.wait();
+        }
+        self.start_again();
     }
 
     /// `n` nodes on this host joined into one cluster (the first is the seed): each with
