@@ -282,10 +282,15 @@ async fn first_of_two_waiting(order: lastcall_worker::BufferOrder) -> String {
     )
     .await
     .unwrap();
+    // "hold" takes the free slot first (jobs received together race for a free slot).
+    let t0 = std::time::Instant::now();
+    while env.ledger.get("hold").await.unwrap().map(|r| r.state) != Some("running".into()) {
+        assert!(t0.elapsed() < Duration::from_secs(20), "hold never started");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
     s.submit(&job("later", 60_000), now_ms()).await.unwrap();
     s.submit(&job("soon", 30_000), now_ms()).await.unwrap();
-    // Both must be waiting while "hold" has the slot. The slot is granted before hold's
-    // start row is durable (group commit), so poll for both conditions together.
+    // Both must be waiting while "hold" has the slot.
     let t0 = std::time::Instant::now();
     loop {
         let waiting = w.stats.waiting.load(std::sync::atomic::Ordering::Relaxed);
