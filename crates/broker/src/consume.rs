@@ -3,7 +3,7 @@
 
 use crate::publish::{ATTEMPT_HEADER, SIGNATURE_HEADER};
 use crate::{Broker, BrokerError};
-use futures_util::StreamExt;
+use futures_util::Stream;
 use lapin::Acker;
 use lapin::options::{
     BasicAckOptions, BasicConsumeOptions, BasicNackOptions, BasicQosOptions, BasicRejectOptions,
@@ -119,9 +119,13 @@ impl Settler {
 }
 
 /// A stream of deliveries from the consumers of one channel (one queue, or several: the
-/// worker's lanes), merged.
+/// worker's lanes), merged. It ends as soon as any of its consumers ends (the broker
+/// cancelled it, or the channel closed): a stream that went on without one of its queues
+/// would stop taking that queue's jobs unnoticed, so the caller reopens them all.
 pub struct IncomingStream {
-    consumers: futures_util::stream::SelectAll<Consumer>,
+    consumers: Vec<Consumer>,
+    /// The consumer polled first next time (a rotation, so no queue starves the others).
+    next_poll: usize,
     tags: Vec<lapin::types::ShortString>,
     channel: Channel,
     /// Unique within the process ([`Incoming::stream`]).
@@ -189,7 +193,8 @@ impl IncomingStream {
         }
         let stream = STREAMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
-            consumers: futures_util::stream::select_all(consumers),
+            consumers,
+            next_poll: 0,
             tags,
             channel,
             stream,
@@ -198,7 +203,22 @@ impl IncomingStream {
 
     /// The next delivery; `None` when the consumer was cancelled or the channel closed.
     pub async fn next(&mut self) -> Option<Result<Incoming, BrokerError>> {
-        let item = self.consumers.next().await?;
+        let n = self.consumers.len();
+        let item = std::future::poll_fn(|cx| {
+            for k in 0..n {
+                let i = (self.next_poll + k) % n;
+                match std::pin::Pin::new(&mut self.consumers[i]).poll_next(cx) {
+                    std::task::Poll::Ready(Some(item)) => {
+                        self.next_poll = (i + 1) % n;
+                        return std::task::Poll::Ready(Some(item));
+                    }
+                    std::task::Poll::Ready(None) => return std::task::Poll::Ready(None),
+                    std::task::Poll::Pending => {}
+                }
+            }
+            std::task::Poll::Pending
+        })
+        .await?;
         let stream = self.stream;
         Some(
             item.map(|d| convert(d, stream))

@@ -189,3 +189,33 @@ async fn light_beside_flood(
     }
     env.cleanup().await;
 }
+
+/// The worker's consumer over the work queue and the lanes ends as soon as the broker
+/// cancels any one of its consumers (here: a lane deleted), so the worker reconnects and
+/// consumes every queue again instead of going on without that lane unnoticed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lanes_consumer_ends_when_the_broker_cancels_one_of_its_queues() {
+    let env = Env::sqlite("sharing-cancel").await;
+    let queues = env.topo.names.lane_queues();
+    let mut stream =
+        lastcall_broker::IncomingStream::open_queues(&env.broker, &queues, 4, "lanes-test")
+            .await
+            .unwrap();
+    let conn = lapin::Connection::connect(AMQP, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.queue_delete(
+        queues[3].as_str().into(),
+        lapin::options::QueueDeleteOptions::default(),
+    )
+    .await
+    .unwrap();
+    let ended = tokio::time::timeout(Duration::from_secs(10), stream.next())
+        .await
+        .expect("the stream ended when one of its queues was deleted");
+    assert!(ended.is_none(), "{ended:?}");
+    stream.close().await;
+    let _ = conn.close(200, "bye".into()).await;
+    env.cleanup().await;
+}
