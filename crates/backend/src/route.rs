@@ -483,8 +483,8 @@ mod tests {
         assert_eq!(sim.calls(), 0);
     }
 
-    #[tokio::test]
-    async fn the_routes_model_replaces_the_payloads() {
+    /// The documented table with one [`Recorder`] behind every backend name.
+    fn recording_router() -> (Arc<Recorder>, RoutedBackend) {
         let rec = Arc::new(Recorder {
             models: Default::default(),
             max_tokens: Default::default(),
@@ -499,6 +499,12 @@ mod tests {
             ],
         )
         .unwrap();
+        (rec, router)
+    }
+
+    #[tokio::test]
+    async fn the_routes_model_replaces_the_payloads() {
+        let (rec, router) = recording_router();
         let mut with_model = req("incident.summary", "j1");
         with_model
             .payload
@@ -525,20 +531,7 @@ mod tests {
     /// the cap, a smaller one stays, and a route without a cap passes it on.
     #[tokio::test]
     async fn the_routes_max_tokens_caps_the_payloads() {
-        let rec = Arc::new(Recorder {
-            models: Default::default(),
-            max_tokens: Default::default(),
-        });
-        let r: Arc<dyn Backend> = rec.clone();
-        let router = RoutedBackend::new(
-            table(),
-            [
-                ("openai".to_string(), r.clone()),
-                ("code".into(), r.clone()),
-                ("general".into(), r),
-            ],
-        )
-        .unwrap();
+        let (rec, router) = recording_router();
         for (kind, asked) in [
             ("incident.summary", Some(json!(1_000_000))),
             ("incident.summary", None),
