@@ -708,7 +708,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let mut learned_ms = learned.map(|e| e.quantile_ms);
                 let mut probe = None;
                 if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)
-                    && wk.est.try_probe(key, room, now)
+                    && wk.est.try_probe(key, jobs[j].size, room, now)
                 {
                     probe = Some(room);
                     probes += 1;

@@ -606,8 +606,9 @@ impl ServiceTimes {
 
     /// A job of `key` with `room_ms` for its call is refused by the learned estimate alone
     /// although a slot is free: may it run as a *probe* (half-open), to find out whether
-    /// the estimate is stale? Only when the refusal rests on calls cut at the deadline
-    /// (censored observations: the completed calls alone, if enough, would admit it), when
+    /// the estimate is stale? Only when the refusal rests on calls cut at the deadline, or
+    /// on calls of larger requests than this one (`size`): the completed calls no larger
+    /// than it, if enough, would admit it (cut calls are censored observations), when
     /// no call of the key has been running for over `FIT_CAP` × what the completed calls
     /// take (the server looks stuck now), when fewer than `max_probes` probes of the key
     /// are in flight, and when the waste pacing allows one at `now_ms`. The caller then admits the job without the learned estimate
@@ -615,10 +616,30 @@ impl ServiceTimes {
     /// Without probes, an estimate inflated by a hang refuses every job, and nothing new
     /// is ever learned. A refusal that completed calls justify is never probed: the
     /// promise not to start what cannot finish holds for it.
-    pub fn try_probe(&mut self, key: &str, room_ms: u64, now_ms: i64) -> bool {
+    pub fn try_probe(
+        &mut self,
+        key: &str,
+        size: Option<RequestSize>,
+        room_ms: u64,
+        now_ms: i64,
+    ) -> bool {
         let completed = (self.keys.get(key))
             .and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, false));
-        if completed.is_some_and(|e| e.quantile_ms > room_ms) {
+        // Only the completed calls no larger than this request can justify its refusal:
+        // calls of larger requests say nothing of a smaller one's time, and before the
+        // request-aware fit holds ([`MIN_SIZED`] sized calls) a kind whose first calls were
+        // long would otherwise refuse its short requests for good, learning nothing.
+        let justified = match size.map(|s| s.features()) {
+            None => completed,
+            Some(job) => (self.keys.get(key)).and_then(|w| {
+                let no_larger: VecDeque<Sample> = (w.samples.iter())
+                    .filter(|s| s.size.is_none_or(|f| f[0] <= job[0] && f[1] <= job[1]))
+                    .copied()
+                    .collect();
+                self.summarize(&no_larger, now_ms, EstimateSource::Key, false)
+            }),
+        };
+        if justified.is_some_and(|e| e.quantile_ms > room_ms) {
             return false;
         }
         // A call of the key still running well past what completed calls take: the server
@@ -1500,7 +1521,7 @@ mod tests {
                 let d = call(j);
                 let refused = st.estimate(key, now).is_some_and(|e| e.quantile_ms > room);
                 if refused {
-                    prop_assert!(st.try_probe(key, room, now), "a probe is granted while none runs (call {})", i);
+                    prop_assert!(st.try_probe(key, None, room, now), "a probe is granted while none runs (call {})", i);
                 } else {
                     admitted_normally += 1;
                 }
@@ -1538,7 +1559,7 @@ mod tests {
             let (mut now, mut wasted, mut longest) = (0i64, 0u64, 0u64);
             for &b in budgets.iter().cycle().take(2_000) {
                 now += tick;
-                if st.try_probe(key, b, now) {
+                if st.try_probe(key, None, b, now) {
                     longest = longest.max(b);
                     now += b as i64; // cut at the deadline
                     st.observe_cut(key, b, now);
@@ -1691,7 +1712,7 @@ mod tests {
         // completes within 2.9 s divides the cut calls' weight by 8; two bring the
         // estimate back to the healthy calls.
         for i in 0..2 {
-            assert!(st.try_probe("k", 2_900, 20_000 + i * 200));
+            assert!(st.try_probe("k", None, 2_900, 20_000 + i * 200));
             st.observe("k", 150, 20_150 + i * 200);
             st.probe_ended(
                 "k",
@@ -1712,11 +1733,11 @@ mod tests {
         st.observe_cut("k", 3_000, 2_000);
         let hung = st.call_started("k", 2_000);
         assert!(
-            !st.try_probe("k", 2_900, 2_500),
+            !st.try_probe("k", None, 2_900, 2_500),
             "a call has run 500 ms, calls take 100"
         );
         st.call_ended("k", hung);
-        assert!(st.try_probe("k", 2_900, 2_500));
+        assert!(st.try_probe("k", None, 2_900, 2_500));
     }
 
     #[test]
@@ -1726,11 +1747,51 @@ mod tests {
             st.observe("k", 1_000, i * 1_000);
         }
         // 600 ms of room for calls that complete in 1 s: no probe, whatever the wait.
-        assert!(!st.try_probe("k", 600, 10_000));
-        assert!(!st.try_probe("k", 600, 500_000));
+        assert!(!st.try_probe("k", None, 600, 10_000));
+        assert!(!st.try_probe("k", None, 600, 500_000));
         // With room for them it is not a refusal; the estimator grants, the caller asks
         // only when refused.
-        assert!(st.try_probe("k", 1_000, 10_000));
+        assert!(st.try_probe("k", None, 1_000, 10_000));
+    }
+
+    /// A kind whose first completed calls were all long prompts: before the request-aware
+    /// fit holds, a short request is held to the kind's estimate and refused. The refusal
+    /// rests on larger requests only, so it may run as a probe; a short request of the same
+    /// refusal is never probed once calls of its own size justify it.
+    #[test]
+    fn a_refusal_resting_on_larger_requests_only_is_probed_until_the_fit_holds() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        let long = |t: u64| RequestSize {
+            prompt_tokens: t,
+            max_tokens: None,
+        };
+        for i in 0..5 {
+            st.observe_request("k", 2_800, false, Some(long(1_200)), i * 100);
+        }
+        let short = Some(long(10));
+        let e = st.estimate_for("k", short, 1_000).unwrap();
+        assert!(e.quantile_ms >= 2_800, "held to the kind's estimate: {e:?}");
+        // Without a size, or as large as the calls it rests on, no probe: they justify it.
+        assert!(!st.try_probe("k", None, 2_400, 1_000));
+        assert!(!st.try_probe("k", Some(long(1_200)), 2_400, 1_000));
+        // A short request: probes run, and their completions train the fit.
+        let mut now = 1_000;
+        for _ in 0..MIN_SIZED {
+            assert!(st.try_probe("k", short, 2_400, now), "at {now}");
+            now += 70;
+            st.observe_request("k", 70, false, short, now);
+            st.probe_ended("k", ProbeEnd::Completed { budget_ms: 2_400 }, now);
+        }
+        // Calls of its own size now justify or admit a short request by themselves.
+        let e = st.estimate_for("k", short, now).unwrap();
+        assert!(e.quantile_ms < 2_400, "the fit admits a short request: {e:?}");
+        let slow = |st: &mut ServiceTimes, now| {
+            for i in 0..10 {
+                st.observe_request("k", 2_600, false, Some(long(5)), now + i);
+            }
+        };
+        slow(&mut st, now);
+        assert!(!st.try_probe("k", short, 2_400, now + 20));
     }
 
     #[test]
@@ -1739,23 +1800,23 @@ mod tests {
         let mut st = ServiceTimes::new(c);
         st.observe_cut("k", 3_000, 0);
         for _ in 0..c.max_probes {
-            assert!(st.try_probe("k", 2_900, 10));
+            assert!(st.try_probe("k", None, 2_900, 10));
         }
         assert!(
-            !st.try_probe("k", 2_900, 10),
+            !st.try_probe("k", None, 2_900, 10),
             "at most max_probes in flight"
         );
         st.probe_ended("k", ProbeEnd::Released, 20);
         assert!(
-            st.try_probe("k", 2_900, 20),
+            st.try_probe("k", None, 2_900, 20),
             "a released probe frees its place"
         );
         // A probe cut after 2 s: 38 s of hold at a 5% share.
         st.probe_ended("k", ProbeEnd::Wasted { duration_ms: 2_000 }, 2_020);
         st.probe_ended("k", ProbeEnd::Released, 2_020);
-        assert!(!st.try_probe("k", 2_900, 2_021));
-        assert!(!st.try_probe("k", 2_900, 40_019));
-        assert!(st.try_probe("k", 2_900, 40_020));
+        assert!(!st.try_probe("k", None, 2_900, 2_021));
+        assert!(!st.try_probe("k", None, 2_900, 40_019));
+        assert!(st.try_probe("k", None, 2_900, 40_020));
     }
 
     #[test]

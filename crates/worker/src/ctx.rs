@@ -208,11 +208,17 @@ impl Ctx {
     /// The learned estimate refuses a job of `kind` with `room_ms` for its call although a
     /// slot is free: run it as a probe, without the estimate, if the estimator allows one
     /// now (the refusal rests on cut calls, and the probe pacing).
-    pub(crate) fn try_probe(&self, kind: &str, room_ms: u64, now_ms: i64) -> Option<Probe> {
+    pub(crate) fn try_probe(
+        &self,
+        kind: &str,
+        size: Option<RequestSize>,
+        room_ms: u64,
+        now_ms: i64,
+    ) -> Option<Probe> {
         let key = self.service_key(kind);
         let granted = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-            service.try_probe(&key, room_ms, now_ms)
+            service.try_probe(&key, size, room_ms, now_ms)
         };
         granted.then(|| {
             WorkerStats::inc(&self.stats.probes);

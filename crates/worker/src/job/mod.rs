@@ -82,7 +82,7 @@ impl Job {
     ) -> Option<Estimate> {
         let room = (ctx.cfg.policy).refused_by_learned(env, learned.map(|e| e.quantile_ms), now_ms);
         if let Some(room) = room.filter(|_| self.probe.is_none() && slot_free) {
-            self.probe = ctx.try_probe(env.kind().as_str(), room, now_ms);
+            self.probe = ctx.try_probe(env.kind().as_str(), self.size, room, now_ms);
         }
         if self.probe.is_some() { None } else { learned }
     }
