@@ -276,6 +276,9 @@ struct Job {
     tokens: u64,
     outcome: Option<&'static str>,
     on_time: bool,
+    /// A probe granted at receipt (the room its refusal left), as the worker grants one
+    /// when the learned estimate alone refuses a job while a slot is free.
+    probe: Option<u64>,
 }
 
 struct Worker {
@@ -476,6 +479,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             tokens,
             outcome: None,
             on_time: false,
+            probe: None,
         });
         push(&mut events, at, Ev::Arrive(i));
     }
@@ -538,13 +542,19 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let buffered = workers[w].buffer.iter().find(|(_, x)| **x == j);
                 if let (None, Some((tk, _))) = (jobs[j].outcome, buffered) {
                     let receipt = tk.receipt;
-                    let learned = workers[w]
-                        .learned(key, jobs[j].size, now)
-                        .map(|e| e.quantile_ms);
+                    let learned = match jobs[j].probe {
+                        Some(_) => None,
+                        None => workers[w]
+                            .learned(key, jobs[j].size, now)
+                            .map(|e| e.quantile_ms),
+                    };
                     let latest = policy.latest_start_ms(&jobs[j].env, learned);
                     if now >= latest {
                         workers[w].buffer.remove(receipt);
                         workers[w].held[lane[jobs[j].tenant]] -= 1;
+                        if jobs[j].probe.take().is_some() {
+                            workers[w].est.probe_ended(key, ProbeEnd::Released, now);
+                        }
                         settle(&mut jobs, j, "expired_not_started", false)?;
                     } else {
                         push(&mut events, latest, Ev::Latest(w, j));
@@ -560,6 +570,11 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 crashes += 1;
                 let wk = &mut workers[w];
                 let mut back: Vec<usize> = wk.buffer.drain().into_iter().map(|(_, j)| j).collect();
+                for &j in &back {
+                    if jobs[j].probe.take().is_some() {
+                        wk.est.probe_ended(key, ProbeEnd::Released, now);
+                    }
+                }
                 back.append(&mut wk.running_jobs);
                 back.sort_unstable();
                 server_in_flight -= wk.running;
@@ -638,7 +653,18 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         settle(&mut jobs, j, "expired_before_receive", false)?;
                         continue;
                     }
-                    let learned = wk.learned(key, jobs[j].size, now);
+                    let mut learned = wk.learned(key, jobs[j].size, now);
+                    // As the worker does: refused by the learned estimate alone while a slot
+                    // is free, the job may run as a probe (without the estimate).
+                    if let Some(room) =
+                        policy.refused_by_learned(&jobs[j].env, learned.map(|e| e.quantile_ms), now)
+                        && wk.free > 0
+                        && wk.est.try_probe(key, jobs[j].size, room, now)
+                    {
+                        jobs[j].probe = Some(room);
+                        probes += 1;
+                        learned = None;
+                    }
                     let own_mean = learned.map_or(0, |e| e.mean_ms);
                     receipts += 1;
                     let ticket = Ticket {
@@ -685,6 +711,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     };
                     match receipt {
                         Receipt::Settle(_) => {
+                            if jobs[j].probe.take().is_some() {
+                                wk.est.probe_ended(key, ProbeEnd::Released, now);
+                            }
                             settle(&mut jobs, j, "expired_not_started", false)?;
                         }
                         Receipt::WaitForSlot => {
@@ -706,8 +735,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 };
                 let learned = wk.learned(key, jobs[j].size, now);
                 let mut learned_ms = learned.map(|e| e.quantile_ms);
-                let mut probe = None;
-                if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)
+                let mut probe = jobs[j].probe.take();
+                if probe.is_some() {
+                    learned_ms = None;
+                } else if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)
                     && wk.est.try_probe(key, jobs[j].size, room, now)
                 {
                     probe = Some(room);
