@@ -32,10 +32,26 @@ use std::time::Duration;
 use tokio::task::JoinSet;
 use tokio_util::sync::CancellationToken;
 
+/// One tenant's figures in a run with `--tenants`.
+#[derive(Debug, Clone, Default, Serialize)]
+struct TenantRow {
+    name: String,
+    /// Jobs offered (published, shed at the door, or refused by the publisher).
+    offered: u64,
+    shed_at_door: u64,
+    on_time: u64,
+    /// `on_time ÷ offered`.
+    on_time_share: f64,
+}
+
 /// The run's fixed settings, printed and serialised with the results.
 #[derive(Debug, Clone, Serialize)]
 struct Setup {
     slots: usize,
+    /// Workers, each with `slots`.
+    workers: usize,
+    /// `--tenants`, as given.
+    tenants: Option<String>,
     /// Call durations, drawn per job (`fixed:200`, `lognormal:200,0.6`).
     service: String,
     mean_service_ms: f64,
@@ -110,6 +126,11 @@ struct PolicyResult {
     dispatch: Percentiles,
     /// On-time completions per second of the run (by `finished_at_ms`).
     on_time_per_s: Vec<u64>,
+    /// With `--tenants`: each tenant's figures, in the order given.
+    tenants: Vec<TenantRow>,
+    /// With two or more tenants: Jain's index over on-time ÷ max-min fair share (demand:
+    /// the jobs offered, shed at the door or not).
+    jain: Option<f64>,
 }
 
 pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
@@ -119,11 +140,12 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         a.service = a.service.smoke();
     }
     if a.slots == 0
+        || a.workers == 0
         || a.duration_s <= 0.0
         || a.overload.iter().any(|o| *o <= 0.0)
         || a.deadline_ms.contains(&0)
     {
-        bail!("--slots, --overload, --deadline-ms and --duration-s must be positive");
+        bail!("--slots, --workers, --overload, --deadline-ms and --duration-s must be positive");
     }
     let prefetch = a
         .prefetch
@@ -158,7 +180,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         (None, Some(m)) => m,
         (None, None) => bail!("no mean call time for {}", a.service),
     };
-    let capacity = a.slots as f64 * 1000.0 / mean_ms;
+    let capacity = (a.workers * a.slots) as f64 * 1000.0 / mean_ms;
     let mut orders = a.order.clone();
     orders.dedup();
     let deadline_runs: Vec<(String, DispatchPolicy, BufferOrder)> = orders
@@ -192,8 +214,20 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     let mut celery_results = Vec::new();
     let (mut celery_system, mut celery_prefetch) = (String::new(), 0);
     for &overload in &a.overload {
+        let tenants = match &a.tenants {
+            Some(spec) => crate::sim::parse_tenants(spec, overload)?,
+            None => Vec::new(),
+        };
+        // Named tenants' rates are their own; `zipf:N` sums to this overload.
+        let overload = if tenants.is_empty() {
+            overload
+        } else {
+            tenants.iter().map(|t| t.rate).sum()
+        };
         let setup = Setup {
             slots: a.slots,
+            workers: a.workers,
+            tenants: a.tenants.clone(),
             service: a.service.to_string(),
             mean_service_ms: mean_ms,
             capacity_per_s: capacity,
@@ -215,13 +249,22 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         };
         if !a.json {
             println!(
-                "bench goodput: {} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
+                "bench goodput: {}{} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×{}) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
+                if setup.workers > 1 {
+                    format!("{} workers × ", setup.workers)
+                } else {
+                    String::new()
+                },
                 setup.slots,
                 setup.service,
                 mean_ms,
                 capacity,
                 setup.arrival_per_s,
                 setup.overload,
+                match &setup.tenants {
+                    Some(t) => format!(", tenants {t}"),
+                    None => String::new(),
+                },
                 setup.duration_s,
                 deadlines_label(&setup.deadline_ms),
                 match setup.min_runtime_ms {
@@ -244,7 +287,9 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         }
         for (name, policy, order) in &policies {
             let backend = model.as_ref().map(|m| m.backend.clone());
-            results.push(run_policy(env, &a, &setup, name, (*policy, *order), backend).await?);
+            results.push(
+                run_policy(env, &a, &setup, &tenants, name, (*policy, *order), backend).await?,
+            );
         }
         if let Some(plan) = &celery_plan {
             if !a.json {
@@ -312,6 +357,37 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     println!();
     for r in &runs {
         println!("{}", r.summary());
+    }
+    for r in &results {
+        if r.tenants.len() < 2 {
+            continue;
+        }
+        println!();
+        println!(
+            "{} at {}×, per tenant (the first 20):",
+            r.policy, r.overload
+        );
+        let rows: Vec<Vec<String>> = (r.tenants.iter().take(20))
+            .map(|t| {
+                vec![
+                    t.name.clone(),
+                    t.offered.to_string(),
+                    t.shed_at_door.to_string(),
+                    t.on_time.to_string(),
+                    format!("{:.1}%", t.on_time_share * 100.0),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            (env.table)(
+                &["tenant", "offered", "shed", "on_time", "of_its_offered"],
+                &rows
+            )
+        );
+        if let Some(j) = r.jain {
+            println!("Jain's fairness index (on time ÷ max-min fair share): {j:.3}");
+        }
     }
     if let Some(p) = &celery_plan {
         println!(
@@ -479,10 +555,12 @@ impl Run<'_> {
     }
 }
 
+#[allow(clippy::too_many_arguments)]
 async fn run_policy(
     env: &Env,
     a: &GoodputArgs,
     setup: &Setup,
+    tenants: &[crate::sim::TenantSpec],
     name: &str,
     (policy, order): (DispatchPolicy, BufferOrder),
     model: Option<Arc<dyn Backend>>,
@@ -504,6 +582,10 @@ async fn run_policy(
     let ledger = crate::open_ledger(&ledger_url).await?;
     let mut cfg = WorkerConfig::new(&prefix, setup.slots);
     cfg.name = format!("bench-{name}");
+    cfg.tenant_weights = (tenants.iter())
+        .filter(|t| t.weight != 1)
+        .map(|t| (t.name.clone(), t.weight))
+        .collect();
     cfg.prefetch = setup.prefetch;
     cfg.shutdown_grace = Duration::from_secs(5);
     cfg.policy.dispatch = policy;
@@ -527,17 +609,24 @@ async fn run_policy(
         Some(m) => m.clone(),
         None => sim.clone(),
     };
-    let worker = Worker::build(
-        cfg,
-        Broker::connect(&env.amqp_url).await?,
-        ledger.clone(),
-        backend,
-        clock.clone(),
-        Arc::new(WorkerStats::default()),
-    )
-    .await?;
     let stop = CancellationToken::new();
-    let worker_task = tokio::spawn(worker.run(stop.clone()));
+    let mut worker_tasks = Vec::new();
+    for k in 0..setup.workers {
+        let mut cfg = cfg.clone();
+        if setup.workers > 1 {
+            cfg.name = format!("bench-{name}-{k}");
+        }
+        let worker = Worker::build(
+            cfg,
+            Broker::connect(&env.amqp_url).await?,
+            ledger.clone(),
+            backend.clone(),
+            clock.clone(),
+            Arc::new(WorkerStats::default()),
+        )
+        .await?;
+        worker_tasks.push(tokio::spawn(worker.run(stop.clone())));
+    }
     let dlq_task = crate::spawn_dead_letters(
         Broker::connect(&env.amqp_url).await?,
         ledger.clone(),
@@ -582,6 +671,14 @@ async fn run_policy(
     // The last deadline of any job offered, shed at the door or not: the window (and so
     // the capacity bound) covers the whole offered load.
     let mut offered_until = first_ms;
+    // Each job's tenant, drawn by rate.
+    let cum: Vec<f64> = (tenants.iter())
+        .scan(0.0, |s, t| {
+            *s += t.rate;
+            Some(*s)
+        })
+        .collect();
+    let mut who = Vec::with_capacity(total as usize);
     for i in 0..total {
         tick.tick().await;
         let deadline_ms = setup.deadline_ms[rand::random_range(0..setup.deadline_ms.len())];
@@ -602,8 +699,27 @@ async fn run_policy(
         let sub = submitter.clone();
         let now = env.clock.now_ms();
         offered_until = offered_until.max(now + deadline_ms as i64);
+        let tenant = (!tenants.is_empty()).then(|| {
+            let x = rand::random::<f64>() * cum[cum.len() - 1];
+            cum.partition_point(|c| *c <= x).min(tenants.len() - 1)
+        });
+        who.push(tenant.unwrap_or(0));
+        let named = tenant.map(|k| {
+            let t = &tenants[k];
+            let tenant = lastcall_core::Tenant::parse(&t.name).expect("parse_tenants checked it");
+            (tenant, t.priority)
+        });
         pubs.spawn(async move {
-            let r = sub.submit(&job, now).await;
+            let r = match named {
+                None => sub.submit(&job, now).await,
+                Some((tenant, priority)) => match sub.envelope(&job, now) {
+                    Ok(e) => {
+                        let e = e.with_tenant(tenant).with_priority(priority);
+                        sub.submit_envelope(&e, None, now).await
+                    }
+                    Err(e) => Err(e),
+                },
+            };
             (
                 i,
                 r.is_ok(),
@@ -615,11 +731,25 @@ async fn run_policy(
     // Wait for every confirm; a refused publish is an error of the run, not a job.
     let mut failed = std::collections::HashSet::new();
     let mut shed_at_door = 0u64;
+    let mut rows: Vec<TenantRow> = (tenants.iter())
+        .map(|t| TenantRow {
+            name: t.name.clone(),
+            ..TenantRow::default()
+        })
+        .collect();
+    for &k in &who {
+        if let Some(row) = rows.get_mut(k) {
+            row.offered += 1;
+        }
+    }
     while let Some(r) = pubs.join_next().await {
         let (i, ok, shed) = r?;
         if !ok {
             failed.insert(i);
             shed_at_door += u64::from(shed);
+            if let (true, Some(row)) = (shed, rows.get_mut(who[i as usize])) {
+                row.shed_at_door += 1;
+            }
         }
     }
     let submit_errors = failed.len() as u64 - shed_at_door;
@@ -653,7 +783,9 @@ async fn run_policy(
     }
     bar.finish_and_clear();
     stop.cancel();
-    let _ = worker_task.await;
+    for t in worker_tasks {
+        let _ = t.await;
+    }
     let _ = dlq_task.await;
     let _ = topo.delete(&broker).await;
     broker.close().await;
@@ -695,6 +827,10 @@ async fn run_policy(
         if r.state == "completed" {
             if in_time {
                 on_time += 1;
+                let i = (r.job_id.rsplit('-').next()).and_then(|i| i.parse::<usize>().ok());
+                if let Some(row) = i.and_then(|i| who.get(i)).and_then(|&k| rows.get_mut(k)) {
+                    row.on_time += 1;
+                }
                 let f = r.finished_at_ms.unwrap_or(first_ms);
                 let b = (((f - first_ms).max(0)) / 1000) as usize;
                 if b < per_s.len() {
@@ -724,11 +860,23 @@ async fn run_policy(
             }
         }
     }
+    for row in &mut rows {
+        row.on_time_share = row.on_time as f64 / row.offered.max(1) as f64;
+    }
+    let jain = (rows.len() > 1).then(|| {
+        let demands: Vec<f64> = rows.iter().map(|r| r.offered as f64).collect();
+        let fair = crate::sim::max_min_shares(&demands, on_time as f64);
+        let x: Vec<f64> = (rows.iter().zip(&fair))
+            .filter(|(_, f)| **f > 0.0)
+            .map(|(r, f)| r.on_time as f64 / f)
+            .collect();
+        crate::sim::jain(&x)
+    });
     // Shed jobs were offered too: they count towards the bound like published ones.
     let bound =
         (setup.capacity_per_s * window_s).min((submitted.len() as u64 + shed_at_door) as f64);
     let mean_call_ms = model_ms as f64 / calls_ledger.max(1) as f64;
-    let slot_ms = setup.slots as f64 * window_s * 1000.0;
+    let slot_ms = (setup.workers * setup.slots) as f64 * window_s * 1000.0;
     let bound_at_mean =
         (slot_ms / mean_call_ms.max(1.0)).min((submitted.len() as u64 + shed_at_door) as f64);
     Ok(PolicyResult {
@@ -765,6 +913,8 @@ async fn run_policy(
         wasted_calls: wasted,
         dispatch: Percentiles::from_us(dispatch_us),
         on_time_per_s: per_s,
+        tenants: rows,
+        jain,
     })
 }
 

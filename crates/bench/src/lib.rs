@@ -225,6 +225,16 @@ pub struct GoodputArgs {
     /// Do not write the SVG chart
     #[arg(long)]
     pub no_svg: bool,
+    /// Tenants and their arrival rates, as `bench sim --tenants`:
+    /// `NAME:RATE[:WEIGHT[:PRIORITY]],…` (rates as multiples of the capacity; their sum
+    /// replaces --overload), or `zipf:N` for N tenants with Zipf-distributed rates summing
+    /// to each --overload. Each job names its tenant (and tier) and waits in its lane; the
+    /// workers get the weights. Per-tenant figures and Jain's index follow the table
+    #[arg(long, value_name = "SPEC")]
+    pub tenants: Option<String>,
+    /// Workers sharing the queues, each with --slots (in this process, one ledger)
+    #[arg(long, default_value_t = 1)]
+    pub workers: usize,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,

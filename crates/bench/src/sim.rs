@@ -100,15 +100,15 @@ pub struct SimArgs {
 
 /// One tenant of `--tenants`.
 #[derive(Debug, Clone)]
-struct TenantSpec {
-    name: String,
+pub(crate) struct TenantSpec {
+    pub(crate) name: String,
     /// Arrivals as a multiple of the capacity.
-    rate: f64,
-    weight: u32,
-    priority: Priority,
+    pub(crate) rate: f64,
+    pub(crate) weight: u32,
+    pub(crate) priority: Priority,
 }
 
-fn parse_tenants(spec: &str, overload: f64) -> Result<Vec<TenantSpec>> {
+pub(crate) fn parse_tenants(spec: &str, overload: f64) -> Result<Vec<TenantSpec>> {
     if let Some(n) = spec.strip_prefix("zipf:") {
         let n: usize = n
             .trim()
@@ -174,7 +174,7 @@ fn policy_for(order: &str, tenants: &[TenantSpec]) -> Result<Box<dyn Policy>> {
 }
 
 /// Max-min fair shares of `capacity` among `demands` (water-filling).
-fn max_min_shares(demands: &[f64], capacity: f64) -> Vec<f64> {
+pub(crate) fn max_min_shares(demands: &[f64], capacity: f64) -> Vec<f64> {
     let mut order: Vec<usize> = (0..demands.len()).collect();
     order.sort_by(|&a, &b| demands[a].total_cmp(&demands[b]));
     let mut out = vec![0.0; demands.len()];
@@ -188,7 +188,7 @@ fn max_min_shares(demands: &[f64], capacity: f64) -> Vec<f64> {
 }
 
 /// Jain's fairness index of `x` (1 = all equal).
-fn jain(x: &[f64]) -> f64 {
+pub(crate) fn jain(x: &[f64]) -> f64 {
     let (sum, sq) = x.iter().fold((0.0, 0.0), |(s, q), v| (s + v, q + v * v));
     if sq == 0.0 {
         1.0

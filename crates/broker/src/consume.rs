@@ -124,8 +124,9 @@ impl Settler {
 /// would stop taking that queue's jobs unnoticed, so the caller reopens them all.
 pub struct IncomingStream {
     consumers: Vec<Consumer>,
-    /// The consumer polled first next time (a rotation, so no queue starves the others).
-    next_poll: usize,
+    /// One delivery taken from each consumer ahead of time: the stream yields the one
+    /// with the lowest delivery tag, so deliveries leave in the channel's order.
+    ahead: Vec<Option<lapin::message::Delivery>>,
     tags: Vec<lapin::types::ShortString>,
     channel: Channel,
     /// Unique within the process ([`Incoming::stream`]).
@@ -193,30 +194,47 @@ impl IncomingStream {
         }
         let stream = STREAMS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
         Ok(Self {
+            ahead: consumers.iter().map(|_| None).collect(),
             consumers,
-            next_poll: 0,
             tags,
             channel,
             stream,
         })
     }
 
-    /// The next delivery; `None` when the consumer was cancelled or the channel closed.
+    /// The next delivery, in delivery-tag order across the channel's consumers; `None`
+    /// when a consumer was cancelled or the channel closed.
+    ///
+    /// The order matters: the worker's ack plan takes deliveries in tag order, and a
+    /// `multiple` ack settles every delivery up to its tag on the channel — taking the
+    /// consumers in rotation once let a higher tag of one lane be registered before a
+    /// lower one still waiting in another lane's consumer, which a `multiple` ack could
+    /// then settle before its job was recorded. lapin hands each consumer its deliveries
+    /// as the channel's frames arrive, in order, so once every consumer without a
+    /// delivery taken ahead has been polled empty, the lowest tag taken ahead is the
+    /// lowest not yet yielded.
     pub async fn next(&mut self) -> Option<Result<Incoming, BrokerError>> {
-        let n = self.consumers.len();
         let item = std::future::poll_fn(|cx| {
-            for k in 0..n {
-                let i = (self.next_poll + k) % n;
-                match std::pin::Pin::new(&mut self.consumers[i]).poll_next(cx) {
-                    std::task::Poll::Ready(Some(item)) => {
-                        self.next_poll = (i + 1) % n;
-                        return std::task::Poll::Ready(Some(item));
+            for (consumer, ahead) in self.consumers.iter_mut().zip(self.ahead.iter_mut()) {
+                if ahead.is_some() {
+                    continue;
+                }
+                match std::pin::Pin::new(consumer).poll_next(cx) {
+                    std::task::Poll::Ready(Some(Ok(d))) => *ahead = Some(d),
+                    std::task::Poll::Ready(Some(Err(e))) => {
+                        return std::task::Poll::Ready(Some(Err(e)));
                     }
                     std::task::Poll::Ready(None) => return std::task::Poll::Ready(None),
                     std::task::Poll::Pending => {}
                 }
             }
-            std::task::Poll::Pending
+            let lowest = (self.ahead.iter().enumerate())
+                .filter_map(|(i, d)| d.as_ref().map(|d| (d.delivery_tag, i)))
+                .min();
+            match lowest {
+                Some((_, i)) => std::task::Poll::Ready(self.ahead[i].take().map(Ok)),
+                None => std::task::Poll::Pending,
+            }
         })
         .await?;
         let stream = self.stream;

@@ -219,3 +219,57 @@ async fn the_lanes_consumer_ends_when_the_broker_cancels_one_of_its_queues() {
     let _ = conn.close(200, "bye".into()).await;
     env.cleanup().await;
 }
+
+/// Deliveries from the lanes leave the consumer in delivery-tag order, whatever queue
+/// they come from: the worker's ack plan needs them in that order (a `multiple` ack
+/// settles every delivery up to its tag on the channel). Taking the queues' consumers in
+/// rotation once handed a higher tag of one lane ahead of a lower one of another.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_lanes_consumer_yields_deliveries_in_tag_order() {
+    let env = Env::sqlite("sharing-order").await;
+    let queues = env.topo.names.lane_queues();
+    let conn = lapin::Connection::connect(AMQP, lapin::ConnectionProperties::default())
+        .await
+        .unwrap();
+    let ch = conn.create_channel().await.unwrap();
+    ch.confirm_select(lapin::options::ConfirmSelectOptions::default())
+        .await
+        .unwrap();
+    let per_queue = 6;
+    for i in 0..per_queue {
+        for q in &queues {
+            ch.basic_publish(
+                "".into(),
+                q.as_str().into(),
+                lapin::options::BasicPublishOptions::default(),
+                format!("{q}-{i}").as_bytes(),
+                lapin::BasicProperties::default(),
+            )
+            .await
+            .unwrap()
+            .await
+            .unwrap();
+        }
+    }
+    let mut stream =
+        lastcall_broker::IncomingStream::open_queues(&env.broker, &queues, 4, "order-test")
+            .await
+            .unwrap();
+    // With a window of 4 per consumer the broker sends 4 of each queue's 6 at once.
+    let mut tags = Vec::new();
+    while tags.len() < 4 * queues.len() {
+        let d = tokio::time::timeout(Duration::from_secs(10), stream.next())
+            .await
+            .expect("a delivery within 10 s")
+            .expect("the stream is open")
+            .unwrap();
+        tags.push(d.delivery_tag);
+    }
+    assert!(
+        tags.windows(2).all(|w| w[0] < w[1]),
+        "tags out of order: {tags:?}"
+    );
+    stream.close().await;
+    let _ = conn.close(200, "bye".into()).await;
+    env.cleanup().await;
+}
