@@ -212,7 +212,7 @@ impl Backend for RoutedBackend {
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
-        self.routed(req, cancel, None)
+        self.routed(req, cancel, None, None)
     }
 
     fn call_streaming(
@@ -221,7 +221,17 @@ impl Backend for RoutedBackend {
         cancel: CancellationToken,
         deltas: crate::Deltas,
     ) -> CallFuture<'_> {
-        self.routed(req, cancel, Some(deltas))
+        self.routed(req, cancel, Some(deltas), None)
+    }
+
+    fn call_with(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<crate::Deltas>,
+        limits: Option<crate::LimitSink>,
+    ) -> CallFuture<'_> {
+        self.routed(req, cancel, deltas, limits)
     }
 }
 
@@ -231,6 +241,7 @@ impl RoutedBackend {
         mut req: CallRequest,
         cancel: CancellationToken,
         deltas: Option<crate::Deltas>,
+        limits: Option<crate::LimitSink>,
     ) -> CallFuture<'_> {
         let Some(route) = self.table.resolve(&req.kind) else {
             let kind = req.kind.clone();
@@ -263,10 +274,7 @@ impl RoutedBackend {
                 req.payload.insert("max_tokens".into(), cap.into());
             }
         }
-        match deltas {
-            Some(d) => backend.call_streaming(req, cancel, d),
-            None => backend.call(req, cancel),
-        }
+        backend.call_with(req, cancel, deltas, limits)
     }
 }
 
