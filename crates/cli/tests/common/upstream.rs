@@ -31,6 +31,9 @@ pub struct Upstream {
     pub in_flight: AtomicU64,
     /// When each request arrived.
     pub arrivals: Mutex<Vec<Instant>>,
+    /// Extra header lines (each ending in `\r\n`) sent with every answer, e.g. the
+    /// `x-ratelimit-*` headers of a rate-limited server ([`Upstream::set_headers`]).
+    pub headers: Mutex<String>,
 }
 
 impl Upstream {
@@ -44,6 +47,24 @@ impl Upstream {
 
     pub fn set(&self, phase: u8) {
         self.phase.store(phase, Ordering::SeqCst);
+    }
+
+    /// Send these headers (`name: value` pairs) with every answer from now on.
+    pub fn set_headers(&self, headers: &[(&str, &str)]) {
+        let lines: String = (headers.iter())
+            .map(|(n, v)| format!("{n}: {v}\r\n"))
+            .collect();
+        *self.headers.lock().unwrap() = lines;
+    }
+
+    /// OpenAI's request-limit headers: `limit` per minute, `remaining` until `reset`.
+    pub fn set_request_limit(&self, limit: u64, remaining: u64, reset: &str) {
+        let (limit, remaining) = (limit.to_string(), remaining.to_string());
+        self.set_headers(&[
+            ("x-ratelimit-limit-requests", &limit),
+            ("x-ratelimit-remaining-requests", &remaining),
+            ("x-ratelimit-reset-requests", reset),
+        ]);
     }
 }
 
@@ -88,10 +109,11 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
     }
     let n = up.requests.fetch_add(1, Ordering::SeqCst);
     up.arrivals.lock().unwrap().push(Instant::now());
+    let headers = up.headers.lock().unwrap().clone();
     let error = |status: u16, text: &str, extra: &str| {
         let body = r#"{"error":{"message":"the model is busy"}}"#;
         format!(
-            "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\n{extra}{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
     };
@@ -133,7 +155,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             let last = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
             let body = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
             let resp = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
             );
             sock.write_all(resp.as_bytes()).await?;
