@@ -345,6 +345,65 @@ mod tests {
         }
     }
 
+    /// A backend whose responses carry rate-limit headers: it hands them to the sink.
+    struct Limited;
+
+    impl Backend for Limited {
+        fn name(&self) -> &str {
+            "limited"
+        }
+        fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+            self.call_with(req, cancel, None, None)
+        }
+        fn call_with(
+            &self,
+            _req: CallRequest,
+            _cancel: CancellationToken,
+            _deltas: Option<crate::Deltas>,
+            limits: Option<crate::LimitSink>,
+        ) -> CallFuture<'_> {
+            if let Some(sink) = limits {
+                sink.send(crate::Observed {
+                    requests: Some(crate::rate_limit::Window {
+                        limit: Some(3),
+                        remaining: 2,
+                        reset_ms: 20_000,
+                    }),
+                    tokens: None,
+                });
+            }
+            Box::pin(async { Ok(crate::CallOutput::default()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn the_router_passes_each_calls_limit_sink_to_its_backend() {
+        let limited: Arc<dyn Backend> = Arc::new(Limited);
+        let router = RoutedBackend::new(
+            table(),
+            [
+                ("general".to_string(), limited.clone()),
+                ("code".into(), limited.clone()),
+                ("openai".into(), limited),
+            ],
+        )
+        .unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = {
+            let seen = seen.clone();
+            crate::LimitSink::new(move |o| seen.lock().unwrap().push(o))
+        };
+        let req = req("code.lint", "j");
+        let cancel = CancellationToken::new();
+        router
+            .call_with(req, cancel, None, Some(sink))
+            .await
+            .unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].requests.map(|w| w.remaining), Some(2));
+    }
+
     #[test]
     fn resolution_order_is_exact_then_longest_prefix_then_default() {
         let t = table();

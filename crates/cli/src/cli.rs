@@ -1176,3 +1176,36 @@ pub struct ServeArgs {
     #[command(flatten)]
     pub topology: TopologyArgs,
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lastcall_core::rate_limit::Limits;
+
+    #[test]
+    fn rate_limits_name_a_backend_and_its_limits() {
+        assert_eq!(
+            parse_rate_limit("openai:rpm=60,tpm=90000"),
+            Ok((
+                "openai".to_owned(),
+                Limits {
+                    requests_per_minute: Some(60),
+                    tokens_per_minute: Some(90_000),
+                }
+            ))
+        );
+        assert_eq!(
+            parse_rate_limit("code:tpm=1000").map(|(_, l)| l.requests_per_minute),
+            Ok(None)
+        );
+        for bad in [
+            "openai",
+            ":rpm=1",
+            "openai:",
+            "openai:rpm=0",
+            "openai:qps=3",
+        ] {
+            assert!(parse_rate_limit(bad).is_err(), "{bad}");
+        }
+    }
+}
