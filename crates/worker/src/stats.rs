@@ -713,6 +713,8 @@ mod tests {
         let stats = Arc::new(WorkerStats::default());
         WorkerStats::inc(&stats.received);
         WorkerStats::add(&stats.waiting, 3);
+        WorkerStats::inc(&stats.rate_limited);
+        WorkerStats::add(&stats.rate_limit_waiting, 2);
         stats.count_state("completed");
         for i in 0..100 {
             let kind = format!("kind-{i}");
@@ -730,6 +732,10 @@ mod tests {
             "lastcall_worker_received_total 1",
             "# TYPE lastcall_worker_jobs_waiting gauge",
             "lastcall_worker_jobs_waiting 3",
+            "# TYPE lastcall_worker_rate_limited_total counter",
+            "lastcall_worker_rate_limited_total 1",
+            "# TYPE lastcall_worker_jobs_waiting_for_rate_limit gauge",
+            "lastcall_worker_jobs_waiting_for_rate_limit 2",
             "lastcall_outcomes_total{state=\"completed\",kind=\"kind-0\",reason=\"\"} 1",
             "lastcall_outcomes_total{state=\"completed\",kind=\"other\",reason=\"\"} 68",
             "lastcall_outcomes_total{state=\"rejected\",kind=\"invalid\",reason=\"format\"} 1",
