@@ -9,9 +9,10 @@
 //! - Configured limits (`--rate-limit openai:rpm=N,tpm=N`): the burst the limit allows goes
 //!   out, the job past it ends `admission:rate_limited`, and a request larger than the
 //!   tokens per minute never gets a permit.
-//! - A 429 with `Retry-After` and rate-limit headers: retried no earlier than it asked and
-//!   completed inside the budget; one whose budget cannot cover it ends at once
-//!   (`retry:rate_limited`).
+//! - A 429 with `Retry-After`: the backend is held that long, so jobs that cannot wait end
+//!   at once without a call (`admission:rate_limited`); the refused job is retried no
+//!   earlier than it asked and completes inside its budget; one whose budget cannot cover
+//!   it ends at once (`retry:rate_limited`).
 
 mod common;
 
@@ -179,7 +180,7 @@ async fn configured_limits_allow_their_burst_and_refuse_the_rest_without_a_call(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_429_with_retry_after_and_rate_limit_headers_is_retried_after_it_or_ends_at_once() {
+async fn a_429_with_retry_after_holds_the_backend_and_is_retried_after_it_or_ends_at_once() {
     let up = Arc::new(Upstream::default());
     let (base, server) = up.start().await;
     let env = Env::sqlite("rate-429").await;
@@ -187,22 +188,39 @@ async fn a_429_with_retry_after_and_rate_limit_headers_is_retried_after_it_or_en
     let w = env.start_worker(cfg, openai(&base), system_clock()).await;
     let s = env.submitter(100, true).await;
 
-    // 429, Retry-After: 2, and no request left for 2 s.
+    // 429 with Retry-After: 8. A job with 1.5 s cannot wait 8 s: it ends at once after
+    // its one call.
+    up.retry_after_s.store(8, Ordering::SeqCst);
     up.set(LIMITED);
-    up.set_request_limit(600, 0, "2s");
-    // A job with 1.5 s cannot wait 2 s: it ends at once after its one call.
     let tight = submit_all(&s, "tight", 1, 1_500).await;
     let recs = env.wait_terminal(&tight, Duration::from_secs(10)).await;
     assert_eq!(recs[0].state, "expired_not_started", "{recs:#?}");
     assert_eq!(recs[0].reason.as_deref(), Some("retry:rate_limited"));
-    assert!(recs[0].finished_at_ms.unwrap() < recs[0].expires_at_ms.unwrap() - 500);
+    assert!(recs[0].recorded_at_ms.unwrap() < recs[0].expires_at_ms.unwrap() - 500);
+    assert_eq!(up.requests.load(Ordering::SeqCst), 1);
 
-    // A job with 20 s: retried no earlier than 2 s after the 429, and completed.
+    // The 429 said: no request for 8 s. Jobs with 3 s end at once, without a call.
+    let short = submit_all(&s, "short", 2, 3_000).await;
+    let recs = env.wait_terminal(&short, Duration::from_secs(10)).await;
+    for r in &recs {
+        assert_eq!(r.state, "expired_not_started", "{r:#?}");
+        assert_eq!(r.reason.as_deref(), Some("admission:rate_limited"));
+        assert_eq!((r.backend_calls, r.started_at_ms), (0, None), "{r:#?}");
+    }
+    assert_eq!(up.requests.load(Ordering::SeqCst), 1, "no call while held");
+    assert_eq!(rate_limited(&w.stats), 2);
+
+    // A job with 25 s waits out the hold, is refused again (Retry-After: 2, and the
+    // headers: none left for 2 s), retried no earlier than 2 s later, and completes.
+    up.retry_after_s.store(2, Ordering::SeqCst);
+    up.set_request_limit(600, 0, "2s");
     let n0 = up.requests.load(Ordering::SeqCst);
-    let roomy = submit_all(&s, "roomy", 1, 20_000).await;
-    until("the first call", Duration::from_secs(10), || {
-        up.requests.load(Ordering::SeqCst) > n0
-    })
+    let roomy = submit_all(&s, "roomy", 1, 25_000).await;
+    until(
+        "the roomy job's first call",
+        Duration::from_secs(15),
+        || up.requests.load(Ordering::SeqCst) > n0,
+    )
     .await;
     up.set(HEALTHY);
     up.set_headers(&[]);

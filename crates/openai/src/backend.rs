@@ -120,7 +120,7 @@ impl OpenAiBackend {
         // What the server says of its rate limits, on successes and refusals alike.
         if let Some(sink) = &limits {
             let headers = response.headers();
-            sink.send(crate::ratelimit::parse_headers(|name| {
+            sink.send(crate::ratelimit::from_response(status.as_u16(), |name| {
                 headers.get(name).and_then(|v| v.to_str().ok())
             }));
         }

@@ -5,6 +5,11 @@
 //! `x-ratelimit-reset-requests`, and the same with `-tokens`. A reset is a Go-style
 //! duration (`1s`, `6m0s`, `20ms`, `1h2m3.5s`) or plain seconds (`0.5`). A part is kept only
 //! when its `remaining` and `reset` both parse; the limit is optional.
+//!
+//! A 429 with `Retry-After` says the same in other words: no request until then. It
+//! becomes a requests window with nothing remaining for that long ([`from_response`]), so
+//! the worker sends no other call to the server before it (and a job that cannot wait that
+//! long ends without a call, `admission:rate_limited`).
 
 use lastcall_backend::rate_limit::{Observed, Window};
 
@@ -25,6 +30,29 @@ pub fn parse_headers<'a>(header: impl Fn(&str) -> Option<&'a str>) -> Observed {
         requests: window("requests"),
         tokens: window("tokens"),
     }
+}
+
+/// [`parse_headers`] for a response of `status`: a 429 with a `Retry-After` (seconds)
+/// also holds requests for that long (the longer of it and the headers' reset).
+pub fn from_response<'a>(status: u16, header: impl Fn(&str) -> Option<&'a str>) -> Observed {
+    let mut o = parse_headers(&header);
+    let retry_after_ms = (status == 429)
+        .then(|| header("retry-after").and_then(crate::classify::parse_retry_after))
+        .flatten()
+        .map(|d| u64::try_from(d.as_millis()).unwrap_or(u64::MAX));
+    if let Some(ra) = retry_after_ms.filter(|ms| *ms > 0) {
+        let w = o.requests.unwrap_or(Window {
+            limit: None,
+            remaining: 0,
+            reset_ms: 0,
+        });
+        o.requests = Some(Window {
+            remaining: 0,
+            reset_ms: w.reset_ms.max(ra),
+            ..w
+        });
+    }
+    o
 }
 
 fn parse_count(v: &str) -> Option<u64> {
@@ -122,6 +150,39 @@ mod tests {
                 limit: Some(150_000),
                 remaining: 149_984,
                 reset_ms: 360_000
+            })
+        );
+    }
+
+    #[test]
+    fn a_429_with_retry_after_holds_requests_for_that_long() {
+        let h: HashMap<&str, &str> = [("retry-after", "2")].into();
+        let o = from_response(429, |n| h.get(n).copied());
+        assert_eq!(
+            o.requests,
+            Some(Window {
+                limit: None,
+                remaining: 0,
+                reset_ms: 2_000
+            })
+        );
+        // A 503's Retry-After is the circuit breaker's business, not a rate limit.
+        assert!(from_response(503, |n| h.get(n).copied()).is_empty());
+        // With headers: nothing remaining, until the later of the two.
+        let h: HashMap<&str, &str> = [
+            ("retry-after", "2"),
+            ("x-ratelimit-limit-requests", "60"),
+            ("x-ratelimit-remaining-requests", "3"),
+            ("x-ratelimit-reset-requests", "5s"),
+        ]
+        .into();
+        let o = from_response(429, |n| h.get(n).copied());
+        assert_eq!(
+            o.requests,
+            Some(Window {
+                limit: Some(60),
+                remaining: 0,
+                reset_ms: 5_000
             })
         );
     }

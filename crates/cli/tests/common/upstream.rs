@@ -14,7 +14,7 @@ pub const HEALTHY: u8 = 0;
 pub const FAILING: u8 = 1;
 /// Accepted and never answered (a stuck GPU).
 pub const HANGING: u8 = 2;
-/// 429 with `Retry-After: 2`.
+/// 429 with `Retry-After: 2` (or [`Upstream::retry_after_s`] when set).
 pub const LIMITED: u8 = 3;
 /// 503 and 429 in turn, both with `Retry-After: 1`.
 pub const BUSY: u8 = 4;
@@ -34,6 +34,8 @@ pub struct Upstream {
     /// Extra header lines (each ending in `\r\n`) sent with every answer, e.g. the
     /// `x-ratelimit-*` headers of a rate-limited server ([`Upstream::set_headers`]).
     pub headers: Mutex<String>,
+    /// The `Retry-After` of [`LIMITED`], in seconds; 0: 2.
+    pub retry_after_s: AtomicU64,
 }
 
 impl Upstream {
@@ -123,7 +125,15 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             sock.write_all(resp.as_bytes()).await?;
         }
         LIMITED => {
-            let resp = error(429, "Too Many Requests", "Retry-After: 2\r\n");
+            let secs = match up.retry_after_s.load(Ordering::SeqCst) {
+                0 => 2,
+                s => s,
+            };
+            let resp = error(
+                429,
+                "Too Many Requests",
+                &format!("Retry-After: {secs}\r\n"),
+            );
             sock.write_all(resp.as_bytes()).await?;
         }
         BUSY => {
