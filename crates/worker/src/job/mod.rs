@@ -164,6 +164,8 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut received: Received) {
         let Some(_running) = InFlight::claim(&ctx, &job.id) else {
             // Another delivery of the same job got here first (a redelivery raced its
             // first delivery): start over from the receipt, which waits for that call.
+            // Its rate-limit permit goes back meanwhile.
+            job.rate = None;
             received = admitted.already_running_here();
             continue;
         };
