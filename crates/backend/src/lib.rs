@@ -7,12 +7,14 @@
 //!
 //! # Layout
 //! - this file: [`Backend`], [`CallRequest`], [`CallOutput`], [`BackendError`], [`Deltas`]
-//!   (where a streaming call's text goes as it is generated).
+//!   (where a streaming call's text goes as it is generated), [`LimitSink`] (where a call's
+//!   `x-ratelimit-*` headers go).
 //! - [`sim`]: the simulated backend, a load generator that counts every call it receives.
 
 pub mod route;
 pub mod sim;
 
+pub use lastcall_core::rate_limit::{self, Observed};
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::future::Future;
@@ -113,6 +115,31 @@ impl Deltas {
     }
 }
 
+/// Where a call's rate-limit headers go (`x-ratelimit-*`, parsed): the worker binds one to
+/// each call so that what the server says about its limits reaches the limiter of the
+/// backend the call went to. Never blocks.
+#[derive(Clone)]
+pub struct LimitSink(Arc<dyn Fn(Observed) + Send + Sync>);
+
+impl LimitSink {
+    pub fn new(f: impl Fn(Observed) + Send + Sync + 'static) -> Self {
+        Self(Arc::new(f))
+    }
+
+    /// Hand over one response's headers (nothing when they said nothing).
+    pub fn send(&self, o: Observed) {
+        if !o.is_empty() {
+            (self.0)(o)
+        }
+    }
+}
+
+impl std::fmt::Debug for LimitSink {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str("LimitSink")
+    }
+}
+
 impl std::fmt::Debug for Deltas {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.write_str("Deltas")
@@ -155,5 +182,22 @@ pub trait Backend: Send + Sync {
             deltas.send(&out.text);
             Ok(out)
         })
+    }
+
+    /// [`call`](Self::call) or [`call_streaming`](Self::call_streaming), with `limits`
+    /// receiving the response's rate-limit headers. The default has no headers to give;
+    /// HTTP backends (and routers) override it.
+    fn call_with(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<Deltas>,
+        limits: Option<LimitSink>,
+    ) -> CallFuture<'_> {
+        let _ = limits;
+        match deltas {
+            Some(d) => self.call_streaming(req, cancel, d),
+            None => self.call(req, cancel),
+        }
     }
 }

@@ -212,7 +212,7 @@ impl Backend for RoutedBackend {
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
-        self.routed(req, cancel, None)
+        self.routed(req, cancel, None, None)
     }
 
     fn call_streaming(
@@ -221,7 +221,17 @@ impl Backend for RoutedBackend {
         cancel: CancellationToken,
         deltas: crate::Deltas,
     ) -> CallFuture<'_> {
-        self.routed(req, cancel, Some(deltas))
+        self.routed(req, cancel, Some(deltas), None)
+    }
+
+    fn call_with(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<crate::Deltas>,
+        limits: Option<crate::LimitSink>,
+    ) -> CallFuture<'_> {
+        self.routed(req, cancel, deltas, limits)
     }
 }
 
@@ -231,6 +241,7 @@ impl RoutedBackend {
         mut req: CallRequest,
         cancel: CancellationToken,
         deltas: Option<crate::Deltas>,
+        limits: Option<crate::LimitSink>,
     ) -> CallFuture<'_> {
         let Some(route) = self.table.resolve(&req.kind) else {
             let kind = req.kind.clone();
@@ -263,10 +274,7 @@ impl RoutedBackend {
                 req.payload.insert("max_tokens".into(), cap.into());
             }
         }
-        match deltas {
-            Some(d) => backend.call_streaming(req, cancel, d),
-            None => backend.call(req, cancel),
-        }
+        backend.call_with(req, cancel, deltas, limits)
     }
 }
 
@@ -335,6 +343,65 @@ mod tests {
             self.max_tokens.lock().unwrap().push(max_tokens);
             Box::pin(async { Ok(crate::CallOutput::default()) })
         }
+    }
+
+    /// A backend whose responses carry rate-limit headers: it hands them to the sink.
+    struct Limited;
+
+    impl Backend for Limited {
+        fn name(&self) -> &str {
+            "limited"
+        }
+        fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
+            self.call_with(req, cancel, None, None)
+        }
+        fn call_with(
+            &self,
+            _req: CallRequest,
+            _cancel: CancellationToken,
+            _deltas: Option<crate::Deltas>,
+            limits: Option<crate::LimitSink>,
+        ) -> CallFuture<'_> {
+            if let Some(sink) = limits {
+                sink.send(crate::Observed {
+                    requests: Some(crate::rate_limit::Window {
+                        limit: Some(3),
+                        remaining: 2,
+                        reset_ms: 20_000,
+                    }),
+                    tokens: None,
+                });
+            }
+            Box::pin(async { Ok(crate::CallOutput::default()) })
+        }
+    }
+
+    #[tokio::test]
+    async fn the_router_passes_each_calls_limit_sink_to_its_backend() {
+        let limited: Arc<dyn Backend> = Arc::new(Limited);
+        let router = RoutedBackend::new(
+            table(),
+            [
+                ("general".to_string(), limited.clone()),
+                ("code".into(), limited.clone()),
+                ("openai".into(), limited),
+            ],
+        )
+        .unwrap();
+        let seen = Arc::new(std::sync::Mutex::new(Vec::new()));
+        let sink = {
+            let seen = seen.clone();
+            crate::LimitSink::new(move |o| seen.lock().unwrap().push(o))
+        };
+        let req = req("code.lint", "j");
+        let cancel = CancellationToken::new();
+        router
+            .call_with(req, cancel, None, Some(sink))
+            .await
+            .unwrap();
+        let seen = seen.lock().unwrap();
+        assert_eq!(seen.len(), 1);
+        assert_eq!(seen[0].requests.map(|w| w.remaining), Some(2));
     }
 
     #[test]

@@ -657,6 +657,19 @@ lastcall_worker::with_test_hooks!({
     pub struct TestHookArgs {}
 });
 
+/// `BACKEND:rpm=N,tpm=N` of `--rate-limit`.
+fn parse_rate_limit(s: &str) -> Result<(String, lastcall_core::rate_limit::Limits), String> {
+    let (name, limits) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}`: expected BACKEND:rpm=N,tpm=N, e.g. openai:rpm=60"))?;
+    let name = name.trim();
+    if name.is_empty() {
+        return Err(format!("`{s}`: the backend name is missing"));
+    }
+    let limits = lastcall_core::rate_limit::Limits::parse(limits)?;
+    Ok((name.to_owned(), limits))
+}
+
 /// `TENANT=WEIGHT` of `--tenant-weight`.
 fn parse_tenant_weight(s: &str) -> Result<(String, u32), String> {
     let (name, weight) = s
@@ -774,6 +787,15 @@ pub struct WorkerArgs {
         value_name = "MS"
     )]
     pub breaker_max_cool_down_ms: u64,
+    /// A backend's rate limits, `BACKEND:rpm=N,tpm=N` (either part; repeatable;
+    /// `[worker] rate_limit = ["openai:rpm=60,tpm=90000"]`): requests and tokens per
+    /// minute, shared by all slots. BACKEND is `openai`, `sim`, `local`, or a `[routing]`
+    /// backend name. A server's `x-ratelimit-*` headers tighten them (and set them for a
+    /// backend not named). A call waits for its permit when the permit comes before the
+    /// job's latest useful start; otherwise the job ends at once without a call,
+    /// `expired_not_started` / `admission:rate_limited`
+    #[arg(long = "rate-limit", value_name = "BACKEND:rpm=N,tpm=N", value_parser = parse_rate_limit, action = clap::ArgAction::Append)]
+    pub rate_limit: Vec<(String, lastcall_core::rate_limit::Limits)>,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]
@@ -1153,4 +1175,37 @@ pub struct ServeArgs {
     pub admission: AdmissionArgs,
     #[command(flatten)]
     pub topology: TopologyArgs,
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lastcall_core::rate_limit::Limits;
+
+    #[test]
+    fn rate_limits_name_a_backend_and_its_limits() {
+        assert_eq!(
+            parse_rate_limit("openai:rpm=60,tpm=90000"),
+            Ok((
+                "openai".to_owned(),
+                Limits {
+                    requests_per_minute: Some(60),
+                    tokens_per_minute: Some(90_000),
+                }
+            ))
+        );
+        assert_eq!(
+            parse_rate_limit("code:tpm=1000").map(|(_, l)| l.requests_per_minute),
+            Ok(None)
+        );
+        for bad in [
+            "openai",
+            ":rpm=1",
+            "openai:",
+            "openai:rpm=0",
+            "openai:qps=3",
+        ] {
+            assert!(parse_rate_limit(bad).is_err(), "{bad}");
+        }
+    }
 }

@@ -280,6 +280,15 @@ impl Waiting {
         settle(Ok(self.env), self.facts, d)
     }
 
+    /// The backend's next rate-limit permit comes after this job's latest useful start
+    /// ([`crate::rate_limit`]): it ends without a call, `expired_not_started` with
+    /// `admission:rate_limited`, checked at `now_ms`.
+    pub fn rate_limited(mut self, policy: &WorkerPolicy, now_ms: i64) -> Settle {
+        self.facts.checked_at_ms = Some(now_ms);
+        let d = policy.rate_limited();
+        settle(Ok(self.env), self.facts, d)
+    }
+
     /// Its cancellation was requested while it waited: `cancelled`, no call.
     pub fn cancel(self) -> Settle {
         settle(Ok(self.env), self.facts, cancelled())

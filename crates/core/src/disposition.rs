@@ -243,6 +243,12 @@ impl WorkerPolicy {
         ))
     }
 
+    /// The backend's next rate-limit permit comes after the job's latest useful start: it
+    /// ends without a call (`admission:rate_limited`).
+    pub fn rate_limited(&self) -> Disposition {
+        self.expired(Reason::Refused(Stage::Admission, RefusalCause::RateLimited))
+    }
+
     fn expired(&self, reason: Reason) -> Disposition {
         let t = Terminal::new(State::ExpiredNotStarted, reason);
         match self.expired_action {

@@ -16,6 +16,8 @@
 //! - [`delivery`]: the life of one delivery as a state machine over those decisions.
 //! - [`ack_plan`]: which coalesced acks are safe now, over plain delivery tags.
 //! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
+//! - [`rate_limit`]: per-backend requests and tokens per minute (token buckets), tightened
+//!   by the server's `x-ratelimit-*` headers.
 //! - [`reason`]: the ledger's outcome reasons and attempt decisions, typed up to the store.
 //! - [`deadletter`]: classifying dead letters by their `x-death` reason.
 //! - [`report`]: outcome and failure statistics over plain records (`lastcall report`).
@@ -41,6 +43,7 @@ pub mod envelope;
 pub mod event;
 pub mod ids;
 pub mod outcome;
+pub mod rate_limit;
 pub mod reason;
 pub mod report;
 pub mod request_size;

@@ -27,9 +27,11 @@ pub enum RefusalCause {
     /// The model server's circuit breaker is open and the job's budget does not outlast
     /// it: no call to a server known to be down (`upstream_unavailable`, issue #32).
     UpstreamUnavailable,
-    /// The server's `Retry-After` plus the learned call time does not fit the remaining
-    /// budget (or is longer than the longest retry queue): no retry earlier than the
-    /// server asked, no wait that cannot end in a useful call (`rate_limited`).
+    /// A rate limit leaves no call in time (`rate_limited`): at `retry`, the server's
+    /// `Retry-After` plus the learned call time does not fit the remaining budget (or is
+    /// longer than the longest retry queue), so no retry earlier than the server asked; at
+    /// `admission`, the backend's next rate-limit permit ([`crate::rate_limit`]) comes
+    /// after the job's latest useful start, so no wait that cannot end in a useful call.
     RateLimited,
 }
 
@@ -220,6 +222,10 @@ mod tests {
             (
                 Reason::Refused(Stage::Retry, C::RateLimited),
                 "retry:rate_limited",
+            ),
+            (
+                Reason::Refused(Stage::Admission, C::RateLimited),
+                "admission:rate_limited",
             ),
             (
                 Reason::Refused(Stage::Publish, C::DeadlinePassed),

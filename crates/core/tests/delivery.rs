@@ -907,3 +907,26 @@ fn the_facts_carry_the_instants_the_ledger_records() {
         (2, 1_000, Some(3_000), Some(3_100), Some(4_000))
     );
 }
+
+/// A job whose backend's next rate-limit permit comes after its latest useful start ends
+/// without a call: `expired_not_started`, `admission:rate_limited`, checked then, acked.
+#[test]
+fn a_rate_limited_job_ends_unstarted_with_its_reason() {
+    let p = policy();
+    let received = delivery::receive(Ok(env(10_000, Some(500))), 0, 1_000, None);
+    let Looked::AwaitSlot(w) = received.looked(&p, ReceiptFacts::default(), 1_000) else {
+        panic!("a fresh job waits for a slot");
+    };
+    let Settle::Record(r) = w.rate_limited(&p, 1_200) else {
+        panic!("recorded");
+    };
+    let t = r.terminal().expect("terminal");
+    assert_eq!(t.state, lastcall_core::State::ExpiredNotStarted);
+    assert_eq!(
+        t.reason.as_ref().map(ToString::to_string).as_deref(),
+        Some("admission:rate_limited")
+    );
+    assert_eq!(r.facts().checked_at_ms, Some(1_200));
+    assert_eq!(r.facts().started_at_ms, None);
+    assert_eq!(r.decision(), lastcall_core::Decision::Ack);
+}

@@ -9,6 +9,7 @@ use crate::stream::{Assembly, Step};
 use futures_util::StreamExt;
 use lastcall_backend::{
     Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas,
+    LimitSink,
 };
 use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderValue, RETRY_AFTER};
 use std::time::Instant;
@@ -104,6 +105,7 @@ impl OpenAiBackend {
         body: serde_json::Value,
         started: Instant,
         mut deltas: Option<Deltas>,
+        limits: Option<LimitSink>,
     ) -> Result<CallOutput, BackendError> {
         let mut request = self
             .client
@@ -115,6 +117,13 @@ impl OpenAiBackend {
         }
         let response = request.send().await.map_err(send_error)?;
         let status = response.status();
+        // What the server says of its rate limits, on successes and refusals alike.
+        if let Some(sink) = &limits {
+            let headers = response.headers();
+            sink.send(crate::ratelimit::from_response(status.as_u16(), |name| {
+                headers.get(name).and_then(|v| v.to_str().ok())
+            }));
+        }
         if !status.is_success() {
             let retry_after = response
                 .headers()
@@ -208,7 +217,7 @@ impl Backend for OpenAiBackend {
     /// estimated when the server reports none (llama-cpp-python's server, for one).
     /// Latency, time to first token and tokens/s are logged with the call's span.
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
-        self.streamed(req, cancel, None)
+        self.streamed(req, cancel, None, None)
     }
 
     /// [`call`](Backend::call), each content chunk's text forwarded as it arrives.
@@ -218,7 +227,19 @@ impl Backend for OpenAiBackend {
         cancel: CancellationToken,
         deltas: Deltas,
     ) -> CallFuture<'_> {
-        self.streamed(req, cancel, Some(deltas))
+        self.streamed(req, cancel, Some(deltas), None)
+    }
+
+    /// [`call`](Backend::call) or the streaming one, the response's `x-ratelimit-*`
+    /// headers going to `limits` ([`crate::ratelimit`]).
+    fn call_with(
+        &self,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<Deltas>,
+        limits: Option<LimitSink>,
+    ) -> CallFuture<'_> {
+        self.streamed(req, cancel, deltas, limits)
     }
 }
 
@@ -228,6 +249,7 @@ impl OpenAiBackend {
         req: CallRequest,
         cancel: CancellationToken,
         deltas: Option<Deltas>,
+        limits: Option<LimitSink>,
     ) -> CallFuture<'_> {
         let span = tracing::info_span!(
             "openai_call",
@@ -248,7 +270,7 @@ impl OpenAiBackend {
                     biased;
                     _ = cancel.cancelled() => "cancelled",
                     _ = tokio::time::sleep(req.timeout) => "timeout",
-                    result = self.exchange(body, started, deltas) => {
+                    result = self.exchange(body, started, deltas, limits) => {
                         if let Err(e) = &result {
                             tracing::warn!(
                                 reason = e.reason(),

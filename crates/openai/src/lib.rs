@@ -31,6 +31,7 @@
 //! - [`sse`]: server-sent-events decoding (pure).
 //! - [`stream`]: stream chunks → output text, usage, finish reason (pure).
 //! - [`classify`]: HTTP status, `Retry-After` and error bodies → [`BackendError`] (pure).
+//! - [`ratelimit`]: `x-ratelimit-*` response headers → the limits the server states (pure).
 //! - `backend`: [`OpenAiBackend`], the IO shell around the above.
 //!
 //! [`BackendError`]: lastcall_backend::BackendError
@@ -38,6 +39,7 @@
 mod backend;
 pub mod classify;
 pub mod config;
+pub mod ratelimit;
 pub mod request;
 pub mod sse;
 pub mod stream;

@@ -58,6 +58,8 @@ pub(crate) struct Ctx {
     pub(crate) cancels: Mutex<HashMap<String, (CancellationToken, usize)>>,
     /// The circuit breaker of each model server (backend, or route).
     pub(crate) breakers: Arc<crate::breakers::Breakers>,
+    /// The rate limits of each model server (backend, or route), shared by all slots.
+    pub(crate) limits: Arc<crate::limits::Limiters>,
 }
 
 /// The estimator key of `kind`'s calls served by `backend`.

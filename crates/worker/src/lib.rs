@@ -34,6 +34,7 @@ mod generation;
 mod hooks;
 mod job;
 mod lease;
+mod limits;
 pub mod relay;
 pub mod runtime;
 mod settle;

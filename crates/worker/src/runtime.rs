@@ -73,6 +73,10 @@ pub struct WorkerConfig {
     pub consumer_timeout: Option<Duration>,
     /// The circuit breaker of each model server ([`lastcall_core::breaker`]).
     pub breaker: lastcall_core::breaker::BreakerPolicy,
+    /// Configured requests and tokens per minute by backend name (the route's backend
+    /// when kinds are routed; [`lastcall_core::rate_limit`]). A backend not named here is
+    /// limited only by what its servers' `x-ratelimit-*` headers say.
+    pub rate_limits: std::collections::BTreeMap<String, lastcall_core::rate_limit::Limits>,
 }
 
 impl WorkerConfig {
@@ -96,6 +100,7 @@ impl WorkerConfig {
             signing_key: None,
             consumer_timeout: None,
             breaker: Default::default(),
+            rate_limits: Default::default(),
         }
     }
 }
@@ -156,8 +161,13 @@ impl Worker {
         );
         let names_events = cfg.topology.names.events_exchange.clone();
         let breakers = Arc::new(crate::breakers::Breakers::new(cfg.breaker, stats.clone()));
+        let limits = Arc::new(crate::limits::Limiters::new(
+            cfg.rate_limits.clone(),
+            stats.clone(),
+        ));
         let ctx = Ctx {
             breakers,
+            limits,
             door,
             service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(
                 ServiceTimeConfig::default(),

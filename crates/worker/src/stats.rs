@@ -52,6 +52,11 @@ pub struct WorkerStats {
     /// Whether the retry publisher's connection (its own, apart from the consumer's) is up,
     /// refreshed with the lease every 2 s (`/readyz`: `retry_publisher`).
     pub retry_publisher_connected: std::sync::atomic::AtomicBool,
+    /// Jobs ended without a call because their backend's next rate-limit permit came
+    /// after their latest useful start (`admission:rate_limited`).
+    pub rate_limited: AtomicU64,
+    /// Jobs waiting (without a slot) for a rate-limit permit (gauge).
+    pub rate_limit_waiting: AtomicI64,
     /// Job tasks that panicked (a bug: their deliveries stay unacked and are redelivered).
     pub task_panics: AtomicU64,
     /// Histograms, labelled outcomes and slot gauges for `/metrics`.
@@ -413,7 +418,12 @@ fn encode_breakers(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
 
 /// The worker's plain counters (`lastcall_worker_*_total`).
 fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
-    let counters: [(&str, &AtomicU64, &str); 9] = [
+    let counters: [(&str, &AtomicU64, &str); 10] = [
+        (
+            "lastcall_worker_rate_limited",
+            &w.rate_limited,
+            "Jobs ended without a call: their backend's next rate-limit permit came after their latest useful start",
+        ),
         (
             "lastcall_worker_reconnects",
             &w.reconnects,
@@ -470,7 +480,7 @@ fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
 fn encode_gauges(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
     let m = &w.metrics;
     let (busy, total) = m.slots().unwrap_or((0, 0));
-    let gauges: [(&str, i64, &str); 8] = [
+    let gauges: [(&str, i64, &str); 9] = [
         (
             "lastcall_worker_broker_connected",
             i64::from(w.broker_connected.load(Ordering::Relaxed)),
@@ -485,6 +495,11 @@ fn encode_gauges(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Resu
             "lastcall_worker_jobs_waiting",
             w.waiting.load(Ordering::Relaxed),
             "Jobs received and waiting locally for a model slot",
+        ),
+        (
+            "lastcall_worker_jobs_waiting_for_rate_limit",
+            w.rate_limit_waiting.load(Ordering::Relaxed),
+            "Jobs waiting, without a slot, for their backend's next rate-limit permit",
         ),
         (
             "lastcall_worker_jobs_running",
@@ -698,6 +713,8 @@ mod tests {
         let stats = Arc::new(WorkerStats::default());
         WorkerStats::inc(&stats.received);
         WorkerStats::add(&stats.waiting, 3);
+        WorkerStats::inc(&stats.rate_limited);
+        WorkerStats::add(&stats.rate_limit_waiting, 2);
         stats.count_state("completed");
         for i in 0..100 {
             let kind = format!("kind-{i}");
@@ -715,6 +732,10 @@ mod tests {
             "lastcall_worker_received_total 1",
             "# TYPE lastcall_worker_jobs_waiting gauge",
             "lastcall_worker_jobs_waiting 3",
+            "# TYPE lastcall_worker_rate_limited_total counter",
+            "lastcall_worker_rate_limited_total 1",
+            "# TYPE lastcall_worker_jobs_waiting_for_rate_limit gauge",
+            "lastcall_worker_jobs_waiting_for_rate_limit 2",
             "lastcall_outcomes_total{state=\"completed\",kind=\"kind-0\",reason=\"\"} 1",
             "lastcall_outcomes_total{state=\"completed\",kind=\"other\",reason=\"\"} 68",
             "lastcall_outcomes_total{state=\"rejected\",kind=\"invalid\",reason=\"format\"} 1",

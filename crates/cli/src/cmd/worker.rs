@@ -261,6 +261,10 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         max_cool_down_ms: a.breaker_max_cool_down_ms.max(a.breaker_cool_down_ms),
         ..Default::default()
     };
+    cfg.rate_limits = a.rate_limit.iter().cloned().collect();
+    for (backend, l) in &cfg.rate_limits {
+        tracing::info!(backend = %backend, rpm = l.requests_per_minute, tpm = l.tokens_per_minute, "rate limits configured");
+    }
     cfg.clock_sync = a
         .clock_sync
         .parse::<ClockSyncMode>()

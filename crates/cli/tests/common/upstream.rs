@@ -14,7 +14,7 @@ pub const HEALTHY: u8 = 0;
 pub const FAILING: u8 = 1;
 /// Accepted and never answered (a stuck GPU).
 pub const HANGING: u8 = 2;
-/// 429 with `Retry-After: 2`.
+/// 429 with `Retry-After: 2` (or [`Upstream::retry_after_s`] when set).
 pub const LIMITED: u8 = 3;
 /// 503 and 429 in turn, both with `Retry-After: 1`.
 pub const BUSY: u8 = 4;
@@ -31,6 +31,11 @@ pub struct Upstream {
     pub in_flight: AtomicU64,
     /// When each request arrived.
     pub arrivals: Mutex<Vec<Instant>>,
+    /// Extra header lines (each ending in `\r\n`) sent with every answer, e.g. the
+    /// `x-ratelimit-*` headers of a rate-limited server ([`Upstream::set_headers`]).
+    pub headers: Mutex<String>,
+    /// The `Retry-After` of [`LIMITED`], in seconds; 0: 2.
+    pub retry_after_s: AtomicU64,
 }
 
 impl Upstream {
@@ -44,6 +49,24 @@ impl Upstream {
 
     pub fn set(&self, phase: u8) {
         self.phase.store(phase, Ordering::SeqCst);
+    }
+
+    /// Send these headers (`name: value` pairs) with every answer from now on.
+    pub fn set_headers(&self, headers: &[(&str, &str)]) {
+        let lines: String = (headers.iter())
+            .map(|(n, v)| format!("{n}: {v}\r\n"))
+            .collect();
+        *self.headers.lock().unwrap() = lines;
+    }
+
+    /// OpenAI's request-limit headers: `limit` per minute, `remaining` until `reset`.
+    pub fn set_request_limit(&self, limit: u64, remaining: u64, reset: &str) {
+        let (limit, remaining) = (limit.to_string(), remaining.to_string());
+        self.set_headers(&[
+            ("x-ratelimit-limit-requests", &limit),
+            ("x-ratelimit-remaining-requests", &remaining),
+            ("x-ratelimit-reset-requests", reset),
+        ]);
     }
 }
 
@@ -88,10 +111,11 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
     }
     let n = up.requests.fetch_add(1, Ordering::SeqCst);
     up.arrivals.lock().unwrap().push(Instant::now());
+    let headers = up.headers.lock().unwrap().clone();
     let error = |status: u16, text: &str, extra: &str| {
         let body = r#"{"error":{"message":"the model is busy"}}"#;
         format!(
-            "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\n{extra}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+            "HTTP/1.1 {status} {text}\r\nContent-Type: application/json\r\n{extra}{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
             body.len()
         )
     };
@@ -101,7 +125,15 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             sock.write_all(resp.as_bytes()).await?;
         }
         LIMITED => {
-            let resp = error(429, "Too Many Requests", "Retry-After: 2\r\n");
+            let secs = match up.retry_after_s.load(Ordering::SeqCst) {
+                0 => 2,
+                s => s,
+            };
+            let resp = error(
+                429,
+                "Too Many Requests",
+                &format!("Retry-After: {secs}\r\n"),
+            );
             sock.write_all(resp.as_bytes()).await?;
         }
         BUSY => {
@@ -133,7 +165,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             let last = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
             let body = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
             let resp = format!(
-                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\nContent-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
             );
             sock.write_all(resp.as_bytes()).await?;

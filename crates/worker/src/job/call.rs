@@ -38,6 +38,7 @@ pub(crate) async fn call_backend(
     budget_ms: u64,
     requested: &CancellationToken,
     stream: Option<&crate::stream::CallStream>,
+    limits: Option<lastcall_backend::LimitSink>,
 ) -> Call {
     let cancel = CancellationToken::new();
     let req = CallRequest {
@@ -49,10 +50,8 @@ pub(crate) async fn call_backend(
     };
     let t0 = Instant::now();
     let token = ctx.call_started(env.kind().as_str());
-    let fut = match stream {
-        Some(s) => ctx.backend.call_streaming(req, cancel.clone(), s.deltas()),
-        None => ctx.backend.call(req, cancel.clone()),
-    };
+    let deltas = stream.map(|s| s.deltas());
+    let fut = ctx.backend.call_with(req, cancel.clone(), deltas, limits);
     tokio::pin!(fut);
     let grace = ctx.cfg.cancel_grace;
     let mut call = tokio::select! {

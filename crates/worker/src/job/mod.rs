@@ -59,6 +59,8 @@ pub(crate) struct Job {
     size: Option<RequestSize>,
     /// Set when this job's call is its model server's half-open breaker trial.
     trial: Option<crate::breakers::Trial>,
+    /// The rate-limit permit this job took for its call; given back if dropped unused.
+    rate: Option<crate::limits::Taken>,
 }
 
 impl Job {
@@ -137,6 +139,7 @@ pub(crate) async fn handle(
         probe: None,
         size,
         trial: None,
+        rate: None,
     };
     drive(ctx, job, received).instrument(span).await;
 }
@@ -161,6 +164,8 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut received: Received) {
         let Some(_running) = InFlight::claim(&ctx, &job.id) else {
             // Another delivery of the same job got here first (a redelivery raced its
             // first delivery): start over from the receipt, which waits for that call.
+            // Its rate-limit permit goes back meanwhile.
+            job.rate = None;
             received = admitted.already_running_here();
             continue;
         };
@@ -185,10 +190,12 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut received: Received) {
         ) {
             Started::Settle(s) => {
                 drop(permit);
+                job.rate = None;
                 return settle::settle(&ctx, job, s, None).await;
             }
             Started::HandBack(r) => {
                 drop(permit);
+                job.rate = None;
                 tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the start was written: handing the job back unstarted");
                 return settle::record(&ctx, job, r, None).await;
             }

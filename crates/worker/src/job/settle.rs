@@ -44,6 +44,10 @@ pub(crate) async fn call_and_settle(
     // What the kind's completed calls take, before this one: a call cut at the deadline
     // far past it is a hung server for the circuit breaker.
     let p99_before = ctx.completed_p99(c.env().kind().as_str(), ctx.clock.now_ms());
+    // The permit taken at the slot is spent by this call; its headers reach the limiter.
+    let rate = job.rate.take();
+    let key = ctx.breaker_key(c.env().kind().as_str());
+    let limits = ctx.limits.sink(key, ctx.clock.clone());
     let mut call = call_backend(
         ctx,
         c.env(),
@@ -51,8 +55,14 @@ pub(crate) async fn call_and_settle(
         c.budget_ms(),
         &cancel.token,
         stream.as_ref(),
+        Some(limits),
     )
     .await;
+    if let Some(rate) = rate {
+        let used = (call.output.as_ref().and_then(|o| o.usage))
+            .map(|u| u.prompt_tokens + u.completion_tokens);
+        rate.spent(used, ctx.clock.now_ms());
+    }
     if let Some(s) = &stream {
         s.end();
     }

@@ -70,6 +70,21 @@ pub(crate) async fn for_slot(
                 continue;
             }
         };
+        // The backend's rate limits: no call without a permit.
+        let w = match rate_limit(ctx, job, w, permit, now) {
+            Gate::Go(w, p) => {
+                permit = p;
+                w
+            }
+            Gate::Settle(s) => return Waited::Settle(s),
+            Gate::Wait(w, permit_at_ms) => {
+                waiting = match until_permit(ctx, job, w, permit_at_ms, cancel).await {
+                    Ok(w) => w,
+                    Err(end) => return end,
+                };
+                continue;
+            }
+        };
         let learned = job.learned(ctx, w.env().kind().as_str(), now);
         // This job holds a free slot: if the estimate alone refuses it, it may probe.
         let learned = job.maybe_probe(ctx, w.env(), learned, true, now);
@@ -85,6 +100,7 @@ pub(crate) async fn for_slot(
                 return Waited::Admitted(a, permit);
             }
             Admission::Settle(s) => {
+                job.rate = None;
                 if let Settle::Record(r) = &s {
                     job.note = learned_note(learned, r.terminal());
                 }
@@ -93,11 +109,13 @@ pub(crate) async fn for_slot(
             // The broker's ack window (its consumer timeout, when known) closed while the
             // job waited: not started, handed back; the redelivery has a fresh window.
             Admission::HandBack => {
+                job.rate = None;
                 tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
                 return Waited::Finish(Finish::HandBack);
             }
             Admission::ClockWait(c) => {
                 drop(permit);
+                job.rate = None;
                 waiting = match for_clock(ctx, job, c).await {
                     Ok(w) => w,
                     Err(end) => return end,
@@ -174,6 +192,71 @@ async fn until_breaker(
         _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
         _ = cancel.token.cancelled() => Err(Waited::Settle(waiting.cancel())),
     };
+    WorkerStats::add(&ctx.stats.waiting, -1);
+    end
+}
+
+/// Take the job's rate-limit permit for its backend while it holds a slot
+/// ([`crate::limits`]). When the permit is not there yet, the slot goes back at once (so
+/// a job of another backend, or one whose permit is there, can run meanwhile) and the job
+/// waits for the permit if it comes no later than its latest useful start; else it ends
+/// now, without a call (`admission:rate_limited`). The last admission check runs after
+/// this, at the slot.
+fn rate_limit(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -> Gate {
+    if job.rate.is_some() {
+        return Gate::Go(w, permit);
+    }
+    let kind = w.env().kind().as_str();
+    let key = ctx.breaker_key(kind);
+    let tokens = lastcall_core::rate_limit::reserved_tokens(job.size);
+    match ctx.limits.try_take(key, tokens, now) {
+        Ok(taken) => {
+            job.rate = Some(taken);
+            Gate::Go(w, permit)
+        }
+        Err(permit_at) => {
+            drop(permit);
+            // A half-open trial this job got goes to the next job.
+            job.trial = None;
+            let learned = job.learned(ctx, kind, now);
+            let latest = w.latest_start_ms(&ctx.cfg.policy, learned.map(|e| e.quantile_ms));
+            let too_late = match permit_at {
+                None => true,
+                Some(at) => latest.is_some_and(|latest| at > latest),
+            };
+            if too_late {
+                tracing::info!(job_id = %job.id, backend = key, permit_at_ms = permit_at, latest_start_ms = latest, tokens, "the backend's next rate-limit permit comes after this job's latest useful start: ending it without a call");
+                ctx.limits.refused();
+                return Gate::Settle(w.rate_limited(&ctx.cfg.policy, now));
+            }
+            Gate::Wait(w, permit_at.unwrap_or(now))
+        }
+    }
+}
+
+/// Hold a job (without a slot) until about `permit_at_ms`, when its rate-limit permit
+/// comes, or a permit is given back, a cancellation, a shutdown or the loss of the channel.
+/// `Ok`: wait for a slot again (and take the permit then).
+async fn until_permit(
+    ctx: &Ctx,
+    job: &Job,
+    waiting: Waiting,
+    permit_at_ms: i64,
+    cancel: &CancelGuard,
+) -> Result<Waiting, Waited> {
+    let now = ctx.clock.now_ms();
+    let until = Duration::from_millis((permit_at_ms - now).max(0) as u64);
+    let changed = ctx.limits.changed.notified();
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    WorkerStats::add(&ctx.stats.rate_limit_waiting, 1);
+    let end = tokio::select! {
+        _ = tokio::time::sleep(until) => Ok(waiting),
+        _ = changed => Ok(waiting),
+        _ = ctx.shutdown.cancelled() => Err(Waited::Finish(waiting.shutdown())),
+        _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
+        _ = cancel.token.cancelled() => Err(Waited::Settle(waiting.cancel())),
+    };
+    WorkerStats::add(&ctx.stats.rate_limit_waiting, -1);
     WorkerStats::add(&ctx.stats.waiting, -1);
     end
 }
