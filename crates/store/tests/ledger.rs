@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 8;
+const LATEST_VERSION: i64 = 9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -364,7 +364,7 @@ async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
         Backend::Sqlite => include_str!("../migrations/sqlite/0001_init.sql"),
         Backend::Postgres => include_str!("../migrations/postgres/0001_init.sql"),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(
@@ -405,7 +405,7 @@ async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
             include_str!("../migrations/postgres/0002_counters_on_read.sql"),
         ),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(v2).await;
