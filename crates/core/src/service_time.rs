@@ -1784,7 +1784,10 @@ mod tests {
         }
         // Calls of its own size now justify or admit a short request by themselves.
         let e = st.estimate_for("k", short, now).unwrap();
-        assert!(e.quantile_ms < 2_400, "the fit admits a short request: {e:?}");
+        assert!(
+            e.quantile_ms < 2_400,
+            "the fit admits a short request: {e:?}"
+        );
         let slow = |st: &mut ServiceTimes, now| {
             for i in 0..10 {
                 st.observe_request("k", 2_600, false, Some(long(5)), now + i);

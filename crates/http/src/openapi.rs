@@ -277,7 +277,7 @@ impl Accepted {
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(as = Error)]
 pub struct ErrorBody {
-    /// A short code: `missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon` (400 or 422), `already_expired`, `callback_not_allowed` (422), `body_too_large`, `job_id_conflict`, `already_terminal`, `would_expire_in_queue`, `broker_unavailable`, `starting` (503 while `serve` waits for its broker or ledger), `unauthorized`, `not_found`, `method_not_allowed`, `invalid_query`, `internal`
+    /// A short code: `missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon` (400 or 422), `already_expired`, `callback_not_allowed` (422), `body_too_large`, `job_id_conflict`, `already_terminal`, `would_expire_in_queue`, `upstream_unavailable` (503 with `Retry-After`: the workers' circuit breakers for the kind's model server are open), `broker_unavailable`, `starting` (503 while `serve` waits for its broker or ledger), `unauthorized`, `not_found`, `method_not_allowed`, `invalid_query`, `internal`
     pub error: String,
     /// The request field at fault, when there is one
     pub field: Option<String>,
@@ -586,7 +586,7 @@ impl<'r> ToResponse<'r> for LedgerError {
     }
 }
 
-// `Retry-After` of a `429`: whole seconds, 1 to 3600.
+// `Retry-After` of a `429` or an `upstream_unavailable` `503`: whole seconds, 1 to 3600.
 #[derive(ToSchema)]
 #[schema(minimum = 1, maximum = 3600)]
 #[allow(dead_code)]
