@@ -297,7 +297,9 @@ pub struct ErrorBody {
 pub struct ShedEstimate {
     /// Messages ready that can still finish ÷ the rate the queue drains at, in ms
     pub queue_wait_ms: u64,
-    /// Messages ready in the work queue that can still finish (counted in the wait)
+    /// Messages ready ahead of the job that can still finish (counted in the wait): in the
+    /// work queue, in the job's lane, or both for `batch`. 0 with `queue_wait_ms` 0: the
+    /// job's call time alone exceeds its budget (it cannot finish even if started now)
     pub ready: u64,
     /// Messages ready in the work queue that can no longer finish (not counted: a worker
     /// refuses them without a call)
@@ -305,7 +307,8 @@ pub struct ShedEstimate {
     /// Messages leaving the work queue per second, recently (the higher of the rate the
     /// door measured from live counts and the broker's ack rate)
     pub ack_rate_per_s: f64,
-    /// The job's own minimum runtime (0 if it sets none)
+    /// The call time set aside after the wait: the job's own minimum runtime, else its
+    /// kind's learned one, with the clock margin (0 if neither is known)
     pub min_runtime_ms: u64,
     /// The budget the job had left
     pub remaining_ms: i64,

@@ -639,6 +639,18 @@ mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
 
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up_between_1_and_the_cap() {
+        assert_eq!(retry_after_until(10_000, 10_000), 1);
+        assert_eq!(retry_after_until(9_000, 10_000), 1, "already past");
+        assert_eq!(retry_after_until(10_001, 10_000), 1);
+        assert_eq!(retry_after_until(12_001, 10_000), 3);
+        assert_eq!(
+            retry_after_until(i64::MAX, i64::MIN),
+            crate::shed::MAX_RETRY_AFTER_S
+        );
+    }
+
     #[tokio::test]
     async fn a_transient_ledger_error_after_the_publish_is_retried_until_it_passes() {
         let calls = AtomicU32::new(0);

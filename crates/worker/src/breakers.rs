@@ -239,3 +239,64 @@ pub(crate) async fn record(ctx: Arc<Ctx>) {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure() -> Verdict {
+        Verdict::Failure {
+            retry_after_ms: None,
+        }
+    }
+
+    /// An opening names the kinds asked about with the next trial time, a kind first seen
+    /// while open is announced at once, a half-open trial says nothing, a closing clears.
+    #[test]
+    fn openings_and_closings_go_to_the_ledger_writer_with_their_kinds() {
+        let policy = BreakerPolicy {
+            failures_to_open: 2,
+            cool_down_ms: 1_000,
+            ..Default::default()
+        };
+        let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
+        let mut rx = b.pending.lock().unwrap().take().unwrap();
+        for (kind, at) in [("chat", 0), ("summary", 10)] {
+            assert_eq!(b.permit("openai", kind, 5_000, at).0, Permit::Call);
+            b.ended("openai", failure(), at);
+        }
+        let c = rx.try_recv().expect("the opening");
+        assert_eq!(
+            (
+                c.backend.as_str(),
+                c.kinds.clone(),
+                c.open_until_ms,
+                c.at_ms
+            ),
+            (
+                "openai",
+                vec!["chat".into(), "summary".into()],
+                Some(1_010),
+                10
+            )
+        );
+        // A new kind asks while open: announced alone, with the same trial time.
+        assert!(matches!(
+            b.permit("openai", "code", 5_000, 20).0,
+            Permit::Wait { .. }
+        ));
+        let c = rx.try_recv().expect("the new kind");
+        assert_eq!(
+            (c.kinds, c.open_until_ms),
+            (vec!["code".into()], Some(1_010))
+        );
+        // The trial (half-open: nothing to say) succeeds: closed, the rows go.
+        let (permit, trial) = b.permit("openai", "chat", 5_000, 1_100);
+        assert_eq!(permit, Permit::Trial);
+        assert!(rx.try_recv().is_err(), "half-open is not announced");
+        trial.unwrap().ended(Verdict::Success, 1_200);
+        let c = rx.try_recv().expect("the closing");
+        assert_eq!((c.backend.as_str(), c.open_until_ms), ("openai", None));
+        assert!(rx.try_recv().is_err());
+    }
+}
