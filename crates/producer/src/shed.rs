@@ -61,9 +61,45 @@
 //! leaves the queue able to finish may become doomed in a buffer and still count in the
 //! pace: both err towards admitting.
 //!
+//! # Tiers and lanes
+//!
+//! The workers serve strict tiers (`critical` > `standard` > `batch`; `core::schedule`),
+//! and the jobs of named tenants, `critical` and `batch` wait in lane queues
+//! ([`lastcall_core::lane_of`]). [`decide_tiered`] applies the estimate by tier:
+//! - **any tier**: a job whose call time plus the clock margin exceeds the budget it has
+//!   left cannot finish even if a worker started it now: shed (`ready` and `queue_wait_ms`
+//!   0 in the estimate, [`ShedEstimate::cannot_finish`]);
+//! - **`critical`**: nothing else. The worker serves it before every other job, so no
+//!   backlog of other tiers delays its start (it is not even read);
+//! - **`standard`**: the wait in its own queue — the work queue as above for the `default`
+//!   tenant; its lane's backlog for a named tenant;
+//! - **`batch`**, shed first: its lane's wait *plus* the work queue's (every job there is
+//!   `standard` and is served before it). Under strict tiers `batch` can starve
+//!   completely: while the work queue's backlog alone outlasts a `batch` budget, every
+//!   `batch` job is shed, however long that lasts.
+//!
+//! A lane is read from the management API only ([`Shedder::with_lane_queues`]: ready ÷ ack
+//! rate, cached per lane like the work queue's reading): the door remembers no lane job and
+//! does not walk the lanes, so a lane's doomed jobs count as a wait there (erring towards
+//! shedding), and a lane shared by several tenants (hashed alike) counts all of them,
+//! although the fair share may serve this tenant sooner. Not counted for a `batch` job:
+//! the `critical` jobs and the named tenants' `standard` jobs in other lanes that it also
+//! waits behind (erring towards admitting; the worker still refuses it at receipt).
+//!
+//! # A model server that is down
+//!
+//! Each worker records in the ledger when its circuit breaker for a model server opens
+//! (per kind it sent there, with its next trial time) and when it closes. While every live
+//! worker (a lease renewed in the last [`WORKER_LIVE_MS`]) has the kind's breaker open,
+//! [`Shedder::upstream_open_until`] says until when, and the submitter refuses the job
+//! (`503 upstream_unavailable`, `Retry-After` the seconds to that trial) before the
+//! estimate. A record past its trial time, or of a worker whose lease went stale, counts
+//! as closed.
+//!
 //! # When it does not shed
 //!
-//! It never sheds on a guess. It admits when:
+//! It never sheds on a guess. Unless the job cannot finish even if started now, it admits
+//! when:
 //! - nothing counted is ready: nothing that can still finish waits ahead of the job;
 //! - there is no rate (no consumer, the queue idle, the first calls still
 //!   running, or statistics not sampled yet). This includes a backlog with **no
