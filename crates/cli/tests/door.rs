@@ -153,6 +153,10 @@ async fn under_a_batch_flood_critical_is_admitted_and_batch_is_shed() {
     // Critical with the same budget: the worker serves it first, whatever waits.
     let (code, resp) = post(&base, "critical-now", 3_000, "critical");
     assert_eq!(code, 202, "{resp}");
+    // The `default` tenant's standard job: the work queue is empty, the batch lane is no
+    // wait for a higher tier.
+    let (code, resp) = post(&base, "standard-now", 3_000, "standard");
+    assert_eq!(code, 202, "{resp}");
     // It runs before the flood: completed in its budget.
     let recs = env
         .wait_terminal(&["critical-now".to_owned()], Duration::from_secs(10))
@@ -166,9 +170,17 @@ async fn under_a_batch_flood_critical_is_admitted_and_batch_is_shed() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn while_the_breaker_is_open_the_door_answers_503_and_publishes_nothing() {
+    breaker_at_the_door(Env::sqlite("door-breaker").await).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn while_the_breaker_is_open_the_door_answers_503_with_a_postgres_ledger() {
+    breaker_at_the_door(Env::postgres("door-breaker-pg").await).await;
+}
+
+async fn breaker_at_the_door(env: Env) {
     let up = Arc::new(Upstream::default());
     let (upstream_base, server) = up.start().await;
-    let env = Env::sqlite("door-breaker").await;
     let backend: Arc<dyn Backend> =
         Arc::new(OpenAiBackend::new(OpenAiConfig::new(&upstream_base, "m")).unwrap());
     let mut cfg = env.worker_config(2, 16);
@@ -211,34 +223,65 @@ async fn while_the_breaker_is_open_the_door_answers_503_and_publishes_nothing() 
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     // The door sees it (the worker's ledger write, the door's 1 s cache): 503 with
-    // Retry-After, nothing published or recorded.
-    let end = Instant::now() + Duration::from_secs(10);
+    // Retry-After, nothing published or recorded. A job posted between a trial time and
+    // the failed trial's new record is admitted (it waits in the worker like the others):
+    // post until refused.
     let mut refused = Vec::new();
     let mut tries = 0;
-    let resp = loop {
-        let id = format!("refused-{tries}");
-        tries += 1;
-        let (code, resp) = post(&base, &id, 30_000, "standard");
-        if code == 503 {
-            refused.push(id);
-            break resp;
+    let mut refuse = |priority: &str| {
+        let end = Instant::now() + Duration::from_secs(10);
+        loop {
+            let id = format!("refused-{priority}-{tries}");
+            tries += 1;
+            let (code, resp) = post(&base, &id, 30_000, priority);
+            if code == 503 {
+                refused.push(id);
+                return resp;
+            }
+            assert_eq!(code, 202, "{resp}");
+            failing.push(id);
+            assert!(Instant::now() < end, "never refused: {resp}");
+            std::thread::sleep(Duration::from_millis(100));
         }
-        assert_eq!(code, 202, "{resp}");
-        // Admitted before the door saw the breaker: it waits in the worker like the others.
-        failing.push(id);
-        assert!(Instant::now() < end, "never refused: {resp}");
-        tokio::time::sleep(Duration::from_millis(100)).await;
     };
+    let resp = refuse("standard");
     assert!(resp.contains(r#""error":"upstream_unavailable""#), "{resp}");
     let secs = retry_after(&resp).expect("Retry-After");
     assert!(
         (1..=6).contains(&secs),
         "Retry-After {secs} within the cool-down: {resp}"
     );
-    // Another tier is refused too (the model server is down for every job of the kind).
-    let (code, resp) = post(&base, "refused-critical", 30_000, "critical");
-    assert_eq!(code, 503, "{resp}");
-    refused.push("refused-critical".into());
+    // Every tier is refused (the model server is down for every job of the kind).
+    let resp = refuse("critical");
+    assert!(resp.contains(r#""error":"upstream_unavailable""#), "{resp}");
+    // `lastcall submit` too: exit 75, nothing published.
+    let end = Instant::now() + Duration::from_secs(10);
+    loop {
+        let id = format!("cli-{tries}");
+        tries += 1;
+        let out = env.cli(&[
+            "submit",
+            "--kind",
+            "incident.summary",
+            "--prompt",
+            "summarize",
+            "--deadline-ms",
+            "30000",
+            "--job-id",
+            &id,
+            "--retry-delays-ms",
+            "1000,5000",
+        ]);
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        if out.status.code() == Some(75) {
+            assert!(stderr.contains("is unavailable"), "{stderr}");
+            refused.push(id);
+            break;
+        }
+        assert!(out.status.success(), "{stderr}");
+        failing.push(id);
+        assert!(Instant::now() < end, "submit never refused: {stderr}");
+    }
 
     // Recovery: the next trial succeeds, the breaker closes, the door admits again.
     up.set(HEALTHY);
