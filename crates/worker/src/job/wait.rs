@@ -152,7 +152,7 @@ fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -
     let trial_limit = (ctx.completed_p99(kind, now)).map_or(policy.cool_down_ms, |p99| {
         p99.max(1).saturating_mul(policy.hang_factor)
     });
-    match ctx.breakers.permit(key, trial_limit, now) {
+    match ctx.breakers.permit(key, kind, trial_limit, now) {
         (Permit::Call, _) => Gate::Go(w, permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
