@@ -63,7 +63,8 @@
 //!   completed ones would admit it) may run as a *probe* while a slot is free
 //!   ([`ServiceTimes::try_probe`]); a probe that completes divides the weight of the cut
 //!   calls it contradicts by 8 and takes them out of the fit, and wasted probes are paced
-//!   to at most `probe_waste_share` (5%) of the time that passes. A refusal that completed
+//!   to at most `probe_waste_share` (5%) of the time that passes beyond a burst of
+//!   `probe_burst_ms` (8 s). A refusal that completed
 //!   calls justify is never probed. Failed calls are never observed.
 //! - **Recent calls weigh more**: a sample's weight halves every `half_life_ms` (60 s)
 //!   of its age; the quantile is the weighted nearest rank, and the fit is weighted too.
