@@ -413,6 +413,9 @@ impl Submitter {
             return Ok(());
         };
         let now_ms = self.clock.now_ms().max(now_ms);
+        // The deadline alone first (no IO, and its refusal says the exact reason: the
+        // clock margin leaves no budget); the publish checks it again.
+        self.admit(env, now_ms)?;
         let kind = env.kind().as_str();
         // The kind's model server is down for every live worker: nothing would call it
         // before the breakers' next trial.

@@ -2458,6 +2458,12 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
     let dst = TestDb::new(Backend::Postgres).await;
     retention_fixture(&src.ledger).await;
     src.ledger.heartbeat("w1", 5_000).await.unwrap();
+    // Two open breakers of w1 (a two-column key), so the copy pages through them.
+    let kinds = ["summarize".to_owned(), "translate".to_owned()];
+    src.ledger
+        .record_breaker_open("w1", "vllm", &kinds, 9_000, 5_000)
+        .await
+        .unwrap();
     // A text with characters whose byte order and collation order differ, and quotes.
     src.ledger
         .record_outcome(&completed("Zz-ü", "a-zz", 2_000, "\"ä\"\n\\ 🙂"))
