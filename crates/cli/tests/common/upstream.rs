@@ -164,7 +164,9 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             sock.write_all(resp.as_bytes()).await?;
         }
         RESET => {
-            // SO_LINGER 0: closing sends a reset, not a clean end.
+            // SO_LINGER 0: closing sends a reset, not a clean end. (Deprecated because a
+            // non-zero linger blocks the thread on drop; a zero one never waits.)
+            #[allow(deprecated)]
             sock.set_linger(Some(Duration::ZERO))?;
             drop(sock);
             return Ok(());
