@@ -132,9 +132,7 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
                 ("sim".into(), Arc::new(sim(&a.sim)?)),
                 ("openai".into(), Arc::new(openai(&a.openai)?)),
             ];
-            let uses_local = table.default.as_deref() == Some("local")
-                || table.routes.iter().any(|r| r.backend == "local");
-            if uses_local {
+            if table.uses("local") {
                 backends.push(("local".into(), local(a.model_path.as_deref(), a.slots)?));
             }
             Arc::new(
