@@ -62,6 +62,15 @@ impl Breakers {
         (permit, trial)
     }
 
+    /// When a call to `key` could go out at the earliest, seen at `now_ms` without taking
+    /// anything (`now_ms`: closed, or its half-open trial is free): for the choice among a
+    /// fallback route's backends ([`lastcall_core::fallback`]).
+    pub(crate) fn next_call_at(&self, key: &str, trial_limit_ms: u64, now_ms: i64) -> i64 {
+        let map = self.map.lock().expect("breakers");
+        map.get(key)
+            .map_or(now_ms, |b| b.next_call_at_ms(now_ms, trial_limit_ms))
+    }
+
     /// A call to `key` that was not the trial ended with `verdict`.
     pub(crate) fn ended(&self, key: &str, verdict: Verdict, now_ms: i64) {
         self.report(key, false, verdict, now_ms);

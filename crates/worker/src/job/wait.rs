@@ -55,6 +55,9 @@ pub(crate) async fn for_slot(
             ClockState::Untrusted
         };
         let now = ctx.clock.now_ms();
+        // On a fallback route: the backend of the route that can take the job now (or the
+        // one to wait for); the gates below run on it.
+        job.choose_backend(ctx, w.env(), now);
         // The model server's circuit breaker: no call to a server known to be down.
         let w = match breaker(ctx, job, w, permit, now) {
             Gate::Go(w, p) => {
@@ -146,12 +149,10 @@ fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -
         return Gate::Go(w, permit);
     }
     let kind = w.env().kind().as_str();
-    let key = ctx.breaker_key(kind);
+    let key = job.backend.clone();
+    let key = key.as_str();
     // A trial running past the hang limit of the kind's completed calls has failed.
-    let policy = ctx.breakers.policy();
-    let trial_limit = (ctx.completed_p99(kind, now)).map_or(policy.cool_down_ms, |p99| {
-        p99.max(1).saturating_mul(policy.hang_factor)
-    });
+    let trial_limit = ctx.trial_limit_ms(kind, key, now);
     match ctx.breakers.permit(key, trial_limit, now) {
         (Permit::Call, _) => Gate::Go(w, permit),
         (Permit::Trial, trial) => {
@@ -207,7 +208,8 @@ fn rate_limit(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64
         return Gate::Go(w, permit);
     }
     let kind = w.env().kind().as_str();
-    let key = ctx.breaker_key(kind);
+    let key = job.backend.clone();
+    let key = key.as_str();
     let tokens = lastcall_core::rate_limit::reserved_tokens(job.size);
     match ctx.limits.try_take(key, tokens, now) {
         Ok(taken) => {
