@@ -111,8 +111,14 @@ impl Ctx {
         now_ms: i64,
     ) -> Option<Estimate> {
         let key = key_of(kind, backend);
+        // On a fallback route a backend learns from its own calls only: the others' calls
+        // of the kind (the slow first backend's) say nothing about it.
+        let fallback = self.route(kind).len() > 1;
         let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-        service.estimate_for(&key, size, now_ms)
+        match fallback {
+            true => service.own_estimate_for(&key, size, now_ms),
+            false => service.estimate_for(&key, size, now_ms),
+        }
     }
 
     /// Learn from the ledger how long this backend's calls took lately (every worker's
