@@ -163,7 +163,9 @@ pub enum RouteError {
     BadPattern(String),
     #[error("kind pattern {0:?} is routed twice")]
     Duplicate(String),
-    #[error("route for {kind:?} lists {problem}: give one backend name or a list of distinct names")]
+    #[error(
+        "route for {kind:?} lists {problem}: give one backend name or a list of distinct names"
+    )]
     BadBackends { kind: String, problem: String },
     #[error("the default backend list has {0}: give one backend name or a list of distinct names")]
     BadDefault(String),
@@ -776,7 +778,11 @@ mod tests {
         t.validate().unwrap();
         let names = |k: &str| t.resolve(k).unwrap().backends.names().to_vec();
         assert_eq!(names("summarize"), ["vllm", "hosted"]);
-        assert_eq!(names("code.lint"), ["code"], "the single string still works");
+        assert_eq!(
+            names("code.lint"),
+            ["code"],
+            "the single string still works"
+        );
         assert_eq!(names("other"), ["general", "spare"]);
         assert!(t.uses("hosted") && t.uses("spare") && !t.uses("local"));
     }
@@ -789,9 +795,10 @@ mod tests {
             ("\"\"", "an empty backend name"),
             ("[\"a\", \"b\", \"a\"]", "backend \"a\" twice"),
         ] {
-            let t: RouteTable =
-                toml::from_str(&format!("[[routes]]\nkind = \"summarize\"\nbackend = {list}"))
-                    .unwrap();
+            let t: RouteTable = toml::from_str(&format!(
+                "[[routes]]\nkind = \"summarize\"\nbackend = {list}"
+            ))
+            .unwrap();
             let err = t.validate().unwrap_err();
             assert_eq!(
                 err,
@@ -831,8 +838,7 @@ mod tests {
         let first = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
         let second = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
         let t: RouteTable =
-            toml::from_str("[[routes]]\nkind = \"s\"\nbackend = [\"first\", \"second\"]")
-                .unwrap();
+            toml::from_str("[[routes]]\nkind = \"s\"\nbackend = [\"first\", \"second\"]").unwrap();
         let router = RoutedBackend::new(
             t,
             [

@@ -685,10 +685,7 @@ mod tests {
         assert_eq!(backend.routes_of("summarize"), ["vllm", "hosted"]);
         assert_eq!(backend.routes_of("code.lint"), ["openai"]);
         assert_eq!(backend.routes_of("other"), ["sim"]);
-        assert_eq!(
-            backend.serving_names(),
-            ["hosted", "openai", "sim", "vllm"]
-        );
+        assert_eq!(backend.serving_names(), ["hosted", "openai", "sim", "vllm"]);
     }
 
     #[tokio::test]
@@ -699,24 +696,38 @@ mod tests {
             let s = settings_of(toml_text);
             let w = &w;
             async move {
-                let e = crate::cmd::worker::backend(&s, w).await.err().expect("refused");
+                let e = crate::cmd::worker::backend(&s, w)
+                    .await
+                    .err()
+                    .expect("refused");
                 format!("{e:#}")
             }
         };
         let typo = FALLBACK_ROUTING.replace(r#"["vllm", "hosted"]"#, r#"["vllm", "hostd"]"#);
         let e = err(&typo).await;
-        assert!(e.contains("\"summarize\"") && e.contains("\"hostd\""), "{e}");
+        assert!(
+            e.contains("\"summarize\"") && e.contains("\"hostd\""),
+            "{e}"
+        );
         let twice = FALLBACK_ROUTING.replace(r#"["vllm", "hosted"]"#, r#"["vllm", "vllm"]"#);
         let e = err(&twice).await;
         assert!(e.contains("\"summarize\"") && e.contains("twice"), "{e}");
         let empty = FALLBACK_ROUTING.replace(r#"["vllm", "hosted"]"#, "[]");
         let e = err(&empty).await;
         assert!(e.contains("\"summarize\"") && e.contains("empty"), "{e}");
-        let built_in = FALLBACK_ROUTING.replace("[routing.backends.vllm]", "[routing.backends.sim]");
+        let built_in =
+            FALLBACK_ROUTING.replace("[routing.backends.vllm]", "[routing.backends.sim]");
         let e = err(&built_in).await;
-        assert!(e.contains("[routing.backends.sim]") && e.contains("built-in"), "{e}");
-        let misspelt = FALLBACK_ROUTING.replace("base_url = \"http://127", "base_ulr = \"http://127");
-        assert!(toml::from_str::<FileConfig>(&misspelt).is_err(), "an unknown key of a named backend");
+        assert!(
+            e.contains("[routing.backends.sim]") && e.contains("built-in"),
+            "{e}"
+        );
+        let misspelt =
+            FALLBACK_ROUTING.replace("base_url = \"http://127", "base_ulr = \"http://127");
+        assert!(
+            toml::from_str::<FileConfig>(&misspelt).is_err(),
+            "an unknown key of a named backend"
+        );
         let e = err(&FALLBACK_ROUTING.replace("default = ", "defualt = ")).await;
         assert!(e.contains("\"defualt\"") && e.contains("[routing]"), "{e}");
     }

@@ -100,9 +100,11 @@ async fn with_the_first_backends_breaker_open_jobs_complete_on_the_second() {
     // The first three calls fail on the first backend and open its breaker; those jobs
     // are retried (after 1 s) and their retries go to the second.
     let early = submit_all(&s, "early", 3, 30_000).await;
-    until("the first backend's breaker opens", Duration::from_secs(15), || {
-        breaker_of(&w.stats, "first") == Some(BreakerState::Open)
-    })
+    until(
+        "the first backend's breaker opens",
+        Duration::from_secs(15),
+        || breaker_of(&w.stats, "first") == Some(BreakerState::Open),
+    )
     .await;
     let at_open = first.requests.load(Ordering::SeqCst);
     assert_eq!(at_open, 3, "three failures open it");

@@ -77,8 +77,14 @@ impl Choice {
 
 /// Where one backend stands: ready now, or blocked until an instant (or for good).
 enum Stand {
-    Ready { fits: bool },
-    Later { at_ms: i64, in_time: bool, why: Blocked },
+    Ready {
+        fits: bool,
+    },
+    Later {
+        at_ms: i64,
+        in_time: bool,
+        why: Blocked,
+    },
 }
 
 fn stand(c: &Candidate, now_ms: i64) -> Stand {
@@ -149,7 +155,11 @@ mod tests {
     fn candidate() -> impl Strategy<Value = Candidate> {
         (
             prop_oneof![Just(0i64), Just(NOW), NOW - 500..NOW + 3_000],
-            prop_oneof![Just(None), Just(Some(NOW)), (NOW - 500..NOW + 3_000).prop_map(Some)],
+            prop_oneof![
+                Just(None),
+                Just(Some(NOW)),
+                (NOW - 500..NOW + 3_000).prop_map(Some)
+            ],
             prop_oneof![Just(None), (NOW - 1_000..NOW + 3_000).prop_map(Some)],
         )
             .prop_map(|(breaker_at_ms, permit_at_ms, latest_start_ms)| Candidate {

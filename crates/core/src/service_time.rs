@@ -1024,7 +1024,10 @@ mod tests {
             t.observe("summarize|slow", 1_500, i);
         }
         let now = 10;
-        assert_eq!(t.estimate("summarize|fast", now).map(|e| e.quantile_ms), Some(1_500));
+        assert_eq!(
+            t.estimate("summarize|fast", now).map(|e| e.quantile_ms),
+            Some(1_500)
+        );
         assert_eq!(t.own_estimate_for("summarize|fast", None, now), None);
         t.observe("summarize|fast", 100, now);
         // Too few of its own: the cold-start bound (its longest call), not the others'.

@@ -103,8 +103,11 @@ impl Job {
                 };
                 let learned_ms = learned.map(|e| e.quantile_ms);
                 Candidate {
-                    breaker_at_ms: (ctx.breakers)
-                        .next_call_at(b, ctx.trial_limit_ms(kind, b, now_ms), now_ms),
+                    breaker_at_ms: (ctx.breakers).next_call_at(
+                        b,
+                        ctx.trial_limit_ms(kind, b, now_ms),
+                        now_ms,
+                    ),
                     permit_at_ms: ctx.limits.permit_at(b, tokens, now_ms),
                     latest_start_ms: (policy.watches_latest_start())
                         .then(|| policy.latest_start_ms(env, learned_ms)),

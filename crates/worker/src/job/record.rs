@@ -73,7 +73,10 @@ pub(crate) fn outcome_row(
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
         // The backend that served (or would have served) the call: the route's, when
         // kinds are routed; on a fallback route, the one chosen for this call.
-        backend: Some(env.map_or(ctx.backend.name(), |_| job.backend.as_str()).to_owned()),
+        backend: Some(
+            env.map_or(ctx.backend.name(), |_| job.backend.as_str())
+                .to_owned(),
+        ),
         model: output.and_then(|o| o.model.clone()),
         min_runtime_ms: facts
             .min_runtime_ms
