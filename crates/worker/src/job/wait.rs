@@ -281,6 +281,9 @@ async fn buffered(
     WorkerStats::add(&ctx.stats.waiting, 1);
     let end = loop {
         let now = ctx.clock.now_ms();
+        // On a fallback route the latest useful start is the chosen backend's: when the
+        // first backend's has passed, a faster one of the route may still take the job.
+        job.choose_backend(ctx, waiting.env(), now);
         let latest =
             waiting.latest_start_ms(policy, job.learned(ctx, &kind, now).map(|e| e.quantile_ms));
         let until = Duration::from_millis((latest.unwrap_or(now) - now).max(0) as u64 + 1);
@@ -291,6 +294,7 @@ async fn buffered(
             _ = cancel.token.cancelled() => break Slotted::Settle(waiting.cancel()),
             _ = tokio::time::sleep(until), if latest.is_some() => {
                 let now = ctx.clock.now_ms();
+                job.choose_backend(ctx, waiting.env(), now);
                 let learned = job.learned(ctx, &kind, now);
                 match waiting.latest_start_reached(policy, learned.map(|e| e.quantile_ms), now) {
                     // Still admissible (the estimate changed): keep waiting.
