@@ -122,6 +122,10 @@ async fn with_the_first_backends_breaker_open_jobs_complete_on_the_second() {
         "no call to the first backend while its breaker is open"
     );
     assert_eq!(second.answered.load(Ordering::SeqCst), all.len() as u64);
+    assert_eq!(
+        w.stats.fallback_calls.load(Ordering::Relaxed),
+        all.len() as u64
+    );
     // The failed attempts were the first backend's: each early job made two calls.
     for id in &early {
         let r = recs.iter().find(|r| &r.job_id == id).unwrap();
@@ -172,6 +176,10 @@ async fn once_the_first_backend_is_learned_too_slow_jobs_go_to_the_second() {
         "no call to the first backend after its time was learned"
     );
     assert_eq!(second.answered.load(Ordering::SeqCst), short.len() as u64);
+    assert_eq!(
+        w.stats.fallback_calls.load(Ordering::Relaxed),
+        short.len() as u64
+    );
 
     // A job with room for the first backend still goes to it: the route's order holds.
     let roomy = submit_all(&s, "roomy", 1, 20_000).await;

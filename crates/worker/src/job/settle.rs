@@ -45,6 +45,9 @@ pub(crate) async fn call_and_settle(
     // far past it is a hung server for the circuit breaker.
     let kind = c.env().kind().as_str().to_owned();
     let backend = job.backend.clone();
+    if backend != ctx.breaker_key(&kind) {
+        WorkerStats::inc(&ctx.stats.fallback_calls);
+    }
     let p99_before = ctx.completed_p99(&kind, &backend, ctx.clock.now_ms());
     // The permit taken at the slot is spent by this call; its headers reach the limiter.
     let rate = job.rate.take();
