@@ -8,6 +8,8 @@
 //! - The first backend is slow (its learned call time longer than the jobs' budgets), the
 //!   second fast: once the first's time is learned, the jobs go to the second without a
 //!   call to the first.
+//! - A job waiting in the buffer for the one slot, past its latest useful start on the
+//!   slow first backend, is not ended: it goes to the fast second when the slot frees.
 
 mod common;
 
@@ -186,6 +188,52 @@ async fn once_the_first_backend_is_learned_too_slow_jobs_go_to_the_second() {
     let recs = env.wait_terminal(&roomy, Duration::from_secs(30)).await;
     assert_eq!(recs[0].state, "completed", "{:#?}", recs[0]);
     assert_eq!(recs[0].backend.as_deref(), Some("first"), "{:#?}", recs[0]);
+
+    w.stop().await;
+    first_server.abort();
+    second_server.abort();
+    env.cleanup().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_job_waiting_past_its_latest_start_on_the_first_backend_goes_to_the_second() {
+    let (first, second) = (Arc::new(Upstream::default()), Arc::new(Upstream::default()));
+    first.latency_ms.store(1_000, Ordering::SeqCst);
+    let (first_base, first_server) = first.start().await;
+    let (second_base, second_server) = second.start().await;
+
+    let env = Env::sqlite("fallback-buffer").await;
+    let mut cfg = env.worker_config(1, 32);
+    // The job must wait in the buffer, not be refused at receipt for its expected wait.
+    cfg.policy.refuse_on_expected_wait = false;
+    cfg.topology.apply(&env.broker).await.unwrap();
+    let router = Arc::new(router(&first_base, &second_base));
+    let w = env.start_worker(cfg, router, system_clock()).await;
+    let s = env.submitter(100, true).await;
+
+    // The first backend's 1 s calls are learned.
+    let warm = submit_all(&s, "warm", 3, 30_000).await;
+    let recs = env.wait_terminal(&warm, Duration::from_secs(30)).await;
+    assert!(recs.iter().all(|r| r.state == "completed"), "{recs:#?}");
+
+    // A long job holds the one slot on the first backend for 1 s …
+    let blocker = submit_all(&s, "blocker", 1, 30_000).await;
+    until(
+        "the blocker's call reaches the first backend",
+        Duration::from_secs(10),
+        || first.requests.load(Ordering::SeqCst) == 4,
+    )
+    .await;
+    // … while a job of 1.6 s waits for it: its latest start on the first backend (1.1 s
+    // before its deadline) passes about 0.5 s before the slot frees; on the second it has
+    // room still.
+    let waiter = submit_all(&s, "waiter", 1, 1_600).await;
+    let recs = env.wait_terminal(&waiter, Duration::from_secs(10)).await;
+    assert_eq!(recs[0].state, "completed", "{:#?}", recs[0]);
+    assert_eq!(recs[0].backend.as_deref(), Some("second"), "{:#?}", recs[0]);
+    let recs = env.wait_terminal(&blocker, Duration::from_secs(10)).await;
+    assert_eq!(recs[0].backend.as_deref(), Some("first"), "{:#?}", recs[0]);
+    assert_eq!(first.requests.load(Ordering::SeqCst), 4);
 
     w.stop().await;
     first_server.abort();
