@@ -255,7 +255,8 @@ impl Policy for FairShare {
                 .push(i);
         }
         // (tier rank, account at start, order within the tenant) → index.
-        let mut keyed: Vec<((u8, f64, (i64, u64)), usize)> = Vec::with_capacity(waiting.len());
+        type Key = (u8, f64, (i64, u64));
+        let mut keyed: Vec<(Key, usize)> = Vec::with_capacity(waiting.len());
         for ((rank, tenant), mut members) in groups {
             members.sort_by_key(|&i| within(waiting[i]));
             let mut at = self.start(rank, tenant);

@@ -63,7 +63,8 @@
 //!   completed ones would admit it) may run as a *probe* while a slot is free
 //!   ([`ServiceTimes::try_probe`]); a probe that completes divides the weight of the cut
 //!   calls it contradicts by 8 and takes them out of the fit, and wasted probes are paced
-//!   to at most `probe_waste_share` (5%) of the time that passes. A refusal that completed
+//!   to at most `probe_waste_share` (5%) of the time that passes beyond a burst of
+//!   `probe_burst_ms` (8 s). A refusal that completed
 //!   calls justify is never probed. Failed calls are never observed.
 //! - **Recent calls weigh more**: a sample's weight halves every `half_life_ms` (60 s)
 //!   of its age; the quantile is the weighted nearest rank, and the fit is weighted too.
@@ -104,9 +105,15 @@ pub struct ServiceTimeConfig {
     /// more); 0: every fresh sample weighs the same.
     pub half_life_ms: i64,
     /// The share of one slot's time that probe calls which were cut or failed may take,
-    /// in `(0, 1)`: after such a probe of `d` ms the next probe of its key waits
-    /// `d × (1 − share) / share`.
+    /// in `(0, 1)`, beyond [`Self::probe_burst_ms`]: a key's probe credit grows by
+    /// `share / (1 − share)` ms per ms that passes, up to the burst, and a wasted probe of
+    /// `d` ms spends `d`; a probe needs credit left.
     pub probe_waste_share: f64,
+    /// The probe credit a key holds at most (and starts with), in ms of wasted probe time:
+    /// after a quiet spell, a few probes may be wasted at once on a server still hung (the
+    /// first probes after a hang often are), so that the ones after them still find it
+    /// recovered; over a long run the share bounds the waste.
+    pub probe_burst_ms: u64,
     /// Probe calls of one key in flight at once; at least 1 (a worker has no more than
     /// its free slots).
     pub max_probes: u32,
@@ -127,6 +134,7 @@ impl Default for ServiceTimeConfig {
             fit: true,
             half_life_ms: 60_000,
             probe_waste_share: 0.05,
+            probe_burst_ms: 8_000,
             max_probes: 4,
         }
     }
@@ -159,6 +167,7 @@ impl ServiceTimeConfig {
             fit: self.fit,
             half_life_ms: self.half_life_ms.max(0),
             probe_waste_share,
+            probe_burst_ms: self.probe_burst_ms,
             max_probes: self.max_probes.max(1),
         }
     }
@@ -312,7 +321,8 @@ struct KeyWindow {
     /// Calls in flight: token → started at.
     running: HashMap<u64, i64>,
     probes: u32,
-    next_probe_at_ms: i64,
+    /// Probe credit, ms of wasted probe time, as of `credit_at_ms` (`None`: full).
+    credit: Option<(f64, i64)>,
 }
 
 impl KeyWindow {
@@ -322,7 +332,7 @@ impl KeyWindow {
             last_seen,
             running: HashMap::new(),
             probes: 0,
-            next_probe_at_ms: i64::MIN,
+            credit: None,
         }
     }
 }
@@ -671,12 +681,26 @@ impl ServiceTimes {
         }
         let max = self.cfg.max_probes;
         let seen = self.observations;
+        let credit = self.credit(key, now_ms);
         let w = self.window_mut(key, seen);
-        if w.probes >= max || now_ms < w.next_probe_at_ms {
+        if w.probes >= max || credit <= 0.0 {
             return false;
         }
         w.probes += 1;
         true
+    }
+
+    /// A key's probe credit at `now_ms` ([`ServiceTimeConfig::probe_burst_ms`]).
+    fn credit(&self, key: &str, now_ms: i64) -> f64 {
+        let burst = self.cfg.probe_burst_ms as f64;
+        let share = self.cfg.probe_waste_share;
+        match self.keys.get(key).and_then(|w| w.credit) {
+            None => burst,
+            Some((c, at)) => {
+                let grown = now_ms.saturating_sub(at).max(0) as f64 * share / (1.0 - share);
+                (c + grown).min(burst)
+            }
+        }
     }
 
     /// A probe of `key` has ended at `now_ms` (its call, if it completed or was cut, is
@@ -684,11 +708,11 @@ impl ServiceTimes {
     /// probe divides by 8 the weight of the key's cut calls that could
     /// lift the estimate above the budget it was started with (at least
     /// `budget / FIT_CAP`): it showed that a call now fits in less, and those cut calls no
-    /// longer shape the fitted tail. A wasted one (cut, or failed) holds the next probe
-    /// back so that wasted probe time stays within `probe_waste_share` of the time that
-    /// passes (plus one burst of `max_probes`).
+    /// longer shape the fitted tail. A wasted one (cut, or failed) spends its duration of
+    /// the key's probe credit, so that wasted probe time stays within `probe_waste_share`
+    /// of the time that passes, plus the burst (`probe_burst_ms`) and one probe.
     pub fn probe_ended(&mut self, key: &str, end: ProbeEnd, now_ms: i64) {
-        let share = self.cfg.probe_waste_share;
+        let credit = self.credit(key, now_ms);
         let Some(w) = self.keys.get_mut(key) else {
             return;
         };
@@ -705,9 +729,7 @@ impl ServiceTimes {
                 }
             }
             ProbeEnd::Wasted { duration_ms } => {
-                let hold = duration_ms as f64 * (1.0 - share) / share;
-                let hold = i64::try_from(hold.ceil() as u64).unwrap_or(i64::MAX);
-                w.next_probe_at_ms = w.next_probe_at_ms.max(now_ms).saturating_add(hold);
+                w.credit = Some((credit - duration_ms as f64, now_ms));
             }
             ProbeEnd::Released => {}
         }
@@ -1143,6 +1165,7 @@ mod tests {
             fit: false,
             half_life_ms: -1,
             probe_waste_share: f64::NAN,
+            probe_burst_ms: 0,
             max_probes: 0,
         }
         .clamped();
@@ -1613,8 +1636,10 @@ mod tests {
                     wasted += b;
                 }
             }
-            // The last probe's hold has not passed yet: one probe more than the share.
-            let allowed = share * now as f64 + longest as f64;
+            // The share of the time that passed (credit grows by share / (1 − share) per
+            // ms not spent in a probe), the burst, and the last probe's overdraft.
+            let burst = st.config().probe_burst_ms as f64;
+            let allowed = share / (1.0 - share) * now as f64 + burst + longest as f64;
             prop_assert!(wasted as f64 <= allowed, "wasted {} ms of {} ms", wasted, now);
         }
 
@@ -1860,12 +1885,22 @@ mod tests {
             st.try_probe("k", None, 2_900, 20),
             "a released probe frees its place"
         );
-        // A probe cut after 2 s: 38 s of hold at a 5% share.
-        st.probe_ended("k", ProbeEnd::Wasted { duration_ms: 2_000 }, 2_020);
+        // Probes cut after 2 s each: the first four spend the 8 s burst, and a fifth,
+        // started on what credit had grown back, leaves 2 s owed: 38 s to earn back at a
+        // 5% share.
+        for _ in 0..4 {
+            st.probe_ended("k", ProbeEnd::Wasted { duration_ms: 2_000 }, 2_020);
+        }
         st.probe_ended("k", ProbeEnd::Released, 2_020);
-        assert!(!st.try_probe("k", None, 2_900, 2_021));
-        assert!(!st.try_probe("k", None, 2_900, 40_019));
-        assert!(st.try_probe("k", None, 2_900, 40_020));
+        assert!(!st.try_probe("k", None, 2_900, 2_020), "the burst is spent");
+        assert!(
+            st.try_probe("k", None, 2_900, 2_021),
+            "credit grew back a little"
+        );
+        st.probe_ended("k", ProbeEnd::Wasted { duration_ms: 2_000 }, 4_021);
+        assert!(!st.try_probe("k", None, 2_900, 4_022));
+        assert!(!st.try_probe("k", None, 2_900, 38_900));
+        assert!(st.try_probe("k", None, 2_900, 40_200));
     }
 
     #[test]

@@ -75,6 +75,11 @@ pub enum ApiError {
         retry_after_s: u64,
         estimate: ShedEstimate,
     },
+    /// 503: the model server of the job's kind is down for every live worker (their
+    /// circuit breakers, from the ledger); nothing was published or recorded. Answered with
+    /// `Retry-After`: the seconds until the breakers' next trial.
+    #[error("{message}")]
+    UpstreamUnavailable { message: String, retry_after_s: u64 },
     /// 503: the broker did not confirm (timeout, nack, connection); the job is not accepted.
     #[error("{0}")]
     Unavailable(String),
@@ -169,6 +174,7 @@ impl ApiError {
                 StatusCode::TOO_MANY_REQUESTS
             }
             ApiError::Unavailable(_)
+            | ApiError::UpstreamUnavailable { .. }
             | ApiError::LedgerUnavailable
             | ApiError::TooManyWaiting
             | ApiError::Starting(_) => StatusCode::SERVICE_UNAVAILABLE,
@@ -191,6 +197,7 @@ impl ApiError {
             ApiError::Expired { code, .. } => code,
             ApiError::WouldExpireInQueue { .. } => "would_expire_in_queue",
             ApiError::Unavailable(_) => "broker_unavailable",
+            ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
             ApiError::LedgerUnavailable => "ledger_unavailable",
             ApiError::TooManyWaiting => "too_many_waiting",
             ApiError::Starting(_) => "starting",
@@ -234,6 +241,7 @@ impl IntoResponse for ApiError {
         let retry_after = match &self {
             ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
             ApiError::OverQuota(r) => Some(r.retry_after_s),
+            ApiError::UpstreamUnavailable { retry_after_s, .. } => Some(*retry_after_s),
             _ => None,
         };
         if let Some(retry_after_s) = retry_after {

@@ -131,6 +131,7 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
     let retry_after = match &e {
         ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
         ApiError::OverQuota(r) => Some(r.retry_after_s),
+        ApiError::UpstreamUnavailable { retry_after_s, .. } => Some(*retry_after_s),
         ApiError::TooManyWaiting => Some(1),
         _ => None,
     };
@@ -203,7 +204,7 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
         (status = 429, description = "Over a quota of the tenant (`over_quota`, `param` names it; `Retry-After`), or shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
-        (status = 503, description = "Not accepted: the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
+        (status = 503, description = "Not accepted: the model server of the kind is down for every live worker (`upstream_unavailable`, their circuit breakers open; `Retry-After` until their next trial), the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
         (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
     ),
 )]
@@ -427,7 +428,10 @@ async fn run(
 fn shed_or_refuse(e: SubmitError, spec: DeadlineSpec, expires_at_ms: i64, now: i64) -> Response {
     let fits = match &e {
         SubmitError::WouldExpireInQueue(est) => {
-            Some(now + (est.retry_after_s as i64) * 1000 < expires_at_ms)
+            Some(!est.cannot_finish() && now + (est.retry_after_s as i64) * 1000 < expires_at_ms)
+        }
+        SubmitError::UpstreamUnavailable { retry_after_s, .. } => {
+            Some(now + (*retry_after_s as i64) * 1000 < expires_at_ms)
         }
         _ => None,
     };

@@ -40,8 +40,8 @@ use std::sync::Arc;
         (status = 413, response = crate::openapi::TooLarge),
         (status = 415, response = crate::openapi::NotJson),
         (status = 422, description = "The deadline is well-formed but the clock refuses it, nothing was published: it has already passed or lies within the clock margin (`already_expired`; also a `deadline_ms` shorter than the margin), or an `expires_at_ms` lies farther ahead than the horizon (`deadline_beyond_horizon`). `field` names the deadline field the request sent; or a `callback_url` this server does not allow (`callback_not_allowed`, `field` is `callback_url`)", body = crate::openapi::ErrorBody),
-        (status = 429, description = "Over a quota of the job's tenant (`over_quota`, `field` names the quota: `jobs_per_second` or `tokens_per_minute`, the prompt tokens estimated as chars ÷ 4 + 4 per message), nothing published or recorded, `Retry-After` in whole seconds; or shed at the door, nothing published or recorded: the estimated wait in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
-        (status = 503, description = "Not accepted, nothing recorded for the job id: the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody),
+        (status = 429, description = "Over a quota of the job's tenant (`over_quota`, `field` names the quota: `jobs_per_second` or `tokens_per_minute`, the prompt tokens estimated as chars ÷ 4 + 4 per message), nothing published or recorded, `Retry-After` in whole seconds; or shed at the door, nothing published or recorded: the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) plus the clock margin exceeds the budget it has left, so it cannot finish even if started now (any tier); or, by tier, the estimated wait (`critical`: none, the workers serve it first; `standard`: its queue's; `batch`: its lane's plus the work queue's `standard` backlog, served before it) in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
+        (status = 503, description = "Not accepted, nothing recorded for the job id: the model server of the job's kind is down for every live worker (`upstream_unavailable`: their circuit breakers are open; nothing published; `Retry-After`: seconds until the breakers' next trial call, at least 1), the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "With `upstream_unavailable`: seconds until the workers' circuit breakers let a trial call through (1–3600)"))),
     ),
 )]
 pub async fn create(
@@ -147,7 +147,10 @@ pub async fn create(
             }))
         }
         Err(e) => {
-            if matches!(e, SubmitError::WouldExpireInQueue(_)) {
+            if matches!(
+                e,
+                SubmitError::WouldExpireInQueue(_) | SubmitError::UpstreamUnavailable { .. }
+            ) {
                 state.http_stats.shed.inc();
             }
             Err(submit_error(e, spec))
@@ -253,6 +256,12 @@ pub(crate) fn submit_error(e: SubmitError, spec: DeadlineSpec) -> ApiError {
                 retry_after_s: est.retry_after_s,
             },
         },
+        e @ SubmitError::UpstreamUnavailable { retry_after_s, .. } => {
+            ApiError::UpstreamUnavailable {
+                message: e.to_string(),
+                retry_after_s,
+            }
+        }
         SubmitError::Publish(PublishError::ConfirmTimeout(t)) => ApiError::Unavailable(format!(
             "not accepted: the broker did not confirm the publish within {} ms; nothing is recorded for this job id. The message may still reach the queue: retry with the same job_id",
             t.as_millis()

@@ -83,7 +83,8 @@ pub struct HttpStats {
     tenant_labels: Arc<TenantLabelSet>,
     /// Jobs accepted (published, confirmed and recorded).
     pub accepted: Counter,
-    /// Jobs shed at the door (`429 would_expire_in_queue`): never published.
+    /// Jobs shed at the door (`429 would_expire_in_queue`, `503 upstream_unavailable`):
+    /// never published.
     pub shed: Counter,
     /// Ledger reads of `GET /v1/jobs/{id}` (a long-poll reads once, then once per wake).
     pub job_reads: Counter,
@@ -127,7 +128,7 @@ impl HttpStats {
         );
         r.register(
             "lastcall_http_shed",
-            "Jobs refused at the door because the estimated queue wait would make them expire (429, never published)",
+            "Jobs refused at the door because they would expire before a worker could finish them (429 would_expire_in_queue) or their model server is down for every worker (503 upstream_unavailable); never published",
             self.shed.clone(),
         );
         r.register(

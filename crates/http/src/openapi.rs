@@ -277,7 +277,7 @@ impl Accepted {
 #[derive(Debug, Serialize, ToSchema)]
 #[schema(as = Error)]
 pub struct ErrorBody {
-    /// A short code: `missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon` (400 or 422), `already_expired`, `callback_not_allowed` (422), `body_too_large`, `job_id_conflict`, `already_terminal`, `would_expire_in_queue`, `broker_unavailable`, `starting` (503 while `serve` waits for its broker or ledger), `unauthorized`, `not_found`, `method_not_allowed`, `invalid_query`, `internal`
+    /// A short code: `missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon` (400 or 422), `already_expired`, `callback_not_allowed` (422), `body_too_large`, `job_id_conflict`, `already_terminal`, `would_expire_in_queue`, `upstream_unavailable` (503 with `Retry-After`: the workers' circuit breakers for the kind's model server are open), `broker_unavailable`, `starting` (503 while `serve` waits for its broker or ledger), `unauthorized`, `not_found`, `method_not_allowed`, `invalid_query`, `internal`
     pub error: String,
     /// The request field at fault, when there is one
     pub field: Option<String>,
@@ -297,7 +297,9 @@ pub struct ErrorBody {
 pub struct ShedEstimate {
     /// Messages ready that can still finish ÷ the rate the queue drains at, in ms
     pub queue_wait_ms: u64,
-    /// Messages ready in the work queue that can still finish (counted in the wait)
+    /// Messages ready ahead of the job that can still finish (counted in the wait): in the
+    /// work queue, in the job's lane, or both for `batch`. 0 with `queue_wait_ms` 0: the
+    /// job's call time alone exceeds its budget (it cannot finish even if started now)
     pub ready: u64,
     /// Messages ready in the work queue that can no longer finish (not counted: a worker
     /// refuses them without a call)
@@ -305,7 +307,8 @@ pub struct ShedEstimate {
     /// Messages leaving the work queue per second, recently (the higher of the rate the
     /// door measured from live counts and the broker's ack rate)
     pub ack_rate_per_s: f64,
-    /// The job's own minimum runtime (0 if it sets none)
+    /// The call time set aside after the wait: the job's own minimum runtime, else its
+    /// kind's learned one, with the clock margin (0 if neither is known)
     pub min_runtime_ms: u64,
     /// The budget the job had left
     pub remaining_ms: i64,
@@ -586,7 +589,7 @@ impl<'r> ToResponse<'r> for LedgerError {
     }
 }
 
-// `Retry-After` of a `429`: whole seconds, 1 to 3600.
+// `Retry-After` of a `429` or an `upstream_unavailable` `503`: whole seconds, 1 to 3600.
 #[derive(ToSchema)]
 #[schema(minimum = 1, maximum = 3600)]
 #[allow(dead_code)]

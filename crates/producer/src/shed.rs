@@ -61,9 +61,45 @@
 //! leaves the queue able to finish may become doomed in a buffer and still count in the
 //! pace: both err towards admitting.
 //!
+//! # Tiers and lanes
+//!
+//! The workers serve strict tiers (`critical` > `standard` > `batch`; `core::schedule`),
+//! and the jobs of named tenants, `critical` and `batch` wait in lane queues
+//! ([`lastcall_core::lane_of`]). [`decide_tiered`] applies the estimate by tier:
+//! - **any tier**: a job whose call time plus the clock margin exceeds the budget it has
+//!   left cannot finish even if a worker started it now: shed (`ready` and `queue_wait_ms`
+//!   0 in the estimate, [`ShedEstimate::cannot_finish`]);
+//! - **`critical`**: nothing else. The worker serves it before every other job, so no
+//!   backlog of other tiers delays its start (it is not even read);
+//! - **`standard`**: the wait in its own queue — the work queue as above for the `default`
+//!   tenant; its lane's backlog for a named tenant;
+//! - **`batch`**, shed first: its lane's wait *plus* the work queue's (every job there is
+//!   `standard` and is served before it). Under strict tiers `batch` can starve
+//!   completely: while the work queue's backlog alone outlasts a `batch` budget, every
+//!   `batch` job is shed, however long that lasts.
+//!
+//! A lane is read from the management API only ([`Shedder::with_lane_queues`]: ready ÷ ack
+//! rate, cached per lane like the work queue's reading): the door remembers no lane job and
+//! does not walk the lanes, so a lane's doomed jobs count as a wait there (erring towards
+//! shedding), and a lane shared by several tenants (hashed alike) counts all of them,
+//! although the fair share may serve this tenant sooner. Not counted for a `batch` job:
+//! the `critical` jobs and the named tenants' `standard` jobs in other lanes that it also
+//! waits behind (erring towards admitting; the worker still refuses it at receipt).
+//!
+//! # A model server that is down
+//!
+//! Each worker records in the ledger when its circuit breaker for a model server opens
+//! (per kind it sent there, with its next trial time) and when it closes. While every live
+//! worker (a lease renewed in the last [`WORKER_LIVE_MS`]) has the kind's breaker open,
+//! [`Shedder::upstream_open_until`] says until when, and the submitter refuses the job
+//! (`503 upstream_unavailable`, `Retry-After` the seconds to that trial) before the
+//! estimate. A record past its trial time, or of a worker whose lease went stale, counts
+//! as closed.
+//!
 //! # When it does not shed
 //!
-//! It never sheds on a guess. It admits when:
+//! It never sheds on a guess. Unless the job cannot finish even if started now, it admits
+//! when:
 //! - nothing counted is ready: nothing that can still finish waits ahead of the job;
 //! - there is no rate (no consumer, the queue idle, the first calls still
 //!   running, or statistics not sampled yet). This includes a backlog with **no
@@ -84,6 +120,7 @@
 
 use lastcall_broker::management::{Management, QueueStats};
 use lastcall_broker::publish::Publisher;
+use lastcall_core::Priority;
 use lastcall_store::Ledger;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -92,6 +129,10 @@ use tokio::time::Instant;
 /// How far back the door looks for a kind's call time in the ledger (as the worker's own
 /// learning window).
 pub const LEARNED_WINDOW_MS: i64 = 10 * 60 * 1_000;
+
+/// A worker whose lease (`Ledger::heartbeat`, renewed every 2 s) is older than this is
+/// dead for the door: its open breakers no longer count (the worker's own lease TTL).
+pub const WORKER_LIVE_MS: i64 = 10_000;
 
 /// At most this many kinds' call times are cached (kinds come from producers: bounded).
 const MAX_CACHED_KINDS: usize = 256;
@@ -129,8 +170,23 @@ impl ShedEstimate {
     }
 }
 
+impl ShedEstimate {
+    /// Shed with nothing ahead: the call time alone exceeds the budget left, so the job
+    /// cannot finish even if a worker started it now ([`decide_tiered`]).
+    pub fn cannot_finish(&self) -> bool {
+        self.ready == 0 && self.queue_wait_ms == 0
+    }
+}
+
 impl std::fmt::Display for ShedEstimate {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.cannot_finish() {
+            return write!(
+                f,
+                "cannot finish even if started now: its call time {} ms (the clock margin included) exceeds the {} ms budget left; nothing was published. Give the job a longer deadline",
+                self.min_runtime_ms, self.remaining_ms
+            );
+        }
         write!(
             f,
             "would expire in the queue: estimated queue wait {} ms ({} ready at {:.2}/s",
@@ -243,6 +299,96 @@ pub fn decide(
         remaining_ms,
         retry_after_s,
     })
+}
+
+/// Where a job waits, as the door sees it: its tier and the broker queue it is published
+/// to ([`lastcall_core::lane_of`]; lane 0 is the work queue).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Place {
+    pub priority: Priority,
+    pub lane: u8,
+}
+
+/// The door's decision with the tiers (module doc, "Tiers and lanes"). Pure.
+///
+/// - Every tier: a job whose call time (`call_ms`, with the clock margin) exceeds the
+///   budget it has left cannot finish even if a worker started it now: shed.
+/// - `critical`: never shed because of a backlog — the worker serves it before every
+///   other tier, whatever waits ahead of it in the broker.
+/// - `standard`: shed when the wait in its own queue (`own`: the work queue's walk for
+///   lane 0, the lane's backlog for a named tenant's lane) plus the call time exceeds the
+///   budget: [`decide`].
+/// - `batch`: as `standard`, with the work queue's backlog (`work`: `default` tenant,
+///   `standard` tier, every job of it served first under strict tiers) added to its own
+///   lane's: the higher tier's backlog that keeps it from starting.
+///
+/// A backlog without a pace is no wait (never shed on a guess); `None`: no reading.
+pub fn decide_tiered(
+    place: Place,
+    own: Option<Ahead>,
+    work: Option<Ahead>,
+    expires_at_ms: i64,
+    call_ms: Option<u64>,
+    now_ms: i64,
+) -> Verdict {
+    let remaining_ms = expires_at_ms.saturating_sub(now_ms);
+    let call = call_ms.unwrap_or(0);
+    if i64::try_from(call).unwrap_or(i64::MAX) > remaining_ms {
+        return Verdict::Shed(ShedEstimate {
+            queue_wait_ms: 0,
+            ready: 0,
+            doomed: 0,
+            ack_rate_per_s: 0.0,
+            min_runtime_ms: call,
+            remaining_ms,
+            retry_after_s: 1,
+        });
+    }
+    let segments: Vec<Ahead> = match place.priority {
+        Priority::Critical => {
+            return Verdict::Admit(Admit::Fits {
+                needed_ms: call,
+                remaining_ms,
+            });
+        }
+        Priority::Standard => own.into_iter().collect(),
+        // A batch job in the work queue does not exist (it always has a lane); were it
+        // there, its queue is the higher tier's backlog already.
+        Priority::Batch if place.lane == 0 => own.into_iter().collect(),
+        Priority::Batch => own.into_iter().chain(work).collect(),
+    };
+    if segments.is_empty() {
+        return Verdict::Admit(Admit::NoReading);
+    }
+    // The queues are drained one after the other (the higher tier first, then the lane):
+    // their waits add up. Each is `counted / pace`; one without a pace adds nothing.
+    let (mut ready, mut paced, mut doomed, mut wait_s) = (0u64, 0u64, 0u64, 0f64);
+    for s in &segments {
+        ready = ready.saturating_add(s.counted);
+        doomed = doomed.saturating_add(s.doomed);
+        if let Some(r) = s.rate_per_s.filter(|r| r.is_finite() && *r > 0.0)
+            && s.counted > 0
+        {
+            wait_s += s.counted as f64 / r;
+            paced = paced.saturating_add(s.counted);
+        }
+    }
+    if ready == 0 {
+        return Verdict::Admit(Admit::EmptyQueue);
+    }
+    if paced == 0 {
+        return Verdict::Admit(Admit::NoAckRate);
+    }
+    // One queue with a pace: exactly `decide`. Several: `decide` at the pace that drains
+    // the paced ones in their summed wait.
+    let rate = match segments.as_slice() {
+        [one] => one.rate_per_s,
+        _ => Some(paced as f64 / wait_s),
+    };
+    match decide(paced, rate, expires_at_ms, call_ms, now_ms) {
+        Verdict::Shed(e) => Verdict::Shed(ShedEstimate { doomed, ..e }),
+        admit => admit,
+    }
 }
 
 #[derive(Debug, Default)]
@@ -426,6 +572,14 @@ pub struct Shedder {
     ledger: Option<std::sync::Arc<Ledger>>,
     /// Per kind: when the call time was read from the ledger, and what it was.
     learned: tokio::sync::Mutex<HashMap<String, (Instant, Option<u64>)>>,
+    /// The lanes' queues, by lane number (`lane_queues[0]` is the work queue);
+    /// empty: a lane job's backlog is not read ([`Self::with_lane_queues`]).
+    lane_queues: Vec<String>,
+    /// Per lane: when its management reading was taken, and what it was (`None`: failed).
+    lanes: tokio::sync::Mutex<HashMap<u8, (Instant, Option<QueueStats>)>>,
+    /// The workers' open breakers, read from the ledger: per kind, when read and until
+    /// when the kind's model server takes no call (`None`: not open).
+    upstream: tokio::sync::Mutex<HashMap<String, (Instant, Option<i64>)>>,
 }
 
 impl Shedder {
@@ -454,7 +608,89 @@ impl Shedder {
             door: tokio::sync::Mutex::new(Door::default()),
             ledger: None,
             learned: tokio::sync::Mutex::new(HashMap::new()),
+            lane_queues: Vec::new(),
+            lanes: tokio::sync::Mutex::new(HashMap::new()),
+            upstream: tokio::sync::Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Read a lane job's backlog from its lane's queue (`queues[n]` is lane `n`'s; the
+    /// topology's `lane_queues()`): its ready messages and ack rate from the management API
+    /// (module doc, "Tiers and lanes"). Without it, a lane job is held only to the call
+    /// time and, for `batch`, to the work queue's backlog.
+    pub fn with_lane_queues(mut self, queues: Vec<String>) -> Self {
+        self.lane_queues = queues;
+        self
+    }
+
+    /// The backlog of `lane` (not the work queue): its ready messages, every one counted
+    /// (the door remembers no lane job), and the management API's ack rate, cached per lane
+    /// for [`Self::FRESH_FOR`] (a failure for [`Self::RETRY_FAILED_AFTER`]). `None`: no
+    /// queue name for it, or no answer.
+    pub async fn lane_ahead(&self, lane: u8) -> Option<Ahead> {
+        let queue = self
+            .lane_queues
+            .get(usize::from(lane))
+            .filter(|_| lane > 0)?;
+        let cached = self.lanes.lock().await.get(&lane).copied();
+        let stats = match cached {
+            Some((at, r))
+                if at.elapsed()
+                    < if r.is_some() {
+                        Self::FRESH_FOR
+                    } else {
+                        Self::RETRY_FAILED_AFTER
+                    } =>
+            {
+                r
+            }
+            _ => {
+                // Not under the lock: other lanes' requests do not wait for this query.
+                let r = match self.management.queue_stats(queue).await {
+                    Ok(r) => r,
+                    Err(e) => {
+                        tracing::debug!(queue = %queue, error = %e, "cannot read a lane's backlog; not counted");
+                        None
+                    }
+                };
+                self.lanes.lock().await.insert(lane, (Instant::now(), r));
+                r
+            }
+        }?;
+        Some(Ahead {
+            counted: stats.ready,
+            doomed: 0,
+            rate_per_s: stats.ack_rate_per_s,
+        })
+    }
+
+    /// Whether the model server of `kind` is known to be down: every live worker recorded
+    /// its breaker for the kind open ([`Ledger::upstream_open_until`]). `Some(until)`: the
+    /// earliest instant one of them lets a trial call through. Cached per kind for
+    /// [`Self::FRESH_FOR`]; `None` without a ledger or when it does not answer.
+    pub async fn upstream_open_until(&self, kind: &str, now_ms: i64) -> Option<i64> {
+        let ledger = self.ledger.as_ref()?;
+        if let Some((at, v)) = self.upstream.lock().await.get(kind)
+            && at.elapsed() < Self::FRESH_FOR
+        {
+            return v.filter(|until| *until > now_ms);
+        }
+        let v = match ledger
+            .upstream_open_until(kind, now_ms, now_ms.saturating_sub(WORKER_LIVE_MS))
+            .await
+        {
+            Ok(v) => v,
+            Err(e) => {
+                tracing::debug!(error = %e, "the door could not read the workers' breakers; none counted");
+                None
+            }
+        };
+        let mut cache = self.upstream.lock().await;
+        if cache.len() >= MAX_CACHED_KINDS && !cache.contains_key(kind) {
+            cache.clear();
+        }
+        cache.insert(kind.to_owned(), (Instant::now(), v));
+        v
     }
 
     /// Read each kind's call time from `ledger` (the one the workers record to), to set
@@ -615,49 +851,55 @@ impl Shedder {
         }
     }
 
-    /// The verdict for a job of `kind` with this deadline and minimum runtime at `now_ms`.
-    /// Without its own minimum runtime, the call time the workers recently held its kind to
-    /// is read from the ledger ([`Self::with_ledger`]) and set aside after the queue wait.
-    /// An admitted job is remembered (with a live source) as one the queue now holds.
+    /// The verdict for a job of `kind` at `place` (tier and lane) with this deadline and
+    /// minimum runtime at `now_ms` ([`decide_tiered`]). Without its own minimum runtime,
+    /// the call time the workers recently held its kind to is read from the ledger
+    /// ([`Self::with_ledger`]) and set aside after the queue wait. An admitted job of the
+    /// work queue is remembered (with a live source) as one the queue now holds.
     /// `margin_ms` (the producer's clock margin, which a worker also keeps) is added to
     /// the call time.
     pub async fn check(
         &self,
         kind: &str,
+        place: Place,
         expires_at_ms: i64,
         min_runtime_ms: Option<u64>,
         margin_ms: u64,
         now_ms: i64,
     ) -> Verdict {
-        let ahead = self.ahead(now_ms).await;
-        // The call time is wanted for a wait to add it to, or to remember the job by.
-        let wanted = self.live.is_some() || ahead.is_some_and(|a| a.counted > 0);
+        // The work queue's backlog counts for its own jobs, and for `batch` as the higher
+        // tier's; a lane job's own backlog is its lane's.
+        let work = if place.priority != Priority::Critical
+            && (place.lane == 0 || place.priority == Priority::Batch)
+        {
+            self.ahead(now_ms).await
+        } else {
+            None
+        };
+        let own = match place.lane {
+            0 => work,
+            _ if place.priority == Priority::Critical => None,
+            lane => self.lane_ahead(lane).await,
+        };
         let call_ms = match min_runtime_ms {
             Some(own) => Some(own),
-            None if wanted => self.learned_call_ms(kind, now_ms).await,
-            None => None,
+            None => self.learned_call_ms(kind, now_ms).await,
         }
         .map(|c| c.saturating_add(margin_ms))
         .or((margin_ms > 0).then_some(margin_ms));
-        let verdict = match ahead {
-            None => Verdict::Admit(Admit::NoReading),
-            Some(a) => match decide(a.counted, a.rate_per_s, expires_at_ms, call_ms, now_ms) {
-                Verdict::Shed(e) => Verdict::Shed(ShedEstimate {
-                    doomed: a.doomed,
-                    ..e
-                }),
-                admit => admit,
-            },
-        };
+        let verdict = decide_tiered(place, own, work, expires_at_ms, call_ms, now_ms);
         tracing::trace!(
             kind,
+            priority = place.priority.as_str(),
+            lane = place.lane,
             remaining_ms = expires_at_ms - now_ms,
             ?call_ms,
-            ?ahead,
+            ?own,
+            ?work,
             shed = verdict.is_shed(),
             "shedding at the door"
         );
-        if !verdict.is_shed() && self.live.is_some() {
+        if !verdict.is_shed() && place.lane == 0 && self.live.is_some() {
             self.door.lock().await.remember(Sent {
                 expires_at_ms,
                 need_ms: call_ms.unwrap_or(0),
@@ -786,6 +1028,155 @@ mod tests {
         assert_eq!(door.sent.len(), 1);
         assert_eq!(door.sent_total, 2);
         assert!(door.get(0).is_none() && door.get(1).is_some() && door.get(2).is_none());
+    }
+
+    fn at(priority: Priority, lane: u8) -> Place {
+        Place { priority, lane }
+    }
+
+    fn backlog(counted: u64, rate: f64) -> Option<Ahead> {
+        Some(Ahead {
+            counted,
+            doomed: 0,
+            rate_per_s: Some(rate),
+        })
+    }
+
+    #[test]
+    fn tiers_at_the_door() {
+        let deep = backlog(1_000, 10.0); // 100 s of queue
+        let budget = NOW + 5_000;
+        // Critical: never shed behind a backlog, in any queue; only when the call alone
+        // does not fit.
+        for lane in [0, 3] {
+            let v = decide_tiered(
+                at(Priority::Critical, lane),
+                deep,
+                deep,
+                budget,
+                Some(800),
+                NOW,
+            );
+            assert!(!v.is_shed(), "{v:?}");
+        }
+        let e = shed(decide_tiered(
+            at(Priority::Critical, 3),
+            None,
+            None,
+            budget,
+            Some(5_001),
+            NOW,
+        ));
+        assert!(e.cannot_finish(), "{e:?}");
+        assert!(
+            e.to_string().contains("cannot finish even if started now"),
+            "{e}"
+        );
+        // Standard in the work queue: today's estimate, exactly.
+        for own in [deep, backlog(30, 10.0), None] {
+            let v = decide_tiered(at(Priority::Standard, 0), own, own, budget, Some(500), NOW);
+            let today = match own {
+                Some(a) => decide(a.counted, a.rate_per_s, budget, Some(500), NOW),
+                None => Verdict::Admit(Admit::NoReading),
+            };
+            assert_eq!(v, today);
+        }
+        // Standard in a lane: its lane's backlog only, not the work queue's.
+        assert!(
+            !decide_tiered(
+                at(Priority::Standard, 2),
+                backlog(10, 10.0),
+                deep,
+                budget,
+                None,
+                NOW
+            )
+            .is_shed()
+        );
+        assert!(decide_tiered(at(Priority::Standard, 2), deep, None, budget, None, NOW).is_shed());
+        // Batch: the higher tier's backlog in the work queue keeps it from starting.
+        let e = shed(decide_tiered(
+            at(Priority::Batch, 5),
+            None,
+            deep,
+            budget,
+            None,
+            NOW,
+        ));
+        assert_eq!((e.ready, e.queue_wait_ms), (1_000, 100_000));
+        // Its own lane and the work queue add up: 3 s + 3 s of queue do not fit 5 s.
+        let three_s = backlog(30, 10.0);
+        assert!(!decide_tiered(at(Priority::Batch, 5), three_s, None, budget, None, NOW).is_shed());
+        let e = shed(decide_tiered(
+            at(Priority::Batch, 5),
+            three_s,
+            three_s,
+            budget,
+            None,
+            NOW,
+        ));
+        assert_eq!((e.ready, e.queue_wait_ms), (60, 6_000));
+        // A backlog without a pace is no wait.
+        let unpaced = Some(Ahead {
+            counted: 1_000,
+            doomed: 0,
+            rate_per_s: None,
+        });
+        assert_eq!(
+            decide_tiered(at(Priority::Batch, 5), unpaced, unpaced, budget, None, NOW),
+            Verdict::Admit(Admit::NoAckRate)
+        );
+        assert!(
+            !decide_tiered(at(Priority::Batch, 5), unpaced, three_s, budget, None, NOW).is_shed()
+        );
+    }
+
+    #[test]
+    fn property_tiers_shed_in_order() {
+        // Whatever the backlogs: critical is shed only when the call alone exceeds the
+        // budget; whenever a job is shed, the same job at a lower tier in the same queue is
+        // too (batch is shed first); and nothing that cannot finish if started now is
+        // admitted.
+        let mut g = Gen(0x51_7cc1_b727_220a);
+        let (mut batch_only, mut sheds) = (0, 0);
+        for _ in 0..20_000 {
+            let mut ahead = || {
+                (g.upto(4) > 0).then(|| Ahead {
+                    counted: g.upto(2_000),
+                    doomed: g.upto(10),
+                    rate_per_s: (g.upto(5) > 0).then(|| g.rate()),
+                })
+            };
+            let (own, work) = (ahead(), ahead());
+            let budget = g.upto(120_000) as i64 - 1_000;
+            let call = (g.upto(3) > 0).then(|| g.upto(20_000));
+            let lane = 1 + g.upto(6) as u8;
+            let v = |p: Priority| decide_tiered(at(p, lane), own, work, NOW + budget, call, NOW);
+            let (c, s, b) = (
+                v(Priority::Critical),
+                v(Priority::Standard),
+                v(Priority::Batch),
+            );
+            let too_long = call.unwrap_or(0) as i64 > budget;
+            assert_eq!(c.is_shed(), too_long, "{c:?}");
+            if too_long {
+                assert!(s.is_shed() && b.is_shed());
+            }
+            if s.is_shed() {
+                assert!(b.is_shed(), "standard shed, batch admitted: {s:?} {b:?}");
+                sheds += 1;
+            }
+            if b.is_shed() && !s.is_shed() {
+                batch_only += 1;
+            }
+            if let Verdict::Shed(e) = b
+                && !e.cannot_finish()
+            {
+                assert!(e.needed_ms() as i64 > budget, "{e:?}");
+                assert!((1..=MAX_RETRY_AFTER_S).contains(&e.retry_after_s));
+            }
+        }
+        assert!(batch_only > 500 && sheds > 500, "{batch_only} / {sheds}");
     }
 
     #[test]

@@ -1,7 +1,7 @@
 //! The publisher library API: validate, stamp the deadline, refuse stale work before it is
 //! published, publish with confirm, and record `accepted` in the ledger.
 
-use crate::shed::{ShedEstimate, Shedder, Verdict};
+use crate::shed::{Place, ShedEstimate, Shedder, Verdict};
 use lastcall_broker::{Names, PublishError, PublishProps, Publisher, ReplyChannel};
 use lastcall_clock::{Clock, SystemClock};
 use lastcall_core::admission::{Admission, AdmissionPolicy, Stage};
@@ -62,6 +62,13 @@ pub enum SubmitError {
     /// its deadline. Nothing was published or recorded.
     #[error("not accepted: {0}")]
     WouldExpireInQueue(ShedEstimate),
+    /// Shedding at the door: every live worker's circuit breaker for the model server of
+    /// this kind is open (recorded in the ledger), so nothing would call it before the
+    /// breakers' next trial. Nothing was published or recorded.
+    #[error(
+        "not accepted: the model server of kind `{kind}` is unavailable (the workers' circuit breaker is open); nothing was published. Retry after {retry_after_s} s"
+    )]
+    UpstreamUnavailable { kind: String, retry_after_s: u64 },
     #[error(
         "published and confirmed, but recording `accepted` in the ledger failed: {0}; the job will still run, but reconciliation cannot see it"
     )]
@@ -397,23 +404,35 @@ impl Submitter {
         }
     }
 
-    /// Shedding at the door: refuse the job when the estimated queue wait plus its
-    /// call time (its own minimum runtime, else its kind's from the ledger) exceeds its
-    /// remaining budget ([`crate::shed`]; admits without an
-    /// estimate).
+    /// Shedding at the door: refuse the job while its kind's model server is down for
+    /// every live worker (their breakers, from the ledger), or when the estimated wait for
+    /// its tier plus its call time (its own minimum runtime, else its kind's from the
+    /// ledger) exceeds its remaining budget ([`crate::shed`]; admits without an estimate).
     async fn shed(&self, env: &Envelope, now_ms: i64) -> Result<(), SubmitError> {
         let Some(shedder) = &self.shedder else {
             return Ok(());
         };
-        // The door watches the work queue: a named tenant's job waits in its own lane,
-        // which that count says nothing about (the worker refuses what cannot finish).
-        if lastcall_core::lane_of(env.tenant(), env.priority()) != 0 {
-            return Ok(());
-        }
         let now_ms = self.clock.now_ms().max(now_ms);
+        // The deadline alone first (no IO, and its refusal says the exact reason: the
+        // clock margin leaves no budget); the publish checks it again.
+        self.admit(env, now_ms)?;
+        let kind = env.kind().as_str();
+        // The kind's model server is down for every live worker: nothing would call it
+        // before the breakers' next trial.
+        if let Some(until_ms) = shedder.upstream_open_until(kind, now_ms).await {
+            return Err(SubmitError::UpstreamUnavailable {
+                kind: kind.to_owned(),
+                retry_after_s: retry_after_until(until_ms, now_ms),
+            });
+        }
+        let place = Place {
+            priority: env.priority(),
+            lane: lastcall_core::lane_of(env.tenant(), env.priority()),
+        };
         match shedder
             .check(
-                env.kind().as_str(),
+                kind,
+                place,
                 env.deadline().expires_at_ms(),
                 env.min_runtime_ms,
                 self.admission.clock_uncertainty_ms,
@@ -487,6 +506,13 @@ impl Submitter {
             ttl_ms,
         })
     }
+}
+
+/// Whole seconds from `now_ms` until `until_ms`, rounded up, at least 1 and at most
+/// [`crate::shed::MAX_RETRY_AFTER_S`]: a `Retry-After`.
+pub fn retry_after_until(until_ms: i64, now_ms: i64) -> u64 {
+    let ms = u64::try_from(until_ms.saturating_sub(now_ms)).unwrap_or(0);
+    ms.div_ceil(1_000).clamp(1, crate::shed::MAX_RETRY_AFTER_S)
 }
 
 /// How often a request polls a same-id claim whose publish is pending.
@@ -615,6 +641,18 @@ pub fn load_signing_key(
 mod tests {
     use super::*;
     use std::sync::atomic::{AtomicU32, Ordering};
+
+    #[test]
+    fn retry_after_is_whole_seconds_rounded_up_between_1_and_the_cap() {
+        assert_eq!(retry_after_until(10_000, 10_000), 1);
+        assert_eq!(retry_after_until(9_000, 10_000), 1, "already past");
+        assert_eq!(retry_after_until(10_001, 10_000), 1);
+        assert_eq!(retry_after_until(12_001, 10_000), 3);
+        assert_eq!(
+            retry_after_until(i64::MAX, i64::MIN),
+            crate::shed::MAX_RETRY_AFTER_S
+        );
+    }
 
     #[tokio::test]
     async fn a_transient_ledger_error_after_the_publish_is_retried_until_it_passes() {

@@ -395,6 +395,18 @@ const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
 const UPSERT_HEARTBEAT: &str = "INSERT INTO workers (name, heartbeat_ms) VALUES ($1, $2) \
      ON CONFLICT (name) DO UPDATE SET heartbeat_ms = excluded.heartbeat_ms";
 
+const UPSERT_BREAKER: &str = "INSERT INTO breakers \
+     (worker, kind, backend, open_until_ms, recorded_at_ms) VALUES ($1, $2, $3, $4, $5) \
+     ON CONFLICT (worker, kind) DO UPDATE SET backend = excluded.backend, \
+     open_until_ms = excluded.open_until_ms, recorded_at_ms = excluded.recorded_at_ms";
+const DELETE_BREAKER: &str = "DELETE FROM breakers WHERE worker = $1 AND backend = $2";
+/// The live workers (fresh lease), and those of them with the kind's breaker open now.
+const SELECT_UPSTREAM_OPEN: &str = "SELECT \
+     (SELECT COUNT(*) FROM workers WHERE heartbeat_ms >= $3), \
+     COUNT(DISTINCT b.worker), MIN(b.open_until_ms) FROM breakers b \
+     JOIN workers w ON w.name = b.worker \
+     WHERE b.kind = $1 AND b.open_until_ms > $2 AND w.heartbeat_ms >= $3";
+
 /// A `running` attempt of the job under another worker whose lease is fresh.
 const SELECT_LIVE_ATTEMPT: &str = "SELECT a.worker FROM attempts a \
      JOIN workers w ON w.name = a.worker \
@@ -718,6 +730,71 @@ impl Ledger {
                 .map_err(db("renewing a worker lease"))?
         });
         Ok(())
+    }
+
+    /// `worker`'s circuit breaker for `backend` opened (or opened again) at `now_ms`: it
+    /// lets no call of `kinds` through before `open_until_ms`. The door reads it with
+    /// [`upstream_open_until`](Self::upstream_open_until).
+    pub async fn record_breaker_open(
+        &self,
+        worker: &str,
+        backend: &str,
+        kinds: &[String],
+        open_until_ms: i64,
+        now_ms: i64,
+    ) -> Result<(), StoreError> {
+        for kind in kinds {
+            on_pool!(self, write, |pool| {
+                sqlx::query(UPSERT_BREAKER)
+                    .bind(worker)
+                    .bind(kind)
+                    .bind(backend)
+                    .bind(open_until_ms)
+                    .bind(now_ms)
+                    .execute(pool)
+                    .await
+                    .map(|_| ())
+                    .map_err(db("recording an open breaker"))?
+            });
+        }
+        Ok(())
+    }
+
+    /// `worker`'s circuit breaker for `backend` closed: its rows go.
+    pub async fn clear_breaker(&self, worker: &str, backend: &str) -> Result<(), StoreError> {
+        on_pool!(self, write, |pool| {
+            sqlx::query(DELETE_BREAKER)
+                .bind(worker)
+                .bind(backend)
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(db("clearing a breaker"))?
+        });
+        Ok(())
+    }
+
+    /// When every live worker (lease renewed at or after `live_since_ms`) has its breaker
+    /// for `kind` open at `now_ms`: the earliest instant one of them lets a trial through.
+    /// `None` when no worker is live, or one of them may still call (its breaker closed or
+    /// half-open, its row's trial time passed, or it never sent the kind anywhere).
+    pub async fn upstream_open_until(
+        &self,
+        kind: &str,
+        now_ms: i64,
+        live_since_ms: i64,
+    ) -> Result<Option<i64>, StoreError> {
+        let (live, open, until): (i64, i64, Option<i64>) = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_UPSTREAM_OPEN)
+                .bind(kind)
+                .bind(now_ms)
+                .bind(live_since_ms)
+                .fetch_one(pool)
+                .await
+                .and_then(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?)))
+                .map_err(db("reading the workers' breakers"))?
+        });
+        Ok(until.filter(|_| live > 0 && open >= live))
     }
 
     /// The worker (other than `me`) running a model call of `job_id` now: an attempt row

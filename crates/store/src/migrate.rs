@@ -69,6 +69,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0008_tenants.sql"),
         postgres: include_str!("../migrations/postgres/0008_tenants.sql"),
     },
+    Migration {
+        version: 9,
+        name: "breakers",
+        sqlite: include_str!("../migrations/sqlite/0009_breakers.sql"),
+        postgres: include_str!("../migrations/postgres/0009_breakers.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

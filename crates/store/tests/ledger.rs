@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 8;
+const LATEST_VERSION: i64 = 9;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -242,6 +242,7 @@ both_backends!(
     dashboard_counts_equal_the_records_and_read_no_text,
     every_row_keeps_the_tenant_and_tier_its_first_writer_knew,
     tenant_counts_equal_the_records,
+    the_door_sees_a_kind_down_while_every_live_worker_has_its_breaker_open,
 );
 
 // ---------------------------------------------------------------------------------------
@@ -364,7 +365,7 @@ async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
         Backend::Sqlite => include_str!("../migrations/sqlite/0001_init.sql"),
         Backend::Postgres => include_str!("../migrations/postgres/0001_init.sql"),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(
@@ -405,7 +406,7 @@ async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
             include_str!("../migrations/postgres/0002_counters_on_read.sql"),
         ),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(v2).await;
@@ -2457,6 +2458,12 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
     let dst = TestDb::new(Backend::Postgres).await;
     retention_fixture(&src.ledger).await;
     src.ledger.heartbeat("w1", 5_000).await.unwrap();
+    // Two open breakers of w1 (a two-column key), so the copy pages through them.
+    let kinds = ["summarize".to_owned(), "translate".to_owned()];
+    src.ledger
+        .record_breaker_open("w1", "vllm", &kinds, 9_000, 5_000)
+        .await
+        .unwrap();
     // A text with characters whose byte order and collation order differ, and quotes.
     src.ledger
         .record_outcome(&completed("Zz-ü", "a-zz", 2_000, "\"ä\"\n\\ 🙂"))
@@ -2893,5 +2900,97 @@ async fn tenant_counts_equal_the_records(db: &TestDb) {
     assert_eq!(
         dash.tenants,
         tenant_accounts(&got, lastcall_store::DASHBOARD_TENANTS)
+    );
+}
+
+/// The workers' open breakers, as the door reads them: a kind is down only while every live
+/// worker (fresh lease) has its breaker for the kind open; a row past its trial time, or of
+/// a worker whose lease went stale, counts as closed; a closing removes the rows.
+async fn the_door_sees_a_kind_down_while_every_live_worker_has_its_breaker_open(db: &TestDb) {
+    let l = &db.ledger;
+    let kinds = vec!["chat".to_owned(), "summary".to_owned()];
+    let live_since = |now: i64| now - 10_000;
+    assert_eq!(
+        l.upstream_open_until("chat", 1_000, live_since(1_000))
+            .await
+            .unwrap(),
+        None
+    );
+    l.heartbeat("w1", 1_000).await.unwrap();
+    l.record_breaker_open("w1", "openai", &kinds, 4_000, 1_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        l.upstream_open_until("chat", 2_000, live_since(2_000))
+            .await
+            .unwrap(),
+        Some(4_000)
+    );
+    assert_eq!(
+        l.upstream_open_until("code", 2_000, live_since(2_000))
+            .await
+            .unwrap(),
+        None
+    );
+    // Opened again (a failed trial): the later trial time replaces the row.
+    l.record_breaker_open("w1", "openai", &kinds[..1], 9_000, 4_500)
+        .await
+        .unwrap();
+    assert_eq!(
+        l.upstream_open_until("chat", 5_000, live_since(5_000))
+            .await
+            .unwrap(),
+        Some(9_000)
+    );
+    // Past the trial time: closed for the door.
+    assert_eq!(
+        l.upstream_open_until("chat", 9_000, live_since(9_000))
+            .await
+            .unwrap(),
+        None
+    );
+    // A second live worker whose breaker is closed can still serve the kind.
+    l.heartbeat("w2", 5_000).await.unwrap();
+    assert_eq!(
+        l.upstream_open_until("chat", 6_000, live_since(6_000))
+            .await
+            .unwrap(),
+        None
+    );
+    l.record_breaker_open("w2", "openai", &kinds, 7_000, 6_000)
+        .await
+        .unwrap();
+    assert_eq!(
+        l.upstream_open_until("chat", 6_500, live_since(6_500))
+            .await
+            .unwrap(),
+        Some(7_000),
+        "the earliest trial of the two"
+    );
+    // w2 closes its breaker: its rows go.
+    l.clear_breaker("w2", "openai").await.unwrap();
+    assert_eq!(
+        l.upstream_open_until("chat", 6_500, live_since(6_500))
+            .await
+            .unwrap(),
+        None
+    );
+    // w2 dies (its lease goes stale), w1 stays live with its breaker open.
+    l.record_breaker_open("w1", "openai", &kinds, 40_000, 20_000)
+        .await
+        .unwrap();
+    l.heartbeat("w1", 20_000).await.unwrap();
+    assert_eq!(
+        l.upstream_open_until("chat", 20_500, live_since(20_500))
+            .await
+            .unwrap(),
+        Some(40_000)
+    );
+    // w1 dies too: no live worker, nothing is down for the door.
+    assert_eq!(
+        l.upstream_open_until("chat", 31_000, live_since(31_000))
+            .await
+            .unwrap(),
+        None
     );
 }

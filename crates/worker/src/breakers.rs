@@ -1,30 +1,97 @@
 //! The circuit breakers of the model servers this worker calls, one per backend (per route
 //! when kinds are routed to several): the IO shell over [`lastcall_core::breaker`]. It
 //! logs every transition, mirrors the states into [`WorkerStats`] for `/metrics` and
-//! `/readyz`, and wakes the jobs that wait for a breaker.
+//! `/readyz`, wakes the jobs that wait for a breaker, and hands each opening and closing
+//! to [`record`] for the ledger, where the door reads it (`503 upstream_unavailable`).
 
+use crate::ctx::Ctx;
 use crate::stats::{BreakerView, WorkerStats};
 use lastcall_core::breaker::{Breaker, BreakerPolicy, BreakerState, Permit, Transition, Verdict};
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
-use tokio::sync::Notify;
+use tokio::sync::{Notify, mpsc};
+
+/// At most this many kinds per breaker are recorded for the door (kinds come from
+/// producers: bounded). A kind beyond them is not refused at the door; the worker still
+/// holds its jobs while the breaker is open.
+const MAX_KINDS: usize = 64;
+
+/// A breaker opened (`open_until_ms`: its next trial) or closed (`None`), for the ledger.
+#[derive(Debug)]
+pub(crate) struct Change {
+    backend: String,
+    kinds: Vec<String>,
+    open_until_ms: Option<i64>,
+    at_ms: i64,
+}
 
 pub(crate) struct Breakers {
     policy: BreakerPolicy,
     map: Mutex<BTreeMap<String, Breaker>>,
+    /// Per breaker, the kinds this worker asked it to call (bounded: [`MAX_KINDS`]): the
+    /// kinds the door refuses while it is open.
+    kinds: Mutex<BTreeMap<String, BTreeSet<String>>>,
     stats: Arc<WorkerStats>,
     /// Fires on every transition: waiting jobs look again.
     pub(crate) changed: Notify,
+    /// Openings and closings, to [`record`] (one writer, in order; unbounded but one
+    /// message per transition, and transitions are at most one per cool-down).
+    changes: mpsc::UnboundedSender<Change>,
+    /// The receiving end, until [`record`] takes it.
+    pending: Mutex<Option<mpsc::UnboundedReceiver<Change>>>,
 }
 
 impl Breakers {
     pub(crate) fn new(policy: BreakerPolicy, stats: Arc<WorkerStats>) -> Self {
+        let (changes, rx) = mpsc::unbounded_channel();
         Self {
             policy,
             map: Mutex::default(),
+            kinds: Mutex::default(),
             stats,
             changed: Notify::new(),
+            changes,
+            pending: Mutex::new(Some(rx)),
         }
+    }
+
+    /// Note that `kind` is called through `key`; while `b` is open, a kind seen for the
+    /// first time is recorded for the door at once.
+    fn saw(&self, key: &str, kind: &str, b: &Breaker, now_ms: i64) {
+        let mut kinds = self.kinds.lock().expect("breaker kinds");
+        let set = kinds.entry(key.to_owned()).or_default();
+        if set.len() >= MAX_KINDS || !set.insert(kind.to_owned()) {
+            return;
+        }
+        if b.state() == BreakerState::Open {
+            let _ = self.changes.send(Change {
+                backend: key.to_owned(),
+                kinds: vec![kind.to_owned()],
+                open_until_ms: Some(b.open_until_ms()),
+                at_ms: now_ms,
+            });
+        }
+    }
+
+    /// Hand an opening or a closing of `key` to the ledger writer.
+    fn announce(&self, key: &str, t: &Transition, now_ms: i64) {
+        let open_until_ms = match t.to {
+            BreakerState::Open => Some(t.open_until_ms.unwrap_or(now_ms)),
+            BreakerState::Closed => None,
+            // Its row's trial time has passed: the door counts it closed already.
+            BreakerState::HalfOpen => return,
+        };
+        let kinds = self.kinds.lock().expect("breaker kinds");
+        let kinds: Vec<String> = kinds
+            .get(key)
+            .map(|s| s.iter().cloned().collect())
+            .unwrap_or_default();
+        let _ = self.changes.send(Change {
+            backend: key.to_owned(),
+            kinds,
+            open_until_ms,
+            at_ms: now_ms,
+        });
     }
 
     pub(crate) fn policy(&self) -> &BreakerPolicy {
@@ -41,10 +108,13 @@ impl Breakers {
     }
 
     /// May a call to `key` start at `now_ms`? `trial_limit_ms`: how long a half-open trial
-    /// may run before it counts as hung (failed).
+    /// may run before it counts as hung (failed). `kind`: the job's kind, recorded for the
+    /// door with this breaker; `None` for a kind on a fallback route, which the door must
+    /// not refuse while another backend of its route may take it.
     pub(crate) fn permit(
         self: &Arc<Self>,
         key: &str,
+        kind: Option<&str>,
         trial_limit_ms: u64,
         now_ms: i64,
     ) -> (Permit, Option<Trial>) {
@@ -53,7 +123,10 @@ impl Breakers {
             .entry(key.to_owned())
             .or_insert_with(|| Breaker::new(&self.policy));
         let (permit, t) = b.permit(&self.policy, trial_limit_ms, now_ms);
-        self.transition(key, b, t);
+        self.transition(key, b, t, now_ms);
+        if let Some(kind) = kind {
+            self.saw(key, kind, b, now_ms);
+        }
         let trial = (permit == Permit::Trial).then(|| Trial {
             breakers: self.clone(),
             key: key.to_owned(),
@@ -82,16 +155,17 @@ impl Breakers {
             .entry(key.to_owned())
             .or_insert_with(|| Breaker::new(&self.policy));
         let t = b.ended(&self.policy, trial, verdict, now_ms);
-        self.transition(key, b, t);
+        self.transition(key, b, t, now_ms);
         if trial {
             // A trial that ended without a transition (neutral): the next job may try.
             self.changed.notify_waiters();
         }
     }
 
-    fn transition(&self, key: &str, b: &Breaker, t: Option<Transition>) {
+    fn transition(&self, key: &str, b: &Breaker, t: Option<Transition>, now_ms: i64) {
         self.mirror(key, b);
         let Some(t) = t else { return };
+        self.announce(key, &t, now_ms);
         match t.to {
             BreakerState::Open => tracing::warn!(
                 backend = key,
@@ -149,5 +223,93 @@ impl Drop for Trial {
             drop(map);
             self.breakers.changed.notify_waiters();
         }
+    }
+}
+
+/// Write each opening and closing of this worker's breakers to the ledger, in order, for
+/// the door: an open breaker's kinds with its next trial time
+/// (`Ledger::record_breaker_open`), a closed one's rows removed. Best effort: a failed write
+/// is logged and the door goes on as before (a row left behind expires at its trial time,
+/// or with the worker's lease). Runs for the worker's whole life.
+pub(crate) async fn record(ctx: Arc<Ctx>) {
+    let Some(mut rx) = ctx.breakers.pending.lock().expect("breaker changes").take() else {
+        return;
+    };
+    let worker = ctx.cfg.name.clone();
+    while let Some(c) = rx.recv().await {
+        let written = match c.open_until_ms {
+            // Open before any kind was called (cannot be: calls open it): nothing to say.
+            Some(_) if c.kinds.is_empty() => Ok(()),
+            Some(until) => {
+                ctx.ledger
+                    .record_breaker_open(&worker, &c.backend, &c.kinds, until, c.at_ms)
+                    .await
+            }
+            None => ctx.ledger.clear_breaker(&worker, &c.backend).await,
+        };
+        if let Err(e) = written {
+            tracing::warn!(backend = %c.backend, error = %e, "cannot record the breaker in the ledger: the door does not see it");
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn failure() -> Verdict {
+        Verdict::Failure {
+            retry_after_ms: None,
+        }
+    }
+
+    /// An opening names the kinds asked about with the next trial time, a kind first seen
+    /// while open is announced at once, a half-open trial says nothing, a closing clears.
+    #[test]
+    fn openings_and_closings_go_to_the_ledger_writer_with_their_kinds() {
+        let policy = BreakerPolicy {
+            failures_to_open: 2,
+            cool_down_ms: 1_000,
+            ..Default::default()
+        };
+        let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
+        let mut rx = b.pending.lock().unwrap().take().unwrap();
+        for (kind, at) in [("chat", 0), ("summary", 10)] {
+            assert_eq!(b.permit("openai", Some(kind), 5_000, at).0, Permit::Call);
+            b.ended("openai", failure(), at);
+        }
+        let c = rx.try_recv().expect("the opening");
+        assert_eq!(
+            (
+                c.backend.as_str(),
+                c.kinds.clone(),
+                c.open_until_ms,
+                c.at_ms
+            ),
+            (
+                "openai",
+                vec!["chat".into(), "summary".into()],
+                Some(1_010),
+                10
+            )
+        );
+        // A new kind asks while open: announced alone, with the same trial time.
+        assert!(matches!(
+            b.permit("openai", Some("code"), 5_000, 20).0,
+            Permit::Wait { .. }
+        ));
+        let c = rx.try_recv().expect("the new kind");
+        assert_eq!(
+            (c.kinds, c.open_until_ms),
+            (vec!["code".into()], Some(1_010))
+        );
+        // The trial (half-open: nothing to say) succeeds: closed, the rows go.
+        let (permit, trial) = b.permit("openai", Some("chat"), 5_000, 1_100);
+        assert_eq!(permit, Permit::Trial);
+        assert!(rx.try_recv().is_err(), "half-open is not announced");
+        trial.unwrap().ended(Verdict::Success, 1_200);
+        let c = rx.try_recv().expect("the closing");
+        assert_eq!((c.backend.as_str(), c.open_until_ms), ("openai", None));
+        assert!(rx.try_recv().is_err());
     }
 }

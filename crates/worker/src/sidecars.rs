@@ -16,6 +16,8 @@ pub(crate) struct Sidecars {
     mirror: JoinHandle<()>,
     control: JoinHandle<()>,
     checker: JoinHandle<()>,
+    /// Writes the breakers' openings and closings to the ledger, for the door.
+    breakers: JoinHandle<()>,
 }
 
 /// Cancellation broadcasts waiting for their ledger check, at most.
@@ -86,7 +88,8 @@ async fn sweep_held(ctx: &Ctx) {
 }
 
 impl Sidecars {
-    /// The lease, the `/readyz` ledger mirror and the cancellation follower.
+    /// The lease, the `/readyz` ledger mirror, the cancellation follower and the breakers'
+    /// ledger writer.
     pub(crate) fn start(ctx: &Arc<Ctx>, broker: &Broker) -> Self {
         let stop = CancellationToken::new();
         let lease = tokio::spawn(crate::lease::renew(ctx.clone(), stop.clone()));
@@ -123,12 +126,14 @@ impl Sidecars {
             },
             |_| {},
         ));
+        let breakers = tokio::spawn(crate::breakers::record(ctx.clone()));
         Self {
             stop,
             lease,
             mirror,
             control,
             checker,
+            breakers,
         }
     }
 
@@ -137,6 +142,7 @@ impl Sidecars {
         self.stop.cancel();
         self.mirror.abort();
         self.checker.abort();
+        self.breakers.abort();
     }
 
     pub(crate) async fn stop(self) {
@@ -145,5 +151,6 @@ impl Sidecars {
         let _ = self.lease.await;
         let _ = tokio::time::timeout(Duration::from_secs(2), self.control).await;
         self.checker.abort();
+        self.breakers.abort();
     }
 }

@@ -328,6 +328,7 @@ fn shedder(
     Some(Arc::new(
         Shedder::new(management_api(s, a), topo.names.work_queue.clone())
             .with_ledger(Some(ledger.clone()))
+            .with_lane_queues(topo.names.lane_queues())
             .with_live_depth(publisher.clone()),
     ))
 }

@@ -58,6 +58,7 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         Arc::new(
             Shedder::new(m, topo.names.work_queue.clone())
                 .with_ledger(ledger.clone())
+                .with_lane_queues(topo.names.lane_queues())
                 .with_live_depth(live),
         )
     }));
@@ -91,6 +92,11 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         Ok(submitted) => submitted,
         Err(SubmitError::WouldExpireInQueue(estimate)) => {
             eprintln!("error: not accepted: {estimate} (--no-shed publishes it anyway)");
+            broker.close().await;
+            return Ok(ExitCode::from(EXIT_SHED));
+        }
+        Err(e @ SubmitError::UpstreamUnavailable { .. }) => {
+            eprintln!("error: {e} (--no-shed publishes it anyway)");
             broker.close().await;
             return Ok(ExitCode::from(EXIT_SHED));
         }

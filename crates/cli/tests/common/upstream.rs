@@ -21,6 +21,14 @@ pub const BUSY: u8 = 4;
 /// Healthy, but a call takes 50 ms + 2 ms per prompt word, × (1 + 0.15 per other call in
 /// flight): prefill grows with the prompt, and calls slow each other down in a batch.
 pub const BY_LENGTH: u8 = 5;
+/// The request is read, then the connection is reset (no answer).
+pub const RESET: u8 = 6;
+/// Healthy, but the answer's first byte comes after 1.5 s.
+pub const SLOW_FIRST_BYTE: u8 = 7;
+/// Headers at once, then the stream's events 400 ms apart (2 s in all).
+pub const SLOW_STREAM: u8 = 8;
+/// `200 OK` with a stream whose event is not JSON.
+pub const MALFORMED: u8 = 9;
 
 /// The fault server's state: its phase, and what it saw.
 #[derive(Default)]
@@ -38,6 +46,10 @@ pub struct Upstream {
     pub retry_after_s: AtomicU64,
     /// How long a [`HEALTHY`] call takes, in ms; 0: 150.
     pub latency_ms: AtomicU64,
+    /// Each request's first message content (the tests put the job id there) and its
+    /// arrival, ms since the epoch: calls that reach the server after their job's
+    /// deadline are counted here, at the server.
+    pub seen: Mutex<Vec<(String, i64)>>,
 }
 
 impl Upstream {
@@ -113,6 +125,14 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
     }
     let n = up.requests.fetch_add(1, Ordering::SeqCst);
     up.arrivals.lock().unwrap().push(Instant::now());
+    let wall_ms = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .unwrap()
+        .as_millis() as i64;
+    up.seen
+        .lock()
+        .unwrap()
+        .push((first_content(&buf[head_len..]), wall_ms));
     let headers = up.headers.lock().unwrap().clone();
     let error = |status: u16, text: &str, extra: &str| {
         let body = r#"{"error":{"message":"the model is busy"}}"#;
@@ -145,6 +165,37 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             };
             sock.write_all(resp.as_bytes()).await?;
         }
+        RESET => {
+            // SO_LINGER 0: closing sends a reset, not a clean end. (Deprecated because a
+            // non-zero linger blocks the thread on drop; a zero one never waits.)
+            #[allow(deprecated)]
+            sock.set_linger(Some(Duration::ZERO))?;
+            drop(sock);
+            return Ok(());
+        }
+        MALFORMED => {
+            let body = "data: {\"id\": \"c\", \"choices\": [\n\ndata: [DONE]\n\n";
+            let resp = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
+                body.len()
+            );
+            sock.write_all(resp.as_bytes()).await?;
+        }
+        SLOW_STREAM => {
+            let head = format!(
+                "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{headers}Connection: close\r\n\r\n"
+            );
+            sock.write_all(head.as_bytes()).await?;
+            for _ in 0..4 {
+                tokio::time::sleep(Duration::from_millis(400)).await;
+                sock.write_all(format!("data: {CHUNK}\n\n").as_bytes())
+                    .await?;
+            }
+            tokio::time::sleep(Duration::from_millis(400)).await;
+            sock.write_all(format!("data: {LAST}\n\ndata: [DONE]\n\n").as_bytes())
+                .await?;
+            up.answered.fetch_add(1, Ordering::SeqCst);
+        }
         HANGING => {
             // Accepted and never answered; the connection stays open until the client
             // gives up (cancellation at the deadline closes it).
@@ -156,6 +207,8 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
                 let words = prompt_words(&buf[head_len..]);
                 let others = up.in_flight.fetch_add(1, Ordering::SeqCst);
                 (50.0 + 2.0 * words as f64) * (1.0 + 0.15 * others as f64)
+            } else if phase == SLOW_FIRST_BYTE {
+                1_500.0
             } else {
                 match up.latency_ms.load(Ordering::SeqCst) {
                     0 => 150.0,
@@ -166,9 +219,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             if phase == BY_LENGTH {
                 up.in_flight.fetch_sub(1, Ordering::SeqCst);
             }
-            let chunk = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#;
-            let last = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
-            let body = format!("data: {chunk}\n\ndata: {last}\n\ndata: [DONE]\n\n");
+            let body = format!("data: {CHUNK}\n\ndata: {LAST}\n\ndata: [DONE]\n\n");
             let resp = format!(
                 "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()
@@ -178,6 +229,18 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
         }
     }
     sock.shutdown().await
+}
+
+const CHUNK: &str = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{"content":"ok"},"finish_reason":null}]}"#;
+const LAST: &str = r#"{"id":"c","object":"chat.completion.chunk","model":"m","choices":[{"index":0,"delta":{},"finish_reason":"stop"}],"usage":{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}}"#;
+
+/// A chat request's first message content.
+fn first_content(body: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    v["messages"][0]["content"]
+        .as_str()
+        .unwrap_or_default()
+        .to_owned()
 }
 
 /// The words of a chat request's messages.

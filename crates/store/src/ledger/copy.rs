@@ -38,7 +38,7 @@ struct Table {
 
 use Ty::{Bool, Int, Text};
 
-const TABLES: [Table; 5] = [
+const TABLES: [Table; 6] = [
     Table {
         name: "jobs",
         key: 1,
@@ -120,15 +120,30 @@ const TABLES: [Table; 5] = [
         key: 1,
         columns: &[("name", Text), ("heartbeat_ms", Int)],
     },
+    // The workers' open breakers (migration 9): live state like the leases, copied so
+    // that the copy holds every table; a row counts only while its trial time is ahead
+    // and its worker's lease fresh.
+    Table {
+        name: "breakers",
+        key: 2,
+        columns: &[
+            ("worker", Text),
+            ("kind", Text),
+            ("backend", Text),
+            ("open_until_ms", Int),
+            ("recorded_at_ms", Int),
+        ],
+    },
 ];
 
 /// The tables [`Ledger::copy_table_to`] copies, in the order it copies them.
-pub const COPY_TABLES: [&str; 5] = [
+pub const COPY_TABLES: [&str; 6] = [
     TABLES[0].name,
     TABLES[1].name,
     TABLES[2].name,
     TABLES[3].name,
     TABLES[4].name,
+    TABLES[5].name,
 ];
 
 /// The columns of a copied table (to compare with the schema in tests).

@@ -153,7 +153,10 @@ fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -
     let key = key.as_str();
     // A trial running past the hang limit of the kind's completed calls has failed.
     let trial_limit = ctx.trial_limit_ms(kind, key, now);
-    match ctx.breakers.permit(key, trial_limit, now) {
+    // The door refuses a kind whose breakers are open on every live worker; a kind on a
+    // fallback route is not recorded there (another backend of its route may take it).
+    let for_door = (ctx.route(kind).len() == 1).then_some(kind);
+    match ctx.breakers.permit(key, for_door, trial_limit, now) {
         (Permit::Call, _) => Gate::Go(w, permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
