@@ -312,4 +312,25 @@ mod tests {
         assert_eq!((c.backend.as_str(), c.open_until_ms), ("openai", None));
         assert!(rx.try_recv().is_err());
     }
+
+    /// A kind on a fallback route (asked with no kind for the door) is never announced:
+    /// the door must not refuse it while another backend of its route may take it.
+    #[test]
+    fn kinds_of_fallback_routes_are_not_announced_to_the_door() {
+        let policy = BreakerPolicy {
+            failures_to_open: 1,
+            ..Default::default()
+        };
+        let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
+        let mut rx = b.pending.lock().unwrap().take().unwrap();
+        assert_eq!(b.permit("vllm", None, 5_000, 0).0, Permit::Call);
+        b.ended("vllm", failure(), 0);
+        let c = rx.try_recv().expect("the opening");
+        assert!(c.kinds.is_empty(), "{c:?}");
+        assert!(matches!(
+            b.permit("vllm", None, 5_000, 10).0,
+            Permit::Wait { .. }
+        ));
+        assert!(rx.try_recv().is_err(), "no kind to announce");
+    }
 }
