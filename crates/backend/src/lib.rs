@@ -158,6 +158,13 @@ pub trait Backend: Send + Sync {
         None
     }
 
+    /// The backends that may serve calls of `kind`, in the order they are tried (a fallback
+    /// route; [`call_on`](Self::call_on) calls one of them): this one's name alone unless
+    /// this one routes kinds. The first is [`route_of`](Self::route_of)'s answer.
+    fn routes_of(&self, kind: &str) -> Vec<&str> {
+        vec![self.route_of(kind).unwrap_or(self.name())]
+    }
+
     /// Every name [`route_of`](Self::route_of) can answer, or this one's: the backends whose
     /// calls this one makes (a worker reads their recent call times from the ledger).
     fn serving_names(&self) -> Vec<&str> {
@@ -199,5 +206,20 @@ pub trait Backend: Send + Sync {
             Some(d) => self.call_streaming(req, cancel, d),
             None => self.call(req, cancel),
         }
+    }
+
+    /// [`call_with`](Self::call_with) on `backend`, one of [`routes_of`](Self::routes_of)
+    /// the request's kind (the one the worker chose for this call). The default has one
+    /// backend to call: itself; routers override it.
+    fn call_on(
+        &self,
+        backend: &str,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<Deltas>,
+        limits: Option<LimitSink>,
+    ) -> CallFuture<'_> {
+        let _ = backend;
+        self.call_with(req, cancel, deltas, limits)
     }
 }

@@ -15,11 +15,19 @@
 //! [[routes]]
 //! kind = "code.*"                # every kind that starts with `code.`
 //! backend = "openai"
+//!
+//! [[routes]]
+//! kind = "summarize"
+//! backend = ["vllm", "hosted"]   # a fallback route: the first that can take the job
 //! ```
 //!
 //! Lookup order: the exact kind, then the longest matching `prefix.*` pattern, then
 //! `default`. A kind that matches nothing without a default fails the call with the
 //! terminal reason `no_route` (retrying cannot help; the configuration must change).
+//!
+//! A route (or the default) may name an ordered list of backends. Which one serves a job is
+//! the worker's choice ([`lastcall_core::fallback`]): it calls that one with
+//! [`Backend::call_on`]; a plain [`Backend::call`] goes to the first.
 
 use crate::{Backend, BackendError, CallFuture, CallRequest, CancellationToken};
 use serde::Deserialize;
@@ -33,9 +41,76 @@ pub struct RouteTable {
     /// The backend for kinds that no route matches. `None`: such kinds fail with
     /// `no_route`.
     #[serde(default)]
-    pub default: Option<String>,
+    pub default: Option<Backends>,
     #[serde(default)]
     pub routes: Vec<Route>,
+}
+
+/// The backends of a route, in the order they are tried: one name (`backend = "openai"`)
+/// or a fallback list (`backend = ["vllm", "hosted"]`).
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(from = "OneOrMany")]
+pub struct Backends(Vec<String>);
+
+#[derive(Deserialize)]
+#[serde(untagged)]
+enum OneOrMany {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl From<OneOrMany> for Backends {
+    fn from(v: OneOrMany) -> Self {
+        match v {
+            OneOrMany::One(s) => Self(vec![s]),
+            OneOrMany::Many(v) => Self(v),
+        }
+    }
+}
+
+impl From<&str> for Backends {
+    fn from(s: &str) -> Self {
+        Self(vec![s.to_owned()])
+    }
+}
+
+impl<S: Into<String>> FromIterator<S> for Backends {
+    fn from_iter<I: IntoIterator<Item = S>>(iter: I) -> Self {
+        Self(iter.into_iter().map(Into::into).collect())
+    }
+}
+
+impl Backends {
+    /// The names in order (a validated table has at least one).
+    pub fn names(&self) -> &[String] {
+        &self.0
+    }
+
+    /// The first backend: the one a job goes to while it can take it.
+    pub fn first(&self) -> Option<&str> {
+        self.0.first().map(String::as_str)
+    }
+
+    /// Whether `name` is one of them.
+    pub fn contains(&self, name: &str) -> bool {
+        self.0.iter().any(|b| b == name)
+    }
+
+    /// Empty, a blank name, or a name twice: `Err` says which.
+    fn check(&self) -> Result<(), String> {
+        if self.0.is_empty() {
+            return Err("an empty backend list".into());
+        }
+        for (i, b) in self.0.iter().enumerate() {
+            if b.trim().is_empty() {
+                return Err("an empty backend name".into());
+            }
+            if self.0[..i].contains(b) {
+                return Err(format!("backend {b:?} twice"));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// One `[[routes]]` entry.
@@ -45,8 +120,9 @@ pub struct Route {
     /// An exact kind (`incident.summary`) or a prefix pattern (`code.*`, matching every
     /// kind that starts with `code.`).
     pub kind: String,
-    /// The name a backend is registered under in the [`RoutedBackend`].
-    pub backend: String,
+    /// The names backends are registered under in the [`RoutedBackend`]: one, or an ordered
+    /// fallback list.
+    pub backend: Backends,
     /// The model to ask for. It replaces the payload's `model`: which model serves a kind
     /// is the operator's choice, not the producer's.
     #[serde(default)]
@@ -60,7 +136,7 @@ pub struct Route {
 impl Route {
     fn resolved(&self) -> Resolved<'_> {
         Resolved {
-            backend: &self.backend,
+            backends: &self.backend,
             model: self.model.as_deref(),
             max_tokens: self.max_tokens,
             pattern: Some(&self.kind),
@@ -71,7 +147,8 @@ impl Route {
 /// Where a kind goes.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Resolved<'a> {
-    pub backend: &'a str,
+    /// The backends in the order they are tried (at least one in a validated table).
+    pub backends: &'a Backends,
     pub model: Option<&'a str>,
     /// The route's cap on `max_tokens`.
     pub max_tokens: Option<u32>,
@@ -86,6 +163,12 @@ pub enum RouteError {
     BadPattern(String),
     #[error("kind pattern {0:?} is routed twice")]
     Duplicate(String),
+    #[error(
+        "route for {kind:?} lists {problem}: give one backend name or a list of distinct names"
+    )]
+    BadBackends { kind: String, problem: String },
+    #[error("the default backend list has {0}: give one backend name or a list of distinct names")]
+    BadDefault(String),
     #[error("route for {kind:?} names backend {backend:?}, which is not configured")]
     UnknownBackend { kind: String, backend: String },
     #[error("the default backend {0:?} is not configured")]
@@ -99,12 +182,21 @@ impl RouteTable {
         let mut seen = std::collections::HashSet::new();
         for r in &self.routes {
             let body = r.kind.strip_suffix(".*").unwrap_or(&r.kind);
-            if body.is_empty() || body.contains('*') || r.backend.is_empty() {
+            if body.is_empty() || body.contains('*') {
                 return Err(RouteError::BadPattern(r.kind.clone()));
             }
             if !seen.insert(r.kind.as_str()) {
                 return Err(RouteError::Duplicate(r.kind.clone()));
             }
+            r.backend
+                .check()
+                .map_err(|problem| RouteError::BadBackends {
+                    kind: r.kind.clone(),
+                    problem,
+                })?;
+        }
+        if let Some(d) = &self.default {
+            d.check().map_err(RouteError::BadDefault)?;
         }
         Ok(())
     }
@@ -128,8 +220,8 @@ impl RouteTable {
         if let Some((_, r)) = prefix_match {
             return Some(r.resolved());
         }
-        self.default.as_deref().map(|backend| Resolved {
-            backend,
+        self.default.as_ref().map(|backends| Resolved {
+            backends,
             model: None,
             max_tokens: None,
             pattern: None,
@@ -138,9 +230,14 @@ impl RouteTable {
 
     /// Every backend name the table refers to, with the pattern that refers to it.
     fn references(&self) -> impl Iterator<Item = (&str, &str)> {
-        self.routes
-            .iter()
-            .map(|r| (r.kind.as_str(), r.backend.as_str()))
+        (self.routes.iter())
+            .flat_map(|r| (r.backend.0.iter()).map(|b| (r.kind.as_str(), b.as_str())))
+    }
+
+    /// Whether any route, or the default, names `backend`.
+    pub fn uses(&self, backend: &str) -> bool {
+        self.references().any(|(_, b)| b == backend)
+            || self.default.as_ref().is_some_and(|d| d.contains(backend))
     }
 }
 
@@ -179,9 +276,9 @@ impl RoutedBackend {
             });
         }
         if let Some(d) = &table.default
-            && !backends.contains_key(d)
+            && let Some(missing) = d.0.iter().find(|b| !backends.contains_key(*b))
         {
-            return Err(RouteError::UnknownDefault(d.clone()));
+            return Err(RouteError::UnknownDefault(missing.clone()));
         }
         Ok(Self { table, backends })
     }
@@ -190,9 +287,9 @@ impl RoutedBackend {
         &self.table
     }
 
-    /// The backend that calls of `kind` go to, by its registered name.
+    /// The (first) backend that calls of `kind` go to, by its registered name.
     pub fn backend_for(&self, kind: &str) -> Option<&str> {
-        self.table.resolve(kind).map(|r| r.backend)
+        self.table.resolve(kind).and_then(|r| r.backends.first())
     }
 }
 
@@ -205,6 +302,13 @@ impl Backend for RoutedBackend {
         self.backend_for(kind)
     }
 
+    fn routes_of(&self, kind: &str) -> Vec<&str> {
+        match self.table.resolve(kind) {
+            Some(r) => r.backends.0.iter().map(String::as_str).collect(),
+            None => vec![self.name()],
+        }
+    }
+
     fn serving_names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.backends.keys().map(String::as_str).collect();
         names.sort_unstable();
@@ -212,7 +316,7 @@ impl Backend for RoutedBackend {
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {
-        self.routed(req, cancel, None, None)
+        self.routed(None, req, cancel, None, None)
     }
 
     fn call_streaming(
@@ -221,7 +325,7 @@ impl Backend for RoutedBackend {
         cancel: CancellationToken,
         deltas: crate::Deltas,
     ) -> CallFuture<'_> {
-        self.routed(req, cancel, Some(deltas), None)
+        self.routed(None, req, cancel, Some(deltas), None)
     }
 
     fn call_with(
@@ -231,13 +335,26 @@ impl Backend for RoutedBackend {
         deltas: Option<crate::Deltas>,
         limits: Option<crate::LimitSink>,
     ) -> CallFuture<'_> {
-        self.routed(req, cancel, deltas, limits)
+        self.routed(None, req, cancel, deltas, limits)
+    }
+
+    fn call_on(
+        &self,
+        backend: &str,
+        req: CallRequest,
+        cancel: CancellationToken,
+        deltas: Option<crate::Deltas>,
+        limits: Option<crate::LimitSink>,
+    ) -> CallFuture<'_> {
+        self.routed(Some(backend), req, cancel, deltas, limits)
     }
 }
 
 impl RoutedBackend {
+    /// Call `req` on `on` (one of its route's backends) or on the route's first backend.
     fn routed(
         &self,
+        on: Option<&str>,
         mut req: CallRequest,
         cancel: CancellationToken,
         deltas: Option<crate::Deltas>,
@@ -252,12 +369,34 @@ impl RoutedBackend {
                 })
             });
         };
-        // `new` checked that every routed name is registered.
-        let backend = &self.backends[route.backend];
+        let name = match on {
+            None => route.backends.first().unwrap_or_default(),
+            Some(name) if route.backends.contains(name) => name,
+            Some(name) => {
+                let (kind, name) = (req.kind.clone(), name.to_owned());
+                return Box::pin(async move {
+                    Err(BackendError::Terminal {
+                        reason: "no_route".into(),
+                        message: format!("backend {name:?} is not on the route of kind {kind:?}"),
+                    })
+                });
+            }
+        };
+        // `new` checked that every routed name is registered, and a validated table has
+        // no empty list.
+        let Some(backend) = self.backends.get(name) else {
+            let name = name.to_owned();
+            return Box::pin(async move {
+                Err(BackendError::Terminal {
+                    reason: "no_route".into(),
+                    message: format!("backend {name:?} is not configured"),
+                })
+            });
+        };
         tracing::debug!(
             job_id = %req.job_id,
             kind = %req.kind,
-            backend = route.backend,
+            backend = name,
             pattern = route.pattern,
             model = route.model,
             "routing call"
@@ -407,7 +546,7 @@ mod tests {
     #[test]
     fn resolution_order_is_exact_then_longest_prefix_then_default() {
         let t = table();
-        let backend = |k: &str| t.resolve(k).map(|r| r.backend);
+        let backend = |k: &str| t.resolve(k).and_then(|r| r.backends.first());
         assert_eq!(backend("incident.summary"), Some("openai"));
         assert_eq!(backend("code.review"), Some("openai"), "exact beats prefix");
         assert_eq!(backend("code.lint"), Some("code"));
@@ -477,7 +616,7 @@ mod tests {
         );
         let err = RoutedBackend::new(
             RouteTable {
-                default: Some("nope".into()),
+                default: Some(Backends::from("nope")),
                 routes: vec![],
             },
             [("general".to_string(), sim)],
@@ -620,6 +759,109 @@ mod tests {
                 Some(json!(1_000_000))
             ]
         );
+    }
+
+    #[test]
+    fn a_route_may_list_fallback_backends() {
+        let t: RouteTable = toml::from_str(
+            r#"
+            default = ["general", "spare"]
+            [[routes]]
+            kind = "summarize"
+            backend = ["vllm", "hosted"]
+            [[routes]]
+            kind = "code.*"
+            backend = "code"
+            "#,
+        )
+        .expect("the list form parses");
+        t.validate().unwrap();
+        let names = |k: &str| t.resolve(k).unwrap().backends.names().to_vec();
+        assert_eq!(names("summarize"), ["vllm", "hosted"]);
+        assert_eq!(
+            names("code.lint"),
+            ["code"],
+            "the single string still works"
+        );
+        assert_eq!(names("other"), ["general", "spare"]);
+        assert!(t.uses("hosted") && t.uses("spare") && !t.uses("local"));
+    }
+
+    #[test]
+    fn bad_backend_lists_are_refused_naming_the_route() {
+        for (list, problem) in [
+            ("[]", "an empty backend list"),
+            ("[\"a\", \"\"]", "an empty backend name"),
+            ("\"\"", "an empty backend name"),
+            ("[\"a\", \"b\", \"a\"]", "backend \"a\" twice"),
+        ] {
+            let t: RouteTable = toml::from_str(&format!(
+                "[[routes]]\nkind = \"summarize\"\nbackend = {list}"
+            ))
+            .unwrap();
+            let err = t.validate().unwrap_err();
+            assert_eq!(
+                err,
+                RouteError::BadBackends {
+                    kind: "summarize".into(),
+                    problem: problem.into()
+                },
+                "{list}"
+            );
+            assert!(err.to_string().contains("\"summarize\""), "{err}");
+        }
+        let t: RouteTable = toml::from_str("default = []").unwrap();
+        assert_eq!(
+            t.validate(),
+            Err(RouteError::BadDefault("an empty backend list".into()))
+        );
+        assert!(
+            toml::from_str::<RouteTable>("[[routes]]\nkind = \"a\"\nbackend = [1]").is_err(),
+            "names are strings"
+        );
+        // Every listed name must be registered.
+        let sim: Arc<dyn Backend> = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let t: RouteTable =
+            toml::from_str("[[routes]]\nkind = \"s\"\nbackend = [\"a\", \"b\"]").unwrap();
+        let err = RoutedBackend::new(t, [("a".to_string(), sim)]).unwrap_err();
+        assert_eq!(
+            err,
+            RouteError::UnknownBackend {
+                kind: "s".into(),
+                backend: "b".into()
+            }
+        );
+    }
+
+    #[tokio::test]
+    async fn call_on_reaches_the_chosen_backend_of_the_route_only() {
+        let first = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let second = Arc::new(SimBackend::new(SimConfig::default()).unwrap());
+        let t: RouteTable =
+            toml::from_str("[[routes]]\nkind = \"s\"\nbackend = [\"first\", \"second\"]").unwrap();
+        let router = RoutedBackend::new(
+            t,
+            [
+                ("first".to_string(), first.clone() as Arc<dyn Backend>),
+                ("second".into(), second.clone() as Arc<dyn Backend>),
+            ],
+        )
+        .unwrap();
+        assert_eq!(router.routes_of("s"), ["first", "second"]);
+        assert_eq!(router.routes_of("other"), ["routed"], "no route");
+        let on = |b: &'static str, job: &'static str| {
+            router.call_on(b, req("s", job), CancellationToken::new(), None, None)
+        };
+        on("second", "j1").await.unwrap();
+        router
+            .call(req("s", "j2"), CancellationToken::new())
+            .await
+            .unwrap();
+        let e = on("elsewhere", "j3").await.unwrap_err();
+        assert_eq!(e.reason(), "no_route");
+        assert_eq!((first.calls_for("j1"), second.calls_for("j1")), (0, 1));
+        assert_eq!((first.calls_for("j2"), second.calls_for("j2")), (1, 0));
+        assert_eq!(first.calls() + second.calls(), 2);
     }
 
     #[tokio::test]

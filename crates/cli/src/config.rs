@@ -50,7 +50,7 @@ pub struct FileConfig {
     pub store_url: Option<String>,
     pub prefix: Option<String>,
     /// Kind → backend routes for `worker --backend routed` (see the README).
-    pub routing: Option<lastcall_backend::route::RouteTable>,
+    pub routing: Option<Routing>,
     /// `lastcall worker`'s flags.
     #[serde(default)]
     pub worker: toml::Table,
@@ -89,7 +89,68 @@ pub struct Settings {
     pub store_url: String,
     pub prefix: String,
     /// The `[routing]` table of the config file, if any.
-    pub routing: Option<lastcall_backend::route::RouteTable>,
+    pub routing: Option<Routing>,
+}
+
+/// The `[routing]` table: the routes (`default`, `[[routing.routes]]`), and the named
+/// OpenAI-compatible backends they may name besides the built-in `sim`, `openai` and
+/// `local` (`[routing.backends.NAME]`), e.g. a local vLLM and a hosted API on one
+/// fallback route.
+#[derive(Debug, Clone, Default, Deserialize)]
+pub struct Routing {
+    #[serde(flatten)]
+    pub table: lastcall_backend::route::RouteTable,
+    #[serde(default)]
+    pub backends: std::collections::BTreeMap<String, NamedBackend>,
+    /// Keys the table does not know (a misspelt `default`): refused by
+    /// [`Routing::check_names`].
+    #[serde(flatten)]
+    pub unknown: std::collections::BTreeMap<String, toml::Value>,
+}
+
+/// One `[routing.backends.NAME]`: an OpenAI-compatible server. Its API key comes only
+/// from its own `api_key_env` or `api_key_file` (never the `openai` backend's key: a key
+/// for one server is not sent to another).
+#[derive(Debug, Clone, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NamedBackend {
+    pub base_url: String,
+    pub model: String,
+    #[serde(default)]
+    pub api_key_env: Option<String>,
+    #[serde(default)]
+    pub api_key_file: Option<PathBuf>,
+    /// `max_tokens` for a job that sets none (default 256).
+    #[serde(default)]
+    pub max_tokens: Option<u32>,
+    /// The most a job may ask for (default 4096).
+    #[serde(default)]
+    pub max_tokens_limit: Option<u32>,
+}
+
+/// The built-in backend names, which a `[routing.backends]` entry may not take.
+pub const BUILT_IN_BACKENDS: [&str; 3] = ["sim", "openai", "local"];
+
+impl Routing {
+    /// No unknown key; the named backends' names are not the built-in ones, and not blank.
+    pub fn check_names(&self) -> Result<(), String> {
+        if let Some(key) = self.unknown.keys().next() {
+            return Err(format!(
+                "unknown key {key:?} in [routing]: it takes `default`, `[[routing.routes]]` and `[routing.backends.NAME]`"
+            ));
+        }
+        for name in self.backends.keys() {
+            if name.trim().is_empty() {
+                return Err("[routing.backends] has an entry with an empty name".into());
+            }
+            if BUILT_IN_BACKENDS.contains(&name.as_str()) {
+                return Err(format!(
+                    "[routing.backends.{name}]: {name:?} is a built-in backend; give the server another name"
+                ));
+            }
+        }
+        Ok(())
+    }
 }
 
 /// The config file in effect and the command line it shapes.
@@ -579,6 +640,96 @@ mod tests {
             .find(|a| key_of(a).as_deref() == Some(key))
             .unwrap();
         l.source("worker", arg, sub_m)
+    }
+
+    const FALLBACK_ROUTING: &str = r#"
+        [routing]
+        default = "sim"
+
+        [routing.backends.vllm]
+        base_url = "http://127.0.0.1:8000/v1"
+        model = "Qwen/Qwen2.5-1.5B-Instruct"
+
+        [routing.backends.hosted]
+        base_url = "https://api.example.com/v1"
+        model = "m"
+        max_tokens_limit = 1024
+
+        [[routing.routes]]
+        kind = "summarize"
+        backend = ["vllm", "hosted"]
+
+        [[routing.routes]]
+        kind = "code.*"
+        backend = "openai"
+    "#;
+
+    fn settings_of(toml_text: &str) -> Settings {
+        let file: FileConfig = toml::from_str(toml_text).expect("parses");
+        Settings {
+            amqp_url: DEFAULT_AMQP_URL.into(),
+            store_url: DEFAULT_STORE_URL.into(),
+            prefix: DEFAULT_PREFIX.into(),
+            routing: file.routing,
+        }
+    }
+
+    #[tokio::test]
+    async fn a_fallback_route_over_named_backends_builds_a_router() {
+        let s = settings_of(FALLBACK_ROUTING);
+        let r = s.routing.as_ref().unwrap();
+        assert_eq!(r.backends.len(), 2);
+        let l = loaded("").unwrap();
+        let (w, _) = worker(&l, &["worker", "--backend", "routed"]);
+        let backend = crate::cmd::worker::backend(&s, &w).await.expect("builds");
+        assert_eq!(backend.routes_of("summarize"), ["vllm", "hosted"]);
+        assert_eq!(backend.routes_of("code.lint"), ["openai"]);
+        assert_eq!(backend.routes_of("other"), ["sim"]);
+        assert_eq!(backend.serving_names(), ["hosted", "openai", "sim", "vllm"]);
+    }
+
+    #[tokio::test]
+    async fn bad_fallback_routes_fail_naming_what_is_wrong() {
+        let l = loaded("").unwrap();
+        let (w, _) = worker(&l, &["worker", "--backend", "routed"]);
+        let err = |toml_text: &str| {
+            let s = settings_of(toml_text);
+            let w = &w;
+            async move {
+                let e = crate::cmd::worker::backend(&s, w)
+                    .await
+                    .err()
+                    .expect("refused");
+                format!("{e:#}")
+            }
+        };
+        let typo = FALLBACK_ROUTING.replace(r#"["vllm", "hosted"]"#, r#"["vllm", "hostd"]"#);
+        let e = err(&typo).await;
+        assert!(
+            e.contains("\"summarize\"") && e.contains("\"hostd\""),
+            "{e}"
+        );
+        let twice = FALLBACK_ROUTING.replace(r#"["vllm", "hosted"]"#, r#"["vllm", "vllm"]"#);
+        let e = err(&twice).await;
+        assert!(e.contains("\"summarize\"") && e.contains("twice"), "{e}");
+        let empty = FALLBACK_ROUTING.replace(r#"["vllm", "hosted"]"#, "[]");
+        let e = err(&empty).await;
+        assert!(e.contains("\"summarize\"") && e.contains("empty"), "{e}");
+        let built_in =
+            FALLBACK_ROUTING.replace("[routing.backends.vllm]", "[routing.backends.sim]");
+        let e = err(&built_in).await;
+        assert!(
+            e.contains("[routing.backends.sim]") && e.contains("built-in"),
+            "{e}"
+        );
+        let misspelt =
+            FALLBACK_ROUTING.replace("base_url = \"http://127", "base_ulr = \"http://127");
+        assert!(
+            toml::from_str::<FileConfig>(&misspelt).is_err(),
+            "an unknown key of a named backend"
+        );
+        let e = err(&FALLBACK_ROUTING.replace("default = ", "defualt = ")).await;
+        assert!(e.contains("\"defualt\"") && e.contains("[routing]"), "{e}");
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! - [`deadline`]: the immutable absolute deadline, the remaining budget and the broker TTL.
 //! - [`admission`]: the last admission check before a model call.
 //! - [`breaker`]: the circuit breaker per model server (closed, open, half-open).
+//! - [`fallback`]: which backend of a kind's ordered route (a fallback route) takes a job now.
 //! - [`retry`]: exponential backoff with jitter, clipped to the deadline.
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
 //! - [`delivery`]: the life of one delivery as a state machine over those decisions.
@@ -41,6 +42,7 @@ pub mod delta;
 pub mod disposition;
 pub mod envelope;
 pub mod event;
+pub mod fallback;
 pub mod ids;
 pub mod outcome;
 pub mod rate_limit;

@@ -502,6 +502,24 @@ impl ServiceTimes {
         self.predictor(key, now_ms).estimate(size)
     }
 
+    /// [`Self::estimate_for`] without the fallback over all keys: what `key`'s own calls
+    /// say (its window, else its cold-start lower bound), `None` when it has none. For the
+    /// backends of a fallback route: another backend's calls of the same kind say nothing
+    /// about this one (a hosted API is not as slow as a local GPU, and borrowing the slow
+    /// one's calls would keep a job from the fast one).
+    pub fn own_estimate_for(
+        &self,
+        key: &str,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) -> Option<Estimate> {
+        let own = self.keys.get(key)?;
+        match self.summarize(&own.samples, now_ms, EstimateSource::Key, true) {
+            Some(_) => self.estimate_for(key, size, now_ms),
+            None => self.lower_bound(own, now_ms),
+        }
+    }
+
     /// What [`Self::estimate_for`] computes for every request of `key` at `now_ms`, fitted
     /// once: [`Predictor::estimate`] then costs a few multiplications per request (a
     /// caller that estimates many requests between observations keeps it).
@@ -1019,6 +1037,34 @@ mod tests {
             half_life_ms: 0,
             ..ServiceTimeConfig::default()
         }
+    }
+
+    #[test]
+    fn the_own_estimate_never_borrows_another_keys_calls() {
+        let mut t = ServiceTimes::new(cfg(16, 0.99, 3, 600_000));
+        for i in 0..5 {
+            t.observe("summarize|slow", 1_500, i);
+        }
+        let now = 10;
+        assert_eq!(
+            t.estimate("summarize|fast", now).map(|e| e.quantile_ms),
+            Some(1_500)
+        );
+        assert_eq!(t.own_estimate_for("summarize|fast", None, now), None);
+        t.observe("summarize|fast", 100, now);
+        // Too few of its own: the cold-start bound (its longest call), not the others'.
+        let own = t.own_estimate_for("summarize|fast", None, now).unwrap();
+        assert_eq!(own.quantile_ms, 100);
+        for _ in 0..3 {
+            t.observe("summarize|fast", 120, now);
+        }
+        assert_eq!(
+            t.own_estimate_for("summarize|fast", None, now),
+            t.estimate_for("summarize|fast", None, now),
+            "with enough calls of its own it is the estimate"
+        );
+        let slow = t.own_estimate_for("summarize|slow", None, now).unwrap();
+        assert_eq!(slow.quantile_ms, 1_500);
     }
 
     #[test]

@@ -108,11 +108,13 @@ impl Breakers {
     }
 
     /// May a call to `key` start at `now_ms`? `trial_limit_ms`: how long a half-open trial
-    /// may run before it counts as hung (failed).
+    /// may run before it counts as hung (failed). `kind`: the job's kind, recorded for the
+    /// door with this breaker; `None` for a kind on a fallback route, which the door must
+    /// not refuse while another backend of its route may take it.
     pub(crate) fn permit(
         self: &Arc<Self>,
         key: &str,
-        kind: &str,
+        kind: Option<&str>,
         trial_limit_ms: u64,
         now_ms: i64,
     ) -> (Permit, Option<Trial>) {
@@ -122,13 +124,24 @@ impl Breakers {
             .or_insert_with(|| Breaker::new(&self.policy));
         let (permit, t) = b.permit(&self.policy, trial_limit_ms, now_ms);
         self.transition(key, b, t, now_ms);
-        self.saw(key, kind, b, now_ms);
+        if let Some(kind) = kind {
+            self.saw(key, kind, b, now_ms);
+        }
         let trial = (permit == Permit::Trial).then(|| Trial {
             breakers: self.clone(),
             key: key.to_owned(),
             done: false,
         });
         (permit, trial)
+    }
+
+    /// When a call to `key` could go out at the earliest, seen at `now_ms` without taking
+    /// anything (`now_ms`: closed, or its half-open trial is free): for the choice among a
+    /// fallback route's backends ([`lastcall_core::fallback`]).
+    pub(crate) fn next_call_at(&self, key: &str, trial_limit_ms: u64, now_ms: i64) -> i64 {
+        let map = self.map.lock().expect("breakers");
+        map.get(key)
+            .map_or(now_ms, |b| b.next_call_at_ms(now_ms, trial_limit_ms))
     }
 
     /// A call to `key` that was not the trial ended with `verdict`.
@@ -262,7 +275,7 @@ mod tests {
         let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
         let mut rx = b.pending.lock().unwrap().take().unwrap();
         for (kind, at) in [("chat", 0), ("summary", 10)] {
-            assert_eq!(b.permit("openai", kind, 5_000, at).0, Permit::Call);
+            assert_eq!(b.permit("openai", Some(kind), 5_000, at).0, Permit::Call);
             b.ended("openai", failure(), at);
         }
         let c = rx.try_recv().expect("the opening");
@@ -282,7 +295,7 @@ mod tests {
         );
         // A new kind asks while open: announced alone, with the same trial time.
         assert!(matches!(
-            b.permit("openai", "code", 5_000, 20).0,
+            b.permit("openai", Some("code"), 5_000, 20).0,
             Permit::Wait { .. }
         ));
         let c = rx.try_recv().expect("the new kind");
@@ -291,12 +304,33 @@ mod tests {
             (vec!["code".into()], Some(1_010))
         );
         // The trial (half-open: nothing to say) succeeds: closed, the rows go.
-        let (permit, trial) = b.permit("openai", "chat", 5_000, 1_100);
+        let (permit, trial) = b.permit("openai", Some("chat"), 5_000, 1_100);
         assert_eq!(permit, Permit::Trial);
         assert!(rx.try_recv().is_err(), "half-open is not announced");
         trial.unwrap().ended(Verdict::Success, 1_200);
         let c = rx.try_recv().expect("the closing");
         assert_eq!((c.backend.as_str(), c.open_until_ms), ("openai", None));
         assert!(rx.try_recv().is_err());
+    }
+
+    /// A kind on a fallback route (asked with no kind for the door) is never announced:
+    /// the door must not refuse it while another backend of its route may take it.
+    #[test]
+    fn kinds_of_fallback_routes_are_not_announced_to_the_door() {
+        let policy = BreakerPolicy {
+            failures_to_open: 1,
+            ..Default::default()
+        };
+        let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
+        let mut rx = b.pending.lock().unwrap().take().unwrap();
+        assert_eq!(b.permit("vllm", None, 5_000, 0).0, Permit::Call);
+        b.ended("vllm", failure(), 0);
+        let c = rx.try_recv().expect("the opening");
+        assert!(c.kinds.is_empty(), "{c:?}");
+        assert!(matches!(
+            b.permit("vllm", None, 5_000, 10).0,
+            Permit::Wait { .. }
+        ));
+        assert!(rx.try_recv().is_err(), "no kind to announce");
     }
 }

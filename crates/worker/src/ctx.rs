@@ -68,38 +68,57 @@ fn key_of(kind: &str, backend: &str) -> String {
 }
 
 impl Ctx {
-    /// The circuit breaker key of a kind: the backend its calls go to (the route's backend
-    /// when kinds are routed).
+    /// The circuit breaker key of a kind: the first backend its calls go to (the route's
+    /// first backend when kinds are routed).
     pub(crate) fn breaker_key<'a>(&'a self, kind: &str) -> &'a str {
         self.backend.route_of(kind).unwrap_or(self.backend.name())
     }
 
-    /// The learned p99 of `kind`'s completed calls (cut calls left out).
-    pub(crate) fn completed_p99(&self, kind: &str, now_ms: i64) -> Option<u64> {
-        let key = self.service_key(kind);
+    /// The backends that may serve `kind`, in the order they are tried (more than one on a
+    /// fallback route): the keys of their breakers, limiters and call times.
+    pub(crate) fn route(&self, kind: &str) -> Vec<&str> {
+        self.backend.routes_of(kind)
+    }
+
+    /// The learned p99 of `kind`'s completed calls on `backend` (cut calls left out).
+    pub(crate) fn completed_p99(&self, kind: &str, backend: &str, now_ms: i64) -> Option<u64> {
+        let key = key_of(kind, backend);
         let service = self.service.lock().expect("service times lock");
         service
             .completed_estimate(&key, now_ms)
             .map(|e| e.quantile_ms)
     }
 
-    /// The estimator key of a kind: the kind and the backend that serves its calls (the
-    /// route's backend when kinds are routed), so two routes never share call times.
-    fn service_key(&self, kind: &str) -> String {
-        key_of(kind, self.breaker_key(kind))
+    /// How long a half-open trial call of `kind` to `backend` may run before it counts as
+    /// hung (failed): the breaker's hang factor × the p99 of the kind's completed calls
+    /// there, or the cool-down while none completed.
+    pub(crate) fn trial_limit_ms(&self, kind: &str, backend: &str, now_ms: i64) -> u64 {
+        let policy = self.breakers.policy();
+        (self.completed_p99(kind, backend, now_ms)).map_or(policy.cool_down_ms, |p99| {
+            p99.max(1).saturating_mul(policy.hang_factor)
+        })
     }
 
-    /// What is learned about the calls of `kind` at `now_ms`: for a request of `size`
-    /// when known (the request-aware estimate), else for the kind.
+    /// What is learned about the calls of `kind` on `backend` (the estimator is keyed by
+    /// kind and serving backend, so two backends of a route never share call times) at
+    /// `now_ms`: for a request of `size` when known (the request-aware estimate), else for
+    /// the kind.
     pub(crate) fn learned(
         &self,
         kind: &str,
+        backend: &str,
         size: Option<RequestSize>,
         now_ms: i64,
     ) -> Option<Estimate> {
-        let key = self.service_key(kind);
+        let key = key_of(kind, backend);
+        // On a fallback route a backend learns from its own calls only: the others' calls
+        // of the kind (the slow first backend's) say nothing about it.
+        let fallback = self.route(kind).len() > 1;
         let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-        service.estimate_for(&key, size, now_ms)
+        match fallback {
+            true => service.own_estimate_for(&key, size, now_ms),
+            false => service.estimate_for(&key, size, now_ms),
+        }
     }
 
     /// Learn from the ledger how long this backend's calls took lately (every worker's
@@ -147,7 +166,7 @@ impl Ctx {
             }
         }
         for kind in &kinds {
-            if let Some(e) = self.learned(kind, None, now) {
+            if let Some(e) = self.learned(kind, self.breaker_key(kind), None, now) {
                 self.stats.metrics.set_learned(kind, e.quantile_ms);
             }
         }
@@ -191,18 +210,18 @@ impl Ctx {
         }
     }
 
-    /// A call of `kind` starts now: while it runs, its elapsed time is a lower bound on the
-    /// call time of a kind with too few ended calls (cold start).
-    pub(crate) fn call_started(&self, kind: &str) -> CallToken {
-        let key = self.service_key(kind);
+    /// A call of `kind` on `backend` starts now: while it runs, its elapsed time is a lower
+    /// bound on the call time of a kind with too few ended calls (cold start).
+    pub(crate) fn call_started(&self, kind: &str, backend: &str) -> CallToken {
+        let key = key_of(kind, backend);
         let now = self.clock.now_ms();
         let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
         service.call_started(&key, now)
     }
 
     /// The call of `token` has ended (its duration is observed separately).
-    pub(crate) fn call_ended(&self, kind: &str, token: CallToken) {
-        let key = self.service_key(kind);
+    pub(crate) fn call_ended(&self, kind: &str, backend: &str, token: CallToken) {
+        let key = key_of(kind, backend);
         let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
         service.call_ended(&key, token);
     }
@@ -213,11 +232,12 @@ impl Ctx {
     pub(crate) fn try_probe(
         &self,
         kind: &str,
+        backend: &str,
         size: Option<RequestSize>,
         room_ms: u64,
         now_ms: i64,
     ) -> Option<Probe> {
-        let key = self.service_key(kind);
+        let key = key_of(kind, backend);
         let granted = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             service.try_probe(&key, size, room_ms, now_ms)
@@ -226,6 +246,7 @@ impl Ctx {
             WorkerStats::inc(&self.stats.probes);
             tracing::info!(
                 kind,
+                backend,
                 "the learned call time refuses this job while a slot is free: running it as a probe"
             );
             Probe {
@@ -237,23 +258,25 @@ impl Ctx {
         })
     }
 
-    /// One call of `kind`, a request of `size`, took `ms`: completed, or `cut` at the
-    /// deadline (a lower bound).
+    /// One call of `kind` on `backend`, a request of `size`, took `ms`: completed, or
+    /// `cut` at the deadline (a lower bound).
     pub(crate) fn observe_call(
         &self,
         kind: &str,
+        backend: &str,
         ms: i64,
         cut: bool,
         size: Option<RequestSize>,
         now_ms: i64,
     ) {
-        let key = self.service_key(kind);
+        let key = key_of(kind, backend);
         let estimate = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             service.observe_request(&key, ms.max(0) as u64, cut, size, now_ms);
             service.estimate(&key, now_ms)
         };
-        if let Some(e) = estimate {
+        // The gauge is per kind: it shows the route's first backend.
+        if let Some(e) = estimate.filter(|_| backend == self.breaker_key(kind)) {
             self.stats.metrics.set_learned(kind, e.quantile_ms);
         }
     }

@@ -70,6 +70,12 @@ impl Limiters {
         })
     }
 
+    /// When the permit for one call of `tokens` tokens to `key` comes, seen at `now_ms`
+    /// without taking it (`None`: never): for the choice among a fallback route's backends.
+    pub(crate) fn permit_at(&self, key: &str, tokens: u64, now_ms: i64) -> Option<i64> {
+        self.with(key, now_ms, |l| l.permit_at(now_ms, tokens))
+    }
+
     /// Where the headers of a call to `key` go.
     pub(crate) fn sink(
         self: &Arc<Self>,

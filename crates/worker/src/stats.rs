@@ -29,6 +29,9 @@ pub struct WorkerStats {
     pub backend_calls: AtomicU64,
     /// Jobs run as probes: the learned call time refused them while a slot was free.
     pub probes: AtomicU64,
+    /// Model calls that went to a later backend of their kind's fallback route (the first
+    /// could not take them: breaker, rate limit, or learned call time).
+    pub fallback_calls: AtomicU64,
     /// Terminal outcomes recorded by this worker, by state.
     pub completed: AtomicU64,
     pub failed: AtomicU64,
@@ -418,7 +421,7 @@ fn encode_breakers(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
 
 /// The worker's plain counters (`lastcall_worker_*_total`).
 fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
-    let counters: [(&str, &AtomicU64, &str); 10] = [
+    let counters: [(&str, &AtomicU64, &str); 11] = [
         (
             "lastcall_worker_rate_limited",
             &w.rate_limited,
@@ -438,6 +441,11 @@ fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
             "lastcall_worker_backend_calls",
             &w.backend_calls,
             "Model calls started",
+        ),
+        (
+            "lastcall_worker_fallback_calls",
+            &w.fallback_calls,
+            "Model calls that went to a later backend of their kind's fallback route",
         ),
         (
             "lastcall_worker_probes",

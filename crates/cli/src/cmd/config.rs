@@ -46,7 +46,11 @@ pub fn show(loaded: &Loaded, top: &ArgMatches, a: ConfigShowArgs) -> Result<Exit
     rows.push(match &f.routing {
         Some(t) => vec![
             "routing".into(),
-            format!("[routing] table, {} routes", t.routes.len()),
+            format!(
+                "[routing] table, {} routes, {} named backends",
+                t.table.routes.len(),
+                t.backends.len()
+            ),
             Source::File.to_string(),
         ],
         None => vec!["routing".into(), "-".into(), Source::Default.to_string()],

@@ -123,18 +123,26 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
         BackendKind::Openai => Arc::new(openai(&a.openai)?),
         BackendKind::Local => local(a.model_path.as_deref(), a.slots)?,
         BackendKind::Routed => {
-            let Some(table) = s.routing.clone() else {
+            let Some(routing) = s.routing.clone() else {
                 bail!(
                     "--backend routed needs a [routing] table in lastcall.toml (see the README's backend section)"
                 );
             };
+            routing
+                .check_names()
+                .map_err(anyhow::Error::msg)
+                .context("invalid [routing] table in lastcall.toml")?;
+            let table = routing.table;
             let mut backends: Vec<(String, Arc<dyn Backend>)> = vec![
                 ("sim".into(), Arc::new(sim(&a.sim)?)),
                 ("openai".into(), Arc::new(openai(&a.openai)?)),
             ];
-            let uses_local = table.default.as_deref() == Some("local")
-                || table.routes.iter().any(|r| r.backend == "local");
-            if uses_local {
+            for (name, b) in &routing.backends {
+                let backend = named_openai(b)
+                    .with_context(|| format!("[routing.backends.{name}] in lastcall.toml"))?;
+                backends.push((name.clone(), Arc::new(backend)));
+            }
+            if table.uses("local") {
                 backends.push(("local".into(), local(a.model_path.as_deref(), a.slots)?));
             }
             Arc::new(
@@ -176,6 +184,23 @@ pub fn openai(a: &OpenAiArgs) -> Result<OpenAiBackend> {
         cfg = cfg.api_key_from_file(path)?;
     } else if std::env::var_os(&a.api_key_env).is_some() {
         cfg = cfg.api_key_from_env(&a.api_key_env)?;
+    }
+    Ok(OpenAiBackend::new(cfg)?)
+}
+
+/// A `[routing.backends.NAME]` server: its key only from its own variable or file.
+fn named_openai(b: &crate::config::NamedBackend) -> Result<OpenAiBackend> {
+    let mut cfg = OpenAiConfig::new(b.base_url.clone(), b.model.clone());
+    if let Some(n) = b.max_tokens {
+        cfg = cfg.with_max_tokens(n);
+    }
+    if let Some(n) = b.max_tokens_limit {
+        cfg = cfg.with_max_tokens_limit(n);
+    }
+    if let Some(path) = &b.api_key_file {
+        cfg = cfg.api_key_from_file(path)?;
+    } else if let Some(var) = &b.api_key_env {
+        cfg = cfg.api_key_from_env(var)?;
     }
     Ok(OpenAiBackend::new(cfg)?)
 }

@@ -8,7 +8,7 @@ use std::time::{Duration, Instant};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::{TcpListener, TcpStream};
 
-/// 150 ms calls, streamed with usage.
+/// 150 ms calls (or [`Upstream::latency_ms`] when set), streamed with usage.
 pub const HEALTHY: u8 = 0;
 /// 503 without `Retry-After`.
 pub const FAILING: u8 = 1;
@@ -44,6 +44,8 @@ pub struct Upstream {
     pub headers: Mutex<String>,
     /// The `Retry-After` of [`LIMITED`], in seconds; 0: 2.
     pub retry_after_s: AtomicU64,
+    /// How long a [`HEALTHY`] call takes, in ms; 0: 150.
+    pub latency_ms: AtomicU64,
     /// Each request's first message content (the tests put the job id there) and its
     /// arrival, ms since the epoch: calls that reach the server after their job's
     /// deadline are counted here, at the server.
@@ -208,7 +210,10 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             } else if phase == SLOW_FIRST_BYTE {
                 1_500.0
             } else {
-                150.0
+                match up.latency_ms.load(Ordering::SeqCst) {
+                    0 => 150.0,
+                    ms => ms as f64,
+                }
             };
             tokio::time::sleep(Duration::from_millis(ms as u64)).await;
             if phase == BY_LENGTH {

@@ -30,9 +30,12 @@ impl Call {
     }
 }
 
-/// Call the backend for `env` with `budget_ms` as its timeout; `requested` aborts it.
+/// Call `backend` (the one of the kind's route chosen for this call) for `env` with
+/// `budget_ms`, the remaining budget, as its timeout; `requested` aborts it.
+#[allow(clippy::too_many_arguments)] // one call's parts, each from a different place
 pub(crate) async fn call_backend(
     ctx: &Ctx,
+    backend: &str,
     env: &Envelope,
     attempt: u32,
     budget_ms: u64,
@@ -49,9 +52,9 @@ pub(crate) async fn call_backend(
         timeout: Duration::from_millis(budget_ms),
     };
     let t0 = Instant::now();
-    let token = ctx.call_started(env.kind().as_str());
+    let token = ctx.call_started(env.kind().as_str(), backend);
     let deltas = stream.map(|s| s.deltas());
-    let fut = ctx.backend.call_with(req, cancel.clone(), deltas, limits);
+    let fut = (ctx.backend).call_on(backend, req, cancel.clone(), deltas, limits);
     tokio::pin!(fut);
     let grace = ctx.cfg.cancel_grace;
     let mut call = tokio::select! {
@@ -79,7 +82,7 @@ pub(crate) async fn call_backend(
         }
     };
     call.latency_ms = t0.elapsed().as_millis() as i64;
-    ctx.call_ended(env.kind().as_str(), token);
+    ctx.call_ended(env.kind().as_str(), backend, token);
     call
 }
 

@@ -18,6 +18,7 @@ use crate::lease::{self, Interrupted};
 use crate::settle::Ticket;
 use lastcall_backend::CancellationToken;
 use lastcall_core::delivery::{self, Finish, Looked, Received, Settle, Started};
+use lastcall_core::fallback::{self, Candidate};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::Estimate;
 use lastcall_core::{Envelope, JobId, ReceiptFacts, RejectError, synthetic_job_id};
@@ -61,14 +62,65 @@ pub(crate) struct Job {
     trial: Option<crate::breakers::Trial>,
     /// The rate-limit permit this job took for its call; given back if dropped unused.
     rate: Option<crate::limits::Taken>,
+    /// The backend this job's call goes to: its route's first, or the one
+    /// [`Job::choose_backend`] chose on a fallback route. Its breaker, limiter and learned
+    /// call times are the ones that apply, and the ledger's `backend` names it.
+    backend: String,
 }
 
 impl Job {
-    /// The learned call time that applies to this job: none for a probe.
+    /// The learned call time that applies to this job on its backend: none for a probe.
     fn learned(&self, ctx: &Ctx, kind: &str, now_ms: i64) -> Option<Estimate> {
         match self.probe {
             Some(_) => None,
-            None => ctx.learned(kind, self.size, now_ms),
+            None => ctx.learned(kind, &self.backend, self.size, now_ms),
+        }
+    }
+
+    /// On a fallback route (a kind routed to several backends in order), choose the
+    /// backend for this job's call now ([`fallback::choose`]): the first whose breaker
+    /// and rate-limit permit let the call through and whose learned call time for the kind
+    /// fits the job's room; else the one to wait for, or to be refused by. The gates that
+    /// follow (breaker, rate limit, admission) run on the chosen backend. A job holding
+    /// its backend's half-open trial or rate-limit permit keeps that backend; a kind with
+    /// one backend has nothing to choose.
+    fn choose_backend(&mut self, ctx: &Ctx, env: &Envelope, now_ms: i64) {
+        if self.trial.is_some() || self.rate.is_some() {
+            return;
+        }
+        let kind = env.kind().as_str();
+        let route = ctx.route(kind);
+        if route.len() < 2 {
+            return;
+        }
+        let policy = &ctx.cfg.policy;
+        let tokens = lastcall_core::rate_limit::reserved_tokens(self.size);
+        let candidates: Vec<Candidate> = (route.iter())
+            .map(|&b| {
+                let learned = match self.probe {
+                    Some(_) if b == self.backend => None,
+                    _ => ctx.learned(kind, b, self.size, now_ms),
+                };
+                let learned_ms = learned.map(|e| e.quantile_ms);
+                Candidate {
+                    breaker_at_ms: (ctx.breakers).next_call_at(
+                        b,
+                        ctx.trial_limit_ms(kind, b, now_ms),
+                        now_ms,
+                    ),
+                    permit_at_ms: ctx.limits.permit_at(b, tokens, now_ms),
+                    latest_start_ms: (policy.watches_latest_start())
+                        .then(|| policy.latest_start_ms(env, learned_ms)),
+                }
+            })
+            .collect();
+        let choice = fallback::choose(&candidates, now_ms);
+        let chosen = route[choice.backend()];
+        if chosen != self.backend {
+            tracing::debug!(job_id = %self.id, from = %self.backend, to = chosen, ?choice, "fallback route: the job goes to another backend of its route");
+            // A probe was of the estimate of the backend left.
+            self.probe = None;
+            self.backend = chosen.to_owned();
         }
     }
 
@@ -84,7 +136,8 @@ impl Job {
     ) -> Option<Estimate> {
         let room = (ctx.cfg.policy).refused_by_learned(env, learned.map(|e| e.quantile_ms), now_ms);
         if let Some(room) = room.filter(|_| self.probe.is_none() && slot_free) {
-            self.probe = ctx.try_probe(env.kind().as_str(), self.size, room, now_ms);
+            let kind = env.kind().as_str();
+            self.probe = ctx.try_probe(kind, &self.backend, self.size, room, now_ms);
         }
         if self.probe.is_some() { None } else { learned }
     }
@@ -128,8 +181,14 @@ pub(crate) async fn handle(
     );
     let ct = ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64);
     let size = (parsed.as_ref().ok()).and_then(|e| RequestSize::of_payload(&e.payload));
+    let backend = match &parsed {
+        Ok(e) => ctx.breaker_key(e.kind().as_str()),
+        Err(_) => ctx.backend.name(),
+    }
+    .to_owned();
     let received = delivery::receive(parsed, msg.attempt, received_at_ms, ct);
     let job = Job {
+        backend,
         msg,
         ticket,
         lost,
@@ -236,6 +295,7 @@ async fn look_up(
     let env = received.parsed().as_ref().ok();
     let at = received.facts().received_at_ms;
     let learned = env.and_then(|e| {
+        job.choose_backend(ctx, e, at);
         let learned = job.learned(ctx, e.kind().as_str(), at);
         job.maybe_probe(ctx, e, learned, ctx.slots.available() > 0, at)
     });

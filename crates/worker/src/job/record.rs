@@ -72,9 +72,9 @@ pub(crate) fn outcome_row(
         cancel_requested: call.is_some_and(|c| c.cancel_requested),
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
         // The backend that served (or would have served) the call: the route's, when
-        // kinds are routed.
+        // kinds are routed; on a fallback route, the one chosen for this call.
         backend: Some(
-            env.map_or(ctx.backend.name(), |e| ctx.breaker_key(e.kind().as_str()))
+            env.map_or(ctx.backend.name(), |_| job.backend.as_str())
                 .to_owned(),
         ),
         model: output.and_then(|o| o.model.clone()),

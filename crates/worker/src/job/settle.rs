@@ -43,13 +43,18 @@ pub(crate) async fn call_and_settle(
     };
     // What the kind's completed calls take, before this one: a call cut at the deadline
     // far past it is a hung server for the circuit breaker.
-    let p99_before = ctx.completed_p99(c.env().kind().as_str(), ctx.clock.now_ms());
+    let kind = c.env().kind().as_str().to_owned();
+    let backend = job.backend.clone();
+    if backend != ctx.breaker_key(&kind) {
+        WorkerStats::inc(&ctx.stats.fallback_calls);
+    }
+    let p99_before = ctx.completed_p99(&kind, &backend, ctx.clock.now_ms());
     // The permit taken at the slot is spent by this call; its headers reach the limiter.
     let rate = job.rate.take();
-    let key = ctx.breaker_key(c.env().kind().as_str());
-    let limits = ctx.limits.sink(key, ctx.clock.clone());
+    let limits = ctx.limits.sink(&backend, ctx.clock.clone());
     let mut call = call_backend(
         ctx,
+        &backend,
         c.env(),
         job.msg.attempt,
         c.budget_ms(),
@@ -69,7 +74,6 @@ pub(crate) async fn call_and_settle(
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
     drop(permit);
-    let kind = c.env().kind().as_str().to_owned();
     let c_budget_ms = c.budget_ms();
     let c = if job.lost.is_cancelled() {
         c.channel_lost()
@@ -83,7 +87,7 @@ pub(crate) async fn call_and_settle(
     let verdict = Verdict::of(ctx.breakers.policy(), &call.result, c_budget_ms, p99_before);
     match job.trial.take() {
         Some(trial) => trial.ended(verdict, now),
-        None => ctx.breakers.ended(ctx.breaker_key(&kind), verdict, now),
+        None => ctx.breakers.ended(&backend, verdict, now),
     }
     if ended.note.is_some() {
         call.error = ended.note;
@@ -94,7 +98,7 @@ pub(crate) async fn call_and_settle(
     ) {
         // A failed call says nothing about how long a useful one takes.
         let cut = call.result == CallResult::DeadlineExceeded;
-        ctx.observe_call(&kind, call.latency_ms, cut, job.size, now);
+        ctx.observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
     }
     if let Some(probe) = job.probe.take() {
         probe.end(match &call.result {

@@ -55,6 +55,9 @@ pub(crate) async fn for_slot(
             ClockState::Untrusted
         };
         let now = ctx.clock.now_ms();
+        // On a fallback route: the backend of the route that can take the job now (or the
+        // one to wait for); the gates below run on it.
+        job.choose_backend(ctx, w.env(), now);
         // The model server's circuit breaker: no call to a server known to be down.
         let w = match breaker(ctx, job, w, permit, now) {
             Gate::Go(w, p) => {
@@ -146,13 +149,14 @@ fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -
         return Gate::Go(w, permit);
     }
     let kind = w.env().kind().as_str();
-    let key = ctx.breaker_key(kind);
+    let key = job.backend.clone();
+    let key = key.as_str();
     // A trial running past the hang limit of the kind's completed calls has failed.
-    let policy = ctx.breakers.policy();
-    let trial_limit = (ctx.completed_p99(kind, now)).map_or(policy.cool_down_ms, |p99| {
-        p99.max(1).saturating_mul(policy.hang_factor)
-    });
-    match ctx.breakers.permit(key, kind, trial_limit, now) {
+    let trial_limit = ctx.trial_limit_ms(kind, key, now);
+    // The door refuses a kind whose breakers are open on every live worker; a kind on a
+    // fallback route is not recorded there (another backend of its route may take it).
+    let for_door = (ctx.route(kind).len() == 1).then_some(kind);
+    match ctx.breakers.permit(key, for_door, trial_limit, now) {
         (Permit::Call, _) => Gate::Go(w, permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
@@ -207,7 +211,8 @@ fn rate_limit(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64
         return Gate::Go(w, permit);
     }
     let kind = w.env().kind().as_str();
-    let key = ctx.breaker_key(kind);
+    let key = job.backend.clone();
+    let key = key.as_str();
     let tokens = lastcall_core::rate_limit::reserved_tokens(job.size);
     match ctx.limits.try_take(key, tokens, now) {
         Ok(taken) => {
@@ -279,6 +284,9 @@ async fn buffered(
     WorkerStats::add(&ctx.stats.waiting, 1);
     let end = loop {
         let now = ctx.clock.now_ms();
+        // On a fallback route the latest useful start is the chosen backend's: when the
+        // first backend's has passed, a faster one of the route may still take the job.
+        job.choose_backend(ctx, waiting.env(), now);
         let latest =
             waiting.latest_start_ms(policy, job.learned(ctx, &kind, now).map(|e| e.quantile_ms));
         let until = Duration::from_millis((latest.unwrap_or(now) - now).max(0) as u64 + 1);
@@ -289,6 +297,7 @@ async fn buffered(
             _ = cancel.token.cancelled() => break Slotted::Settle(waiting.cancel()),
             _ = tokio::time::sleep(until), if latest.is_some() => {
                 let now = ctx.clock.now_ms();
+                job.choose_backend(ctx, waiting.env(), now);
                 let learned = job.learned(ctx, &kind, now);
                 match waiting.latest_start_reached(policy, learned.map(|e| e.quantile_ms), now) {
                     // Still admissible (the estimate changed): keep waiting.
