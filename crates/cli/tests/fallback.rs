@@ -13,44 +13,13 @@
 
 mod common;
 
-use common::upstream::{FAILING, Upstream};
+use common::upstream::{FAILING, Upstream, openai, submit_all, until};
 use common::*;
-use lastcall_backend::Backend;
 use lastcall_backend::route::{Route, RouteTable, RoutedBackend};
 use lastcall_core::breaker::{BreakerPolicy, BreakerState};
-use lastcall_openai::{OpenAiBackend, OpenAiConfig};
-use lastcall_worker::clock::now_ms;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
-
-/// Poll `f` until it holds, or fail after `within`.
-async fn until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + within;
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-async fn submit_all(
-    s: &lastcall_worker::Submitter,
-    tag: &str,
-    n: usize,
-    budget_ms: u64,
-) -> Vec<String> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let id = format!("{tag}-{i}");
-        s.submit(&job(&id, budget_ms), now_ms()).await.unwrap();
-        ids.push(id);
-    }
-    ids
-}
-
-fn openai(base: &str) -> Arc<dyn Backend> {
-    Arc::new(OpenAiBackend::new(OpenAiConfig::new(base, "m")).unwrap())
-}
+use std::time::Duration;
 
 /// The jobs' kind (`common::job`'s) routed to `first`, then `second`.
 fn router(first: &str, second: &str) -> RoutedBackend {

@@ -12,45 +12,20 @@
 
 mod common;
 
-use common::upstream::{FAILING, HANGING, HEALTHY, LIMITED, Upstream};
+use common::upstream::{FAILING, HANGING, HEALTHY, LIMITED, Upstream, submit_all, until};
 use common::*;
 use lastcall_backend::Backend;
 use lastcall_core::breaker::{BreakerPolicy, BreakerState};
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
-use lastcall_worker::clock::now_ms;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 /// The worker's one breaker (its backend) as `/metrics` and `/readyz` see it.
 fn breaker(w: &lastcall_worker::stats::WorkerStats) -> (BreakerState, u64) {
     let view = w.breakers.lock().unwrap();
     let v = view.values().next().copied().expect("one backend");
     (v.state, v.opens)
-}
-
-/// Poll `f` until it holds, or fail after `within`.
-async fn until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
-    let end = Instant::now() + within;
-    while !f() {
-        assert!(Instant::now() < end, "timed out waiting for: {what}");
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-}
-
-async fn submit_all(
-    s: &lastcall_worker::Submitter,
-    tag: &str,
-    n: usize,
-    budget_ms: u64,
-) -> Vec<String> {
-    let mut ids = Vec::new();
-    for i in 0..n {
-        let id = format!("{tag}-{i}");
-        s.submit(&job(&id, budget_ms), now_ms()).await.unwrap();
-        ids.push(id);
-    }
-    ids
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

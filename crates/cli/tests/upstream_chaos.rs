@@ -20,10 +20,9 @@ mod common;
 
 use common::upstream::{
     FAILING, HANGING, HEALTHY, LIMITED, MALFORMED, RESET, SLOW_FIRST_BYTE, SLOW_STREAM, Upstream,
+    openai,
 };
 use common::*;
-use lastcall_backend::Backend;
-use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::clock::now_ms;
 use serde_json::json;
 use std::collections::{BTreeMap, HashMap};
@@ -59,8 +58,7 @@ async fn scenario(name: &str, fault: u8) {
     let up = Arc::new(Upstream::default());
     let (base, server) = up.start().await;
     let env = Env::sqlite(&format!("upstream-chaos-{name}")).await;
-    let backend: Arc<dyn Backend> =
-        Arc::new(OpenAiBackend::new(OpenAiConfig::new(&base, "m")).unwrap());
+    let backend = openai(&base);
     // The worker's defaults: 2 slots, prefetch 4.
     let cfg = env.worker_config(2, 4);
     cfg.topology.apply(&env.broker).await.unwrap();

@@ -251,3 +251,40 @@ fn prompt_words(body: &[u8]) -> usize {
         .map(|c| c.split_whitespace().count())
         .sum()
 }
+
+/// Poll `f` until it holds, or fail after `within`.
+pub async fn until(what: &str, within: Duration, mut f: impl FnMut() -> bool) {
+    let end = Instant::now() + within;
+    while !f() {
+        assert!(Instant::now() < end, "timed out waiting for: {what}");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// Submit `n` jobs `{tag}-{i}` with `budget_ms` each, at once; their ids.
+pub async fn submit_all(
+    s: &lastcall_worker::Submitter,
+    tag: &str,
+    n: usize,
+    budget_ms: u64,
+) -> Vec<String> {
+    let mut ids = Vec::new();
+    for i in 0..n {
+        let id = format!("{tag}-{i}");
+        s.submit(
+            &super::job(&id, budget_ms),
+            lastcall_worker::clock::now_ms(),
+        )
+        .await
+        .unwrap();
+        ids.push(id);
+    }
+    ids
+}
+
+/// The OpenAI-compatible backend on a fault server's base URL (model `m`).
+pub fn openai(base: &str) -> Arc<dyn lastcall_backend::Backend> {
+    Arc::new(
+        lastcall_openai::OpenAiBackend::new(lastcall_openai::OpenAiConfig::new(base, "m")).unwrap(),
+    )
+}
