@@ -1,5 +1,14 @@
 //! `lastcall bench ledger`: outcome writes per second on SQLite and PostgreSQL.
 //!
+//! With `--prune-rows N` (issue #35): the ledger is first filled with N terminal jobs
+//! recorded long ago, then the grouped writers run for `--measure-s` seconds alone, then
+//! again while a pruner deletes those N jobs the way a worker's background pruning does
+//! (batches of 1,000 rows, 50 ms apart: the defaults of `[ledger] batch_rows` and
+//! `batch_pause_ms`), then alone once more: the writers' throughput while pruning ÷ without
+//! is the cost of pruning. With `--copy-to URL` the filled SQLite ledger is copied there by
+//! `lastcall ledger copy`, killed with SIGKILL after `--copy-kill-after-s` and run again to
+//! completion (the command checks every table's count and checksum itself).
+//!
 //! Single-row writes only: every outcome is its own committed transaction, which is what
 //! "durable before ack" needs per delivery. Batched commits (ack a contiguous range with
 //! `multiple` after one transaction) are not implemented in the ledger yet.
@@ -15,7 +24,7 @@ use serde::Serialize;
 use serde_json::json;
 use std::process::ExitCode;
 use std::sync::Arc;
-use std::time::Instant;
+use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 
 /// `lastcall bench ledger` options.
@@ -43,6 +52,21 @@ pub struct LedgerArgs {
     /// Small N for a CI smoke test (numbers from it mean nothing)
     #[arg(long)]
     pub smoke: bool,
+    /// Fill the ledger with this many old terminal jobs and measure the writers' throughput
+    /// while they are pruned (instead of the three write measurements)
+    #[arg(long, value_name = "N")]
+    pub prune_rows: Option<u64>,
+    /// Seconds of each throughput measurement around pruning (alone, then alone again)
+    #[arg(long, default_value_t = 10)]
+    pub measure_s: u64,
+    /// After filling the SQLite ledger (--prune-rows N), copy it to this PostgreSQL
+    /// database with `lastcall ledger copy` (killed once, then resumed) instead of pruning;
+    /// use an empty database
+    #[arg(long, value_name = "STORE_URL", requires = "prune_rows")]
+    pub copy_to: Option<String>,
+    /// When to SIGKILL the first `ledger copy` (0: never)
+    #[arg(long, default_value_t = 5)]
+    pub copy_kill_after_s: u64,
 }
 
 #[derive(Debug, Clone, Serialize)]
@@ -77,6 +101,9 @@ pub async fn run(env: &Env, mut a: LedgerArgs) -> Result<ExitCode> {
     }
     if let Some(u) = &a.postgres_url {
         targets.push((u.clone(), None));
+    }
+    if let Some(n) = a.prune_rows {
+        return prune_or_copy(env, &a, n, targets).await;
     }
     let mut rows = Vec::new();
     for (url, dir) in targets {
@@ -258,4 +285,312 @@ fn outcome(job_id: &str, model_called: bool, now: i64) -> OutcomeRecord {
         result: Some("ok".into()),
         ..OutcomeRecord::new(job_id, "bench.ledger", State::Completed, Decision::Ack, now)
     }
+}
+
+/// The background pruner's defaults (`[ledger] batch_rows`, `batch_pause_ms`).
+const PRUNE_BATCH_ROWS: u32 = 1_000;
+const PRUNE_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
+
+/// One throughput measurement of `--prune-rows`.
+#[derive(Debug, Clone, Serialize)]
+struct PhaseRow {
+    backend: &'static str,
+    phase: &'static str,
+    secs: f64,
+    /// Outcomes the writers recorded (grouped, `--batch` per transaction).
+    writes: u64,
+    per_s: f64,
+    latency: Percentiles,
+    /// Jobs the pruner deleted in this phase (with their attempt rows).
+    pruned: u64,
+}
+
+/// Fill each target with `n` old terminal jobs (one attempt row each, a 200-byte result),
+/// `batch` writes per transaction. Their `recorded_at_ms` lies 40 days back.
+async fn fill(ledger: &Ledger, n: u64, json: bool, clock: &dyn Clock) -> Result<i64> {
+    let old = clock.now_ms() - 40 * 86_400_000;
+    let bar = crate::bar(n, &format!("{} filling", ledger.backend_name()));
+    if json {
+        bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+    }
+    let text = "x".repeat(200);
+    let mut i = 0;
+    while i < n {
+        let writes: Vec<LedgerWrite> = (i..(i + 1_000).min(n))
+            .map(|j| {
+                let mut o = outcome(&format!("old-{j:08}"), true, old + (j / 1_000) as i64);
+                o.result = Some(text.clone());
+                LedgerWrite::outcome(o)
+            })
+            .collect();
+        ledger.write_batch(&writes).await?;
+        i += writes.len() as u64;
+        bar.set_position(i);
+    }
+    bar.finish_and_clear();
+    Ok(old + (n / 1_000) as i64 + 1)
+}
+
+/// Grouped writers for `secs`, or until `until` is cancelled when it is given.
+async fn write_for(
+    ledger: &Arc<Ledger>,
+    a: &LedgerArgs,
+    clock: &Arc<dyn Clock>,
+    tag: &str,
+    stop: tokio_util::sync::CancellationToken,
+) -> Result<(u64, Vec<u64>, f64)> {
+    let nonce = format!("{:x}-{tag}", clock.now_ms());
+    let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
+    let t0 = Instant::now();
+    let mut set = JoinSet::new();
+    for _ in 0..a.writers {
+        let (ledger, next, nonce, clock, stop) = (
+            ledger.clone(),
+            next.clone(),
+            nonce.clone(),
+            clock.clone(),
+            stop.clone(),
+        );
+        let step = a.batch;
+        set.spawn(async move {
+            let (mut ok, mut lat) = (0u64, Vec::new());
+            while !stop.is_cancelled() {
+                let i = next.fetch_add(step, std::sync::atomic::Ordering::Relaxed);
+                let writes: Vec<LedgerWrite> = (i..i + step)
+                    .map(|j| {
+                        LedgerWrite::outcome(outcome(
+                            &format!("lp-{nonce}-{j}"),
+                            false,
+                            clock.now_ms(),
+                        ))
+                    })
+                    .collect();
+                let t = Instant::now();
+                if ledger.write_batch(&writes).await.is_ok() {
+                    ok += step;
+                }
+                lat.push(t.elapsed().as_micros() as u64);
+            }
+            (ok, lat)
+        });
+    }
+    let (mut ok, mut lat) = (0, Vec::new());
+    while let Some(r) = set.join_next().await {
+        let (o, l) = r?;
+        ok += o;
+        lat.extend(l);
+    }
+    Ok((ok, lat, t0.elapsed().as_secs_f64()))
+}
+
+async fn prune_or_copy(
+    env: &Env,
+    a: &LedgerArgs,
+    n: u64,
+    targets: Vec<(String, Option<std::path::PathBuf>)>,
+) -> Result<ExitCode> {
+    use tokio_util::sync::CancellationToken;
+    let n = if a.smoke { n.min(2_000) } else { n };
+    let measure = Duration::from_secs(if a.smoke { 1 } else { a.measure_s.max(1) });
+    let mut rows: Vec<PhaseRow> = Vec::new();
+    let mut copies: Vec<serde_json::Value> = Vec::new();
+    for (url, dir) in targets {
+        let ledger = crate::open_ledger(&url).await?;
+        let t = Instant::now();
+        let cut = fill(&ledger, n, a.json, &*env.clock).await?;
+        let fill_s = t.elapsed().as_secs_f64();
+        if !a.json {
+            println!(
+                "{}: {n} old jobs written in {fill_s:.1} s",
+                ledger.backend_name()
+            );
+        }
+        if let Some(to) = &a.copy_to {
+            if dir.is_none() {
+                ledger.close().await;
+                continue;
+            }
+            ledger.close().await;
+            copies.push(copy_killed_then_resumed(&url, to, a.copy_kill_after_s, n).await?);
+            if let Some(d) = dir {
+                let _ = std::fs::remove_dir_all(d);
+            }
+            continue;
+        }
+        let backend = ledger.backend_name();
+        let phase = |phase, (writes, lat, secs): (u64, Vec<u64>, f64), pruned| PhaseRow {
+            backend,
+            phase,
+            secs,
+            writes,
+            per_s: writes as f64 / secs.max(1e-9),
+            latency: Percentiles::from_us(lat),
+            pruned,
+        };
+        // Alone.
+        let stop = CancellationToken::new();
+        let timer = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(measure).await;
+                stop.cancel();
+            })
+        };
+        let before = write_for(&ledger, a, &env.clock, "before", stop).await?;
+        timer.await?;
+        rows.push(phase("alone, before", before, 0));
+        // While the pruner deletes the old jobs.
+        let stop = CancellationToken::new();
+        let pruner = {
+            let (ledger, stop) = (ledger.clone(), stop.clone());
+            tokio::spawn(async move {
+                let mut pruned = 0u64;
+                loop {
+                    let c = ledger.prune_batch(cut, PRUNE_BATCH_ROWS, None).await?;
+                    pruned += c.jobs;
+                    if c.jobs < u64::from(PRUNE_BATCH_ROWS) {
+                        break;
+                    }
+                    tokio::time::sleep(PRUNE_PAUSE).await;
+                }
+                stop.cancel();
+                anyhow::Ok(pruned)
+            })
+        };
+        let during = write_for(&ledger, a, &env.clock, "during", stop).await?;
+        let pruned = pruner.await??;
+        rows.push(phase("while pruning", during, pruned));
+        // Alone again (the ledger is smaller now).
+        let stop = CancellationToken::new();
+        let timer = {
+            let stop = stop.clone();
+            tokio::spawn(async move {
+                tokio::time::sleep(measure).await;
+                stop.cancel();
+            })
+        };
+        let after = write_for(&ledger, a, &env.clock, "after", stop).await?;
+        timer.await?;
+        rows.push(phase("alone, after", after, 0));
+        ledger.close().await;
+        if let Some(d) = dir {
+            let _ = std::fs::remove_dir_all(d);
+        }
+    }
+    if a.json {
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&json!({
+                "bench": "ledger-prune",
+                "smoke": a.smoke,
+                "machine": crate::machine(),
+                "prune_rows": n,
+                "results": rows,
+                "copies": copies,
+            }))?
+        );
+        return Ok(ExitCode::SUCCESS);
+    }
+    if !rows.is_empty() {
+        let table: Vec<Vec<String>> = rows
+            .iter()
+            .map(|r| {
+                vec![
+                    r.backend.to_owned(),
+                    r.phase.to_owned(),
+                    format!("{:.1}", r.secs),
+                    r.writes.to_string(),
+                    format!("{:.0}", r.per_s),
+                    f1(r.latency.p50_ms),
+                    f1(r.latency.p99_ms),
+                    r.pruned.to_string(),
+                ]
+            })
+            .collect();
+        print!(
+            "{}",
+            (env.table)(
+                &[
+                    "backend", "phase", "secs", "writes", "per_s", "p50_ms", "p99_ms", "pruned"
+                ],
+                &table
+            )
+        );
+        for w in rows.chunks(3) {
+            if let [b, d, af] = w {
+                println!(
+                    "{}: writers while pruning {n} jobs = {:.2} × alone before, {:.2} × alone after ({} outcomes per transaction, {} writers)",
+                    b.backend,
+                    d.per_s / b.per_s.max(1e-9),
+                    d.per_s / af.per_s.max(1e-9),
+                    a.batch,
+                    a.writers
+                );
+            }
+        }
+    }
+    for c in &copies {
+        println!("{}", serde_json::to_string(c)?);
+    }
+    Ok(ExitCode::SUCCESS)
+}
+
+/// `lastcall ledger copy --from FROM --to TO`, SIGKILLed after `kill_after_s` (if it is
+/// still running), then run again to the end. Fails unless the second run succeeds (its
+/// own check compares every table's count and checksum).
+async fn copy_killed_then_resumed(
+    from: &str,
+    to: &str,
+    kill_after_s: u64,
+    n: u64,
+) -> Result<serde_json::Value> {
+    let exe = std::env::current_exe()?;
+    let cmd = || {
+        let mut c = tokio::process::Command::new(&exe);
+        c.args([
+            "ledger",
+            "copy",
+            "--no-progress",
+            "--from",
+            from,
+            "--to",
+            to,
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .kill_on_drop(true);
+        c
+    };
+    let t0 = Instant::now();
+    let mut killed_at = None;
+    if kill_after_s > 0 {
+        let mut child = cmd().spawn()?;
+        tokio::select! {
+            r = child.wait() => { r?; }
+            _ = tokio::time::sleep(Duration::from_secs(kill_after_s)) => {
+                child.start_kill()?;
+                child.wait().await?;
+                killed_at = Some(t0.elapsed().as_secs_f64());
+            }
+        }
+    }
+    let t1 = Instant::now();
+    let out = cmd().output().await?;
+    let resume_s = t1.elapsed().as_secs_f64();
+    let stdout = String::from_utf8_lossy(&out.stdout).into_owned();
+    if !out.status.success() {
+        bail!(
+            "the resumed `ledger copy` failed ({}): {}{}",
+            out.status,
+            stdout,
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
+    Ok(json!({
+        "copy": format!("{} jobs → {}", n, lastcall_broker::redact(to)),
+        "killed_after_s": killed_at,
+        "resumed_run_s": resume_s,
+        "total_s": t0.elapsed().as_secs_f64(),
+        "report": stdout,
+    }))
 }

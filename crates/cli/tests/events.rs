@@ -660,9 +660,19 @@ async fn webhooks_are_signed_retried_recorded_and_allow_listed() {
     let env = Env::sqlite("webhooks").await;
     let receiver = Receiver::start(vec![500, 500, 200]).await;
     let allow = format!("http://127.0.0.1:{}/hooks/", receiver.port);
+    // A receiver that never takes one: its delivery is given up after the attempts.
+    let refuser = Receiver::start(vec![500]).await;
+    let allow_refuser = format!("http://127.0.0.1:{}/hooks/", refuser.port);
     let serve = Serve::start_with(
         &env,
-        &["--webhook-allow", &allow],
+        &[
+            "--webhook-allow",
+            &allow,
+            "--webhook-allow",
+            &allow_refuser,
+            "--webhook-attempts",
+            "3",
+        ],
         &[("LASTCALL_WEBHOOK_KEY", KEY)],
     )
     .await;
@@ -739,6 +749,30 @@ async fn webhooks_are_signed_retried_recorded_and_allow_listed() {
         );
         assert!(head.starts_with("post /hooks/wh-1 "), "{head}");
     }
+
+    // Issue #35: a delivery that used up its attempts is recorded as given up, and no
+    // longer holds its job against retention; a delivered one never did.
+    let far = system_clock().now_ms() + 86_400_000;
+    let (status, body) = post(job("wh-2", &format!("{allow_refuser}wh-2"))).await;
+    assert_eq!(status, 202, "{body}");
+    let until = Instant::now() + Duration::from_secs(30);
+    loop {
+        let tried = env.ledger.webhook_attempts("wh-2").await.unwrap();
+        if tried.len() == 3 && env.ledger.held_by_webhooks(far).await.unwrap() == 0 {
+            assert!(tried.iter().all(|a| a.status == Some(500)), "{tried:?}");
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "not given up: {tried:?}, held {:?}",
+            env.ledger.held_by_webhooks(far).await
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    assert_eq!(refuser.count(), 3, "--webhook-attempts 3");
+    let pruned = env.ledger.prune_batch(far, 100, None).await.unwrap();
+    assert_eq!((pruned.jobs, pruned.webhooks), (2, 2), "{pruned:?}");
+    assert!(env.ledger.get("wh-2").await.unwrap().is_none());
     w.stop().await;
     drop(serve);
     env.cleanup().await;

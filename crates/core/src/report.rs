@@ -33,8 +33,11 @@ pub struct ReportRow {
     pub reconciled_at_ms: Option<i64>,
     /// Whose job it was (`default` when it named none).
     pub tenant: String,
-    /// The recorded model call's duration, ms.
-    pub latency_ms: Option<i64>,
+    /// Model time of every call the job made (every attempt that called the model), ms.
+    pub model_ms: i64,
+    /// The part of `model_ms` no one could use: every call but the one that completed
+    /// (calls that failed and were retried, cut at the deadline, cancelled).
+    pub wasted_model_ms: i64,
     pub prompt_tokens: Option<i64>,
     pub completion_tokens: Option<i64>,
 }
@@ -104,8 +107,11 @@ pub struct TenantSample {
     pub state: String,
     pub reason: Option<String>,
     pub jobs: u64,
-    /// Summed duration of the recorded model calls (`latency_ms`), ms.
+    /// Summed duration of every model call of these jobs (each attempt's), ms.
     pub model_ms: u64,
+    /// The part of `model_ms` spent on calls that did not complete on time: every call of
+    /// a job that did not complete, and the earlier calls (failed, retried) of one that did.
+    pub wasted_model_ms: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
 }
@@ -116,17 +122,20 @@ impl TenantSample {
         tenant: &str,
         state: &str,
         reason: Option<&str>,
-        latency_ms: Option<i64>,
+        model_ms: i64,
+        wasted_model_ms: i64,
         prompt_tokens: Option<i64>,
         completion_tokens: Option<i64>,
     ) -> Self {
         let n = |v: Option<i64>| v.map_or(0, |v| v.max(0) as u64);
+        let model_ms = n(Some(model_ms));
         Self {
             tenant: tenant.to_owned(),
             state: state.to_owned(),
             reason: reason.map(str::to_owned),
             jobs: 1,
-            model_ms: n(latency_ms),
+            model_ms,
+            wasted_model_ms: n(Some(wasted_model_ms)).min(model_ms),
             prompt_tokens: n(prompt_tokens),
             completion_tokens: n(completion_tokens),
         }
@@ -151,7 +160,7 @@ pub struct TenantAccount {
     /// Model time of the recorded calls, ms.
     pub model_ms: u64,
     /// The part of `model_ms` spent on calls that did not complete (cut at the deadline,
-    /// failed, cancelled): work nobody could use.
+    /// failed and retried or not, cancelled): work nobody could use.
     pub wasted_model_ms: u64,
     pub prompt_tokens: u64,
     pub completion_tokens: u64,
@@ -163,11 +172,11 @@ impl TenantAccount {
         self.model_ms += s.model_ms;
         self.prompt_tokens += s.prompt_tokens;
         self.completion_tokens += s.completion_tokens;
+        self.wasted_model_ms += s.wasted_model_ms;
         if s.state == State::Completed.as_str() {
             self.on_time += s.jobs;
             return;
         }
-        self.wasted_model_ms += s.model_ms;
         let refused = [
             State::ExpiredNotStarted,
             State::ExpiredBeforeReceive,
@@ -314,7 +323,8 @@ pub fn build(rows: &[ReportRow], since_ms: i64, until_ms: i64) -> Report {
             &r.tenant,
             &r.state,
             r.reason.as_deref(),
-            r.latency_ms,
+            r.model_ms,
+            r.wasted_model_ms,
             r.prompt_tokens,
             r.completion_tokens,
         ));
@@ -425,6 +435,7 @@ mod tests {
             reason: reason.map(Into::into),
             jobs,
             model_ms: ms,
+            wasted_model_ms: if state == "completed" { 0 } else { ms },
             prompt_tokens: jobs * 10,
             completion_tokens: jobs,
         }
@@ -496,6 +507,23 @@ mod tests {
         assert!(tenant_accounts(&[], 3).is_empty());
     }
 
+    /// A job that completed after a failed, retried call: both calls count as model time,
+    /// the failed one as wasted, and the job as on time.
+    #[test]
+    fn a_retried_call_is_wasted_model_time_of_a_job_that_completed() {
+        let mut rows = vec![row("completed", "k", None, 0, 10)];
+        rows[0].tenant = "team-a".into();
+        (rows[0].model_ms, rows[0].wasted_model_ms) = (140, 100);
+        let a = &build(&rows, 0, 1).by_tenant[0];
+        assert_eq!(
+            (a.jobs, a.on_time, a.model_ms, a.wasted_model_ms),
+            (1, 1, 140, 100)
+        );
+        // A record can never say more was wasted than was spent.
+        let s = TenantSample::of_job("t", "failed", None, 30, 99, None, None);
+        assert_eq!((s.model_ms, s.wasted_model_ms), (30, 30));
+    }
+
     #[test]
     fn the_report_accounts_per_tenant() {
         let mut rows = vec![
@@ -509,7 +537,7 @@ mod tests {
             ),
         ];
         rows[0].tenant = "team-a".into();
-        rows[0].latency_ms = Some(40);
+        rows[0].model_ms = 40;
         rows[0].prompt_tokens = Some(7);
         let rep = build(&rows, 0, 1);
         assert_eq!(rep.by_tenant.len(), 2);

@@ -214,7 +214,8 @@ pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<Strin
             &r.tenant,
             &r.state,
             r.reason.as_deref(),
-            r.latency_ms,
+            r.model_ms,
+            r.wasted_model_ms,
             r.prompt_tokens,
             r.completion_tokens,
         ));

@@ -409,7 +409,12 @@ pub(crate) struct JobRecord {
     recorded_at_ms: Option<i64>,
     prompt_tokens: Option<i64>,
     completion_tokens: Option<i64>,
+    /// The recorded (last) model call's duration, ms
     latency_ms: Option<i64>,
+    /// Model time of every call the job made (each attempt's), ms
+    model_ms: i64,
+    /// The part of model_ms no one could use: every call but the one that completed
+    wasted_model_ms: i64,
     cancel_requested: bool,
     cancel_confirmed: Option<bool>,
     /// When reconciliation marked the job unknown; kept when the real outcome replaced unknown later
@@ -639,6 +644,8 @@ mod tests {
             prompt_tokens: None,
             completion_tokens: None,
             latency_ms: None,
+            model_ms: 0,
+            wasted_model_ms: 0,
             cancel_requested: false,
             cancel_confirmed: None,
             backend: None,

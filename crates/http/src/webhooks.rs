@@ -15,10 +15,14 @@
 //!   with HMAC-SHA256 when a key is set (`x-lastcall-webhook-signature: v1=<hex>` over the
 //!   body), retried with exponential backoff (1 s doubling, at most 30 s between attempts)
 //!   up to `--webhook-attempts` times. Every attempt is recorded (`webhook_attempts`); a 2xx
-//!   marks it delivered.
+//!   marks it delivered, and the last failed attempt marks it given up
+//!   (`Ledger::record_webhook_given_up`): from then on it no longer holds its job against
+//!   the ledger's retention.
 //! - **Limits.** Best-effort like the events it rides on: an event the process never saw
 //!   (it was down or disconnected) delivers nothing, and a delivery in progress when the
-//!   process stops is not resumed; the ledger shows which webhooks were delivered. At most
+//!   process stops is not resumed; the ledger shows which webhooks were delivered. Such a
+//!   webhook (never delivered, never given up) keeps holding its job against retention:
+//!   `lastcall ledger prune --dry-run` counts these jobs as held. At most
 //!   32 deliveries run at once (`WebhookConfig::concurrency`) and 1,024 events wait for a
 //!   slot; more are dropped, unclaimed, and counted.
 
@@ -233,8 +237,9 @@ async fn dispatch(ctx: Arc<Ctx>, mut rx: mpsc::Receiver<String>) {
     }
 }
 
-/// Attempt until a 2xx, or until the attempts are used up; record each one. A URL no
-/// longer allowed (the allow-list changed) is recorded once and not tried.
+/// Attempt until a 2xx, or until the attempts are used up; record each one, and the
+/// giving up. A URL no longer allowed (the allow-list changed) is recorded once and not
+/// tried.
 async fn deliver(ctx: &Ctx, job_id: &str, url: &str, body: String) {
     let cfg = &ctx.cfg;
     let signature = cfg
@@ -292,6 +297,13 @@ async fn deliver(ctx: &Ctx, job_id: &str, url: &str, body: String) {
         backoff = (backoff * 2).min(Duration::from_secs(30));
     }
     ctx.stats.failed.fetch_add(1, Ordering::Relaxed);
+    // Nothing will try again: the job's row no longer waits for this webhook (retention).
+    if let Err(e) = (ctx.ledger)
+        .record_webhook_given_up(job_id, ctx.clock.now_ms())
+        .await
+    {
+        tracing::warn!(job_id, error = %e, "cannot record a webhook given up");
+    }
 }
 
 #[cfg(test)]

@@ -67,6 +67,42 @@ macro_rules! backend_calls {
     };
 }
 
+/// The summed duration (finish − start) of a job's calls that failed and were retried:
+/// its attempt rows that called the model, decided `retry` and have both times; NULL when
+/// there is none. (The job's recorded call is the last one; its time is `latency_ms`.)
+macro_rules! retried_calls_ms {
+    () => {
+        "(SELECT SUM(a.finished_at_ms - a.started_at_ms) FROM attempts a \
+         WHERE a.job_id = jobs.job_id AND a.model_called AND a.decision = 'retry' \
+         AND a.started_at_ms IS NOT NULL AND a.finished_at_ms IS NOT NULL)"
+    };
+}
+
+/// A job's model time (issue #33): its recorded call's `latency_ms` plus its retried calls
+/// ([`retried_calls_ms!`]).
+macro_rules! model_ms {
+    () => {
+        concat!(
+            "CAST(COALESCE(jobs.latency_ms, 0) + COALESCE(",
+            retried_calls_ms!(),
+            ", 0) AS BIGINT)"
+        )
+    };
+}
+
+/// The part of [`model_ms!`] no one could use: the retried calls, and the recorded call
+/// unless the job completed.
+macro_rules! wasted_model_ms {
+    () => {
+        concat!(
+            "CAST(COALESCE(",
+            retried_calls_ms!(),
+            ", 0) + CASE WHEN jobs.state = 'completed' THEN 0 \
+             ELSE COALESCE(jobs.latency_ms, 0) END AS BIGINT)"
+        )
+    };
+}
+
 /// Column list of [`JobRecord`], in a macro so that statements stay `&'static str`.
 macro_rules! job_columns {
     () => {
@@ -77,7 +113,11 @@ macro_rules! job_columns {
             " AS backend_calls, created_at_ms, expires_at_ms, accepted_at_ms, received_at_ms, \
              checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, reconciled_at_ms, \
              worker, result, error, trace_id, prompt_tokens, completion_tokens, latency_ms, \
-             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms, tenant, priority"
+             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms, tenant, priority, ",
+            model_ms!(),
+            " AS model_ms, ",
+            wasted_model_ms!(),
+            " AS wasted_model_ms"
         )
     };
 }
@@ -1415,6 +1455,28 @@ impl Ledger {
         })
     }
 
+    /// Record that delivery of `job_id`'s webhook was given up at `at_ms` (its attempts are
+    /// used up, or its receiver's answer cannot change by retrying): it holds its job
+    /// against retention no more. A delivered webhook stays delivered (the write names
+    /// only an undelivered one); repeating it keeps the first time.
+    pub async fn record_webhook_given_up(
+        &self,
+        job_id: &str,
+        at_ms: i64,
+    ) -> Result<(), StoreError> {
+        const GIVEN_UP: &str = "UPDATE webhooks SET given_up_at_ms = $2 \
+             WHERE job_id = $1 AND delivered_at_ms IS NULL AND given_up_at_ms IS NULL";
+        on_pool!(self, write, |pool| {
+            sqlx::query(GIVEN_UP)
+                .bind(job_id)
+                .bind(at_ms)
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(db("recording a webhook given up"))
+        })
+    }
+
     /// The delivery attempts of `job_id`'s webhook, in order.
     pub async fn webhook_attempts(&self, job_id: &str) -> Result<Vec<WebhookAttempt>, StoreError> {
         const SELECT: &str = "SELECT job_id, attempt, at_ms, status, error FROM webhook_attempts              WHERE job_id = $1 ORDER BY attempt";
@@ -1514,6 +1576,8 @@ where
         prompt_tokens: row.try_get("prompt_tokens")?,
         completion_tokens: row.try_get("completion_tokens")?,
         latency_ms: row.try_get("latency_ms")?,
+        model_ms: row.try_get("model_ms")?,
+        wasted_model_ms: row.try_get("wasted_model_ms")?,
         cancel_requested: row.try_get("cancel_requested")?,
         cancel_confirmed: row.try_get("cancel_confirmed")?,
         backend: row.try_get("backend")?,

@@ -277,7 +277,15 @@ pub struct JobRecord {
     pub trace_id: Option<String>,
     pub prompt_tokens: Option<i64>,
     pub completion_tokens: Option<i64>,
+    /// The recorded (last) model call's duration, ms.
     pub latency_ms: Option<i64>,
+    /// Model time of every call the job made, ms: `latency_ms` plus its calls that failed
+    /// and were retried (their attempts' finish − start); 0 without a call. Computed from
+    /// the attempts when read, never stored.
+    pub model_ms: i64,
+    /// The part of `model_ms` no one could use: every call but the one that completed
+    /// (failed and retried, cut at the deadline, cancelled).
+    pub wasted_model_ms: i64,
     pub cancel_requested: bool,
     pub cancel_confirmed: Option<bool>,
     /// The backend that ran (or would have run) the job, e.g. `sim`, `openai`, `local`.

@@ -75,6 +75,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0009_breakers.sql"),
         postgres: include_str!("../migrations/postgres/0009_breakers.sql"),
     },
+    Migration {
+        version: 10,
+        name: "webhook_given_up",
+        sqlite: include_str!("../migrations/sqlite/0010_webhook_given_up.sql"),
+        postgres: include_str!("../migrations/postgres/0010_webhook_given_up.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 9;
+const LATEST_VERSION: i64 = 10;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -779,7 +779,15 @@ async fn non_terminal_outcome_moves_the_live_state_only(db: &TestDb) {
             .await
             .unwrap()
     );
-    assert_eq!(must_get(l, "j1").await.state, "completed");
+    let job = must_get(l, "j1").await;
+    assert_eq!(job.state, "completed");
+    // Issue #33: the failed call counts as model time, and as wasted (it did not complete);
+    // the recorded call's `latency_ms` is the last one's.
+    assert_eq!(job.latency_ms, Some(19));
+    assert_eq!(
+        (job.model_ms, job.wasted_model_ms),
+        ((299 - 202) + (899 - 880), 299 - 202)
+    );
 }
 
 async fn record_terminal_without_accepted_row(db: &TestDb) {
@@ -2185,7 +2193,31 @@ async fn retention_fixture(l: &Ledger) {
     l.record_outcome(&completed("old-hook", "a-old-hook", 1_200, "held text"))
         .await
         .unwrap();
-    // `unknown` is terminal: pruned.
+    // Old, terminal, its webhook's delivery given up after failed attempts: pruned.
+    l.register_webhook("old-gave-up", "http://hooks/3", 800)
+        .await
+        .unwrap();
+    l.record_outcome(&outcome(
+        "old-gave-up",
+        "a-old-gave-up",
+        State::Failed,
+        1_250,
+    ))
+    .await
+    .unwrap();
+    l.record_webhook_attempt(&WebhookAttempt {
+        job_id: "old-gave-up".into(),
+        attempt: 1,
+        at_ms: 1_260,
+        status: Some(500),
+        error: Some("the receiver answered 500".into()),
+    })
+    .await
+    .unwrap();
+    l.record_webhook_given_up("old-gave-up", 1_261)
+        .await
+        .unwrap();
+    // `unknown`: its real outcome may still arrive, so never pruned (issue #35).
     l.record_accepted(&accepted("old-unknown", "chat", 500, 800))
         .await
         .unwrap();
@@ -2237,7 +2269,7 @@ async fn prune_deletes_old_terminal_jobs_with_their_rows_and_nothing_else(db: &T
     let c = prune_all(l, 2).await;
     assert_eq!(
         (c.jobs, c.attempts, c.webhooks, c.webhook_attempts),
-        (3, 2, 1, 2),
+        (3, 3, 2, 3),
         "{c:?}"
     );
     assert_eq!((c.texts, c.held_by_webhooks, c.workers), (1, 1, 1), "{c:?}");
@@ -2246,7 +2278,7 @@ async fn prune_deletes_old_terminal_jobs_with_their_rows_and_nothing_else(db: &T
             .await,
         1
     );
-    for gone in ["old-done", "old-fail", "old-unknown"] {
+    for gone in ["old-done", "old-fail", "old-gave-up"] {
         assert!(l.get(gone).await.unwrap().is_none(), "{gone}");
         assert!(l.attempts(gone).await.unwrap().is_empty(), "{gone}");
         assert!(l.webhook_attempts(gone).await.unwrap().is_empty(), "{gone}");
@@ -2256,7 +2288,8 @@ async fn prune_deletes_old_terminal_jobs_with_their_rows_and_nothing_else(db: &T
             .await,
         0
     );
-    // Never pruned: not terminal, or its webhook waits (text kept too).
+    // Never pruned: not terminal, `unknown`, or its webhook waits (text kept too).
+    assert_eq!(must_get(l, "old-unknown").await.state, "unknown");
     assert_eq!(must_get(l, "old-accepted").await.state, "accepted");
     assert_eq!(must_get(l, "old-running").await.state, "running");
     assert_eq!(l.attempts("old-running").await.unwrap().len(), 1);
@@ -2342,7 +2375,7 @@ async fn the_archive_gets_every_pruned_job_and_a_failed_archive_deletes_nothing(
     let expected = [
         must_get(l, "old-done").await,
         must_get(l, "old-fail").await,
-        must_get(l, "old-unknown").await,
+        must_get(l, "old-gave-up").await,
     ];
     let mut archived: Vec<JobRecord> = Vec::new();
     let mut keep = |jobs: &[JobRecord]| -> std::io::Result<()> {
@@ -2384,6 +2417,7 @@ async fn export_streams_the_window_and_round_trips_the_records(db: &TestDb) {
         "old-done",
         "old-fail",
         "old-hook",
+        "old-gave-up",
         "old-unknown",
         "mid-done",
     ];
@@ -2407,7 +2441,7 @@ async fn the_size_counts_the_job_rows(db: &TestDb) {
         db.exec("ANALYZE jobs").await;
     }
     let size = l.size().await.unwrap();
-    assert_eq!(size.job_rows, 8, "{size:?}");
+    assert_eq!(size.job_rows, 9, "{size:?}");
     assert!(size.bytes > 0, "{size:?}");
 }
 
@@ -2492,7 +2526,7 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
     }
     assert_eq!(
         src.ledger.table_digest("jobs").await.unwrap().rows,
-        9,
+        10,
         "every job"
     );
     // The copy reads as the source does.
@@ -2511,7 +2545,7 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
         .copy_table_to(&dst.ledger, "jobs", 4, &mut |_: u64| {})
         .await
         .unwrap();
-    assert_eq!((c.read, c.inserted), (9, 3));
+    assert_eq!((c.read, c.inserted), (10, 3));
     assert_eq!(
         src.ledger.table_digest("jobs").await.unwrap(),
         dst.ledger.table_digest("jobs").await.unwrap()
@@ -2855,6 +2889,24 @@ async fn tenant_counts_equal_the_records(db: &TestDb) {
             for j in 0..=t {
                 n += 1;
                 let recorded = since - 5 + ((t + k + j) % 4) as i64 * 3;
+                if j % 2 == 1 && *state != State::ExpiredNotStarted {
+                    // A call that failed and was retried first: model time, wasted.
+                    l.record_outcome(&OutcomeRecord {
+                        tenant: tenant(&format!("t{t}")),
+                        decision: Decision::Retry,
+                        reason: Some(Reason::Backend("backend_unavailable".into())),
+                        model_called: true,
+                        started_at_ms: Some(recorded - 200 - j as i64),
+                        ..outcome(
+                            &format!("j{n}"),
+                            &format!("r{n}"),
+                            State::Accepted,
+                            recorded - 100,
+                        )
+                    })
+                    .await
+                    .unwrap();
+                }
                 l.record_outcome(&OutcomeRecord {
                     tenant: tenant(&format!("t{t}")),
                     reason: reason.clone(),
@@ -2876,7 +2928,8 @@ async fn tenant_counts_equal_the_records(db: &TestDb) {
             state: r.state,
             reason: r.reason,
             jobs: 1,
-            model_ms: r.latency_ms.unwrap_or(0) as u64,
+            model_ms: r.model_ms as u64,
+            wasted_model_ms: r.wasted_model_ms as u64,
             prompt_tokens: r.prompt_tokens.unwrap_or(0) as u64,
             completion_tokens: r.completion_tokens.unwrap_or(0) as u64,
         });
@@ -2896,6 +2949,18 @@ async fn tenant_counts_equal_the_records(db: &TestDb) {
     assert_eq!(total, expected.len() as u64);
     let wasted: u64 = top.iter().map(|a| a.wasted_model_ms).sum();
     assert!(wasted > 0 && wasted < top.iter().map(|a| a.model_ms).sum::<u64>());
+    // The retried calls are counted: on-time tenants have wasted time too, and more model
+    // time than their recorded calls alone.
+    let latency: i64 = l
+        .records_since(since)
+        .await
+        .unwrap()
+        .iter()
+        .filter_map(|r| r.latency_ms)
+        .sum();
+    assert!(top.iter().map(|a| a.model_ms).sum::<u64>() > latency as u64);
+    let t6 = &top[0];
+    assert!(t6.wasted_model_ms > 0 && t6.on_time > 0);
     let dash = l.dashboard_counts(since).await.unwrap();
     assert_eq!(
         dash.tenants,

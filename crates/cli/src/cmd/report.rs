@@ -33,7 +33,8 @@ pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitC
             recorded_at_ms: r.recorded_at_ms,
             reconciled_at_ms: r.reconciled_at_ms,
             tenant: r.tenant,
-            latency_ms: r.latency_ms,
+            model_ms: r.model_ms,
+            wasted_model_ms: r.wasted_model_ms,
             prompt_tokens: r.prompt_tokens,
             completion_tokens: r.completion_tokens,
         })
@@ -233,7 +234,7 @@ mod tests {
             recorded_at_ms: Some(10),
             reconciled_at_ms: Some(5),
             tenant: "team-a".into(),
-            latency_ms: Some(4),
+            model_ms: 4,
             ..Default::default()
         }];
         let out = csv(&report::build(&rows, 0, 1));

@@ -102,6 +102,7 @@ const TABLES: [Table; 6] = [
             ("registered_at_ms", Int),
             ("claimed_by", Text),
             ("delivered_at_ms", Int),
+            ("given_up_at_ms", Int),
         ],
     },
     Table {

@@ -113,12 +113,16 @@ const SELECT_DEAD_LETTERS: &str = concat!(
 /// groups first, so that a window of more groups than the `LIMIT` keeps the busiest
 /// tenants' and drops the smallest groups (which only `other` would have summed).
 const SELECT_TENANTS: &str = concat!(
-    "SELECT tenant, state, reason, COUNT(*), \
-     CAST(SUM(COALESCE(latency_ms, 0)) AS BIGINT), \
+    "SELECT tenant, state, reason, COUNT(*), CAST(SUM(m) AS BIGINT), CAST(SUM(w) AS BIGINT), \
      CAST(SUM(COALESCE(prompt_tokens, 0)) AS BIGINT), \
-     CAST(SUM(COALESCE(completion_tokens, 0)) AS BIGINT) ",
+     CAST(SUM(COALESCE(completion_tokens, 0)) AS BIGINT) \
+     FROM (SELECT tenant, state, reason, prompt_tokens, completion_tokens, ",
+    model_ms!(),
+    " AS m, ",
+    wasted_model_ms!(),
+    " AS w ",
     window!(),
-    " GROUP BY tenant, state, reason ORDER BY COUNT(*) DESC, tenant, state, reason LIMIT $2"
+    ") t GROUP BY tenant, state, reason ORDER BY COUNT(*) DESC, tenant, state, reason LIMIT $2"
 );
 
 /// Every statement [`Ledger::dashboard_counts`] runs (none reads `result`, `error` or a
@@ -205,8 +209,8 @@ impl Ledger {
     }
 
     /// The terminal outcomes recorded at or after `since_ms`, one group per (tenant, state,
-    /// reason) with the summed model time (`latency_ms`) and tokens of their recorded
-    /// calls; at most [`DASHBOARD_MAX_ROWS`] groups (the largest), no job row read. Fold
+    /// reason) with the summed model time of all their calls (each attempt's; wasted: the
+    /// calls that did not complete) and the tokens of their recorded calls; at most [`DASHBOARD_MAX_ROWS`] groups (the largest), no job row read. Fold
     /// them with `lastcall_core::report::tenant_accounts`.
     pub async fn tenant_counts(&self, since_ms: i64) -> Result<Vec<TenantSample>, StoreError> {
         let n = |c: i64| c.max(0) as u64;
@@ -225,8 +229,9 @@ impl Ledger {
                                 reason: r.try_get(2)?,
                                 jobs: n(r.try_get(3)?),
                                 model_ms: n(r.try_get(4)?),
-                                prompt_tokens: n(r.try_get(5)?),
-                                completion_tokens: n(r.try_get(6)?),
+                                wasted_model_ms: n(r.try_get(5)?),
+                                prompt_tokens: n(r.try_get(6)?),
+                                completion_tokens: n(r.try_get(7)?),
                             })
                         })
                         .collect()

@@ -28,13 +28,15 @@ use crate::batch::{Dialect, json_array};
 use crate::error::db;
 use crate::{JobRecord, StoreError};
 
-/// A job may go (`$1`: the cutoff, `recorded_at_ms < $1`): terminal, recorded before the
-/// cutoff, and no webhook of it waits for delivery.
+/// A job may go (`$1`: the cutoff, `recorded_at_ms < $1`): ended for good (not `accepted`,
+/// `running`, nor `unknown`, whose real outcome may still arrive), recorded before the
+/// cutoff, and no webhook of it waits for delivery (one delivered, or given up after its
+/// attempts, waits no more).
 macro_rules! eligible {
     () => {
-        "state NOT IN ('accepted', 'running') AND recorded_at_ms < $1 \
-         AND NOT EXISTS (SELECT 1 FROM webhooks w \
-         WHERE w.job_id = jobs.job_id AND w.delivered_at_ms IS NULL)"
+        "state NOT IN ('accepted', 'running', 'unknown') AND recorded_at_ms < $1 \
+         AND NOT EXISTS (SELECT 1 FROM webhooks w WHERE w.job_id = jobs.job_id \
+         AND w.delivered_at_ms IS NULL AND w.given_up_at_ms IS NULL)"
     };
 }
 
@@ -42,11 +44,11 @@ macro_rules! eligible {
 #[cfg(test)]
 const ELIGIBLE: &str = eligible!();
 
-/// Terminal, recorded before `$1`, and held only by a webhook not yet delivered.
+/// Ended, recorded before `$1`, and held only by a webhook not yet delivered nor given up.
 const COUNT_HELD: &str = "SELECT COUNT(*) FROM jobs \
-     WHERE state NOT IN ('accepted', 'running') AND recorded_at_ms < $1 \
-     AND EXISTS (SELECT 1 FROM webhooks w \
-     WHERE w.job_id = jobs.job_id AND w.delivered_at_ms IS NULL)";
+     WHERE state NOT IN ('accepted', 'running', 'unknown') AND recorded_at_ms < $1 \
+     AND EXISTS (SELECT 1 FROM webhooks w WHERE w.job_id = jobs.job_id \
+     AND w.delivered_at_ms IS NULL AND w.given_up_at_ms IS NULL)";
 
 const COUNT_JOBS: &str = concat!("SELECT COUNT(*) FROM jobs WHERE ", eligible!());
 const COUNT_ATTEMPTS: &str = concat!(
@@ -434,19 +436,23 @@ mod tests {
             .filter(|s| !s.is_terminal())
             .map(|s| format!("'{}'", s.as_str()))
             .collect();
+        // The export takes every ended job; pruning keeps `unknown` too (a late outcome
+        // may still replace it).
         let list = format!("state NOT IN ({})", non_terminal.join(", "));
-        for sql in [
-            ELIGIBLE,
-            COUNT_HELD,
-            COUNT_JOBS,
-            SELECT_BATCH,
-            CLEAR_TEXTS,
-            SELECT_RANGE,
-        ] {
-            assert!(sql.contains(&list), "{sql}");
+        assert!(SELECT_RANGE.contains(&list), "{SELECT_RANGE}");
+        let kept = format!(
+            "state NOT IN ({}, '{}')",
+            non_terminal.join(", "),
+            State::Unknown.as_str()
+        );
+        for sql in [ELIGIBLE, COUNT_HELD, COUNT_JOBS, SELECT_BATCH, CLEAR_TEXTS] {
+            assert!(sql.contains(&kept), "{sql}");
         }
         for sql in [SELECT_BATCH, CLEAR_TEXTS, COUNT_JOBS, COUNT_TEXTS] {
-            assert!(sql.contains("w.delivered_at_ms IS NULL"), "{sql}");
+            assert!(
+                sql.contains("w.delivered_at_ms IS NULL AND w.given_up_at_ms IS NULL"),
+                "{sql}"
+            );
         }
     }
 }
