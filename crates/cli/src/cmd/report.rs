@@ -235,6 +235,7 @@ mod tests {
             reconciled_at_ms: Some(5),
             tenant: "team-a".into(),
             model_ms: 4,
+            wasted_model_ms: 4,
             ..Default::default()
         }];
         let out = csv(&report::build(&rows, 0, 1));
