@@ -370,7 +370,7 @@ impl Collector for Scraped {
             }
             let mut family = enc.encode_descriptor(
                 "lastcall_tenant_model_seconds_last_hour",
-                "Model time of the calls recorded in the last hour, per tenant; `use` is `wasted` for calls that did not complete (cut at the deadline, failed, cancelled), else `useful`",
+                "Model time of the calls recorded in the last hour, per tenant; `use` is `wasted` for calls that did not complete (cut at the deadline, failed, retried after a failure, cancelled), else `useful`",
                 None,
                 MetricType::Gauge,
             )?;
