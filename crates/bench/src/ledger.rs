@@ -3,8 +3,8 @@
 //! With `--prune-rows N` (issue #35): the ledger is first filled with N terminal jobs
 //! recorded long ago, then the grouped writers run for `--measure-s` seconds alone, then
 //! again while a pruner deletes those N jobs the way a worker's background pruning does
-//! (batches of 1,000 rows, 50 ms apart: the defaults of `[ledger] batch_rows` and
-//! `batch_pause_ms`), then alone once more: the writers' throughput while pruning ÷ without
+//! (batches of 1,000 rows, at least 50 ms apart and paced by `lastcall_store::prune_pause`:
+//! the defaults of `[ledger] batch_rows` and `batch_pause_ms`), then alone once more: the writers' throughput while pruning ÷ without
 //! is the cost of pruning. With `--copy-to URL` the filled SQLite ledger is copied there by
 //! `lastcall ledger copy`, killed with SIGKILL after `--copy-kill-after-s` and run again to
 //! completion (the command checks every table's count and checksum itself).
@@ -446,12 +446,14 @@ async fn prune_or_copy(
             tokio::spawn(async move {
                 let mut pruned = 0u64;
                 loop {
+                    let t = Instant::now();
                     let c = ledger.prune_batch(cut, PRUNE_BATCH_ROWS, None).await?;
                     pruned += c.jobs;
                     if c.jobs < u64::from(PRUNE_BATCH_ROWS) {
                         break;
                     }
-                    tokio::time::sleep(PRUNE_PAUSE).await;
+                    let pause = lastcall_store::prune_pause(PRUNE_PAUSE, t.elapsed());
+                    tokio::time::sleep(pause).await;
                 }
                 stop.cancel();
                 anyhow::Ok(pruned)

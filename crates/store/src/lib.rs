@@ -44,7 +44,9 @@ pub use ledger::dashboard::{
     DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DASHBOARD_TENANTS, DWELL_BUCKET_SQL,
     DWELL_BUCKETS_MS, DashboardCounts,
 };
-pub use ledger::retention::{ArchiveFn, JobStream, LedgerSize, PruneCounts, PruneLock};
+pub use ledger::retention::{
+    ArchiveFn, JobStream, LedgerSize, PRUNE_DUTY, PruneCounts, PruneLock, prune_pause,
+};
 pub use ledger::{Ledger, LedgerWrite};
 
 use lastcall_core::{Decision, Priority, Reason, State, Tenant};

@@ -112,9 +112,11 @@ async fn prune_holding_lock(
     stop: &CancellationToken,
 ) -> Result<PruneCounts> {
     let mut total = PruneCounts::default();
-    let pause = || async {
+    // After each batch: at least `batch_pause_ms`, and long enough that the batches hold
+    // the ledger's write lock at most `PRUNE_DUTY` (5%) of the time.
+    let pause = |batch: std::time::Duration| async move {
         tokio::select! {
-            _ = tokio::time::sleep(p.pause) => false,
+            _ = tokio::time::sleep(lastcall_store::prune_pause(p.pause, batch)) => false,
             _ = stop.cancelled() => true,
         }
     };
@@ -122,6 +124,7 @@ async fn prune_holding_lock(
     if let Some(cut) = rows_cut {
         let mut archive = p.archive_dir.as_deref().map(|d| Archive::new(d, now_ms));
         loop {
+            let t0 = std::time::Instant::now();
             let batch = match archive.as_mut() {
                 Some(a) => {
                     let mut f = |jobs: &[JobRecord]| a.append(jobs);
@@ -130,7 +133,7 @@ async fn prune_holding_lock(
                 None => ledger.prune_batch(cut, p.batch_rows, None).await?,
             };
             total.add(&batch);
-            if batch.jobs < u64::from(p.batch_rows) || pause().await {
+            if batch.jobs < u64::from(p.batch_rows) || pause(t0.elapsed()).await {
                 break;
             }
         }
@@ -141,9 +144,10 @@ async fn prune_holding_lock(
         let cut = now_ms.saturating_sub(t);
         let floor = rows_cut.unwrap_or(i64::MIN).min(cut);
         loop {
+            let t0 = std::time::Instant::now();
             let n = ledger.clear_texts_batch(cut, floor, p.batch_rows).await?;
             total.texts += n;
-            if n < u64::from(p.batch_rows) || pause().await {
+            if n < u64::from(p.batch_rows) || pause(t0.elapsed()).await {
                 break;
             }
         }

@@ -100,6 +100,16 @@ const SELECT_RANGE: &str = concat!(
      AND state NOT IN ('accepted', 'running') ORDER BY recorded_at_ms, job_id"
 );
 
+/// The share of the time a pruner may spend in its batches (issue #35: pruning must cost
+/// the writers at most 5% of their throughput, and a batch holds the write lock).
+pub const PRUNE_DUTY: f64 = 0.05;
+
+/// The pause after a prune batch that took `batch`: at least `min` (`batch_pause_ms`), and
+/// long enough that batches take at most [`PRUNE_DUTY`] of the time.
+pub fn prune_pause(min: std::time::Duration, batch: std::time::Duration) -> std::time::Duration {
+    min.max(batch.mul_f64((1.0 - PRUNE_DUTY) / PRUNE_DUTY))
+}
+
 /// Arbitrary but fixed key of the PostgreSQL advisory lock one pruner holds.
 const PG_PRUNE_LOCK_KEY: i64 = 0x6c63_5f70_7275_6e65; // "lc_prune"
 
@@ -428,6 +438,18 @@ impl Ledger {
 mod tests {
     use super::*;
     use lastcall_core::State;
+
+    #[test]
+    fn the_pause_keeps_batches_to_a_twentieth_of_the_time() {
+        use std::time::Duration;
+        let ms = Duration::from_millis;
+        assert_eq!(prune_pause(ms(50), ms(1)), ms(50), "the floor");
+        assert_eq!(prune_pause(ms(50), ms(10)), ms(190));
+        for b in [0u64, 3, 40, 1_000] {
+            let p = prune_pause(ms(50), ms(b));
+            assert!(ms(b).as_secs_f64() <= PRUNE_DUTY * (ms(b) + p).as_secs_f64() + 1e-9);
+        }
+    }
 
     #[test]
     fn the_pruning_rule_names_every_non_terminal_state() {
