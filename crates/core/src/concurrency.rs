@@ -63,6 +63,39 @@
 //! Pure: time is an argument, every decision is a function of the samples; the same
 //! inputs give the same limit.
 
+/// How many model calls a worker runs at once: `--slots N` or `--slots auto`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SlotCount {
+    /// Exactly this many (at least 1).
+    Fixed(usize),
+    /// Adaptive, in `[1, max]` ([`AdaptiveLimit`]).
+    Auto,
+}
+
+impl std::str::FromStr for SlotCount {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        match s.trim() {
+            "auto" => Ok(Self::Auto),
+            n => match n.parse::<usize>() {
+                Ok(n) if n >= 1 => Ok(Self::Fixed(n)),
+                _ => Err(format!(
+                    "{s:?}: expected `auto` or a number of model slots ≥ 1"
+                )),
+            },
+        }
+    }
+}
+
+impl std::fmt::Display for SlotCount {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Fixed(n) => write!(f, "{n}"),
+            Self::Auto => f.write_str("auto"),
+        }
+    }
+}
+
 /// Settings of the limit; [`LimitConfig::new`] gives the defaults.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct LimitConfig {
@@ -385,6 +418,15 @@ mod tests {
             learned += (took - learned) / 128.0;
         }
         now
+    }
+
+    #[test]
+    fn slot_counts_parse() {
+        assert_eq!("auto".parse(), Ok(SlotCount::Auto));
+        assert_eq!("3".parse(), Ok(SlotCount::Fixed(3)));
+        assert!("0".parse::<SlotCount>().is_err());
+        assert!("many".parse::<SlotCount>().unwrap_err().contains("auto"));
+        assert_eq!(SlotCount::Fixed(4).to_string(), "4");
     }
 
     #[test]
