@@ -17,22 +17,30 @@
 //! in flight (itself included) is a sample of level `n`.
 //!
 //! # The rule: hill climbing on throughput, one level at a time
-//! At level `L` the server completes about `L / x(L)` calls per unit of expected work.
-//! The limit stays at `L` for [`LimitConfig::samples_per_step`] samples taken at `L` (calls
-//! started with exactly `L` in flight: a worker that does not fill its slots does not
-//! learn about a higher level, as in `Gradient2`'s "app-limited" case), then *tries* a
-//! neighbour (`L + 1`, or `L − 1`) for as many samples and keeps it only if
-//! - up: `(L+1) / x(L+1) ≥ (1 + gain) · L / x(L)` — one more call in flight must add at
-//!   least `gain` (5%) throughput;
-//! - down: `(L−1) / x(L−1) ≥ L / x(L) ÷ (1 + gain)` — one call fewer loses less than that.
+//! At level `L` the server completes about `T(L) = L / x(L)` calls per unit of expected
+//! work. The limit stays at `L` for [`LimitConfig::samples_per_step`] samples taken at `L`
+//! (calls started with exactly `L` in flight: a worker that does not fill its slots does
+//! not learn about a higher level, as in `Gradient2`'s "app-limited" case), then *tries* a
+//! neighbour (`L + 1`, or `L − 1`) for as many samples. Between a level `lo` and `lo + 1`,
+//! the worth of the marginal call is `m = lo · (T(lo+1) ÷ T(lo) − 1)`: what the extra call
+//! adds to the throughput as a share of what an average call in flight adds (1 when the
+//! throughput grows in proportion, 0 past a knee where it is flat). The higher level is
+//! kept when `m ≥` [`LimitConfig::marginal`] (½), the lower one otherwise. A kept trial
+//! goes on in the same direction; a refused one turns round, so the limit keeps checking
+//! both neighbours. A trial the worker cannot fill (`2 × samples_per_step` calls started
+//! below the limit) is abandoned.
 //!
-//! Else it goes back. A kept trial goes on in the same direction; a refused one turns
-//! round, so the limit keeps checking both neighbours. Throughput that does not depend on
-//! concurrency's latency (a server that does not slow down) keeps every step up, to
-//! [`LimitConfig::max`]; a server whose throughput flattens past a knee settles where one
-//! more call adds less than `gain`. Both levels of a comparison are measured one after
-//! the other against the same estimator, so its slow adaptation (it learns from the
-//! calls at the current level) does not bias the comparison much.
+//! What that finds: a server that does not slow down (`m ≈ 1`) gets every step up, to
+//! [`LimitConfig::max`]; one whose calls slow by `β` per other call in the batch has
+//! `m = (1 − β) ÷ (1 + β·lo)` and settles where that falls below ½ (β = 0.15: 4–5 calls),
+//! before its throughput flattens, which leaves the latency room the deadlines need; past
+//! a knee (`m = 0`) it never stays. Why not the throughput's own maximum: on-time
+//! completions, not calls per second, are the goal, and each call in flight past that point
+//! makes every call slower for a few percent more throughput — the longer prompts then no
+//! longer fit their budgets (BENCHMARKS.md §10: the best fixed slot count is below the
+//! knee). Both levels of a comparison are measured one after the other against the same
+//! estimator, so its slow adaptation (it learns from the calls at the current level) does
+//! not bias the comparison much.
 //!
 //! **Slowdown.** Independently of the trials, a short-term average of the ratios (weight
 //! [`LimitConfig::short_weight`]) above [`LimitConfig::slow_ratio`] (2×: calls take twice
@@ -105,8 +113,9 @@ pub struct LimitConfig {
     pub initial: usize,
     /// Samples at one level before it is judged (a step or a trial's end).
     pub samples_per_step: u32,
-    /// The throughput one more call in flight must add to be kept (0.05 = 5%).
-    pub gain: f64,
+    /// What one more call in flight must add to the throughput to be kept, as a share of
+    /// what an average call in flight adds at that level (0.5: half).
+    pub marginal: f64,
     /// A short-term mean ratio above this halves the limit (calls this many times slower
     /// than learned).
     pub slow_ratio: f64,
@@ -122,7 +131,7 @@ impl LimitConfig {
             max,
             initial: 2.min(max),
             samples_per_step: 16,
-            gain: 0.05,
+            marginal: 0.5,
             slow_ratio: 2.0,
             short_weight: 0.3,
         }
@@ -203,6 +212,8 @@ pub struct AdaptiveLimit {
     /// When the limit last changed: samples of calls started before it belong to the
     /// level left.
     changed_at_ms: i64,
+    /// Samples below the limit since it was set (a level not filled).
+    unfilled: u32,
 }
 
 impl AdaptiveLimit {
@@ -222,6 +233,7 @@ impl AdaptiveLimit {
             short: 1.0,
             decreased_at_ms: i64::MIN,
             changed_at_ms: i64::MIN,
+            unfilled: 0,
         }
     }
 
@@ -277,7 +289,24 @@ impl AdaptiveLimit {
             }
         }
         // Only calls started at the current level, after it was set, judge it.
-        if s.in_flight != self.limit || s.started_ms < self.changed_at_ms {
+        if s.started_ms < self.changed_at_ms {
+            return self.limit;
+        }
+        if s.in_flight < self.limit {
+            // Fewer calls than the limit: the worker did not fill it (its buffer ran dry,
+            // or admission refused at the predicted slowdown). A trial that cannot be
+            // filled is abandoned: back to where it came from (and no step up from there
+            // until a level is full again).
+            self.unfilled += 1;
+            if let Phase::Trial { from, .. } = self.phase
+                && self.unfilled >= 2 * self.cfg.samples_per_step
+            {
+                self.next = Dir::Down;
+                self.set(from, Phase::Steady, now_ms);
+            }
+            return self.limit;
+        }
+        if s.in_flight != self.limit {
             return self.limit;
         }
         self.here.add(x);
@@ -291,10 +320,12 @@ impl AdaptiveLimit {
                 let from_ratio = from_ratio.max(f64::MIN_POSITIVE);
                 let t_here = l / here;
                 let t_from = from as f64 / from_ratio;
+                // The marginal call's worth between the lower level `lo` and `lo + 1`:
+                // lo · (T(lo+1) ÷ T(lo) − 1), 1 when throughput grows in proportion.
                 let keep = if self.limit > from {
-                    t_here >= (1.0 + self.cfg.gain) * t_from
+                    from as f64 * (t_here / t_from - 1.0) >= self.cfg.marginal
                 } else {
-                    t_here * (1.0 + self.cfg.gain) >= t_from
+                    l * (t_from / t_here - 1.0) < self.cfg.marginal
                 };
                 if keep {
                     // Go on in the same direction (from here, measured).
@@ -367,6 +398,7 @@ impl AdaptiveLimit {
         self.limit = to.clamp(1, self.cfg.max);
         self.phase = phase;
         self.here = Mean::default();
+        self.unfilled = 0;
         self.changed_at_ms = now_ms;
     }
 }
