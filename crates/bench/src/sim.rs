@@ -1208,6 +1208,44 @@ mod tests {
         assert!(r.goodput > 0.95, "{r:?}");
     }
 
+    /// Issue #31 item 3: against a batching server (throughput flat past 6 calls at the
+    /// server), `--slots auto` is within 10% of the best fixed slot count at 2× and 5×, with
+    /// ≤ 5% wasted model time and no late start.
+    #[test]
+    fn auto_slots_come_within_ten_percent_of_the_best_fixed_count() {
+        for overload in [2.0, 5.0] {
+            let mut a = args("length:50,2,0.3,0.15,6", 8_000, 1);
+            a.overload = overload;
+            a.deadline_ms = 2_500;
+            let best = (1..=8)
+                .map(|n| {
+                    a.slots = SlotCount::Fixed(n);
+                    simulate(&a).unwrap().on_time
+                })
+                .max()
+                .unwrap();
+            a.slots = SlotCount::Auto;
+            let r = simulate(&a).unwrap();
+            assert!(r.on_time as f64 >= 0.9 * best as f64, "{overload}×: {r:?} vs {best}");
+            assert!(r.wasted_time <= 0.05, "{r:?}");
+            assert_eq!(r.started_late, 0);
+            let (lo, hi) = r.limit_range.unwrap();
+            assert!(lo >= 1 && hi <= 16 && hi > 2, "{r:?}");
+        }
+    }
+
+    /// A server that does not slow down with concurrency: the limit climbs to the most.
+    #[test]
+    fn auto_slots_climb_against_a_server_that_does_not_slow_down() {
+        let mut a = args("length:50,2,0.3,0", 8_000, 1);
+        a.slots = SlotCount::Auto;
+        a.max_slots = 8;
+        a.deadline_ms = 2_500;
+        let r = simulate(&a).unwrap();
+        assert_eq!(r.limit_range.unwrap().1, 8, "{r:?}");
+        assert!(r.mean_limit.unwrap() > 6.0, "{r:?}");
+    }
+
     #[test]
     fn bad_arguments_name_the_flag() {
         let e = simulate(&args("gamma:1", 10, 1)).unwrap_err().to_string();
