@@ -1066,6 +1066,71 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--sweep N`: fixed 1..=N and auto on the same arrivals.
+fn sweep(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs, n: usize) -> Result<ExitCode> {
+    let pct = |x: f64| format!("{:.1}%", 100.0 * x);
+    let mut runs = Vec::new();
+    for slots in (1..=n.max(1))
+        .map(SlotCount::Fixed)
+        .chain([SlotCount::Auto])
+    {
+        let r = simulate(&SimArgs {
+            slots,
+            sweep: None,
+            ..a.clone()
+        })?;
+        runs.push(r);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&runs)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let best = runs
+        .iter()
+        .filter(|r| r.mean_limit.is_none())
+        .map(|r| r.on_time)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|r| {
+            vec![
+                match (r.mean_limit, r.limit_range) {
+                    (Some(m), Some((lo, hi))) => format!("auto (mean {m:.1}, {lo}–{hi})"),
+                    _ => r.slots.clone(),
+                },
+                r.on_time.to_string(),
+                pct(r.on_time_of_arrivals),
+                pct(r.goodput),
+                pct(r.on_time as f64 / best as f64),
+                pct(r.wasted_time),
+                r.started_late.to_string(),
+            ]
+        })
+        .collect();
+    println!(
+        "bench sim --sweep {n}: seed {}, {} worker(s), {} calls, {}× the capacity, {} ms budgets, {} jobs",
+        a.seed, a.workers, a.service, a.overload, a.deadline_ms, a.jobs
+    );
+    print!(
+        "{}",
+        table(
+            &[
+                "slots",
+                "on_time",
+                "of_arrivals",
+                "of_capacity",
+                "of_best_fixed",
+                "wasted_time",
+                "started_late",
+            ],
+            &rows
+        )
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -1226,7 +1291,10 @@ mod tests {
                 .unwrap();
             a.slots = SlotCount::Auto;
             let r = simulate(&a).unwrap();
-            assert!(r.on_time as f64 >= 0.9 * best as f64, "{overload}×: {r:?} vs {best}");
+            assert!(
+                r.on_time as f64 >= 0.9 * best as f64,
+                "{overload}×: {r:?} vs {best}"
+            );
             assert!(r.wasted_time <= 0.05, "{r:?}");
             assert_eq!(r.started_late, 0);
             let (lo, hi) = r.limit_range.unwrap();
@@ -1251,69 +1319,4 @@ mod tests {
         let e = simulate(&args("gamma:1", 10, 1)).unwrap_err().to_string();
         assert!(e.contains("--service"), "{e}");
     }
-}
-
-/// `--sweep N`: fixed 1..=N and auto on the same arrivals.
-fn sweep(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs, n: usize) -> Result<ExitCode> {
-    let pct = |x: f64| format!("{:.1}%", 100.0 * x);
-    let mut runs = Vec::new();
-    for slots in (1..=n.max(1))
-        .map(SlotCount::Fixed)
-        .chain([SlotCount::Auto])
-    {
-        let r = simulate(&SimArgs {
-            slots,
-            sweep: None,
-            ..a.clone()
-        })?;
-        runs.push(r);
-    }
-    if a.json {
-        println!("{}", serde_json::to_string(&runs)?);
-        return Ok(ExitCode::SUCCESS);
-    }
-    let best = runs
-        .iter()
-        .filter(|r| r.mean_limit.is_none())
-        .map(|r| r.on_time)
-        .max()
-        .unwrap_or(0)
-        .max(1);
-    let rows: Vec<Vec<String>> = runs
-        .iter()
-        .map(|r| {
-            vec![
-                match (r.mean_limit, r.limit_range) {
-                    (Some(m), Some((lo, hi))) => format!("auto (mean {m:.1}, {lo}–{hi})"),
-                    _ => r.slots.clone(),
-                },
-                r.on_time.to_string(),
-                pct(r.on_time_of_arrivals),
-                pct(r.goodput),
-                pct(r.on_time as f64 / best as f64),
-                pct(r.wasted_time),
-                r.started_late.to_string(),
-            ]
-        })
-        .collect();
-    println!(
-        "bench sim --sweep {n}: seed {}, {} worker(s), {} calls, {}× the capacity, {} ms budgets, {} jobs",
-        a.seed, a.workers, a.service, a.overload, a.deadline_ms, a.jobs
-    );
-    print!(
-        "{}",
-        table(
-            &[
-                "slots",
-                "on_time",
-                "of_arrivals",
-                "of_capacity",
-                "of_best_fixed",
-                "wasted_time",
-                "started_late",
-            ],
-            &rows
-        )
-    );
-    Ok(ExitCode::SUCCESS)
 }

@@ -704,10 +704,12 @@ pub struct WorkerArgs {
     ///
     /// `auto` suits a batching server (vLLM, llama.cpp `--parallel`, a hosted API), where a
     /// call is slower the more run beside it but the server completes more per second up
-    /// to a knee: the worker moves the number of calls in flight within [1, --max-slots]
-    /// towards the most calls completed per second, judging each call's time against the
-    /// time learned for a request of its size (so long prompts are not taken for
-    /// congestion), halves it when calls turn much slower than learned (a hang), and admits
+    /// to a knee: the worker moves the number of calls in flight within [1, --max-slots],
+    /// one at a time, keeping one more only while it adds at least half of what an average
+    /// call in flight adds to the calls completed per second. It judges each call's time
+    /// against the time learned for a request of its size (so long prompts are not taken
+    /// for congestion), halves the limit when calls turn much slower than learned (a hang),
+    /// starts at 2, and admits
     /// each job with its call time × the slowdown predicted at the current limit; it raises
     /// the limit only when the calls already running would still end before their
     /// deadlines. `/metrics` shows it as `lastcall_worker_concurrency_limit`. The local
