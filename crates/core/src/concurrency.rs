@@ -87,7 +87,8 @@ impl std::str::FromStr for SlotCount {
             "auto" => Ok(Self::Auto),
             n => match n.parse::<usize>() {
                 Ok(n) if n >= 1 => Ok(Self::Fixed(n)),
-                _ => Err(format!(
+                Ok(_) => Err("--slots must be at least 1 (or `auto`)".into()),
+                Err(_) => Err(format!(
                     "{s:?}: expected `auto` or a number of model slots ≥ 1"
                 )),
             },
