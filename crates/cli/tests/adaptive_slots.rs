@@ -37,7 +37,7 @@ async fn run(tag: &str, slots: Option<usize>, secs: u64) -> Run {
 
     let env = Env::sqlite(tag).await;
     let max = 16;
-    let mut cfg = match slots {
+    let cfg = match slots {
         Some(n) => env.worker_config(n, 2 * n as u16),
         None => {
             // The CLI's `--slots auto`: the most is --max-slots, the prefetch 2 × that.
