@@ -22,7 +22,7 @@
 //!
 //! **Adaptive slots** (`--slots auto`): the number of slots is the current limit of a
 //! [`lastcall_core::concurrency::AdaptiveLimit`], fed each call's time
-//! ([`Slots::observe`]). A slot is granted while fewer than the limit are held; when the
+//! ([`SlotPermit::ended`]). A slot is granted while fewer than the limit are held; when the
 //! limit falls, calls in flight finish and their slots are not handed on until the count
 //! is below it; when it rises, waiters are woken at once. [`Slots::inflation`] is what the
 //! admission gates multiply the learned call time by (the slowdown at the current limit).
