@@ -23,6 +23,7 @@
 
 use anyhow::{Result, bail};
 use clap::Args;
+use lastcall_core::concurrency::{AdaptiveLimit, LimitConfig, Running, Sample, SlotCount};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
 use lastcall_core::service_time::{Estimate, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes};
@@ -50,18 +51,28 @@ pub struct SimArgs {
     /// Workers, each with its own slots, buffer and learned call times
     #[arg(long, default_value_t = 1)]
     pub workers: usize,
-    /// Model slots per worker
-    #[arg(long, default_value_t = 4)]
-    pub slots: usize,
-    /// Unacked deliveries per worker [default: 2 × slots]
+    /// Model slots per worker: a number, or `auto` (the adaptive limit of
+    /// `lastcall_core::concurrency`, in [1, --max-slots], as the worker's `--slots auto`)
+    #[arg(long, default_value = "4")]
+    pub slots: SlotCount,
+    /// The highest limit of `--slots auto`
+    #[arg(long, default_value_t = 16)]
+    pub max_slots: usize,
+    /// Unacked deliveries per worker [default: 2 × slots; with auto, 2 × --max-slots]
     #[arg(long)]
     pub prefetch: Option<usize>,
-    /// Call times: `fixed:MS`, `lognormal:MEAN_MS,SIGMA`, or `length:BASE_MS,MS_PER_TOKEN,LONG_SHARE`
-    /// (prompts of 10 or 600 tokens, the long ones a share of the jobs; each call slower by
-    /// 15% per other call in flight)
+    /// Call times: `fixed:MS`, `lognormal:MEAN_MS,SIGMA`, or
+    /// `length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]]` — a batching server: prompts
+    /// of 10 or 600 tokens, the long ones a share of the jobs; a call started with n calls
+    /// at the server (itself included) takes its time alone × (1 + SLOWDOWN × (min(n, KNEE)
+    /// − 1)) × max(1, n ÷ KNEE): SLOWDOWN per other call in the batch (default 0.15), and
+    /// past KNEE calls (the server's batch places; default none) they share the batch, so
+    /// the server's throughput rises up to the knee and is flat after it
     #[arg(long, default_value = "fixed:200")]
     pub service: String,
-    /// Arrivals as a multiple of the capacity (workers × slots ÷ the mean call time)
+    /// Arrivals as a multiple of the capacity: workers × slots ÷ the mean call time; with a
+    /// KNEE in `--service length:…`, the server's peak throughput (the same for every
+    /// `--slots`, so the rows of a sweep see the same arrivals)
     #[arg(long, default_value_t = 5.0)]
     pub overload: f64,
     /// Each job's budget from its arrival, in ms
@@ -93,6 +104,10 @@ pub struct SimArgs {
     /// places (one place kept free, so the worker keeps taking from the queue)
     #[arg(long)]
     pub share_cap: bool,
+    /// Run the same scenario with `--slots 1`, 2, … N and `--slots auto`, one row each (the
+    /// comparison of BENCHMARKS.md §10)
+    #[arg(long, value_name = "N")]
+    pub sweep: Option<usize>,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -208,6 +223,10 @@ enum Service {
         base: f64,
         per_token: f64,
         long_share: f64,
+        /// Slower by this per other call in the batch.
+        slowdown: f64,
+        /// The server's batch places: past them the calls share the batch.
+        knee: Option<f64>,
     },
 }
 
@@ -227,17 +246,24 @@ impl Service {
                 mean: *mean,
                 sigma: *sigma,
             }),
-            ("length", [base, per, share])
-                if *base > 0.0 && *per >= 0.0 && (0.0..=1.0).contains(share) =>
+            ("length", [base, per, share, more @ ..])
+                if *base > 0.0
+                    && *per >= 0.0
+                    && (0.0..=1.0).contains(share)
+                    && more.len() <= 2
+                    && more.first().is_none_or(|s| *s >= 0.0)
+                    && more.get(1).is_none_or(|k| *k >= 1.0) =>
             {
                 Ok(Self::Length {
                     base: *base,
                     per_token: *per,
                     long_share: *share,
+                    slowdown: more.first().copied().unwrap_or(0.15),
+                    knee: more.get(1).copied(),
                 })
             }
             _ => bail!(
-                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA or length:BASE_MS,MS_PER_TOKEN,LONG_SHARE"
+                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA or length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]]"
             ),
         }
     }
@@ -251,10 +277,24 @@ impl Service {
                 base,
                 per_token,
                 long_share,
+                ..
             } => {
                 base + per_token
                     * (SHORT_TOKENS as f64 * (1.0 - long_share) + LONG_TOKENS as f64 * long_share)
             }
+        }
+    }
+
+    /// The server's peak throughput in calls per second, when it has a knee (a batching
+    /// server's: the same whatever the clients' slots).
+    fn peak_per_s(&self) -> Option<f64> {
+        match *self {
+            Self::Length {
+                slowdown,
+                knee: Some(k),
+                ..
+            } => Some(k * 1000.0 / (self.mean_ms() * (1.0 + slowdown * (k - 1.0)))),
+            _ => None,
         }
     }
 }
@@ -283,16 +323,18 @@ struct Job {
 
 struct Worker {
     est: ServiceTimes,
+    /// Fixed slots, or the adaptive limit of `--slots auto`.
+    slots: usize,
+    limit: Option<AdaptiveLimit>,
     /// The estimator's fit, reused until an observation or [`REFIT_MS`] of simulated time.
     pred: Option<(i64, Predictor)>,
-    free: usize,
     /// The jobs in the buffer, in the policy's order.
     buffer: Schedule<usize, Box<dyn Policy>>,
     /// Deliveries held (buffered or running), per lane.
     held: Vec<usize>,
     running: usize,
-    /// The jobs whose calls run here.
-    running_jobs: Vec<usize>,
+    /// The jobs whose calls run here, with what the adaptive limit needs of them.
+    running_jobs: Vec<(usize, Running)>,
     /// Bumped by a crash: the calls of an earlier generation were lost with it.
     generation: u64,
     /// The tenants received lately (tenant → last receipt), for --share-cap.
@@ -304,9 +346,16 @@ struct Worker {
 const REFIT_MS: i64 = 100;
 
 impl Worker {
-    /// The learned call time of a request of `size` at `now` (the worker's
-    /// `ServiceTimes::estimate_for`, with the fit kept between observations).
+    /// The learned call time of a request of `size` at `now` at the concurrency a call
+    /// started now runs at (the worker's `Ctx::learned`: `ServiceTimes::estimate_for`,
+    /// with the fit kept between observations, × the adaptive limit's inflation).
     fn learned(&mut self, key: &str, size: Option<RequestSize>, now: i64) -> Option<Estimate> {
+        let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
+        self.raw(key, size, now).map(|e| inflate(e, k))
+    }
+
+    /// The learned call time without inflation (the adaptive limit's reference).
+    fn raw(&mut self, key: &str, size: Option<RequestSize>, now: i64) -> Option<Estimate> {
         match &self.pred {
             Some((at, p)) if now - at < REFIT_MS => p.estimate(size),
             _ => {
@@ -316,14 +365,36 @@ impl Worker {
             }
         }
     }
+
+    /// The calls that may be in flight now.
+    fn cap(&self) -> usize {
+        self.limit.as_ref().map_or(self.slots, AdaptiveLimit::limit)
+    }
+
+    fn free(&self) -> usize {
+        self.cap().saturating_sub(self.running)
+    }
+}
+
+/// `e` at `k` times the time.
+fn inflate(e: Estimate, k: f64) -> Estimate {
+    if k <= 1.0 {
+        return e;
+    }
+    Estimate {
+        quantile_ms: (e.quantile_ms as f64 * k).ceil() as u64,
+        mean_ms: (e.mean_ms as f64 * k).ceil() as u64,
+        ..e
+    }
 }
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, PartialOrd, Ord)]
 enum Ev {
     /// A job arrives at the broker.
     Arrive(usize),
-    /// A call ends (worker, its generation, job, duration, cut, probe budget if a probe).
-    CallEnd(usize, u64, usize, u64, bool, Option<u64>),
+    /// A call ends (worker, its generation, job, duration, cut, probe budget if a probe,
+    /// calls in flight at the worker when it started, itself included).
+    CallEnd(usize, u64, usize, u64, bool, Option<u64>, usize),
     /// A worker crashes and restarts at once: what it held is redelivered.
     Crash(usize),
     /// A buffered job's latest useful start (worker, job).
@@ -338,7 +409,10 @@ pub struct SimReport {
     pub service: String,
     pub overload: f64,
     pub workers: usize,
-    pub slots: usize,
+    pub slots: String,
+    /// The adaptive limit's mean over the calls started (`--slots auto`), and its range.
+    pub mean_limit: Option<f64>,
+    pub limit_range: Option<(usize, usize)>,
     pub on_time: u64,
     /// On-time completions ÷ the capacity bound (capacity × the window).
     pub goodput: f64,
@@ -379,9 +453,17 @@ pub struct TenantReport {
 pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     let t0 = std::time::Instant::now();
     let service = Service::parse(&a.service)?;
-    if a.workers == 0 || a.slots == 0 || a.jobs == 0 || a.overload.is_nan() || a.overload <= 0.0 {
-        bail!("--workers, --slots, --jobs and --overload must be positive");
+    if a.workers == 0 || a.jobs == 0 || a.overload.is_nan() || a.overload <= 0.0 {
+        bail!("--workers, --jobs and --overload must be positive");
     }
+    if a.max_slots == 0 {
+        bail!("--max-slots must be at least 1");
+    }
+    // The fixed slots, or the most calls `auto` may run.
+    let slots = match a.slots {
+        SlotCount::Fixed(n) => n.max(1),
+        SlotCount::Auto => a.max_slots,
+    };
     let hang = match &a.hang {
         None => None,
         Some(h) => {
@@ -392,7 +474,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             Some(((s * 1000.0) as i64, ((s + d) * 1000.0) as i64))
         }
     };
-    let prefetch = a.prefetch.unwrap_or(2 * a.slots).max(1);
+    let prefetch = a.prefetch.unwrap_or(2 * slots).max(1);
     let lanes = a.lanes.max(1);
     let tenants = match &a.tenants {
         Some(spec) => parse_tenants(spec, a.overload)?,
@@ -419,7 +501,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         .collect();
     let policy = WorkerPolicy::default();
     let mut rng = StdRng::seed_from_u64(a.seed);
-    let capacity = (a.workers * a.slots) as f64 * 1000.0 / service.mean_ms(); // jobs/s
+    // jobs/s: the server's peak when it has one, else what the workers' slots can run.
+    let capacity = service
+        .peak_per_s()
+        .unwrap_or((a.workers * slots) as f64 * 1000.0 / service.mean_ms());
     let gap_ms = 1000.0 / (capacity * overload);
     let kind = Kind::parse("sim").expect("a valid kind");
 
@@ -494,7 +579,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         .map(|_| Worker {
             est: ServiceTimes::new(ServiceTimeConfig::default()),
             pred: None,
-            free: a.slots,
+            slots,
+            limit: (a.slots == SlotCount::Auto)
+                .then(|| AdaptiveLimit::new(LimitConfig::new(a.max_slots))),
             buffer: Schedule::new(policy_for(&a.order, &tenants).expect("checked")),
             held: vec![0; lanes],
             seen: std::collections::HashMap::new(),
@@ -520,6 +607,8 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     }
     let (mut model_ms, mut wasted_ms) = (0u128, 0u128);
     let mut server_in_flight = 0usize;
+    // The limit at each call's start: sum, calls, lowest, highest.
+    let mut caps = (0usize, 0usize, usize::MAX, 0usize);
     let key = "sim|sim";
     let mut now;
 
@@ -575,7 +664,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         wk.est.probe_ended(key, ProbeEnd::Released, now);
                     }
                 }
-                back.append(&mut wk.running_jobs);
+                back.extend(wk.running_jobs.drain(..).map(|(j, _)| j));
                 back.sort_unstable();
                 server_in_flight -= wk.running;
                 redelivered += back.len() as u64;
@@ -583,7 +672,6 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     queues[lane[jobs[j].tenant]].push_front(j);
                 }
                 wk.generation += 1;
-                wk.free = a.slots;
                 wk.running = 0;
                 wk.held = vec![0; lanes];
                 wk.pred = None;
@@ -595,11 +683,26 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 }
             }
             Ev::CallEnd(w, generation, ..) if generation != workers[w].generation => {}
-            Ev::CallEnd(w, _, j, d, cut, probe) => {
+            Ev::CallEnd(w, _, j, d, cut, probe, in_flight) => {
                 let wk = &mut workers[w];
-                wk.running_jobs.retain(|&r| r != j);
+                wk.running_jobs.retain(|&(r, _)| r != j);
+                // The adaptive limit learns from the call before the estimator does: the
+                // reference is what was expected of it (its size, uninflated).
+                let expected = wk.raw(key, jobs[j].size, now).map_or(0, |e| e.mean_ms);
+                if let Some(limit) = wk.limit.as_mut() {
+                    let running: Vec<Running> = wk.running_jobs.iter().map(|(_, r)| *r).collect();
+                    limit.observe(
+                        Sample {
+                            started_ms: now - d as i64,
+                            in_flight,
+                            observed_ms: d,
+                            expected_ms: expected,
+                        },
+                        &running,
+                        now,
+                    );
+                }
                 wk.pred = None;
-                wk.free += 1;
                 wk.running -= 1;
                 wk.held[lane[jobs[j].tenant]] -= 1;
                 server_in_flight -= 1;
@@ -658,7 +761,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     // is free, the job may run as a probe (without the estimate).
                     if let Some(room) =
                         policy.refused_by_learned(&jobs[j].env, learned.map(|e| e.quantile_ms), now)
-                        && wk.free > 0
+                        && wk.free() > 0
                         && wk.est.try_probe(key, jobs[j].size, room, now)
                     {
                         jobs[j].probe = Some(room);
@@ -681,7 +784,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         work / ahead as u64
                     };
                     let facts = ReceiptFacts {
-                        expected_wait_ms: wait::expected_wait_ms(ahead, wk.free, a.slots, mean),
+                        expected_wait_ms: wait::expected_wait_ms(ahead, wk.free(), wk.cap(), mean),
                         learned_runtime_ms: learned.map(|e| e.quantile_ms),
                         ..ReceiptFacts::default()
                     };
@@ -691,7 +794,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         let active: Vec<usize> = wk.seen.keys().copied().collect();
                         active.len() >= 2 && {
                             let total_w: u32 = active.iter().map(|&t| tenants[t].weight).sum();
-                            let room = prefetch.saturating_sub(a.slots + 1) as f64;
+                            let room = prefetch.saturating_sub(wk.cap() + 1) as f64;
                             let cap = ((room * f64::from(tenants[jobs[j].tenant].weight)
                                 / f64::from(total_w))
                             .floor() as usize)
@@ -729,7 +832,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         }
         // Start calls on free slots, earliest deadline first.
         for (w, wk) in workers.iter_mut().enumerate() {
-            while wk.free > 0 {
+            while wk.free() > 0 {
                 let Some((ticket, j)) = wk.buffer.pop() else {
                     break;
                 };
@@ -769,24 +872,41 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                                     (mu + sigma * normal(&mut rng)).exp().round() as u64
                                 }
                                 Service::Length {
-                                    base, per_token, ..
+                                    base,
+                                    per_token,
+                                    slowdown,
+                                    knee,
+                                    ..
                                 } => {
                                     let alone = base + per_token * jobs[j].tokens as f64;
-                                    (alone * (1.0 + 0.15 * server_in_flight as f64)).round() as u64
+                                    // n calls at the server, this one included.
+                                    let n = (server_in_flight + 1) as f64;
+                                    let k = knee.unwrap_or(f64::INFINITY);
+                                    let batch = 1.0 + slowdown * (n.min(k) - 1.0);
+                                    (alone * batch * (n / k).max(1.0)).round() as u64
                                 }
                             }
                         };
                         let cut = d > budget_ms;
                         let d = d.min(budget_ms);
-                        wk.free -= 1;
                         wk.running += 1;
-                        wk.running_jobs.push(j);
+                        let in_flight = wk.running;
+                        let cap = wk.cap();
+                        caps = (caps.0 + cap, caps.1 + 1, caps.2.min(cap), caps.3.max(cap));
+                        wk.running_jobs.push((
+                            j,
+                            Running {
+                                started_ms: now,
+                                expected_ms: learned_ms.unwrap_or(0),
+                                deadline_ms: jobs[j].env.deadline().expires_at_ms(),
+                            },
+                        ));
                         server_in_flight += 1;
                         let g = wk.generation;
                         push(
                             &mut events,
                             now + d as i64,
-                            Ev::CallEnd(w, g, j, d, cut, probe),
+                            Ev::CallEnd(w, g, j, d, cut, probe, in_flight),
                         );
                     }
                 }
@@ -841,7 +961,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         service: a.service.clone(),
         overload,
         workers: a.workers,
-        slots: a.slots,
+        slots: a.slots.to_string(),
+        mean_limit: (a.slots == SlotCount::Auto && caps.1 > 0)
+            .then(|| caps.0 as f64 / caps.1 as f64),
+        limit_range: (a.slots == SlotCount::Auto && caps.1 > 0).then_some((caps.2, caps.3)),
         on_time,
         goodput: on_time as f64 / bound.min(a.jobs as f64).max(1.0),
         on_time_of_arrivals: on_time as f64 / a.jobs as f64,
@@ -868,6 +991,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
 
 /// `lastcall bench sim`: run, print the table (or JSON).
 pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<ExitCode> {
+    if let Some(n) = a.sweep {
+        return sweep(table, a, n);
+    }
     let r = simulate(&a)?;
     if a.json {
         println!("{}", serde_json::to_string(&r)?);
@@ -912,6 +1038,9 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
         "bench sim: seed {}, {} worker(s) × {} slots, {} calls, {}× the capacity, {} ms budgets, {:.1} s simulated",
         r.seed, r.workers, r.slots, r.service, r.overload, a.deadline_ms, r.sim_seconds
     );
+    if let (Some(mean), Some((lo, hi))) = (r.mean_limit, r.limit_range) {
+        println!("adaptive limit: {mean:.1} on average at a call's start, {lo}–{hi}");
+    }
     print!("{}", table(&head, &[row]));
     if r.tenants.len() > 1 {
         let rows: Vec<Vec<String>> = r
@@ -937,6 +1066,71 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
     Ok(ExitCode::SUCCESS)
 }
 
+/// `--sweep N`: fixed 1..=N and auto on the same arrivals.
+fn sweep(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs, n: usize) -> Result<ExitCode> {
+    let pct = |x: f64| format!("{:.1}%", 100.0 * x);
+    let mut runs = Vec::new();
+    for slots in (1..=n.max(1))
+        .map(SlotCount::Fixed)
+        .chain([SlotCount::Auto])
+    {
+        let r = simulate(&SimArgs {
+            slots,
+            sweep: None,
+            ..a.clone()
+        })?;
+        runs.push(r);
+    }
+    if a.json {
+        println!("{}", serde_json::to_string(&runs)?);
+        return Ok(ExitCode::SUCCESS);
+    }
+    let best = runs
+        .iter()
+        .filter(|r| r.mean_limit.is_none())
+        .map(|r| r.on_time)
+        .max()
+        .unwrap_or(0)
+        .max(1);
+    let rows: Vec<Vec<String>> = runs
+        .iter()
+        .map(|r| {
+            vec![
+                match (r.mean_limit, r.limit_range) {
+                    (Some(m), Some((lo, hi))) => format!("auto (mean {m:.1}, {lo}–{hi})"),
+                    _ => r.slots.clone(),
+                },
+                r.on_time.to_string(),
+                pct(r.on_time_of_arrivals),
+                pct(r.goodput),
+                pct(r.on_time as f64 / best as f64),
+                pct(r.wasted_time),
+                r.started_late.to_string(),
+            ]
+        })
+        .collect();
+    println!(
+        "bench sim --sweep {n}: seed {}, {} worker(s), {} calls, {}× the capacity, {} ms budgets, {} jobs",
+        a.seed, a.workers, a.service, a.overload, a.deadline_ms, a.jobs
+    );
+    print!(
+        "{}",
+        table(
+            &[
+                "slots",
+                "on_time",
+                "of_arrivals",
+                "of_capacity",
+                "of_best_fixed",
+                "wasted_time",
+                "started_late",
+            ],
+            &rows
+        )
+    );
+    Ok(ExitCode::SUCCESS)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -946,7 +1140,8 @@ mod tests {
             jobs,
             seed,
             workers: 1,
-            slots: 4,
+            slots: SlotCount::Fixed(4),
+            max_slots: 16,
             prefetch: None,
             service: service.into(),
             overload: 5.0,
@@ -957,6 +1152,7 @@ mod tests {
             order: "fair".into(),
             lanes: 8,
             share_cap: false,
+            sweep: None,
             json: false,
         }
     }
@@ -1017,7 +1213,7 @@ mod tests {
     fn workers_with_wide_windows_share_the_arrivals() {
         let mut a = args("fixed:200", 6_000, 1);
         a.workers = 3;
-        a.slots = 2;
+        a.slots = SlotCount::Fixed(2);
         a.prefetch = Some(32);
         a.deadline_ms = 3_000;
         let r = simulate(&a).unwrap();
@@ -1029,7 +1225,7 @@ mod tests {
     #[test]
     fn a_light_tenant_beside_a_flood_in_the_simulator() {
         let mut a = args("fixed:200", 10_000, 1);
-        a.slots = 2;
+        a.slots = SlotCount::Fixed(2);
         a.deadline_ms = 3_000;
         a.tenants = Some("flood:10,light:0.1".into());
         let light = |r: &SimReport| {
@@ -1053,7 +1249,7 @@ mod tests {
     fn long_first_calls_do_not_lock_short_requests_out() {
         for (seed, slots) in [(2, 1), (2, 2), (1, 2)] {
             let mut a = args("length:50,2,0.3", 5_000, seed);
-            a.slots = slots;
+            a.slots = SlotCount::Fixed(slots);
             a.overload = 7.0;
             a.deadline_ms = 2_500;
             let r = simulate(&a).unwrap();
@@ -1069,12 +1265,53 @@ mod tests {
     fn many_zipf_tenants_share_fairly() {
         let mut a = args("fixed:200", 60_000, 1);
         a.workers = 3;
-        a.slots = 2;
+        a.slots = SlotCount::Fixed(2);
         a.deadline_ms = 3_000;
         a.tenants = Some("zipf:1000".into());
         let r = simulate(&a).unwrap();
         assert!(r.jain.unwrap() >= 0.9, "{:?}", r.jain);
         assert!(r.goodput > 0.95, "{r:?}");
+    }
+
+    /// Issue #31 item 3: against a batching server (throughput flat past 6 calls at the
+    /// server), `--slots auto` is within 10% of the best fixed slot count at 2× and 5×, with
+    /// ≤ 5% wasted model time and no late start.
+    #[test]
+    fn auto_slots_come_within_ten_percent_of_the_best_fixed_count() {
+        for overload in [2.0, 5.0] {
+            let mut a = args("length:50,2,0.3,0.15,6", 8_000, 1);
+            a.overload = overload;
+            a.deadline_ms = 2_500;
+            let best = (1..=8)
+                .map(|n| {
+                    a.slots = SlotCount::Fixed(n);
+                    simulate(&a).unwrap().on_time
+                })
+                .max()
+                .unwrap();
+            a.slots = SlotCount::Auto;
+            let r = simulate(&a).unwrap();
+            assert!(
+                r.on_time as f64 >= 0.9 * best as f64,
+                "{overload}×: {r:?} vs {best}"
+            );
+            assert!(r.wasted_time <= 0.05, "{r:?}");
+            assert_eq!(r.started_late, 0);
+            let (lo, hi) = r.limit_range.unwrap();
+            assert!(lo >= 1 && hi <= 16 && hi > 2, "{r:?}");
+        }
+    }
+
+    /// A server that does not slow down with concurrency: the limit climbs to the most.
+    #[test]
+    fn auto_slots_climb_against_a_server_that_does_not_slow_down() {
+        let mut a = args("length:50,2,0.3,0", 8_000, 1);
+        a.slots = SlotCount::Auto;
+        a.max_slots = 8;
+        a.deadline_ms = 2_500;
+        let r = simulate(&a).unwrap();
+        assert_eq!(r.limit_range.unwrap().1, 8, "{r:?}");
+        assert!(r.mean_limit.unwrap() > 6.0, "{r:?}");
     }
 
     #[test]

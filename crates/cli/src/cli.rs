@@ -1,6 +1,7 @@
 //! Command-line arguments.
 
 use clap::{Args, Parser, Subcommand, ValueEnum};
+use lastcall_core::concurrency::SlotCount;
 use std::path::PathBuf;
 
 /// lastcall — a job dispatcher for AI inference on RabbitMQ that never starts work whose
@@ -686,12 +687,42 @@ fn parse_tenant_weight(s: &str) -> Result<(String, u32), String> {
     Ok((name.to_owned(), weight))
 }
 
+impl WorkerArgs {
+    /// `--slots`, or its default: `auto` for the openai backend (a batching server), 2
+    /// for the others.
+    pub fn slot_count(&self) -> SlotCount {
+        match (self.slots, self.backend) {
+            (Some(s), _) => s,
+            (None, Some(BackendKind::Openai)) => SlotCount::Auto,
+            (None, _) => SlotCount::Fixed(2),
+        }
+    }
+}
+
 #[derive(Debug, Args)]
 pub struct WorkerArgs {
-    /// Model slots: how many model calls run at once
-    #[arg(long, default_value_t = 2)]
-    pub slots: usize,
-    /// Unacked deliveries the broker may push to this worker [default: 2 × slots]
+    /// Model slots: how many model calls run at once, `N` or `auto` [default: `auto` with
+    /// `--backend openai`, else 2].
+    ///
+    /// `auto` suits a batching server (vLLM, llama.cpp `--parallel`, a hosted API), where a
+    /// call is slower the more run beside it but the server completes more per second up
+    /// to a knee: the worker moves the number of calls in flight within [1, --max-slots],
+    /// one at a time, keeping one more only while it adds at least half of what an average
+    /// call in flight adds to the calls completed per second. It judges each call's time
+    /// against the time learned for a request of its size (so long prompts are not taken
+    /// for congestion), halves the limit when calls turn much slower than learned (a hang),
+    /// starts at 2, and admits
+    /// each job with its call time × the slowdown predicted at the current limit; it raises
+    /// the limit only when the calls already running would still end before their
+    /// deadlines. `/metrics` shows it as `lastcall_worker_concurrency_limit`. The local
+    /// backend does not batch: it keeps a fixed number
+    #[arg(long, value_name = "N|auto")]
+    pub slots: Option<SlotCount>,
+    /// The highest limit of `--slots auto` (and its prefetch: 2 × this unless --prefetch)
+    #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
+    pub max_slots: u16,
+    /// Unacked deliveries the broker may push to this worker [default: 2 × slots; with
+    /// `--slots auto`, 2 × --max-slots]
     #[arg(long)]
     pub prefetch: Option<u16>,
     /// Cap on the bytes of message bodies held locally (prefetch only bounds the count)

@@ -734,13 +734,14 @@ mod tests {
 
     #[test]
     fn a_flag_beats_the_file_and_the_file_beats_the_default() {
+        use lastcall_core::concurrency::SlotCount;
         let l = loaded(
             "[worker]\nslots = 7\nbuffer_order = \"fifo\"\nno_wait_refusal = true\n\
              retry_delays_ms = [2000, 9000]\n",
         )
         .unwrap();
         let (w, m) = worker(&l, &["worker", "--backend", "sim"]);
-        assert_eq!(w.slots, 7);
+        assert_eq!(w.slots, Some(SlotCount::Fixed(7)));
         assert_eq!(w.buffer_order, crate::cli::BufferOrderArg::Fifo);
         assert!(w.no_wait_refusal);
         assert_eq!(w.topology.retry_delays_ms, vec![2000, 9000]);
@@ -753,13 +754,17 @@ mod tests {
         assert_eq!(source(&l, &m, "backend"), Source::Flag);
 
         let (w, m) = worker(&l, &["worker", "--slots", "3", "--retry-delays-ms", "500"]);
-        assert_eq!(w.slots, 3);
+        assert_eq!(w.slots, Some(SlotCount::Fixed(3)));
         assert_eq!(w.topology.retry_delays_ms, vec![500]);
         assert_eq!(source(&l, &m, "slots"), Source::Flag);
 
         // Without the file: the built-in defaults.
         let (w, m) = worker(&loaded("").unwrap(), &["worker"]);
-        assert_eq!(w.slots, 2);
+        assert_eq!(w.slots, None);
+        assert_eq!(w.slot_count(), SlotCount::Fixed(2), "not openai: fixed");
+        let (w, _) = worker(&loaded("").unwrap(), &["worker", "--backend", "openai"]);
+        assert_eq!(w.slot_count(), SlotCount::Auto, "openai: auto");
+        let (w, _) = worker(&loaded("").unwrap(), &["worker"]);
         assert_eq!(w.buffer_order, crate::cli::BufferOrderArg::Edf);
         assert_eq!(source(&loaded("").unwrap(), &m, "slots"), Source::Default);
     }

@@ -111,6 +111,11 @@ async fn bad_input_gets_errors_that_name_the_field() {
         (&["jobs", "list", "--state", "done"], "expected one of"),
         (&["jobs", "show", "nope"], "no job `nope`"),
         (&["worker", "--slots", "0"], "--slots must be at least 1"),
+        // The embedded model runs a fixed number of copies: no adaptive slots.
+        (
+            &["worker", "--slots", "auto"],
+            "--slots auto needs a batching model server",
+        ),
         // No --backend: the embedded model, never the simulator. Its file is missing here.
         (
             &["worker", "--model-path", "/nonexistent/model.gguf"],

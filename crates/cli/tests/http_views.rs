@@ -190,6 +190,11 @@ async fn metrics_match_the_ledger_and_series_stay_bounded() {
         0
     );
     assert_eq!(
+        sample_value(&text, "lastcall_worker_concurrency_limit").unwrap() as i64,
+        1,
+        "fixed slots: the limit is their count"
+    );
+    assert_eq!(
         sample_value(&text, "lastcall_worker_prefetch").unwrap() as i64,
         4
     );
@@ -411,6 +416,11 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
     );
     assert_eq!(text_of(&dom, "wait-waiting_for_slot").as_deref(), Some("0"));
     assert_eq!(text_of(&dom, "wait-running").as_deref(), Some("0"));
+    assert_eq!(
+        text_of(&dom, "wait-concurrency_limit").as_deref(),
+        Some("1"),
+        "the workers' concurrency limit (1 slot)"
+    );
 
     // The screenshot: a real PNG of some size.
     let png = env.dir.join("dashboard.png");

@@ -11,6 +11,7 @@
 //! - [`deadline`]: the immutable absolute deadline, the remaining budget and the broker TTL.
 //! - [`admission`]: the last admission check before a model call.
 //! - [`breaker`]: the circuit breaker per model server (closed, open, half-open).
+//! - [`concurrency`]: the adaptive limit of model calls in flight (`--slots auto`).
 //! - [`fallback`]: which backend of a kind's ordered route (a fallback route) takes a job now.
 //! - [`retry`]: exponential backoff with jitter, clipped to the deadline.
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
@@ -35,6 +36,7 @@ pub mod ack_plan;
 pub mod ack_window;
 pub mod admission;
 pub mod breaker;
+pub mod concurrency;
 pub mod deadletter;
 pub mod deadline;
 pub mod delivery;

@@ -79,7 +79,7 @@ pub async fn data(
     };
     let work = depths.iter().find(|d| d.queue == state.names.work_queue);
     let dead = depths.iter().find(|d| d.queue == state.names.dead_queue);
-    let (waiting, running) = scrape_workers(&state).await;
+    let (waiting, running, limit) = scrape_workers(&state).await;
     let ledger_count = |s: &str| {
         counts
             .iter()
@@ -95,6 +95,7 @@ pub async fn data(
             "broker_unacked": work.and_then(|d| d.unacked),
             "waiting_for_slot": waiting,
             "running": running,
+            "concurrency_limit": limit,
             "running_in_ledger": ledger_count("running"),
             "accepted_in_ledger": ledger_count("accepted"),
             "dead_queue_ready": dead.and_then(|d| d.ready),
@@ -112,11 +113,12 @@ pub async fn data(
     Ok(Json(Value::Object(summary)))
 }
 
-/// Sum the waiting and running gauges of the worker metrics endpoints; `None` when no
-/// endpoint is configured or none answered.
-async fn scrape_workers(state: &AppState) -> (Option<i64>, Option<i64>) {
+/// Sum the waiting and running gauges and the concurrency limits (the model calls the
+/// workers may run at once now: fixed slots, or the adaptive limit of `--slots auto`) of
+/// the worker metrics endpoints; `None` when no endpoint is configured or none answered.
+async fn scrape_workers(state: &AppState) -> (Option<i64>, Option<i64>, Option<i64>) {
     let mut answered = false;
-    let (mut waiting, mut running) = (0i64, 0i64);
+    let (mut waiting, mut running, mut limit) = (0i64, 0i64, 0i64);
     for url in &state.worker_metrics {
         let Ok(resp) = state.http_client.get(url).send().await else {
             continue;
@@ -127,11 +129,12 @@ async fn scrape_workers(state: &AppState) -> (Option<i64>, Option<i64>) {
         answered = true;
         waiting += sample_value(&text, "lastcall_worker_jobs_waiting").unwrap_or(0.0) as i64;
         running += sample_value(&text, "lastcall_worker_jobs_running").unwrap_or(0.0) as i64;
+        limit += sample_value(&text, "lastcall_worker_concurrency_limit").unwrap_or(0.0) as i64;
     }
     if answered {
-        (Some(waiting), Some(running))
+        (Some(waiting), Some(running), Some(limit))
     } else {
-        (None, None)
+        (None, None, None)
     }
 }
 

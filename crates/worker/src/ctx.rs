@@ -102,8 +102,31 @@ impl Ctx {
     /// What is learned about the calls of `kind` on `backend` (the estimator is keyed by
     /// kind and serving backend, so two backends of a route never share call times) at
     /// `now_ms`: for a request of `size` when known (the request-aware estimate), else for
-    /// the kind.
+    /// the kind; with adaptive slots, × the predicted slowdown at the current limit
+    /// ([`Slots::inflation`]), so every admission gate judges a call at the concurrency it
+    /// will run at.
     pub(crate) fn learned(
+        &self,
+        kind: &str,
+        backend: &str,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) -> Option<Estimate> {
+        let k = self.slots.inflation();
+        let e = self.learned_alone(kind, backend, size, now_ms)?;
+        if k <= 1.0 {
+            return Some(e);
+        }
+        Some(Estimate {
+            quantile_ms: (e.quantile_ms as f64 * k).ceil() as u64,
+            mean_ms: (e.mean_ms as f64 * k).ceil() as u64,
+            ..e
+        })
+    }
+
+    /// [`Ctx::learned`] without the slowdown of adaptive slots: the adaptive limit's
+    /// reference for a call's time.
+    pub(crate) fn learned_alone(
         &self,
         kind: &str,
         backend: &str,
@@ -295,7 +318,7 @@ impl Ctx {
         lastcall_core::wait::expected_wait_ms(
             ahead,
             self.slots.available(),
-            self.cfg.slots,
+            self.slots.total(),
             mean_ms,
         )
     }

@@ -13,7 +13,8 @@
 //!   across workers, with the worker lease).
 //! - `ctx`: the worker's shared state; `sidecars`: the lease, readiness and cancel tasks.
 //! - `hooks`: test-only hooks behind the `test-hooks` feature.
-//! - [`slots`]: model slots, granted to waiting jobs earliest deadline first (or FIFO).
+//! - [`slots`]: model slots, granted to waiting jobs in the buffer's order; a fixed count, or
+//!   the adaptive limit of `--slots auto` ([`lastcall_core::concurrency`]).
 //! - [`relay`]: republishes due retries with the remaining budget as their TTL.
 //! - [`stats`]: live counters and gauges the CLI and metrics read.
 //! - [`stream`]: a streaming call's token deltas to the job's `reply_to`.

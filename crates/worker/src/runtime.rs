@@ -37,8 +37,11 @@ pub struct WorkerConfig {
     pub topology: Topology,
     /// Worker name recorded in the ledger.
     pub name: String,
-    /// Model slots: concurrent model calls.
+    /// Model slots: concurrent model calls (with `auto_slots`, the most).
     pub slots: usize,
+    /// `--slots auto`: the number of calls in flight adapts in `[1, max]` to the model
+    /// server ([`lastcall_core::concurrency`]); `None`: exactly `slots`.
+    pub auto_slots: Option<lastcall_core::concurrency::LimitConfig>,
     /// Unacked deliveries the broker may push to this worker (default 2 × slots).
     pub prefetch: u16,
     /// Cap on the bytes of bodies held locally; prefetch only bounds the count.
@@ -85,6 +88,7 @@ impl WorkerConfig {
             topology: Topology::new(prefix),
             name: default_worker_name(),
             slots,
+            auto_slots: None,
             prefetch: (slots * 2).clamp(1, u16::MAX as usize) as u16,
             max_buffer_bytes: 64 * 1024 * 1024,
             policy: WorkerPolicy::default(),
@@ -173,11 +177,14 @@ impl Worker {
                 ServiceTimeConfig::default(),
             ))),
             in_flight: std::sync::Mutex::default(),
-            slots: Arc::new(Slots::new(
-                cfg.slots.max(1),
-                cfg.buffer_order,
-                cfg.tenant_weights.clone(),
-            )),
+            slots: Arc::new(match cfg.auto_slots {
+                Some(limit) => Slots::adaptive(limit, cfg.buffer_order, cfg.tenant_weights.clone()),
+                None => Slots::new(
+                    cfg.slots.max(1),
+                    cfg.buffer_order,
+                    cfg.tenant_weights.clone(),
+                ),
+            }),
             cfg,
             ledger,
             backend,
@@ -218,7 +225,7 @@ impl Worker {
         ctx.stats.ledger_healthy.store(true, Ordering::Relaxed);
         let sidecars = Sidecars::start(&ctx, &broker);
         let (cfg, names) = (&ctx.cfg, &ctx.cfg.topology.names);
-        tracing::info!(worker = %cfg.name, slots = cfg.slots, prefetch = cfg.prefetch, queue = %names.work_queue, node = %broker.node(), "worker started");
+        tracing::info!(worker = %cfg.name, slots = cfg.slots, auto_slots = cfg.auto_slots.is_some(), prefetch = cfg.prefetch, queue = %names.work_queue, node = %broker.node(), "worker started");
         let last = match connections(&ctx, &mut broker, &stop, &mut tasks).await {
             Ok(last) => last,
             Err(e) => {

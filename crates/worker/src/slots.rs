@@ -20,13 +20,22 @@
 //! `lastcall bench goodput --order` measures the two against each other (BENCHMARKS.md
 //! §1); the default is the one that completed more jobs on time.
 //!
+//! **Adaptive slots** (`--slots auto`): the number of slots is the current limit of a
+//! [`lastcall_core::concurrency::AdaptiveLimit`], fed each call's time
+//! ([`SlotPermit::ended`]). A slot is granted while fewer than the limit are held; when the
+//! limit falls, calls in flight finish and their slots are not handed on until the count
+//! is below it; when it rises, waiters are woken at once. [`Slots::inflation`] is what the
+//! admission gates multiply the learned call time by (the slowdown at the current limit).
+//!
 //! A waiter that gives up (its job left the buffer: it can no longer finish, it was
 //! cancelled, the connection was lost) simply drops its [`Slots::acquire`] future; a slot
 //! granted to it in the same instant goes back to the next waiter. Memory is bounded by
 //! the buffer: one entry per waiting delivery, and entries of waiters that gave up are
 //! swept as the queue grows.
 
+use lastcall_core::concurrency::{AdaptiveLimit, LimitConfig, Running, Sample};
 use lastcall_core::schedule::{FairShare, Schedule, Ticket, Within};
+use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 use tokio::sync::oneshot;
 
@@ -77,24 +86,48 @@ pub struct Slots {
 
 #[derive(Debug)]
 struct Inner {
-    total: usize,
     /// The next receipt number ([`Slots::receipt`]).
     receipts: std::sync::atomic::AtomicU64,
     state: Mutex<State>,
 }
 
-/// Invariant: `free > 0` only while no waiter is queued that has not given up (a release
-/// hands its slot to a waiter before counting it free).
+/// How many slots there are.
+#[derive(Debug)]
+enum Limit {
+    Fixed(usize),
+    Auto(AdaptiveLimit),
+}
+
+/// Invariant: `held < limit` only while no waiter is queued that has not given up (a
+/// release or a raise hands slots to waiters before counting them free).
 #[derive(Debug)]
 struct State {
-    free: usize,
+    /// Permits held now.
+    held: usize,
+    limit: Limit,
     queue: Schedule<oneshot::Sender<SlotPermit>, FairShare>,
+    /// The calls started under held permits (by permit id): the adaptive limit checks
+    /// them before a step up. At most `held` entries.
+    running: HashMap<u64, Running>,
+    next_id: u64,
+}
+
+impl State {
+    fn limit(&self) -> usize {
+        match &self.limit {
+            Limit::Fixed(n) => *n,
+            Limit::Auto(a) => a.limit(),
+        }
+    }
 }
 
 /// A held model slot; dropping it hands the slot to the next waiter.
 #[derive(Debug)]
 pub struct SlotPermit {
     inner: Option<Arc<Inner>>,
+    id: u64,
+    /// Set by [`SlotPermit::started`]: when its call started, and with how many in flight.
+    started: Option<(i64, usize)>,
 }
 
 impl Drop for SlotPermit {
@@ -103,23 +136,84 @@ impl Drop for SlotPermit {
             return;
         };
         let mut s = inner.lock();
-        loop {
-            let Some((ticket, tx)) = s.queue.pop() else {
-                s.free += 1;
-                return;
+        s.running.remove(&self.id);
+        s.held -= 1;
+        grant(&inner, &mut s);
+    }
+}
+
+/// Hand free slots (held < limit) to the waiters, in the order.
+fn grant(inner: &Arc<Inner>, s: &mut State) {
+    while s.held < s.limit() {
+        let Some((ticket, tx)) = s.queue.pop() else {
+            return;
+        };
+        s.next_id += 1;
+        let permit = SlotPermit {
+            inner: Some(inner.clone()),
+            id: s.next_id,
+            started: None,
+        };
+        match tx.send(permit) {
+            Ok(()) => {
+                s.held += 1;
+                s.queue.granted(&ticket);
+            }
+            // That waiter gave up: disarm the returned permit and try the next one.
+            Err(mut p) => p.inner = None,
+        }
+    }
+}
+
+impl SlotPermit {
+    /// Its model call starts now (`now_ms`), admitted with `expected_ms` (the inflated
+    /// learned time), for a job whose deadline is `deadline_ms`.
+    pub fn started(&mut self, expected_ms: u64, deadline_ms: i64, now_ms: i64) {
+        let Some(inner) = &self.inner else {
+            return;
+        };
+        let mut s = inner.lock();
+        s.running.insert(
+            self.id,
+            Running {
+                started_ms: now_ms,
+                expected_ms,
+                deadline_ms,
+            },
+        );
+        self.started = Some((now_ms, s.running.len()));
+    }
+
+    /// Its call ended at `now_ms`, taking `observed_ms`; the learned mean for its request
+    /// was `expected_ms` (uninflated; 0 when nothing is learned): the adaptive limit learns
+    /// from it, and waiters get the slots a raise made.
+    pub fn ended(&mut self, observed_ms: u64, expected_ms: u64, now_ms: i64) {
+        let (Some(inner), Some((started_ms, in_flight))) = (&self.inner, self.started.take())
+        else {
+            return;
+        };
+        let inner = inner.clone();
+        let mut s = inner.lock();
+        s.running.remove(&self.id);
+        let running: Vec<Running> = s.running.values().copied().collect();
+        if let Limit::Auto(a) = &mut s.limit {
+            let sample = Sample {
+                started_ms,
+                in_flight,
+                observed_ms,
+                expected_ms,
             };
-            let permit = SlotPermit {
-                inner: Some(inner.clone()),
-            };
-            match tx.send(permit) {
-                Ok(()) => {
-                    s.queue.granted(&ticket);
-                    return;
-                }
-                // That waiter gave up: disarm the returned permit and try the next one.
-                Err(mut p) => p.inner = None,
+            let before = a.limit();
+            let after = a.observe(sample, &running, now_ms);
+            if after != before {
+                tracing::info!(
+                    from = before,
+                    to = after,
+                    "model slots: the adaptive limit moved"
+                );
             }
         }
+        grant(&inner, &mut s);
     }
 }
 
@@ -137,26 +231,60 @@ impl Slots {
         order: BufferOrder,
         weights: impl IntoIterator<Item = (String, u32)>,
     ) -> Self {
-        let total = total.max(1);
+        Self::with_limit(Limit::Fixed(total.max(1)), order, weights)
+    }
+
+    /// Adaptive slots (`--slots auto`): the limit of an [`AdaptiveLimit`] with `cfg`.
+    pub fn adaptive(
+        cfg: LimitConfig,
+        order: BufferOrder,
+        weights: impl IntoIterator<Item = (String, u32)>,
+    ) -> Self {
+        Self::with_limit(Limit::Auto(AdaptiveLimit::new(cfg)), order, weights)
+    }
+
+    fn with_limit(
+        limit: Limit,
+        order: BufferOrder,
+        weights: impl IntoIterator<Item = (String, u32)>,
+    ) -> Self {
         Self {
             inner: Arc::new(Inner {
-                total,
                 receipts: std::sync::atomic::AtomicU64::new(0),
                 state: Mutex::new(State {
-                    free: total,
+                    held: 0,
+                    limit,
                     queue: Schedule::new(FairShare::new(order.within()).with_weights(weights)),
+                    running: HashMap::new(),
+                    next_id: 0,
                 }),
             }),
         }
     }
 
+    /// The number of slots now: the fixed count, or the adaptive limit.
     pub fn total(&self) -> usize {
-        self.inner.total
+        self.inner.lock().limit()
+    }
+
+    /// Whether the number of slots adapts (`--slots auto`).
+    pub fn is_adaptive(&self) -> bool {
+        matches!(self.inner.lock().limit, Limit::Auto(_))
+    }
+
+    /// What the learned call time is multiplied by for admission: the predicted slowdown
+    /// of a call started now at the current limit (1 with fixed slots).
+    pub fn inflation(&self) -> f64 {
+        match &self.inner.lock().limit {
+            Limit::Fixed(_) => 1.0,
+            Limit::Auto(a) => a.inflation(),
+        }
     }
 
     /// Slots free now.
     pub fn available(&self) -> usize {
-        self.inner.lock().free
+        let s = self.inner.lock();
+        s.limit().saturating_sub(s.held)
     }
 
     /// The receipt number of a delivery received now: increasing in the order of the
@@ -181,11 +309,17 @@ impl Slots {
     async fn acquire_in(inner: Arc<Inner>, ticket: Ticket) -> SlotPermit {
         let rx = {
             let mut s = inner.lock();
-            if s.free > 0 {
-                s.free -= 1;
+            if s.held < s.limit() {
+                s.held += 1;
+                s.next_id += 1;
+                let id = s.next_id;
                 s.queue.granted(&ticket);
                 drop(s);
-                return SlotPermit { inner: Some(inner) };
+                return SlotPermit {
+                    inner: Some(inner),
+                    id,
+                    started: None,
+                };
             }
             // Sweep the entries of waiters that gave up once the queue is larger than the
             // buffer can explain (amortised: at each doubling).
@@ -351,6 +485,78 @@ mod tests {
         let (first, p) = rx.recv().await.unwrap();
         assert_eq!(first, "light");
         drop(p);
+    }
+
+    /// With adaptive slots, calls whose time does not grow with concurrency raise the
+    /// limit, and a raise hands the new slots to waiters at once; a slowdown lowers it and
+    /// the calls in flight finish (no slot is handed on until fewer than the limit run).
+    #[tokio::test]
+    async fn an_adaptive_limit_wakes_waiters_when_it_rises_and_drains_when_it_falls() {
+        let cfg = LimitConfig {
+            samples_per_step: 2,
+            ..LimitConfig::new(8)
+        };
+        let slots = Arc::new(Slots::adaptive(cfg, BufferOrder::Edf, []));
+        assert_eq!((slots.total(), slots.available()), (2, 2));
+        let mut held = Vec::new();
+        for _ in 0..2 {
+            held.push(slots.acquire(tk(0, slots.receipt(), 0)).await);
+        }
+        let (tx, mut rx) = tokio::sync::mpsc::unbounded_channel();
+        for i in 0..6 {
+            let (s, r, tx) = (slots.clone(), slots.receipt(), tx.clone());
+            tokio::spawn(async move {
+                let p = s.acquire(tk(i, r, 100)).await;
+                tx.send(p).unwrap();
+            });
+            settle().await;
+        }
+        // Calls of 100 ms, as expected, at the current limit: it climbs.
+        let mut now = 0;
+        for _ in 0..40 {
+            let mut p = match held.pop() {
+                Some(p) => p,
+                None => rx.recv().await.unwrap(),
+            };
+            while let Ok(q) = rx.try_recv() {
+                held.push(q);
+            }
+            let n = slots.total();
+            p.started(100, now + 10_000, now);
+            now += 100 / n as i64;
+            // Every call starts at the full limit in this drive.
+            p.started = Some((now - 100, n));
+            p.ended(100, 100, now);
+            drop(p);
+            settle().await;
+            if slots.total() > 2 {
+                break;
+            }
+        }
+        assert!(slots.total() > 2, "the limit rose: {}", slots.total());
+        settle().await;
+        let before = held.len();
+        while let Ok(q) = rx.try_recv() {
+            held.push(q);
+        }
+        assert!(held.len() > before, "a raise woke waiters");
+        let limit = slots.total();
+        assert!(held.len() <= limit, "{} ≤ {limit}", held.len());
+        // Calls 10× slower than learned: the limit halves, the calls in flight go on, and
+        // no slot is free while more than the limit are held.
+        let mut p = held.pop().unwrap();
+        for _ in 0..3 {
+            p.started = Some((now, limit));
+            p.ended(1_000, 100, now + 1_000);
+        }
+        let lowered = slots.total();
+        assert!(lowered < limit, "{lowered} < {limit}");
+        let holding = held.len() + 1;
+        assert_eq!(slots.available(), lowered.saturating_sub(holding));
+        drop(p);
+        drop(held);
+        settle().await;
+        assert!(slots.available() <= lowered);
     }
 
     proptest! {

@@ -488,7 +488,7 @@ fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
 fn encode_gauges(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
     let m = &w.metrics;
     let (busy, total) = m.slots().unwrap_or((0, 0));
-    let gauges: [(&str, i64, &str); 9] = [
+    let gauges: [(&str, i64, &str); 10] = [
         (
             "lastcall_worker_broker_connected",
             i64::from(w.broker_connected.load(Ordering::Relaxed)),
@@ -522,7 +522,12 @@ fn encode_gauges(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Resu
         (
             "lastcall_worker_slots_total",
             total as i64,
-            "Model slots configured",
+            "Model slots now: the fixed count, or the adaptive limit of --slots auto",
+        ),
+        (
+            "lastcall_worker_concurrency_limit",
+            total as i64,
+            "Model calls this worker may run at once now (--slots N, or the adaptive limit of --slots auto)",
         ),
         (
             "lastcall_worker_prefetch",

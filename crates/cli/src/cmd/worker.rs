@@ -7,6 +7,7 @@ use lastcall_backend::Backend;
 use lastcall_backend::route::RoutedBackend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_clock::{ClockSyncMode, SystemClock};
+use lastcall_core::concurrency::SlotCount;
 use lastcall_core::{ExpiredAction, RetryPolicy, WorkerPolicy};
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
@@ -121,7 +122,7 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
     Ok(match kind {
         BackendKind::Sim => Arc::new(sim(&a.sim)?),
         BackendKind::Openai => Arc::new(openai(&a.openai)?),
-        BackendKind::Local => local(a.model_path.as_deref(), a.slots)?,
+        BackendKind::Local => local(a.model_path.as_deref(), local_slots(a))?,
         BackendKind::Routed => {
             let Some(routing) = s.routing.clone() else {
                 bail!(
@@ -143,7 +144,10 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
                 backends.push((name.clone(), Arc::new(backend)));
             }
             if table.uses("local") {
-                backends.push(("local".into(), local(a.model_path.as_deref(), a.slots)?));
+                backends.push((
+                    "local".into(),
+                    local(a.model_path.as_deref(), local_slots(a))?,
+                ));
             }
             Arc::new(
                 RoutedBackend::new(table, backends)
@@ -254,11 +258,25 @@ fn consumer_timeout(stated_ms: Option<u64>, horizon_ms: i64) -> Option<Duration>
 }
 
 pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
-    if a.slots == 0 {
-        bail!("--slots must be at least 1");
-    }
     let (admission, limits) = super::admission(&a.admission);
-    let mut cfg = WorkerConfig::new(&s.prefix, a.slots);
+    let mut cfg = match a.slot_count() {
+        SlotCount::Fixed(n) => WorkerConfig::new(&s.prefix, n),
+        SlotCount::Auto => {
+            if matches!(
+                a.backend,
+                None | Some(BackendKind::Local | BackendKind::Routed)
+            ) {
+                bail!(
+                    "--slots auto needs a batching model server (--backend openai or sim): the \
+                     local backend runs a fixed number of model copies; give --slots N"
+                );
+            }
+            let max = usize::from(a.max_slots);
+            let mut cfg = WorkerConfig::new(&s.prefix, max);
+            cfg.auto_slots = Some(lastcall_core::concurrency::LimitConfig::new(max));
+            cfg
+        }
+    };
     cfg.topology = super::topology(&s.prefix, &a.topology)?;
     if let Some(p) = a.prefetch {
         if p == 0 {
@@ -333,4 +351,12 @@ pub(crate) fn tenant_weights(a: &WorkerArgs) -> Result<Vec<(String, u32)>> {
         weights.insert(tenant.clone(), *w);
     }
     Ok(weights.into_iter().collect())
+}
+
+/// The local backend's model copies: its fixed slots (`--slots auto` is refused with it).
+fn local_slots(a: &WorkerArgs) -> usize {
+    match a.slot_count() {
+        SlotCount::Fixed(n) => n,
+        SlotCount::Auto => 2,
+    }
 }

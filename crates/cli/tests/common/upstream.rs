@@ -29,6 +29,10 @@ pub const SLOW_FIRST_BYTE: u8 = 7;
 pub const SLOW_STREAM: u8 = 8;
 /// `200 OK` with a stream whose event is not JSON.
 pub const MALFORMED: u8 = 9;
+/// A batching server with 4 batch places: a call takes 50 ms + 2 ms per prompt word, ×
+/// (1 + 0.15 per other call in the batch), × n ÷ 4 past 4 calls in flight (n, itself
+/// included, when it arrives): its throughput rises up to 4 calls at once, then is flat.
+pub const BATCHING: u8 = 10;
 
 /// The fault server's state: its phase, and what it saw.
 #[derive(Default)]
@@ -207,6 +211,11 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
                 let words = prompt_words(&buf[head_len..]);
                 let others = up.in_flight.fetch_add(1, Ordering::SeqCst);
                 (50.0 + 2.0 * words as f64) * (1.0 + 0.15 * others as f64)
+            } else if phase == BATCHING {
+                let words = prompt_words(&buf[head_len..]);
+                let n = (up.in_flight.fetch_add(1, Ordering::SeqCst) + 1) as f64;
+                let k = 4.0;
+                (50.0 + 2.0 * words as f64) * (1.0 + 0.15 * (n.min(k) - 1.0)) * (n / k).max(1.0)
             } else if phase == SLOW_FIRST_BYTE {
                 1_500.0
             } else {
@@ -216,7 +225,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
                 }
             };
             tokio::time::sleep(Duration::from_millis(ms as u64)).await;
-            if phase == BY_LENGTH {
+            if phase == BY_LENGTH || phase == BATCHING {
                 up.in_flight.fetch_sub(1, Ordering::SeqCst);
             }
             let body = format!("data: {CHUNK}\n\ndata: {LAST}\n\ndata: [DONE]\n\n");

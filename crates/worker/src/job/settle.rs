@@ -20,7 +20,7 @@ pub(crate) async fn call_and_settle(
     ctx: &Ctx,
     mut job: Job,
     c: Calling,
-    permit: SlotPermit,
+    mut permit: SlotPermit,
     cancel: &CancelGuard,
 ) {
     WorkerStats::inc(&ctx.stats.backend_calls);
@@ -52,6 +52,12 @@ pub(crate) async fn call_and_settle(
     // The permit taken at the slot is spent by this call; its headers reach the limiter.
     let rate = job.rate.take();
     let limits = ctx.limits.sink(&backend, ctx.clock.clone());
+    {
+        // The running call, for the adaptive limit's check before a step up.
+        let now = ctx.clock.now_ms();
+        let admitted_ms = job.learned(ctx, &kind, now).map_or(0, |e| e.quantile_ms);
+        permit.started(admitted_ms, c.env().deadline().expires_at_ms(), now);
+    }
     let mut call = call_backend(
         ctx,
         &backend,
@@ -73,6 +79,24 @@ pub(crate) async fn call_and_settle(
     }
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
+    if matches!(
+        call.result,
+        CallResult::Completed | CallResult::DeadlineExceeded
+    ) {
+        // The adaptive limit learns from a useful call's time (a failed one says nothing
+        // about it), against the learned time of its request alone, before the estimator
+        // takes the call in.
+        let now = ctx.clock.now_ms();
+        let alone = match job.probe {
+            Some(_) => None,
+            None => ctx.learned_alone(&kind, &backend, job.size, now),
+        };
+        permit.ended(
+            call.latency_ms.max(0) as u64,
+            alone.map_or(0, |e| e.mean_ms),
+            now,
+        );
+    }
     drop(permit);
     let c_budget_ms = c.budget_ms();
     let c = if job.lost.is_cancelled() {

@@ -1,0 +1,189 @@
+//! `--slots auto` against a batching model server (issue #31 item 3): the fault server of
+//! `common::upstream` in its [`BATCHING`] phase (call time grows with the prompt and with
+//! the calls in flight; throughput rises up to 4 calls at once, then is flat), over real
+//! HTTP, with real RabbitMQ and the ledger, the worker's default adaptive settings.
+//!
+//! The limit must move above its start and stay within [1, max]; the jobs must finish on
+//! time, and no call may reach the server after its job's deadline.
+
+mod common;
+
+use common::upstream::{BATCHING, Upstream};
+use common::*;
+use lastcall_core::concurrency::LimitConfig;
+use lastcall_worker::clock::now_ms;
+use std::collections::HashMap;
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+/// What one run gave.
+struct Run {
+    sent: usize,
+    on_time: usize,
+    cut: usize,
+    late: usize,
+    highest: usize,
+    model_ms: i64,
+    wasted_ms: i64,
+}
+
+/// ~40 short jobs/s for `secs` s with 1.5 s budgets against a fresh [`BATCHING`] server,
+/// with `slots` fixed or (`None`) the adaptive defaults.
+async fn run(tag: &str, slots: Option<usize>, secs: u64) -> Run {
+    let up = Arc::new(Upstream::default());
+    up.set(BATCHING);
+    let (base, server) = up.start().await;
+
+    let env = Env::sqlite(tag).await;
+    let max = 16;
+    let cfg = match slots {
+        Some(n) => env.worker_config(n, 2 * n as u16),
+        None => {
+            // The CLI's `--slots auto`: the most is --max-slots, the prefetch 2 × that.
+            let mut cfg = env.worker_config(max, 2 * max as u16);
+            cfg.auto_slots = Some(LimitConfig::new(max));
+            cfg
+        }
+    };
+    cfg.topology.apply(&env.broker).await.unwrap();
+    let w = env
+        .start_worker(cfg, upstream::openai(&base), system_clock())
+        .await;
+    let s = env.submitter(100, true).await;
+
+    // A short prompt takes ~70 ms alone: 4 at once complete ~43 calls/s, 1 at a time
+    // ~14/s. Send ~40/s (3× what one slot can do), with 1.5 s budgets.
+    let prompt = "summarize the incident for the on-call engineer now";
+    let mut ids = Vec::new();
+    let mut highest = 0;
+    let mut tick = tokio::time::interval(Duration::from_millis(25));
+    let t0 = Instant::now();
+    let mut i = 0;
+    while t0.elapsed() < Duration::from_secs(secs) {
+        tick.tick().await;
+        let id = format!("{tag}-{i}");
+        i += 1;
+        let payload = serde_json::json!({
+            "messages": [
+                {"role": "user", "content": id},
+                {"role": "user", "content": prompt},
+            ],
+            "max_tokens": 16,
+        });
+        s.submit(&job_with(&id, 1_500, payload), now_ms())
+            .await
+            .unwrap();
+        ids.push(id);
+        if let Some((_, limit)) = w.stats.metrics.slots() {
+            assert!(
+                (1..=max).contains(&limit),
+                "the limit stays in [1, max]: {limit}"
+            );
+            highest = highest.max(limit);
+        }
+    }
+    let recs = env.wait_terminal(&ids, Duration::from_secs(30)).await;
+    let by_id: HashMap<&str, &lastcall_store::JobRecord> =
+        recs.iter().map(|r| (r.job_id.as_str(), r)).collect();
+    let calls = up.seen.lock().unwrap().clone();
+    let late: Vec<_> = (calls.iter())
+        .filter(|(id, at)| {
+            by_id
+                .get(id.as_str())
+                .and_then(|r| r.expires_at_ms)
+                .is_some_and(|exp| *at > exp)
+        })
+        .collect();
+    let on_time = (recs.iter())
+        .filter(|r| r.state == "completed")
+        .filter(|r| r.finished_at_ms.unwrap_or(i64::MAX) <= r.expires_at_ms.unwrap_or(0))
+        .count();
+    let cut = (recs.iter())
+        .filter(|r| r.state == "deadline_exceeded")
+        .count();
+    let model_ms: i64 = recs.iter().map(|r| r.latency_ms.unwrap_or(0).max(0)).sum();
+    let wasted_ms: i64 = (recs.iter())
+        .filter(|r| r.state != "completed")
+        .map(|r| r.latency_ms.unwrap_or(0).max(0))
+        .sum();
+    eprintln!(
+        "{tag}: sent {}; on time {on_time}; cut {cut}; upstream calls {}; highest limit {highest}; late {}",
+        ids.len(),
+        up.answered.load(Ordering::SeqCst),
+        late.len(),
+    );
+    w.stop().await;
+    server.abort();
+    env.cleanup().await;
+    Run {
+        sent: ids.len(),
+        on_time,
+        cut,
+        late: late.len(),
+        highest,
+        model_ms,
+        wasted_ms,
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn auto_slots_raise_the_limit_against_a_batching_server_and_no_call_is_late() {
+    let r = run("adaptive-slots", None, 12).await;
+    assert!(
+        r.highest > 2,
+        "the limit rose above its start (2): {}",
+        r.highest
+    );
+    assert_eq!(r.late, 0, "calls at the server after the deadline");
+    // One slot completes ~14 calls/s; the adaptive limit must do clearly better.
+    assert!(
+        r.on_time as f64 > 1.5 * 14.0 * 12.0,
+        "on time {} of {}",
+        r.on_time,
+        r.sent
+    );
+    assert!(
+        r.cut * 20 <= r.on_time,
+        "cut {} vs on time {}",
+        r.cut,
+        r.on_time
+    );
+}
+
+/// The real-time sweep of BENCHMARKS.md §10: fixed 1…6 and auto, one after the other on
+/// the same load (slow tier: ~2 minutes).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore]
+async fn sweep_fixed_slot_counts_against_auto_on_a_batching_server() {
+    let mut rows = Vec::new();
+    for slots in [Some(1), Some(2), Some(3), Some(4), Some(5), Some(6), None] {
+        let tag = match slots {
+            Some(n) => format!("sweep-{n}"),
+            None => "sweep-auto".into(),
+        };
+        rows.push((slots, run(&tag, slots, 12).await));
+    }
+    let best = (rows.iter())
+        .filter(|(s, _)| s.is_some())
+        .map(|(_, r)| r.on_time)
+        .max()
+        .unwrap()
+        .max(1);
+    eprintln!("| slots | sent | on time | ÷ best fixed | cut | wasted | late | highest limit |");
+    eprintln!("|---|---|---|---|---|---|---|---|");
+    for (slots, r) in &rows {
+        eprintln!(
+            "| {} | {} | {} | {:.1}% | {} | {:.1}% | {} | {} |",
+            slots.map_or("auto".to_string(), |n| n.to_string()),
+            r.sent,
+            r.on_time,
+            100.0 * r.on_time as f64 / best as f64,
+            r.cut,
+            100.0 * r.wasted_ms as f64 / r.model_ms.max(1) as f64,
+            r.late,
+            r.highest,
+        );
+        assert_eq!(r.late, 0);
+    }
+}
