@@ -44,7 +44,14 @@
 #
 # The server runs with --parallel ${LLAMA_SERVER_PARALLEL:-4} slots (continuous batching:
 # that many requests decode together, the rest queue in order) and
-# ${LLAMA_SERVER_CTX_PER_SLOT:-4096} tokens of context per slot (-c is their product). A
+# ${LLAMA_SERVER_CTX_PER_SLOT:-4096} tokens of context per slot (-c is their product; the KV
+# cache then takes ~23 KB a token, ~380 MB in all). 4 is the default --slots of `lastcall
+# bench goodput`, so each worker slot finds a server slot; 4096 holds the tests' longest
+# generation (3500 tokens) with its prompt. It decodes with ${LLAMA_SERVER_THREADS:-nproc/2}
+# threads (at least 1; llama-cpp-python's server had the same default): llama.cpp's threads
+# spin at a barrier after each step, and with as many threads as cores on a machine busy with
+# other work (a cargo build beside the tests) a step waits for a descheduled thread. On the
+# 2-core test machine at load 8, SmolLM2 decoded 3-4 tokens/s with 2 threads, 42 with 1. A
 # client that closes its connection (streaming or not) gets its task cancelled and its slot
 # freed; the log then shows `cancel task, id_task = N`.
 #
@@ -52,8 +59,10 @@
 # stderr: diagnostics.
 # Environment: LASTCALL_CACHE, PYTHON (the interpreter that creates the build venv),
 # LLAMA_CPP_PYTHON_VERSION (the sdist to take llama.cpp from), LLAMA_BUILD_JOBS (default
-# nproc), LLAMA_SERVER_PARALLEL, LLAMA_SERVER_CTX_PER_SLOT, LLAMA_SERVER_ARGS (extra
-# arguments for llama-server, e.g. `--api-key KEY`, `--parallel 1`; later ones win),
+# nproc), LLAMA_SERVER_PARALLEL (slots; rather than --parallel in LLAMA_SERVER_ARGS, so that
+# -c follows), LLAMA_SERVER_CTX_PER_SLOT, LLAMA_SERVER_ARGS (extra arguments for llama-server,
+# e.g. `--api-key KEY`; they come last and win),
+# LLAMA_SERVER_THREADS (decode threads, default nproc/2, at least 1),
 # LLAMA_SERVER_READY_SECS (how long to wait for the server to answer, default 120).
 set -euo pipefail
 
@@ -140,7 +149,7 @@ ensure_server() {
             -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
             -DGGML_NATIVE=OFF -DGGML_AMX_TILE=OFF -DGGML_AMX_INT8=OFF -DGGML_AMX_BF16=OFF \
             -DGGML_AVX512=OFF -DGGML_CUDA=OFF -DGGML_VULKAN=OFF -DGGML_METAL=OFF \
-            -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF \
+            -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DGGML_CCACHE=OFF \
             -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON \
             -DLLAMA_BUILD_SERVER=ON -DLLAMA_BUILD_APP=OFF \
             -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF
@@ -196,7 +205,7 @@ running_pid() {
 }
 
 start() {
-    local port="${1:-}" pid gguf logf ready_secs parallel ctx_per_slot waited=0
+    local port="${1:-}" pid gguf logf ready_secs parallel ctx_per_slot threads waited=0
     [[ "$port" =~ ^[0-9]+$ ]] || die "usage: $0 start PORT"
     mkdir -p "$cache"
     # One starter at a time: two test binaries may race for the same port.
@@ -222,15 +231,16 @@ start() {
     logf="$(log_file "$port")"
     parallel="${LLAMA_SERVER_PARALLEL:-4}"
     ctx_per_slot="${LLAMA_SERVER_CTX_PER_SLOT:-4096}"
-    log "starting llama-server on 127.0.0.1:$port with $gguf, $parallel slots (log: $logf)"
-    # -c is the context of all slots together (each gets -c / --parallel; a
-    # --parallel in LLAMA_SERVER_ARGS comes later and wins, with the same total).
+    threads="${LLAMA_SERVER_THREADS:-$(($(nproc) / 2))}"
+    ((threads >= 1)) || threads=1
+    log "starting llama-server on 127.0.0.1:$port with $gguf, $parallel slots, $threads threads (log: $logf)"
+    # -c is the context of all slots together: each slot gets -c / --parallel.
     # --no-ui: there is no UI in this build. setsid + no inherited stdio: the server
     # outlives this script and never holds the caller's pipes open (a test runner waits
     # for those).
     # shellcheck disable=SC2086
     setsid "$server_bin" --host 127.0.0.1 --port "$port" -m "$gguf" \
-        --parallel "$parallel" -c "$((parallel * ctx_per_slot))" --no-ui \
+        --parallel "$parallel" -c "$((parallel * ctx_per_slot))" --threads "$threads" --no-ui \
         ${LLAMA_SERVER_ARGS:-} </dev/null >"$logf" 2>&1 9>&- &
     pid=$!
     printf '%s\n' "$pid" >"$(pid_file "$port")"
