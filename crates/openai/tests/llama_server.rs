@@ -514,11 +514,16 @@ async fn openai_backend_against_a_real_llama_cpp_server() {
         if reason == "http_401" && message.to_lowercase().contains("api key")),
         "{e:?}"
     );
-    let wrong_path = OpenAiBackend::new(OpenAiConfig::new(
-        format!("http://127.0.0.1:{}/v2", server.port),
-        "smollm2",
-    ))
+    // With the key: llama-server checks it before it routes, so a keyless request to a
+    // wrong path is a 401 too.
+    let key = key_file();
+    let wrong_path = OpenAiBackend::new(
+        OpenAiConfig::new(format!("http://127.0.0.1:{}/v2", server.port), "smollm2")
+            .api_key_from_file(&key)
+            .unwrap(),
+    )
     .unwrap();
+    let _ = std::fs::remove_file(&key);
     let e = wrong_path
         .call(
             req("bad-path", json!({"prompt": "hi"}), Duration::from_secs(10)),
