@@ -440,6 +440,25 @@ async fn openai_backend_against_a_real_llama_cpp_server() {
         })
         .await;
 
+    // 1b. Calls back to back on one backend. llama-server closes the connection after
+    // each streamed response (without `Connection: close`), so the next call may be
+    // written on the pooled connection before the close arrives; the backend then sends it
+    // again on a new one instead of failing with `http_error`. Without that, some of these
+    // failed (as `bench goodput --openai-url` did in its first calls).
+    for n in 0..8 {
+        backend
+            .call(
+                req(
+                    &format!("back-to-back-{n}"),
+                    json!({"prompt": "Say yes.", "max_tokens": 2, "temperature": 0.0}),
+                    Duration::from_secs(60),
+                ),
+                CancellationToken::new(),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("back-to-back call {n}: {e}"));
+    }
+
     // How long the abandoned generation would take to run to its end: far longer than any
     // bound below, or those bounds could not tell "returned at its deadline" from
     // "returned after the generation".
