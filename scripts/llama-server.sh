@@ -23,7 +23,8 @@
 # static, no web UI (LLAMA_BUILD_UI=OFF and LLAMA_USE_PREBUILT_UI=OFF: the UI is an npm build
 # or a Hugging Face download, neither of which we want; the server then serves an empty UI),
 # no HTTPS/curl. cmake and ninja come from PyPI into a small venv, so no system cmake is
-# needed; the compiler is the system's c++. About 4-5 minutes on 2 idle cores.
+# needed; the compiler is the system's c++. About 11 CPU-minutes (measured: 10m11s user +
+# 53s sys), i.e. 5-6 minutes on 2 idle cores; 21m40s beside other builds at load 7-10.
 #
 # CPU features: built with GGML_NATIVE=OFF, i.e. the x86-64 AVX/AVX2/FMA/F16C/BMI2 kernels
 # and no AMX or AVX-512. A native build would pick AMX on a CPU that reports it, and in this
@@ -35,7 +36,8 @@
 #   llama.cpp-VERSION/bin/llama-server   the binary, built once and reused (the source and
 #                                        build trees are deleted after a successful build)
 #   llama-cpp-build.log                  the full output of the last build (its progress,
-#                                        the [N/M] lines, goes to stderr)
+#                                        the [N/M] lines, goes to stderr), and
+#                                        llama-cpp-build.ninja_log its per-object times
 #   venv-build/                          cmake and ninja from PyPI
 #   llama-server-PORT.pid|.log           one running server per port
 # A build holds llama-cpp-build.lock, so two concurrent `setup`s build once. The model GGUF
@@ -124,7 +126,7 @@ ensure_server() {
     jobs="${LLAMA_BUILD_JOBS:-$(nproc)}"
     rm -rf "$home"
     mkdir -p "$home/sdist"
-    log "building llama-server from llama-cpp-python $version's vendored llama.cpp (about 4-5 minutes on 2 cores, -j$jobs); progress follows, the full log goes to $build_log"
+    log "building llama-server from llama-cpp-python $version's vendored llama.cpp (about 11 CPU-minutes: 5-6 minutes on 2 idle cores, more beside other work; -j$jobs); progress follows, the full log goes to $build_log"
     : >"$build_log"
     set +e
     (
@@ -164,6 +166,9 @@ ensure_server() {
         tail -n 40 "$build_log" >&2
         die "building llama-server failed (exit $rc); full log: $build_log. It needs a C++ compiler (sudo apt-get install build-essential) and PyPI for the sdist and cmake."
     fi
+    # Which objects took the time (ninja's start/end ms per object), for whoever speeds
+    # this build up.
+    cp "$home/build/.ninja_log" "$cache/llama-cpp-build.ninja_log" 2>/dev/null || true
     rm -rf "$home/sdist" "$home/build"
     log "built $server_bin in $((SECONDS - started))s"
     exec 8>&-
