@@ -31,8 +31,9 @@ const MAX_ERROR_BODY: usize = 16 * 1024;
 /// the response body. hyper closes an HTTP/1 connection whose body was dropped before its
 /// end instead of returning it to the pool (it could not be reused anyway), so the server
 /// sees the disconnect and can stop generating. The integration test checks this against
-/// a real llama.cpp server by what the server logged: the abandoned request's disconnect,
-/// and no generation of it that ran to its end (`crates/openai/tests/llama_server.rs`).
+/// a real llama.cpp server (`llama-server`) by what the server logged: the abandoned
+/// request's task cancelled, and no generation of it that ran to its end
+/// (`crates/openai/tests/llama_server.rs`).
 pub struct OpenAiBackend {
     cfg: OpenAiConfig,
     client: reqwest::Client,
