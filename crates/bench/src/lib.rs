@@ -172,6 +172,16 @@ pub struct GoodputArgs {
     /// `scripts/setup-model.sh` installed]
     #[arg(long, env = "LASTCALL_MODEL_PATH")]
     pub model_path: Option<PathBuf>,
+    /// With `--service smollm2`: send the jobs to this OpenAI-compatible server (streamed
+    /// chat completions, the worker's `openai` backend) instead of the embedded model, e.g.
+    /// llama.cpp's `llama-server` that `scripts/llama-server.sh start 8080` runs with
+    /// SmolLM2-135M and continuous batching: `http://127.0.0.1:8080/v1`. Its capacity is
+    /// measured first with every slot busy, as the embedded model's
+    #[arg(long, value_name = "URL")]
+    pub openai_url: Option<String>,
+    /// The model name sent to --openai-url
+    #[arg(long, default_value = "smollm2", value_name = "NAME")]
+    pub openai_model: String,
     /// Arrival rates as multiples of capacity (slots × 1000 / mean call ms jobs/s); a
     /// comma-separated list runs each, e.g. `2,5,10`
     #[arg(long, value_delimiter = ',', default_value = "5")]

@@ -1066,7 +1066,7 @@ async fn the_openai_sdk_streams_exactly_the_ledgers_text() {
 }
 
 /// `stream: true` through a worker with the OpenAI-compatible backend against a real
-/// llama.cpp server (llama-cpp-python, SmolLM2-135M, `scripts/llama-server.sh`): the
+/// llama.cpp server (llama.cpp's C++ `llama-server`, SmolLM2-135M, `scripts/llama-server.sh`): the
 /// server's streamed chunks reach the SDK as deltas, and their text is the ledger's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_sdk_streams_a_real_llama_cpp_generation() {

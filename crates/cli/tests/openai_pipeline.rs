@@ -1,8 +1,10 @@
 //! The worker with the OpenAI-compatible backend against a real llama.cpp server
-//! (llama-cpp-python serving SmolLM2-135M, started by `scripts/llama-server.sh`): outcomes
-//! land in the ledger with text, usage and latency; a deadline shorter than the generation
-//! gives `deadline_exceeded` and frees the server; a server that is down gives retries
-//! inside the budget. One test with sections: the server serves one request at a time.
+//! (llama.cpp's C++ `llama-server` serving SmolLM2-135M, started by
+//! `scripts/llama-server.sh`): outcomes land in the ledger with text, usage and latency; a
+//! deadline shorter than the generation gives `deadline_exceeded` and frees the server; a
+//! server that is down gives retries inside the budget (one test with sections, sharing one
+//! server). And continuous batching is real: a worker with several slots has several
+//! generations in the server's slots at once, read from the server's log.
 
 mod common;
 
@@ -29,6 +31,48 @@ fn free_port() -> u16 {
 }
 
 struct Server(u16);
+
+impl Server {
+    /// `scripts/llama-server.sh start PORT` on a free port with `env` (LLAMA_SERVER_*); the
+    /// base URL.
+    fn start(env: &[(&str, &str)]) -> (Server, String) {
+        let port = free_port();
+        let out = Command::new("bash")
+            .arg(script())
+            .args(["start", &port.to_string()])
+            .envs(env.iter().copied())
+            .stdin(Stdio::null())
+            .stderr(Stdio::inherit())
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "could not start the llama.cpp server: run `scripts/llama-server.sh start 8080` to \
+             see why (and `scripts/llama-server.sh stop 8080` after)"
+        );
+        let base_url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+        (Server(port), base_url)
+    }
+
+    /// The server's log as `scripts/llama-server.sh` keeps it:
+    /// `${LASTCALL_CACHE:-$HOME/.cache/lastcall}/llama-server-PORT.log`.
+    fn log(&self) -> String {
+        let cache = std::env::var_os("LASTCALL_CACHE")
+            .filter(|c| !c.is_empty())
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|| {
+                std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME"))
+                    .join(".cache/lastcall")
+            });
+        let path = cache.join(format!("llama-server-{}.log", self.0));
+        std::fs::read_to_string(&path).unwrap_or_else(|e| {
+            panic!(
+                "{}: {e}; scripts/llama-server.sh logs elsewhere now? update Server::log",
+                path.display()
+            )
+        })
+    }
+}
 
 impl Drop for Server {
     fn drop(&mut self) {
@@ -65,20 +109,7 @@ async fn run(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_with_a_real_openai_compatible_server() {
-    let port = free_port();
-    let out = Command::new("bash")
-        .arg(script())
-        .args(["start", &port.to_string()])
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "could not start the llama.cpp server: run `scripts/llama-server.sh start 8080` to see why"
-    );
-    let _server = Server(port);
-    let base_url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let (_server, base_url) = Server::start(&[]);
 
     let env = Env::sqlite("openai").await;
     let mut cfg = env.worker_config(1, 2);
@@ -243,4 +274,92 @@ fn long_generation() -> serde_json::Value {
         "max_tokens": 1000,
         "logit_bias": {"0": -100, "2": -100}
     })
+}
+
+/// Slots of the server and of the worker in [`continuous_batching_at_a_real_llama_server`].
+const SLOTS: usize = 4;
+/// Jobs submitted at once: two rounds of `SLOTS`.
+const BATCHED_JOBS: usize = 2 * SLOTS;
+/// Tokens each of them generates (the end-of-text tokens banned, so exactly this many):
+/// long enough that the generations of one round overlap however slowly the requests reach
+/// the server, short enough to run in seconds.
+const BATCHED_TOKENS: i64 = 64;
+
+/// Continuous batching is real: a worker with `SLOTS` slots in front of a llama-server with
+/// `--parallel SLOTS` gets several generations decoded at once. Read from the server's own
+/// log (`| task N | processing task` when a slot takes a request, `| task N | stop
+/// processing` when it is free again): at some moment at least two tasks, and never more
+/// than `SLOTS`, held a slot. Every job completes once, with all its tokens.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn continuous_batching_at_a_real_llama_server() {
+    let slots = SLOTS.to_string();
+    let (server, base_url) = Server::start(&[("LLAMA_SERVER_PARALLEL", slots.as_str())]);
+    let env = Env::sqlite("openai-batching").await;
+    let cfg = env.worker_config(SLOTS, SLOTS as u16);
+    let topo = cfg.topology.clone();
+    let backend: Arc<dyn Backend> = Arc::new(
+        OpenAiBackend::new(
+            OpenAiConfig::new(&base_url, "smollm2").with_max_tokens(BATCHED_TOKENS as u32),
+        )
+        .unwrap(),
+    );
+    let w = env.start_worker(cfg, backend, system_clock()).await;
+    let s = env.submitter(100, true).await;
+    let before = server.log().len();
+    let ids: Vec<String> = (0..BATCHED_JOBS).map(|i| format!("batched-{i}")).collect();
+    let t0 = Instant::now();
+    for (i, id) in ids.iter().enumerate() {
+        let payload = json!({
+            "prompt": format!("Write a short story about the number {i}."),
+            "max_tokens": BATCHED_TOKENS,
+            "temperature": 0.0,
+            "logit_bias": {"0": -100, "2": -100}
+        });
+        s.submit(&job_with(id, 120_000, payload), now_ms())
+            .await
+            .unwrap();
+    }
+    let recs = env.wait_terminal(&ids, Duration::from_secs(120)).await;
+    let took = t0.elapsed();
+    for r in &recs {
+        assert_eq!(r.state, "completed", "{r:?}");
+        assert_eq!(r.backend_calls, 1, "one call, one outcome: {r:?}");
+        assert_eq!(r.completion_tokens, Some(BATCHED_TOKENS), "{r:?}");
+    }
+    let log = server.log();
+    let log = &log[before.min(log.len())..];
+    let (max_busy, tasks) = busy_slots(log);
+    eprintln!(
+        "{BATCHED_JOBS} jobs of {BATCHED_TOKENS} tokens through {SLOTS} worker slots in \
+         {took:?}; the server's log shows {tasks} tasks, at most {max_busy} in slots at once"
+    );
+    assert_eq!(
+        tasks, BATCHED_JOBS,
+        "one server task per job; the server's log:\n{log}"
+    );
+    assert!(
+        (2..=SLOTS).contains(&max_busy),
+        "expected 2..={SLOTS} generations in the server's slots at once (continuous \
+         batching), saw {max_busy}; the server's log:\n{log}"
+    );
+    w.stop().await;
+    topo.delete(&env.broker).await.unwrap();
+    env.cleanup().await;
+}
+
+/// From llama-server's log: the largest number of tasks in slots at the same time, and how
+/// many tasks were taken. A slot line reads `slot launch_slot_: id  0 | task 7 | processing
+/// task` / `slot      release: id  0 | task 7 | stop processing: …`.
+fn busy_slots(log: &str) -> (usize, usize) {
+    let (mut busy, mut max, mut tasks) = (0usize, 0usize, 0usize);
+    for line in log.lines() {
+        if line.contains("| processing task") {
+            busy += 1;
+            tasks += 1;
+            max = max.max(busy);
+        } else if line.contains("| stop processing") {
+            busy = busy.saturating_sub(1);
+        }
+    }
+    (max, tasks)
 }

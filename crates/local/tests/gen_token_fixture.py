@@ -2,6 +2,9 @@
 """Regenerate tests/fixtures/smollm2_tokens.json: llama.cpp's token ids for a set of strings.
 
 The Rust tokenizer in src/tokenizer.rs must reproduce these ids exactly (tests/tokenizer.rs).
+Run by hand only, when the fixture changes: no test or script runs it, and the test setup
+does not install llama-cpp-python (the OpenAI-backend tests use llama.cpp's C++ llama-server,
+scripts/llama-server.sh), so install its Python bindings yourself as below.
 
 Usage (from the repository root):
 

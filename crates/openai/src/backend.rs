@@ -31,8 +31,9 @@ const MAX_ERROR_BODY: usize = 16 * 1024;
 /// the response body. hyper closes an HTTP/1 connection whose body was dropped before its
 /// end instead of returning it to the pool (it could not be reused anyway), so the server
 /// sees the disconnect and can stop generating. The integration test checks this against
-/// a real llama.cpp server by what the server logged: the abandoned request's disconnect,
-/// and no generation of it that ran to its end (`crates/openai/tests/llama_server.rs`).
+/// a real llama.cpp server (`llama-server`) by what the server logged: the abandoned
+/// request's task cancelled, and no generation of it that ran to its end
+/// (`crates/openai/tests/llama_server.rs`).
 pub struct OpenAiBackend {
     cfg: OpenAiConfig,
     client: reqwest::Client,
@@ -97,6 +98,19 @@ impl OpenAiBackend {
         &self.cfg
     }
 
+    /// The streamed chat-completions request for `body`.
+    fn post(&self, body: &serde_json::Value) -> reqwest::RequestBuilder {
+        let request = self
+            .client
+            .post(self.url.clone())
+            .header(ACCEPT, "text/event-stream")
+            .json(body);
+        match &self.auth {
+            Some(auth) => request.header(AUTHORIZATION, auth.clone()),
+            None => request,
+        }
+    }
+
     /// The whole exchange, without the deadline: the caller races it against the timeout
     /// and the token and drops it when either wins.
     /// Each content chunk's text goes to `deltas` (until it says stop) as it arrives.
@@ -107,15 +121,18 @@ impl OpenAiBackend {
         mut deltas: Option<Deltas>,
         limits: Option<LimitSink>,
     ) -> Result<CallOutput, BackendError> {
-        let mut request = self
-            .client
-            .post(self.url.clone())
-            .header(ACCEPT, "text/event-stream")
-            .json(&body);
-        if let Some(auth) = &self.auth {
-            request = request.header(AUTHORIZATION, auth.clone());
-        }
-        let response = request.send().await.map_err(send_error)?;
+        let response = match self.post(&body).send().await {
+            Ok(response) => response,
+            // A pooled connection that the server closed after its previous response:
+            // llama.cpp's llama-server closes the connection after every streamed response,
+            // without `Connection: close`, so hyper may write the next request on it before
+            // the close arrives, and gets no byte of an answer. The server never read that
+            // request: send it once more (hyper takes a new connection).
+            Err(e) if closed_before_response(&e) => {
+                self.post(&body).send().await.map_err(send_error)?
+            }
+            Err(e) => return Err(send_error(e)),
+        };
         let status = response.status();
         // What the server says of its rate limits, on successes and refusals alike.
         if let Some(sink) = &limits {
@@ -323,6 +340,15 @@ async fn read_capped(response: reqwest::Response, cap: usize) -> Vec<u8> {
         }
     }
     out
+}
+
+/// hyper's "connection closed before message completed" on sending: the connection (a
+/// reused one: a new one would fail to connect instead) ended before any byte of the
+/// response head.
+fn closed_before_response(e: &reqwest::Error) -> bool {
+    e.is_request()
+        && !e.is_connect()
+        && error_chain(e).contains("connection closed before message completed")
 }
 
 /// A failure before the response head: all retryable, the next attempt may find the
