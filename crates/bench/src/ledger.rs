@@ -24,6 +24,7 @@ use serde::Serialize;
 use serde_json::json;
 use std::process::ExitCode;
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 use tokio::task::JoinSet;
 
@@ -290,6 +291,8 @@ fn outcome(job_id: &str, model_called: bool, now: i64) -> OutcomeRecord {
 /// The background pruner's defaults (`[ledger] batch_rows`, `batch_pause_ms`).
 const PRUNE_BATCH_ROWS: u32 = 1_000;
 const PRUNE_PAUSE: std::time::Duration = std::time::Duration::from_millis(50);
+/// The length of each pruning and each non-pruning period of the paired measurement.
+const PAIR_PERIOD: Duration = Duration::from_secs(4);
 
 /// One throughput measurement of `--prune-rows`.
 #[derive(Debug, Clone, Serialize)]
@@ -338,18 +341,20 @@ async fn write_for(
     clock: &Arc<dyn Clock>,
     tag: &str,
     stop: tokio_util::sync::CancellationToken,
+    done: Arc<std::sync::atomic::AtomicU64>,
 ) -> Result<(u64, Vec<u64>, f64)> {
     let nonce = format!("{:x}-{tag}", clock.now_ms());
     let next = Arc::new(std::sync::atomic::AtomicU64::new(0));
     let t0 = Instant::now();
     let mut set = JoinSet::new();
     for _ in 0..a.writers {
-        let (ledger, next, nonce, clock, stop) = (
+        let (ledger, next, nonce, clock, stop, done) = (
             ledger.clone(),
             next.clone(),
             nonce.clone(),
             clock.clone(),
             stop.clone(),
+            done.clone(),
         );
         let step = a.batch;
         set.spawn(async move {
@@ -368,6 +373,7 @@ async fn write_for(
                 let t = Instant::now();
                 if ledger.write_batch(&writes).await.is_ok() {
                     ok += step;
+                    done.fetch_add(step, std::sync::atomic::Ordering::Relaxed);
                 }
                 lat.push(t.elapsed().as_micros() as u64);
             }
@@ -394,6 +400,7 @@ async fn prune_or_copy(
     let measure = Duration::from_secs(if a.smoke { 1 } else { a.measure_s.max(1) });
     let mut rows: Vec<PhaseRow> = Vec::new();
     let mut copies: Vec<serde_json::Value> = Vec::new();
+    let mut pairs: Vec<serde_json::Value> = Vec::new();
     for (url, dir) in targets {
         let ledger = crate::open_ledger(&url).await?;
         let t = Instant::now();
@@ -436,31 +443,81 @@ async fn prune_or_copy(
                 stop.cancel();
             })
         };
-        let before = write_for(&ledger, a, &env.clock, "before", stop).await?;
+        let before = write_for(&ledger, a, &env.clock, "before", stop, Default::default()).await?;
         timer.await?;
         rows.push(phase("alone, before", before, 0));
-        // While the pruner deletes the old jobs.
+        // While the pruner deletes the old jobs, in alternating periods of PAIR_PERIOD:
+        // pruning, then not, so that each pruning period is compared with its neighbours
+        // (the machine's other load drifts slowly; the pairs cancel it).
         let stop = CancellationToken::new();
+        let done = Arc::new(std::sync::atomic::AtomicU64::new(0));
         let pruner = {
-            let (ledger, stop) = (ledger.clone(), stop.clone());
+            let (ledger, stop, done) = (ledger.clone(), stop.clone(), done.clone());
             tokio::spawn(async move {
                 let mut pruned = 0u64;
-                loop {
-                    let t = Instant::now();
-                    let c = ledger.prune_batch(cut, PRUNE_BATCH_ROWS, None).await?;
-                    pruned += c.jobs;
-                    if c.jobs < u64::from(PRUNE_BATCH_ROWS) {
-                        break;
+                // (pruning?, writes, seconds) per period.
+                let mut periods: Vec<(bool, u64, f64)> = Vec::new();
+                let mut on = false;
+                let mut finished = false;
+                while !finished {
+                    let (t0, w0) = (Instant::now(), done.load(Ordering::Relaxed));
+                    let end = t0 + PAIR_PERIOD;
+                    if on {
+                        while Instant::now() < end {
+                            let t = Instant::now();
+                            let c = ledger.prune_batch(cut, PRUNE_BATCH_ROWS, None).await?;
+                            pruned += c.jobs;
+                            if c.jobs < u64::from(PRUNE_BATCH_ROWS) {
+                                finished = true;
+                                break;
+                            }
+                            let pause = lastcall_store::prune_pause(PRUNE_PAUSE, t.elapsed());
+                            tokio::time::sleep(pause).await;
+                        }
+                    } else {
+                        tokio::time::sleep(PAIR_PERIOD).await;
                     }
-                    let pause = lastcall_store::prune_pause(PRUNE_PAUSE, t.elapsed());
-                    tokio::time::sleep(pause).await;
+                    let secs = t0.elapsed().as_secs_f64();
+                    periods.push((on, done.load(Ordering::Relaxed) - w0, secs));
+                    on = !on;
                 }
+                // One more period without pruning, the last pruning one's right neighbour.
+                let (t0, w0) = (Instant::now(), done.load(Ordering::Relaxed));
+                tokio::time::sleep(PAIR_PERIOD).await;
+                periods.push((false, done.load(Ordering::Relaxed) - w0, t0.elapsed().as_secs_f64()));
                 stop.cancel();
-                anyhow::Ok(pruned)
+                anyhow::Ok((pruned, periods))
             })
         };
-        let during = write_for(&ledger, a, &env.clock, "during", stop).await?;
-        let pruned = pruner.await??;
+        let during = write_for(&ledger, a, &env.clock, "during", stop, done).await?;
+        let (pruned, periods) = pruner.await??;
+        let rate = |(_, w, s): &(bool, u64, f64)| *w as f64 / s.max(1e-9);
+        let mut ratios: Vec<f64> = Vec::new();
+        for i in 1..periods.len().saturating_sub(1) {
+            if periods[i].0 && !periods[i - 1].0 && !periods[i + 1].0 {
+                let off = (rate(&periods[i - 1]) + rate(&periods[i + 1])) / 2.0;
+                ratios.push(rate(&periods[i]) / off.max(1e-9));
+            }
+        }
+        ratios.sort_by(f64::total_cmp);
+        let sum = |on: bool| {
+            periods
+                .iter()
+                .filter(|p| p.0 == on)
+                .fold((0u64, 0f64), |(w, s), p| (w + p.1, s + p.2))
+        };
+        let ((won, son), (woff, soff)) = (sum(true), sum(false));
+        pairs.push(json!({
+            "backend": ledger.backend_name(),
+            "pairs": ratios.len(),
+            "period_s": PAIR_PERIOD.as_secs_f64(),
+            "median_ratio": ratios.get(ratios.len() / 2),
+            "p10_ratio": ratios.get(ratios.len() / 10),
+            "p90_ratio": ratios.get(ratios.len() * 9 / 10),
+            "pruning_per_s": won as f64 / son.max(1e-9),
+            "not_pruning_per_s": woff as f64 / soff.max(1e-9),
+            "pruning_s": son,
+        }));
         rows.push(phase("while pruning", during, pruned));
         // Alone again (the ledger is smaller now).
         let stop = CancellationToken::new();
@@ -471,7 +528,7 @@ async fn prune_or_copy(
                 stop.cancel();
             })
         };
-        let after = write_for(&ledger, a, &env.clock, "after", stop).await?;
+        let after = write_for(&ledger, a, &env.clock, "after", stop, Default::default()).await?;
         timer.await?;
         rows.push(phase("alone, after", after, 0));
         ledger.close().await;
@@ -488,6 +545,7 @@ async fn prune_or_copy(
                 "machine": crate::machine(),
                 "prune_rows": n,
                 "results": rows,
+                "paired": pairs,
                 "copies": copies,
             }))?
         );
@@ -518,15 +576,26 @@ async fn prune_or_copy(
                 &table
             )
         );
-        for w in rows.chunks(3) {
+        for (w, p) in rows.chunks(3).zip(&pairs) {
             if let [b, d, af] = w {
                 println!(
-                    "{}: writers while pruning {n} jobs = {:.2} × alone before, {:.2} × alone after ({} outcomes per transaction, {} writers)",
+                    "{}: writers over the whole pruning of {n} jobs = {:.2} × alone before, {:.2} × alone after ({} outcomes per transaction, {} writers)",
                     b.backend,
                     d.per_s / b.per_s.max(1e-9),
                     d.per_s / af.per_s.max(1e-9),
                     a.batch,
                     a.writers
+                );
+                println!(
+                    "{}: paired {} s periods, pruning ÷ not pruning (its neighbours): median {:.3}, p10 {:.3}, p90 {:.3} over {} pairs; {:.0} vs {:.0} writes/s",
+                    b.backend,
+                    p["period_s"],
+                    p["median_ratio"].as_f64().unwrap_or(f64::NAN),
+                    p["p10_ratio"].as_f64().unwrap_or(f64::NAN),
+                    p["p90_ratio"].as_f64().unwrap_or(f64::NAN),
+                    p["pairs"],
+                    p["pruning_per_s"].as_f64().unwrap_or(0.0),
+                    p["not_pruning_per_s"].as_f64().unwrap_or(0.0),
                 );
             }
         }
