@@ -484,7 +484,11 @@ async fn prune_or_copy(
                 // One more period without pruning, the last pruning one's right neighbour.
                 let (t0, w0) = (Instant::now(), done.load(Ordering::Relaxed));
                 tokio::time::sleep(PAIR_PERIOD).await;
-                periods.push((false, done.load(Ordering::Relaxed) - w0, t0.elapsed().as_secs_f64()));
+                periods.push((
+                    false,
+                    done.load(Ordering::Relaxed) - w0,
+                    t0.elapsed().as_secs_f64(),
+                ));
                 stop.cancel();
                 anyhow::Ok((pruned, periods))
             })
