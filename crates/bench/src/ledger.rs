@@ -389,6 +389,27 @@ async fn write_for(
     Ok((ok, lat, t0.elapsed().as_secs_f64()))
 }
 
+/// [`write_for`] for `measure`, with nothing else running.
+async fn write_alone(
+    ledger: &Arc<Ledger>,
+    a: &LedgerArgs,
+    clock: &Arc<dyn Clock>,
+    tag: &str,
+    measure: Duration,
+) -> Result<(u64, Vec<u64>, f64)> {
+    let stop = tokio_util::sync::CancellationToken::new();
+    let timer = {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            tokio::time::sleep(measure).await;
+            stop.cancel();
+        })
+    };
+    let got = write_for(ledger, a, clock, tag, stop, Default::default()).await?;
+    timer.await?;
+    Ok(got)
+}
+
 async fn prune_or_copy(
     env: &Env,
     a: &LedgerArgs,
@@ -435,16 +456,7 @@ async fn prune_or_copy(
             pruned,
         };
         // Alone.
-        let stop = CancellationToken::new();
-        let timer = {
-            let stop = stop.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(measure).await;
-                stop.cancel();
-            })
-        };
-        let before = write_for(&ledger, a, &env.clock, "before", stop, Default::default()).await?;
-        timer.await?;
+        let before = write_alone(&ledger, a, &env.clock, "before", measure).await?;
         rows.push(phase("alone, before", before, 0));
         // While the pruner deletes the old jobs, in alternating periods of PAIR_PERIOD:
         // pruning, then not, so that each pruning period is compared with its neighbours
@@ -524,16 +536,7 @@ async fn prune_or_copy(
         }));
         rows.push(phase("while pruning", during, pruned));
         // Alone again (the ledger is smaller now).
-        let stop = CancellationToken::new();
-        let timer = {
-            let stop = stop.clone();
-            tokio::spawn(async move {
-                tokio::time::sleep(measure).await;
-                stop.cancel();
-            })
-        };
-        let after = write_for(&ledger, a, &env.clock, "after", stop, Default::default()).await?;
-        timer.await?;
+        let after = write_alone(&ledger, a, &env.clock, "after", measure).await?;
         rows.push(phase("alone, after", after, 0));
         ledger.close().await;
         if let Some(d) = dir {
