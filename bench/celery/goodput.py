@@ -2,16 +2,19 @@
 
 One file plays two roles:
 - imported by `celery -A goodput worker` (a subprocess per run): the Celery app, the task
-  (a sleep of the drawn call time) and signal handlers that append one JSON line per
-  event to the results file;
+  (a sleep of the drawn call time, or with --service smollm2-mixed a chat completion at
+  --openai-url) and signal handlers that append one JSON line per event to the results
+  file;
 - run as a script: starts that worker on a fresh queue, submits jobs at the target rate
   with `apply_async(expires=<deadline>)`, waits for every outcome, prints the results.
 
 Events in the results file (times are wall-clock ms on this host):
-  {"e": "sub", "id", "t", "deadline", "call_ms"}   published (the producer)
+  {"e": "sub", "id", "t", "deadline", "size"}   published (the producer; size: the
+                                       call ms, or the prompt's tokens at 4 chars each)
   {"e": "ready"}                       worker_ready
   {"e": "recv", "id", "t"}             task_received (passed Celery's check at receipt)
   {"e": "run", "id", "start", "end"}   the task body ran (the "model call")
+  {"e": "fail", "id", "start", "end"}  the call to --openai-url failed
   {"e": "revoked", "id", "t"}          task_revoked(expired=True): refused by the worker
 A task revoked without a "recv" line was refused at receipt; with one, when it reached
 the pool. Messages RabbitMQ dropped (Celery also sets the message TTL from `expires`) are
@@ -28,6 +31,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from datetime import datetime, timezone
 
 import celery
@@ -37,6 +41,8 @@ from kombu import Queue
 QUEUE = os.environ.get("LCB_QUEUE", "lastcall-celery-bench")
 RESULTS = os.environ.get("LCB_RESULTS", os.devnull)
 BROKER = os.environ.get("LCB_AMQP_URL", "amqp://guest:guest@127.0.0.1:5672//")
+OPENAI_URL = os.environ.get("LCB_OPENAI_URL", "")
+OPENAI_MODEL = os.environ.get("LCB_OPENAI_MODEL", "smollm2")
 
 app = Celery("lastcall_celery_bench", broker=BROKER)
 app.conf.update(
@@ -79,6 +85,24 @@ def call(call_ms):
     record(e="run", id=call.request.id, start=start, end=now_ms())
 
 
+@app.task(name="lastcall_bench.chat")
+def chat(payload):
+    """The model call of --service smollm2-mixed: one chat completion at the server, not
+    streamed (Celery cannot cancel it, so it is not cut at the deadline either)."""
+    start = now_ms()
+    body = dict(payload, model=OPENAI_MODEL)
+    req = urllib.request.Request(OPENAI_URL.rstrip("/") + "/chat/completions",
+                                 data=json.dumps(body).encode(),
+                                 headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(req, timeout=300) as r:
+            r.read()
+    except Exception as e:  # noqa: BLE001 - counted as the job's outcome
+        record(e="fail", id=chat.request.id, start=start, end=now_ms(), error=repr(e))
+        return
+    record(e="run", id=chat.request.id, start=start, end=now_ms())
+
+
 @signals.worker_ready.connect
 def _ready(**_):
     record(e="ready")
@@ -97,17 +121,57 @@ def _revoked(request=None, expired=False, **_):
 # ---------------------------------------------------------------- the benchmark (script)
 
 
+# --service smollm2-mixed: the same draws as `lastcall bench goodput` (crates/bench/src/
+# goodput.rs, `mixed_payload`): prompts of 30–2,000 tokens (log-uniform, 4 characters a
+# token) cut from this text at a random place after a ticket number, max_tokens 4–64.
+MIXED_MIN_TOKENS, MIXED_MAX_TOKENS = 30.0, 2000.0
+FILLER = (
+    "The on-call engineer was paged at night because the checkout service returned errors "
+    "for a growing share of requests. The dashboards showed the database primary at full "
+    "CPU while the replicas were idle, and the connection pool of every web server was "
+    "exhausted. A deploy earlier that evening had added a query without an index on the "
+    "orders table, and each retry of a failed request made the load worse. The team rolled "
+    "the deploy back, added the index during a quiet period, and raised the alert threshold "
+    "for the pool. Customers saw slow pages for about forty minutes and some payments had "
+    "to be retried by hand. ")
+
+
+def mixed_payload():
+    lo, hi = math.log(MIXED_MIN_TOKENS), math.log(MIXED_MAX_TOKENS)
+    tokens = round(math.exp(lo + random.random() * (hi - lo)))
+    max_tokens = random.randint(4, 64)
+    head = (f"Ticket {random.randrange(10000, 100000)}. "
+            "Summarize these incident notes in one sentence.\n\n")
+    want = max(1, tokens * 4 - len(head))
+    body = FILLER[random.randrange(len(FILLER)):]
+    while len(body) < want:
+        body += FILLER
+    content = head + body[:want]
+    return {"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}
+
+
 def parse_service(s):
-    """`fixed:MS` or `lognormal:MEAN_MS,SIGMA` → (mean ms, draw())."""
+    """`fixed:MS`, `lognormal:MEAN_MS,SIGMA` or `smollm2-mixed` → (mean ms or None, the
+    task, draw() → (its arguments, what the "sub" event records))."""
     name, _, rest = s.partition(":")
     if name == "fixed":
         ms = int(rest)
-        return ms, lambda: ms
+        return ms, call, lambda: ((ms,), ms)
     if name == "lognormal":
         mean, sigma = int(rest.split(",")[0]), float(rest.split(",")[1])
         mu = math.log(mean) - sigma * sigma / 2.0
-        return mean, lambda: max(1, round(random.lognormvariate(mu, sigma)))
-    raise SystemExit(f"--service {s!r}: expected fixed:MS or lognormal:MEAN_MS,SIGMA")
+
+        def draw():
+            ms = max(1, round(random.lognormvariate(mu, sigma)))
+            return (ms,), ms
+        return mean, call, draw
+    if s == "smollm2-mixed":
+        def draw_mixed():
+            p = mixed_payload()
+            return (p,), len(p["messages"][0]["content"]) // 4
+        return None, chat, draw_mixed
+    raise SystemExit(f"--service {s!r}: expected fixed:MS, lognormal:MEAN_MS,SIGMA or "
+                     "smollm2-mixed (with --openai-url and --capacity-per-s)")
 
 
 def read_events(path):
@@ -157,16 +221,18 @@ def cleanup(queue):
                 print(f"could not delete queue {name}: {e!r}", file=sys.stderr)
 
 
-def run_one(a, overload, mean_ms, draw, tmp):
+def run_one(a, overload, mean_ms, task, draw, tmp):
     global RESULTS  # the producer's "sub" events go to the run's file too
-    capacity = a.slots * 1000.0 / mean_ms
+    capacity = a.capacity_per_s or a.slots * 1000.0 / mean_ms
+    mean_ms = mean_ms or a.slots * 1000.0 / capacity
     rate = capacity * overload
     total = max(1, round(rate * a.duration_s))
     queue = f"lastcall-celery-bench-{os.getpid()}-{int(time.time() * 1000):x}-{overload:g}x"
     results = os.path.join(tmp, queue + ".jsonl")
     log = os.path.join(tmp, queue + ".log")
     open(results, "w").close()
-    env = dict(os.environ, LCB_QUEUE=queue, LCB_RESULTS=results, LCB_AMQP_URL=a.amqp_url)
+    env = dict(os.environ, LCB_QUEUE=queue, LCB_RESULTS=results, LCB_AMQP_URL=a.amqp_url,
+               LCB_OPENAI_URL=a.openai_url or "", LCB_OPENAI_MODEL=a.openai_model)
     RESULTS = results
     cmd = [sys.executable, "-m", "celery", "-A", "goodput", "worker", "-P", a.pool,
            "-c", str(a.slots), "--prefetch-multiplier", str(a.prefetch_multiplier),
@@ -206,15 +272,15 @@ def run_one(a, overload, mean_ms, draw, tmp):
                 delay = t0 + i * gap - time.monotonic()
                 if delay > 0:
                     time.sleep(delay)  # pacing the arrivals (catches up if behind)
-                call_ms, task_id = draw(), f"{queue}-{i}"
+                (args, size), task_id = draw(), f"{queue}-{i}"
                 sub = now_ms()
                 deadline = sub + random.choice(a.deadline_ms)  # uniform, as lastcall's
                 try:
-                    call.apply_async(
-                        (call_ms,), task_id=task_id, producer=producer, queue=target,
+                    task.apply_async(
+                        args, task_id=task_id, producer=producer, queue=target,
                         expires=datetime.fromtimestamp(deadline / 1000.0, timezone.utc))
-                    jobs[task_id] = (sub, deadline, call_ms)
-                    record(e="sub", id=task_id, t=sub, deadline=deadline, call_ms=call_ms)
+                    jobs[task_id] = (sub, deadline, size)
+                    record(e="sub", id=task_id, t=sub, deadline=deadline, size=size)
                 except Exception as e:  # noqa: BLE001 - a refused publish is counted
                     submit_errors += 1
                     print(f"publish failed: {e!r}", file=sys.stderr)
@@ -224,7 +290,7 @@ def run_one(a, overload, mean_ms, draw, tmp):
         # Every job ends as exactly one of: ran, revoked by the worker, dropped by the broker.
         def outcomes():
             ev = read_events(results)
-            done = {e["id"] for e in ev if e["e"] in ("run", "revoked")}
+            done = {e["id"] for e in ev if e["e"] in ("run", "revoked", "fail")}
             return ev, len(done) + queue_op("count", queue + ".expired")
 
         grace_ms = 3000 + 10 * mean_ms  # as lastcall's bench
@@ -267,6 +333,7 @@ def summarise(a, overload, capacity, rate, jobs, submit_errors, submit_s, events
     received = {e["id"]: e["t"] for e in events if e["e"] == "recv"}
     runs = {e["id"]: e for e in events if e["e"] == "run" and e["id"] in jobs}
     revoked = {e["id"] for e in events if e["e"] == "revoked" and e["id"] in jobs}
+    failed = {e["id"]: e for e in events if e["e"] == "fail" and e["id"] in jobs}
     on_time = late = started_late = 0
     model_ms = wasted_ms = 0.0
     for tid, r in runs.items():
@@ -280,6 +347,9 @@ def summarise(a, overload, capacity, rate, jobs, submit_errors, submit_s, events
             wasted_ms += took
         if r["start"] > deadline:
             started_late += 1
+    for r in failed.values():  # a failed call's time is wasted too
+        model_ms += r["end"] - r["start"]
+        wasted_ms += r["end"] - r["start"]
     first = min((s for s, _, _ in jobs.values()), default=0.0)
     window_s = max(0.001, (max((d for _, d, _ in jobs.values()), default=0.0) - first) / 1000)
     bound = min(capacity * window_s, len(jobs))
@@ -312,7 +382,8 @@ def summarise(a, overload, capacity, rate, jobs, submit_errors, submit_s, events
         "expired_in_broker": broker_expired,
         "expired_at_receipt": len(revoked) - exp_at_pool,
         "expired_at_pool": exp_at_pool,
-        "no_outcome": len(jobs) - len(runs) - len(revoked) - broker_expired,
+        "failed": len(failed),
+        "no_outcome": len(jobs) - len(runs) - len(revoked) - len(failed) - broker_expired,
         "dispatch_p99_ms": pct([r["start"] - received[t] for t, r in runs.items()
                                 if t in received], 0.99),
         "on_time_per_s": on_time_per_s,
@@ -355,11 +426,19 @@ def main():
     p.add_argument("--pool", default="prefork", choices=["prefork", "threads"])
     p.add_argument("--prefetch-multiplier", type=int, default=2)
     p.add_argument("--amqp-url", default=BROKER)
+    p.add_argument("--openai-url", help="with --service smollm2-mixed: the OpenAI-compatible "
+                   "server the task calls, e.g. http://127.0.0.1:8080/v1")
+    p.add_argument("--openai-model", default="smollm2", help="the model name sent to it")
+    p.add_argument("--capacity-per-s", type=float,
+                   help="the capacity (jobs/s) that sets the arrival rates and the bound "
+                        "[default: slots × 1000 ÷ the mean call ms; required with a server]")
     p.add_argument("--json", action="store_true", help="print one JSON object instead")
     p.add_argument("--keep-events", metavar="DIR",
                    help="keep the raw event files and worker logs in DIR (default: discarded)")
     a = p.parse_args()
-    mean_ms, draw = parse_service(a.service)
+    mean_ms, task, draw = parse_service(a.service)
+    if mean_ms is None and not (a.openai_url and a.capacity_per_s):
+        raise SystemExit(f"--service {a.service} needs --openai-url and --capacity-per-s")
     app.conf.broker_url = a.amqp_url
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda n, _: STOP.append(n))
@@ -369,7 +448,7 @@ def main():
         if a.keep_events:
             os.makedirs(a.keep_events, exist_ok=True)
         for o in [float(x) for x in a.overload.split(",")]:
-            rows.append(run_one(a, o, mean_ms, draw, a.keep_events or tmp))
+            rows.append(run_one(a, o, mean_ms, task, draw, a.keep_events or tmp))
     if a.json:
         print(json.dumps({"bench": "goodput", "system": f"celery {celery.__version__}",
                           "slots": a.slots,

@@ -24,6 +24,9 @@ const SCRIPT: &str = "bench/celery/run.sh";
 pub(crate) struct CeleryResult {
     pub overload: f64,
     pub submitted: u64,
+    /// Publishes refused (not counted in `submitted`): arrivals all the same.
+    #[serde(default)]
+    pub submit_errors: u64,
     pub on_time: u64,
     pub goodput: f64,
     pub completed_late: u64,
@@ -81,13 +84,17 @@ pub(crate) struct Scenario<'a> {
     pub shed: bool,
     pub edf: bool,
     pub oracle: bool,
+    /// `--openai-url` and `--openai-model`: Celery's task calls the same server.
+    pub openai: Option<(&'a str, &'a str)>,
 }
 
 pub(crate) fn plan(script: Option<&Path>, amqp_url: &str, s: &Scenario) -> Result<Plan> {
-    if s.service == ServiceDist::SmolLm2 {
-        bail!(
-            "--celery needs --service fixed:MS or lognormal:MEAN_MS,SIGMA: Celery's task is a sleep of the drawn call time, it has no embedded model"
-        );
+    match (s.service, s.openai) {
+        (ServiceDist::SmolLm2Mixed, Some(_)) => {}
+        (ServiceDist::SmolLm2 | ServiceDist::SmolLm2Mixed, _) => bail!(
+            "--celery needs --service fixed:MS or lognormal:MEAN_MS,SIGMA (Celery's task is a sleep of the drawn call time, it has no embedded model), or --service smollm2-mixed with --openai-url (its task then calls the same server)"
+        ),
+        _ => {}
     }
     let script = locate(script)?;
     // Celery's prefetch is a multiple of the slots (`--prefetch-multiplier`).
@@ -113,7 +120,7 @@ pub(crate) fn plan(script: Option<&Path>, amqp_url: &str, s: &Scenario) -> Resul
         "wasted_time: all time in calls that finished late (it cancels none); late_done = finished_late; exp_not_started = expired at receipt + at the pool".into(),
     );
     let deadlines: Vec<String> = s.deadline_ms.iter().map(u64::to_string).collect();
-    let args = [
+    let mut args: Vec<String> = [
         "--json".to_owned(),
         format!("--service={}", s.service),
         format!("--slots={}", s.slots),
@@ -122,6 +129,14 @@ pub(crate) fn plan(script: Option<&Path>, amqp_url: &str, s: &Scenario) -> Resul
         format!("--prefetch-multiplier={multiplier}"),
     ]
     .into();
+    if let Some((url, model)) = s.openai {
+        args.push(format!("--openai-url={url}"));
+        args.push(format!("--openai-model={model}"));
+        differs.push(format!(
+            "its task calls the server unstreamed and cannot cancel a call (worker -c {})",
+            s.slots
+        ));
+    }
     Ok(Plan {
         script,
         args,
@@ -162,10 +177,17 @@ fn locate(given: Option<&Path>) -> Result<PathBuf> {
 }
 
 /// Run Celery at one overload; its progress and errors go to stderr as they come.
-pub(crate) async fn run(plan: &Plan, overload: f64) -> Result<CeleryOutput> {
+/// `capacity_per_s`: the capacity lastcall's runs used when it is not the slots × the
+/// mean call (a model server's ceiling), so that Celery sees the same arrivals.
+pub(crate) async fn run(
+    plan: &Plan,
+    overload: f64,
+    capacity_per_s: Option<f64>,
+) -> Result<CeleryOutput> {
     let out = tokio::process::Command::new(&plan.script)
         .args(&plan.args)
         .arg(format!("--overload={overload}"))
+        .args(capacity_per_s.map(|c| format!("--capacity-per-s={c}")))
         .env("LCB_AMQP_URL", &plan.amqp_url)
         .stdin(Stdio::null())
         .stdout(Stdio::piped())

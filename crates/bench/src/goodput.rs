@@ -11,13 +11,14 @@
 use crate::Env;
 use crate::celery::{self, CeleryResult};
 use crate::chart::{Chart, line_chart};
-use crate::{GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1};
+use crate::{EstimateArg, GoodputArgs, Percentiles, PolicyArg, ServiceDist, f1};
 use anyhow::{Context, Result, bail};
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::management::Management;
 use lastcall_broker::{Broker, Publisher};
 
+use lastcall_core::concurrency::{LimitConfig, SlotCount};
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
 use lastcall_producer::shed::Shedder;
 use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitter};
@@ -71,13 +72,44 @@ struct Setup {
     ledger: String,
     /// The producer sheds at the door (the default of `lastcall submit` and `serve`).
     shed: bool,
+    /// With `--openai-url`: the server's measured ceiling, which is the capacity.
+    ceiling: Option<Ceiling>,
+}
+
+/// A model server's ceiling: the most completions per second a client with no deadlines
+/// gets from it, at the best of the concurrency levels tried.
+#[derive(Debug, Clone, Serialize)]
+struct Ceiling {
+    /// Completions per second at the best level.
+    per_s: f64,
+    /// Calls in flight at the best level.
+    concurrency: usize,
+    /// The mean call there, in ms.
+    mean_ms: f64,
+    /// Every level tried: (calls in flight, completions per second, mean call ms).
+    levels: Vec<(usize, f64, f64)>,
+}
+
+/// One run of lastcall's worker: a policy with its buffer order, slots and estimator.
+#[derive(Debug, Clone)]
+struct RunSpec {
+    name: String,
+    policy: DispatchPolicy,
+    order: BufferOrder,
+    slots: SlotCount,
+    estimate: EstimateArg,
 }
 
 /// One policy's results.
 #[derive(Debug, Clone, Default, Serialize)]
 struct PolicyResult {
-    /// The dispatch policy, with its buffer order when several were run (`deadline-fifo`).
+    /// The dispatch policy, with its buffer order when several were run (`deadline-fifo`),
+    /// and its slots and estimator when several were run (`deadline auto per-kind`).
     policy: String,
+    /// The worker's `--slots` (`4`, `auto`).
+    slots: String,
+    /// How the worker learned call times (`request`, `per-kind`, `split-kinds`).
+    estimate: String,
     overload: f64,
     submitted: u64,
     /// Submissions the publisher refused (nack, timeout); not counted as submitted.
@@ -98,6 +130,11 @@ struct PolicyResult {
     window_s: f64,
     /// `on_time / capacity_bound`.
     goodput: f64,
+    /// `on_time` ÷ every job offered (published, shed at the door, or refused by the
+    /// publisher): refusals count as misses.
+    on_time_of_arrivals: f64,
+    /// Model time ÷ the window: the calls in flight on average.
+    mean_in_flight: f64,
     /// Model calls the sim backend received.
     model_calls: u64,
     /// Model calls recorded in the ledger (`backend_calls`), must equal `model_calls`.
@@ -136,27 +173,45 @@ struct PolicyResult {
 pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     if a.smoke {
         a.duration_s = a.duration_s.min(2.0);
-        a.deadline_ms.iter_mut().for_each(|d| *d = (*d).min(1_000));
+        // A real model's calls take what they take: its deadlines stay.
+        if !a.service.is_model() {
+            a.deadline_ms.iter_mut().for_each(|d| *d = (*d).min(1_000));
+        }
         a.service = a.service.smoke();
     }
-    if a.slots == 0
-        || a.workers == 0
+    let slot_list = a.slot_list();
+    let nominal = a.nominal_slots();
+    if a.workers == 0
         || a.duration_s <= 0.0
+        || a.max_slots == 0
         || a.overload.iter().any(|o| *o <= 0.0)
         || a.deadline_ms.contains(&0)
     {
-        bail!("--slots, --workers, --overload, --deadline-ms and --duration-s must be positive");
+        bail!(
+            "--workers, --max-slots, --overload, --deadline-ms and --duration-s must be positive"
+        );
     }
-    if a.openai_url.is_some() && a.service != ServiceDist::SmolLm2 {
+    if a.openai_url.is_some() && !a.service.is_model() {
         bail!(
             "--openai-url sends SmolLM2 jobs to a model server: use it with --service smollm2 \
-             (e.g. scripts/llama-server.sh start 8080, then --service smollm2 --openai-url \
-             http://127.0.0.1:8080/v1)"
+             or smollm2-mixed (e.g. scripts/llama-server.sh start 8080, then --service \
+             smollm2-mixed --openai-url http://127.0.0.1:8080/v1)"
+        );
+    }
+    if a.openai_url.is_none() && slot_list.contains(&SlotCount::Auto) {
+        bail!(
+            "--slots auto adapts to a model server: use it with --openai-url (the sim backend \
+             and the embedded model run a fixed count)"
+        );
+    }
+    if a.estimate.contains(&EstimateArg::SplitKinds) && a.service != ServiceDist::SmolLm2Mixed {
+        bail!(
+            "--estimate split-kinds splits the jobs by prompt length: use it with --service smollm2-mixed"
         );
     }
     let prefetch = a
         .prefetch
-        .unwrap_or((a.slots * 2).clamp(1, u16::MAX as usize) as u16);
+        .unwrap_or((nominal * 2).clamp(1, u16::MAX as usize) as u16);
     // Checked first, so that a missing script fails in a second, not after minutes.
     let celery_plan = if a.celery {
         Some(celery::plan(
@@ -164,47 +219,81 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             &env.amqp_url,
             &celery::Scenario {
                 service: a.service,
-                slots: a.slots,
+                slots: nominal,
                 deadline_ms: &a.deadline_ms,
                 duration_s: a.duration_s,
                 prefetch,
                 shed: !a.no_shed,
                 edf: a.order.contains(&crate::BufferOrderArg::Edf),
                 oracle: a.oracle,
+                openai: a
+                    .openai_url
+                    .as_deref()
+                    .map(|u| (u, a.openai_model.as_str())),
             },
         )?)
     } else {
         None
     };
-    // The embedded model is loaded once for every run; its mean call time (with every
-    // slot busy) sets the capacity and so the arrival rates.
-    let model = match a.service {
-        ServiceDist::SmolLm2 => Some(smollm2(env, &a).await?),
-        _ => None,
+    // The model is loaded (or its server measured) once for every run; its mean call
+    // time (with every slot busy) or the server's ceiling sets the capacity and so the
+    // arrival rates.
+    let model = if a.service.is_model() {
+        Some(smollm2(env, &a, nominal).await?)
+    } else {
+        None
     };
     let mean_ms = match (&model, a.service.mean_ms()) {
         (Some(m), _) => m.mean_ms,
         (None, Some(m)) => m,
         (None, None) => bail!("no mean call time for {}", a.service),
     };
-    let capacity = (a.workers * a.slots) as f64 * 1000.0 / mean_ms;
+    let ceiling = model.as_ref().and_then(|m| m.ceiling.clone());
+    let capacity = match &ceiling {
+        Some(c) => c.per_s,
+        None => (a.workers * nominal) as f64 * 1000.0 / mean_ms,
+    };
     let mut orders = a.order.clone();
     orders.dedup();
-    let deadline_runs: Vec<(String, DispatchPolicy, BufferOrder)> = orders
-        .iter()
-        .map(|&o| {
-            let o = BufferOrder::from(o);
-            let name = if orders.len() > 1 {
-                format!("deadline-{}", o.as_str())
-            } else {
-                "deadline".to_owned()
-            };
-            (name, DispatchPolicy::Deadline, o)
-        })
-        .collect();
+    let mut estimates = a.estimate.clone();
+    estimates.dedup();
+    let mut deadline_runs = Vec::new();
+    for &o in &orders {
+        let order = BufferOrder::from(o);
+        let mut name = "deadline".to_owned();
+        if orders.len() > 1 {
+            name = format!("{name}-{}", order.as_str());
+        }
+        let spec = |slots: SlotCount, estimate: EstimateArg| {
+            let mut name = name.clone();
+            if slot_list.len() > 1 {
+                name = format!("{name} slots={slots}");
+            }
+            if estimates.len() > 1 {
+                name = format!("{name} {}", estimate.as_str());
+            }
+            RunSpec {
+                name,
+                policy: DispatchPolicy::Deadline,
+                order,
+                slots,
+                estimate,
+            }
+        };
+        // Every slot count with the first estimator, then the other estimators at the
+        // first slot count.
+        deadline_runs.extend(slot_list.iter().map(|&n| spec(n, estimates[0])));
+        deadline_runs.extend(estimates[1..].iter().map(|&e| spec(slot_list[0], e)));
+    }
     let first_order = BufferOrder::from(orders[0]);
-    let reference = |name: &str, p| (name.to_owned(), p, first_order);
-    let policies: Vec<(String, DispatchPolicy, BufferOrder)> = match a.policy {
+    let reference = |name: &str, policy| RunSpec {
+        name: name.to_owned(),
+        policy,
+        order: first_order,
+        slots: slot_list[0],
+        estimate: estimates[0],
+    };
+    let policies: Vec<RunSpec> = match a.policy {
         PolicyArg::All => deadline_runs
             .into_iter()
             .chain([
@@ -232,7 +321,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             tenants.iter().map(|t| t.rate).sum()
         };
         let setup = Setup {
-            slots: a.slots,
+            slots: nominal,
             workers: a.workers,
             tenants: a.tenants.clone(),
             service: match &a.openai_url {
@@ -256,18 +345,40 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 .clone()
                 .unwrap_or_else(|| "fresh SQLite file per policy".into()),
             shed: !a.no_shed,
+            ceiling: ceiling.clone(),
         };
         if !a.json {
             println!(
-                "bench goodput: {}{} slots × {} calls (mean {:.0} ms) = capacity {:.1} jobs/s; arrivals {:.1}/s ({}×{}) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
-                if setup.workers > 1 {
-                    format!("{} workers × ", setup.workers)
-                } else {
-                    String::new()
+                "bench goodput: {} = capacity {:.2} jobs/s; arrivals {:.2}/s ({}×{}) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
+                match &setup.ceiling {
+                    Some(c) => format!(
+                        "{}{} at its ceiling ({} calls in flight, mean {:.0} ms); worker slots {}",
+                        if setup.workers > 1 {
+                            format!("{} workers at ", setup.workers)
+                        } else {
+                            String::new()
+                        },
+                        setup.service,
+                        c.concurrency,
+                        c.mean_ms,
+                        slot_list
+                            .iter()
+                            .map(SlotCount::to_string)
+                            .collect::<Vec<_>>()
+                            .join(", ")
+                    ),
+                    None => format!(
+                        "{}{} slots × {} calls (mean {:.0} ms)",
+                        if setup.workers > 1 {
+                            format!("{} workers × ", setup.workers)
+                        } else {
+                            String::new()
+                        },
+                        setup.slots,
+                        setup.service,
+                        mean_ms
+                    ),
                 },
-                setup.slots,
-                setup.service,
-                mean_ms,
                 capacity,
                 setup.arrival_per_s,
                 setup.overload,
@@ -295,11 +406,9 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 }
             );
         }
-        for (name, policy, order) in &policies {
+        for spec in &policies {
             let backend = model.as_ref().map(|m| m.backend.clone());
-            results.push(
-                run_policy(env, &a, &setup, &tenants, name, (*policy, *order), backend).await?,
-            );
+            results.push(run_policy(env, &a, &setup, &tenants, spec, backend).await?);
         }
         if let Some(plan) = &celery_plan {
             if !a.json {
@@ -310,7 +419,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                     a.duration_s
                 );
             }
-            let out = celery::run(plan, overload).await?;
+            let out = celery::run(plan, overload, ceiling.as_ref().map(|c| c.per_s)).await?;
             (celery_system, celery_prefetch) = (out.system, out.prefetch);
             celery_results.extend(out.results);
         }
@@ -323,8 +432,11 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         let series = runs.iter().map(Run::series).collect();
         let doc = line_chart(&Chart {
             title: format!(
-                "On-time completions per second: {} slots × {} calls, {} ms deadlines{}",
-                setup.slots,
+                "On-time completions per second: {}{}, {} ms deadlines{}",
+                match setup.ceiling {
+                    Some(_) => String::new(),
+                    None => format!("{} slots × ", setup.slots),
+                },
                 setup.service,
                 deadlines_label(&setup.deadline_ms),
                 if setup.oracle { " (oracle)" } else { "" }
@@ -414,13 +526,14 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
 }
 
 /// The table's columns, for lastcall's rows and Celery's alike.
-const COLUMNS: [&str; 17] = [
+const COLUMNS: [&str; 18] = [
     "policy",
     "overload",
     "submitted",
     "shed",
     "on_time",
     "goodput",
+    "of_arrivals",
     "late_done",
     "started_late",
     "finished_late",
@@ -481,6 +594,7 @@ impl Run<'_> {
                     r.shed_at_door.to_string(),
                     r.on_time.to_string(),
                     pct(r.goodput),
+                    pct(r.on_time_of_arrivals),
                     r.completed_late.to_string(),
                     r.started_after_deadline.to_string(),
                     r.finished_after_deadline.to_string(),
@@ -503,6 +617,7 @@ impl Run<'_> {
                 "—".into(),
                 c.on_time.to_string(),
                 pct(c.goodput),
+                pct(c.on_time as f64 / (c.submitted + c.submit_errors).max(1) as f64),
                 c.completed_late.to_string(),
                 c.started_after_deadline.to_string(),
                 c.completed_late.to_string(),
@@ -534,7 +649,7 @@ impl Run<'_> {
     fn summary(&self) -> String {
         match *self {
             Run::Lastcall(r) => format!(
-                "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}), {:.0} ms on average, slots busy {:.1}%, on time {:.1}% of the bound at that mean; outcomes {}",
+                "{} at {}×: capacity bound {:.0} jobs over a {:.1} s window; model calls {} (ledger {}), {:.0} ms on average, {:.1} in flight on average (slots busy {:.1}%), on time {:.1}% of the bound at that mean; outcomes {}",
                 r.policy,
                 r.overload,
                 r.capacity_bound,
@@ -542,6 +657,7 @@ impl Run<'_> {
                 r.model_calls,
                 r.model_calls_ledger,
                 r.mean_call_ms,
+                r.mean_in_flight,
                 r.slots_busy * 100.0,
                 r.goodput_at_mean_call * 100.0,
                 r.outcomes
@@ -571,12 +687,16 @@ async fn run_policy(
     a: &GoodputArgs,
     setup: &Setup,
     tenants: &[crate::sim::TenantSpec],
-    name: &str,
-    (policy, order): (DispatchPolicy, BufferOrder),
+    spec: &RunSpec,
     model: Option<Arc<dyn Backend>>,
 ) -> Result<PolicyResult> {
+    let (name, policy, order) = (spec.name.as_str(), spec.policy, spec.order);
+    // Job ids and queue names carry no spaces.
+    let tag = name.replace([' ', '='], "-");
+    let name = tag.as_str();
+    let label = spec.name.as_str();
     let nonce = format!("{:x}", env.clock.now_ms());
-    let name_o = format!("{name}-{}x", setup.overload);
+    let name_o = format!("{label} at {}×", setup.overload);
     let prefix = format!("{}-bench-{name}-{nonce}", env.prefix);
     let broker = Broker::connect(&env.amqp_url).await?;
     let (ledger_url, dir) = match &a.ledger_url {
@@ -590,13 +710,25 @@ async fn run_policy(
         }
     };
     let ledger = crate::open_ledger(&ledger_url).await?;
-    let mut cfg = WorkerConfig::new(&prefix, setup.slots);
+    // The fixed slots, or the most calls `auto` may run.
+    let slots = match spec.slots {
+        SlotCount::Fixed(n) => n,
+        SlotCount::Auto => a.max_slots,
+    };
+    let mut cfg = WorkerConfig::new(&prefix, slots);
     cfg.name = format!("bench-{name}");
+    if spec.slots == SlotCount::Auto {
+        cfg.auto_slots = Some(LimitConfig::new(a.max_slots));
+    }
+    cfg.service_time.request_aware = spec.estimate == EstimateArg::Request;
     cfg.tenant_weights = (tenants.iter())
         .filter(|t| t.weight != 1)
         .map(|t| (t.name.clone(), t.weight))
         .collect();
-    cfg.prefetch = setup.prefetch;
+    // The worker's default: 2 × slots (with auto, 2 × the most).
+    cfg.prefetch = a
+        .prefetch
+        .unwrap_or((slots * 2).clamp(1, u16::MAX as usize) as u16);
     cfg.shutdown_grace = Duration::from_secs(5);
     cfg.policy.dispatch = policy;
     cfg.buffer_order = order;
@@ -692,15 +824,23 @@ async fn run_policy(
     for i in 0..total {
         tick.tick().await;
         let deadline_ms = setup.deadline_ms[rand::random_range(0..setup.deadline_ms.len())];
-        let payload = if model.is_some() {
-            model_payload()
-        } else {
-            let call_ms = dist.draw(1.0 - rand::random::<f64>(), rand::random::<f64>());
-            json!({"messages": [{"role": "user", "content": "bench"}], "sim_latency_ms": call_ms})
+        let (payload, prompt_tokens) = match dist {
+            ServiceDist::SmolLm2 => (model_payload(), 0),
+            ServiceDist::SmolLm2Mixed => mixed_payload(&mut rand::rng()),
+            _ => {
+                let call_ms = dist.draw(1.0 - rand::random::<f64>(), rand::random::<f64>());
+                let p = json!({"messages": [{"role": "user", "content": "bench"}], "sim_latency_ms": call_ms});
+                (p, 0)
+            }
+        };
+        let kind = match spec.estimate {
+            EstimateArg::SplitKinds if prompt_tokens < SPLIT_TOKENS => "bench.goodput.short",
+            EstimateArg::SplitKinds => "bench.goodput.long",
+            _ => "bench.goodput",
         };
         let job = NewJob {
             job_id: Some(format!("b-{name}-{nonce}-{i}")),
-            kind: "bench.goodput".into(),
+            kind: kind.into(),
             payload: payload.as_object().cloned().expect("object"),
             deadline: DeadlineSpec::RelativeMs(deadline_ms),
             min_runtime_ms: setup.min_runtime_ms,
@@ -886,10 +1026,20 @@ async fn run_policy(
     let bound =
         (setup.capacity_per_s * window_s).min((submitted.len() as u64 + shed_at_door) as f64);
     let mean_call_ms = model_ms as f64 / calls_ledger.max(1) as f64;
-    let slot_ms = (setup.workers * setup.slots) as f64 * window_s * 1000.0;
-    let bound_at_mean =
-        (slot_ms / mean_call_ms.max(1.0)).min((submitted.len() as u64 + shed_at_door) as f64);
+    let slot_ms = (setup.workers * slots) as f64 * window_s * 1000.0;
+    let offered = (submitted.len() as u64 + shed_at_door) as f64;
+    // At this run's own mean call: the slots kept busy with calls of that length, or the
+    // server's ceiling scaled by how this run's calls compare with the ceiling's.
+    let bound_at_mean = match &setup.ceiling {
+        Some(c) => setup.capacity_per_s * window_s * c.mean_ms / mean_call_ms.max(1.0),
+        None => slot_ms / mean_call_ms.max(1.0),
+    }
+    .min(offered);
     Ok(PolicyResult {
+        slots: spec.slots.to_string(),
+        estimate: spec.estimate.as_str().to_owned(),
+        on_time_of_arrivals: on_time as f64 / (offered + submit_errors as f64).max(1.0),
+        mean_in_flight: model_ms as f64 / (window_s * 1000.0),
         mean_call_ms,
         slots_busy: model_ms as f64 / slot_ms.max(1.0),
         goodput_at_mean_call: if model_ms > 0 {
@@ -897,7 +1047,7 @@ async fn run_policy(
         } else {
             0.0
         },
-        policy: name.to_owned(),
+        policy: label.to_owned(),
         overload: setup.overload,
         model_time_s: model_ms as f64 / 1000.0,
         wasted_model_time: wasted_ms as f64 / (model_ms.max(1) as f64),
@@ -945,33 +1095,105 @@ fn model_payload() -> serde_json::Value {
     json!({"messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens})
 }
 
-/// The embedded model, loaded once, and its mean call time with every slot busy.
+/// `--service smollm2-mixed`: prompts of this many tokens at least …
+const MIXED_MIN_TOKENS: f64 = 30.0;
+/// … and at most (log-uniform in between: as many prompts under 250 tokens as over).
+const MIXED_MAX_TOKENS: f64 = 2_000.0;
+/// `--estimate split-kinds`: prompts of fewer tokens are the kind `short`, the others
+/// `long` (the geometric middle of the range).
+const SPLIT_TOKENS: u64 = 245;
+/// The text the mixed prompts are cut from (English prose: about 4 characters a token,
+/// the approximation the worker's request size uses). `bench/celery/goodput.py` has the
+/// same text and draws.
+const FILLER: &str = "The on-call engineer was paged at night because the checkout service \
+returned errors for a growing share of requests. The dashboards showed the database primary \
+at full CPU while the replicas were idle, and the connection pool of every web server was \
+exhausted. A deploy earlier that evening had added a query without an index on the orders \
+table, and each retry of a failed request made the load worse. The team rolled the deploy \
+back, added the index during a quiet period, and raised the alert threshold for the pool. \
+Customers saw slow pages for about forty minutes and some payments had to be retried by \
+hand. ";
+
+/// One job of the mixed-length workload: a prompt of a drawn length (log-uniform in
+/// [`MIXED_MIN_TOKENS`, `MIXED_MAX_TOKENS`], at 4 characters a token) and a drawn
+/// `max_tokens` (4–64), and the prompt's length in tokens. Each prompt starts with its own
+/// ticket number and at its own place in the text, so a server's prompt cache cannot reuse
+/// an earlier prompt's prefix.
+fn mixed_payload(rng: &mut impl rand::Rng) -> (serde_json::Value, u64) {
+    let lo = MIXED_MIN_TOKENS.ln();
+    let tokens = (lo + rng.random::<f64>() * (MIXED_MAX_TOKENS.ln() - lo))
+        .exp()
+        .round() as u64;
+    let max_tokens = rng.random_range(4..=64u32);
+    let ticket = rng.random_range(10_000..100_000u32);
+    let offset = rng.random_range(0..FILLER.len());
+    let head = format!("Ticket {ticket}. Summarize these incident notes in one sentence.\n\n");
+    let want = (tokens as usize * 4).saturating_sub(head.len()).max(1);
+    let mut body = String::with_capacity(want + FILLER.len());
+    // From a char boundary at or after `offset` (the text is ASCII: every byte is one).
+    body.push_str(&FILLER[offset..]);
+    while body.len() < want {
+        body.push_str(FILLER);
+    }
+    body.truncate(want);
+    let content = format!("{head}{body}");
+    (
+        json!({"messages": [{"role": "user", "content": content}], "max_tokens": max_tokens}),
+        tokens,
+    )
+}
+
+/// A job of `service` for the model (`smollm2` or `smollm2-mixed`).
+fn payload_of(service: ServiceDist) -> serde_json::Value {
+    match service {
+        ServiceDist::SmolLm2Mixed => mixed_payload(&mut rand::rng()).0,
+        _ => model_payload(),
+    }
+}
+
+/// The model, loaded once (or its server, measured once), and its mean call time: with
+/// every slot busy for the embedded model; at the server's ceiling for a server.
 struct Model {
     backend: Arc<dyn Backend>,
     mean_ms: f64,
+    /// With `--openai-url`.
+    ceiling: Option<Ceiling>,
 }
 
-/// Load SmolLM2 with one instance per slot (or, with `--openai-url`, reach the server that
-/// serves it) and measure its mean call time: every slot runs one warm-up call, then four
-/// measured calls with drawn jobs.
-async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
-    let (backend, label): (Arc<dyn Backend>, String) = match &a.openai_url {
-        Some(url) => (
-            Arc::new(
-                lastcall_openai::OpenAiBackend::new(lastcall_openai::OpenAiConfig::new(
-                    url,
-                    &a.openai_model,
-                ))
-                .with_context(|| format!("--openai-url {url}"))?,
-            ),
-            format!("SmolLM2 at {url}"),
-        ),
-        None => (
-            (env.local_model)(a.model_path.as_deref(), a.slots)?,
-            "SmolLM2".to_owned(),
-        ),
-    };
-    let lanes = (0..a.slots).map(|lane| {
+/// Load SmolLM2 with one instance per slot and measure its mean call time: every slot
+/// runs one warm-up call, then four measured calls with drawn jobs. With `--openai-url`,
+/// reach the server that serves it and measure its ceiling ([`ceiling`]).
+async fn smollm2(env: &Env, a: &GoodputArgs, slots: usize) -> Result<Model> {
+    if let Some(url) = &a.openai_url {
+        let backend: Arc<dyn Backend> = Arc::new(
+            lastcall_openai::OpenAiBackend::new(lastcall_openai::OpenAiConfig::new(
+                url,
+                &a.openai_model,
+            ))
+            .with_context(|| format!("--openai-url {url}"))?,
+        );
+        let secs = if a.smoke { 1.0 } else { a.ceiling_s.max(1.0) };
+        let c = ceiling(&backend, a.service, secs, a.json).await?;
+        eprintln!(
+            "bench goodput: {} at {url}: ceiling {:.2} completions/s with {} calls in flight (mean call {:.0} ms); levels {}",
+            a.service,
+            c.per_s,
+            c.concurrency,
+            c.mean_ms,
+            (c.levels.iter())
+                .map(|(n, r, m)| format!("{n}: {r:.2}/s at {m:.0} ms"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+        return Ok(Model {
+            backend,
+            mean_ms: c.mean_ms,
+            ceiling: Some(c),
+        });
+    }
+    let backend = (env.local_model)(a.model_path.as_deref(), slots)?;
+    let service = a.service;
+    let lanes = (0..slots).map(|lane| {
         let b = backend.clone();
         async move {
             let mut ms = Vec::new();
@@ -980,7 +1202,7 @@ async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
                     job_id: format!("calibrate-{lane}-{n}"),
                     kind: "bench.goodput".into(),
                     attempt: 0,
-                    payload: model_payload().as_object().cloned().expect("object"),
+                    payload: payload_of(service).as_object().cloned().expect("object"),
                     timeout: Duration::from_secs(300),
                 };
                 let t = std::time::Instant::now();
@@ -1000,14 +1222,109 @@ async fn smollm2(env: &Env, a: &GoodputArgs) -> Result<Model> {
     }
     let mean_ms = all.iter().sum::<f64>() / all.len().max(1) as f64;
     eprintln!(
-        "bench goodput: {label}, {} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy (4–24 tokens, {} prompts)",
-        a.slots,
+        "bench goodput: {service} (embedded), {slots} slots: mean call {mean_ms:.0} ms over {} calls with every slot busy",
         all.len(),
-        PROMPTS.len()
     );
     Ok(Model {
         backend,
         mean_ms: mean_ms.max(1.0),
+        ceiling: None,
+    })
+}
+
+/// A model server's ceiling: `n` = 1, 2, 4, … calls kept in flight for `secs` each, with
+/// no deadlines (a saturating client), until the completions per second stop rising
+/// (below the best so far, or 16 in flight). A call still running at the end of its
+/// period counts for the share of it that fell inside.
+async fn ceiling(
+    backend: &Arc<dyn Backend>,
+    service: ServiceDist,
+    secs: f64,
+    quiet: bool,
+) -> Result<Ceiling> {
+    let call = |b: Arc<dyn Backend>, id: String| async move {
+        let req = lastcall_backend::CallRequest {
+            job_id: id,
+            kind: "bench.goodput".into(),
+            attempt: 0,
+            payload: payload_of(service).as_object().cloned().expect("object"),
+            timeout: Duration::from_secs(300),
+        };
+        b.call(req, CancellationToken::new())
+            .await
+            .context("a call of the server's ceiling failed")
+    };
+    // One warm-up call: the first may load the model's weights.
+    call(backend.clone(), "ceiling-warm-up".into()).await?;
+    let mut levels: Vec<(usize, f64, f64)> = Vec::new();
+    let mut n = 1;
+    loop {
+        let bar = crate::bar(secs.ceil() as u64, &format!("ceiling: {n} in flight"));
+        if quiet {
+            bar.set_draw_target(indicatif::ProgressDrawTarget::hidden());
+        }
+        let t0 = std::time::Instant::now();
+        let period = Duration::from_secs_f64(secs);
+        let lanes = (0..n).map(|lane| {
+            let b = backend.clone();
+            async move {
+                // (completions inside the period, incl. shares, sum of call ms, calls)
+                let (mut done, mut ms, mut calls) = (0.0f64, 0.0f64, 0u64);
+                let mut k = 0;
+                while t0.elapsed() < period {
+                    let start = t0.elapsed();
+                    call(b.clone(), format!("ceiling-{n}-{lane}-{k}")).await?;
+                    let end = t0.elapsed();
+                    let took = (end - start).as_secs_f64();
+                    ms += took * 1000.0;
+                    calls += 1;
+                    done += if end <= period {
+                        1.0
+                    } else {
+                        (period - start).as_secs_f64() / took.max(1e-9)
+                    };
+                    k += 1;
+                }
+                anyhow::Ok((done, ms, calls))
+            }
+        });
+        let ticker = {
+            let bar = bar.clone();
+            tokio::spawn(async move {
+                loop {
+                    tokio::time::sleep(Duration::from_millis(500)).await;
+                    bar.set_position(t0.elapsed().as_secs());
+                }
+            })
+        };
+        let results = futures_util::future::join_all(lanes).await;
+        ticker.abort();
+        bar.finish_and_clear();
+        let (mut done, mut ms, mut calls) = (0.0, 0.0, 0u64);
+        for r in results {
+            let (d, m, c) = r?;
+            (done, ms, calls) = (done + d, ms + m, calls + c);
+        }
+        let rate = done / secs;
+        levels.push((n, rate, ms / calls.max(1) as f64));
+        let best = levels.iter().map(|l| l.1).fold(0.0, f64::max);
+        if rate < best || n >= 16 {
+            break;
+        }
+        n *= 2;
+    }
+    let &(concurrency, per_s, mean_ms) = levels
+        .iter()
+        .max_by(|x, y| x.1.total_cmp(&y.1))
+        .expect("one level at least");
+    if per_s <= 0.0 {
+        bail!("the server completed no call while its ceiling was measured");
+    }
+    Ok(Ceiling {
+        per_s,
+        concurrency,
+        mean_ms: mean_ms.max(1.0),
+        levels,
     })
 }
 
@@ -1156,6 +1473,7 @@ mod tests {
             shed: false,
             edf: false,
             oracle: false,
+            openai: None,
         };
         let url = "amqp://guest:guest@127.0.0.1:5672/%2f,amqp://b:5672";
         // Found from the current directory (the crate's, in a test) upwards.

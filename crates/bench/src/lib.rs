@@ -42,6 +42,7 @@ use hdrhistogram::Histogram;
 use indicatif::{ProgressBar, ProgressStyle};
 use lastcall_backend::Backend;
 use lastcall_clock::Clock;
+use lastcall_core::concurrency::SlotCount;
 use lastcall_store::{JobRecord, Ledger};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -158,16 +159,40 @@ pub enum BenchCommand {
 /// `lastcall bench goodput` options.
 #[derive(Debug, Args)]
 pub struct GoodputArgs {
-    /// Model slots of the worker
-    #[arg(long, default_value_t = 4)]
-    pub slots: usize,
+    /// Model slots of the worker: `N`, or `auto` (as `lastcall worker --slots auto`: the
+    /// calls in flight adapt in [1, --max-slots] to the model server; only with
+    /// --openai-url). A comma-separated list runs lastcall's policy once per value, e.g.
+    /// `auto,1,2,4,8` (a sweep: every run sees the same arrivals) [default: `auto` with
+    /// --openai-url, as `lastcall worker --backend openai`; else 4]
+    #[arg(long, value_delimiter = ',')]
+    pub slots: Vec<SlotCount>,
+    /// The most calls `--slots auto` runs at once (`lastcall worker --max-slots`)
+    #[arg(long, default_value_t = 16)]
+    pub max_slots: usize,
     /// Model call durations, drawn per job: `fixed:MS` or `lognormal:MEAN_MS,SIGMA` (the
-    /// sim backend; a lognormal with that mean and shape σ), or `smollm2`: the embedded
-    /// SmolLM2 model (needs `scripts/setup-model.sh`), each job with one of a few prompts
-    /// and a drawn `max_tokens` (4–24), so its call time depends on both; its capacity is
-    /// measured first with every slot busy
+    /// sim backend; a lognormal with that mean and shape σ), or a real model: `smollm2`,
+    /// one of a few short prompts and a drawn `max_tokens` (4–24) per job, or
+    /// `smollm2-mixed`, prompts of 30 to 2,000 tokens (log-uniform) and `max_tokens` 4–64
+    /// (issue #31's mixed-length workload). A real model is the embedded SmolLM2 (needs
+    /// `scripts/setup-model.sh`) or, with --openai-url, a model server; its capacity is
+    /// measured first (the embedded model with every slot busy; a server's ceiling with a
+    /// saturating client)
     #[arg(long, default_value = "fixed:200")]
     pub service: ServiceDist,
+    /// How the worker learns call times: `request` (the worker's: an estimate per
+    /// request, from its prompt and output tokens), `per-kind` (one estimate per kind, the
+    /// estimator before issue #31; reference only), or `split-kinds` (one estimate per
+    /// kind, with the jobs split by hand into the kinds `short` and `long` by prompt
+    /// length, as a user who knew the model would do; `smollm2-mixed` only). A
+    /// comma-separated list runs each, at the first --slots value
+    #[arg(long, value_enum, value_delimiter = ',', default_value = "request")]
+    pub estimate: Vec<EstimateArg>,
+    /// With --openai-url: seconds per concurrency level (1, 2, 4, … until the throughput
+    /// stops rising) of the server's ceiling, measured before the runs with a client that
+    /// keeps that many calls in flight, no deadlines. The ceiling is the capacity that
+    /// sets the arrival rates and the bound
+    #[arg(long, default_value_t = 20.0)]
+    pub ceiling_s: f64,
     /// The embedded model's GGUF file for `--service smollm2` [default: the one
     /// `scripts/setup-model.sh` installed]
     #[arg(long, env = "LASTCALL_MODEL_PATH")]
@@ -248,7 +273,8 @@ pub struct GoodputArgs {
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
-    /// A few seconds per policy (CI smoke test: 2 s of arrivals, 1 s deadlines, 100 ms calls)
+    /// A few seconds per policy (CI smoke test: 2 s of arrivals, 1 s deadlines, 100 ms calls;
+    /// a real model keeps its deadlines and calls, and its server's ceiling takes 1 s a level)
     #[arg(long)]
     pub smoke: bool,
     /// Also run Celery 5.x (PyPI) through the same scenario with its deadline feature,
@@ -266,6 +292,31 @@ pub struct GoodputArgs {
     pub celery_script: Option<PathBuf>,
 }
 
+impl GoodputArgs {
+    /// `--slots` as given, or its default (`auto` against a model server, else 4).
+    pub fn slot_list(&self) -> Vec<SlotCount> {
+        if !self.slots.is_empty() {
+            return self.slots.clone();
+        }
+        vec![match self.openai_url {
+            Some(_) => SlotCount::Auto,
+            None => SlotCount::Fixed(4),
+        }]
+    }
+
+    /// The slot count for what needs one number (the capacity of the sim backend, the
+    /// embedded model's instances, Celery's concurrency): the first fixed `--slots`
+    /// value, else 4.
+    pub fn nominal_slots(&self) -> usize {
+        (self.slot_list().into_iter())
+            .find_map(|s| match s {
+                SlotCount::Fixed(n) => Some(n),
+                SlotCount::Auto => None,
+            })
+            .unwrap_or(4)
+    }
+}
+
 /// How long each simulated model call takes, drawn per job.
 #[derive(Debug, Clone, Copy, PartialEq, serde::Serialize)]
 pub enum ServiceDist {
@@ -276,6 +327,8 @@ pub enum ServiceDist {
     /// The embedded SmolLM2 model: call times follow from the prompt and the output
     /// length; the mean is measured before the run.
     SmolLm2,
+    /// SmolLM2 with prompts of 30–2,000 tokens and `max_tokens` 4–64 (issue #31).
+    SmolLm2Mixed,
 }
 
 impl ServiceDist {
@@ -284,15 +337,20 @@ impl ServiceDist {
         match *self {
             ServiceDist::Fixed { ms } => Some(ms as f64),
             ServiceDist::Lognormal { mean_ms, .. } => Some(mean_ms as f64),
-            ServiceDist::SmolLm2 => None,
+            ServiceDist::SmolLm2 | ServiceDist::SmolLm2Mixed => None,
         }
+    }
+
+    /// A real model (`smollm2`, `smollm2-mixed`), not the sim backend.
+    pub fn is_model(&self) -> bool {
+        matches!(self, ServiceDist::SmolLm2 | ServiceDist::SmolLm2Mixed)
     }
 
     /// One call duration; `u1`, `u2` uniform in (0, 1] (Box–Muller for the lognormal).
     pub fn draw(&self, u1: f64, u2: f64) -> u64 {
         match *self {
             ServiceDist::Fixed { ms } => ms,
-            ServiceDist::SmolLm2 => 0,
+            ServiceDist::SmolLm2 | ServiceDist::SmolLm2Mixed => 0,
             ServiceDist::Lognormal { mean_ms, sigma } => {
                 let z = (-2.0 * u1.max(f64::MIN_POSITIVE).ln()).sqrt()
                     * (2.0 * std::f64::consts::PI * u2).cos();
@@ -310,7 +368,7 @@ impl ServiceDist {
                 mean_ms: mean_ms.min(100),
                 sigma,
             },
-            ServiceDist::SmolLm2 => ServiceDist::SmolLm2,
+            m @ (ServiceDist::SmolLm2 | ServiceDist::SmolLm2Mixed) => m,
         }
     }
 }
@@ -321,6 +379,7 @@ impl std::fmt::Display for ServiceDist {
             ServiceDist::Fixed { ms } => write!(f, "fixed:{ms}"),
             ServiceDist::Lognormal { mean_ms, sigma } => write!(f, "lognormal:{mean_ms},{sigma}"),
             ServiceDist::SmolLm2 => write!(f, "smollm2"),
+            ServiceDist::SmolLm2Mixed => write!(f, "smollm2-mixed"),
         }
     }
 }
@@ -331,11 +390,13 @@ impl std::str::FromStr for ServiceDist {
     fn from_str(s: &str) -> Result<Self, Self::Err> {
         let bad = || {
             format!(
-                "`{s}`: expected fixed:MS, lognormal:MEAN_MS,SIGMA (e.g. lognormal:200,0.6) or smollm2"
+                "`{s}`: expected fixed:MS, lognormal:MEAN_MS,SIGMA (e.g. lognormal:200,0.6), smollm2 or smollm2-mixed"
             )
         };
-        if s == "smollm2" {
-            return Ok(ServiceDist::SmolLm2);
+        match s {
+            "smollm2" => return Ok(ServiceDist::SmolLm2),
+            "smollm2-mixed" => return Ok(ServiceDist::SmolLm2Mixed),
+            _ => {}
         }
         let (name, args) = s.split_once(':').ok_or_else(bad)?;
         match name {
@@ -371,6 +432,28 @@ pub enum PolicyArg {
     ReceiptOnly,
     /// No deadline check at all; calls run to the end
     Naive,
+}
+
+/// `bench goodput --estimate`.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum EstimateArg {
+    /// Per request (the worker's).
+    Request,
+    /// One per kind (before issue #31).
+    PerKind,
+    /// One per kind, the jobs split by prompt length into `short` and `long` kinds.
+    SplitKinds,
+}
+
+impl EstimateArg {
+    pub fn as_str(self) -> &'static str {
+        match self {
+            EstimateArg::Request => "request",
+            EstimateArg::PerKind => "per-kind",
+            EstimateArg::SplitKinds => "split-kinds",
+        }
+    }
 }
 
 /// Which job waiting in the worker's local buffer gets the next free model slot (the

@@ -108,6 +108,10 @@ pub struct SimArgs {
     /// comparison of BENCHMARKS.md §10)
     #[arg(long, value_name = "N")]
     pub sweep: Option<usize>,
+    /// How the workers learn call times: `request` (the worker's, per request size) or
+    /// `per-kind` (one estimate per kind, the estimator before issue #31; reference only)
+    #[arg(long, value_enum, default_value = "request")]
+    pub estimate: crate::EstimateArg,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -227,6 +231,8 @@ enum Service {
         slowdown: f64,
         /// The server's batch places: past them the calls share the batch.
         knee: Option<f64>,
+        /// `mixed:…`: prompts of [`MIXED_TOKENS`] (log-uniform) instead of short or long.
+        mixed: bool,
     },
 }
 
@@ -260,10 +266,27 @@ impl Service {
                     long_share: *share,
                     slowdown: more.first().copied().unwrap_or(0.15),
                     knee: more.get(1).copied(),
+                    mixed: false,
+                })
+            }
+            ("mixed", [base, per, more @ ..])
+                if *base > 0.0
+                    && *per >= 0.0
+                    && more.len() <= 2
+                    && more.first().is_none_or(|s| *s >= 0.0)
+                    && more.get(1).is_none_or(|k| *k >= 1.0) =>
+            {
+                Ok(Self::Length {
+                    base: *base,
+                    per_token: *per,
+                    long_share: 0.0,
+                    slowdown: more.first().copied().unwrap_or(0.15),
+                    knee: more.get(1).copied(),
+                    mixed: true,
                 })
             }
             _ => bail!(
-                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA or length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]]"
+                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA, length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]] or mixed:BASE_MS,MS_PER_TOKEN[,SLOWDOWN[,KNEE]]"
             ),
         }
     }
@@ -273,6 +296,16 @@ impl Service {
         match *self {
             Self::Fixed(ms) => ms,
             Self::Lognormal { mean, .. } => mean,
+            Self::Length {
+                base,
+                per_token,
+                mixed: true,
+                ..
+            } => {
+                // The mean of a log-uniform draw in [lo, hi]: (hi − lo) ÷ ln(hi ÷ lo).
+                let (lo, hi) = (MIXED_TOKENS.0 as f64, MIXED_TOKENS.1 as f64);
+                base + per_token * (hi - lo) / (hi / lo).ln()
+            }
             Self::Length {
                 base,
                 per_token,
@@ -301,6 +334,9 @@ impl Service {
 
 const SHORT_TOKENS: u64 = 10;
 const LONG_TOKENS: u64 = 600;
+/// `mixed:…`: prompt tokens, drawn log-uniform in this range (as `bench goodput --service
+/// smollm2-mixed`).
+const MIXED_TOKENS: (u64, u64) = (30, 2_000);
 
 /// One standard normal draw (Box–Muller).
 fn normal(rng: &mut StdRng) -> f64 {
@@ -459,6 +495,11 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     if a.max_slots == 0 {
         bail!("--max-slots must be at least 1");
     }
+    if a.estimate == crate::EstimateArg::SplitKinds {
+        bail!(
+            "--estimate split-kinds is `bench goodput`'s (the simulator has one kind): use request or per-kind"
+        );
+    }
     // The fixed slots, or the most calls `auto` may run.
     let slots = match a.slots {
         SlotCount::Fixed(n) => n.max(1),
@@ -529,8 +570,13 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 .min(tenants.len() - 1)
         };
         let (payload, size, tokens) = match service {
-            Service::Length { long_share, .. } => {
-                let tokens = if rng.random::<f64>() < long_share {
+            Service::Length {
+                long_share, mixed, ..
+            } => {
+                let tokens = if mixed {
+                    let (lo, hi) = ((MIXED_TOKENS.0 as f64).ln(), (MIXED_TOKENS.1 as f64).ln());
+                    (lo + rng.random::<f64>() * (hi - lo)).exp().round() as u64
+                } else if rng.random::<f64>() < long_share {
                     LONG_TOKENS
                 } else {
                     SHORT_TOKENS
@@ -577,7 +623,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
 
     let mut workers: Vec<Worker> = (0..a.workers)
         .map(|_| Worker {
-            est: ServiceTimes::new(ServiceTimeConfig::default()),
+            est: ServiceTimes::new(ServiceTimeConfig {
+                request_aware: a.estimate == crate::EstimateArg::Request,
+                ..ServiceTimeConfig::default()
+            }),
             pred: None,
             slots,
             limit: (a.slots == SlotCount::Auto)
@@ -1153,6 +1202,7 @@ mod tests {
             lanes: 8,
             share_cap: false,
             sweep: None,
+            estimate: crate::EstimateArg::Request,
             json: false,
         }
     }

@@ -380,3 +380,83 @@ async fn front_door_smoke_measures_both_paths() {
     }
     env.cleanup().await;
 }
+
+/// Issue #31's comparison in one smoke run against a real continuous-batching server
+/// (llama.cpp's `llama-server`, SmolLM2-135M, 4 slots): `--service smollm2-mixed` (prompts
+/// of 30–2,000 tokens) measures the server's ceiling, runs `--slots auto` and a fixed
+/// count, the per-kind and hand-split estimators beside the request-aware one, and Celery
+/// calling the same server. Every run's counts add up and lastcall starts no call after
+/// its deadline; no figure is asserted.
+#[tokio::test(flavor = "multi_thread")]
+async fn goodput_smoke_mixed_lengths_against_a_real_llama_server() {
+    let (_server, url) = common::llama::LlamaServer::start(&[]);
+    let env = Env::sqlite("bench-goodput-mixed").await;
+    let (j, _svg) = goodput_smoke_json(
+        &env,
+        &[
+            "--policy",
+            "deadline",
+            "--overload",
+            "2",
+            "--deadline-ms",
+            "4000",
+            "--service",
+            "smollm2-mixed",
+            "--openai-url",
+            &url,
+            "--slots",
+            "auto,2",
+            "--estimate",
+            "request,per-kind,split-kinds",
+            "--celery",
+        ],
+    );
+    let c = &j["setup"]["ceiling"];
+    assert!(c["per_s"].as_f64().unwrap() > 0.0, "{c}");
+    assert!(!c["levels"].as_array().unwrap().is_empty(), "{c}");
+    assert_eq!(j["setup"]["capacity_per_s"], c["per_s"], "{}", j["setup"]);
+    let policies = j["policies"].as_array().unwrap();
+    let runs: Vec<(&str, &str, &str)> = policies
+        .iter()
+        .map(|p| {
+            (
+                p["policy"].as_str().unwrap(),
+                p["slots"].as_str().unwrap(),
+                p["estimate"].as_str().unwrap(),
+            )
+        })
+        .collect();
+    assert_eq!(
+        runs,
+        [
+            ("deadline slots=auto request", "auto", "request"),
+            ("deadline slots=2 request", "2", "request"),
+            ("deadline slots=auto per-kind", "auto", "per-kind"),
+            ("deadline slots=auto split-kinds", "auto", "split-kinds"),
+        ]
+    );
+    for p in policies {
+        let submitted = u(p, "submitted");
+        assert!(submitted > 0, "{p}");
+        let outcomes: u64 = p["outcomes"]
+            .as_object()
+            .unwrap()
+            .values()
+            .map(|v| v.as_u64().unwrap())
+            .sum();
+        assert_eq!(outcomes + u(p, "no_outcome"), submitted, "{p}");
+        assert_eq!(u(p, "no_outcome"), 0, "{p}");
+        assert_eq!(u(p, "started_after_deadline"), 0, "{p}");
+        let of_arrivals = p["on_time_of_arrivals"].as_f64().unwrap();
+        let offered = submitted + u(p, "shed_at_door") + u(p, "submit_errors");
+        let want = u(p, "on_time") as f64 / offered as f64;
+        assert!((of_arrivals - want).abs() < 1e-9, "{p}");
+    }
+    let r = &j["celery"]["results"][0];
+    assert_eq!(r["service"], "smollm2-mixed", "{r}");
+    assert!(u(r, "submitted") > 0, "{r}");
+    assert_eq!(u(r, "no_outcome"), 0, "every job has an outcome: {r}");
+    assert_eq!(u(r, "failed"), 0, "Celery's calls reached the server: {r}");
+    assert!(u(r, "model_calls") > 0, "{r}");
+    env.cleanup().await;
+}

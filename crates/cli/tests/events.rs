@@ -1070,32 +1070,7 @@ async fn the_openai_sdk_streams_exactly_the_ledgers_text() {
 /// server's streamed chunks reach the SDK as deltas, and their text is the ledger's.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_openai_sdk_streams_a_real_llama_cpp_generation() {
-    let script_path =
-        std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/llama-server.sh");
-    let port = common::private_rabbit::free_port();
-    let out = std::process::Command::new("bash")
-        .arg(&script_path)
-        .args(["start", &port.to_string()])
-        .stdin(Stdio::null())
-        .stderr(Stdio::inherit())
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "could not start the llama.cpp server: run `scripts/llama-server.sh start 8080` to see why"
-    );
-    struct Stop(std::path::PathBuf, u16);
-    impl Drop for Stop {
-        fn drop(&mut self) {
-            let _ = std::process::Command::new("bash")
-                .arg(&self.0)
-                .args(["stop", &self.1.to_string()])
-                .stdin(Stdio::null())
-                .status();
-        }
-    }
-    let _server = Stop(script_path, port);
-    let base_url = String::from_utf8_lossy(&out.stdout).trim().to_string();
+    let (_server, base_url) = common::llama::LlamaServer::start(&[]);
     let backend = Arc::new(
         lastcall_openai::OpenAiBackend::new(
             lastcall_openai::OpenAiConfig::new(&base_url, "smollm2").with_max_tokens(16),

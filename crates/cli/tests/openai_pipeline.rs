@@ -8,81 +8,15 @@
 
 mod common;
 
+use common::llama::LlamaServer;
+use common::private_rabbit::free_port;
 use common::*;
 use lastcall_backend::Backend;
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::clock::now_ms;
 use serde_json::json;
-use std::net::TcpListener;
-use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
-
-fn script() -> std::path::PathBuf {
-    std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/llama-server.sh")
-}
-
-fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-struct Server(u16);
-
-impl Server {
-    /// `scripts/llama-server.sh start PORT` on a free port with `env` (LLAMA_SERVER_*); the
-    /// base URL.
-    fn start(env: &[(&str, &str)]) -> (Server, String) {
-        let port = free_port();
-        let out = Command::new("bash")
-            .arg(script())
-            .args(["start", &port.to_string()])
-            .envs(env.iter().copied())
-            .stdin(Stdio::null())
-            .stderr(Stdio::inherit())
-            .output()
-            .unwrap();
-        assert!(
-            out.status.success(),
-            "could not start the llama.cpp server: run `scripts/llama-server.sh start 8080` to \
-             see why (and `scripts/llama-server.sh stop 8080` after)"
-        );
-        let base_url = String::from_utf8_lossy(&out.stdout).trim().to_string();
-        (Server(port), base_url)
-    }
-
-    /// The server's log as `scripts/llama-server.sh` keeps it:
-    /// `${LASTCALL_CACHE:-$HOME/.cache/lastcall}/llama-server-PORT.log`.
-    fn log(&self) -> String {
-        let cache = std::env::var_os("LASTCALL_CACHE")
-            .filter(|c| !c.is_empty())
-            .map(std::path::PathBuf::from)
-            .unwrap_or_else(|| {
-                std::path::PathBuf::from(std::env::var_os("HOME").expect("HOME"))
-                    .join(".cache/lastcall")
-            });
-        let path = cache.join(format!("llama-server-{}.log", self.0));
-        std::fs::read_to_string(&path).unwrap_or_else(|e| {
-            panic!(
-                "{}: {e}; scripts/llama-server.sh logs elsewhere now? update Server::log",
-                path.display()
-            )
-        })
-    }
-}
-
-impl Drop for Server {
-    fn drop(&mut self) {
-        let _ = Command::new("bash")
-            .arg(script())
-            .args(["stop", &self.0.to_string()])
-            .stdin(Stdio::null())
-            .status();
-    }
-}
 
 fn backend(base_url: &str) -> Arc<dyn Backend> {
     Arc::new(
@@ -109,7 +43,7 @@ async fn run(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn worker_with_a_real_openai_compatible_server() {
-    let (_server, base_url) = Server::start(&[]);
+    let (_server, base_url) = LlamaServer::start(&[]);
 
     let env = Env::sqlite("openai").await;
     let mut cfg = env.worker_config(1, 2);
@@ -293,7 +227,7 @@ const BATCHED_TOKENS: i64 = 64;
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn continuous_batching_at_a_real_llama_server() {
     let slots = SLOTS.to_string();
-    let (server, base_url) = Server::start(&[("LLAMA_SERVER_PARALLEL", slots.as_str())]);
+    let (server, base_url) = LlamaServer::start(&[("LLAMA_SERVER_PARALLEL", slots.as_str())]);
     let env = Env::sqlite("openai-batching").await;
     let cfg = env.worker_config(SLOTS, SLOTS as u16);
     let topo = cfg.topology.clone();

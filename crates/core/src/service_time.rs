@@ -117,6 +117,10 @@ pub struct ServiceTimeConfig {
     /// Probe calls of one key in flight at once; at least 1 (a worker has no more than
     /// its free slots).
     pub max_probes: u32,
+    /// Keep each call's request size and estimate per request ([`ServiceTimes::estimate_for`],
+    /// the default); `false`: ignore sizes, one estimate per key whatever the request (the
+    /// estimator before issue #31, kept as the benchmark's reference).
+    pub request_aware: bool,
 }
 
 /// The fitted quantile is never above this multiple of the largest sample: a fit to a
@@ -136,6 +140,7 @@ impl Default for ServiceTimeConfig {
             probe_waste_share: 0.05,
             probe_burst_ms: 8_000,
             max_probes: 4,
+            request_aware: true,
         }
     }
 }
@@ -169,6 +174,7 @@ impl ServiceTimeConfig {
             probe_waste_share,
             probe_burst_ms: self.probe_burst_ms,
             max_probes: self.max_probes.max(1),
+            request_aware: self.request_aware,
         }
     }
 
@@ -406,6 +412,7 @@ impl ServiceTimes {
         size: Option<[f64; 2]>,
         now_ms: i64,
     ) {
+        let size = size.filter(|_| self.cfg.request_aware);
         self.observations += 1;
         let sample = Sample {
             at_ms: now_ms,
@@ -1155,6 +1162,10 @@ mod tests {
             (128, 0.99, 3, 600_000, 256)
         );
         assert!(d.fit, "the lognormal fit is on by default");
+        assert!(
+            d.request_aware,
+            "the request-aware estimate is on by default"
+        );
         assert_eq!(d.clamped(), d);
         let c = ServiceTimeConfig {
             window: 0,
@@ -1167,6 +1178,7 @@ mod tests {
             probe_waste_share: f64::NAN,
             probe_burst_ms: 0,
             max_probes: 0,
+            request_aware: false,
         }
         .clamped();
         assert_eq!(
@@ -1717,6 +1729,43 @@ mod tests {
         );
         // Without a size, the per-kind estimate.
         assert_eq!(st.estimate_for("k", None, 100).unwrap().quantile_ms, kind);
+    }
+
+    #[test]
+    fn without_request_awareness_every_request_gets_the_kinds_estimate() {
+        // The estimator before issue #31, the benchmark's reference: the same calls as
+        // above, and a short prompt is held to a long one's time.
+        let mut st = ServiceTimes::new(ServiceTimeConfig {
+            request_aware: false,
+            ..ServiceTimeConfig::default()
+        });
+        for i in 0..100u64 {
+            let p = if i % 10 < 7 { 10 } else { 600 };
+            let size = RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            };
+            st.observe_request(
+                "k",
+                50 + 2 * p + (i * 7919) % 13,
+                false,
+                Some(size),
+                i as i64,
+            );
+        }
+        let kind = st.estimate("k", 100).unwrap();
+        assert!(kind.quantile_ms >= 1_250, "the per-kind p99: {kind:?}");
+        for p in [1, 10, 600, 5_000] {
+            let size = RequestSize {
+                prompt_tokens: p,
+                max_tokens: Some(64),
+            };
+            assert_eq!(
+                st.estimate_for("k", Some(size), 100),
+                Some(kind),
+                "{p} tokens"
+            );
+        }
     }
 
     #[test]

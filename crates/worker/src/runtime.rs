@@ -80,6 +80,10 @@ pub struct WorkerConfig {
     /// when kinds are routed; [`lastcall_core::rate_limit`]). A backend not named here is
     /// limited only by what its servers' `x-ratelimit-*` headers say.
     pub rate_limits: std::collections::BTreeMap<String, lastcall_core::rate_limit::Limits>,
+    /// The learned call time's settings ([`lastcall_core::service_time`]); the default is
+    /// what `lastcall worker` runs with (the benchmark turns request-awareness off for its
+    /// reference run).
+    pub service_time: ServiceTimeConfig,
 }
 
 impl WorkerConfig {
@@ -105,6 +109,7 @@ impl WorkerConfig {
             consumer_timeout: None,
             breaker: Default::default(),
             rate_limits: Default::default(),
+            service_time: ServiceTimeConfig::default(),
         }
     }
 }
@@ -173,9 +178,7 @@ impl Worker {
             breakers,
             limits,
             door,
-            service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(
-                ServiceTimeConfig::default(),
-            ))),
+            service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(cfg.service_time))),
             in_flight: std::sync::Mutex::default(),
             slots: Arc::new(match cfg.auto_slots {
                 Some(limit) => Slots::adaptive(limit, cfg.buffer_order, cfg.tenant_weights.clone()),

@@ -4,6 +4,7 @@
 
 pub mod chaos;
 pub mod http;
+pub mod llama;
 pub mod private_pg;
 pub mod private_rabbit;
 pub mod proxy;
