@@ -18,13 +18,18 @@
 //!   marks it delivered, and the last failed attempt marks it given up
 //!   (`Ledger::record_webhook_given_up`): from then on it no longer holds its job against
 //!   the ledger's retention.
-//! - **Limits.** Best-effort like the events it rides on: an event the process never saw
-//!   (it was down or disconnected) delivers nothing, and a delivery in progress when the
-//!   process stops is not resumed; the ledger shows which webhooks were delivered. Such a
-//!   webhook (never delivered, never given up) keeps holding its job against retention:
-//!   `lastcall ledger prune --dry-run` counts these jobs as held. At most
-//!   32 deliveries run at once (`WebhookConfig::concurrency`) and 1,024 events wait for a
-//!   slot; more are dropped, unclaimed, and counted.
+//! - **The sweep.** Events are best-effort: one that no `serve` saw (it was down or
+//!   disconnected) would deliver nothing, and a delivery cut by a stop would never end.
+//!   So every `WebhookConfig::sweep_every` (30 s) each `serve` reads the ledger for the
+//!   webhooks that no one delivers (`Ledger::webhooks_to_sweep`): of a job that ended more
+//!   than `WebhookConfig::settle` (60 s) ago, neither delivered nor given up, and never
+//!   claimed or claimed with no attempt for 10 minutes (`WEBHOOK_CLAIM_STALE_MS`: its
+//!   claimer stopped). Each goes the events' way (slot, claim, attempts). A webhook is
+//!   therefore delivered at least once, or given up, even across restarts; one cut
+//!   mid-attempt by a stop may arrive twice (receivers deduplicate by `job_id`).
+//! - **Limits.** At most 32 deliveries run at once (`WebhookConfig::concurrency`) and
+//!   1,024 events wait for a slot; more are dropped, unclaimed, and counted (the sweep
+//!   picks them up later).
 
 use lastcall_clock::Clock;
 use lastcall_core::{OutcomeEvent, SigningKey};
@@ -51,6 +56,11 @@ pub struct WebhookConfig {
     pub timeout: Duration,
     /// Deliveries at most at once (≥ 1; 32 by default).
     pub concurrency: usize,
+    /// How often the ledger is swept for webhooks that no process delivers (30 s).
+    pub sweep_every: Duration,
+    /// How long after its job ended a webhook is left to the events before the sweep
+    /// takes it (60 s).
+    pub settle: Duration,
 }
 
 impl Default for WebhookConfig {
@@ -62,6 +72,8 @@ impl Default for WebhookConfig {
             first_backoff: Duration::from_secs(1),
             timeout: Duration::from_secs(10),
             concurrency: 32,
+            sweep_every: Duration::from_secs(30),
+            settle: Duration::from_secs(60),
         }
     }
 }
@@ -132,9 +144,16 @@ pub struct WebhookStats {
     pub attempts: AtomicU64,
     /// Events dropped because the claim queue or the delivery slots were full.
     pub dropped: AtomicU64,
+    /// Webhooks the sweep found undelivered and unclaimed (or claimed by a process that
+    /// stopped) and handed to delivery.
+    pub swept: AtomicU64,
 }
 
-/// The delivery side: fed with event bodies by `serve`'s events follower.
+/// The webhooks swept at most per sweep (the rest wait for the next one).
+const SWEEP_BATCH: i64 = 256;
+
+/// The delivery side: fed with event bodies by `serve`'s events follower, and by the
+/// sweep of the ledger.
 #[derive(Debug)]
 pub struct Webhooks {
     tx: mpsc::Sender<String>,
@@ -151,6 +170,7 @@ impl Webhooks {
     ) -> Arc<Self> {
         let (tx, rx) = mpsc::channel(1024);
         let stats = Arc::new(WebhookStats::default());
+        let (every, settle) = (cfg.sweep_every, cfg.settle);
         let client = reqwest::Client::builder()
             .timeout(cfg.timeout)
             .redirect(reqwest::redirect::Policy::none())
@@ -164,17 +184,50 @@ impl Webhooks {
             client,
             stats: stats.clone(),
         });
+        tokio::spawn(sweep(ctx.clone(), tx.downgrade(), every, settle));
         tokio::spawn(dispatch(ctx, rx));
         Arc::new(Self { tx, stats })
     }
 
     /// One event body from the follower (never waits).
     pub fn on_event(&self, body: &[u8]) {
-        let Ok(text) = std::str::from_utf8(body) else {
+        // The event only says which job ended: anyone who may publish on `{prefix}.events`
+        // could have sent it. What is delivered is the ledger's outcome.
+        let Some(event) = OutcomeEvent::from_json(body) else {
             return;
         };
-        if self.tx.try_send(text.to_owned()).is_err() {
+        if self.tx.try_send(event.job_id).is_err() {
             self.stats.dropped.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+}
+
+/// Every `every`, hand the webhooks that no one delivers to [`dispatch`]
+/// ([`Ledger::webhooks_to_sweep`]); ends when the [`Webhooks`] is dropped.
+async fn sweep(ctx: Arc<Ctx>, tx: mpsc::WeakSender<String>, every: Duration, settle: Duration) {
+    let settle_ms = i64::try_from(settle.as_millis()).unwrap_or(i64::MAX);
+    loop {
+        tokio::time::sleep(every).await;
+        let Some(tx) = tx.upgrade() else {
+            return;
+        };
+        let now = ctx.clock.now_ms();
+        let ids = match (ctx.ledger)
+            .webhooks_to_sweep(now.saturating_sub(settle_ms), now, SWEEP_BATCH)
+            .await
+        {
+            Ok(ids) => ids,
+            Err(e) => {
+                tracing::warn!(error = %e, "cannot read the webhooks to sweep; trying again later");
+                continue;
+            }
+        };
+        for job_id in ids {
+            // Never waits: with the queue full, the rest wait for the next sweep.
+            if tx.try_send(job_id).is_err() {
+                break;
+            }
+            ctx.stats.swept.fetch_add(1, Ordering::Relaxed);
         }
     }
 }
@@ -190,19 +243,13 @@ struct Ctx {
 
 async fn dispatch(ctx: Arc<Ctx>, mut rx: mpsc::Receiver<String>) {
     let slots = Arc::new(Semaphore::new(ctx.cfg.concurrency.max(1)));
-    while let Some(body) = rx.recv().await {
-        // The event only says which job ended: anyone who may publish on `{prefix}.events`
-        // could have sent it. What is delivered is the ledger's outcome.
-        let Some(event) = OutcomeEvent::from_json(body.as_bytes()) else {
-            continue;
-        };
+    while let Some(job_id) = rx.recv().await {
         // A delivery slot first, then the claim: a claimed webhook always gets its
         // attempts (while every slot is busy, events wait here and, past the queue's
         // 1,024, are dropped unclaimed: another `serve` may still deliver them).
         let Ok(permit) = slots.clone().acquire_owned().await else {
             return;
         };
-        let job_id = event.job_id;
         let rec = match ctx.ledger.get(&job_id).await {
             Ok(Some(rec)) if rec.is_terminal() => rec,
             Ok(_) => {
@@ -217,7 +264,10 @@ async fn dispatch(ctx: Arc<Ctx>, mut rx: mpsc::Receiver<String>) {
                 continue;
             }
         };
-        let url = match ctx.ledger.claim_webhook(&job_id, &ctx.me).await {
+        let url = match (ctx.ledger)
+            .claim_webhook(&job_id, &ctx.me, ctx.clock.now_ms())
+            .await
+        {
             Ok(Some(url)) => url,
             Ok(None) => continue, // no webhook, or another process has it
             Err(e) => {

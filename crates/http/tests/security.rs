@@ -381,7 +381,10 @@ async fn a_refused_post_does_not_replace_the_callback() {
     assert_eq!(s.as_u16(), 202, "{v}");
     assert_eq!(v["duplicate"], true, "{v}");
     assert_eq!(
-        env.ledger.claim_webhook("reuse-1", "test").await.unwrap(),
+        env.ledger
+            .claim_webhook("reuse-1", "test", 1)
+            .await
+            .unwrap(),
         Some("http://127.0.0.1:9/hooks/owner".into()),
         "the job's callback is the one its own request gave"
     );
@@ -465,7 +468,7 @@ async fn a_webhook_delivers_the_ledgers_outcome_not_the_events_body() {
     );
     assert_eq!(
         env.ledger
-            .claim_webhook("running-1", "probe")
+            .claim_webhook("running-1", "probe", 1)
             .await
             .unwrap(),
         Some(rx.url("early")),
@@ -844,5 +847,64 @@ async fn a_chat_request_is_held_at_most_the_max_hold() {
     );
     let rec = env.ledger.get("held-1").await.unwrap().unwrap();
     assert_eq!(rec.state, "accepted", "the job goes on: {rec:?}");
+    env.cleanup().await;
+}
+
+/// The sweep (issue #35): a webhook whose outcome event no `serve` saw (it was down, or
+/// the event was lost) is still delivered, from the ledger; a job that has not ended gets
+/// nothing. Once delivered, the sweep no longer finds it, so it is not delivered again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_sweep_delivers_a_webhook_whose_event_no_one_saw() {
+    let env = Env::new("sec-hook-sweep").await;
+    let rx = Receiver::start().await;
+    ledger_job(&env, "missed-1", &rx.url("missed"), true).await;
+    ledger_job(&env, "waiting-1", &rx.url("waiting"), false).await;
+    let hooks = Webhooks::spawn(
+        WebhookConfig {
+            sweep_every: Duration::from_millis(100),
+            settle: Duration::ZERO,
+            ..hooks_config(&rx)
+        },
+        env.ledger.clone(),
+        Arc::new(lastcall_clock::SystemClock::default()),
+        "serve-test".into(),
+    );
+    // No event at all: only the sweep can find it.
+    let got = rx.wait_for("missed").await;
+    assert_eq!(got.len(), 1);
+    assert_eq!(got[0]["job_id"], "missed-1", "{}", got[0]);
+    assert_eq!(
+        got[0]["state"], "cancelled",
+        "the ledger's outcome: {}",
+        got[0]
+    );
+    let until = Instant::now() + Duration::from_secs(10);
+    while env
+        .ledger
+        .webhook_attempts("missed-1")
+        .await
+        .unwrap()
+        .is_empty()
+    {
+        assert!(Instant::now() < until, "the delivery was never recorded");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let now = lastcall_clock::now_ms();
+    assert!(
+        env.ledger
+            .webhooks_to_sweep(now, now, 10)
+            .await
+            .unwrap()
+            .is_empty(),
+        "delivered, and the job still running is not swept"
+    );
+    assert!(
+        hooks.stats.swept.load(std::sync::atomic::Ordering::Relaxed) >= 1,
+        "it came through the sweep"
+    );
+    assert!(
+        rx.bodies("waiting").is_empty(),
+        "a job with no outcome got a webhook"
+    );
     env.cleanup().await;
 }

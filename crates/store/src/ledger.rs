@@ -59,6 +59,12 @@ const PG_MAX_CONNECTIONS: u32 = 8;
 #[cfg(test)]
 const NON_TERMINAL_SQL: &str = "('accepted', 'running')";
 
+/// A webhook claim with no attempt for this long is stale: its claimer stopped
+/// mid-delivery, and another `serve` (or the same one, restarted) may claim it again
+/// ([`Ledger::claim_webhook`]). Far longer than any pause between two attempts (at most
+/// 30 s of backoff plus one attempt's timeout).
+pub const WEBHOOK_CLAIM_STALE_MS: i64 = 10 * 60 * 1000;
+
 /// A job's model calls: its attempt rows that called the model (never stored; see the
 /// counters invariant). A macro so that statements stay `&'static str`.
 macro_rules! backend_calls {
@@ -1409,22 +1415,56 @@ impl Ledger {
         })
     }
 
-    /// Claim the webhook of `job_id` for delivery by `me`: its URL if it has one that no one
-    /// claimed yet (exactly one claimer wins), else `None`.
+    /// Claim the webhook of `job_id` for delivery by `me` at `now_ms`: its URL if it has one
+    /// still open (neither delivered nor given up) that no one claimed, or whose claim is
+    /// stale (no claim nor attempt for [`WEBHOOK_CLAIM_STALE_MS`]: its claimer stopped
+    /// mid-delivery); exactly one claimer wins. Else `None`.
     pub async fn claim_webhook(
         &self,
         job_id: &str,
         me: &str,
+        now_ms: i64,
     ) -> Result<Option<String>, StoreError> {
-        const CLAIM: &str = "UPDATE webhooks SET claimed_by = $2              WHERE job_id = $1 AND claimed_by IS NULL RETURNING url";
+        const CLAIM: &str = "UPDATE webhooks SET claimed_by = $2, claimed_at_ms = $3 \
+             WHERE job_id = $1 AND delivered_at_ms IS NULL AND given_up_at_ms IS NULL \
+             AND (claimed_by IS NULL OR COALESCE(claimed_at_ms, 0) < $4) RETURNING url";
         on_pool!(self, write, |pool| {
             sqlx::query(CLAIM)
                 .bind(job_id)
                 .bind(me)
+                .bind(now_ms)
+                .bind(now_ms.saturating_sub(WEBHOOK_CLAIM_STALE_MS))
                 .fetch_optional(pool)
                 .await
                 .and_then(|row| row.map(|r| r.try_get(0)).transpose())
                 .map_err(db("claiming a webhook"))
+        })
+    }
+
+    /// The webhooks that no process is delivering, oldest first, at most `limit`: still
+    /// open (neither delivered nor given up), of a job that ended before `ended_before_ms`,
+    /// and never claimed or claimed longer than [`WEBHOOK_CLAIM_STALE_MS`] before `now_ms`
+    /// with no attempt since. `serve`'s sweep claims and delivers them.
+    pub async fn webhooks_to_sweep(
+        &self,
+        ended_before_ms: i64,
+        now_ms: i64,
+        limit: i64,
+    ) -> Result<Vec<String>, StoreError> {
+        const SELECT: &str = "SELECT w.job_id FROM webhooks w JOIN jobs j ON j.job_id = w.job_id \
+             WHERE w.delivered_at_ms IS NULL AND w.given_up_at_ms IS NULL \
+             AND (w.claimed_by IS NULL OR COALESCE(w.claimed_at_ms, 0) < $2) \
+             AND j.state NOT IN ('accepted', 'running') AND j.recorded_at_ms < $1 \
+             ORDER BY w.registered_at_ms, w.job_id LIMIT $3";
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT)
+                .bind(ended_before_ms)
+                .bind(now_ms.saturating_sub(WEBHOOK_CLAIM_STALE_MS))
+                .bind(limit)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| rows.iter().map(|r| r.try_get(0)).collect())
+                .map_err(db("reading the webhooks to sweep"))
         })
     }
 
@@ -1433,6 +1473,8 @@ impl Ledger {
     pub async fn record_webhook_attempt(&self, a: &WebhookAttempt) -> Result<(), StoreError> {
         const ATTEMPT: &str = "INSERT INTO webhook_attempts (job_id, attempt, at_ms, status, error)              VALUES ($1, $2, $3, $4, $5) ON CONFLICT (job_id, attempt) DO NOTHING";
         const DELIVERED: &str = "UPDATE webhooks SET delivered_at_ms = $2 WHERE job_id = $1";
+        // Every attempt renews the claim: a delivery still trying is never stale.
+        const RENEW: &str = "UPDATE webhooks SET claimed_at_ms = $2 WHERE job_id = $1";
         on_pool!(self, write, |pool| {
             sqlx::query(ATTEMPT)
                 .bind(&a.job_id)
@@ -1443,6 +1485,12 @@ impl Ledger {
                 .execute(pool)
                 .await
                 .map_err(db("recording a webhook attempt"))?;
+            sqlx::query(RENEW)
+                .bind(&a.job_id)
+                .bind(a.at_ms)
+                .execute(pool)
+                .await
+                .map_err(db("renewing a webhook's claim"))?;
             if a.error.is_none() {
                 sqlx::query(DELIVERED)
                     .bind(&a.job_id)

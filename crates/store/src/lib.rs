@@ -47,7 +47,7 @@ pub use ledger::dashboard::{
 pub use ledger::retention::{
     ArchiveFn, JobStream, LedgerSize, PRUNE_DUTY, PruneCounts, PruneLock, prune_pause,
 };
-pub use ledger::{Ledger, LedgerWrite};
+pub use ledger::{Ledger, LedgerWrite, WEBHOOK_CLAIM_STALE_MS};
 
 use lastcall_core::{Decision, Priority, Reason, State, Tenant};
 use serde::Serialize;

@@ -81,6 +81,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0010_webhook_given_up.sql"),
         postgres: include_str!("../migrations/postgres/0010_webhook_given_up.sql"),
     },
+    Migration {
+        version: 11,
+        name: "webhook_claimed_at",
+        sqlite: include_str!("../migrations/sqlite/0011_webhook_claimed_at.sql"),
+        postgres: include_str!("../migrations/postgres/0011_webhook_claimed_at.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

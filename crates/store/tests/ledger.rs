@@ -20,7 +20,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 10;
+const LATEST_VERSION: i64 = 11;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -237,6 +237,7 @@ both_backends!(
     the_outcome_names_its_backend_model_and_min_runtime,
     cancel_ends_a_waiting_job_and_flags_a_running_one,
     a_webhook_is_claimed_once_and_its_attempts_recorded,
+    the_sweep_finds_the_webhooks_that_no_one_delivers,
     recent_calls_are_the_durations_a_starting_worker_learns_from,
     the_doors_call_time_comes_from_measured_calls_only,
     dashboard_counts_equal_the_records_and_read_no_text,
@@ -2108,16 +2109,16 @@ async fn cancel_ends_a_waiting_job_and_flags_a_running_one(db: &TestDb) {
 async fn a_webhook_is_claimed_once_and_its_attempts_recorded(db: &TestDb) {
     use lastcall_store::WebhookAttempt;
     let l = &db.ledger;
-    assert_eq!(l.claim_webhook("none", "s1").await.unwrap(), None);
+    assert_eq!(l.claim_webhook("none", "s1", 100).await.unwrap(), None);
     l.register_webhook("h1", "http://a/1", 100).await.unwrap();
     // A retried submission before any claim takes the new URL.
     l.register_webhook("h1", "http://a/2", 110).await.unwrap();
     assert_eq!(
-        l.claim_webhook("h1", "s1").await.unwrap().as_deref(),
+        l.claim_webhook("h1", "s1", 150).await.unwrap().as_deref(),
         Some("http://a/2")
     );
     assert_eq!(
-        l.claim_webhook("h1", "s2").await.unwrap(),
+        l.claim_webhook("h1", "s2", 160).await.unwrap(),
         None,
         "one claimer"
     );
@@ -2139,6 +2140,95 @@ async fn a_webhook_is_claimed_once_and_its_attempts_recorded(db: &TestDb) {
     };
     l.record_webhook_attempt(&ok).await.unwrap();
     assert_eq!(l.webhook_attempts("h1").await.unwrap(), vec![fail, ok]);
+    // Delivered: no one claims it again, however long after.
+    let later = 300 + lastcall_store::WEBHOOK_CLAIM_STALE_MS * 2;
+    assert_eq!(l.claim_webhook("h1", "s2", later).await.unwrap(), None);
+}
+
+/// The sweep of `serve` (issue #35): the webhooks of ended jobs that no process delivers —
+/// never claimed, or claimed with no attempt for `WEBHOOK_CLAIM_STALE_MS` — oldest first;
+/// not those delivered, given up, still claimed by a live delivery, of a job not ended, or
+/// of a job that ended too recently (its event may still come).
+async fn the_sweep_finds_the_webhooks_that_no_one_delivers(db: &TestDb) {
+    use lastcall_store::{WEBHOOK_CLAIM_STALE_MS as STALE, WebhookAttempt};
+    let l = &db.ledger;
+    let now = 10 * STALE;
+    let ended = |id: &'static str, at: i64| async move {
+        l.record_outcome(&outcome(id, &format!("a-{id}"), State::Failed, at))
+            .await
+            .unwrap();
+    };
+    for (i, id) in [
+        "missed",
+        "running",
+        "recent",
+        "delivered",
+        "given-up",
+        "live",
+        "stale",
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        l.register_webhook(id, &format!("http://h/{id}"), 100 + i as i64)
+            .await
+            .unwrap();
+    }
+    ended("missed", 1_000).await;
+    l.record_start(&start("running", "a-running", 1, 900))
+        .await
+        .unwrap();
+    ended("recent", now - 10).await;
+    ended("delivered", 1_000).await;
+    ended("given-up", 1_000).await;
+    ended("live", 1_000).await;
+    ended("stale", 1_000).await;
+    let attempt = |id: &str, at_ms, ok: bool| WebhookAttempt {
+        job_id: id.into(),
+        attempt: 1,
+        at_ms,
+        status: Some(if ok { 200 } else { 500 }),
+        error: (!ok).then(|| "the receiver answered 500".into()),
+    };
+    l.claim_webhook("delivered", "s1", 2_000).await.unwrap();
+    l.record_webhook_attempt(&attempt("delivered", 2_001, true))
+        .await
+        .unwrap();
+    l.claim_webhook("given-up", "s1", 2_000).await.unwrap();
+    l.record_webhook_given_up("given-up", 2_002).await.unwrap();
+    // Claimed long ago, but its last attempt is recent: a delivery still under way.
+    l.claim_webhook("live", "s1", 2_000).await.unwrap();
+    l.record_webhook_attempt(&attempt("live", now - 1_000, false))
+        .await
+        .unwrap();
+    // Claimed, then nothing for longer than STALE: its claimer stopped.
+    l.claim_webhook("stale", "s1", now - STALE - 1)
+        .await
+        .unwrap();
+    let swept = l.webhooks_to_sweep(now - 60_000, now, 100).await.unwrap();
+    assert_eq!(swept, ["missed", "stale"]);
+    assert_eq!(
+        l.webhooks_to_sweep(now - 60_000, now, 1).await.unwrap(),
+        ["missed"],
+        "oldest first, at most the limit"
+    );
+    // Exactly the swept ones can be claimed now; once claimed, they are no longer swept.
+    assert_eq!(l.claim_webhook("live", "s2", now).await.unwrap(), None);
+    assert_eq!(
+        l.claim_webhook("stale", "s2", now)
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("http://h/stale")
+    );
+    assert_eq!(
+        l.claim_webhook("missed", "s2", now)
+            .await
+            .unwrap()
+            .as_deref(),
+        Some("http://h/missed")
+    );
+    assert!((l.webhooks_to_sweep(now - 60_000, now, 100).await.unwrap()).is_empty());
 }
 
 // ---------------------------------------------------------------------------------------

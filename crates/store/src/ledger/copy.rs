@@ -103,6 +103,7 @@ const TABLES: [Table; 6] = [
             ("claimed_by", Text),
             ("delivered_at_ms", Int),
             ("given_up_at_ms", Int),
+            ("claimed_at_ms", Int),
         ],
     },
     Table {
