@@ -22,6 +22,7 @@ use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
 pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
+    return_large_frees();
     // Everything a flag, a file or the environment can get wrong is read first: a usage
     // error is reported at once, before anything is bound or connected.
     let token = Token::load(a.token_file.as_deref(), "LASTCALL_HTTP_TOKEN")?;
@@ -123,6 +124,25 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         .context("the HTTP server task failed")?
         .context(cannot_serve)?;
     Ok(ExitCode::SUCCESS)
+}
+
+/// Give every allocation of 128 KiB or more back to the system when it is freed, as glibc
+/// does until its first free of such a block: that free raises glibc's mmap threshold to
+/// the block's size, and later blocks below it come from the heap, whose freed pages stay
+/// resident. lapin gives each connection two buffers of 32 × frame_max (4 MiB each with
+/// RabbitMQ's 128 KiB frame_max): at a broker restart every connection's buffers are freed
+/// and allocated again, so with the dynamic threshold `serve` kept some of them resident
+/// (+4 MB at the first restart with 4 connections; RELIABILITY.md, the soak). Setting the
+/// threshold explicitly turns the dynamic one off (mallopt(3)). Only here: a worker with
+/// the embedded model allocates large tensors at every call, where the dynamic threshold
+/// spares it an mmap each (not measured), and the workers did not show the growth.
+#[allow(unsafe_code)]
+fn return_large_frees() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: mallopt only sets an allocator parameter; 128 KiB is glibc's own default.
+    unsafe {
+        libc::mallopt(libc::M_MMAP_THRESHOLD, 128 * 1024);
+    }
 }
 
 /// Stop the server that answered while `serve` started, and hand back why it gave up.
