@@ -393,7 +393,10 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                     None => "worker defaults, no hint in the jobs (learned call time)".into(),
                 },
                 setup.clock_uncertainty_ms,
-                setup.prefetch,
+                match a.prefetch {
+                    Some(p) => p.to_string(),
+                    None => format!("2 × slots ({} with auto)", 2 * a.max_slots),
+                },
                 orders
                     .iter()
                     .map(|&o| BufferOrder::from(o).as_str())
