@@ -663,12 +663,16 @@ impl ServiceTimes {
         // Only the completed calls no larger than this request can justify its refusal:
         // calls of larger requests say nothing of a smaller one's time, and before the
         // request-aware fit holds ([`MIN_SIZED`] sized calls) a kind whose first calls were
-        // long would otherwise refuse its short requests for good, learning nothing.
+        // long would otherwise refuse its short requests for good, learning nothing. A
+        // call of unknown size (one a starting worker learned from the ledger, which keeps
+        // no request sizes) may have been a larger one: it justifies no refusal of a sized
+        // request either, or a restart would lock such a kind out for as long as those
+        // calls stay in the window.
         let justified = match size.map(|s| s.features()) {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
                 let no_larger: VecDeque<Sample> = (w.samples.iter())
-                    .filter(|s| s.size.is_none_or(|f| f[0] <= job[0] && f[1] <= job[1]))
+                    .filter(|s| s.size.is_some_and(|f| f[0] <= job[0] && f[1] <= job[1]))
                     .copied()
                     .collect();
                 self.summarize(&no_larger, now_ms, EstimateSource::Key, false)
@@ -1766,6 +1770,40 @@ mod tests {
                 "{p} tokens"
             );
         }
+    }
+
+    #[test]
+    fn calls_of_unknown_size_do_not_lock_a_sized_request_out() {
+        // A worker that starts learns the kind's recent calls from the ledger, without
+        // their sizes: here long prompts' calls of ~1.25 s. A short request, refused by
+        // that per-kind estimate, may still be probed, and once short calls complete the
+        // request-aware fit admits short requests on its own.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..50u64 {
+            st.observe("k", 1_250 + i % 7, i as i64);
+        }
+        let short = Some(RequestSize {
+            prompt_tokens: 10,
+            max_tokens: None,
+        });
+        let e = st.estimate_for("k", short, 100).unwrap();
+        assert!(e.quantile_ms >= 1_250, "{e:?}");
+        // Refused with 500 ms of room, but probed: no call of its size justifies that.
+        assert!(st.try_probe("k", short, 500, 100));
+        st.probe_ended("k", ProbeEnd::Completed { budget_ms: 500 }, 170);
+        for i in 0..12u64 {
+            let (p, d) = if i % 2 == 0 { (10, 70) } else { (600, 1_250) };
+            let size = RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            };
+            st.observe_request("k", d + i % 3, false, Some(size), 200 + i as i64);
+        }
+        let e = st.estimate_for("k", short, 300).unwrap();
+        assert!(
+            e.quantile_ms < 500,
+            "the fit now holds for short requests: {e:?}"
+        );
     }
 
     #[test]
