@@ -309,6 +309,9 @@ struct Sample {
     /// How many completed probes showed since that calls fit in less: the weight is
     /// multiplied by `2^-halvings`.
     halvings: u8,
+    /// Replayed from the ledger ([`ServiceTimes::observe_replayed`]): its size is the
+    /// server's token count, not this worker's measure of a request.
+    replayed: bool,
 }
 
 /// A completed probe halves the weight of each cut call it contradicts this many times
@@ -404,12 +407,44 @@ impl ServiceTimes {
         self.push_sample(key, duration_ms, true, None, now_ms);
     }
 
+    /// A call a starting worker replays from the ledger, under the prompt size its server
+    /// reported (`usage`; the ledger keeps no request size): it counts in the per-key
+    /// estimate and in the request-aware fit like [`Self::observe_request`], so a kind
+    /// that mixes short and long prompts is not held to a long one's time after a
+    /// restart. The server's count is not the worker's measure of a request (a little
+    /// lower for prose, different for a test double), so for the probe rule
+    /// ([`Self::try_probe`]) a replayed call counts as no larger than any request: one of
+    /// the same kind still justifies refusing a request it shows cannot finish.
+    pub fn observe_replayed(
+        &mut self,
+        key: &str,
+        duration_ms: u64,
+        cut: bool,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) {
+        let size = size.map(|s| s.features());
+        self.push(key, duration_ms, cut, size, true, now_ms);
+    }
+
     fn push_sample(
         &mut self,
         key: &str,
         duration_ms: u64,
         cut: bool,
         size: Option<[f64; 2]>,
+        now_ms: i64,
+    ) {
+        self.push(key, duration_ms, cut, size, false, now_ms);
+    }
+
+    fn push(
+        &mut self,
+        key: &str,
+        duration_ms: u64,
+        cut: bool,
+        size: Option<[f64; 2]>,
+        replayed: bool,
         now_ms: i64,
     ) {
         let size = size.filter(|_| self.cfg.request_aware);
@@ -420,6 +455,7 @@ impl ServiceTimes {
             cut,
             size,
             halvings: 0,
+            replayed,
         };
         push(&mut self.all, sample, &self.cfg);
         let (seen, cfg) = (self.observations, self.cfg);
@@ -663,16 +699,16 @@ impl ServiceTimes {
         // Only the completed calls no larger than this request can justify its refusal:
         // calls of larger requests say nothing of a smaller one's time, and before the
         // request-aware fit holds ([`MIN_SIZED`] sized calls) a kind whose first calls were
-        // long would otherwise refuse its short requests for good, learning nothing. A
-        // call of unknown size (one a starting worker learned from the ledger, which keeps
-        // no request sizes) may have been a larger one: it justifies no refusal of a sized
-        // request either, or a restart would lock such a kind out for as long as those
-        // calls stay in the window.
+        // long would otherwise refuse its short requests for good, learning nothing.
+        // Without request-awareness every request is judged as the kind's.
+        let size = size.filter(|_| self.cfg.request_aware);
         let justified = match size.map(|s| s.features()) {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
                 let no_larger: VecDeque<Sample> = (w.samples.iter())
-                    .filter(|s| s.size.is_some_and(|f| f[0] <= job[0] && f[1] <= job[1]))
+                    .filter(|s| {
+                        s.replayed || s.size.is_none_or(|f| f[0] <= job[0] && f[1] <= job[1])
+                    })
                     .copied()
                     .collect();
                 self.summarize(&no_larger, now_ms, EstimateSource::Key, false)
@@ -1773,36 +1809,49 @@ mod tests {
     }
 
     #[test]
-    fn calls_of_unknown_size_do_not_lock_a_sized_request_out() {
-        // A worker that starts learns the kind's recent calls from the ledger, without
-        // their sizes: here long prompts' calls of ~1.25 s. A short request, refused by
-        // that per-kind estimate, may still be probed, and once short calls complete the
-        // request-aware fit admits short requests on its own.
+    fn replayed_calls_keep_their_size_and_still_justify_a_refusal() {
+        // A starting worker replays the kind's recent calls from the ledger under the
+        // prompt sizes their server reported: short prompts (10 tokens, ~70 ms) and long
+        // ones (600, ~1.25 s). Without the sizes every request got the kind's p99, a long
+        // one's, and a restarted worker refused the whole kind (BENCHMARKS.md §12).
         let mut st = ServiceTimes::new(ServiceTimeConfig::default());
-        for i in 0..50u64 {
-            st.observe("k", 1_250 + i % 7, i as i64);
+        for i in 0..40u64 {
+            let p = if i % 2 == 0 { 10 } else { 600 };
+            let size = Some(RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            });
+            st.observe_replayed("k", 50 + 2 * p + i % 7, false, size, i as i64);
+        }
+        let at = |p| {
+            let size = Some(RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            });
+            st.estimate_for("k", size, 100).unwrap().quantile_ms
+        };
+        assert!(at(10) < 200, "a short prompt at once: {}", at(10));
+        assert!(at(600) >= 1_250, "a long one: {}", at(600));
+        // Replayed calls justify refusing a request they show cannot finish, whatever the
+        // server counted: no probe for a long request with 500 ms of room.
+        let long = Some(RequestSize {
+            prompt_tokens: 600,
+            max_tokens: None,
+        });
+        assert!(!st.try_probe("k", long, 500, 100));
+        // Without sizes (a backend that reports no usage), the kind's estimate, as before.
+        let mut plain = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..40u64 {
+            plain.observe_replayed("k", 1_250 + i % 7, false, None, i as i64);
         }
         let short = Some(RequestSize {
             prompt_tokens: 10,
             max_tokens: None,
         });
-        let e = st.estimate_for("k", short, 100).unwrap();
-        assert!(e.quantile_ms >= 1_250, "{e:?}");
-        // Refused with 500 ms of room, but probed: no call of its size justifies that.
-        assert!(st.try_probe("k", short, 500, 100));
-        st.probe_ended("k", ProbeEnd::Completed { budget_ms: 500 }, 170);
-        for i in 0..12u64 {
-            let (p, d) = if i % 2 == 0 { (10, 70) } else { (600, 1_250) };
-            let size = RequestSize {
-                prompt_tokens: p,
-                max_tokens: None,
-            };
-            st.observe_request("k", d + i % 3, false, Some(size), 200 + i as i64);
-        }
-        let e = st.estimate_for("k", short, 300).unwrap();
+        assert!(plain.estimate_for("k", short, 100).unwrap().quantile_ms >= 1_250);
         assert!(
-            e.quantile_ms < 500,
-            "the fit now holds for short requests: {e:?}"
+            !plain.try_probe("k", short, 500, 100),
+            "justified, not probed"
         );
     }
 

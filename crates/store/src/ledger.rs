@@ -481,7 +481,7 @@ const SELECT_RECENT_CALL_MS: &str = "SELECT MAX(latency_ms) FROM (SELECT latency
      AND latency_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 20) AS recent";
 /// The newest model calls of one backend whose duration is known: completed ones, and
 /// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
-const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, state FROM jobs \
+const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, state, prompt_tokens FROM jobs \
      WHERE recorded_at_ms >= $1 AND backend = $2 AND latency_ms IS NOT NULL \
      AND (state = 'completed' OR (state = 'deadline_exceeded' AND reason = 'cancelled_at_deadline')) \
      ORDER BY recorded_at_ms DESC LIMIT $3";
@@ -1269,6 +1269,8 @@ impl Ledger {
                                 latency_ms: u64::try_from(r.try_get::<i64, _>(1)?).unwrap_or(0),
                                 recorded_at_ms: r.try_get(2)?,
                                 cut: r.try_get::<String, _>(3)? == "deadline_exceeded",
+                                prompt_tokens: (r.try_get::<Option<i64>, _>(4)?)
+                                    .and_then(|t| u64::try_from(t).ok()),
                             })
                         })
                         .collect()

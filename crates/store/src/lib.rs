@@ -213,6 +213,9 @@ pub struct RecordedCall {
     pub recorded_at_ms: i64,
     /// Cut at the deadline (`deadline_exceeded`): `latency_ms` is a lower bound.
     pub cut: bool,
+    /// The prompt's tokens as the model server counted them (its `usage`), when it said:
+    /// the size a starting worker learns the call under (the ledger keeps no request size).
+    pub prompt_tokens: Option<u64>,
 }
 
 /// What the worker needs to know about a job when a delivery arrives.

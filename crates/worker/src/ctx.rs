@@ -181,10 +181,17 @@ impl Ctx {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             for (backend, c) in &calls {
                 let key = key_of(&c.kind, backend);
-                match c.cut {
-                    true => service.observe_cut(&key, c.latency_ms, c.recorded_at_ms.min(now)),
-                    false => service.observe(&key, c.latency_ms, c.recorded_at_ms.min(now)),
-                }
+                // Under the prompt size the server reported: without a size, these calls
+                // (of a kind mixing short and long prompts, mostly the long ones' times
+                // at its p99) would hold every request to the kind's estimate, and a
+                // refusal they justify is never probed: the kind would be locked out
+                // until they leave the window (BENCHMARKS.md §12).
+                let size = c.prompt_tokens.map(|prompt_tokens| RequestSize {
+                    prompt_tokens,
+                    max_tokens: None,
+                });
+                let at = c.recorded_at_ms.min(now);
+                service.observe_replayed(&key, c.latency_ms, c.cut, size, at);
                 kinds.insert(c.kind.as_str());
             }
         }
