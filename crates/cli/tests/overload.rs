@@ -219,7 +219,14 @@ async fn short_job_is_refused_by_the_learned_time(
     s: &lastcall_producer::Submitter,
     sim: &lastcall_backend::sim::SimBackend,
 ) -> lastcall_store::JobRecord {
-    s.submit(&job("short", 700), now_ms()).await.unwrap();
+    // A prompt at least as large as the calls learned so far (the sim backend reports 8
+    // prompt tokens for every call; "summarize" alone measures 6 here): calls of larger
+    // requests would justify no refusal of a smaller one, which is probed instead.
+    let payload =
+        serde_json::json!({"messages": [{"role": "user", "content": "summarize the incident"}]});
+    s.submit(&job_with("short", 700, payload), now_ms())
+        .await
+        .unwrap();
     let r = env
         .wait_terminal(&["short".into()], Duration::from_secs(10))
         .await

@@ -309,9 +309,6 @@ struct Sample {
     /// How many completed probes showed since that calls fit in less: the weight is
     /// multiplied by `2^-halvings`.
     halvings: u8,
-    /// Replayed from the ledger ([`ServiceTimes::observe_replayed`]): its size is the
-    /// server's token count, not this worker's measure of a request.
-    replayed: bool,
 }
 
 /// A completed probe halves the weight of each cut call it contradicts this many times
@@ -407,44 +404,12 @@ impl ServiceTimes {
         self.push_sample(key, duration_ms, true, None, now_ms);
     }
 
-    /// A call a starting worker replays from the ledger, under the prompt size its server
-    /// reported (`usage`; the ledger keeps no request size): it counts in the per-key
-    /// estimate and in the request-aware fit like [`Self::observe_request`], so a kind
-    /// that mixes short and long prompts is not held to a long one's time after a
-    /// restart. The server's count is not the worker's measure of a request (a little
-    /// lower for prose, different for a test double), so for the probe rule
-    /// ([`Self::try_probe`]) a replayed call counts as no larger than any request: one of
-    /// the same kind still justifies refusing a request it shows cannot finish.
-    pub fn observe_replayed(
-        &mut self,
-        key: &str,
-        duration_ms: u64,
-        cut: bool,
-        size: Option<RequestSize>,
-        now_ms: i64,
-    ) {
-        let size = size.map(|s| s.features());
-        self.push(key, duration_ms, cut, size, true, now_ms);
-    }
-
     fn push_sample(
         &mut self,
         key: &str,
         duration_ms: u64,
         cut: bool,
         size: Option<[f64; 2]>,
-        now_ms: i64,
-    ) {
-        self.push(key, duration_ms, cut, size, false, now_ms);
-    }
-
-    fn push(
-        &mut self,
-        key: &str,
-        duration_ms: u64,
-        cut: bool,
-        size: Option<[f64; 2]>,
-        replayed: bool,
         now_ms: i64,
     ) {
         let size = size.filter(|_| self.cfg.request_aware);
@@ -455,7 +420,6 @@ impl ServiceTimes {
             cut,
             size,
             halvings: 0,
-            replayed,
         };
         push(&mut self.all, sample, &self.cfg);
         let (seen, cfg) = (self.observations, self.cfg);
@@ -706,9 +670,7 @@ impl ServiceTimes {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
                 let no_larger: VecDeque<Sample> = (w.samples.iter())
-                    .filter(|s| {
-                        s.replayed || s.size.is_none_or(|f| f[0] <= job[0] && f[1] <= job[1])
-                    })
+                    .filter(|s| s.size.is_none_or(|f| f[0] <= job[0] && f[1] <= job[1]))
                     .copied()
                     .collect();
                 self.summarize(&no_larger, now_ms, EstimateSource::Key, false)
@@ -1809,50 +1771,51 @@ mod tests {
     }
 
     #[test]
-    fn replayed_calls_keep_their_size_and_still_justify_a_refusal() {
-        // A starting worker replays the kind's recent calls from the ledger under the
-        // prompt sizes their server reported: short prompts (10 tokens, ~70 ms) and long
-        // ones (600, ~1.25 s). Without the sizes every request got the kind's p99, a long
-        // one's, and a restarted worker refused the whole kind (BENCHMARKS.md §12).
+    fn calls_replayed_with_their_size_do_not_lock_a_short_request_out() {
+        // A worker that starts replays the kind's recent calls from the ledger under the
+        // prompt size their server reported: here long prompts' calls of ~1.25 s. A short
+        // request, refused by them, may still be probed (they are all larger), and once
+        // short calls complete the request-aware fit admits short requests on its own.
+        // Replayed without a size, the same calls held every request to the kind's p99
+        // and justified every refusal: a restarted worker refused the whole kind.
         let mut st = ServiceTimes::new(ServiceTimeConfig::default());
-        for i in 0..40u64 {
-            let p = if i % 2 == 0 { 10 } else { 600 };
-            let size = Some(RequestSize {
-                prompt_tokens: p,
-                max_tokens: None,
-            });
-            st.observe_replayed("k", 50 + 2 * p + i % 7, false, size, i as i64);
-        }
-        let at = |p| {
-            let size = Some(RequestSize {
-                prompt_tokens: p,
-                max_tokens: None,
-            });
-            st.estimate_for("k", size, 100).unwrap().quantile_ms
-        };
-        assert!(at(10) < 200, "a short prompt at once: {}", at(10));
-        assert!(at(600) >= 1_250, "a long one: {}", at(600));
-        // Replayed calls justify refusing a request they show cannot finish, whatever the
-        // server counted: no probe for a long request with 500 ms of room.
         let long = Some(RequestSize {
             prompt_tokens: 600,
             max_tokens: None,
         });
-        assert!(!st.try_probe("k", long, 500, 100));
-        // Without sizes (a backend that reports no usage), the kind's estimate, as before.
-        let mut plain = ServiceTimes::new(ServiceTimeConfig::default());
-        for i in 0..40u64 {
-            plain.observe_replayed("k", 1_250 + i % 7, false, None, i as i64);
+        for i in 0..50u64 {
+            st.observe_request("k", 1_250 + i % 7, false, long, i as i64);
         }
         let short = Some(RequestSize {
             prompt_tokens: 10,
             max_tokens: None,
         });
-        assert!(plain.estimate_for("k", short, 100).unwrap().quantile_ms >= 1_250);
+        let e = st.estimate_for("k", short, 100).unwrap();
+        assert!(e.quantile_ms >= 1_250, "{e:?}");
         assert!(
-            !plain.try_probe("k", short, 500, 100),
-            "justified, not probed"
+            st.try_probe("k", short, 500, 100),
+            "probed: every call was larger"
         );
+        st.probe_ended("k", ProbeEnd::Completed { budget_ms: 500 }, 170);
+        for i in 0..12u64 {
+            let (p, d) = if i % 2 == 0 { (10, 70) } else { (600, 1_250) };
+            let size = RequestSize {
+                prompt_tokens: p,
+                max_tokens: None,
+            };
+            st.observe_request("k", d + i % 3, false, Some(size), 200 + i as i64);
+        }
+        let e = st.estimate_for("k", short, 300).unwrap();
+        assert!(
+            e.quantile_ms < 500,
+            "the fit now holds for short requests: {e:?}"
+        );
+        // Replayed without sizes: justified, never probed (the lock-out).
+        let mut plain = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..50u64 {
+            plain.observe("k", 1_250 + i % 7, i as i64);
+        }
+        assert!(!plain.try_probe("k", short, 500, 100));
     }
 
     #[test]

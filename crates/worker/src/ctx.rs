@@ -191,7 +191,7 @@ impl Ctx {
                     max_tokens: None,
                 });
                 let at = c.recorded_at_ms.min(now);
-                service.observe_replayed(&key, c.latency_ms, c.cut, size, at);
+                service.observe_request(&key, c.latency_ms, c.cut, size, at);
                 kinds.insert(c.kind.as_str());
             }
         }
