@@ -391,26 +391,37 @@ async fn front_door_smoke_measures_both_paths() {
 async fn goodput_smoke_mixed_lengths_against_a_real_llama_server() {
     let (_server, url) = common::llama::LlamaServer::start(&[]);
     let env = Env::sqlite("bench-goodput-mixed").await;
-    let (j, _svg) = goodput_smoke_json(
-        &env,
-        &[
-            "--policy",
-            "deadline",
-            "--overload",
-            "2",
-            "--deadline-ms",
-            "4000",
-            "--service",
-            "smollm2-mixed",
-            "--openai-url",
-            &url,
-            "--slots",
-            "auto,2",
-            "--estimate",
-            "request,per-kind,split-kinds",
-            "--celery",
-        ],
-    );
+    // Real model calls of up to 2,000-token prompts, four runs and Celery's: on a machine
+    // busy with the rest of the suite this takes minutes, not the 90 s of `Env::cli`
+    // (under nextest's 300 s).
+    let svg = env.dir.join("chart.svg");
+    let mut cmd = env.command();
+    cmd.args(["bench", "goodput", "--smoke"]);
+    cmd.args([
+        "--policy",
+        "deadline",
+        "--overload",
+        "2",
+        "--deadline-ms",
+        "4000",
+        "--service",
+        "smollm2-mixed",
+        "--openai-url",
+        &url,
+        "--slots",
+        "auto,2",
+        "--estimate",
+        "request,per-kind,split-kinds",
+        "--celery",
+        "--json",
+        "--svg",
+        svg.to_str().unwrap(),
+    ]);
+    let j = json_of(&common::output_within(
+        &mut cmd,
+        "lastcall bench goodput --smoke --service smollm2-mixed",
+        std::time::Duration::from_secs(280),
+    ));
     let c = &j["setup"]["ceiling"];
     assert!(c["per_s"].as_f64().unwrap() > 0.0, "{c}");
     assert!(!c["levels"].as_array().unwrap().is_empty(), "{c}");
