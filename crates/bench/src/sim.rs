@@ -402,6 +402,20 @@ impl Worker {
         }
     }
 
+    /// A job was refused while a slot was free: as the worker does, tell the adaptive
+    /// limit when its inflation did it (the learned time alone admits the job).
+    fn refused_with_room(&mut self, key: &str, policy: &WorkerPolicy, job: &Job, now: i64) {
+        if self.limit.as_ref().is_none_or(|l| l.inflation() <= 1.0) {
+            return;
+        }
+        let alone = self.raw(key, job.size, now).map(|e| e.quantile_ms);
+        if matches!(policy.on_slot(&job.env, alone, now), Slot::Run { .. })
+            && let Some(limit) = self.limit.as_mut()
+        {
+            limit.refused_by_inflation(now);
+        }
+    }
+
     /// The calls that may be in flight now.
     fn cap(&self) -> usize {
         self.limit.as_ref().map_or(self.slots, AdaptiveLimit::limit)
@@ -863,6 +877,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     };
                     match receipt {
                         Receipt::Settle(_) => {
+                            if !over_share && wk.free() > 0 {
+                                wk.refused_with_room(key, &policy, &jobs[j], now);
+                            }
                             if jobs[j].probe.take().is_some() {
                                 wk.est.probe_ended(key, ProbeEnd::Released, now);
                             }
@@ -899,8 +916,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 }
                 match policy.on_slot(&jobs[j].env, learned_ms, now) {
                     Slot::Settle(_) => {
-                        if probe.is_some() {
-                            wk.est.probe_ended(key, ProbeEnd::Released, now);
+                        match probe {
+                            Some(_) => wk.est.probe_ended(key, ProbeEnd::Released, now),
+                            None => wk.refused_with_room(key, &policy, &jobs[j], now),
                         }
                         wk.held[lane[jobs[j].tenant]] -= 1;
                         settle(&mut jobs, j, "expired_not_started", false)?;
@@ -1350,6 +1368,29 @@ mod tests {
             let (lo, hi) = r.limit_range.unwrap();
             assert!(lo >= 1 && hi <= 16 && hi > 2, "{r:?}");
         }
+    }
+
+    /// A server whose calls share one core (knee 1: `n` calls in flight each take `n`
+    /// times as long) under mixed prompt lengths at 5×: a step up's predicted slowdown
+    /// refused every job, no call ended to correct it, and the worker ran nothing for
+    /// minutes (seed 3: 57 on time against the best fixed count's 1,126). The refusals
+    /// now end such a level.
+    #[test]
+    fn auto_slots_are_not_locked_out_by_their_predicted_slowdown() {
+        let mut a = args("mixed:900,3.5,0,1", 3_000, 3);
+        a.deadline_ms = 10_000;
+        let best = (1..=4)
+            .map(|n| {
+                a.slots = SlotCount::Fixed(n);
+                simulate(&a).unwrap().on_time
+            })
+            .max()
+            .unwrap();
+        a.slots = SlotCount::Auto;
+        let r = simulate(&a).unwrap();
+        assert!(r.on_time as f64 >= 0.9 * best as f64, "{r:?} vs {best}");
+        assert!(r.wasted_time <= 0.05, "{r:?}");
+        assert_eq!(r.started_late, 0);
     }
 
     /// A server that does not slow down with concurrency: the limit climbs to the most.

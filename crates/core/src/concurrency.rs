@@ -48,6 +48,15 @@
 //! slowed by other clients. Samples of calls started before the last decrease are not
 //! counted again, so one burst of slow calls halves the limit once.
 //!
+//! **No lock-out by a prediction.** Admission multiplies the learned time by
+//! [`AdaptiveLimit::inflation`] (below). When that refuses every job, no call starts, none
+//! ends, and the level (with its inflation) would stay for good: in the simulator a step up
+//! to 3 on a server whose calls share one core refused every job for minutes (BENCHMARKS.md
+//! §12). So the worker reports each job the inflation refused while a slot was free and the
+//! learned time alone would have admitted ([`AdaptiveLimit::refused_by_inflation`]):
+//! `samples_per_step` of them abandon a step up not yet measured, twice as many step a
+//! steady level down one.
+//!
 //! # The deadline guarantee, and its limits
 //! Raising the limit slows the calls already running on a batching server. Two rules keep
 //! that from making admitted jobs late:
@@ -215,6 +224,9 @@ pub struct AdaptiveLimit {
     changed_at_ms: i64,
     /// Samples below the limit since it was set (a level not filled).
     unfilled: u32,
+    /// Jobs the inflation refused while a slot was free, since the level was set
+    /// ([`AdaptiveLimit::refused_by_inflation`]).
+    refused: u32,
 }
 
 impl AdaptiveLimit {
@@ -235,6 +247,7 @@ impl AdaptiveLimit {
             decreased_at_ms: i64::MIN,
             changed_at_ms: i64::MIN,
             unfilled: 0,
+            refused: 0,
         }
     }
 
@@ -264,6 +277,35 @@ impl AdaptiveLimit {
             _ => 1.0,
         };
         if x.is_finite() { x.max(1.0) } else { 1.0 }
+    }
+
+    /// A job was refused at `now_ms` while a slot was free, by the learned time ×
+    /// [`Self::inflation`], where the learned time alone would have admitted it: the
+    /// level's predicted slowdown keeps the level from being filled, and then no call
+    /// ends that could correct the prediction. After `samples_per_step` such refusals a
+    /// step up not yet measured is abandoned (back where it came from); after twice as
+    /// many, a steady level above 1 steps down one, to a level measured afresh (inflation
+    /// 1 until it is). Returns the new limit.
+    pub fn refused_by_inflation(&mut self, now_ms: i64) -> usize {
+        if self.inflation() <= 1.0 {
+            return self.limit;
+        }
+        self.refused += 1;
+        match self.phase {
+            // (Below `samples_per_step`, a step up's count is below the next arm's too.)
+            Phase::Trial { from, .. }
+                if self.limit > from && self.refused >= self.cfg.samples_per_step =>
+            {
+                self.next = Dir::Down;
+                self.set(from, Phase::Steady, now_ms);
+            }
+            _ if self.limit > 1 && self.refused >= 2 * self.cfg.samples_per_step => {
+                self.next = Dir::Up;
+                self.set(self.limit - 1, Phase::Steady, now_ms);
+            }
+            _ => {}
+        }
+        self.limit
     }
 
     /// Learn from one call that ended at `now_ms`; `running` are the calls still in flight
@@ -400,6 +442,7 @@ impl AdaptiveLimit {
         self.phase = phase;
         self.here = Mean::default();
         self.unfilled = 0;
+        self.refused = 0;
         self.changed_at_ms = now_ms;
     }
 }
@@ -556,7 +599,86 @@ mod tests {
         assert!((lim.inflation() - 1.5).abs() < 1e-9, "{}", lim.inflation());
     }
 
+    fn sample(t: i64, in_flight: usize, ratio: f64) -> Sample {
+        Sample {
+            started_ms: t,
+            in_flight,
+            observed_ms: (100.0 * ratio) as u64,
+            expected_ms: 100,
+        }
+    }
+
+    #[test]
+    fn a_step_up_whose_predicted_slowdown_refuses_every_job_is_abandoned() {
+        let cfg = LimitConfig {
+            samples_per_step: 4,
+            ..LimitConfig::new(8)
+        };
+        let mut lim = AdaptiveLimit::new(cfg);
+        for t in 0..4 {
+            lim.observe(sample(t, 2, 1.0), &[], t + 1);
+        }
+        assert_eq!(lim.limit(), 3);
+        assert!(lim.inflation() > 1.4);
+        // Every job is refused at 1.5× its learned time, with slots free: no call starts,
+        // none ends, and without this the trial (and its inflation) would stay for good.
+        for t in 0..3 {
+            assert_eq!(lim.refused_by_inflation(10 + t), 3);
+        }
+        assert_eq!(lim.refused_by_inflation(13), 2, "back where it came from");
+        assert!((lim.inflation() - 1.0).abs() < 1e-9, "{}", lim.inflation());
+        // And the next trial goes down, not straight back up.
+        for t in 20..24 {
+            lim.observe(sample(t, 2, 1.0), &[], t + 1);
+        }
+        assert_eq!(lim.limit(), 1);
+    }
+
+    #[test]
+    fn a_steady_level_whose_measured_slowdown_refuses_jobs_steps_down() {
+        let cfg = LimitConfig {
+            samples_per_step: 4,
+            ..LimitConfig::new(2)
+        };
+        let mut lim = AdaptiveLimit::new(cfg);
+        // Half a step's samples at 1.5×: the steady level's inflation.
+        for t in 0..2 {
+            lim.observe(sample(t, 2, 1.5), &[], t + 1);
+        }
+        assert!((lim.inflation() - 1.5).abs() < 1e-9, "{}", lim.inflation());
+        for t in 0..7 {
+            assert_eq!(lim.refused_by_inflation(10 + t), 2);
+        }
+        assert_eq!(lim.refused_by_inflation(17), 1);
+        assert!((lim.inflation() - 1.0).abs() < 1e-9);
+        // At inflation 1 a refusal is not the prediction's doing: nothing changes.
+        for t in 0..100 {
+            assert_eq!(lim.refused_by_inflation(20 + t), 1);
+        }
+    }
+
     proptest! {
+        /// Refusals by the inflation never raise the limit, and keep it in [1, max].
+        #[test]
+        fn refusals_only_lower_the_limit(
+            max in 1usize..16,
+            ops in proptest::collection::vec((any::<bool>(), 1usize..20, 50u64..400), 0..300),
+        ) {
+            let mut lim = AdaptiveLimit::new(LimitConfig { samples_per_step: 3, ..LimitConfig::new(max) });
+            for (i, (refuse, n, obs)) in ops.into_iter().enumerate() {
+                let t = i as i64;
+                let before = lim.limit();
+                if refuse {
+                    let after = lim.refused_by_inflation(t);
+                    prop_assert!(after <= before && after >= 1);
+                } else {
+                    let s = Sample { started_ms: t, in_flight: n, observed_ms: obs, expected_ms: 100 };
+                    lim.observe(s, &[], t + 1);
+                }
+                prop_assert!((1..=max).contains(&lim.limit()));
+            }
+        }
+
         /// Whatever the samples, the limit stays in [1, max] and the inflation ≥ 1.
         #[test]
         fn the_limit_stays_in_bounds(

@@ -281,6 +281,25 @@ impl Slots {
         }
     }
 
+    /// A job was refused at `now_ms` while a slot was free, by the learned time × the
+    /// inflation, where the learned time alone would have admitted it
+    /// ([`AdaptiveLimit::refused_by_inflation`]: such refusals end a level the prediction
+    /// keeps from being filled). Nothing with fixed slots.
+    pub fn refused_by_inflation(&self, now_ms: i64) {
+        let mut s = self.inner.lock();
+        if let Limit::Auto(a) = &mut s.limit {
+            let before = a.limit();
+            let after = a.refused_by_inflation(now_ms);
+            if after != before {
+                tracing::info!(
+                    from = before,
+                    to = after,
+                    "model slots: the adaptive limit moved (its predicted slowdown refused jobs while slots were free)"
+                );
+            }
+        }
+    }
+
     /// Slots free now.
     pub fn available(&self) -> usize {
         let s = self.inner.lock();

@@ -134,12 +134,27 @@ impl Job {
         slot_free: bool,
         now_ms: i64,
     ) -> Option<Estimate> {
-        let room = (ctx.cfg.policy).refused_by_learned(env, learned.map(|e| e.quantile_ms), now_ms);
+        let policy = &ctx.cfg.policy;
+        let room = policy.refused_by_learned(env, learned.map(|e| e.quantile_ms), now_ms);
+        let kind = env.kind().as_str();
         if let Some(room) = room.filter(|_| self.probe.is_none() && slot_free) {
-            let kind = env.kind().as_str();
             self.probe = ctx.try_probe(kind, &self.backend, self.size, room, now_ms);
         }
-        if self.probe.is_some() { None } else { learned }
+        if self.probe.is_some() {
+            return None;
+        }
+        if room.is_some() && slot_free && ctx.slots.inflation() > 1.0 {
+            // Refused with a slot free: if the learned time alone admits it, the adaptive
+            // limit's predicted slowdown did (it then ends the level it cannot fill).
+            let alone = ctx.learned_alone(kind, &self.backend, self.size, now_ms);
+            if matches!(
+                policy.on_slot(env, alone.map(|e| e.quantile_ms), now_ms),
+                lastcall_core::disposition::Slot::Run { .. }
+            ) {
+                ctx.slots.refused_by_inflation(now_ms);
+            }
+        }
+        learned
     }
 }
 
