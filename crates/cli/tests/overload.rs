@@ -219,9 +219,9 @@ async fn short_job_is_refused_by_the_learned_time(
     s: &lastcall_producer::Submitter,
     sim: &lastcall_backend::sim::SimBackend,
 ) -> lastcall_store::JobRecord {
-    // A prompt at least as large as the calls learned so far (the sim backend reports 8
-    // prompt tokens for every call; "summarize" alone measures 6 here): calls of larger
-    // requests would justify no refusal of a smaller one, which is probed instead.
+    // A prompt at least as large as the calls learned so far ("summarize" measures 7 of
+    // the worker's approximate tokens, this one 10): calls of larger requests would justify
+    // no refusal of a smaller one, which is probed instead.
     let payload =
         serde_json::json!({"messages": [{"role": "user", "content": "summarize the incident"}]});
     s.submit(&job_with("short", 700, payload), now_ms())
@@ -239,6 +239,8 @@ async fn short_job_is_refused_by_the_learned_time(
     );
     assert_eq!(r.backend_calls, 0);
     assert_eq!(sim.calls_for("short"), 0, "never started");
+    // The worker's measure of the request is recorded with the refusal too.
+    assert_eq!((r.request_tokens, r.request_max_tokens), (Some(10), None));
     r
 }
 
@@ -259,6 +261,14 @@ async fn a_restarted_worker_starts_with_the_call_time_the_ledger_holds() {
     }
     for r in env.wait_terminal(&warm, Duration::from_secs(20)).await {
         assert_eq!(r.state, "completed", "{r:?}");
+        // Recorded with the worker's own measure of the request ("summarize": 9 characters
+        // ÷ 4, rounded up, + 4 for the message), which the next worker replays the call
+        // under; the sim backend's own count (`prompt_tokens`) is another measure.
+        assert_eq!(
+            (r.request_tokens, r.request_max_tokens),
+            (Some(7), None),
+            "{r:?}"
+        );
     }
     first.stop().await;
     // A new worker: a fresh estimator in a fresh process state, the same ledger.

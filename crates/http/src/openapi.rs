@@ -409,6 +409,10 @@ pub(crate) struct JobRecord {
     recorded_at_ms: Option<i64>,
     prompt_tokens: Option<i64>,
     completion_tokens: Option<i64>,
+    /// The request's approximate prompt tokens as the worker measured them from the payload (characters ÷ 4 + 4 per message; not the server's count); null for a payload that is not a chat request and for jobs recorded before ledger version 12
+    request_tokens: Option<i64>,
+    /// The payload's max_tokens as the worker read it; null when it set none
+    request_max_tokens: Option<i64>,
     /// The recorded (last) model call's duration, ms
     latency_ms: Option<i64>,
     /// Model time of every call the job made (each attempt's), ms
@@ -643,6 +647,8 @@ mod tests {
             trace_id: None,
             prompt_tokens: None,
             completion_tokens: None,
+            request_tokens: None,
+            request_max_tokens: None,
             latency_ms: None,
             model_ms: 0,
             wasted_model_ms: 0,

@@ -58,7 +58,7 @@ fn pg_type(column: &str) -> &'static str {
     match column {
         "redelivered" | "model_called" | "cancel_requested" | "cancel_confirmed" => "boolean",
         "attempt" | "attempts" | "backend_calls" | "prompt_tokens" | "completion_tokens"
-        | "status" => "bigint",
+        | "request_tokens" | "request_max_tokens" | "status" => "bigint",
         c if c.ends_with("_ms") => "bigint",
         _ => "text",
     }

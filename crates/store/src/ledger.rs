@@ -32,6 +32,7 @@ use std::sync::OnceLock;
 use std::time::Duration;
 
 use lastcall_core::State;
+use lastcall_core::request_size::RequestSize;
 use sqlx::postgres::{PgConnectOptions, PgPoolOptions};
 use sqlx::sqlite::{SqliteConnectOptions, SqliteJournalMode, SqlitePoolOptions, SqliteSynchronous};
 use sqlx::{AssertSqlSafe, ColumnIndex, Decode, PgPool, Row, SqlitePool, Type};
@@ -119,7 +120,8 @@ macro_rules! job_columns {
             " AS backend_calls, created_at_ms, expires_at_ms, accepted_at_ms, received_at_ms, \
              checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, reconciled_at_ms, \
              worker, result, error, trace_id, prompt_tokens, completion_tokens, latency_ms, \
-             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms, tenant, priority, ",
+             cancel_requested, cancel_confirmed, backend, model, min_runtime_ms, tenant, priority, \
+             request_tokens, request_max_tokens, ",
             model_ms!(),
             " AS model_ms, ",
             wasted_model_ms!(),
@@ -201,9 +203,9 @@ const UPSERT_JOB_TERMINAL: &str = concat!(
      (job_id, kind, state, reason, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
       started_at_ms, finished_at_ms, recorded_at_ms, worker, result, error, prompt_tokens, \
       completion_tokens, latency_ms, cancel_requested, cancel_confirmed, backend, model, \
-      min_runtime_ms, tenant, priority) \
+      min_runtime_ms, tenant, priority, request_tokens, request_max_tokens) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-      $20, $21, $22, $23, $24) \
+      $20, $21, $22, $23, $24, $25, $26) \
      ON CONFLICT (job_id) DO UPDATE SET ",
     keep_tenant!("excluded"),
     ", \
@@ -218,7 +220,8 @@ const UPSERT_JOB_TERMINAL: &str = concat!(
      prompt_tokens = excluded.prompt_tokens, completion_tokens = excluded.completion_tokens, \
      latency_ms = excluded.latency_ms, cancel_requested = excluded.cancel_requested, \
      cancel_confirmed = excluded.cancel_confirmed, backend = excluded.backend, \
-     model = excluded.model, min_runtime_ms = excluded.min_runtime_ms \
+     model = excluded.model, min_runtime_ms = excluded.min_runtime_ms, \
+     request_tokens = excluded.request_tokens, request_max_tokens = excluded.request_max_tokens \
      WHERE jobs.state IN ('accepted', 'running') \
      OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')"
 );
@@ -379,7 +382,9 @@ fn run_params(
                 .v(&rec.model)
                 .v(&rec.min_runtime_ms)
                 .v(rec.tenant.as_str())
-                .v(rec.priority.as_str());
+                .v(rec.priority.as_str())
+                .v(&request_tokens(rec))
+                .v(&request_max_tokens(rec));
         });
     }
     let mut job_live = JsonRows::default();
@@ -481,7 +486,9 @@ const SELECT_RECENT_CALL_MS: &str = "SELECT MAX(latency_ms) FROM (SELECT latency
      AND latency_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 20) AS recent";
 /// The newest model calls of one backend whose duration is known: completed ones, and
 /// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
-const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, state, prompt_tokens FROM jobs \
+/// With the request's size, the worker's (`request_*`) and the server's (`prompt_tokens`).
+const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, state, prompt_tokens, \
+     request_tokens, request_max_tokens FROM jobs \
      WHERE recorded_at_ms >= $1 AND backend = $2 AND latency_ms IS NOT NULL \
      AND (state = 'completed' OR (state = 'deadline_exceeded' AND reason = 'cancelled_at_deadline')) \
      ORDER BY recorded_at_ms DESC LIMIT $3";
@@ -1271,6 +1278,10 @@ impl Ledger {
                                 cut: r.try_get::<String, _>(3)? == "deadline_exceeded",
                                 prompt_tokens: (r.try_get::<Option<i64>, _>(4)?)
                                     .and_then(|t| u64::try_from(t).ok()),
+                                size: request_size(
+                                    r.try_get::<Option<i64>, _>(5)?,
+                                    r.try_get::<Option<i64>, _>(6)?,
+                                ),
                             })
                         })
                         .collect()
@@ -1590,6 +1601,28 @@ fn reason_text(rec: &OutcomeRecord) -> Option<String> {
     rec.reason.as_ref().map(ToString::to_string)
 }
 
+/// The stored `request_tokens` of `rec`'s request size.
+fn request_tokens(rec: &OutcomeRecord) -> Option<i64> {
+    (rec.request_size).map(|s| i64::try_from(s.prompt_tokens).unwrap_or(i64::MAX))
+}
+
+/// The stored `request_max_tokens`: NULL also when the payload set no `max_tokens`.
+fn request_max_tokens(rec: &OutcomeRecord) -> Option<i64> {
+    (rec.request_size)
+        .and_then(|s| s.max_tokens)
+        .map(|m| i64::try_from(m).unwrap_or(i64::MAX))
+}
+
+/// The request size of the stored `request_tokens` and `request_max_tokens`: none without
+/// the prompt tokens (a row recorded before ledger version 12, or a payload that is not a
+/// chat request), nor from a negative number (not a size any worker writes).
+fn request_size(tokens: Option<i64>, max_tokens: Option<i64>) -> Option<RequestSize> {
+    Some(RequestSize {
+        prompt_tokens: u64::try_from(tokens?).ok()?,
+        max_tokens: max_tokens.map(u64::try_from).transpose().ok()?,
+    })
+}
+
 /// Empty strings are stored as NULL in optional columns.
 fn non_empty(s: &str) -> Option<&str> {
     (!s.is_empty()).then_some(s)
@@ -1625,6 +1658,8 @@ where
         trace_id: row.try_get("trace_id")?,
         prompt_tokens: row.try_get("prompt_tokens")?,
         completion_tokens: row.try_get("completion_tokens")?,
+        request_tokens: row.try_get("request_tokens")?,
+        request_max_tokens: row.try_get("request_max_tokens")?,
         latency_ms: row.try_get("latency_ms")?,
         model_ms: row.try_get("model_ms")?,
         wasted_model_ms: row.try_get("wasted_model_ms")?,

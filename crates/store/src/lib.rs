@@ -49,6 +49,7 @@ pub use ledger::retention::{
 };
 pub use ledger::{Ledger, LedgerWrite, WEBHOOK_CLAIM_STALE_MS};
 
+use lastcall_core::request_size::RequestSize;
 use lastcall_core::{Decision, Priority, Reason, State, Tenant};
 use serde::Serialize;
 
@@ -139,8 +140,14 @@ pub struct OutcomeRecord {
     pub model_called: bool,
     pub result: Option<String>,
     pub error: Option<String>,
+    /// The model server's token counts (its `usage`), when it reported them.
     pub prompt_tokens: Option<i64>,
     pub completion_tokens: Option<i64>,
+    /// The request's size as the worker measured it from the payload
+    /// ([`RequestSize::of_payload`]; `request_tokens` and `request_max_tokens`): what a
+    /// starting worker replays the call under ([`RecordedCall::size`]). `None` when the
+    /// payload is not a chat request (or the writer never read it: a dead letter).
+    pub request_size: Option<RequestSize>,
     pub latency_ms: Option<i64>,
     pub cancel_requested: bool,
     pub cancel_confirmed: Option<bool>,
@@ -191,6 +198,7 @@ impl OutcomeRecord {
             error: None,
             prompt_tokens: None,
             completion_tokens: None,
+            request_size: None,
             latency_ms: None,
             cancel_requested: false,
             cancel_confirmed: None,
@@ -213,8 +221,15 @@ pub struct RecordedCall {
     pub recorded_at_ms: i64,
     /// Cut at the deadline (`deadline_exceeded`): `latency_ms` is a lower bound.
     pub cut: bool,
-    /// The prompt's tokens as the model server counted them (its `usage`), when it said:
-    /// the size a starting worker learns the call under (the ledger keeps no request size).
+    /// The request's size as the worker that made the call measured it from the payload
+    /// (`request_tokens`, `request_max_tokens`): the unit a worker learns its live calls
+    /// in, so a starting worker replays the call under it. `None` for a call recorded
+    /// before ledger version 12, or whose payload was not a chat request.
+    pub size: Option<RequestSize>,
+    /// The prompt's tokens as the model server counted them (its `usage`), when it said: a
+    /// different measure from `size` (the server's tokenizer, not the worker's
+    /// 4-characters-a-token approximation), and no `max_tokens`; the size a starting
+    /// worker falls back to for a call without `size`.
     pub prompt_tokens: Option<u64>,
 }
 
@@ -282,6 +297,12 @@ pub struct JobRecord {
     pub trace_id: Option<String>,
     pub prompt_tokens: Option<i64>,
     pub completion_tokens: Option<i64>,
+    /// The request's size as the worker measured it from the payload (written since ledger
+    /// version 12, `None` before and for a payload that is not a chat request): its
+    /// approximate prompt tokens (characters ÷ 4 + 4 per message; not the server's
+    /// `prompt_tokens`) and its `max_tokens`, if it set one.
+    pub request_tokens: Option<i64>,
+    pub request_max_tokens: Option<i64>,
     /// The recorded (last) model call's duration, ms.
     pub latency_ms: Option<i64>,
     /// Model time of every call the job made, ms: `latency_ms` plus its calls that failed

@@ -87,6 +87,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0011_webhook_claimed_at.sql"),
         postgres: include_str!("../migrations/postgres/0011_webhook_claimed_at.sql"),
     },
+    Migration {
+        version: 12,
+        name: "request_size",
+        sqlite: include_str!("../migrations/sqlite/0012_request_size.sql"),
+        postgres: include_str!("../migrations/postgres/0012_request_size.sql"),
+    },
 ];
 
 const CREATE_TABLE: &str = "CREATE TABLE IF NOT EXISTS schema_migrations (\

@@ -11,6 +11,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant};
 
 use lastcall_core::envelope::RejectReason;
+use lastcall_core::request_size::RequestSize;
 use lastcall_core::{Decision, Priority, Reason, RefusalCause, Stage, State, Tenant};
 use lastcall_store::{
     AcceptedJob, AttemptStart, JobRecord, Ledger, LedgerWrite, ListFilter, OutcomeRecord,
@@ -20,7 +21,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 11;
+const LATEST_VERSION: i64 = 12;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -239,6 +240,7 @@ both_backends!(
     a_webhook_is_claimed_once_and_its_attempts_recorded,
     the_sweep_finds_the_webhooks_that_no_one_delivers,
     recent_calls_are_the_durations_a_starting_worker_learns_from,
+    recent_calls_carry_the_request_size_the_worker_measured,
     the_doors_call_time_comes_from_measured_calls_only,
     dashboard_counts_equal_the_records_and_read_no_text,
     every_row_keeps_the_tenant_and_tier_its_first_writer_knew,
@@ -2033,6 +2035,88 @@ async fn recent_calls_are_the_durations_a_starting_worker_learns_from(db: &TestD
     assert!(l.recent_calls("vllm", 0, 100).await.unwrap().is_empty());
 }
 
+/// The worker's own measure of a request's size (`request_size`: approximate prompt tokens
+/// and `max_tokens`) is stored with the outcome, in the job's record and in the recent
+/// calls a starting worker replays, beside the server's count (`prompt_tokens`, 12 here);
+/// a call recorded without it (by a binary before ledger version 12, or for a payload that
+/// is not a chat request) reads `None`, its server's count kept.
+async fn recent_calls_carry_the_request_size_the_worker_measured(db: &TestDb) {
+    let l = &db.ledger;
+    let call = |id: &str, at: i64, size: Option<RequestSize>| OutcomeRecord {
+        backend: Some("sim".into()),
+        kind: format!("kind-{id}"),
+        request_size: size,
+        ..completed(id, &format!("w1:{id}:1"), at, "ok")
+    };
+    let capped = RequestSize {
+        prompt_tokens: 613,
+        max_tokens: Some(200),
+    };
+    let uncapped = RequestSize {
+        prompt_tokens: 7,
+        max_tokens: None,
+    };
+    // "capped" was accepted first (the outcome updates its row), "uncapped" was not (the
+    // outcome inserts it); "unsized" goes through a group commit.
+    l.record_accepted(&accepted("capped", "kind-capped", 9_000, 60_000))
+        .await
+        .unwrap();
+    assert!(
+        l.record_outcome(&call("capped", 10_000, Some(capped)))
+            .await
+            .unwrap()
+    );
+    assert!(
+        l.record_terminal(&call("uncapped", 11_000, Some(uncapped)))
+            .await
+            .unwrap()
+    );
+    assert_eq!(
+        l.write_batch(&[LedgerWrite::outcome(call("unsized", 12_000, None))])
+            .await
+            .unwrap(),
+        vec![true]
+    );
+    // A row as a version-11 binary wrote it: no request columns named.
+    db.exec(
+        "INSERT INTO jobs (job_id, kind, state, recorded_at_ms, latency_ms, prompt_tokens, backend) \
+         VALUES ('v11', 'kind-v11', 'completed', 13000, 40, 9, 'sim')",
+    )
+    .await;
+    let got: Vec<(String, Option<RequestSize>, Option<u64>)> =
+        (l.recent_calls("sim", 5_000, 100).await.unwrap())
+            .into_iter()
+            .map(|c| (c.kind, c.size, c.prompt_tokens))
+            .collect();
+    assert_eq!(
+        got,
+        vec![
+            ("kind-capped".to_owned(), Some(capped), Some(12)),
+            ("kind-uncapped".to_owned(), Some(uncapped), Some(12)),
+            ("kind-unsized".to_owned(), None, Some(12)),
+            ("kind-v11".to_owned(), None, Some(9)),
+        ]
+    );
+    let stored = |r: JobRecord| (r.request_tokens, r.request_max_tokens, r.prompt_tokens);
+    assert_eq!(
+        stored(must_get(l, "capped").await),
+        (Some(613), Some(200), Some(12))
+    );
+    assert_eq!(
+        stored(must_get(l, "uncapped").await),
+        (Some(7), None, Some(12))
+    );
+    assert_eq!(stored(must_get(l, "unsized").await), (None, None, Some(12)));
+    assert_eq!(stored(must_get(l, "v11").await), (None, None, Some(9)));
+    // A second outcome for a job changes nothing, its request size included.
+    assert!(
+        !l.record_terminal(&call("capped", 14_000, Some(uncapped)))
+            .await
+            .unwrap()
+    );
+    assert_eq!(must_get(l, "capped").await.request_tokens, Some(613));
+}
+
 /// The door's call time for a kind is what the newest completed calls of it measured
 /// (`latency_ms`), never a recorded `min_runtime_ms`: a client that sends its own huge
 /// `min_runtime_ms` on a job that completes does not set the call time every later job of
@@ -2588,9 +2672,16 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
         .record_breaker_open("w1", "vllm", &kinds, 9_000, 5_000)
         .await
         .unwrap();
-    // A text with characters whose byte order and collation order differ, and quotes.
+    // A text with characters whose byte order and collation order differ, and quotes; and
+    // the worker's measure of the request (ledger version 12).
     src.ledger
-        .record_outcome(&completed("Zz-ü", "a-zz", 2_000, "\"ä\"\n\\ 🙂"))
+        .record_outcome(&OutcomeRecord {
+            request_size: Some(RequestSize {
+                prompt_tokens: 613,
+                max_tokens: Some(200),
+            }),
+            ..completed("Zz-ü", "a-zz", 2_000, "\"ä\"\n\\ 🙂")
+        })
         .await
         .unwrap();
     let mut last_progress = 0;
@@ -2627,6 +2718,11 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
             "{id}"
         );
     }
+    let copied = must_get(&dst.ledger, "Zz-ü").await;
+    assert_eq!(
+        (copied.request_tokens, copied.request_max_tokens),
+        (Some(613), Some(200))
+    );
     // An interrupted copy: the destination lacks some rows; running it again adds just those.
     dst.exec("DELETE FROM jobs WHERE job_id IN ('old-done', 'new-done', 'Zz-ü')")
         .await;
@@ -2649,7 +2745,19 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
             .unwrap();
         assert_eq!(c.inserted, 0, "{table}");
     }
-    // A difference shows in the checksum.
+    // A difference shows in the checksum, the request size's too.
+    dst.exec("UPDATE jobs SET request_max_tokens = NULL WHERE job_id = 'Zz-ü'")
+        .await;
+    assert_ne!(
+        src.ledger.table_digest("jobs").await.unwrap(),
+        dst.ledger.table_digest("jobs").await.unwrap()
+    );
+    dst.exec("UPDATE jobs SET request_max_tokens = 200 WHERE job_id = 'Zz-ü'")
+        .await;
+    assert_eq!(
+        src.ledger.table_digest("jobs").await.unwrap(),
+        dst.ledger.table_digest("jobs").await.unwrap()
+    );
     dst.exec("UPDATE jobs SET result = 'changed' WHERE job_id = 'new-done'")
         .await;
     assert_ne!(

@@ -23,6 +23,36 @@ const LEDGER_CALLS: u32 = 1_024;
 /// without them.
 const LEDGER_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
+/// The size a call read from the ledger is replayed under: the one its worker measured
+/// from the payload (`RecordedCall::size`), the unit live calls are learned in; for a call
+/// recorded without it (before ledger version 12, or whose payload was not a chat request,
+/// whose live call was learned unsized), the prompt tokens its server reported.
+/// Without any size, these calls (of a kind mixing short and long prompts, mostly the long
+/// ones' times at its p99) would hold every request to the kind's estimate, and a refusal
+/// they justify is never probed: the kind would be locked out until they leave the window
+/// (BENCHMARKS.md §12).
+fn replayed_size(c: &lastcall_store::RecordedCall) -> Option<RequestSize> {
+    c.size.or_else(|| {
+        c.prompt_tokens.map(|prompt_tokens| RequestSize {
+            prompt_tokens,
+            max_tokens: None,
+        })
+    })
+}
+
+/// Observes one call of `backend` read from the ledger as if it had just ended here (at
+/// its recorded time, never later than `now_ms`), under [`replayed_size`].
+fn replay(
+    service: &mut ServiceTimes,
+    backend: &str,
+    c: &lastcall_store::RecordedCall,
+    now_ms: i64,
+) {
+    let key = key_of(&c.kind, backend);
+    let at = c.recorded_at_ms.min(now_ms);
+    service.observe_request(&key, c.latency_ms, c.cut, replayed_size(c), at);
+}
+
 /// Shared state of one running worker.
 pub(crate) struct Ctx {
     pub(crate) cfg: WorkerConfig,
@@ -180,18 +210,7 @@ impl Ctx {
         {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             for (backend, c) in &calls {
-                let key = key_of(&c.kind, backend);
-                // Under the prompt size the server reported: without a size, these calls
-                // (of a kind mixing short and long prompts, mostly the long ones' times
-                // at its p99) would hold every request to the kind's estimate, and a
-                // refusal they justify is never probed: the kind would be locked out
-                // until they leave the window (BENCHMARKS.md §12).
-                let size = c.prompt_tokens.map(|prompt_tokens| RequestSize {
-                    prompt_tokens,
-                    max_tokens: None,
-                });
-                let at = c.recorded_at_ms.min(now);
-                service.observe_request(&key, c.latency_ms, c.cut, size, at);
+                replay(&mut service, backend, c, now);
                 kinds.insert(c.kind.as_str());
             }
         }
@@ -442,5 +461,77 @@ impl Probe {
 impl Drop for Probe {
     fn drop(&mut self) {
         self.finish(ProbeEnd::Released);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use lastcall_core::service_time::ServiceTimeConfig;
+    use lastcall_store::RecordedCall;
+
+    fn sized(prompt_tokens: u64, max_tokens: Option<u64>) -> Option<RequestSize> {
+        Some(RequestSize {
+            prompt_tokens,
+            max_tokens,
+        })
+    }
+
+    /// A completed call of ~1.25 s read from the ledger, with the worker's measure of its
+    /// request (`worker`) and its server's prompt count (`server`).
+    fn call(i: u64, worker: Option<RequestSize>, server: Option<u64>) -> RecordedCall {
+        RecordedCall {
+            kind: "chat".into(),
+            latency_ms: 1_250 + i % 7,
+            recorded_at_ms: i as i64,
+            cut: false,
+            size: worker,
+            prompt_tokens: server,
+        }
+    }
+
+    /// Replays 50 such calls into a fresh estimator, as a starting worker does, then asks
+    /// whether a job of size `job` with 500 ms for its call, which their ~1.25 s refuse,
+    /// may run as a probe: only when every replayed call was of a larger request (the
+    /// refusal rests on larger calls alone).
+    fn probed_after(
+        worker: Option<RequestSize>,
+        server: Option<u64>,
+        job: Option<RequestSize>,
+    ) -> bool {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..50 {
+            replay(&mut st, "sim", &call(i, worker, server), 100);
+        }
+        let e = st.estimate_for("chat|sim", job, 100).expect("learned");
+        assert!(
+            e.quantile_ms > 500,
+            "the replayed calls refuse the job: {e:?}"
+        );
+        st.try_probe("chat|sim", job, 500, 100)
+    }
+
+    #[test]
+    fn a_replayed_call_is_sized_by_its_worker_before_its_server() {
+        let short = sized(10, None);
+        // The worker measured long prompts; their server counted 8 tokens (as the sim
+        // backend does for any prompt). Under the worker's size the calls are larger than
+        // the short job, which is probed; under the server's they would justify refusing it.
+        assert!(probed_after(sized(600, None), Some(8), short));
+        // And the other way round: the worker's size says no larger, the refusal stands.
+        assert!(!probed_after(sized(8, None), Some(600), short));
+        // `max_tokens` is replayed too (the server's count has none): calls of the same
+        // prompt with a larger cap are larger requests.
+        let capped = sized(10, Some(64));
+        assert!(probed_after(sized(10, Some(512)), Some(10), capped));
+        assert!(!probed_after(sized(10, Some(64)), Some(10), capped));
+        // A call recorded without the worker's size (before ledger version 12): the
+        // server's count, as before.
+        assert!(probed_after(None, Some(600), short));
+        assert!(!probed_after(None, Some(8), short));
+        // Neither: an unsized call, which justifies refusing any request.
+        assert!(!probed_after(None, None, short));
+        assert_eq!(replayed_size(&call(0, capped, Some(600))), capped);
+        assert_eq!(replayed_size(&call(0, None, Some(600))), sized(600, None));
     }
 }

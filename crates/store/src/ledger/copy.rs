@@ -71,6 +71,8 @@ const TABLES: [Table; 6] = [
             ("min_runtime_ms", Int),
             ("tenant", Text),
             ("priority", Text),
+            ("request_tokens", Int),
+            ("request_max_tokens", Int),
         ],
     },
     Table {
