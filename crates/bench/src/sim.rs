@@ -402,6 +402,14 @@ impl Worker {
         }
     }
 
+    /// As the worker does: may a job refused by the learned time with `room` ms run as a
+    /// probe? Judged against the room ÷ the adaptive limit's predicted slowdown.
+    fn try_probe(&mut self, key: &str, size: Option<RequestSize>, room: u64, now: i64) -> bool {
+        let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
+        self.est
+            .try_probe(key, size, (room as f64 / k.max(1.0)) as u64, now)
+    }
+
     /// A job was refused while a slot was free: as the worker does, tell the adaptive
     /// limit when its inflation did it (the learned time alone admits the job).
     fn refused_with_room(&mut self, key: &str, policy: &WorkerPolicy, job: &Job, now: i64) {
@@ -825,7 +833,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     if let Some(room) =
                         policy.refused_by_learned(&jobs[j].env, learned.map(|e| e.quantile_ms), now)
                         && wk.free() > 0
-                        && wk.est.try_probe(key, jobs[j].size, room, now)
+                        && wk.try_probe(key, jobs[j].size, room, now)
                     {
                         jobs[j].probe = Some(room);
                         probes += 1;
@@ -908,7 +916,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 if probe.is_some() {
                     learned_ms = None;
                 } else if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)
-                    && wk.est.try_probe(key, jobs[j].size, room, now)
+                    && wk.try_probe(key, jobs[j].size, room, now)
                 {
                     probe = Some(room);
                     probes += 1;
@@ -1390,6 +1398,21 @@ mod tests {
         let r = simulate(&a).unwrap();
         assert!(r.on_time as f64 >= 0.9 * best as f64, "{r:?} vs {best}");
         assert!(r.wasted_time <= 0.05, "{r:?}");
+        assert_eq!(r.started_late, 0);
+    }
+
+    /// A short cold run (about 90 s of arrivals at 5×) on the time-sharing server with
+    /// mixed prompt lengths: before the completed calls were enough for a quantile, jobs
+    /// with a few hundred ms of budget left (EDF hands them a free slot first) ran as
+    /// probes of calls of seconds, and were cut: 6 on time, 64% of the model time wasted.
+    #[test]
+    fn cold_start_probes_need_room_for_what_smaller_calls_took() {
+        let mut a = args("mixed:900,3.5,0,1", 180, 11);
+        a.deadline_ms = 10_000;
+        a.slots = SlotCount::Auto;
+        let r = simulate(&a).unwrap();
+        assert!(r.on_time >= 40, "{r:?}");
+        assert!(r.wasted_time <= 0.25, "{r:?}");
         assert_eq!(r.started_late, 0);
     }
 

@@ -643,7 +643,8 @@ impl ServiceTimes {
     /// although a slot is free: may it run as a *probe* (half-open), to find out whether
     /// the estimate is stale? Only when the refusal rests on calls cut at the deadline, or
     /// on calls of larger requests than this one (`size`): the completed calls no larger
-    /// than it, if enough, would admit it (cut calls are censored observations), when
+    /// than it, if enough, would admit it (cut calls are censored observations), and the
+    /// mean their request-aware fit predicts for this size fits in the room, when
     /// no call of the key has been running for over `FIT_CAP` × what the completed calls
     /// take (the server looks stuck now), when fewer than `max_probes` probes of the key
     /// are in flight, and when the waste pacing allows one at `now_ms`. The caller then admits the job without the learned estimate
@@ -679,6 +680,35 @@ impl ServiceTimes {
         if justified.is_some_and(|e| e.quantile_ms > room_ms) {
             return false;
         }
+        // Nor when the completed calls' own fit expects this request, on average, to take
+        // longer than the room: a request larger than every completed one is refused on an
+        // extrapolation, but when even the fit's mean (not its high quantile) does not fit,
+        // the probe would almost surely be cut, its time wasted.
+        if let (Some(job), Some(w)) = (size.map(|s| s.features()), self.keys.get(key))
+            && self
+                .completed_mean_for(w, job, now_ms)
+                .is_some_and(|m| m > room_ms as f64)
+        {
+            return false;
+        }
+        // Nor, at a cold start (too few calls for a quantile), when a completed call of a
+        // request no larger than this one took longer than the room: call time grows with
+        // the request, so the longest such call stands for the quantile of the few there
+        // are. (Without it, the job with a sliver of budget left, which EDF hands a free
+        // slot first, was probed: 156 ms for a call of seconds, in the simulator.)
+        let no_larger = |f: Option<[f64; 2]>| match (size.map(|s| s.features()), f) {
+            (Some(job), Some(f)) => f[0] <= job[0] && f[1] <= job[1],
+            (Some(_), None) => false,
+            (None, _) => true,
+        };
+        let longest = (self.keys.get(key).into_iter())
+            .flat_map(|w| w.samples.iter())
+            .filter(|s| !s.cut && self.cfg.is_fresh(s.at_ms, now_ms) && no_larger(s.size))
+            .map(|s| s.duration_ms)
+            .max();
+        if justified.is_none() && longest.is_some_and(|d| d > room_ms) {
+            return false;
+        }
         // A call of the key still running well past what completed calls take: the server
         // is likely stuck now, and a probe would only wait with it.
         let overdue = completed.map_or(room_ms, |e| e.quantile_ms.saturating_mul(FIT_CAP as u64));
@@ -697,6 +727,34 @@ impl ServiceTimes {
         }
         w.probes += 1;
         true
+    }
+
+    /// The mean call time of a request of size `job` predicted from a window's fresh
+    /// completed calls of known size alone (no cut call, no call a probe contradicted), or
+    /// `None` with fewer than [`MIN_SIZED`] of them or none no larger than `job`.
+    fn completed_mean_for(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<f64> {
+        let rows: Vec<FitRow> = (w.samples.iter())
+            .filter(|s| !s.cut && s.halvings == 0 && self.cfg.is_fresh(s.at_ms, now_ms))
+            .filter_map(|s| {
+                let wt = self.cfg.recency(s.at_ms, now_ms);
+                Some((s.size?, s.duration_ms.max(1) as f64, wt))
+            })
+            .filter(|r| r.2 > FORGOTTEN)
+            .collect();
+        // Below every completed request the fit would only extrapolate down (and with one
+        // size seen, not at all): it says nothing there.
+        let covered = rows.iter().any(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
+        if rows.len() < MIN_SIZED.max(self.cfg.min_samples) || !covered {
+            return None;
+        }
+        let model = CallModel::fit(&rows);
+        let total: f64 = rows.iter().map(|r| r.2).sum();
+        let ratio = rows
+            .iter()
+            .map(|r| r.1 / model.predict(r.0) * r.2)
+            .sum::<f64>()
+            / total;
+        Some(model.predict(job) * ratio)
     }
 
     /// A key's probe credit at `now_ms` ([`ServiceTimeConfig::probe_burst_ms`]).
@@ -1816,6 +1874,44 @@ mod tests {
             plain.observe("k", 1_250 + i % 7, i as i64);
         }
         assert!(!plain.try_probe("k", short, 500, 100));
+    }
+
+    fn tokens(n: u64) -> Option<RequestSize> {
+        Some(RequestSize {
+            prompt_tokens: n,
+            max_tokens: None,
+        })
+    }
+
+    #[test]
+    fn no_probe_when_the_completed_calls_fit_expects_the_request_to_overrun() {
+        // 50 ms + 2 ms per token, 10 to 600 tokens: a 2,000-token request is larger than
+        // every completed call, and its refusal rests on an extrapolation; but the fit of
+        // the completed calls expects ~4 s, so a probe with 3 s of room would be cut.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..30u64 {
+            let n = 10 + i * 20;
+            st.observe_request("k", 50 + 2 * n, false, tokens(n), i as i64);
+        }
+        assert!(!st.try_probe("k", tokens(2_000), 3_000, 100));
+        assert!(st.try_probe("k", tokens(2_000), 5_000, 100));
+    }
+
+    #[test]
+    fn at_a_cold_start_a_probe_needs_room_for_the_longest_smaller_call() {
+        // Two completed calls (too few for a quantile): a request at least as large as
+        // both takes at least the longer one's time.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        st.observe_request("k", 1_000, false, tokens(100), 0);
+        st.observe_request("k", 800, false, tokens(50), 1);
+        st.observe_request("k", 9_000, true, tokens(1_000), 2);
+        assert!(
+            !st.try_probe("k", tokens(200), 500, 10),
+            "156 ms for a call of seconds"
+        );
+        assert!(st.try_probe("k", tokens(200), 2_000, 10));
+        // Smaller than every completed call: nothing says it is long.
+        assert!(st.try_probe("k", tokens(10), 500, 10));
     }
 
     #[test]

@@ -287,6 +287,9 @@ impl Ctx {
         now_ms: i64,
     ) -> Option<Probe> {
         let key = key_of(kind, backend);
+        // The probe runs at the current concurrency: what the estimator's calls say is
+        // judged against the room ÷ the adaptive limit's predicted slowdown.
+        let room_ms = (room_ms as f64 / self.slots.inflation().max(1.0)) as u64;
         let granted = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             service.try_probe(&key, size, room_ms, now_ms)
