@@ -348,16 +348,16 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             ceiling: ceiling.clone(),
         };
         if !a.json {
+            let workers = |joint: &str| match setup.workers {
+                1 => String::new(),
+                n => format!("{n} workers {joint} "),
+            };
             println!(
                 "bench goodput: {} = capacity {:.2} jobs/s; arrivals {:.2}/s ({}×{}) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
                 match &setup.ceiling {
                     Some(c) => format!(
                         "{}{} at its ceiling ({} calls in flight, mean {:.0} ms); worker slots {}",
-                        if setup.workers > 1 {
-                            format!("{} workers at ", setup.workers)
-                        } else {
-                            String::new()
-                        },
+                        workers("at"),
                         setup.service,
                         c.concurrency,
                         c.mean_ms,
@@ -369,11 +369,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                     ),
                     None => format!(
                         "{}{} slots × {} calls (mean {:.0} ms)",
-                        if setup.workers > 1 {
-                            format!("{} workers × ", setup.workers)
-                        } else {
-                            String::new()
-                        },
+                        workers("×"),
                         setup.slots,
                         setup.service,
                         mean_ms

@@ -247,48 +247,40 @@ impl Service {
                 anyhow::anyhow!("--service {s}: the numbers after `{name}:` do not parse")
             })?;
         match (name, nums.as_slice()) {
-            ("fixed", [ms]) if *ms > 0.0 => Ok(Self::Fixed(*ms)),
-            ("lognormal", [mean, sigma]) if *mean > 0.0 && *sigma >= 0.0 => Ok(Self::Lognormal {
+            ("fixed", [ms]) if *ms > 0.0 => Some(Self::Fixed(*ms)),
+            ("lognormal", [mean, sigma]) if *mean > 0.0 && *sigma >= 0.0 => Some(Self::Lognormal {
                 mean: *mean,
                 sigma: *sigma,
             }),
-            ("length", [base, per, share, more @ ..])
-                if *base > 0.0
-                    && *per >= 0.0
-                    && (0.0..=1.0).contains(share)
-                    && more.len() <= 2
-                    && more.first().is_none_or(|s| *s >= 0.0)
-                    && more.get(1).is_none_or(|k| *k >= 1.0) =>
-            {
-                Ok(Self::Length {
-                    base: *base,
-                    per_token: *per,
-                    long_share: *share,
-                    slowdown: more.first().copied().unwrap_or(0.15),
-                    knee: more.get(1).copied(),
-                    mixed: false,
-                })
+            ("length", [base, per, share, more @ ..]) if (0.0..=1.0).contains(share) => {
+                Self::length(*base, *per, more, Some(*share))
             }
-            ("mixed", [base, per, more @ ..])
-                if *base > 0.0
-                    && *per >= 0.0
-                    && more.len() <= 2
-                    && more.first().is_none_or(|s| *s >= 0.0)
-                    && more.get(1).is_none_or(|k| *k >= 1.0) =>
-            {
-                Ok(Self::Length {
-                    base: *base,
-                    per_token: *per,
-                    long_share: 0.0,
-                    slowdown: more.first().copied().unwrap_or(0.15),
-                    knee: more.get(1).copied(),
-                    mixed: true,
-                })
-            }
-            _ => bail!(
-                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA, length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]] or mixed:BASE_MS,MS_PER_TOKEN[,SLOWDOWN[,KNEE]]"
-            ),
+            ("mixed", [base, per, more @ ..]) => Self::length(*base, *per, more, None),
+            _ => None,
         }
+        .ok_or_else(|| {
+            anyhow::anyhow!(
+                "--service {s}: expected fixed:MS, lognormal:MEAN_MS,SIGMA, length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]] or mixed:BASE_MS,MS_PER_TOKEN[,SLOWDOWN[,KNEE]]"
+            )
+        })
+    }
+
+    /// `length:` (`long_share` given: short or long prompts) and `mixed:` (none: prompts of
+    /// [`MIXED_TOKENS`]): `BASE,PER_TOKEN,…[,SLOWDOWN[,KNEE]]`, `more` the optional tail.
+    fn length(base: f64, per_token: f64, more: &[f64], long_share: Option<f64>) -> Option<Self> {
+        let valid = base > 0.0
+            && per_token >= 0.0
+            && more.len() <= 2
+            && more.first().is_none_or(|s| *s >= 0.0)
+            && more.get(1).is_none_or(|k| *k >= 1.0);
+        valid.then(|| Self::Length {
+            base,
+            per_token,
+            long_share: long_share.unwrap_or(0.0),
+            slowdown: more.first().copied().unwrap_or(0.15),
+            knee: more.get(1).copied(),
+            mixed: long_share.is_none(),
+        })
     }
 
     /// The mean call time alone (no batch slowdown), for the capacity.

@@ -49,6 +49,21 @@ fn goodput_smoke_json(env: &Env, extra: &[&str]) -> (Value, std::path::PathBuf) 
     (json_of(&env.cli(&args)), svg)
 }
 
+/// A run submitted jobs, and its outcomes and the jobs without one add up to them.
+/// Returns the jobs submitted.
+fn outcomes_add_up(p: &Value) -> u64 {
+    let submitted = u(p, "submitted");
+    assert!(submitted > 0, "{p}");
+    let outcomes: u64 = p["outcomes"]
+        .as_object()
+        .unwrap()
+        .values()
+        .map(|v| v.as_u64().unwrap())
+        .sum();
+    assert_eq!(outcomes + u(p, "no_outcome"), submitted, "{p}");
+    submitted
+}
+
 fn u(v: &Value, k: &str) -> u64 {
     v[k].as_u64()
         .unwrap_or_else(|| panic!("`{k}` missing or not a count in {v}"))
@@ -66,15 +81,7 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
         .collect();
     assert_eq!(names, ["deadline", "receipt-only", "naive"]);
     for p in policies {
-        let submitted = u(p, "submitted");
-        assert!(submitted > 0, "{p}");
-        let outcomes: u64 = p["outcomes"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|v| v.as_u64().unwrap())
-            .sum();
-        assert_eq!(outcomes + u(p, "no_outcome"), submitted, "{p}");
+        outcomes_add_up(p);
         let completed = p["outcomes"]["completed"].as_u64().unwrap_or(0);
         assert_eq!(u(p, "on_time") + u(p, "completed_late"), completed, "{p}");
         // The ledger and the sim backend agree on the number of model calls.
@@ -447,15 +454,7 @@ async fn goodput_smoke_mixed_lengths_against_a_real_llama_server() {
         ]
     );
     for p in policies {
-        let submitted = u(p, "submitted");
-        assert!(submitted > 0, "{p}");
-        let outcomes: u64 = p["outcomes"]
-            .as_object()
-            .unwrap()
-            .values()
-            .map(|v| v.as_u64().unwrap())
-            .sum();
-        assert_eq!(outcomes + u(p, "no_outcome"), submitted, "{p}");
+        let submitted = outcomes_add_up(p);
         assert_eq!(u(p, "no_outcome"), 0, "{p}");
         assert_eq!(u(p, "started_after_deadline"), 0, "{p}");
         let of_arrivals = p["on_time_of_arrivals"].as_f64().unwrap();
