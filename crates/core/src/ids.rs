@@ -162,6 +162,31 @@ pub fn synthetic_job_id(body: &[u8]) -> JobId {
     JobId(format!("invalid-{}-{}", fingerprint(body), body.len()))
 }
 
+/// The ledger key of a delivery: the envelope's id; else the `message_id` property the
+/// publisher set; else a synthetic id derived from the body, so nothing goes unrecorded.
+///
+/// A badly signed message is always recorded under a synthetic id, and so is *any*
+/// invalid message while signatures are required (`signing`): the id it claims is not to
+/// be trusted, and writing `rejected` under it would let anyone who can publish block a
+/// real pending job with that id (outcomes are write-once). Its error names the claimed id.
+pub fn job_id_for(
+    parsed: &Result<crate::Envelope, crate::RejectError>,
+    message_id: Option<&str>,
+    body: &[u8],
+    signing: bool,
+) -> JobId {
+    match parsed {
+        Ok(e) => e.job_id().clone(),
+        Err(_) if signing => synthetic_job_id(body),
+        Err(e) if e.reason == crate::RejectReason::BadSignature => synthetic_job_id(body),
+        Err(e) => e
+            .job_id
+            .clone()
+            .or_else(|| message_id.and_then(|m| JobId::parse(m).ok()))
+            .unwrap_or_else(|| synthetic_job_id(body)),
+    }
+}
+
 #[cfg(test)]
 mod synthetic_tests {
     use super::*;
@@ -172,5 +197,52 @@ mod synthetic_tests {
         assert_eq!(a, synthetic_job_id(b"{broken"));
         assert_ne!(a, synthetic_job_id(b"{broken2"));
         assert!(JobId::parse(a.as_str()).is_ok());
+    }
+
+    fn body_with(id: &str) -> Vec<u8> {
+        format!(
+            r#"{{"schema_version":1,"job_id":"{id}","kind":"chat","created_at_ms":1000,"expires_at_ms":60000,"payload":{{}}}}"#
+        )
+        .into_bytes()
+    }
+
+    #[test]
+    fn a_valid_envelope_is_recorded_under_its_own_id() {
+        let body = body_with("job-1");
+        let parsed = crate::Envelope::parse(&body, &crate::EnvelopeLimits::default(), 2_000);
+        assert!(parsed.is_ok(), "{parsed:?}");
+        for signing in [false, true] {
+            let id = job_id_for(&parsed, Some("other"), &body, signing);
+            assert_eq!(id.as_str(), "job-1");
+        }
+    }
+
+    #[test]
+    fn an_invalid_message_gets_a_synthetic_id_unless_its_claim_can_be_trusted() {
+        let body = b"{\"job_id\":\"victim\",\"kind\":\"chat\"}".to_vec();
+        let parsed = crate::Envelope::parse(&body, &crate::EnvelopeLimits::default(), 2_000);
+        let e = parsed.as_ref().expect_err("not a whole envelope");
+        // Unsigned deployments: the claimed id (or the message_id) names the rejection.
+        let id = job_id_for(&parsed, Some("from-props"), &body, false);
+        assert_eq!(
+            id.as_str(),
+            e.job_id.as_ref().map_or("from-props", JobId::as_str)
+        );
+        // While signatures are required, no claim is trusted: a synthetic id.
+        assert_eq!(
+            job_id_for(&parsed, Some("from-props"), &body, true),
+            synthetic_job_id(&body)
+        );
+        // Nothing to go by: a synthetic id either way.
+        let junk = b"{broken".to_vec();
+        let parsed = crate::Envelope::parse(&junk, &crate::EnvelopeLimits::default(), 2_000);
+        assert_eq!(
+            job_id_for(&parsed, None, &junk, false),
+            synthetic_job_id(&junk)
+        );
+        assert_eq!(
+            job_id_for(&parsed, Some("props-id"), &junk, false).as_str(),
+            "props-id"
+        );
     }
 }

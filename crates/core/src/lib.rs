@@ -65,7 +65,7 @@ pub use disposition::{
 };
 pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
 pub use event::OutcomeEvent;
-pub use ids::{JobId, Kind, fingerprint, request_hash, synthetic_job_id};
+pub use ids::{JobId, Kind, fingerprint, job_id_for, request_hash, synthetic_job_id};
 pub use outcome::State;
 pub use reason::{Decision, Reason, RefusalCause};
 pub use retry::{RetryDecision, RetryPolicy};

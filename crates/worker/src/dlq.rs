@@ -13,25 +13,11 @@ use lastcall_core::deadletter::{DeadLetterOutcome, DeathReason, classify};
 use lastcall_core::{Decision, Envelope, EnvelopeLimits, JobId, RejectError, RejectReason};
 use lastcall_store::{Ledger, OutcomeRecord};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-/// Counters of one processor run.
-#[derive(Debug, Default)]
-pub struct DlqStats {
-    pub processed: AtomicU64,
-    pub recorded: AtomicU64,
-    pub kept_existing: AtomicU64,
-    pub parked: AtomicU64,
-    /// Dead letters by their broker reason (`expired`, `rejected`, `maxlen`,
-    /// `delivery_limit`, `other`): labels `[reason]`.
-    pub by_reason: crate::stats::LabeledCounter,
-    /// Whether the processor is consuming now (false while it reconnects).
-    pub connected: std::sync::atomic::AtomicBool,
-    /// Broker connections lost and re-established.
-    pub reconnects: AtomicU64,
-}
+pub use crate::stats::DlqStats;
 
 /// The dead-letter processor.
 pub struct DeadLetterProcessor {
@@ -294,7 +280,7 @@ impl DeadLetterProcessor {
             m.signature.as_deref(),
             m.message_id.as_deref(),
         );
-        let job_id = crate::runtime::job_id_for(
+        let job_id = lastcall_core::job_id_for(
             &parsed,
             m.message_id.as_deref(),
             &m.body,

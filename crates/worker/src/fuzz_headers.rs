@@ -9,11 +9,11 @@
 //! `LASTCALL_FUZZ_CASES` sets the cases (default 2,000), e.g.
 //! `LASTCALL_FUZZ_CASES=1000000 cargo test -p lastcall-worker --release fuzz_`.
 
-use crate::job::job_id_for;
 use lapin::BasicProperties;
 use lapin::types::{AMQPValue, FieldArray, FieldTable, LongString, ShortString};
 use lastcall_broker::consume::delivery_meta;
 use lastcall_core::envelope::{Envelope, EnvelopeLimits};
+use lastcall_core::job_id_for;
 use lastcall_core::signature::{SIGNATURE_HEADER, SigningKey, require_signature, sign_envelope};
 use proptest::prelude::*;
 use std::collections::BTreeMap;

@@ -122,8 +122,6 @@ pub fn default_worker_name() -> String {
     format!("{host}:{}", std::process::id())
 }
 
-pub(crate) use crate::job::job_id_for;
-
 /// A worker, built and ready to run.
 pub struct Worker {
     ctx: Arc<Ctx>,

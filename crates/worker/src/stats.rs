@@ -4,7 +4,6 @@
 //! `MetricsSource`), with the crate's histograms and label families. No job ids here:
 //! only bounded, aggregate numbers.
 
-use crate::dlq::DlqStats;
 use prometheus_client::collector::Collector;
 use prometheus_client::encoding::{DescriptorEncoder, EncodeMetric};
 use prometheus_client::metrics::counter::{ConstCounter, Counter};
@@ -597,6 +596,22 @@ fn encode_distributions(m: &WorkerMetrics, enc: &mut DescriptorEncoder) -> std::
         one(enc, name, help, &h.0)?;
     }
     Ok(())
+}
+
+/// Counters of one dead-letter processor run ([`crate::dlq::DeadLetterProcessor`]).
+#[derive(Debug, Default)]
+pub struct DlqStats {
+    pub processed: AtomicU64,
+    pub recorded: AtomicU64,
+    pub kept_existing: AtomicU64,
+    pub parked: AtomicU64,
+    /// Dead letters by their broker reason (`expired`, `rejected`, `maxlen`,
+    /// `delivery_limit`, `other`): labels `[reason]`.
+    pub by_reason: LabeledCounter,
+    /// Whether the processor is consuming now (false while it reconnects).
+    pub connected: std::sync::atomic::AtomicBool,
+    /// Broker connections lost and re-established.
+    pub reconnects: AtomicU64,
 }
 
 /// The dead-letter processor's metrics as a `prometheus-client` collector.

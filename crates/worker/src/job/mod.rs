@@ -21,7 +21,7 @@ use lastcall_core::delivery::{self, Finish, Looked, Received, Settle, Started};
 use lastcall_core::fallback::{self, Candidate};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::Estimate;
-use lastcall_core::{Envelope, JobId, ReceiptFacts, RejectError, synthetic_job_id};
+use lastcall_core::{Envelope, JobId, ReceiptFacts, job_id_for};
 use lastcall_store::{LedgerWrite, ReceiptInfo};
 use std::sync::Arc;
 use tracing::Instrument;
@@ -369,29 +369,4 @@ async fn held_elsewhere(
         return Ok(ctx.door.receipt_info(&job.id).await);
     }
     Ok(Some(info))
-}
-
-/// The ledger key of a delivery: the envelope's id; else the `message_id` property the
-/// publisher set; else a synthetic id derived from the body, so nothing goes unrecorded.
-///
-/// A badly signed message is always recorded under a synthetic id, and so is *any*
-/// invalid message while signatures are required (`signing`): the id it claims is not to
-/// be trusted, and writing `rejected` under it would let anyone who can publish block a
-/// real pending job with that id (outcomes are write-once). Its error names the claimed id.
-pub(crate) fn job_id_for(
-    parsed: &Result<Envelope, RejectError>,
-    message_id: Option<&str>,
-    body: &[u8],
-    signing: bool,
-) -> JobId {
-    match parsed {
-        Ok(e) => e.job_id().clone(),
-        Err(_) if signing => synthetic_job_id(body),
-        Err(e) if e.reason == lastcall_core::RejectReason::BadSignature => synthetic_job_id(body),
-        Err(e) => e
-            .job_id
-            .clone()
-            .or_else(|| message_id.and_then(|m| JobId::parse(m).ok()))
-            .unwrap_or_else(|| synthetic_job_id(body)),
-    }
 }
