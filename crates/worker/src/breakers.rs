@@ -4,9 +4,9 @@
 //! `/readyz`, wakes the jobs that wait for a breaker, and hands each opening and closing
 //! to [`record`] for the ledger, where the door reads it (`503 upstream_unavailable`).
 
-use crate::ctx::Ctx;
 use crate::stats::{BreakerView, WorkerStats};
 use lastcall_core::breaker::{Breaker, BreakerPolicy, BreakerState, Permit, Transition, Verdict};
+use lastcall_store::Ledger;
 use std::collections::{BTreeMap, BTreeSet};
 use std::sync::{Arc, Mutex};
 use tokio::sync::{Notify, mpsc};
@@ -231,21 +231,22 @@ impl Drop for Trial {
 /// (`Ledger::record_breaker_open`), a closed one's rows removed. Best effort: a failed write
 /// is logged and the door goes on as before (a row left behind expires at its trial time,
 /// or with the worker's lease). Runs for the worker's whole life.
-pub(crate) async fn record(ctx: Arc<Ctx>) {
-    let Some(mut rx) = ctx.breakers.pending.lock().expect("breaker changes").take() else {
+/// Takes what it uses (the breakers, the ledger, the worker's name), not the worker's
+/// whole context.
+pub(crate) async fn record(breakers: Arc<Breakers>, ledger: Arc<Ledger>, worker: String) {
+    let Some(mut rx) = breakers.pending.lock().expect("breaker changes").take() else {
         return;
     };
-    let worker = ctx.cfg.name.clone();
     while let Some(c) = rx.recv().await {
         let written = match c.open_until_ms {
             // Open before any kind was called (cannot be: calls open it): nothing to say.
             Some(_) if c.kinds.is_empty() => Ok(()),
             Some(until) => {
-                ctx.ledger
+                ledger
                     .record_breaker_open(&worker, &c.backend, &c.kinds, until, c.at_ms)
                     .await
             }
-            None => ctx.ledger.clear_breaker(&worker, &c.backend).await,
+            None => ledger.clear_breaker(&worker, &c.backend).await,
         };
         if let Err(e) = written {
             tracing::warn!(backend = %c.backend, error = %e, "cannot record the breaker in the ledger: the door does not see it");

@@ -1,7 +1,7 @@
 //! The shared state of one running worker, and the per-job registrations in it.
 
 use crate::clock::Clock;
-use crate::runtime::WorkerConfig;
+use crate::config::WorkerConfig;
 use crate::settle::Door;
 use crate::slots::Slots;
 use crate::stats::WorkerStats;

@@ -4,12 +4,12 @@
 
 use crate::ctx::Ctx;
 use crate::job::{self, Msg};
-use crate::runtime::{WorkerError, bounded, log_task_end};
 use crate::settle::AckBatch;
 use crate::stats::WorkerStats;
 use lastcall_backend::CancellationToken;
 use lastcall_broker::{Broker, Incoming, IncomingStream};
 use std::sync::Arc;
+use std::time::Duration;
 use tokio::sync::Semaphore;
 use tokio::task::{JoinHandle, JoinSet};
 
@@ -202,4 +202,38 @@ fn split(i: Incoming, receipt: u64) -> (Msg, u64, lastcall_broker::Settler) {
         receipt,
     };
     (msg, i.delivery_tag, i.settler)
+}
+
+/// Longest wait for one broker step of the shutdown.
+const SHUTDOWN_STEP: Duration = Duration::from_secs(10);
+
+/// One shutdown step, bounded: a broker that stops answering must not hang the worker's
+/// exit (unsettled deliveries go back to the queue when the connection drops anyway).
+pub(crate) async fn bounded<F: std::future::Future>(what: &str, step: F) -> Option<F::Output> {
+    let r = tokio::time::timeout(SHUTDOWN_STEP, step).await.ok();
+    if r.is_none() {
+        tracing::warn!(
+            step = what,
+            "shutdown step did not finish within 10 s; going on"
+        );
+    }
+    r
+}
+
+pub(crate) fn log_task_end(stats: &WorkerStats, r: Result<(), tokio::task::JoinError>) {
+    if let Err(e) = r
+        && e.is_panic()
+    {
+        WorkerStats::inc(&stats.task_panics);
+        tracing::error!(error = %e, "a job task panicked; its delivery stays unacked and will be redelivered");
+    }
+}
+
+/// Errors that stop a worker.
+#[derive(Debug, thiserror::Error)]
+pub enum WorkerError {
+    #[error("worker setup failed: {0}")]
+    Setup(String),
+    #[error("broker connection lost: {0}")]
+    Broker(String),
 }

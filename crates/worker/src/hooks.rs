@@ -3,16 +3,9 @@
 //! Without the feature the hooks are empty functions and the fields they read do not
 //! exist, so a production binary cannot be configured to pause or delay.
 
-use crate::runtime::WorkerConfig;
-
-/// Fault injection for crash tests.
 #[cfg(feature = "test-hooks")]
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Fault {
-    /// Stop forever right after an outcome is stored, before the ack, logging
-    /// `fault: paused after store`, so a test can SIGKILL the process at exactly that point.
-    PauseAfterStore,
-}
+pub use crate::config::Fault;
+use crate::config::WorkerConfig;
 
 /// Expands the first block in a build with the `test-hooks` feature of `lastcall-worker`,
 /// the `else` block otherwise: the CLI declares its test-only flags with it, so they exist

@@ -26,6 +26,7 @@
 //! from their own crates.
 
 mod breakers;
+pub mod config;
 mod ctx;
 pub mod dlq;
 pub mod events;

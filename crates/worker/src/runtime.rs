@@ -7,120 +7,29 @@
 //! ([`crate::settle`]).
 //!
 //! **Invariant:** the ack (or reject) of a delivery happens only after its outcome is in
-//! the ledger. **Invariant:** no model call starts unless [`WorkerPolicy::on_slot`]
+//! the ledger. **Invariant:** no model call starts unless [`lastcall_core::WorkerPolicy::on_slot`]
 //! returned `Run` immediately before it. **Invariant:** local buffering is bounded: at
 //! most `prefetch` deliveries (broker-enforced) and at most `max_buffer_bytes` of bodies.
 
-use crate::clock::{Clock, ClockSyncMode};
+use crate::clock::Clock;
 use crate::ctx::Ctx;
-use crate::generation::{End, Generation};
+use crate::generation::{End, Generation, bounded, log_task_end};
 use crate::settle::Door;
 use crate::sidecars::Sidecars;
-use crate::slots::{BufferOrder, Slots};
+use crate::slots::Slots;
 use crate::stats::WorkerStats;
 use crate::store_retry::StoreHealth;
 use lastcall_backend::{Backend, CancellationToken};
-use lastcall_broker::{Broker, Publisher, Topology};
-use lastcall_core::WorkerPolicy;
-use lastcall_core::service_time::{ServiceTimeConfig, ServiceTimes};
+use lastcall_broker::{Broker, Publisher};
+use lastcall_core::service_time::ServiceTimes;
 use lastcall_store::Ledger;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::task::JoinSet;
 
-pub use lastcall_core::DispatchPolicy;
-
-/// Everything a worker needs besides its adapters.
-#[derive(Debug, Clone)]
-pub struct WorkerConfig {
-    pub topology: Topology,
-    /// Worker name recorded in the ledger.
-    pub name: String,
-    /// Model slots: concurrent model calls (with `auto_slots`, the most).
-    pub slots: usize,
-    /// `--slots auto`: the number of calls in flight adapts in `[1, max]` to the model
-    /// server ([`lastcall_core::concurrency`]); `None`: exactly `slots`.
-    pub auto_slots: Option<lastcall_core::concurrency::LimitConfig>,
-    /// Unacked deliveries the broker may push to this worker (default 2 × slots).
-    pub prefetch: u16,
-    /// Cap on the bytes of bodies held locally; prefetch only bounds the count.
-    pub max_buffer_bytes: usize,
-    /// Every decision about a delivery (including which deadline checks run:
-    /// [`WorkerPolicy::dispatch`], a benchmark reference knob).
-    pub policy: WorkerPolicy,
-    pub clock_sync: ClockSyncMode,
-    /// How long shutdown waits for in-flight work before handing it back.
-    pub shutdown_grace: Duration,
-    /// How long to wait for a backend to confirm a cancellation at the deadline.
-    pub cancel_grace: Duration,
-    /// Test only (feature `test-hooks`): a fault to inject ([`crate::hooks`]).
-    #[cfg(feature = "test-hooks")]
-    pub fault: Option<crate::hooks::Fault>,
-    /// Test only (feature `test-hooks`): a deliberate local wait between getting a slot
-    /// and the admission check (work delivered in time that waits past its deadline).
-    #[cfg(feature = "test-hooks")]
-    pub hold_before_admission: Duration,
-    /// Which waiting job gets a free model slot ([`crate::slots`]): the order within one
-    /// tenant's jobs of one priority tier.
-    pub buffer_order: BufferOrder,
-    /// The tenants' weights in the fair share of model time (absent: 1).
-    pub tenant_weights: Vec<(String, u32)>,
-    /// When set, a valid envelope whose `x-lastcall-signature` is missing or wrong is
-    /// `rejected`/`bad_signature` (never run), so a producer cannot extend its deadline.
-    pub signing_key: Option<lastcall_core::SigningKey>,
-    /// The broker's consumer timeout (RabbitMQ `consumer_timeout`), when known: each model
-    /// call is capped to end inside the delivery's ack window
-    /// ([`lastcall_core::ack_window`]). `None`: unknown, the job's budget alone decides and a
-    /// broker that closes the channel is survived like any lost channel.
-    pub consumer_timeout: Option<Duration>,
-    /// The circuit breaker of each model server ([`lastcall_core::breaker`]).
-    pub breaker: lastcall_core::breaker::BreakerPolicy,
-    /// Configured requests and tokens per minute by backend name (the route's backend
-    /// when kinds are routed; [`lastcall_core::rate_limit`]). A backend not named here is
-    /// limited only by what its servers' `x-ratelimit-*` headers say.
-    pub rate_limits: std::collections::BTreeMap<String, lastcall_core::rate_limit::Limits>,
-    /// The learned call time's settings ([`lastcall_core::service_time`]); the default is
-    /// what `lastcall worker` runs with (the benchmark turns request-awareness off for its
-    /// reference run).
-    pub service_time: ServiceTimeConfig,
-}
-
-impl WorkerConfig {
-    pub fn new(prefix: &str, slots: usize) -> Self {
-        Self {
-            topology: Topology::new(prefix),
-            name: default_worker_name(),
-            slots,
-            auto_slots: None,
-            prefetch: (slots * 2).clamp(1, u16::MAX as usize) as u16,
-            max_buffer_bytes: 64 * 1024 * 1024,
-            policy: WorkerPolicy::default(),
-            clock_sync: ClockSyncMode::Ignore,
-            shutdown_grace: Duration::from_secs(10),
-            cancel_grace: Duration::from_millis(500),
-            #[cfg(feature = "test-hooks")]
-            fault: None,
-            #[cfg(feature = "test-hooks")]
-            hold_before_admission: Duration::ZERO,
-            buffer_order: BufferOrder::default(),
-            tenant_weights: Vec::new(),
-            signing_key: None,
-            consumer_timeout: None,
-            breaker: Default::default(),
-            rate_limits: Default::default(),
-            service_time: ServiceTimeConfig::default(),
-        }
-    }
-}
-
-/// `host:pid`.
-pub fn default_worker_name() -> String {
-    let host = std::fs::read_to_string("/etc/hostname")
-        .map(|s| s.trim().to_owned())
-        .unwrap_or_else(|_| "host".into());
-    format!("{host}:{}", std::process::id())
-}
+pub use crate::config::{DispatchPolicy, WorkerConfig, default_worker_name};
+pub use crate::generation::WorkerError;
 
 /// A worker, built and ready to run.
 pub struct Worker {
@@ -345,38 +254,4 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
             }
         }
     }
-}
-
-/// Longest wait for one broker step of the shutdown.
-const SHUTDOWN_STEP: Duration = Duration::from_secs(10);
-
-/// One shutdown step, bounded: a broker that stops answering must not hang the worker's
-/// exit (unsettled deliveries go back to the queue when the connection drops anyway).
-pub(crate) async fn bounded<F: std::future::Future>(what: &str, step: F) -> Option<F::Output> {
-    let r = tokio::time::timeout(SHUTDOWN_STEP, step).await.ok();
-    if r.is_none() {
-        tracing::warn!(
-            step = what,
-            "shutdown step did not finish within 10 s; going on"
-        );
-    }
-    r
-}
-
-pub(crate) fn log_task_end(stats: &WorkerStats, r: Result<(), tokio::task::JoinError>) {
-    if let Err(e) = r
-        && e.is_panic()
-    {
-        WorkerStats::inc(&stats.task_panics);
-        tracing::error!(error = %e, "a job task panicked; its delivery stays unacked and will be redelivered");
-    }
-}
-
-/// Errors that stop a worker.
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    #[error("worker setup failed: {0}")]
-    Setup(String),
-    #[error("broker connection lost: {0}")]
-    Broker(String),
 }

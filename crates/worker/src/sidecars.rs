@@ -126,7 +126,11 @@ impl Sidecars {
             },
             |_| {},
         ));
-        let breakers = tokio::spawn(crate::breakers::record(ctx.clone()));
+        let breakers = tokio::spawn(crate::breakers::record(
+            ctx.breakers.clone(),
+            ctx.ledger.clone(),
+            ctx.cfg.name.clone(),
+        ));
         Self {
             stop,
             lease,
