@@ -1341,6 +1341,18 @@ mod tests {
         assert!(r.goodput > 0.95, "{r:?}");
     }
 
+    /// The most on-time completions of `a` with a fixed slot count of 1 to `max` (the
+    /// reference `--slots auto` is held to); leaves `a.slots` at the last count tried.
+    fn best_fixed(a: &mut SimArgs, max: usize) -> u64 {
+        (1..=max)
+            .map(|n| {
+                a.slots = SlotCount::Fixed(n);
+                simulate(a).unwrap().on_time
+            })
+            .max()
+            .unwrap()
+    }
+
     /// Issue #31 item 3: against a batching server (throughput flat past 6 calls at the
     /// server), `--slots auto` is within 10% of the best fixed slot count at 2× and 5×, with
     /// ≤ 5% wasted model time and no late start.
@@ -1350,13 +1362,7 @@ mod tests {
             let mut a = args("length:50,2,0.3,0.15,6", 8_000, 1);
             a.overload = overload;
             a.deadline_ms = 2_500;
-            let best = (1..=8)
-                .map(|n| {
-                    a.slots = SlotCount::Fixed(n);
-                    simulate(&a).unwrap().on_time
-                })
-                .max()
-                .unwrap();
+            let best = best_fixed(&mut a, 8);
             a.slots = SlotCount::Auto;
             let r = simulate(&a).unwrap();
             assert!(
@@ -1379,13 +1385,7 @@ mod tests {
     fn auto_slots_are_not_locked_out_by_their_predicted_slowdown() {
         let mut a = args("mixed:900,3.5,0,1", 3_000, 3);
         a.deadline_ms = 10_000;
-        let best = (1..=4)
-            .map(|n| {
-                a.slots = SlotCount::Fixed(n);
-                simulate(&a).unwrap().on_time
-            })
-            .max()
-            .unwrap();
+        let best = best_fixed(&mut a, 4);
         a.slots = SlotCount::Auto;
         let r = simulate(&a).unwrap();
         assert!(r.on_time as f64 >= 0.9 * best as f64, "{r:?} vs {best}");
