@@ -19,7 +19,7 @@ use lapin::options::{
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::time::Duration;
 use tokio::sync::{mpsc, oneshot};
 use tokio_util::sync::CancellationToken;
@@ -38,6 +38,8 @@ enum Item {
         done: oneshot::Sender<()>,
         close: bool,
     },
+    /// Open the connection now rather than at the first event.
+    Open,
 }
 
 /// Where outcome events go. Cheap to clone; [`EventSink::disabled`] drops everything
@@ -53,6 +55,8 @@ pub struct EventSink {
 pub struct SinkCounts {
     pub published: AtomicU64,
     pub dropped: AtomicU64,
+    /// Whether the sink's last attempt to get a channel found one (false before the first).
+    pub connected: AtomicBool,
 }
 
 impl EventSink {
@@ -75,6 +79,18 @@ impl EventSink {
             tx: Some(tx),
             counts,
         }
+    }
+
+    /// Open the sink's connection now instead of at the first event: for a long-running
+    /// process whose first event may come hours later (the dead-letter processor's), so
+    /// that the connection is part of its start-up footprint rather than a step in its
+    /// memory at the first outage. Never waits; a failure is only logged, and the next
+    /// event tries again.
+    pub fn open(self) -> Self {
+        if let Some(tx) = &self.tx {
+            let _ = tx.try_send(Item::Open);
+        }
+        self
     }
 
     /// A sink that publishes nothing.
@@ -142,6 +158,10 @@ impl SinkTask {
                     }
                     let _ = done.send(());
                 }
+                Item::Open => {
+                    let ch = self.conn.channel().await;
+                    self.counts.connected.store(ch.is_some(), Ordering::Relaxed);
+                }
                 Item::Event { routing_key, body } => {
                     let counter = if self.publish(&routing_key, &body).await {
                         &self.counts.published
@@ -158,7 +178,9 @@ impl SinkTask {
     /// One try, and one more on a fresh channel if the first finds it closed.
     async fn publish(&mut self, routing_key: &str, body: &[u8]) -> bool {
         for _ in 0..2 {
-            let Some(ch) = self.conn.channel().await else {
+            let ch = self.conn.channel().await;
+            self.counts.connected.store(ch.is_some(), Ordering::Relaxed);
+            let Some(ch) = ch else {
                 return false;
             };
             let props = BasicProperties::default()

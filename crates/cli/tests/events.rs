@@ -111,6 +111,48 @@ async fn each_terminal_outcome_is_published_after_its_ledger_write() {
     env.cleanup().await;
 }
 
+async fn wait_connected(sink: &lastcall_broker::EventSink, what: &str) {
+    let until = Instant::now() + Duration::from_secs(10);
+    while !sink
+        .counts()
+        .connected
+        .load(std::sync::atomic::Ordering::Relaxed)
+    {
+        assert!(Instant::now() < until, "{what} did not connect");
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+}
+
+/// `open()` connects a sink before its first event; without it, the first event does
+/// (a flush alone does not).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_opened_event_sink_connects_before_its_first_event() {
+    let env = Env::sqlite("sink-open").await;
+    let lazy = lastcall_broker::EventSink::spawn(&env.broker, &env.topo.names.events_exchange);
+    let opened =
+        lastcall_broker::EventSink::spawn(&env.broker, &env.topo.names.events_exchange).open();
+    wait_connected(&opened, "the opened sink").await;
+    lazy.flush(Duration::from_secs(5)).await;
+    let connected = |s: &lastcall_broker::EventSink| {
+        s.counts()
+            .connected
+            .load(std::sync::atomic::Ordering::Relaxed)
+    };
+    assert!(!connected(&lazy), "a sink connects only at its first event");
+    lazy.emit("test.ping".into(), b"{}".to_vec());
+    wait_connected(&lazy, "the lazy sink at its first event").await;
+    assert_eq!(
+        opened
+            .counts()
+            .published
+            .load(std::sync::atomic::Ordering::Relaxed),
+        0
+    );
+    opened.close(Duration::from_secs(5)).await;
+    lazy.close(Duration::from_secs(5)).await;
+    env.cleanup().await;
+}
+
 /// A worker that stops between the durable write and the event (the `pause-after-store`
 /// fault, then it is stopped): the outcome is in the ledger, and no event ever announced
 /// it — the event never runs ahead of the write, and losing it loses nothing.
@@ -365,6 +407,9 @@ async fn submit_wait_prints_the_outcome_and_exits_with_its_class() {
     )
     .await
     .unwrap();
+    // Its sink's connection is opened now, not at its first outcome (which may come only
+    // at the first outage, hours later: a step in a long-running process's memory).
+    wait_connected(dlq.event_sink(), "the dead-letter processor's event sink").await;
     let dlq_task = tokio::spawn({
         let stop = dlq_stop.clone();
         async move { dlq.run(stop, None).await }

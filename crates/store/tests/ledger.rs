@@ -3257,3 +3257,107 @@ async fn the_door_sees_a_kind_down_while_every_live_worker_has_its_breaker_open(
         None
     );
 }
+
+/// How many of the indexes that PostgreSQL builds after its migrations (`ONLINE_INDEXES`)
+/// exist and are valid (and not unique: the invalid one below was).
+const ONLINE_INDEX_NAMES: [&str; 4] = [
+    "jobs_reconciled",
+    "jobs_text_recorded",
+    "jobs_tenant_recorded",
+    "webhooks_open",
+];
+
+async fn valid_online_indexes(db: &TestDb) -> i64 {
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let n: i64 = sqlx::query_scalar(
+        "SELECT COUNT(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+         WHERE c.relname = ANY($1) AND i.indisvalid AND NOT i.indisunique",
+    )
+    .bind(&ONLINE_INDEX_NAMES[..])
+    .fetch_one(&mut conn)
+    .await
+    .unwrap();
+    conn.close().await.ok();
+    n
+}
+
+/// A PostgreSQL ledger written by a version-6 binary, with rows in it, is upgraded in
+/// place, and the indexes that later versions add to its existing tables are built (after
+/// the migrations' transaction, concurrently: writers are not blocked meanwhile).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_version_6_postgres_ledger_gets_its_later_indexes_built() {
+    let db = TestDb::new(Backend::Postgres).await;
+    assert_eq!(valid_online_indexes(&db).await, 4, "a new ledger has them");
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
+        .await;
+    for sql in [
+        include_str!("../migrations/postgres/0001_init.sql"),
+        include_str!("../migrations/postgres/0002_counters_on_read.sql"),
+        include_str!("../migrations/postgres/0003_reconciled_at.sql"),
+        include_str!("../migrations/postgres/0004_worker_leases.sql"),
+        include_str!("../migrations/postgres/0005_backend_model.sql"),
+        include_str!("../migrations/postgres/0006_webhooks.sql"),
+    ] {
+        db.exec(sql).await;
+    }
+    // As a version-6 binary left it: version 3's index built in its transaction.
+    db.exec(
+        "CREATE INDEX jobs_reconciled ON jobs (state, reconciled_at_ms) \
+         WHERE reconciled_at_ms IS NOT NULL; \
+         INSERT INTO schema_migrations (version, name, applied_at_ms) \
+         SELECT v, 'old', 0 FROM generate_series(1, 6) v; \
+         INSERT INTO jobs (job_id, kind, state, result, recorded_at_ms) \
+         SELECT 'old-' || i, 'chat', 'completed', 'text', i FROM generate_series(1, 20000) i",
+    )
+    .await;
+    assert_eq!(valid_online_indexes(&db).await, 1);
+    let upgraded = Ledger::connect(&db.url).await.expect("upgrade");
+    assert_eq!(valid_online_indexes(&db).await, 4);
+    assert_eq!(must_get(&upgraded, "old-7").await.state, "completed");
+    upgraded.close().await;
+    assert_eq!(
+        db.scalar("SELECT MAX(version) FROM schema_migrations")
+            .await,
+        LATEST_VERSION
+    );
+    db.ledger.close().await;
+}
+
+/// A concurrent build that is interrupted leaves an invalid index, which `IF NOT EXISTS`
+/// alone would keep for ever (it slows every write and serves no query): the next process
+/// to open the ledger drops it and builds it again.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_invalid_index_left_by_an_interrupted_build_is_built_again() {
+    let db = TestDb::new(Backend::Postgres).await;
+    // A failed `CREATE UNIQUE INDEX CONCURRENTLY` (duplicate keys) leaves its index
+    // behind, invalid, as an interrupted build does.
+    db.exec(
+        "DROP INDEX jobs_text_recorded; \
+         INSERT INTO jobs (job_id, kind, state, result, recorded_at_ms) VALUES \
+         ('a', 'chat', 'completed', 'x', 5), ('b', 'chat', 'completed', 'y', 5)",
+    )
+    .await;
+    let mut conn = sqlx::PgConnection::connect(&db.url).await.unwrap();
+    let failed = sqlx::raw_sql(
+        "CREATE UNIQUE INDEX CONCURRENTLY jobs_text_recorded ON jobs (recorded_at_ms) \
+         WHERE result IS NOT NULL",
+    )
+    .execute(&mut conn)
+    .await;
+    assert!(failed.is_err(), "the duplicate keys fail the unique build");
+    conn.close().await.ok();
+    assert_eq!(
+        db.scalar(
+            "SELECT COUNT(*) FROM pg_index i JOIN pg_class c ON c.oid = i.indexrelid \
+             WHERE c.relname = 'jobs_text_recorded' AND NOT i.indisvalid"
+        )
+        .await,
+        1,
+        "an invalid index is left behind"
+    );
+    assert_eq!(valid_online_indexes(&db).await, 3);
+    let again = Ledger::connect(&db.url).await.expect("reopen");
+    assert_eq!(valid_online_indexes(&db).await, 4);
+    again.close().await;
+    db.ledger.close().await;
+}

@@ -87,10 +87,17 @@ impl DeadLetterProcessor {
             signing_key: None,
             name: format!("dlq:{}", crate::runtime::default_worker_name()),
             stats: Arc::new(DlqStats::default()),
-            events: lastcall_broker::EventSink::spawn(&broker, &topology.names.events_exchange),
+            // Opened now: its first event may come only at the first outage (hours later).
+            events: lastcall_broker::EventSink::spawn(&broker, &topology.names.events_exchange)
+                .open(),
             broker,
             topology,
         })
+    }
+
+    /// The sink its outcome events go to (opened when the processor is built).
+    pub fn event_sink(&self) -> &lastcall_broker::EventSink {
+        &self.events
     }
 
     /// Check signatures like the workers do: a dead letter whose `x-lastcall-signature`

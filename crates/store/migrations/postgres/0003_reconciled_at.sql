@@ -11,4 +11,7 @@ UPDATE jobs SET reconciled_at_ms = recorded_at_ms WHERE state = 'unknown';
 
 -- Partial and covering: only reconciled jobs (few) are indexed, and the late-outcome count
 -- (scraped with /metrics) reads this index alone.
-CREATE INDEX jobs_reconciled ON jobs (state, reconciled_at_ms) WHERE reconciled_at_ms IS NOT NULL;
+-- jobs_reconciled ON jobs (state, reconciled_at_ms) WHERE reconciled_at_ms IS NOT NULL
+-- (PostgreSQL builds this index with CREATE INDEX CONCURRENTLY after the migration's
+-- transaction commits, so that writers are not blocked while it is built over a table that
+-- may already be large: see `ONLINE_INDEXES` in crates/store/src/migrate.rs.)

@@ -4,4 +4,7 @@
 -- text, so each pass reads the oldest of them directly instead of walking past every
 -- row already cleared. (Deleting whole rows uses `jobs_recorded_at`.)
 
-CREATE INDEX jobs_text_recorded ON jobs (recorded_at_ms) WHERE result IS NOT NULL;
+-- jobs_text_recorded ON jobs (recorded_at_ms) WHERE result IS NOT NULL
+-- (PostgreSQL builds this index with CREATE INDEX CONCURRENTLY after the migration's
+-- transaction commits, so that writers are not blocked while it is built over a table that
+-- may already be large: see `ONLINE_INDEXES` in crates/store/src/migrate.rs.)

@@ -7,4 +7,7 @@
 
 ALTER TABLE jobs ADD COLUMN tenant TEXT NOT NULL DEFAULT 'default';
 ALTER TABLE jobs ADD COLUMN priority TEXT NOT NULL DEFAULT 'standard';
-CREATE INDEX jobs_tenant_recorded ON jobs (tenant, recorded_at_ms);
+-- jobs_tenant_recorded ON jobs (tenant, recorded_at_ms)
+-- (PostgreSQL builds this index with CREATE INDEX CONCURRENTLY after the migration's
+-- transaction commits, so that writers are not blocked while it is built over a table that
+-- may already be large: see `ONLINE_INDEXES` in crates/store/src/migrate.rs.)

@@ -8,5 +8,8 @@
 ALTER TABLE webhooks ADD COLUMN claimed_at_ms BIGINT;
 
 -- The sweep reads only the webhooks still open.
-CREATE INDEX webhooks_open ON webhooks (registered_at_ms)
-    WHERE delivered_at_ms IS NULL AND given_up_at_ms IS NULL;
+-- webhooks_open ON webhooks (registered_at_ms)
+--     WHERE delivered_at_ms IS NULL AND given_up_at_ms IS NULL
+-- (PostgreSQL builds this index with CREATE INDEX CONCURRENTLY after the migration's
+-- transaction commits, so that writers are not blocked while it is built over a table that
+-- may already be large: see `ONLINE_INDEXES` in crates/store/src/migrate.rs.)
