@@ -92,6 +92,48 @@ async fn invalid_envelopes_are_rejected_to_the_dlx_once_and_never_loop() {
     env.cleanup().await;
 }
 
+/// The worker's timers run on its own clock (`Clock::sleep_until`), not on tokio's: on a
+/// manual clock moved a minute forward, the running call is cut at its deadline and the
+/// buffered job leaves at its latest useful start, both at once — the real deadlines are
+/// still a minute away, and on tokio's timers neither would end within the 15 s waited.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_workers_deadline_timers_run_on_its_clock() {
+    let env = Env::sqlite("manual-clock").await;
+    let sim = sim(0);
+    let clock = lastcall_worker::clock::ManualClock::new(now_ms());
+    let w = env
+        .start_worker(env.worker_config(1, 2), sim.clone(), clock.clone())
+        .await;
+    let s = env.submitter(0, true).await;
+    let ids = ["mc-running".to_owned(), "mc-buffered".to_owned()];
+    s.submit(
+        &job_with(&ids[0], 60_000, json!({"sim_latency_ms": 600_000})),
+        now_ms(),
+    )
+    .await
+    .unwrap();
+    s.submit(&job(&ids[1], 60_000), now_ms()).await.unwrap();
+    let until = Instant::now() + Duration::from_secs(10);
+    while sim.calls() < 1 || w.stats.received.load(Ordering::Relaxed) < 2 {
+        assert!(Instant::now() < until, "one call running, one job buffered");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        env.ledger.get(&ids[1]).await.unwrap().unwrap().state,
+        "accepted"
+    );
+    clock.advance(61_000);
+    let recs = env.wait_terminal(&ids, Duration::from_secs(15)).await;
+    assert_eq!(recs[0].state, "deadline_exceeded", "{:?}", recs[0]);
+    assert!(recs[0].cancel_requested);
+    assert_eq!(recs[0].backend_calls, 1);
+    assert_eq!(recs[1].state, "expired_not_started", "{:?}", recs[1]);
+    assert_eq!(recs[1].backend_calls, 0);
+    assert_eq!(sim.calls(), 1, "the buffered job never reached the model");
+    w.stop().await;
+    env.cleanup().await;
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_call_running_at_the_deadline_is_cancelled_as_deadline_exceeded() {
     let env = Env::sqlite("exceeded").await;

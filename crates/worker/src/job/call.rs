@@ -52,6 +52,8 @@ pub(crate) async fn call_backend(
         timeout: Duration::from_millis(budget_ms),
     };
     let t0 = Instant::now();
+    // The call's deadline, on the worker's clock (the one that admitted it).
+    let deadline = ctx.clock.sleep_until(ctx.clock.now_ms() + budget_ms as i64);
     let token = ctx.call_started(env.kind().as_str(), backend);
     let deltas = stream.map(|s| s.deltas());
     let fut = (ctx.backend).call_on(backend, req, cancel.clone(), deltas, limits);
@@ -59,7 +61,7 @@ pub(crate) async fn call_backend(
     let grace = ctx.cfg.cancel_grace;
     let mut call = tokio::select! {
         r = &mut fut => from_result(r),
-        _ = tokio::time::sleep(Duration::from_millis(budget_ms)) => {
+        _ = deadline => {
             // Still running at the deadline: request cancellation and wait briefly for
             // the backend to confirm. Work that goes on remotely is not "not started".
             let confirmed = confirm_cancel(&cancel, &mut fut, grace).await;

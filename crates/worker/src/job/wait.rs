@@ -185,12 +185,10 @@ async fn until_breaker(
     next_call_at_ms: i64,
     cancel: &CancelGuard,
 ) -> Result<Waiting, Waited> {
-    let now = ctx.clock.now_ms();
-    let until = Duration::from_millis((next_call_at_ms - now).max(0) as u64 + 1);
     let changed = ctx.breakers.changed.notified();
     WorkerStats::add(&ctx.stats.waiting, 1);
     let end = tokio::select! {
-        _ = tokio::time::sleep(until) => Ok(waiting),
+        _ = ctx.clock.sleep_until(next_call_at_ms + 1) => Ok(waiting),
         _ = changed => Ok(waiting),
         _ = ctx.shutdown.cancelled() => Err(Waited::Finish(waiting.shutdown())),
         _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
@@ -249,13 +247,11 @@ async fn until_permit(
     permit_at_ms: i64,
     cancel: &CancelGuard,
 ) -> Result<Waiting, Waited> {
-    let now = ctx.clock.now_ms();
-    let until = Duration::from_millis((permit_at_ms - now).max(0) as u64);
     let changed = ctx.limits.changed.notified();
     WorkerStats::add(&ctx.stats.waiting, 1);
     WorkerStats::add(&ctx.stats.rate_limit_waiting, 1);
     let end = tokio::select! {
-        _ = tokio::time::sleep(until) => Ok(waiting),
+        _ = ctx.clock.sleep_until(permit_at_ms) => Ok(waiting),
         _ = changed => Ok(waiting),
         _ = ctx.shutdown.cancelled() => Err(Waited::Finish(waiting.shutdown())),
         _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
@@ -289,13 +285,14 @@ async fn buffered(
         job.choose_backend(ctx, waiting.env(), now);
         let latest =
             waiting.latest_start_ms(policy, job.learned(ctx, &kind, now).map(|e| e.quantile_ms));
-        let until = Duration::from_millis((latest.unwrap_or(now) - now).max(0) as u64 + 1);
+        // On the worker's clock: a test's manual clock moved past it fires it at once.
+        let until = ctx.clock.sleep_until(latest.unwrap_or(now) + 1);
         tokio::select! {
             p = &mut acquire => break Slotted::Slot(waiting, p),
             _ = ctx.shutdown.cancelled() => break Slotted::Finish(waiting.shutdown()),
             _ = job.lost.cancelled() => break Slotted::Finish(waiting.channel_lost()),
             _ = cancel.token.cancelled() => break Slotted::Settle(waiting.cancel()),
-            _ = tokio::time::sleep(until), if latest.is_some() => {
+            _ = until, if latest.is_some() => {
                 let now = ctx.clock.now_ms();
                 job.choose_backend(ctx, waiting.env(), now);
                 let learned = job.learned(ctx, &kind, now);
