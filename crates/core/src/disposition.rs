@@ -115,6 +115,21 @@ pub enum CallResult {
     },
 }
 
+impl CallResult {
+    /// Whether this call teaches the call-time estimator, and how: `Some(false)` for a
+    /// call that completed (its duration is a sample), `Some(true)` for one cut at the
+    /// deadline (its duration is a lower bound: the call would have taken longer), `None`
+    /// for a failure or a cancellation, which say nothing about how long a useful call takes.
+    /// The adaptive concurrency limit learns from the same calls.
+    pub fn teaches_call_time(&self) -> Option<bool> {
+        match self {
+            CallResult::Completed => Some(false),
+            CallResult::DeadlineExceeded => Some(true),
+            CallResult::Cancelled | CallResult::Failed { .. } => None,
+        }
+    }
+}
+
 /// What the runtime knows about a delivery besides its body.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ReceiptFacts {
@@ -404,6 +419,19 @@ mod tests {
     use crate::ids::{JobId, Kind};
     use proptest::prelude::*;
     use serde_json::Map;
+
+    #[test]
+    fn only_useful_calls_teach_the_call_time_and_a_cut_one_as_a_bound() {
+        assert_eq!(CallResult::Completed.teaches_call_time(), Some(false));
+        assert_eq!(CallResult::DeadlineExceeded.teaches_call_time(), Some(true));
+        assert_eq!(CallResult::Cancelled.teaches_call_time(), None);
+        let failed = CallResult::Failed {
+            retryable: true,
+            reason: Reason::Backend("http_503".into()),
+            retry_after_ms: None,
+        };
+        assert_eq!(failed.teaches_call_time(), None);
+    }
 
     fn env(expires: i64) -> Envelope {
         Envelope::new(

@@ -229,6 +229,30 @@ pub struct Estimate {
     pub source: EstimateSource,
 }
 
+impl Estimate {
+    /// The ledger note of a refusal that this estimate decided (a reason for which
+    /// [`Reason::is_learned_refusal`] holds): which estimate it was, so that an operator
+    /// can see why a job with budget left was not started. `None` for any other outcome.
+    pub fn refusal_note(&self, reason: Option<&crate::Reason>) -> Option<String> {
+        reason
+            .is_some_and(crate::Reason::is_learned_refusal)
+            .then(|| {
+                format!(
+                    "learned call duration for this kind: p99 {} ms, mean {} ms over {} calls ({})",
+                    self.quantile_ms,
+                    self.mean_ms,
+                    self.samples,
+                    match self.source {
+                        EstimateSource::Key => "this kind",
+                        EstimateSource::AllKeys => "all kinds, none yet of this one",
+                        EstimateSource::LowerBound =>
+                            "too few calls yet: the longest so far, ended or running",
+                    }
+                )
+            })
+    }
+}
+
 /// The request-aware estimate of one key at one instant ([`ServiceTimes::predictor`]).
 #[derive(Debug, Clone, Copy)]
 pub struct Predictor {
@@ -1083,6 +1107,38 @@ fn nearest_rank(q: f64, n: usize) -> usize {
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn a_refusal_note_names_the_estimate_only_for_a_refusal_it_decided() {
+        use crate::admission::Stage;
+        use crate::reason::{Reason, RefusalCause};
+        let e = Estimate {
+            quantile_ms: 1_200,
+            mean_ms: 400,
+            samples: 37,
+            source: EstimateSource::Key,
+        };
+        let learned = Reason::Refused(Stage::Admission, RefusalCause::BelowLearnedRuntime);
+        let note = e.refusal_note(Some(&learned)).expect("a learned refusal");
+        assert_eq!(
+            note,
+            "learned call duration for this kind: p99 1200 ms, mean 400 ms over 37 calls (this kind)"
+        );
+        let wait = Reason::Refused(Stage::Receipt, RefusalCause::ExpectedWaitExceedsBudget);
+        assert!(e.refusal_note(Some(&wait)).is_some());
+        let cold = Estimate {
+            source: EstimateSource::LowerBound,
+            ..e
+        };
+        assert!(
+            cold.refusal_note(Some(&learned))
+                .unwrap()
+                .contains("too few calls yet")
+        );
+        let passed = Reason::Refused(Stage::Admission, RefusalCause::DeadlinePassed);
+        assert_eq!(e.refusal_note(Some(&passed)), None);
+        assert_eq!(e.refusal_note(None), None);
+    }
 
     const KEYS: [&str; 5] = [
         "summarize|a",

@@ -4,8 +4,8 @@ use super::Job;
 use super::call::Call;
 use crate::ctx::Ctx;
 use lastcall_core::delivery::{Admitted, Recording};
-use lastcall_core::service_time::{Estimate, EstimateSource};
-use lastcall_core::{Envelope, Reason, State, Tenant, Terminal};
+use lastcall_core::service_time::Estimate;
+use lastcall_core::{Envelope, State, Tenant, Terminal};
 use lastcall_store::{AttemptStart, OutcomeRecord};
 
 /// The durable `running` row written before the call (makes crash loops countable).
@@ -94,27 +94,11 @@ pub(crate) fn tenant_of(env: &Envelope) -> Tenant {
     Tenant::parse(env.tenant()).unwrap_or_else(|_| Tenant::default_tenant())
 }
 
-/// The ledger note of a refusal decided by the learned call duration: which estimate it
-/// was, so an operator can see why a job with budget left was not started.
+/// The ledger note of a refusal decided by the learned call duration
+/// ([`Estimate::refusal_note`]).
 pub(crate) fn learned_note(
     learned: Option<Estimate>,
     terminal: Option<&Terminal>,
 ) -> Option<String> {
-    let (e, t) = (learned?, terminal?);
-    (t.reason.as_ref())
-        .is_some_and(Reason::is_learned_refusal)
-        .then(|| {
-            format!(
-                "learned call duration for this kind: p99 {} ms, mean {} ms over {} calls ({})",
-                e.quantile_ms,
-                e.mean_ms,
-                e.samples,
-                match e.source {
-                    EstimateSource::Key => "this kind",
-                    EstimateSource::AllKeys => "all kinds, none yet of this one",
-                    EstimateSource::LowerBound =>
-                        "too few calls yet: the longest so far, ended or running",
-                }
-            )
-        })
+    learned?.refusal_note(terminal?.reason.as_ref())
 }

@@ -79,10 +79,7 @@ pub(crate) async fn call_and_settle(
     }
     WorkerStats::add(&ctx.stats.running, -1);
     (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
-    if matches!(
-        call.result,
-        CallResult::Completed | CallResult::DeadlineExceeded
-    ) {
+    if call.result.teaches_call_time().is_some() {
         // The adaptive limit learns from a useful call's time (a failed one says nothing
         // about it), against the learned time of its request alone, before the estimator
         // takes the call in.
@@ -116,12 +113,7 @@ pub(crate) async fn call_and_settle(
     if ended.note.is_some() {
         call.error = ended.note;
     }
-    if matches!(
-        call.result,
-        CallResult::Completed | CallResult::DeadlineExceeded
-    ) {
-        // A failed call says nothing about how long a useful one takes.
-        let cut = call.result == CallResult::DeadlineExceeded;
+    if let Some(cut) = call.result.teaches_call_time() {
         ctx.observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
     }
     if let Some(probe) = job.probe.take() {
