@@ -46,6 +46,7 @@ pub mod envelope;
 pub mod event;
 pub mod fallback;
 pub mod ids;
+pub mod lease;
 pub mod outcome;
 pub mod rate_limit;
 pub mod reason;

@@ -130,9 +130,10 @@ use tokio::time::Instant;
 /// learning window).
 pub const LEARNED_WINDOW_MS: i64 = 10 * 60 * 1_000;
 
-/// A worker whose lease (`Ledger::heartbeat`, renewed every 2 s) is older than this is
-/// dead for the door: its open breakers no longer count (the worker's own lease TTL).
-pub const WORKER_LIVE_MS: i64 = 10_000;
+/// A worker whose lease (`Ledger::heartbeat`) is older than this is dead for the door:
+/// its open breakers no longer count. The worker's own lease TTL, one rule
+/// ([`lastcall_core::lease`]).
+pub const WORKER_LIVE_MS: i64 = lastcall_core::lease::LEASE_TTL_MS;
 
 /// At most this many kinds' call times are cached (kinds come from producers: bounded).
 const MAX_CACHED_KINDS: usize = 256;
@@ -676,7 +677,7 @@ impl Shedder {
             return v.filter(|until| *until > now_ms);
         }
         let v = match ledger
-            .upstream_open_until(kind, now_ms, now_ms.saturating_sub(WORKER_LIVE_MS))
+            .upstream_open_until(kind, now_ms, lastcall_core::lease::fresh_since(now_ms))
             .await
         {
             Ok(v) => v,

@@ -1,10 +1,10 @@
 //! The holds that keep a redelivered job from running twice: its call still runs in this
 //! process (after a reconnect), or on another live worker (whose lease is fresh).
 //!
-//! Each worker renews a lease row (`workers`, one per worker) every [`LEASE_RENEW`]; a
-//! redelivery whose job has a `running` attempt under another worker with a lease under
-//! [`LEASE_TTL_MS`] old waits, without a slot, until that attempt settles. A worker whose
-//! lease expired is presumed dead.
+//! The rule is the core's ([`lastcall_core::lease`]): each worker renews a lease row
+//! (`workers`, one per worker) every `LEASE_RENEW_MS`; a redelivery whose job has a
+//! `running` attempt under another worker with a fresh lease waits, without a slot, until
+//! that attempt settles. A worker whose lease expired is presumed dead.
 
 use crate::ctx::{Ctx, InFlight};
 use lastcall_backend::CancellationToken;
@@ -12,10 +12,8 @@ use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 
-/// How often a worker renews its lease in the ledger, and how old a lease may be before
-/// the worker is presumed dead (its `running` attempts no longer hold redeliveries back).
-const LEASE_RENEW: Duration = Duration::from_secs(2);
-const LEASE_TTL_MS: i64 = 10_000;
+/// How often a worker renews its lease in the ledger.
+const LEASE_RENEW: Duration = Duration::from_millis(lastcall_core::lease::LEASE_RENEW_MS);
 
 /// Why a hold ended early.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -63,7 +61,7 @@ pub(crate) async fn hold_while_running_elsewhere(
 ) -> Result<bool, Interrupted> {
     let mut waited = false;
     loop {
-        let fresh_since = ctx.clock.now_ms() - LEASE_TTL_MS;
+        let fresh_since = lastcall_core::lease::fresh_since(ctx.clock.now_ms());
         let live = match (ctx.ledger)
             .live_attempt_elsewhere(id, &ctx.cfg.name, fresh_since)
             .await
