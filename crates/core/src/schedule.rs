@@ -435,10 +435,94 @@ impl<T, P: Policy> Schedule<T, P> {
     }
 }
 
+/// A job in a FIFO broker queue, as the door models it for [`walk_fifo`]: `None` for a
+/// message the door knows nothing about (another producer's), which counts as able to
+/// finish; else the last instant it can start ([`QueuedJob::latest_start_ms`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueuedJob {
+    /// Its deadline minus the clock margin and its call time: a worker that reaches it
+    /// later refuses it without a call.
+    pub latest_start_ms: i64,
+}
+
+/// What [`walk_fifo`] makes of a queue: the jobs a worker will reach in time (`served`),
+/// the others (`doomed`, refused without a call when reached), and the workers' time the
+/// served ones take before the next arrival is reached (`wait_ms`).
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct Walk {
+    pub served: u64,
+    pub doomed: u64,
+    pub wait_ms: f64,
+}
+
+/// Walk a FIFO queue from its head as the workers will: each job that can still start
+/// when it is reached takes `per_job_ms` of the workers' time; one that cannot is refused
+/// at once and costs no wait. `per_job_ms` 0 (no measured pace): every job that can start
+/// at `now_ms` counts. The door's shedding (`lastcall-producer`'s `shed.rs`) sheds a new
+/// job by this walk; the same rule as the worker's: a job is started only at or before its
+/// latest start.
+pub fn walk_fifo(
+    queue: impl IntoIterator<Item = Option<QueuedJob>>,
+    per_job_ms: f64,
+    now_ms: i64,
+) -> Walk {
+    let mut walk = Walk {
+        served: 0,
+        doomed: 0,
+        wait_ms: 0.0,
+    };
+    for job in queue {
+        let reachable = job.is_none_or(|j| (j.latest_start_ms - now_ms) as f64 >= walk.wait_ms);
+        if reachable {
+            walk.served += 1;
+            walk.wait_ms += per_job_ms;
+        } else {
+            walk.doomed += 1;
+        }
+    }
+    walk
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    #[test]
+    fn the_walk_serves_what_it_reaches_in_time_and_skips_the_rest() {
+        let at = |ms| {
+            Some(QueuedJob {
+                latest_start_ms: ms,
+            })
+        };
+        // 100 ms per job: starts at 0, 100, 200, …; a job due to start by 150 is reached
+        // at 200 when the two before it are served.
+        let w = walk_fifo([at(1_000), None, at(150), at(200)], 100.0, 0);
+        assert_eq!((w.served, w.doomed), (3, 1));
+        assert_eq!(w.wait_ms, 300.0);
+        // No pace: every job that can start now.
+        let w = walk_fifo([at(-1), at(0), None], 0.0, 0);
+        assert_eq!((w.served, w.doomed), (2, 1));
+    }
+
+    proptest! {
+        #[test]
+        fn the_walk_accounts_for_every_job_and_a_slower_pace_serves_no_more(
+            starts in proptest::collection::vec(proptest::option::of(-500i64..5_000), 0..60),
+            pace in 0.0f64..400.0,
+            slower in 0.0f64..400.0,
+        ) {
+            let queue: Vec<_> = starts.iter().map(|s| s.map(|ms| QueuedJob { latest_start_ms: ms })).collect();
+            let w = walk_fifo(queue.iter().copied(), pace, 0);
+            prop_assert_eq!(w.served + w.doomed, queue.len() as u64);
+            prop_assert!((w.wait_ms - w.served as f64 * pace).abs() < 1e-6);
+            let s = walk_fifo(queue.iter().copied(), pace + slower, 0);
+            prop_assert!(s.served <= w.served);
+            // Unknown messages are always served; a job is served only if reached in time.
+            let unknown = queue.iter().filter(|q| q.is_none()).count() as u64;
+            prop_assert!(w.served >= unknown);
+        }
+    }
 
     fn t(receipt: u64, deadline_ms: i64, work_ms: u64, tenant: &str, p: Priority) -> Ticket {
         Ticket {

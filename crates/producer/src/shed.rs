@@ -121,6 +121,7 @@
 use lastcall_broker::management::{Management, QueueStats};
 use lastcall_broker::publish::Publisher;
 use lastcall_core::Priority;
+use lastcall_core::schedule::{QueuedJob, walk_fifo};
 use lastcall_store::Ledger;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -410,9 +411,11 @@ struct Sent {
 }
 
 impl Sent {
-    /// Whether it can still start `wait_ms` after `now_ms`.
-    fn can_start(&self, now_ms: i64, wait_ms: f64) -> bool {
-        (self.expires_at_ms.saturating_sub(now_ms) as f64 - wait_ms) >= self.need_ms as f64
+    /// As the core's queue walk sees it.
+    fn queued(&self) -> QueuedJob {
+        QueuedJob {
+            latest_start_ms: self.expires_at_ms.saturating_sub_unsigned(self.need_ms),
+        }
     }
 }
 
@@ -495,9 +498,8 @@ impl Door {
             let head = last.sent_total as i64 - last.ready as i64;
             let sent_between = self.sent_total - last.sent_total;
             let left = (last.ready + sent_between).saturating_sub(ready);
-            let useful = (head..head + left as i64)
-                .filter(|&seq| self.get(seq).is_none_or(|s| s.can_start(now_ms, 0.0)))
-                .count() as u64;
+            let left = (head..head + left as i64).map(|seq| self.get(seq).map(Sent::queued));
+            let useful = walk_fifo(left, 0.0, now_ms).served;
             if last.ready > 0 && ready > 0 {
                 self.busy
                     .push_back((at, at.duration_since(last.at), useful));
@@ -516,22 +518,19 @@ impl Door {
         }) {
             self.sent.pop_front();
         }
-        // Walk the queue from its head as a worker will: each job that can still start
-        // when reached takes 1/rate of the workers' time; one that cannot is refused at
-        // once. Without a rate, every job that can start now counts.
+        // Walk the queue from its head as a worker will (`core::schedule::walk_fifo`):
+        // each job that can still start when reached takes 1/rate of the workers' time;
+        // one that cannot is refused at once. Without a rate, every job that can start now
+        // counts. The messages before the first it remembers are unknown: able to finish.
         let rate = self.rate_per_s();
         let per_job_ms = rate.map_or(0.0, |r| 1000.0 / r);
         let head = self.sent_total as i64 - ready as i64;
         let first = self.sent_total as i64 - self.sent.len() as i64;
-        let unknown = (first - head).clamp(0, ready as i64) as u64;
-        let mut served = unknown;
-        let mut wait_ms = unknown as f64 * per_job_ms;
-        for seq in head.max(first)..self.sent_total as i64 {
-            if self.get(seq).is_some_and(|s| s.can_start(now_ms, wait_ms)) {
-                served += 1;
-                wait_ms += per_job_ms;
-            }
-        }
+        let unknown = (first - head).clamp(0, ready as i64) as usize;
+        let queue = std::iter::repeat_n(None, unknown).chain(
+            (head.max(first)..self.sent_total as i64).map(|seq| self.get(seq).map(Sent::queued)),
+        );
+        let served = walk_fifo(queue, per_job_ms, now_ms).served;
         self.last = Some(Live {
             at,
             ready,
