@@ -39,7 +39,9 @@ llama_setup=$!
 # export, off by default) is switched on for the whole workspace run, so its test runs here
 # too. Building `-p lastcall --features otlp` separately would resolve other features for
 # shared dependencies (futures-util, reqwest) and compile the tree a second time.
-# .ci/run lints with the same feature set.
+# .ci/run lints with the same feature set. The workspace build also puts `lastcall-bench`
+# beside `lastcall` in the target directory: the tests of `lastcall bench …` (an alias that
+# runs it) need it there, which `cargo nextest run -p lastcall` alone would not build.
 if ! cargo nextest run --workspace --features lastcall/otlp --no-run; then
   wait "$llama_setup" || true
   exit 1

@@ -13,6 +13,7 @@ use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::{Broker, Publisher, QueueType};
 
+use lastcall_core::table::render;
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
@@ -256,7 +257,7 @@ pub async fn run(env: &Env, mut a: AckModesArgs) -> Result<ExitCode> {
             .collect();
         print!(
             "{}",
-            (env.table)(
+            render(
                 &[
                     "mode",
                     "consumed",
@@ -287,7 +288,7 @@ pub async fn run(env: &Env, mut a: AckModesArgs) -> Result<ExitCode> {
         .collect();
     print!(
         "{}",
-        (env.table)(
+        render(
             &[
                 "crash: mode",
                 "messages",

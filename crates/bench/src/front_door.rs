@@ -14,6 +14,7 @@ use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_backend::{Backend, CallRequest};
 use lastcall_broker::{Broker, Publisher};
 
+use lastcall_core::table::render;
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits};
 use lastcall_http::{AppState, Token};
 use lastcall_producer::Submitter;
@@ -221,10 +222,7 @@ pub async fn run(env: &Env, mut a: FrontDoorArgs) -> Result<ExitCode> {
                 String::new(),
             ],
         ];
-        print!(
-            "{}",
-            (env.table)(&["ms", "p50", "p90", "p99", "max"], &rows)
-        );
+        print!("{}", render(&["ms", "p50", "p90", "p99", "max"], &rows));
     }
     Ok(ExitCode::SUCCESS)
 }

@@ -19,6 +19,7 @@ use lastcall_broker::management::Management;
 use lastcall_broker::{Broker, Publisher};
 
 use lastcall_core::concurrency::{LimitConfig, SlotCount};
+use lastcall_core::table::render;
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
 use lastcall_producer::shed::Shedder;
 use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitter};
@@ -239,7 +240,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     // time (with every slot busy) or the server's ceiling sets the capacity and so the
     // arrival rates.
     let model = if a.service.is_model() {
-        Some(smollm2(env, &a, nominal).await?)
+        Some(smollm2(&a, nominal).await?)
     } else {
         None
     };
@@ -474,7 +475,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
     }
     println!();
     let rows: Vec<Vec<String>> = runs.iter().map(Run::table_row).collect();
-    print!("{}", (env.table)(&COLUMNS, &rows));
+    print!("{}", render(&COLUMNS, &rows));
     println!();
     for r in &runs {
         println!("{}", r.summary());
@@ -501,7 +502,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             .collect();
         print!(
             "{}",
-            (env.table)(
+            render(
                 &["tenant", "offered", "shed", "on_time", "of_its_offered"],
                 &rows
             )
@@ -1162,7 +1163,7 @@ struct Model {
 /// Load SmolLM2 with one instance per slot and measure its mean call time: every slot
 /// runs one warm-up call, then four measured calls with drawn jobs. With `--openai-url`,
 /// reach the server that serves it and measure its ceiling ([`ceiling`]).
-async fn smollm2(env: &Env, a: &GoodputArgs, slots: usize) -> Result<Model> {
+async fn smollm2(a: &GoodputArgs, slots: usize) -> Result<Model> {
     if let Some(url) = &a.openai_url {
         let backend: Arc<dyn Backend> = Arc::new(
             lastcall_openai::OpenAiBackend::new(lastcall_openai::OpenAiConfig::new(
@@ -1196,7 +1197,7 @@ async fn smollm2(env: &Env, a: &GoodputArgs, slots: usize) -> Result<Model> {
             ceiling: Some(c),
         });
     }
-    let backend = (env.local_model)(a.model_path.as_deref(), slots)?;
+    let backend = crate::local_model(a.model_path.as_deref(), slots)?;
     let service = a.service;
     let lanes = (0..slots).map(|lane| {
         let b = backend.clone();

@@ -18,6 +18,7 @@ use crate::{Percentiles, f1};
 use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_clock::Clock;
+use lastcall_core::table::render;
 use lastcall_core::{Decision, State};
 use lastcall_store::{AttemptStart, Ledger, LedgerWrite, OutcomeRecord};
 use serde::Serialize;
@@ -146,7 +147,7 @@ pub async fn run(env: &Env, mut a: LedgerArgs) -> Result<ExitCode> {
         .collect();
     print!(
         "{}",
-        (env.table)(
+        render(
             &[
                 "backend", "what", "writers", "ok", "errors", "per_s", "p50_ms", "p99_ms"
             ],
@@ -576,7 +577,7 @@ async fn prune_or_copy(
             .collect();
         print!(
             "{}",
-            (env.table)(
+            render(
                 &[
                     "backend", "phase", "secs", "writes", "per_s", "p50_ms", "p99_ms", "pruned"
                 ],
@@ -613,7 +614,7 @@ async fn prune_or_copy(
     Ok(ExitCode::SUCCESS)
 }
 
-/// `lastcall ledger copy --from FROM --to TO`, SIGKILLed after `kill_after_s` (if it is
+/// `lastcall ledger copy --from FROM --to TO` (the `lastcall` beside this binary), SIGKILLed after `kill_after_s` (if it is
 /// still running), then run again to the end. Fails unless the second run succeeds (its
 /// own check compares every table's count and checksum).
 async fn copy_killed_then_resumed(
@@ -622,7 +623,16 @@ async fn copy_killed_then_resumed(
     kill_after_s: u64,
     n: u64,
 ) -> Result<serde_json::Value> {
-    let exe = std::env::current_exe()?;
+    // `ledger copy` is a `lastcall` command: the `lastcall` built beside this binary.
+    let exe = std::env::current_exe()?
+        .with_file_name(format!("lastcall{}", std::env::consts::EXE_SUFFIX));
+    if !exe.is_file() {
+        bail!(
+            "--copy-to runs `lastcall ledger copy`, and there is no lastcall next to this \
+             lastcall-bench ({}): build it in the same profile, `cargo build -p lastcall`",
+            exe.display()
+        );
+    }
     let cmd = || {
         let mut c = tokio::process::Command::new(&exe);
         c.args([

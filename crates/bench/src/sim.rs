@@ -27,6 +27,7 @@ use lastcall_core::concurrency::{AdaptiveLimit, LimitConfig, Running, Sample, Sl
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
 use lastcall_core::service_time::{Estimate, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes};
+use lastcall_core::table::render;
 use lastcall_core::{
     Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, Tenant, WorkerPolicy,
     disposition::{Receipt, Slot},
@@ -1057,9 +1058,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
 }
 
 /// `lastcall bench sim`: run, print the table (or JSON).
-pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<ExitCode> {
+pub fn run(a: SimArgs) -> Result<ExitCode> {
     if let Some(n) = a.sweep {
-        return sweep(table, a, n);
+        return sweep(a, n);
     }
     let r = simulate(&a)?;
     if a.json {
@@ -1108,7 +1109,7 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
     if let (Some(mean), Some((lo, hi))) = (r.mean_limit, r.limit_range) {
         println!("adaptive limit: {mean:.1} on average at a call's start, {lo}–{hi}");
     }
-    print!("{}", table(&head, &[row]));
+    print!("{}", render(&head, &[row]));
     if r.tenants.len() > 1 {
         let rows: Vec<Vec<String>> = r
             .tenants
@@ -1124,7 +1125,7 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
             .collect();
         print!(
             "{}",
-            table(&["tenant", "arrivals", "on_time", "of_its_arrivals"], &rows)
+            render(&["tenant", "arrivals", "on_time", "of_its_arrivals"], &rows)
         );
         if let Some(j) = r.jain {
             println!("Jain's fairness index (on time ÷ max-min fair share): {j:.3}");
@@ -1134,7 +1135,7 @@ pub fn run(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs) -> Result<E
 }
 
 /// `--sweep N`: fixed 1..=N and auto on the same arrivals.
-fn sweep(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs, n: usize) -> Result<ExitCode> {
+fn sweep(a: SimArgs, n: usize) -> Result<ExitCode> {
     let pct = |x: f64| format!("{:.1}%", 100.0 * x);
     let mut runs = Vec::new();
     for slots in (1..=n.max(1))
@@ -1182,7 +1183,7 @@ fn sweep(table: fn(&[&str], &[Vec<String>]) -> String, a: SimArgs, n: usize) -> 
     );
     print!(
         "{}",
-        table(
+        render(
             &[
                 "slots",
                 "on_time",

@@ -32,6 +32,15 @@ pub use topology::{Names, QueueType, Topology, TopologyError};
 
 use lapin::{Connection, ConnectionProperties};
 
+/// The broker of every command that names none (`--amqp-url`, LASTCALL_AMQP_URL,
+/// `amqp_url` in lastcall.toml): a local RabbitMQ with its default user. One definition for
+/// `lastcall` and `lastcall-bench`.
+pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+
+/// The prefix of every exchange and queue name when none is named (`--prefix`,
+/// LASTCALL_PREFIX, `prefix` in lastcall.toml).
+pub const DEFAULT_PREFIX: &str = "lastcall";
+
 /// How long a polite goodbye (`basic.cancel`, `channel.close`, `connection.close`) may wait
 /// for the broker's reply. lapin can miss that reply when a cancel and a close cross (seen:
 /// `lastcall dlq --idle-exit-ms` hanging at exit on a loaded machine, after "invalid channel

@@ -100,7 +100,7 @@ pub enum Command {
     /// Declares its own queues (`lastcall-demo.*`, purged first), keeps its outcomes in a
     /// fresh ledger of its own (`./lastcall-demo.db`, or --demo-store-url; never the one of
     /// --store-url), and runs a worker and the dead-letter processor in this process.
-    Demo(lastcall_bench::demo::DemoArgs),
+    Demo(DemoArgs),
     /// Run the dead-letter processor: record an outcome for every dead letter, then ack
     ///
     /// Consumes `{prefix}.dead` with manual acks and records one outcome per dead letter,
@@ -146,13 +146,14 @@ pub enum Command {
     Serve(ServeArgs),
     /// Benchmarks on the real broker and ledgers: goodput under overload, ack modes, ledger writes
     ///
-    /// `bench goodput` (the headline: useful work at 5× overload for lastcall's deadline
-    /// policy vs naive vs receipt-only), `bench ack-modes` (auto-ack vs manual ack and
-    /// prefetch, a consumer crash, the worker pipeline as a share of a bare consumer),
-    /// `bench ledger` (outcome writes per second). Each prints a table, `--json` prints JSON,
-    /// `--smoke` runs a few seconds. Build with `--release` for numbers worth quoting.
-    #[command(subcommand)]
-    Bench(lastcall_bench::BenchCommand),
+    /// Runs `lastcall-bench`, the benchmark binary built beside `lastcall`
+    /// (`cargo build -p lastcall-bench`; `scripts/install.sh` installs both), with this
+    /// command's broker URL, prefix and config file, and ends with its exit code. Everything after `bench`
+    /// goes to it, `--help` too: `lastcall bench --help` lists its commands, `bench goodput`
+    /// (useful work under overload), `bench ack-modes`, `bench ledger`, `bench front-door`
+    /// and `bench sim`.
+    #[command(disable_help_flag = true)]
+    Bench(BenchArgs),
     /// Look at the configuration: `config show [worker|serve|dlq|submit|ledger]`
     #[command(subcommand)]
     Config(ConfigCommand),
@@ -602,6 +603,76 @@ pub struct SubmitArgs {
     pub topology: TopologyArgs,
 }
 
+/// `lastcall demo` options.
+#[derive(Debug, Args)]
+pub struct DemoArgs {
+    /// Model backend: `local` runs the embedded SmolLM2 model (real inference, needs
+    /// `scripts/setup-model.sh`), `sim` a simulated model with a fixed latency
+    // The binary makes `sim` the default when it is built without the embedded model.
+    #[arg(long, value_enum, default_value_t = DemoBackend::Local)]
+    pub backend: DemoBackend,
+    /// Jobs to submit [default: 10 local, 30 sim]
+    #[arg(long)]
+    pub jobs: Option<usize>,
+    /// Each job's deadline, in ms from its submission [default: 10000 local, 2000 sim]
+    #[arg(long)]
+    pub deadline_ms: Option<u64>,
+    /// The first jobs are urgent pages (kind `incident.page`) sent while the worker is still
+    /// starting: they get this deadline, and expire at the broker before any worker
+    /// receives them
+    #[arg(long, default_value_t = 1_500)]
+    pub early_deadline_ms: u64,
+    /// How many of the jobs are such early, urgent pages
+    #[arg(long, default_value_t = 3)]
+    pub early_jobs: usize,
+    /// Model slots of the demo worker [default: 1 local, 2 sim]
+    #[arg(long)]
+    pub slots: Option<usize>,
+    /// Sim latency per call, in ms
+    #[arg(long, default_value_t = 600)]
+    pub sim_latency_ms: u64,
+    /// Local model: tokens to generate per job
+    #[arg(long, default_value_t = 24)]
+    pub max_tokens: u64,
+    /// Submission rate, in jobs per second [default: 1 local, 8 sim; over twice the capacity]
+    #[arg(long)]
+    pub rate: Option<f64>,
+    /// Minimum useful runtime per job, in ms: no call starts with less budget left
+    /// [default: 3000 local, the sim latency for sim]
+    #[arg(long)]
+    pub min_runtime_ms: Option<u64>,
+    /// Start the worker this long after the first submission, in ms, as after a restart
+    #[arg(long, default_value_t = 2_500)]
+    pub worker_delay_ms: u64,
+    /// Local backend: the GGUF file [default: the one `scripts/setup-model.sh` installed]
+    #[arg(long, env = "LASTCALL_MODEL_PATH")]
+    pub model_path: Option<PathBuf>,
+    /// Keep the demo's ledger here instead of a fresh file
+    #[arg(long)]
+    pub demo_store_url: Option<String>,
+}
+
+/// The demo's model backend.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum DemoBackend {
+    /// The embedded SmolLM2-135M model (real inference on the CPU)
+    Local,
+    /// A simulated model with a fixed latency
+    Sim,
+}
+
+/// `lastcall bench …`: what goes to `lastcall-bench`.
+#[derive(Debug, Args)]
+pub struct BenchArgs {
+    /// A `lastcall-bench` command and its options, e.g. `goodput --smoke`, or `--help`
+    #[arg(
+        trailing_var_arg = true,
+        allow_hyphen_values = true,
+        value_name = "COMMAND AND OPTIONS"
+    )]
+    pub args: Vec<std::ffi::OsString>,
+}
+
 #[derive(Debug, Args)]
 pub struct CancelArgs {
     /// The job's id
@@ -620,9 +691,24 @@ pub enum BackendKind {
     Routed,
 }
 
-/// Which job waiting in the local buffer gets the next free model slot (`worker
-/// --buffer-order`; the bench crate defines it for `bench goodput --order` too).
-pub use lastcall_bench::BufferOrderArg;
+/// Which job waiting in the local buffer gets the next free model slot (the values of
+/// `worker --buffer-order`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum BufferOrderArg {
+    /// Earliest deadline first (ties: received first)
+    Edf,
+    /// Received first
+    Fifo,
+}
+
+impl From<BufferOrderArg> for lastcall_worker::BufferOrder {
+    fn from(a: BufferOrderArg) -> Self {
+        match a {
+            BufferOrderArg::Edf => Self::Edf,
+            BufferOrderArg::Fifo => Self::Fifo,
+        }
+    }
+}
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
 pub enum ExpiredActionArg {

@@ -19,9 +19,9 @@ use serde::Deserialize;
 use std::ffi::OsString;
 use std::path::{Path, PathBuf};
 
-pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
+pub const DEFAULT_AMQP_URL: &str = lastcall_broker::DEFAULT_AMQP_URL;
 pub const DEFAULT_STORE_URL: &str = "sqlite://lastcall.db";
-pub const DEFAULT_PREFIX: &str = "lastcall";
+pub const DEFAULT_PREFIX: &str = lastcall_broker::DEFAULT_PREFIX;
 
 /// The commands whose flags `lastcall.toml` may set, one section each.
 pub const SECTIONS: [&str; 5] = ["worker", "serve", "dlq", "submit", "ledger"];

@@ -7,7 +7,9 @@
 mod cli;
 mod cmd;
 mod config;
-mod table;
+
+/// The plain-text tables every command prints (shared with `lastcall-bench`).
+use lastcall_core::table;
 
 use clap::{CommandFactory, FromArgMatches};
 
@@ -39,6 +41,23 @@ fn main() -> std::process::ExitCode {
     let args = match cli::Cli::from_arg_matches(&matches) {
         Ok(args) => args,
         Err(e) => e.format(&mut command).exit(),
+    };
+    // `lastcall bench …` becomes `lastcall-bench …`, which sets up its own logging and
+    // runtime: nothing of this process's is started for it.
+    let args = match args {
+        cli::Cli {
+            global,
+            command: cli::Command::Bench(bench),
+        } => {
+            return match cmd::bench::run(&global, bench) {
+                Ok(code) => code,
+                Err(e) => {
+                    eprintln!("error: {}", error_text(&e));
+                    std::process::ExitCode::FAILURE
+                }
+            };
+        }
+        args => args,
     };
     // `topology delete` asks the broker which queues exist with passive declares; lapin
     // logs the broker's NOT_FOUND answer for each missing one as an error.

@@ -470,3 +470,109 @@ async fn goodput_smoke_mixed_lengths_against_a_real_llama_server() {
     assert!(u(r, "model_calls") > 0, "{r}");
     env.cleanup().await;
 }
+
+/// `lastcall bench` is a thin alias of the `lastcall-bench` binary beside `lastcall`: it
+/// forwards everything after `bench` (`--help` too) and ends with the child's exit code,
+/// and the broker URL it resolved (here from `--config`'s file, then from a flag before
+/// `bench`) is the one the child uses, its password masked.
+#[test]
+fn the_bench_alias_forwards_help_settings_and_a_failing_exit_code() {
+    let lastcall = || {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"));
+        for var in ["LASTCALL_AMQP_URL", "LASTCALL_PREFIX", "LASTCALL_CONFIG"] {
+            c.env_remove(var);
+        }
+        c.env("NO_COLOR", "1");
+        c
+    };
+    let text = |b: &[u8]| String::from_utf8_lossy(b).into_owned();
+    let out = lastcall()
+        .args(["bench", "--help"])
+        .output_bounded()
+        .unwrap();
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let help = text(&out.stdout);
+    assert!(
+        help.contains("Usage: lastcall bench") && help.contains("goodput") && help.contains("sim"),
+        "{help}"
+    );
+    // A usage error of the child: clap's exit code 2, not the alias's own 1.
+    let out = lastcall()
+        .args(["bench", "goodput", "--no-such-flag"])
+        .output_bounded()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{}", text(&out.stderr));
+    assert!(
+        text(&out.stderr).contains("--no-such-flag"),
+        "{}",
+        text(&out.stderr)
+    );
+    // A run that fails: exit code 1, against the broker the alias resolved.
+    let dir = std::env::temp_dir().join(common::unique("bench-alias"));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("other.toml");
+    std::fs::write(
+        &config,
+        "amqp_url = \"amqp://guest:pw-file@127.0.0.1:1/%2f\"\n",
+    )
+    .unwrap();
+    let refused_at = |args: &[&str], port: u16| {
+        let out = lastcall().args(args).output_bounded().unwrap();
+        let err = text(&out.stderr);
+        assert_eq!(out.status.code(), Some(1), "{args:?}: {err}");
+        assert!(
+            err.contains(&format!("guest:***@127.0.0.1:{port}/")),
+            "{args:?}: {err}"
+        );
+        assert!(!err.contains("pw-"), "{args:?}: the password shows: {err}");
+    };
+    let config = config.to_str().unwrap();
+    refused_at(
+        &[
+            "--config",
+            config,
+            "bench",
+            "ack-modes",
+            "--smoke",
+            "--json",
+        ],
+        1,
+    );
+    refused_at(
+        &[
+            "--config",
+            config,
+            "--amqp-url",
+            "amqp://guest:pw-flag@127.0.0.1:2/%2f",
+            "bench",
+            "ack-modes",
+            "--smoke",
+            "--json",
+        ],
+        2,
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// Without `lastcall-bench` next to it, `lastcall bench` says how to get it.
+#[test]
+fn the_bench_alias_without_lastcall_bench_says_how_to_build_it() {
+    let dir = std::env::temp_dir().join(common::unique("bench-alone"));
+    std::fs::create_dir_all(&dir).unwrap();
+    // A link, not a symlink: the executable's path is then this directory's.
+    let alone = dir.join("lastcall");
+    if std::fs::hard_link(env!("CARGO_BIN_EXE_lastcall"), &alone).is_err() {
+        std::fs::copy(env!("CARGO_BIN_EXE_lastcall"), &alone).unwrap();
+    }
+    let out = std::process::Command::new(&alone)
+        .args(["bench", "goodput", "--smoke"])
+        .output_bounded()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("lastcall-bench") && err.contains("cargo build -p lastcall-bench"),
+        "{err}"
+    );
+    let _ = std::fs::remove_dir_all(&dir);
+}

@@ -31,6 +31,8 @@
 //! - [`event`]: the outcome event published to `{prefix}.events` after a durable outcome.
 //! - [`delta`]: token deltas of a streaming call, sent to the job's `reply_to`.
 //! - [`tenant`]: the envelope's optional `tenant` and `priority` tier.
+//! - [`table`]: plain-text tables for terminal output (every table `lastcall` and
+//!   `lastcall-bench` print), pure string formatting.
 
 pub mod ack_plan;
 pub mod ack_window;
@@ -56,6 +58,7 @@ pub mod retry;
 pub mod schedule;
 pub mod service_time;
 pub mod signature;
+pub mod table;
 pub mod tenant;
 pub mod wait;
 

@@ -1,7 +1,9 @@
 //! One module per subcommand.
 
+pub(crate) mod bench;
 mod cancel;
 mod config;
+mod demo;
 mod dlq;
 mod jobs;
 mod ledger;
@@ -70,29 +72,17 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
             Ok(ExitCode::SUCCESS)
         }
         Command::Topology(TopologyCommand::Delete(d)) => topology::delete(&settings, d).await,
-        Command::Demo(a) => lastcall_bench::demo::run(&bench_env(&settings), a).await,
+        Command::Demo(a) => demo::run(&settings, a).await,
         Command::Dlq(a) => dlq::run(&settings, a).await,
         Command::Reconcile(a) => reconcile::run(&settings, a, &clock).await,
         Command::Cancel(a) => cancel::run(&settings, a, &clock).await,
         Command::Report(a) => report::run(&settings, a, &clock).await,
         Command::Serve(a) => serve::run(&settings, a).await,
-        Command::Bench(c) => lastcall_bench::run(&bench_env(&settings), c).await,
+        // main.rs runs it before logging and the runtime start; the same call here.
+        Command::Bench(a) => bench::run(&cli.global, a),
         Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),
         Command::Ledger(c) => ledger::run(&settings, c, &clock).await,
         Command::Tokens(c) => tokens::run(c),
-    }
-}
-
-/// What `lastcall bench` and `lastcall demo` get from the binary: the settings, the wall
-/// clock, the embedded model's loader and the tables every command prints.
-fn bench_env(s: &Settings) -> lastcall_bench::Env {
-    lastcall_bench::Env {
-        amqp_url: s.amqp_url.clone(),
-        prefix: s.prefix.clone(),
-        clock: Arc::new(lastcall_worker::SystemClock::default()),
-        local_model: worker::local,
-        table: crate::table::render,
-        outcome_table: jobs::render,
     }
 }
 

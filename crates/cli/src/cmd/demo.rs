@@ -5,82 +5,24 @@
 //! refused at the last admission check (`expired_not_started`, zero model calls) and which
 //! expired at the broker before any worker received them (`expired_before_receive`).
 
-use crate::Env;
+use crate::cli::{DemoArgs, DemoBackend};
+use crate::config::Settings;
 use anyhow::{Context, Result, bail};
-use clap::{Args, ValueEnum};
 use indicatif::{ProgressBar, ProgressStyle};
 use lastcall_backend::Backend;
 use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::{Broker, Publisher};
+use lastcall_clock::Clock;
 use lastcall_core::State;
 use lastcall_producer::{DeadlineSpec, NewJob, Submitter};
 use lastcall_store::ListFilter;
 use lastcall_worker::{Worker, WorkerConfig, WorkerStats};
 use serde_json::json;
-use std::path::PathBuf;
 use std::process::ExitCode;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
-
-/// `lastcall demo` options.
-#[derive(Debug, Args)]
-pub struct DemoArgs {
-    /// Model backend: `local` runs the embedded SmolLM2 model (real inference, needs
-    /// `scripts/setup-model.sh`), `sim` a simulated model with a fixed latency
-    // The binary makes `sim` the default when it is built without the embedded model.
-    #[arg(long, value_enum, default_value_t = DemoBackend::Local)]
-    pub backend: DemoBackend,
-    /// Jobs to submit [default: 10 local, 30 sim]
-    #[arg(long)]
-    pub jobs: Option<usize>,
-    /// Each job's deadline, in ms from its submission [default: 10000 local, 2000 sim]
-    #[arg(long)]
-    pub deadline_ms: Option<u64>,
-    /// The first jobs are urgent pages (kind `incident.page`) sent while the worker is still
-    /// starting: they get this deadline, and expire at the broker before any worker
-    /// receives them
-    #[arg(long, default_value_t = 1_500)]
-    pub early_deadline_ms: u64,
-    /// How many of the jobs are such early, urgent pages
-    #[arg(long, default_value_t = 3)]
-    pub early_jobs: usize,
-    /// Model slots of the demo worker [default: 1 local, 2 sim]
-    #[arg(long)]
-    pub slots: Option<usize>,
-    /// Sim latency per call, in ms
-    #[arg(long, default_value_t = 600)]
-    pub sim_latency_ms: u64,
-    /// Local model: tokens to generate per job
-    #[arg(long, default_value_t = 24)]
-    pub max_tokens: u64,
-    /// Submission rate, in jobs per second [default: 1 local, 8 sim; over twice the capacity]
-    #[arg(long)]
-    pub rate: Option<f64>,
-    /// Minimum useful runtime per job, in ms: no call starts with less budget left
-    /// [default: 3000 local, the sim latency for sim]
-    #[arg(long)]
-    pub min_runtime_ms: Option<u64>,
-    /// Start the worker this long after the first submission, in ms, as after a restart
-    #[arg(long, default_value_t = 2_500)]
-    pub worker_delay_ms: u64,
-    /// Local backend: the GGUF file [default: the one `scripts/setup-model.sh` installed]
-    #[arg(long, env = "LASTCALL_MODEL_PATH")]
-    pub model_path: Option<PathBuf>,
-    /// Keep the demo's ledger here instead of a fresh file
-    #[arg(long)]
-    pub demo_store_url: Option<String>,
-}
-
-/// The demo's model backend.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
-pub enum DemoBackend {
-    /// The embedded SmolLM2-135M model (real inference on the CPU)
-    Local,
-    /// A simulated model with a fixed latency
-    Sim,
-}
 
 /// The kind of the summaries, and of the urgent pages sent first (their own kind, so the
 /// table shows them as such).
@@ -122,11 +64,12 @@ fn plan(a: &DemoArgs) -> Result<Plan> {
     Ok(p)
 }
 
-/// Run `lastcall demo`.
-pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
+/// Run `lastcall demo` with the broker and prefix of `s` (not its ledger: the demo keeps
+/// its own).
+pub async fn run(s: &Settings, a: DemoArgs) -> Result<ExitCode> {
     let p = plan(&a)?;
-    let broker = ensure_broker(&env.amqp_url).await?;
-    let prefix = format!("{}-demo", env.prefix);
+    let broker = ensure_broker(&s.amqp_url).await?;
+    let prefix = format!("{}-demo", s.prefix);
     let store_url = match &a.demo_store_url {
         Some(u) => u.clone(),
         None => {
@@ -140,7 +83,7 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
             "sqlite://lastcall-demo.db".to_owned()
         }
     };
-    let ledger = crate::open_ledger(&store_url).await?;
+    let ledger = super::open_ledger(&store_url).await?;
     let mut cfg = WorkerConfig::new(&prefix, p.slots);
     cfg.name = "demo-worker".into();
     cfg.shutdown_grace = Duration::from_secs(2);
@@ -151,7 +94,7 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
     ] {
         broker.purge(q).await?;
     }
-    let clock = env.clock.clone();
+    let clock: Arc<dyn Clock> = Arc::new(lastcall_worker::SystemClock::default());
     let sim = Arc::new(SimBackend::new(SimConfig {
         latency_ms: a.sim_latency_ms,
         ..SimConfig::default()
@@ -164,7 +107,7 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
         DemoBackend::Local => {
             eprintln!("loading the local model …");
             (
-                (env.local_model)(a.model_path.as_deref(), p.slots)?,
+                super::worker::local(a.model_path.as_deref(), p.slots)?,
                 "SmolLM2-135M-Instruct (local, CPU)".to_owned(),
             )
         }
@@ -188,7 +131,7 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
     );
     println!(
         "broker {} · ledger {} · queues {}.*",
-        lastcall_broker::redact(&env.amqp_url),
+        lastcall_broker::redact(&s.amqp_url),
         lastcall_broker::redact(&store_url),
         prefix
     );
@@ -208,7 +151,7 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
         tokio::time::sleep(delay).await;
         worker.run(stop2).await
     });
-    let dlq_task = crate::spawn_dead_letters(
+    let dlq_task = spawn_dead_letters(
         broker.clone(),
         ledger.clone(),
         topo.clone(),
@@ -306,7 +249,7 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
         .await?;
     recs.sort_by(|a, b| a.job_id.cmp(&b.job_id));
     println!();
-    print!("{}", (env.outcome_table)(&recs));
+    print!("{}", super::jobs::render(&recs));
     println!();
     let mut counts: Vec<(String, usize)> = Vec::new();
     for st in State::ALL {
@@ -369,6 +312,25 @@ pub async fn run(env: &Env, a: DemoArgs) -> Result<ExitCode> {
         bail!("invariant violated: {expired_calls} model call(s) were made for expired jobs");
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// Start a dead-letter processor on `topo` (as `lastcall dlq` runs it: broker expiries are
+/// recorded `expired_before_receive`) until `stop` fires.
+async fn spawn_dead_letters(
+    broker: Broker,
+    ledger: Arc<lastcall_store::Ledger>,
+    topo: lastcall_broker::Topology,
+    clock: Arc<dyn Clock>,
+    stop: CancellationToken,
+) -> Result<tokio::task::JoinHandle<()>> {
+    let dlq = lastcall_worker::dlq::DeadLetterProcessor::build(broker, ledger, topo, clock, false)
+        .await
+        .map_err(anyhow::Error::msg)?;
+    Ok(tokio::spawn(async move {
+        if let Err(e) = dlq.run(stop, None).await {
+            eprintln!("demo: the dead-letter processor stopped: {e}");
+        }
+    }))
 }
 
 /// One sentence on what the run showed, from the (kind, state) of every job.

@@ -1,4 +1,5 @@
-//! Plain-text tables for terminal output.
+//! Plain-text tables for terminal output: the one look of every table the `lastcall` and
+//! `lastcall-bench` binaries print (columns padded to their widest cell, a dashed rule).
 
 /// Render rows under a header, columns padded to their widest cell.
 pub fn render(header: &[&str], rows: &[Vec<String>]) -> String {
