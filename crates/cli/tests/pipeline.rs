@@ -112,10 +112,16 @@ async fn the_workers_deadline_timers_run_on_its_clock() {
     )
     .await
     .unwrap();
-    s.submit(&job(&ids[1], 60_000), now_ms()).await.unwrap();
+    // The second job only once the first holds the slot (submitted together, they race
+    // for it).
     let until = Instant::now() + Duration::from_secs(10);
-    while sim.calls() < 1 || w.stats.received.load(Ordering::Relaxed) < 2 {
-        assert!(Instant::now() < until, "one call running, one job buffered");
+    while sim.calls_for(&ids[0]) < 1 {
+        assert!(Instant::now() < until, "the first job's call started");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    s.submit(&job(&ids[1], 60_000), now_ms()).await.unwrap();
+    while w.stats.received.load(Ordering::Relaxed) < 2 {
+        assert!(Instant::now() < until, "the second job is buffered");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
     assert_eq!(

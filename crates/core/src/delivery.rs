@@ -26,10 +26,10 @@
 //!
 //! The rules for the outside events:
 //! - **shutdown**: a job that never started goes back to the broker unrecorded
-//!   ([`Finish::HandBack`]); a durable write cut short by the shutdown sends nothing
-//!   ([`Finish::Drop`]: the delivery stays unacked and the closing channel returns it);
+//!   ([`FinishKind::HandBack`]); a durable write cut short by the shutdown sends nothing
+//!   ([`FinishKind::Drop`]: the delivery stays unacked and the closing channel returns it);
 //!   a running call is not interrupted here (the driver's grace period bounds it).
-//! - **channel lost**: a job that never started is dropped locally ([`Finish::Drop`], the
+//! - **channel lost**: a job that never started is dropped locally ([`FinishKind::Drop`], the
 //!   broker redelivers it); a started one goes on, records its outcome, and its ack or
 //!   reject is dropped (a delivery tag of a dead channel means nothing on a new one).
 //! - **cancel**: a waiting job is recorded `cancelled` without a call; after the start
@@ -67,9 +67,27 @@ pub struct Facts {
     pub consumer_timeout_ms: Option<u64>,
 }
 
-/// The last step of a delivery with the broker.
+/// The last step of a delivery with the broker. Only the core's transitions make one
+/// (its field is private): a driver reads its [`kind`](Finish::kind) and cannot send a step
+/// that the state machine did not choose.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Finish {
+pub struct Finish(FinishKind);
+
+impl Finish {
+    pub(crate) const ACK: Finish = Finish(FinishKind::Ack);
+    pub(crate) const DEAD_LETTER: Finish = Finish(FinishKind::DeadLetter);
+    pub(crate) const HAND_BACK: Finish = Finish(FinishKind::HandBack);
+    pub(crate) const DROP: Finish = Finish(FinishKind::Drop);
+
+    /// Which step it is.
+    pub fn kind(self) -> FinishKind {
+        self.0
+    }
+}
+
+/// The steps a [`Finish`] can be.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FinishKind {
     /// Ack it (coalesced with others: its outcome is durable, or it is a duplicate).
     Ack,
     /// Reject it without requeue, to the dead-letter exchange (outcome durable).
@@ -155,12 +173,12 @@ impl Received {
 
     /// Shutdown while the job is looked up or held: it never started, hand it back.
     pub fn shutdown(self) -> Finish {
-        Finish::HandBack
+        Finish::HAND_BACK
     }
 
     /// The channel is gone while the job is looked up or held: drop it locally.
     pub fn channel_lost(self) -> Finish {
-        Finish::Drop
+        Finish::DROP
     }
 }
 
@@ -188,8 +206,8 @@ pub enum Admission {
     /// The clock may not be trusted: release the slot and wait for sync.
     ClockWait(ClockWait),
     /// The broker's ack window closed while the job waited: hand it back unrecorded,
-    /// its redelivery gets a fresh window.
-    HandBack,
+    /// its redelivery gets a fresh window (the `Finish` is a hand-back).
+    HandBack(Finish),
 }
 
 /// After the latest-start timer of a waiting job fired.
@@ -262,7 +280,7 @@ impl Waiting {
             min,
         );
         if window == CallTimeout::AckWindowClosed {
-            return Admission::HandBack;
+            return Admission::HandBack(Finish::HAND_BACK);
         }
         Admission::Start(Admitted {
             env: self.env,
@@ -295,11 +313,11 @@ impl Waiting {
     }
 
     pub fn shutdown(self) -> Finish {
-        Finish::HandBack
+        Finish::HAND_BACK
     }
 
     pub fn channel_lost(self) -> Finish {
-        Finish::Drop
+        Finish::DROP
     }
 }
 
@@ -340,11 +358,11 @@ impl ClockWait {
     }
 
     pub fn shutdown(self) -> Finish {
-        Finish::HandBack
+        Finish::HAND_BACK
     }
 
     pub fn channel_lost(self) -> Finish {
-        Finish::Drop
+        Finish::DROP
     }
 }
 
@@ -420,7 +438,7 @@ impl Admitted {
                     facts: self.facts,
                     terminal: None,
                     decision: Decision::HandedBack,
-                    then: Finish::HandBack,
+                    then: Finish::HAND_BACK,
                 });
             }
         };
@@ -445,7 +463,7 @@ impl Admitted {
 
     /// Shutdown before the start was durable: nothing is sent.
     pub fn shutdown(self) -> Finish {
-        Finish::Drop
+        Finish::DROP
     }
 }
 
@@ -557,8 +575,9 @@ pub struct Publishing {
 pub enum PublishFailed {
     /// The job fails: record `failed`/`retry_publish_failed`, dead-letter it.
     Record(Recording),
-    /// The channel is gone too: record nothing, the broker's redelivery is the retry.
-    Drop,
+    /// The channel is gone too: record nothing, the broker's redelivery is the retry
+    /// (the `Finish` is a drop).
+    Drop(Finish),
 }
 
 impl Publishing {
@@ -573,14 +592,14 @@ impl Publishing {
             facts: self.facts,
             terminal: None,
             decision: Decision::Retry,
-            then: Finish::Ack,
+            then: Finish::ACK,
         }
     }
 
     /// Not confirmed.
     pub fn failed(self) -> PublishFailed {
         if self.facts.channel_lost {
-            return PublishFailed::Drop;
+            return PublishFailed::Drop(Finish::DROP);
         }
         let t = Terminal {
             state: State::Failed,
@@ -591,7 +610,7 @@ impl Publishing {
             facts: self.facts,
             terminal: Some(t),
             decision: Decision::DeadLetter,
-            then: Finish::DeadLetter,
+            then: Finish::DEAD_LETTER,
         })
     }
 
@@ -633,7 +652,7 @@ impl Recording {
     /// The write committed: settle with the broker (unless the channel is gone).
     pub fn durable(self) -> Finish {
         if self.facts.channel_lost {
-            Finish::Drop
+            Finish::DROP
         } else {
             self.then
         }
@@ -646,16 +665,16 @@ impl Recording {
 
     /// Shutdown before the write committed: nothing is sent (no ack without the write).
     pub fn shutdown(self) -> Finish {
-        Finish::Drop
+        Finish::DROP
     }
 }
 
 fn settle(parsed: Result<Envelope, RejectError>, facts: Facts, d: Disposition) -> Settle {
     let (terminal, decision, then) = match d {
-        Disposition::RecordThenAck(t) => (t, Decision::Ack, Finish::Ack),
-        Disposition::RecordThenDeadLetter(t) => (t, Decision::DeadLetter, Finish::DeadLetter),
-        Disposition::AckDuplicate if facts.channel_lost => return Settle::Duplicate(Finish::Drop),
-        Disposition::AckDuplicate => return Settle::Duplicate(Finish::Ack),
+        Disposition::RecordThenAck(t) => (t, Decision::Ack, Finish::ACK),
+        Disposition::RecordThenDeadLetter(t) => (t, Decision::DeadLetter, Finish::DEAD_LETTER),
+        Disposition::AckDuplicate if facts.channel_lost => return Settle::Duplicate(Finish::DROP),
+        Disposition::AckDuplicate => return Settle::Duplicate(Finish::ACK),
         Disposition::Retry {
             next_attempt,
             queue_index,

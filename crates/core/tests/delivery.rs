@@ -88,7 +88,7 @@ impl Run {
     }
 
     fn finish(&mut self, f: Finish) -> Phase {
-        self.steps.push(format!("{f:?}").to_lowercase());
+        self.steps.push(format!("{:?}", f.kind()).to_lowercase());
         Phase::Done
     }
 
@@ -118,7 +118,7 @@ impl Run {
                     self.steps.push("clock_wait".into());
                     Phase::ClockWait(c)
                 }
-                Admission::HandBack => self.finish(Finish::HandBack),
+                Admission::HandBack(f) => self.finish(f),
             },
             (Phase::Waiting(w), Ev::LatestStart) => {
                 let at = w.latest_start_ms(p, learned);
@@ -175,7 +175,7 @@ impl Run {
             }
             (Phase::Publishing(pb), Ev::PublishFailed) => match pb.failed() {
                 PublishFailed::Record(r) => self.record(r),
-                PublishFailed::Drop => self.finish(Finish::Drop),
+                PublishFailed::Drop(f) => self.finish(f),
             },
             (Phase::Publishing(pb), Ev::Lost) => Phase::Publishing(pb.channel_lost()),
             (Phase::Recording(r), Ev::Durable) => self.finish(r.durable()),

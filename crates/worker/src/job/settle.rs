@@ -10,7 +10,9 @@ use crate::stats::WorkerStats;
 use lastcall_broker::PublishProps;
 use lastcall_core::CallResult;
 use lastcall_core::breaker::Verdict;
-use lastcall_core::delivery::{Calling, Finish, PublishFailed, Publishing, Recording, Settle};
+use lastcall_core::delivery::{
+    Calling, Finish, FinishKind, PublishFailed, Publishing, Recording, Settle,
+};
 use lastcall_core::service_time::ProbeEnd;
 use lastcall_store::LedgerWrite;
 use std::sync::atomic::Ordering;
@@ -155,10 +157,10 @@ pub(crate) async fn settle(ctx: &Ctx, job: Job, s: Settle, call: Option<Call>) {
                     p
                 };
                 match p.failed() {
-                    PublishFailed::Drop => {
+                    PublishFailed::Drop(f) => {
                         // The connection is gone: this delivery cannot be settled anyway.
                         tracing::warn!(error = %e, "retry publish failed with the connection lost; the broker redelivers the job");
-                        finish(ctx, job, Finish::Drop).await;
+                        finish(ctx, job, f).await;
                     }
                     PublishFailed::Record(r) => {
                         tracing::error!(error = %e, "retry publish not confirmed; failing the job");
@@ -231,26 +233,26 @@ pub(crate) async fn record(ctx: &Ctx, job: Job, r: Recording, call: Option<Call>
 
 /// The delivery's one way out, through the settlement door.
 pub(crate) async fn finish(ctx: &Ctx, job: Job, f: Finish) {
-    match f {
+    match f.kind() {
         // Acked by the flusher, possibly together with other finished deliveries.
-        Finish::Ack => ctx.door.ack(job.ticket),
+        FinishKind::Ack => ctx.door.ack(job.ticket),
         // The reject is sent before its tag is released: no `multiple` ack overtakes it.
-        Finish::DeadLetter => ctx.door.dead_letter(job.ticket).await,
+        FinishKind::DeadLetter => ctx.door.dead_letter(job.ticket).await,
         // It never started: back to the broker unrecorded, checked again at its next
         // delivery. On a lost channel the requeue cannot be sent; the broker requeues it.
-        Finish::HandBack if job.ticket.channel_lost() => {
+        FinishKind::HandBack if job.ticket.channel_lost() => {
             tracing::info!(
                 "connection lost: dropping a waiting job locally (the broker redelivers it)"
             );
             ctx.door.hand_back(job.ticket).await;
         }
-        Finish::HandBack => {
+        FinishKind::HandBack => {
             tracing::info!("handing a job that never started back to the broker");
             ctx.door.hand_back(job.ticket).await;
         }
         // Nothing is sent: the ticket stays held (no `multiple` ack covers it) until the
         // channel closes and the broker redelivers it.
-        Finish::Drop => {
+        FinishKind::Drop => {
             if job.lost.is_cancelled() {
                 tracing::info!(
                     "connection lost: dropping the delivery locally (the broker redelivers it)"

@@ -111,10 +111,10 @@ pub(crate) async fn for_slot(
             }
             // The broker's ack window (its consumer timeout, when known) closed while the
             // job waited: not started, handed back; the redelivery has a fresh window.
-            Admission::HandBack => {
+            Admission::HandBack(f) => {
                 job.rate = None;
                 tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
-                return Waited::Finish(Finish::HandBack);
+                return Waited::Finish(f);
             }
             Admission::ClockWait(c) => {
                 drop(permit);
