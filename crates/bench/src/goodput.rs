@@ -18,13 +18,15 @@ use lastcall_backend::sim::{SimBackend, SimConfig};
 use lastcall_broker::management::Management;
 use lastcall_broker::{Broker, Publisher};
 
+use crate::reference::{Naive, ReceiptOnly};
 use lastcall_core::concurrency::{LimitConfig, SlotCount};
+use lastcall_core::disposition::{DeadlineChecks, Dispatch};
 use lastcall_core::table::render;
 use lastcall_core::{AdmissionPolicy, EnvelopeLimits, State};
 use lastcall_producer::shed::Shedder;
 use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitter};
 use lastcall_store::{JobRecord, ListFilter};
-use lastcall_worker::{BufferOrder, DispatchPolicy, Worker, WorkerConfig, WorkerStats};
+use lastcall_worker::{BufferOrder, Worker, WorkerConfig, WorkerStats};
 use serde::Serialize;
 use serde_json::json;
 use std::collections::BTreeMap;
@@ -95,7 +97,7 @@ struct Ceiling {
 #[derive(Debug, Clone)]
 struct RunSpec {
     name: String,
-    policy: DispatchPolicy,
+    policy: Arc<dyn Dispatch>,
     order: BufferOrder,
     slots: SlotCount,
     estimate: EstimateArg,
@@ -275,7 +277,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             }
             RunSpec {
                 name,
-                policy: DispatchPolicy::Deadline,
+                policy: Arc::new(DeadlineChecks),
                 order,
                 slots,
                 estimate,
@@ -287,7 +289,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         deadline_runs.extend(estimates[1..].iter().map(|&e| spec(slot_list[0], e)));
     }
     let first_order = BufferOrder::from(orders[0]);
-    let reference = |name: &str, policy| RunSpec {
+    let reference = |name: &str, policy: Arc<dyn Dispatch>| RunSpec {
         name: name.to_owned(),
         policy,
         order: first_order,
@@ -298,13 +300,13 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
         PolicyArg::All => deadline_runs
             .into_iter()
             .chain([
-                reference("receipt-only", DispatchPolicy::ReceiptOnly),
-                reference("naive", DispatchPolicy::Naive),
+                reference("receipt-only", Arc::new(ReceiptOnly)),
+                reference("naive", Arc::new(Naive)),
             ])
             .collect(),
         PolicyArg::Deadline => deadline_runs,
-        PolicyArg::ReceiptOnly => vec![reference("receipt-only", DispatchPolicy::ReceiptOnly)],
-        PolicyArg::Naive => vec![reference("naive", DispatchPolicy::Naive)],
+        PolicyArg::ReceiptOnly => vec![reference("receipt-only", Arc::new(ReceiptOnly))],
+        PolicyArg::Naive => vec![reference("naive", Arc::new(Naive))],
     };
     let mut results = Vec::new();
     let mut setups = Vec::new();
@@ -690,7 +692,7 @@ async fn run_policy(
     spec: &RunSpec,
     model: Option<Arc<dyn Backend>>,
 ) -> Result<PolicyResult> {
-    let (name, policy, order) = (spec.name.as_str(), spec.policy, spec.order);
+    let (name, policy, order) = (spec.name.as_str(), spec.policy.clone(), spec.order);
     // Job ids and queue names carry no spaces.
     let tag = name.replace([' ', '='], "-");
     let name = tag.as_str();

@@ -35,6 +35,7 @@ pub mod front_door;
 pub mod goodput;
 pub mod ledger;
 pub mod raw;
+pub mod reference;
 pub mod settings;
 pub mod sim;
 

@@ -11,6 +11,8 @@ use crate::envelope::{Envelope, EnvelopeLimits, RejectError};
 use crate::outcome::State;
 use crate::reason::{Reason, RefusalCause};
 use crate::retry::{RetryDecision, RetryPolicy};
+use std::fmt;
+use std::sync::Arc;
 
 /// What to do with an expired job besides recording it.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
@@ -22,21 +24,90 @@ pub enum ExpiredAction {
     DeadLetter,
 }
 
-/// Which deadline checks a worker runs. **A benchmark reference only** (`lastcall bench
-/// goodput` compares them): production workers always use [`DispatchPolicy::Deadline`],
-/// and the CLI's `worker` command has no flag for the others. Policy data, so the runtime
-/// has no branch of its own for them: [`WorkerPolicy::on_receipt`], [`WorkerPolicy::on_slot`]
-/// and [`WorkerPolicy::watches_latest_start`] apply it.
+/// Which deadline checks a worker runs, and where. Every production worker runs lastcall's
+/// own, [`DeadlineChecks`]; the benchmark's references (a receipt-only check as Celery's
+/// `expires`, and no check at all) implement this trait in `lastcall-bench`, so that no
+/// production decision has a branch for them. The checks every policy keeps (rejection,
+/// duplicates, cancellation, poison) run before [`Dispatch::on_receipt`] is asked.
+pub trait Dispatch: Send + Sync + fmt::Debug {
+    /// Its name in reports (`deadline`, `receipt-only`, `naive`).
+    fn name(&self) -> &'static str;
+    /// The deadline check when the delivery has just arrived (`env` passed every other
+    /// check). [`WorkerPolicy::check`] and [`WorkerPolicy::expired`] are its parts.
+    fn on_receipt(
+        &self,
+        policy: &WorkerPolicy,
+        env: &Envelope,
+        facts: ReceiptFacts,
+        now_ms: i64,
+    ) -> Receipt;
+    /// The last check when a model slot is free.
+    fn on_slot(
+        &self,
+        policy: &WorkerPolicy,
+        env: &Envelope,
+        learned_ms: Option<u64>,
+        now_ms: i64,
+    ) -> Slot;
+    /// Whether a job waiting for a slot leaves the buffer at its latest useful start.
+    fn watches_latest_start(&self) -> bool;
+}
+
+/// lastcall's rule: check at receipt (with the expected wait for a slot) and again
+/// immediately before the model call, whose timeout is the budget left; a waiting job
+/// leaves the buffer at its latest useful start.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum DispatchPolicy {
-    /// lastcall's rule: check at receipt and again immediately before the model call.
-    #[default]
-    Deadline,
-    /// Check at receipt only, as Celery does with `expires`; a job that waited for a slot
-    /// past its deadline still runs, and its call runs to the end (no deadline timeout).
-    ReceiptOnly,
-    /// No deadline check at all: every valid job runs to the end.
-    Naive,
+pub struct DeadlineChecks;
+
+impl Dispatch for DeadlineChecks {
+    fn name(&self) -> &'static str {
+        "deadline"
+    }
+
+    fn on_receipt(
+        &self,
+        policy: &WorkerPolicy,
+        env: &Envelope,
+        facts: ReceiptFacts,
+        now_ms: i64,
+    ) -> Receipt {
+        let learned = facts.learned_runtime_ms;
+        match policy.check(env, learned, Stage::Receipt, now_ms) {
+            Err(reason) => Receipt::Settle(policy.expired(reason)),
+            Ok(_) if facts.expected_wait_ms == 0 || !policy.refuse_on_expected_wait => {
+                Receipt::WaitForSlot
+            }
+            Ok(_) => {
+                // Would it still pass the last admission check once a slot is expected?
+                let then = now_ms
+                    .saturating_add(i64::try_from(facts.expected_wait_ms).unwrap_or(i64::MAX));
+                match policy.check(env, learned, Stage::Receipt, then) {
+                    Ok(_) => Receipt::WaitForSlot,
+                    Err(_) => Receipt::Settle(policy.expired(Reason::Refused(
+                        Stage::Receipt,
+                        RefusalCause::ExpectedWaitExceedsBudget,
+                    ))),
+                }
+            }
+        }
+    }
+
+    fn on_slot(
+        &self,
+        policy: &WorkerPolicy,
+        env: &Envelope,
+        learned_ms: Option<u64>,
+        now_ms: i64,
+    ) -> Slot {
+        match policy.check(env, learned_ms, Stage::Admission, now_ms) {
+            Err(reason) => Slot::Settle(policy.expired(reason)),
+            Ok(budget_ms) => Slot::Run { budget_ms },
+        }
+    }
+
+    fn watches_latest_start(&self) -> bool {
+        true
+    }
 }
 
 /// The call budget of the reference policies, which have no deadline timeout.
@@ -148,7 +219,7 @@ pub struct ReceiptFacts {
 }
 
 /// The worker's whole decision policy.
-#[derive(Debug, Clone, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct WorkerPolicy {
     pub admission: AdmissionPolicy,
     pub limits: EnvelopeLimits,
@@ -160,8 +231,8 @@ pub struct WorkerPolicy {
     /// Refuse at receipt a job that would no longer pass the admission check after its
     /// expected wait for a slot ([`ReceiptFacts::expected_wait_ms`]). On by default.
     pub refuse_on_expected_wait: bool,
-    /// Which deadline checks run (benchmark references aside, always `Deadline`).
-    pub dispatch: DispatchPolicy,
+    /// Which deadline checks run: [`DeadlineChecks`] (benchmark references aside).
+    pub dispatch: Arc<dyn Dispatch>,
 }
 
 impl Default for WorkerPolicy {
@@ -173,7 +244,7 @@ impl Default for WorkerPolicy {
             retry: RetryPolicy::default(),
             max_starts: 5,
             refuse_on_expected_wait: true,
-            dispatch: DispatchPolicy::Deadline,
+            dispatch: Arc::new(DeadlineChecks),
         }
     }
 }
@@ -191,9 +262,9 @@ impl WorkerPolicy {
         }
     }
 
-    /// The admission check of `env` at `now_ms` with the learned duration, and the
-    /// refusal reason for `stage`.
-    fn admit(
+    /// The admission check of `env` at `now_ms` with the learned duration: the call
+    /// budget, or the refusal reason for `stage`.
+    pub fn check(
         &self,
         env: &Envelope,
         learned_ms: Option<u64>,
@@ -223,9 +294,9 @@ impl WorkerPolicy {
         now_ms: i64,
     ) -> Option<u64> {
         let stage = Stage::Admission;
-        match self.admit(env, learned_ms, stage, now_ms) {
+        match self.check(env, learned_ms, stage, now_ms) {
             Err(Reason::Refused(_, RefusalCause::BelowLearnedRuntime)) => {
-                self.admit(env, None, stage, now_ms).ok()
+                self.check(env, None, stage, now_ms).ok()
             }
             _ => None,
         }
@@ -246,7 +317,7 @@ impl WorkerPolicy {
     /// Whether a job waiting for a slot leaves the buffer at its latest useful start
     /// ([`Self::latest_start_ms`]); the reference policies keep it waiting.
     pub fn watches_latest_start(&self) -> bool {
-        self.dispatch == DispatchPolicy::Deadline
+        self.dispatch.watches_latest_start()
     }
 
     /// The model server's breaker is open past the job's latest useful start: it ends
@@ -264,7 +335,9 @@ impl WorkerPolicy {
         self.expired(Reason::Refused(Stage::Admission, RefusalCause::RateLimited))
     }
 
-    fn expired(&self, reason: Reason) -> Disposition {
+    /// Settle an expired job as the policy says (`expired_not_started`, acked or
+    /// dead-lettered by [`ExpiredAction`]).
+    pub fn expired(&self, reason: Reason) -> Disposition {
         let t = Terminal::new(State::ExpiredNotStarted, reason);
         match self.expired_action {
             ExpiredAction::Ack => Disposition::RecordThenAck(t),
@@ -303,41 +376,14 @@ impl WorkerPolicy {
                 Reason::Poison,
             )));
         }
-        let learned = facts.learned_runtime_ms;
-        let predicts = self.refuse_on_expected_wait && self.dispatch == DispatchPolicy::Deadline;
-        match self.admit(env, learned, Stage::Receipt, now_ms) {
-            // The naive reference runs every valid job, expired or not.
-            Err(_) if self.dispatch == DispatchPolicy::Naive => Receipt::WaitForSlot,
-            Err(reason) => Receipt::Settle(self.expired(reason)),
-            Ok(_) if facts.expected_wait_ms == 0 || !predicts => Receipt::WaitForSlot,
-            Ok(_) => {
-                // Would it still pass the last admission check once a slot is expected?
-                let then = now_ms
-                    .saturating_add(i64::try_from(facts.expected_wait_ms).unwrap_or(i64::MAX));
-                match self.admit(env, learned, Stage::Receipt, then) {
-                    Ok(_) => Receipt::WaitForSlot,
-                    Err(_) => Receipt::Settle(self.expired(Reason::Refused(
-                        Stage::Receipt,
-                        RefusalCause::ExpectedWaitExceedsBudget,
-                    ))),
-                }
-            }
-        }
+        self.dispatch.on_receipt(self, env, facts, now_ms)
     }
 
     /// A model slot is free: the last admission check, immediately before the call.
     /// `learned_ms` is the learned duration of this kind's calls (`None`: nothing learned).
-    /// The reference policies skip it: their call runs with [`UNBOUNDED_BUDGET_MS`].
+    /// (The bench's reference policies skip it: their call runs with [`UNBOUNDED_BUDGET_MS`].)
     pub fn on_slot(&self, env: &Envelope, learned_ms: Option<u64>, now_ms: i64) -> Slot {
-        if self.dispatch != DispatchPolicy::Deadline {
-            return Slot::Run {
-                budget_ms: UNBOUNDED_BUDGET_MS,
-            };
-        }
-        match self.admit(env, learned_ms, Stage::Admission, now_ms) {
-            Err(reason) => Slot::Settle(self.expired(reason)),
-            Ok(budget_ms) => Slot::Run { budget_ms },
-        }
+        self.dispatch.on_slot(self, env, learned_ms, now_ms)
     }
 
     /// The model call of `attempt` (0-based) has ended. `learned_ms`: the learned call
@@ -455,58 +501,15 @@ mod tests {
     }
 
     #[test]
-    fn reference_policies_skip_their_checks() {
-        let expired = Ok(env(1_000));
-        let facts = ReceiptFacts {
-            expected_wait_ms: 60_000,
-            ..ReceiptFacts::default()
-        };
-        let naive = WorkerPolicy {
-            dispatch: DispatchPolicy::Naive,
-            ..policy()
-        };
-        let receipt_only = WorkerPolicy {
-            dispatch: DispatchPolicy::ReceiptOnly,
-            ..policy()
-        };
-        // Naive: an expired job waits for a slot; receipt-only refuses it at receipt.
-        assert_eq!(
-            naive.on_receipt(&expired, facts, 5_000),
-            Receipt::WaitForSlot
-        );
+    fn every_worker_runs_the_deadline_checks_by_default() {
+        let p = WorkerPolicy::default();
+        assert_eq!(p.dispatch.name(), "deadline");
+        assert!(p.watches_latest_start());
+        // The last check runs at the slot: an expired job is settled, not run.
         assert!(matches!(
-            receipt_only.on_receipt(&expired, facts, 5_000),
-            Receipt::Settle(Disposition::RecordThenAck(_))
+            p.on_slot(&env(1_000), None, 5_000),
+            Slot::Settle(_)
         ));
-        // Neither predicts the wait; both skip the last check and never watch the wait.
-        let fresh = Ok(env(10_000));
-        assert_eq!(
-            receipt_only.on_receipt(&fresh, facts, 1_000),
-            Receipt::WaitForSlot
-        );
-        assert!(matches!(
-            policy().on_receipt(&fresh, facts, 1_000),
-            Receipt::Settle(Disposition::RecordThenAck(_))
-        ));
-        for p in [&naive, &receipt_only] {
-            assert_eq!(
-                p.on_slot(&env(1_000), None, 5_000),
-                Slot::Run {
-                    budget_ms: UNBOUNDED_BUDGET_MS
-                }
-            );
-            assert!(!p.watches_latest_start());
-            // Poison and duplicates are not deadline checks: every policy keeps them.
-            let dup = ReceiptFacts {
-                already_recorded: true,
-                ..ReceiptFacts::default()
-            };
-            assert_eq!(
-                p.on_receipt(&fresh, dup, 1_000),
-                Receipt::Settle(Disposition::AckDuplicate)
-            );
-        }
-        assert!(policy().watches_latest_start());
     }
 
     #[test]

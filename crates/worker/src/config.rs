@@ -9,7 +9,7 @@ use lastcall_core::WorkerPolicy;
 use lastcall_core::service_time::ServiceTimeConfig;
 use std::time::Duration;
 
-pub use lastcall_core::DispatchPolicy;
+pub use lastcall_core::disposition::{DeadlineChecks, Dispatch};
 
 /// Everything a worker needs besides its adapters.
 #[derive(Debug, Clone)]

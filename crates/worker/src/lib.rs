@@ -53,6 +53,6 @@ pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
 #[cfg(feature = "test-hooks")]
 pub use hooks::Fault;
 pub use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};
-pub use runtime::{DispatchPolicy, Worker, WorkerConfig};
+pub use runtime::{Worker, WorkerConfig};
 pub use slots::BufferOrder;
 pub use stats::WorkerStats;

@@ -28,7 +28,7 @@ use std::sync::atomic::Ordering;
 use std::time::Duration;
 use tokio::task::JoinSet;
 
-pub use crate::config::{DispatchPolicy, WorkerConfig, default_worker_name};
+pub use crate::config::{WorkerConfig, default_worker_name};
 pub use crate::generation::WorkerError;
 
 /// A worker, built and ready to run.

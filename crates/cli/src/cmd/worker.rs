@@ -336,7 +336,8 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         retry,
         max_starts: a.max_starts,
         refuse_on_expected_wait: !a.no_wait_refusal,
-        dispatch: lastcall_core::DispatchPolicy::Deadline,
+        // lastcall's deadline checks: the only ones a production worker runs.
+        dispatch: Arc::new(lastcall_core::DeadlineChecks),
     };
     Ok(cfg)
 }
