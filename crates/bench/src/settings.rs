@@ -119,17 +119,8 @@ pub fn init_tracing(g: &Global) {
     let default = if g.verbose { "info" } else { "warn" };
     let filter =
         EnvFilter::try_from_env("LASTCALL_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    // lapin's trace level logs the AMQP login frame, password included: never below debug,
-    // whatever LASTCALL_LOG asks for (the cap of `lastcall`'s init_tracing).
-    let filter = tracing_subscriber::filter::FilterExt::and(
-        filter,
-        tracing_subscriber::filter::Targets::new()
-            .with_default(tracing_subscriber::filter::LevelFilter::TRACE)
-            .with_target(
-                "lapin::io_loop",
-                tracing_subscriber::filter::LevelFilter::DEBUG,
-            ),
-    );
+    // lapin's trace level logs the AMQP login frame, password included.
+    let filter = tracing_subscriber::filter::FilterExt::and(filter, lastcall_broker::log_cap());
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())
         && std::env::var_os("NO_COLOR").is_none_or(|v| v.is_empty());
     let fmt = tracing_subscriber::fmt::layer()

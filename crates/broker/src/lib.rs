@@ -41,6 +41,17 @@ pub const DEFAULT_AMQP_URL: &str = "amqp://guest:guest@127.0.0.1:5672/%2f";
 /// LASTCALL_PREFIX, `prefix` in lastcall.toml).
 pub const DEFAULT_PREFIX: &str = "lastcall";
 
+/// The cap every lastcall binary puts on its log filter: lapin's trace level logs the
+/// AMQP login frame, password included, so `lapin::io_loop` never goes below debug,
+/// whatever `LASTCALL_LOG` asks for. Combine it with the filter (`FilterExt::and`), rather
+/// than adding a directive to it, which would instead raise that target to debug by default.
+pub fn log_cap() -> tracing_subscriber::filter::Targets {
+    use tracing_subscriber::filter::{LevelFilter, Targets};
+    Targets::new()
+        .with_default(LevelFilter::TRACE)
+        .with_target("lapin::io_loop", LevelFilter::DEBUG)
+}
+
 /// How long a polite goodbye (`basic.cancel`, `channel.close`, `connection.close`) may wait
 /// for the broker's reply. lapin can miss that reply when a cancel and a close cross (seen:
 /// `lastcall dlq --idle-exit-ms` hanging at exit on a loaded machine, after "invalid channel

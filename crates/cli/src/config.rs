@@ -511,18 +511,8 @@ pub fn init_tracing(g: &Global, quiet: &[&str]) -> Result<TracingGuard> {
     }
     let filter =
         EnvFilter::try_from_env("LASTCALL_LOG").unwrap_or_else(|_| EnvFilter::new(default));
-    // lapin's trace level logs the AMQP login frame, password included: never below debug,
-    // whatever LASTCALL_LOG asks for. A cap, combined with the filter above (a directive
-    // `lapin::io_loop=debug` in it would instead raise that target to debug by default).
-    let filter = tracing_subscriber::filter::FilterExt::and(
-        filter,
-        tracing_subscriber::filter::Targets::new()
-            .with_default(tracing_subscriber::filter::LevelFilter::TRACE)
-            .with_target(
-                "lapin::io_loop",
-                tracing_subscriber::filter::LevelFilter::DEBUG,
-            ),
-    );
+    // lapin's trace level logs the AMQP login frame, password included: capped.
+    let filter = tracing_subscriber::filter::FilterExt::and(filter, lastcall_broker::log_cap());
     // Colour only for a person at a terminal: piped or redirected logs (files, CI, test
     // harnesses) get plain text, and NO_COLOR turns colour off everywhere.
     let ansi = std::io::IsTerminal::is_terminal(&std::io::stderr())

