@@ -516,11 +516,7 @@ pub(crate) async fn spawn_dead_letters(
     let dlq = lastcall_worker::dlq::DeadLetterProcessor::build(broker, ledger, topo, clock, false)
         .await
         .map_err(anyhow::Error::msg)?;
-    Ok(tokio::spawn(async move {
-        if let Err(e) = dlq.run(stop, None).await {
-            eprintln!("bench: the dead-letter processor stopped: {e}");
-        }
-    }))
+    Ok(dlq.spawn(stop))
 }
 
 /// A progress bar on stderr (hidden when stderr is not a terminal, e.g. under `--json`

@@ -150,6 +150,17 @@ impl DeadLetterProcessor {
             .map_err(|e| e.to_string())
     }
 
+    /// [`run`](Self::run) in a task of its own until `stop` fires; an error it stops with
+    /// is logged. For a process that runs the processor beside its own work (`lastcall
+    /// demo`, the benches).
+    pub fn spawn(self, stop: CancellationToken) -> tokio::task::JoinHandle<()> {
+        tokio::spawn(async move {
+            if let Err(e) = self.run(stop, None).await {
+                tracing::warn!(error = %e, "the dead-letter processor stopped with an error");
+            }
+        })
+    }
+
     /// Process dead letters until `stop` fires, or, with `idle_exit`, until no dead letter
     /// arrived for that long. A lost broker connection is not the end: it reconnects with
     /// backoff (unacked dead letters are redelivered; recording them again keeps the first

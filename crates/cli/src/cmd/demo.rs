@@ -326,11 +326,7 @@ async fn spawn_dead_letters(
     let dlq = lastcall_worker::dlq::DeadLetterProcessor::build(broker, ledger, topo, clock, false)
         .await
         .map_err(anyhow::Error::msg)?;
-    Ok(tokio::spawn(async move {
-        if let Err(e) = dlq.run(stop, None).await {
-            eprintln!("demo: the dead-letter processor stopped: {e}");
-        }
-    }))
+    Ok(dlq.spawn(stop))
 }
 
 /// One sentence on what the run showed, from the (kind, state) of every job.
