@@ -1,10 +1,12 @@
 //! `lastcall bench sim`: a deterministic simulation of workers, a broker queue and a model
 //! server on a simulated clock, for tuning the scheduling rules fast and without noise.
 //!
-//! It runs the core's real decisions — the receipt check ([`WorkerPolicy::on_receipt`]
-//! with the expected wait of [`lastcall_core::wait`]), the buffer's latest useful start,
-//! the last check at a slot ([`WorkerPolicy::on_slot`]), the learned call time
-//! ([`ServiceTimes`]: request-aware, censored cut calls, probes) — against:
+//! It runs the core's real decisions — each delivery is the worker's own state machine
+//! ([`Delivery`], driven by events as the worker drives it: the receipt check with the
+//! expected wait of [`lastcall_core::wait`], the buffer's latest useful start, the last
+//! check at a slot and after the start row, the outcome of the call), the buffer's order
+//! ([`Schedule`]), the learned call time ([`ServiceTimes`]: request-aware, censored cut
+//! calls, probes) — against:
 //! - a broker queue with a per-message TTL (the job's remaining budget) and a prefetch
 //!   window per worker;
 //! - a simulated model server: fixed, lognormal, or length- and load-dependent call
@@ -24,14 +26,14 @@
 use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_core::concurrency::{AdaptiveLimit, LimitConfig, Running, Sample, SlotCount};
+use lastcall_core::delivery::{Action, ClockState, Delivery, Event};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
 use lastcall_core::service_time::{Estimate, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes};
 use lastcall_core::table::render;
 use lastcall_core::{
-    Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, Tenant, WorkerPolicy,
-    disposition::{Receipt, Slot},
-    wait,
+    CallResult, Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, State, Tenant,
+    WorkerPolicy, disposition::Slot, wait,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -348,6 +350,8 @@ struct Job {
     /// A probe granted at receipt (the room its refusal left), as the worker grants one
     /// when the learned estimate alone refuses a job while a slot is free.
     probe: Option<u64>,
+    /// Its delivery at a worker: the core's state machine, driven as the worker drives it.
+    delivery: Option<Delivery>,
 }
 
 struct Worker {
@@ -626,6 +630,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             outcome: None,
             on_time: false,
             probe: None,
+            delivery: None,
         });
         push(&mut events, at, Ev::Arrive(i));
     }
@@ -685,6 +690,20 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             jobs[j].on_time = on_time;
             Ok(())
         };
+    // A delivery the core settled: record its outcome (the ledger write is instant here),
+    // then it must finish with the broker.
+    let record = |jobs: &mut Vec<Job>, j: usize, mut d: Delivery, now: i64| -> Result<()> {
+        let Some(t) = d.terminal() else {
+            bail!("invariant: job {j} was settled without an outcome");
+        };
+        let state = t.state.as_str();
+        let on_time = t.state == State::Completed && now <= jobs[j].env.deadline().expires_at_ms();
+        d.handle(&policy, Event::Durable, now);
+        if !matches!(d.poll_action(), Action::Finish(_)) {
+            bail!("invariant: job {j} did not finish after its outcome was durable");
+        }
+        settle(jobs, j, state, on_time)
+    };
 
     while let Some(Reverse((at, _, ev))) = events.pop() {
         now = at;
@@ -697,20 +716,25 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     let receipt = tk.receipt;
                     let learned = match jobs[j].probe {
                         Some(_) => None,
-                        None => workers[w]
-                            .learned(key, jobs[j].size, now)
-                            .map(|e| e.quantile_ms),
+                        None => workers[w].learned(key, jobs[j].size, now),
                     };
-                    let latest = policy.latest_start_ms(&jobs[j].env, learned);
-                    if now >= latest {
+                    let Some(mut d) = jobs[j].delivery.take() else {
+                        bail!("invariant: buffered job {j} has no delivery");
+                    };
+                    d.handle(&policy, Event::Timeout { learned }, now);
+                    if d.poll_action() == Action::AwaitSlot {
+                        // Still admissible (the estimate changed): look again after its
+                        // latest useful start.
+                        let latest = d.poll_timeout(&policy).unwrap_or(now);
+                        jobs[j].delivery = Some(d);
+                        push(&mut events, latest.max(now) + 1, Ev::Latest(w, j));
+                    } else {
                         workers[w].buffer.remove(receipt);
                         workers[w].held[lane[jobs[j].tenant]] -= 1;
                         if jobs[j].probe.take().is_some() {
                             workers[w].est.probe_ended(key, ProbeEnd::Released, now);
                         }
-                        settle(&mut jobs, j, "expired_not_started", false)?;
-                    } else {
-                        push(&mut events, latest, Ev::Latest(w, j));
+                        record(&mut jobs, j, d, now)?;
                     }
                 }
             }
@@ -723,12 +747,14 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 crashes += 1;
                 let wk = &mut workers[w];
                 let mut back: Vec<usize> = wk.buffer.drain().into_iter().map(|(_, j)| j).collect();
+                back.extend(wk.running_jobs.drain(..).map(|(j, _)| j));
                 for &j in &back {
+                    // The worker's process is gone, and its deliveries with it.
+                    jobs[j].delivery = None;
                     if jobs[j].probe.take().is_some() {
                         wk.est.probe_ended(key, ProbeEnd::Released, now);
                     }
                 }
-                back.extend(wk.running_jobs.drain(..).map(|(j, _)| j));
                 back.sort_unstable();
                 server_in_flight -= wk.running;
                 redelivered += back.len() as u64;
@@ -771,16 +797,30 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 wk.held[lane[jobs[j].tenant]] -= 1;
                 server_in_flight -= 1;
                 model_ms += u128::from(d);
+                let Some(mut delivery) = jobs[j].delivery.take() else {
+                    bail!("invariant: running job {j} has no delivery");
+                };
                 if cut {
-                    wk.est.observe_request(key, d, true, jobs[j].size, now);
                     wasted_calls += 1;
                     wasted_ms += u128::from(d);
-                    settle(&mut jobs, j, "deadline_exceeded", false)?;
-                } else {
-                    wk.est.observe_request(key, d, false, jobs[j].size, now);
-                    let on_time = now <= jobs[j].env.deadline().expires_at_ms();
-                    settle(&mut jobs, j, "completed", on_time)?;
                 }
+                let ended = Event::CallEnded {
+                    result: if cut {
+                        CallResult::DeadlineExceeded
+                    } else {
+                        CallResult::Completed
+                    },
+                    learned: wk.learned(key, jobs[j].size, now),
+                    jitter: 0.0,
+                };
+                delivery.handle(&policy, ended, now);
+                if let Some(cut) = delivery
+                    .call_result()
+                    .and_then(CallResult::teaches_call_time)
+                {
+                    wk.est.observe_request(key, d, cut, jobs[j].size, now);
+                }
+                record(&mut jobs, j, delivery, now)?;
                 if let Some(budget_ms) = probe {
                     let end = if cut {
                         ProbeEnd::Wasted { duration_ms: d }
@@ -871,28 +911,30 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                             mine >= cap
                         }
                     };
-                    let receipt = if over_share {
-                        Receipt::Settle(lastcall_core::Disposition::AckDuplicate)
+                    if over_share {
+                        if jobs[j].probe.take().is_some() {
+                            wk.est.probe_ended(key, ProbeEnd::Released, now);
+                        }
+                        settle(&mut jobs, j, "expired_not_started", false)?;
+                        continue;
+                    }
+                    let mut d = Delivery::new(Ok(jobs[j].env.clone()), 0, now, None);
+                    d.handle(&policy, Event::Looked { facts, learned }, now);
+                    if d.poll_action() == Action::AwaitSlot {
+                        wk.held[l] += 1;
+                        wk.buffer.push(ticket, j);
+                        let latest = d.poll_timeout(&policy).unwrap_or(now);
+                        jobs[j].delivery = Some(d);
+                        // Due once its latest useful start has passed.
+                        push(&mut events, latest.max(now) + 1, Ev::Latest(w, j));
                     } else {
-                        policy.on_receipt(&Ok(jobs[j].env.clone()), facts, now)
-                    };
-                    match receipt {
-                        Receipt::Settle(_) => {
-                            if !over_share && wk.free() > 0 {
-                                wk.refused_with_room(key, &policy, &jobs[j], now);
-                            }
-                            if jobs[j].probe.take().is_some() {
-                                wk.est.probe_ended(key, ProbeEnd::Released, now);
-                            }
-                            settle(&mut jobs, j, "expired_not_started", false)?;
+                        if wk.free() > 0 {
+                            wk.refused_with_room(key, &policy, &jobs[j], now);
                         }
-                        Receipt::WaitForSlot => {
-                            wk.held[l] += 1;
-                            wk.buffer.push(ticket, j);
-                            let latest = policy
-                                .latest_start_ms(&jobs[j].env, learned.map(|e| e.quantile_ms));
-                            push(&mut events, latest.max(now), Ev::Latest(w, j));
+                        if jobs[j].probe.take().is_some() {
+                            wk.est.probe_ended(key, ProbeEnd::Released, now);
                         }
+                        record(&mut jobs, j, d, now)?;
                     }
                 }
             }
@@ -903,28 +945,44 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let Some((ticket, j)) = wk.buffer.pop() else {
                     break;
                 };
-                let learned = wk.learned(key, jobs[j].size, now);
+                let mut learned = wk.learned(key, jobs[j].size, now);
                 let mut learned_ms = learned.map(|e| e.quantile_ms);
                 let mut probe = jobs[j].probe.take();
                 if probe.is_some() {
-                    learned_ms = None;
+                    (learned, learned_ms) = (None, None);
                 } else if let Some(room) = policy.refused_by_learned(&jobs[j].env, learned_ms, now)
                     && wk.try_probe(key, jobs[j].size, room, now)
                 {
                     probe = Some(room);
                     probes += 1;
-                    learned_ms = None;
+                    (learned, learned_ms) = (None, None);
                 }
-                match policy.on_slot(&jobs[j].env, learned_ms, now) {
-                    Slot::Settle(_) => {
+                let Some(mut d) = jobs[j].delivery.take() else {
+                    bail!("invariant: buffered job {j} has no delivery");
+                };
+                // The slot, then the `running` row (instant here): the last check twice.
+                let clock = ClockState::Trusted;
+                d.handle(&policy, Event::SlotGranted { clock, learned }, now);
+                let cancel_requested = false;
+                d.handle(
+                    &policy,
+                    Event::StartDurable {
+                        learned,
+                        cancel_requested,
+                    },
+                    now,
+                );
+                match d.poll_action() {
+                    Action::Record => {
                         match probe {
                             Some(_) => wk.est.probe_ended(key, ProbeEnd::Released, now),
                             None => wk.refused_with_room(key, &policy, &jobs[j], now),
                         }
                         wk.held[lane[jobs[j].tenant]] -= 1;
-                        settle(&mut jobs, j, "expired_not_started", false)?;
+                        record(&mut jobs, j, d, now)?;
                     }
-                    Slot::Run { budget_ms } => {
+                    Action::Call { budget_ms } => {
+                        jobs[j].delivery = Some(d);
                         wk.buffer.granted(&ticket);
                         if now >= jobs[j].env.deadline().expires_at_ms() {
                             started_late += 1;
@@ -977,6 +1035,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                             Ev::CallEnd(w, g, j, d, cut, probe, in_flight),
                         );
                     }
+                    other => bail!("invariant: job {j} asked for {other:?} at its slot"),
                 }
             }
         }

@@ -1,12 +1,16 @@
 //! The life of one delivery in a worker, as a pure state machine.
 //!
-//! Written in the `quinn-proto` style: no IO, no clock reads; the driver (the worker's
-//! runtime) feeds in what happened, with `now` as an argument, and gets back the next step
-//! to carry out. Each state is its own type, and its methods are the only events it
+//! Written in the `quinn-proto` style: no IO, no clock reads. Its one door is
+//! [`Delivery`]: the driver (the worker's runtime, the core's table tests) asks
+//! [`Delivery::poll_action`] for the next step, carries it out, and reports what happened
+//! with [`Delivery::handle`] (`now` is an argument); [`Delivery::poll_timeout`] says when
+//! to look again. [`Finish`] cannot be made outside this module.
+//!
+//! Inside, each state is its own (private) type, and its methods are the only events it
 //! accepts; each returns the next state or a [`Finish`]. So a state offers only its legal
 //! continuations: a job admitted to run has no method that settles it without the start
-//! row, a waiting job cannot be acked, a running call cannot be handed back, and nothing
-//! "cannot happen".
+//! row, a waiting job cannot be acked, a running call cannot be handed back. An event
+//! that a state has no method for leaves it as it is.
 //!
 //! ```text
 //! Received ──looked──▶ Waiting ──slot_granted──▶ Admitted ──start_durable──▶ Calling
@@ -33,7 +37,7 @@
 //!   broker redelivers it); a started one goes on, records its outcome, and its ack or
 //!   reject is dropped (a delivery tag of a dead channel means nothing on a new one).
 //! - **cancel**: a waiting job is recorded `cancelled` without a call; after the start
-//!   row it is checked once more ([`Admitted::start_durable`]); the running call is
+//!   row it is checked once more ([`Event::StartDurable`]); the running call is
 //!   aborted by the driver and ends as [`CallResult::Cancelled`].
 
 // The states move by value, one step at a time, within one task: boxing the larger
@@ -47,6 +51,7 @@ use crate::disposition::{
 use crate::envelope::{Envelope, RejectError};
 use crate::outcome::State;
 use crate::reason::Reason;
+use crate::service_time::Estimate;
 
 /// What is known of the delivery, for the ledger record.
 #[derive(Debug, Clone, PartialEq, Eq, Default)]
@@ -99,19 +104,19 @@ pub enum FinishKind {
     Drop,
 }
 
-/// What the ledger row of a [`Recording`] says was decided.
+/// What the ledger row of a delivery being recorded says was decided.
 pub use crate::reason::Decision;
 
 /// A delivery just received: the driver looks its job up in the ledger (and holds it
 /// while a call of the same job still runs here or on another live worker).
 #[derive(Debug, Clone)]
-pub struct Received {
+struct Received {
     parsed: Result<Envelope, RejectError>,
     facts: Facts,
 }
 
 /// Start the life of a delivery.
-pub fn receive(
+fn receive(
     parsed: Result<Envelope, RejectError>,
     attempt: u32,
     received_at_ms: i64,
@@ -130,23 +135,15 @@ pub fn receive(
 
 /// After the receipt: wait for a slot, or settle now.
 #[derive(Debug, Clone)]
-pub enum Looked {
+enum Looked {
     AwaitSlot(Waiting),
     Settle(Settle),
 }
 
 impl Received {
-    pub fn parsed(&self) -> &Result<Envelope, RejectError> {
-        &self.parsed
-    }
-
-    pub fn facts(&self) -> &Facts {
-        &self.facts
-    }
-
     /// The ledger answered (`facts`, with the expected wait and the learned runtime):
     /// [`WorkerPolicy::on_receipt`] decides.
-    pub fn looked(mut self, policy: &WorkerPolicy, facts: ReceiptFacts, now_ms: i64) -> Looked {
+    fn looked(mut self, policy: &WorkerPolicy, facts: ReceiptFacts, now_ms: i64) -> Looked {
         if let Ok(env) = &self.parsed {
             self.facts.min_runtime_ms = Some(min_runtime(policy, env, facts.learned_runtime_ms));
         }
@@ -172,19 +169,19 @@ impl Received {
     }
 
     /// Shutdown while the job is looked up or held: it never started, hand it back.
-    pub fn shutdown(self) -> Finish {
+    fn shutdown(self) -> Finish {
         Finish::HAND_BACK
     }
 
     /// The channel is gone while the job is looked up or held: drop it locally.
-    pub fn channel_lost(self) -> Finish {
+    fn channel_lost(self) -> Finish {
         Finish::DROP
     }
 }
 
 /// Waiting for a model slot in the bounded local buffer.
 #[derive(Debug, Clone)]
-pub struct Waiting {
+struct Waiting {
     env: Envelope,
     facts: Facts,
 }
@@ -198,7 +195,7 @@ pub enum ClockState {
 
 /// After a slot was granted.
 #[derive(Debug, Clone)]
-pub enum Admission {
+enum Admission {
     /// Write the `running` row, then call ([`Admitted`]).
     Start(Admitted),
     /// Refused by the last admission check: settle without a call (release the slot).
@@ -212,7 +209,7 @@ pub enum Admission {
 
 /// After the latest-start timer of a waiting job fired.
 #[derive(Debug, Clone)]
-pub enum WaitTick {
+enum WaitTick {
     /// Still admissible (the estimate changed): keep waiting.
     Keep(Waiting),
     /// It can no longer finish in time: leave the buffer, settled without a call.
@@ -220,22 +217,14 @@ pub enum WaitTick {
 }
 
 impl Waiting {
-    pub fn env(&self) -> &Envelope {
-        &self.env
-    }
-
-    pub fn facts(&self) -> &Facts {
-        &self.facts
-    }
-
     /// When to look again whether the job can still finish in time (its latest useful
     /// start with the `learned` runtime); `None` when the policy does not watch it.
-    pub fn latest_start_ms(&self, policy: &WorkerPolicy, learned_ms: Option<u64>) -> Option<i64> {
+    fn latest_start_ms(&self, policy: &WorkerPolicy, learned_ms: Option<u64>) -> Option<i64> {
         (policy.watches_latest_start()).then(|| policy.latest_start_ms(&self.env, learned_ms))
     }
 
     /// The latest-start timer fired: the last admission check, counted as one.
-    pub fn latest_start_reached(
+    fn latest_start_reached(
         mut self,
         policy: &WorkerPolicy,
         learned_ms: Option<u64>,
@@ -252,7 +241,7 @@ impl Waiting {
 
     /// A slot is free. With a trusted clock: the last admission check, then the broker's
     /// ack window.
-    pub fn slot_granted(
+    fn slot_granted(
         mut self,
         clock: ClockState,
         policy: &WorkerPolicy,
@@ -292,7 +281,7 @@ impl Waiting {
     /// The model server's circuit breaker is open and no call of this job could start
     /// before its latest useful start ([`crate::breaker`]): it ends without a call,
     /// `expired_not_started` with `admission:upstream_unavailable`, checked at `now_ms`.
-    pub fn upstream_unavailable(mut self, policy: &WorkerPolicy, now_ms: i64) -> Settle {
+    fn upstream_unavailable(mut self, policy: &WorkerPolicy, now_ms: i64) -> Settle {
         self.facts.checked_at_ms = Some(now_ms);
         let d = policy.upstream_unavailable();
         settle(Ok(self.env), self.facts, d)
@@ -301,48 +290,44 @@ impl Waiting {
     /// The backend's next rate-limit permit comes after this job's latest useful start
     /// ([`crate::rate_limit`]): it ends without a call, `expired_not_started` with
     /// `admission:rate_limited`, checked at `now_ms`.
-    pub fn rate_limited(mut self, policy: &WorkerPolicy, now_ms: i64) -> Settle {
+    fn rate_limited(mut self, policy: &WorkerPolicy, now_ms: i64) -> Settle {
         self.facts.checked_at_ms = Some(now_ms);
         let d = policy.rate_limited();
         settle(Ok(self.env), self.facts, d)
     }
 
     /// Its cancellation was requested while it waited: `cancelled`, no call.
-    pub fn cancel(self) -> Settle {
+    fn cancel(self) -> Settle {
         settle(Ok(self.env), self.facts, cancelled())
     }
 
-    pub fn shutdown(self) -> Finish {
+    fn shutdown(self) -> Finish {
         Finish::HAND_BACK
     }
 
-    pub fn channel_lost(self) -> Finish {
+    fn channel_lost(self) -> Finish {
         Finish::DROP
     }
 }
 
 /// Holding a job (without a slot) while the clock may not be trusted.
 #[derive(Debug, Clone)]
-pub struct ClockWait {
+struct ClockWait {
     env: Envelope,
     facts: Facts,
 }
 
 /// After a look at a job waiting for clock sync.
 #[derive(Debug, Clone)]
-pub enum ClockTick {
+enum ClockTick {
     Keep(ClockWait),
     /// It can no longer pass the admission check: settle it without a call.
     Settle(Settle),
 }
 
 impl ClockWait {
-    pub fn env(&self) -> &Envelope {
-        &self.env
-    }
-
     /// Look again (periodically) whether the job can still pass the admission check.
-    pub fn tick(self, policy: &WorkerPolicy, learned_ms: Option<u64>, now_ms: i64) -> ClockTick {
+    fn tick(self, policy: &WorkerPolicy, learned_ms: Option<u64>, now_ms: i64) -> ClockTick {
         match policy.on_slot(&self.env, learned_ms, now_ms) {
             Slot::Run { .. } => ClockTick::Keep(self),
             Slot::Settle(d) => ClockTick::Settle(settle(Ok(self.env), self.facts, d)),
@@ -350,18 +335,18 @@ impl ClockWait {
     }
 
     /// The clock may be trusted again: wait for a slot again.
-    pub fn trusted(self) -> Waiting {
+    fn trusted(self) -> Waiting {
         Waiting {
             env: self.env,
             facts: self.facts,
         }
     }
 
-    pub fn shutdown(self) -> Finish {
+    fn shutdown(self) -> Finish {
         Finish::HAND_BACK
     }
 
-    pub fn channel_lost(self) -> Finish {
+    fn channel_lost(self) -> Finish {
         Finish::DROP
     }
 }
@@ -369,7 +354,7 @@ impl ClockWait {
 /// Admitted with a slot: the driver writes the durable `running` row (it makes crash
 /// loops countable), then reports [`Admitted::start_durable`].
 #[derive(Debug, Clone)]
-pub struct Admitted {
+struct Admitted {
     env: Envelope,
     facts: Facts,
     budget_ms: u64,
@@ -377,7 +362,7 @@ pub struct Admitted {
 
 /// After the `running` row is durable.
 #[derive(Debug, Clone)]
-pub enum Started {
+enum Started {
     /// Call the model with this budget.
     Call(Calling),
     /// Refused on the re-check after the write (expired meanwhile, or cancelled).
@@ -388,23 +373,9 @@ pub enum Started {
 }
 
 impl Admitted {
-    pub fn env(&self) -> &Envelope {
-        &self.env
-    }
-
-    pub fn facts(&self) -> &Facts {
-        &self.facts
-    }
-
-    /// The admission budget of the last check (the call's timeout before the re-check
-    /// after the start write and the ack window).
-    pub fn budget_ms(&self) -> u64 {
-        self.budget_ms
-    }
-
     /// Another delivery of the same job is already running here (a redelivery raced its
     /// first delivery): start over from the receipt, which waits for that call.
-    pub fn already_running_here(self) -> Received {
+    fn already_running_here(self) -> Received {
         Received {
             parsed: Ok(self.env),
             facts: self.facts,
@@ -413,7 +384,7 @@ impl Admitted {
 
     /// The `running` row is durable at `now_ms`: check again (the write took time), cap
     /// the call inside the ack window, and look at a cancellation once more.
-    pub fn start_durable(
+    fn start_durable(
         self,
         policy: &WorkerPolicy,
         learned_ms: Option<u64>,
@@ -456,20 +427,20 @@ impl Admitted {
     }
 
     /// The channel was lost during the write: the call still runs; its ack is dropped.
-    pub fn channel_lost(mut self) -> Self {
+    fn channel_lost(mut self) -> Self {
         self.facts.channel_lost = true;
         self
     }
 
     /// Shutdown before the start was durable: nothing is sent.
-    pub fn shutdown(self) -> Finish {
+    fn shutdown(self) -> Finish {
         Finish::DROP
     }
 }
 
 /// The model call runs with [`Calling::budget_ms`] as its timeout.
 #[derive(Debug, Clone)]
-pub struct Calling {
+struct Calling {
     env: Envelope,
     facts: Facts,
     budget_ms: u64,
@@ -478,37 +449,24 @@ pub struct Calling {
 
 /// How a call ended, as the ledger records it.
 #[derive(Debug, Clone)]
-pub struct CallEnded {
+struct CallEnded {
     /// The call's result; a call cut at the ack window is `failed`/`consumer_timeout`.
-    pub result: CallResult,
+    result: CallResult,
     /// Replaces the call's error text when set (why it was cut).
-    pub note: Option<String>,
-    pub settle: Settle,
+    note: Option<String>,
+    settle: Settle,
 }
 
 impl Calling {
-    pub fn env(&self) -> &Envelope {
-        &self.env
-    }
-
-    pub fn facts(&self) -> &Facts {
-        &self.facts
-    }
-
-    /// The call's timeout: the admission budget, capped inside the ack window.
-    pub fn budget_ms(&self) -> u64 {
-        self.budget_ms
-    }
-
     /// The channel was lost during the call: it goes on, its outcome is recorded, its
     /// ack is dropped.
-    pub fn channel_lost(mut self) -> Self {
+    fn channel_lost(mut self) -> Self {
         self.facts.channel_lost = true;
         self
     }
 
     /// The call ended at `now_ms`: [`WorkerPolicy::on_call_result`] decides.
-    pub fn call_ended(
+    fn call_ended(
         mut self,
         policy: &WorkerPolicy,
         mut result: CallResult,
@@ -544,7 +502,7 @@ impl Calling {
 
 /// How a delivery is settled once the core has decided.
 #[derive(Debug, Clone)]
-pub enum Settle {
+enum Settle {
     /// Write the outcome durably, then finish.
     Record(Recording),
     /// Publish the retry with confirm first, then record the attempt.
@@ -564,7 +522,7 @@ pub struct Retry {
 
 /// Publishing a retry (the original body, byte for byte, with the remaining budget).
 #[derive(Debug, Clone)]
-pub struct Publishing {
+struct Publishing {
     parsed: Result<Envelope, RejectError>,
     facts: Facts,
     retry: Retry,
@@ -572,7 +530,7 @@ pub struct Publishing {
 
 /// After a retry publish that was not confirmed.
 #[derive(Debug, Clone)]
-pub enum PublishFailed {
+enum PublishFailed {
     /// The job fails: record `failed`/`retry_publish_failed`, dead-letter it.
     Record(Recording),
     /// The channel is gone too: record nothing, the broker's redelivery is the retry
@@ -581,12 +539,8 @@ pub enum PublishFailed {
 }
 
 impl Publishing {
-    pub fn retry(&self) -> Retry {
-        self.retry
-    }
-
     /// Confirmed: record the attempt (`running`, decision `retry`), then ack.
-    pub fn published(self) -> Recording {
+    fn published(self) -> Recording {
         Recording {
             parsed: self.parsed,
             facts: self.facts,
@@ -597,7 +551,7 @@ impl Publishing {
     }
 
     /// Not confirmed.
-    pub fn failed(self) -> PublishFailed {
+    fn failed(self) -> PublishFailed {
         if self.facts.channel_lost {
             return PublishFailed::Drop(Finish::DROP);
         }
@@ -614,7 +568,7 @@ impl Publishing {
         })
     }
 
-    pub fn channel_lost(mut self) -> Self {
+    fn channel_lost(mut self) -> Self {
         self.facts.channel_lost = true;
         self
     }
@@ -623,7 +577,7 @@ impl Publishing {
 /// Writing the delivery's outcome (or its retry attempt) durably; only then is the
 /// delivery settled with the broker.
 #[derive(Debug, Clone)]
-pub struct Recording {
+struct Recording {
     parsed: Result<Envelope, RejectError>,
     facts: Facts,
     terminal: Option<Terminal>,
@@ -632,25 +586,13 @@ pub struct Recording {
 }
 
 impl Recording {
-    pub fn parsed(&self) -> &Result<Envelope, RejectError> {
-        &self.parsed
-    }
-
-    pub fn facts(&self) -> &Facts {
-        &self.facts
-    }
-
     /// The terminal outcome; `None` for a retry's or a hand-back's attempt row.
-    pub fn terminal(&self) -> Option<&Terminal> {
+    fn terminal(&self) -> Option<&Terminal> {
         self.terminal.as_ref()
     }
 
-    pub fn decision(&self) -> Decision {
-        self.decision
-    }
-
     /// The write committed: settle with the broker (unless the channel is gone).
-    pub fn durable(self) -> Finish {
+    fn durable(self) -> Finish {
         if self.facts.channel_lost {
             Finish::DROP
         } else {
@@ -658,13 +600,13 @@ impl Recording {
         }
     }
 
-    pub fn channel_lost(mut self) -> Self {
+    fn channel_lost(mut self) -> Self {
         self.facts.channel_lost = true;
         self
     }
 
     /// Shutdown before the write committed: nothing is sent (no ack without the write).
-    pub fn shutdown(self) -> Finish {
+    fn shutdown(self) -> Finish {
         Finish::DROP
     }
 }
@@ -718,4 +660,382 @@ fn min_runtime(policy: &WorkerPolicy, env: &Envelope, learned_ms: Option<u64>) -
         .min_runtime(env, learned_ms)
         .0
         .unwrap_or(policy.admission.default_min_runtime_ms)
+}
+
+/// One delivery's state machine behind one door, in the `quinn-proto` style: the driver
+/// asks [`Delivery::poll_action`] what to do, carries it out, and reports what happened
+/// with [`Delivery::handle`]; [`Delivery::poll_timeout`] says when to look again if
+/// nothing else happens. No IO and no clock reads: `now` is an argument.
+///
+/// It wraps the typed states above (each accepts only its legal events), so an event a
+/// state has no use for is ignored here rather than "cannot happen": a cancellation of a
+/// job whose call runs (the driver aborts the call, which ends as
+/// [`CallResult::Cancelled`]), a timer that fired after the state moved on.
+///
+/// It also keeps what the ledger row says beside the decision: the learned call time that
+/// applied (its refusal note, [`crate::service_time::Estimate::refusal_note`]) and why a
+/// call was cut (the ack window's note).
+#[derive(Debug, Clone)]
+pub struct Delivery {
+    phase: Phase,
+    /// The learned call time that applies to the job now (the last an event carried).
+    learned: Option<Estimate>,
+    /// The ledger's error text for this delivery, when the core explains its decision.
+    note: Option<String>,
+    /// The call's result as recorded (a call cut at the ack window is rewritten).
+    call_result: Option<CallResult>,
+    duplicate: bool,
+}
+
+#[derive(Debug, Clone)]
+enum Phase {
+    Received(Received),
+    Waiting(Waiting),
+    ClockWait(ClockWait),
+    Admitted(Admitted),
+    Calling(Calling),
+    Publishing(Publishing),
+    Recording(Recording),
+    Done(Finish),
+    /// Only while a transition runs (the states move by value).
+    Moving,
+}
+
+/// What happened, as the driver reports it to [`Delivery::handle`].
+#[derive(Debug, Clone)]
+pub enum Event {
+    /// The ledger answered the lookup ([`Action::LookUp`]); `learned` is the estimate
+    /// whose quantile the admission rule applies (it replaces `facts.learned_runtime_ms`).
+    Looked {
+        facts: ReceiptFacts,
+        learned: Option<Estimate>,
+    },
+    /// The learned call time that applies to a waiting job now (its backend's, for its
+    /// request): [`Delivery::poll_timeout`] follows it.
+    Estimate(Option<Estimate>),
+    /// A model slot is free for the job ([`Action::AwaitSlot`]), its breaker and rate
+    /// limit let the call through: the last admission check.
+    SlotGranted {
+        clock: ClockState,
+        learned: Option<Estimate>,
+    },
+    /// The instant of [`Delivery::poll_timeout`] came: a waiting job's latest useful
+    /// start (it leaves if it can no longer finish in time), or a job waiting for clock
+    /// sync looks again whether it still can pass the admission check.
+    Timeout { learned: Option<Estimate> },
+    /// Its model server's circuit breaker stays open past the job's latest useful start.
+    UpstreamUnavailable,
+    /// Its backend's next rate-limit permit comes after the job's latest useful start.
+    RateLimited,
+    /// The clock may be trusted again ([`Action::AwaitClock`]).
+    ClockTrusted,
+    /// A redelivery of the same job already runs here: look it up again (which waits).
+    AlreadyRunningHere,
+    /// The `running` row is durable ([`Action::WriteStart`]).
+    StartDurable {
+        learned: Option<Estimate>,
+        cancel_requested: bool,
+    },
+    /// The model call ended ([`Action::Call`]); `jitter` in [0, 1) spreads retry delays.
+    CallEnded {
+        result: CallResult,
+        learned: Option<Estimate>,
+        jitter: f64,
+    },
+    /// The retry's publish was confirmed ([`Action::PublishRetry`]).
+    Published,
+    /// The retry's publish was not confirmed.
+    PublishFailed,
+    /// The ledger write committed ([`Action::Record`]).
+    Durable,
+    /// Its cancellation was requested.
+    Cancel,
+    /// The worker is stopping.
+    Shutdown,
+    /// The delivery's channel is gone.
+    ChannelLost,
+}
+
+/// The step the driver carries out next ([`Delivery::poll_action`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Action {
+    /// Hold the job while a call of it may still run (here or on another live worker),
+    /// then look it up in the ledger: [`Event::Looked`].
+    LookUp,
+    /// Wait in the buffer for a slot ([`Event::SlotGranted`]), until
+    /// [`Delivery::poll_timeout`] at the latest ([`Event::Timeout`]).
+    AwaitSlot,
+    /// Hold the job, without a slot, until the clock may be trusted
+    /// ([`Event::ClockTrusted`]), looking again now and then ([`Event::Timeout`]).
+    AwaitClock,
+    /// Write the durable `running` row: [`Event::StartDurable`].
+    WriteStart,
+    /// Call the model with this timeout: [`Event::CallEnded`].
+    Call { budget_ms: u64 },
+    /// Publish the retry with confirm: [`Event::Published`] or [`Event::PublishFailed`].
+    PublishRetry(Retry),
+    /// Write the outcome ([`Delivery::terminal`], [`Delivery::decision`]) durably:
+    /// [`Event::Durable`].
+    Record,
+    /// Settle with the broker; the delivery is over.
+    Finish(Finish),
+}
+
+impl Delivery {
+    /// Start the life of a delivery just received (`attempt` is the one it carries;
+    /// `consumer_timeout_ms` is the broker's, when known).
+    pub fn new(
+        parsed: Result<Envelope, RejectError>,
+        attempt: u32,
+        received_at_ms: i64,
+        consumer_timeout_ms: Option<u64>,
+    ) -> Self {
+        Delivery {
+            phase: Phase::Received(receive(
+                parsed,
+                attempt,
+                received_at_ms,
+                consumer_timeout_ms,
+            )),
+            learned: None,
+            note: None,
+            call_result: None,
+            duplicate: false,
+        }
+    }
+
+    /// What to do next. The same until an event moves the delivery on.
+    pub fn poll_action(&self) -> Action {
+        match &self.phase {
+            Phase::Received(_) => Action::LookUp,
+            Phase::Waiting(_) => Action::AwaitSlot,
+            Phase::ClockWait(_) => Action::AwaitClock,
+            Phase::Admitted(_) => Action::WriteStart,
+            Phase::Calling(c) => Action::Call {
+                budget_ms: c.budget_ms,
+            },
+            Phase::Publishing(p) => Action::PublishRetry(p.retry),
+            Phase::Recording(_) => Action::Record,
+            Phase::Done(f) => Action::Finish(*f),
+            Phase::Moving => unreachable!("a transition panicked"),
+        }
+    }
+
+    /// When to report [`Event::Timeout`] if nothing else happens first: a waiting job's
+    /// latest useful start with the learned call time it was last given (`None` when the
+    /// policy does not watch it). The event is due once `now` is past this instant.
+    pub fn poll_timeout(&self, policy: &WorkerPolicy) -> Option<i64> {
+        match &self.phase {
+            Phase::Waiting(w) => w.latest_start_ms(policy, self.learned_ms()),
+            _ => None,
+        }
+    }
+
+    /// Report what happened at `now_ms`.
+    pub fn handle(&mut self, policy: &WorkerPolicy, event: Event, now_ms: i64) {
+        let phase = std::mem::replace(&mut self.phase, Phase::Moving);
+        self.phase = self.step(policy, phase, event, now_ms);
+    }
+
+    fn learned_ms(&self) -> Option<u64> {
+        self.learned.map(|e| e.quantile_ms)
+    }
+
+    fn step(&mut self, policy: &WorkerPolicy, phase: Phase, event: Event, now: i64) -> Phase {
+        use Event as E;
+        match event {
+            E::Looked { learned, .. }
+            | E::Estimate(learned)
+            | E::SlotGranted { learned, .. }
+            | E::Timeout { learned }
+            | E::StartDurable { learned, .. }
+            | E::CallEnded { learned, .. } => self.learned = learned,
+            _ => {}
+        }
+        let learned = self.learned_ms();
+        match (phase, event) {
+            (Phase::Received(r), E::Looked { mut facts, .. }) => {
+                facts.learned_runtime_ms = learned;
+                match r.looked(policy, facts, now) {
+                    Looked::AwaitSlot(w) => Phase::Waiting(w),
+                    Looked::Settle(s) => self.settle(s),
+                }
+            }
+            (Phase::Received(r), E::Shutdown) => Phase::Done(r.shutdown()),
+            (Phase::Received(r), E::ChannelLost) => Phase::Done(r.channel_lost()),
+            (Phase::Waiting(w), E::SlotGranted { clock, .. }) => {
+                match w.slot_granted(clock, policy, learned, now) {
+                    Admission::Start(a) => Phase::Admitted(a),
+                    Admission::Settle(s) => self.settle(s),
+                    Admission::ClockWait(c) => Phase::ClockWait(c),
+                    Admission::HandBack(f) => Phase::Done(f),
+                }
+            }
+            (Phase::Waiting(w), E::Timeout { .. }) => {
+                match w.latest_start_reached(policy, learned, now) {
+                    WaitTick::Keep(w) => Phase::Waiting(w),
+                    WaitTick::Settle(s) => self.settle(s),
+                }
+            }
+            (Phase::Waiting(w), E::UpstreamUnavailable) => {
+                let s = w.upstream_unavailable(policy, now);
+                self.settle(s)
+            }
+            (Phase::Waiting(w), E::RateLimited) => {
+                let s = w.rate_limited(policy, now);
+                self.settle(s)
+            }
+            (Phase::Waiting(w), E::Cancel) => {
+                let s = w.cancel();
+                self.settle(s)
+            }
+            (Phase::Waiting(w), E::Shutdown) => Phase::Done(w.shutdown()),
+            (Phase::Waiting(w), E::ChannelLost) => Phase::Done(w.channel_lost()),
+            (Phase::ClockWait(c), E::Timeout { .. }) => match c.tick(policy, learned, now) {
+                ClockTick::Keep(c) => Phase::ClockWait(c),
+                ClockTick::Settle(s) => self.settle(s),
+            },
+            (Phase::ClockWait(c), E::ClockTrusted) => Phase::Waiting(c.trusted()),
+            (Phase::ClockWait(c), E::Shutdown) => Phase::Done(c.shutdown()),
+            (Phase::ClockWait(c), E::ChannelLost) => Phase::Done(c.channel_lost()),
+            (Phase::Admitted(a), E::AlreadyRunningHere) => {
+                Phase::Received(a.already_running_here())
+            }
+            (
+                Phase::Admitted(a),
+                E::StartDurable {
+                    cancel_requested, ..
+                },
+            ) => match a.start_durable(policy, learned, cancel_requested, now) {
+                Started::Call(c) => Phase::Calling(c),
+                Started::Settle(s) => self.settle(s),
+                Started::HandBack(r) => Phase::Recording(r),
+            },
+            (Phase::Admitted(a), E::ChannelLost) => Phase::Admitted(a.channel_lost()),
+            (Phase::Admitted(a), E::Shutdown) => Phase::Done(a.shutdown()),
+            (Phase::Calling(c), E::CallEnded { result, jitter, .. }) => {
+                let ended = c.call_ended(policy, result, learned, now, jitter);
+                self.note = ended.note;
+                self.call_result = Some(ended.result);
+                self.settle(ended.settle)
+            }
+            (Phase::Calling(c), E::ChannelLost) => Phase::Calling(c.channel_lost()),
+            (Phase::Publishing(p), E::Published) => Phase::Recording(p.published()),
+            (Phase::Publishing(p), E::PublishFailed) => match p.failed() {
+                PublishFailed::Record(r) => Phase::Recording(r),
+                PublishFailed::Drop(f) => Phase::Done(f),
+            },
+            (Phase::Publishing(p), E::ChannelLost) => Phase::Publishing(p.channel_lost()),
+            (Phase::Recording(r), E::Durable) => Phase::Done(r.durable()),
+            (Phase::Recording(r), E::ChannelLost) => Phase::Recording(r.channel_lost()),
+            (Phase::Recording(r), E::Shutdown) => Phase::Done(r.shutdown()),
+            // Anything else leaves the state as it is (see the type's doc).
+            (phase, _) => phase,
+        }
+    }
+
+    fn settle(&mut self, s: Settle) -> Phase {
+        match s {
+            Settle::Record(r) => {
+                if self.call_result.is_none() {
+                    let reason = r.terminal().and_then(|t| t.reason.as_ref());
+                    self.note = self.learned.and_then(|e| e.refusal_note(reason));
+                }
+                Phase::Recording(r)
+            }
+            Settle::PublishRetry(p) => Phase::Publishing(p),
+            Settle::Duplicate(f) => {
+                self.duplicate = true;
+                Phase::Done(f)
+            }
+        }
+    }
+
+    /// The delivery's envelope as parsed (an invalid one is recorded `rejected`).
+    pub fn parsed(&self) -> Result<&Envelope, &RejectError> {
+        let parsed = match &self.phase {
+            Phase::Received(r) => &r.parsed,
+            Phase::Publishing(p) => &p.parsed,
+            Phase::Recording(r) => &r.parsed,
+            Phase::Waiting(w) => return Ok(&w.env),
+            Phase::ClockWait(c) => return Ok(&c.env),
+            Phase::Admitted(a) => return Ok(&a.env),
+            Phase::Calling(c) => return Ok(&c.env),
+            Phase::Done(_) | Phase::Moving => {
+                unreachable!("a finished delivery has given its envelope up")
+            }
+        };
+        parsed.as_ref()
+    }
+
+    /// Its envelope, when it is valid (and the delivery not finished).
+    pub fn env(&self) -> Option<&Envelope> {
+        match &self.phase {
+            Phase::Done(_) | Phase::Moving => None,
+            _ => self.parsed().ok(),
+        }
+    }
+
+    /// What is known of the delivery for the ledger (`None` once finished).
+    pub fn facts(&self) -> Option<&Facts> {
+        Some(match &self.phase {
+            Phase::Received(r) => &r.facts,
+            Phase::Waiting(w) => &w.facts,
+            Phase::ClockWait(c) => &c.facts,
+            Phase::Admitted(a) => &a.facts,
+            Phase::Calling(c) => &c.facts,
+            Phase::Publishing(p) => &p.facts,
+            Phase::Recording(r) => &r.facts,
+            Phase::Done(_) | Phase::Moving => return None,
+        })
+    }
+
+    /// The admission budget of the last check (while admitted or calling: the call's
+    /// timeout).
+    pub fn budget_ms(&self) -> Option<u64> {
+        match &self.phase {
+            Phase::Admitted(a) => Some(a.budget_ms),
+            Phase::Calling(c) => Some(c.budget_ms),
+            _ => None,
+        }
+    }
+
+    /// While [`Action::Record`]: the terminal outcome (`None` for a retry's or a
+    /// hand-back's attempt row).
+    pub fn terminal(&self) -> Option<&Terminal> {
+        match &self.phase {
+            Phase::Recording(r) => r.terminal(),
+            _ => None,
+        }
+    }
+
+    /// While [`Action::Record`]: what the row says was decided.
+    pub fn decision(&self) -> Option<Decision> {
+        match &self.phase {
+            Phase::Recording(r) => Some(r.decision),
+            _ => None,
+        }
+    }
+
+    /// The ledger's error text the core gives the delivery: why the learned call time
+    /// refused it, or why its call was cut before the deadline (it replaces the call's
+    /// own error text).
+    pub fn note(&self) -> Option<&str> {
+        self.note.as_deref()
+    }
+
+    /// The result of the delivery's call as the ledger records it, once it ended.
+    pub fn call_result(&self) -> Option<&CallResult> {
+        self.call_result.as_ref()
+    }
+
+    /// The learned call time it was last given.
+    pub fn learned(&self) -> Option<Estimate> {
+        self.learned
+    }
+
+    /// It ended as a redelivery of a job whose outcome the ledger already holds.
+    pub fn is_duplicate(&self) -> bool {
+        self.duplicate
+    }
 }

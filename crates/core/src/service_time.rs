@@ -231,7 +231,7 @@ pub struct Estimate {
 
 impl Estimate {
     /// The ledger note of a refusal that this estimate decided (a reason for which
-    /// [`Reason::is_learned_refusal`] holds): which estimate it was, so that an operator
+    /// [`crate::Reason::is_learned_refusal`] holds): which estimate it was, so that an operator
     /// can see why a job with budget left was not started. `None` for any other outcome.
     pub fn refusal_note(&self, reason: Option<&crate::Reason>) -> Option<String> {
         reason

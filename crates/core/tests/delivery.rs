@@ -3,11 +3,9 @@
 //! machine must ask for, down to how the delivery ends with the broker.
 
 use lastcall_core::Reason;
-use lastcall_core::delivery::{
-    self, Admission, ClockState, ClockTick, Finish, Looked, PublishFailed, Settle, Started,
-    WaitTick,
-};
+use lastcall_core::delivery::{Action, ClockState, Delivery, Event, FinishKind};
 use lastcall_core::disposition::{Dispatch, Receipt, Slot, UNBOUNDED_BUDGET_MS};
+use lastcall_core::service_time::{Estimate, EstimateSource};
 use lastcall_core::{
     AdmissionPolicy, CallResult, Deadline, Envelope, EnvelopeLimits, ExpiredAction, JobId, Kind,
     ReceiptFacts, RejectError, WorkerPolicy,
@@ -38,151 +36,105 @@ enum Ev {
     Lost,
 }
 
-/// The machine between events (the test's view of the driver).
-enum Phase {
-    Received(delivery::Received),
-    Waiting(delivery::Waiting),
-    ClockWait(delivery::ClockWait),
-    Admitted(delivery::Admitted),
-    Calling(delivery::Calling),
-    Publishing(delivery::Publishing),
-    Recording(delivery::Recording),
-    Done,
-}
-
+/// The test's driver: it feeds the events to the real [`Delivery`] and writes down each
+/// step the delivery asks for ([`Delivery::poll_action`]) when it changes.
 struct Run {
     policy: WorkerPolicy,
     now: i64,
-    learned: Option<u64>,
+    delivery: Delivery,
     steps: Vec<String>,
 }
 
 impl Run {
-    fn settle(&mut self, s: Settle) -> Phase {
-        match s {
-            Settle::Record(r) => self.record(r),
-            Settle::PublishRetry(p) => {
-                self.steps
-                    .push(format!("publish_retry(attempt {})", p.retry().next_attempt));
-                Phase::Publishing(p)
+    fn new(policy: WorkerPolicy, delivery: Delivery) -> Self {
+        let mut run = Run {
+            policy,
+            now: 1_000,
+            delivery,
+            steps: Vec::new(),
+        };
+        run.steps.push(run.step());
+        run
+    }
+
+    /// The step the delivery asks for, as the tables write it.
+    fn step(&self) -> String {
+        let d = &self.delivery;
+        match d.poll_action() {
+            Action::LookUp => "look_up".into(),
+            Action::AwaitSlot => "await_slot".into(),
+            Action::AwaitClock => "clock_wait".into(),
+            Action::WriteStart => "write_start".into(),
+            Action::Call { budget_ms } => format!("call({budget_ms} ms)"),
+            Action::PublishRetry(r) => format!("publish_retry(attempt {})", r.next_attempt),
+            Action::Record => {
+                let t = d.terminal();
+                let state = t.map_or("running", |t| t.state.as_str());
+                let reason = (t.and_then(|t| t.reason.as_ref()))
+                    .map(ToString::to_string)
+                    .unwrap_or_default();
+                format!(
+                    "record({state},{reason},{},called={})",
+                    d.decision().expect("recording").as_str(),
+                    d.facts().expect("recording").started_at_ms.is_some()
+                )
             }
-            Settle::Duplicate(f) => {
-                self.steps.push("duplicate".into());
-                self.finish(f)
-            }
+            Action::Finish(f) => format!("{:?}", f.kind()).to_lowercase(),
         }
     }
 
-    fn record(&mut self, r: delivery::Recording) -> Phase {
-        let state = r.terminal().map_or("running", |t| t.state.as_str());
-        let reason = r
-            .terminal()
-            .and_then(|t| t.reason.as_ref())
-            .map(ToString::to_string)
-            .unwrap_or_default();
-        self.steps.push(format!(
-            "record({state},{reason},{},called={})",
-            r.decision().as_str(),
-            r.facts().started_at_ms.is_some()
-        ));
-        Phase::Recording(r)
-    }
-
-    fn finish(&mut self, f: Finish) -> Phase {
-        self.steps.push(format!("{:?}", f.kind()).to_lowercase());
-        Phase::Done
-    }
-
-    fn apply(&mut self, phase: Phase, ev: Ev) -> Phase {
-        let (p, now, learned) = (&self.policy.clone(), self.now, self.learned);
-        match (phase, ev) {
-            (phase, Ev::At(t)) => {
+    fn apply(&mut self, ev: Ev) {
+        let event = match ev {
+            Ev::At(t) => {
                 self.now = t;
-                phase
+                return;
             }
-            (Phase::Received(r), Ev::Looked(f)) => match r.looked(p, f, now) {
-                Looked::AwaitSlot(w) => {
-                    self.steps.push("await_slot".into());
-                    Phase::Waiting(w)
-                }
-                Looked::Settle(s) => self.settle(s),
+            Ev::Looked(facts) => Event::Looked {
+                facts,
+                learned: None,
             },
-            (Phase::Received(r), Ev::Shutdown) => self.finish(r.shutdown()),
-            (Phase::Received(r), Ev::Lost) => self.finish(r.channel_lost()),
-            (Phase::Waiting(w), Ev::Slot(clock)) => match w.slot_granted(clock, p, learned, now) {
-                Admission::Start(a) => {
-                    self.steps.push("write_start".into());
-                    Phase::Admitted(a)
-                }
-                Admission::Settle(s) => self.settle(s),
-                Admission::ClockWait(c) => {
-                    self.steps.push("clock_wait".into());
-                    Phase::ClockWait(c)
-                }
-                Admission::HandBack(f) => self.finish(f),
+            Ev::Slot(clock) => Event::SlotGranted {
+                clock,
+                learned: None,
             },
-            (Phase::Waiting(w), Ev::LatestStart) => {
-                let at = w.latest_start_ms(p, learned);
+            Ev::LatestStart => {
+                let at = self.delivery.poll_timeout(&self.policy);
                 self.steps.push(format!("latest_start({at:?})"));
-                match w.latest_start_reached(p, learned, now) {
-                    WaitTick::Keep(w) => Phase::Waiting(w),
-                    WaitTick::Settle(s) => self.settle(s),
-                }
+                Event::Timeout { learned: None }
             }
-            (Phase::Waiting(w), Ev::Cancel) => {
-                let s = w.cancel();
-                self.settle(s)
-            }
-            (Phase::Waiting(w), Ev::Shutdown) => self.finish(w.shutdown()),
-            (Phase::Waiting(w), Ev::Lost) => self.finish(w.channel_lost()),
-            (Phase::ClockWait(c), Ev::ClockTick) => match c.tick(p, learned, now) {
-                ClockTick::Keep(c) => Phase::ClockWait(c),
-                ClockTick::Settle(s) => self.settle(s),
+            Ev::ClockTick => Event::Timeout { learned: None },
+            Ev::ClockTrusted => Event::ClockTrusted,
+            Ev::RunningHere => Event::AlreadyRunningHere,
+            Ev::StartDurable { cancel } => Event::StartDurable {
+                learned: None,
+                cancel_requested: cancel,
             },
-            (Phase::ClockWait(c), Ev::ClockTrusted) => {
-                self.steps.push("await_slot".into());
-                Phase::Waiting(c.trusted())
-            }
-            (Phase::ClockWait(c), Ev::Shutdown) => self.finish(c.shutdown()),
-            (Phase::ClockWait(c), Ev::Lost) => self.finish(c.channel_lost()),
-            (Phase::Admitted(a), Ev::RunningHere) => {
-                self.steps.push("look_up".into());
-                Phase::Received(a.already_running_here())
-            }
-            (Phase::Admitted(a), Ev::StartDurable { cancel }) => {
-                match a.start_durable(p, learned, cancel, now) {
-                    Started::Call(c) => {
-                        self.steps.push(format!("call({} ms)", c.budget_ms()));
-                        Phase::Calling(c)
-                    }
-                    Started::Settle(s) => self.settle(s),
-                    Started::HandBack(r) => self.record(r),
-                }
-            }
-            (Phase::Admitted(a), Ev::Lost) => Phase::Admitted(a.channel_lost()),
-            (Phase::Admitted(a), Ev::Shutdown) => self.finish(a.shutdown()),
-            (Phase::Calling(c), Ev::CallEnded(result)) => {
-                let ended = c.call_ended(p, result, None, now, 0.5);
-                if let Some(n) = &ended.note {
-                    self.steps
-                        .push(format!("note({})", &n[..n.find(':').unwrap_or(n.len())]));
-                }
-                self.settle(ended.settle)
-            }
-            (Phase::Calling(c), Ev::Lost) => Phase::Calling(c.channel_lost()),
-            (Phase::Publishing(pb), Ev::Published) => {
-                let r = pb.published();
-                self.record(r)
-            }
-            (Phase::Publishing(pb), Ev::PublishFailed) => match pb.failed() {
-                PublishFailed::Record(r) => self.record(r),
-                PublishFailed::Drop(f) => self.finish(f),
+            Ev::CallEnded(result) => Event::CallEnded {
+                result,
+                learned: None,
+                jitter: 0.5,
             },
-            (Phase::Publishing(pb), Ev::Lost) => Phase::Publishing(pb.channel_lost()),
-            (Phase::Recording(r), Ev::Durable) => self.finish(r.durable()),
-            (Phase::Recording(r), Ev::Lost) => Phase::Recording(r.channel_lost()),
-            (Phase::Recording(r), Ev::Shutdown) => self.finish(r.shutdown()),
-            (_, ev) => panic!("the table feeds {ev:?} to a state that has no such event"),
+            Ev::Published => Event::Published,
+            Ev::PublishFailed => Event::PublishFailed,
+            Ev::Durable => Event::Durable,
+            Ev::Cancel => Event::Cancel,
+            Ev::Shutdown => Event::Shutdown,
+            Ev::Lost => Event::ChannelLost,
+        };
+        let before = self.delivery.poll_action();
+        let was_calling = matches!(before, Action::Call { .. });
+        self.delivery.handle(&self.policy, event, self.now);
+        let after = self.delivery.poll_action();
+        if was_calling && let Some(n) = self.delivery.note() {
+            self.steps
+                .push(format!("note({})", &n[..n.find(':').unwrap_or(n.len())]));
+        }
+        if self.delivery.is_duplicate() && matches!(after, Action::Finish(_)) {
+            self.steps.push("duplicate".into());
+        }
+        // A step is written when the delivery moves on.
+        if before != after {
+            self.steps.push(self.step());
         }
     }
 }
@@ -245,18 +197,13 @@ fn retryable() -> CallResult {
 }
 
 fn run(r: Row) {
-    let mut run = Run {
-        policy: r.policy,
-        now: 1_000,
-        learned: None,
-        steps: vec!["look_up".into()],
-    };
-    let mut phase = Phase::Received(delivery::receive(r.parsed, 0, 1_000, r.consumer_timeout_ms));
+    let delivery = Delivery::new(r.parsed, 0, 1_000, r.consumer_timeout_ms);
+    let mut run = Run::new(r.policy, delivery);
     for ev in r.events {
-        phase = run.apply(phase, ev);
+        run.apply(ev);
     }
     assert!(
-        matches!(phase, Phase::Done),
+        matches!(run.delivery.poll_action(), Action::Finish(_)),
         "{}: the script leaves the delivery unfinished after {:?}",
         r.name,
         run.steps
@@ -874,25 +821,23 @@ fn the_deadline_checks_are_the_policys() {
 #[test]
 fn the_facts_carry_the_instants_the_ledger_records() {
     let p = policy();
-    let received = delivery::receive(Ok(env(10_000, Some(500))), 2, 1_000, None);
-    let Looked::AwaitSlot(w) = received.looked(&p, ReceiptFacts::default(), 1_000) else {
-        panic!("a fresh job waits for a slot");
-    };
-    assert_eq!(w.facts().min_runtime_ms, Some(500));
-    let Admission::Start(a) = w.slot_granted(ClockState::Trusted, &p, None, 3_000) else {
-        panic!("admitted");
-    };
-    assert_eq!(a.facts().checked_at_ms, Some(3_000));
-    assert_eq!(a.facts().started_at_ms, None);
-    let Started::Call(c) = a.start_durable(&p, None, false, 3_100) else {
-        panic!("called");
-    };
-    assert_eq!(c.budget_ms(), 6_800);
-    let ended = c.call_ended(&p, CallResult::Completed, None, 4_000, 0.0);
-    let Settle::Record(r) = ended.settle else {
-        panic!("recorded");
-    };
-    let f = r.facts();
+    let mut d = Delivery::new(Ok(env(10_000, Some(500))), 2, 1_000, None);
+    d.handle(&p, looked(ReceiptFacts::default(), None), 1_000);
+    assert_eq!(
+        d.poll_action(),
+        Action::AwaitSlot,
+        "a fresh job waits for a slot"
+    );
+    assert_eq!(d.facts().unwrap().min_runtime_ms, Some(500));
+    d.handle(&p, slot(None), 3_000);
+    assert_eq!(d.poll_action(), Action::WriteStart, "admitted");
+    assert_eq!(d.facts().unwrap().checked_at_ms, Some(3_000));
+    assert_eq!(d.facts().unwrap().started_at_ms, None);
+    d.handle(&p, started(None), 3_100);
+    assert_eq!(d.poll_action(), Action::Call { budget_ms: 6_800 });
+    d.handle(&p, ended(CallResult::Completed), 4_000);
+    assert_eq!(d.poll_action(), Action::Record);
+    let f = d.facts().unwrap();
     assert_eq!(
         (
             f.attempt,
@@ -903,6 +848,7 @@ fn the_facts_carry_the_instants_the_ledger_records() {
         ),
         (2, 1_000, Some(3_000), Some(3_100), Some(4_000))
     );
+    assert_eq!(d.call_result(), Some(&CallResult::Completed));
 }
 
 /// A job whose backend's next rate-limit permit comes after its latest useful start ends
@@ -910,20 +856,165 @@ fn the_facts_carry_the_instants_the_ledger_records() {
 #[test]
 fn a_rate_limited_job_ends_unstarted_with_its_reason() {
     let p = policy();
-    let received = delivery::receive(Ok(env(10_000, Some(500))), 0, 1_000, None);
-    let Looked::AwaitSlot(w) = received.looked(&p, ReceiptFacts::default(), 1_000) else {
-        panic!("a fresh job waits for a slot");
-    };
-    let Settle::Record(r) = w.rate_limited(&p, 1_200) else {
-        panic!("recorded");
-    };
-    let t = r.terminal().expect("terminal");
+    let mut d = Delivery::new(Ok(env(10_000, Some(500))), 0, 1_000, None);
+    d.handle(&p, looked(ReceiptFacts::default(), None), 1_000);
+    d.handle(&p, Event::RateLimited, 1_200);
+    assert_eq!(d.poll_action(), Action::Record);
+    let t = d.terminal().expect("terminal");
     assert_eq!(t.state, lastcall_core::State::ExpiredNotStarted);
     assert_eq!(
         t.reason.as_ref().map(ToString::to_string).as_deref(),
         Some("admission:rate_limited")
     );
-    assert_eq!(r.facts().checked_at_ms, Some(1_200));
-    assert_eq!(r.facts().started_at_ms, None);
-    assert_eq!(r.decision(), lastcall_core::Decision::Ack);
+    assert_eq!(d.facts().unwrap().checked_at_ms, Some(1_200));
+    assert_eq!(d.facts().unwrap().started_at_ms, None);
+    assert_eq!(d.decision(), Some(lastcall_core::Decision::Ack));
+    d.handle(&p, Event::Durable, 1_300);
+    assert!(matches!(d.poll_action(), Action::Finish(f) if f.kind() == FinishKind::Ack));
+}
+
+fn estimate(quantile_ms: u64) -> Estimate {
+    Estimate {
+        quantile_ms,
+        mean_ms: quantile_ms / 2,
+        samples: 40,
+        source: EstimateSource::Key,
+    }
+}
+
+fn looked(facts: ReceiptFacts, learned: Option<Estimate>) -> Event {
+    Event::Looked { facts, learned }
+}
+
+fn slot(learned: Option<Estimate>) -> Event {
+    Event::SlotGranted {
+        clock: ClockState::Trusted,
+        learned,
+    }
+}
+
+fn started(learned: Option<Estimate>) -> Event {
+    Event::StartDurable {
+        learned,
+        cancel_requested: false,
+    }
+}
+
+fn ended(result: CallResult) -> Event {
+    Event::CallEnded {
+        result,
+        learned: None,
+        jitter: 0.0,
+    }
+}
+
+/// The timeout a waiting job asks for is its latest useful start with the learned call
+/// time it was last given; a newer estimate moves it, and the timeout then either keeps
+/// the job waiting or settles it without a call.
+#[test]
+fn the_latest_start_follows_the_learned_estimate() {
+    let p = policy();
+    let mut d = Delivery::new(Ok(env(10_000, None)), 0, 1_000, None);
+    d.handle(
+        &p,
+        looked(ReceiptFacts::default(), Some(estimate(2_000))),
+        1_000,
+    );
+    assert_eq!(d.poll_action(), Action::AwaitSlot);
+    // 10 000 − 100 (clock margin) − 2 000.
+    assert_eq!(d.poll_timeout(&p), Some(7_900));
+    d.handle(&p, Event::Estimate(Some(estimate(4_000))), 2_000);
+    assert_eq!(d.poll_timeout(&p), Some(5_900));
+    // The estimate fell again before the timer fired: still admissible, keep waiting.
+    d.handle(
+        &p,
+        Event::Timeout {
+            learned: Some(estimate(1_000)),
+        },
+        5_901,
+    );
+    assert_eq!(d.poll_action(), Action::AwaitSlot);
+    assert_eq!(d.poll_timeout(&p), Some(8_900));
+    d.handle(
+        &p,
+        Event::Timeout {
+            learned: Some(estimate(1_000)),
+        },
+        8_901,
+    );
+    assert_eq!(d.poll_action(), Action::Record);
+    let t = d.terminal().expect("terminal");
+    assert_eq!(t.state, lastcall_core::State::ExpiredNotStarted);
+    assert_eq!(d.poll_timeout(&p), None, "only a waiting job has a timeout");
+    // The ledger's note says which learned time refused it.
+    let note = d.note().expect("a learned refusal explains itself");
+    assert!(note.contains("p99 1000 ms"), "{note}");
+}
+
+/// A refusal by the floor, not by the learned call time, has no learned note; a call cut
+/// at the ack window has its own, and its result is recorded as the ack window's.
+#[test]
+fn the_ledger_note_is_the_cores() {
+    let p = policy();
+    let mut d = Delivery::new(Ok(env(1_050, None)), 0, 1_000, None);
+    d.handle(
+        &p,
+        looked(ReceiptFacts::default(), Some(estimate(10))),
+        1_000,
+    );
+    assert_eq!(d.poll_action(), Action::Record, "past its clock margin");
+    assert_eq!(d.note(), None);
+
+    let mut d = Delivery::new(Ok(env(100_000, None)), 0, 1_000, Some(30_000));
+    d.handle(&p, looked(ReceiptFacts::default(), None), 1_000);
+    d.handle(&p, slot(None), 1_000);
+    d.handle(&p, started(None), 1_000);
+    let Action::Call { budget_ms } = d.poll_action() else {
+        panic!("called");
+    };
+    assert!(budget_ms < 30_000, "cut inside the ack window: {budget_ms}");
+    d.handle(
+        &p,
+        ended(CallResult::DeadlineExceeded),
+        1_000 + budget_ms as i64,
+    );
+    assert!(matches!(
+        d.call_result(),
+        Some(CallResult::Failed {
+            retryable: false,
+            ..
+        })
+    ));
+    assert!(d.note().expect("cut note").contains("consumer_timeout"));
+}
+
+/// Events a state has no use for leave it as it is: a cancellation while the call runs
+/// (the driver aborts the call, which ends as `Cancelled`), a stale timer, a slot for a
+/// job that is no longer waiting.
+#[test]
+fn an_event_a_state_has_no_use_for_changes_nothing() {
+    let p = policy();
+    let mut d = Delivery::new(Ok(env(10_000, None)), 0, 1_000, None);
+    for ev in [Event::Durable, slot(None), Event::Published] {
+        d.handle(&p, ev, 1_000);
+        assert_eq!(d.poll_action(), Action::LookUp);
+    }
+    d.handle(&p, looked(ReceiptFacts::default(), None), 1_000);
+    d.handle(&p, slot(None), 1_000);
+    d.handle(&p, started(None), 1_000);
+    let calling = d.poll_action();
+    for ev in [
+        Event::Cancel,
+        Event::Timeout { learned: None },
+        slot(None),
+        Event::Shutdown,
+    ] {
+        d.handle(&p, ev, 2_000);
+        assert_eq!(d.poll_action(), calling);
+    }
+    d.handle(&p, ended(CallResult::Cancelled), 2_000);
+    assert_eq!(
+        d.terminal().map(|t| t.state),
+        Some(lastcall_core::State::Cancelled)
+    );
 }

@@ -1,11 +1,149 @@
-//! The model call: the backend with a timeout equal to the budget, the job's cancellation
-//! token, and the token-delta stream of a streaming job.
+//! The model call ([`Action::Call`](lastcall_core::delivery::Action::Call)): the backend
+//! with a timeout equal to the budget, the job's cancellation token, and the token-delta
+//! stream of a streaming job; then what the call teaches the worker (the adaptive limit,
+//! the breaker, the learned call times, a probe's end).
 
+use super::Job;
 use crate::ctx::Ctx;
+use crate::stats::WorkerStats;
 use lastcall_backend::{BackendError, CallOutput, CallRequest, CancellationToken};
+use lastcall_core::breaker::Verdict;
+use lastcall_core::delivery::{Delivery, Event};
+use lastcall_core::service_time::ProbeEnd;
 use lastcall_core::{CallResult, Envelope, Reason};
 use std::future::Future;
+use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
+
+/// Call the model with the budget the core gave, report its end, and let the call teach
+/// what it measured.
+pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: u64) {
+    let Some(env) = d.env().cloned() else {
+        return;
+    };
+    let mut permit = job.permit.take();
+    WorkerStats::inc(&ctx.stats.backend_calls);
+    WorkerStats::add(&ctx.stats.running, 1);
+    // `reply_to` is not signed: deltas go only to a direct reply-to address, never to a
+    // queue the name happens to match (the work queue, through the default exchange).
+    let stream = match job.msg.reply_to.as_deref() {
+        Some(to) if lastcall_core::delta::is_direct_reply_to(to) => Some(
+            crate::stream::CallStream::new(&ctx.deltas, to, &job.id, job.msg.attempt),
+        ),
+        Some(to) => {
+            tracing::warn!(
+                job_id = %job.id.escape_debug(),
+                reply_to = %to.escape_debug(),
+                "`reply_to` is not a direct reply-to address: no token deltas are sent"
+            );
+            None
+        }
+        None => None,
+    };
+    // What the kind's completed calls take, before this one: a call cut at the deadline
+    // far past it is a hung server for the circuit breaker.
+    let kind = env.kind().as_str().to_owned();
+    let backend = job.backend.clone();
+    if backend != ctx.breaker_key(&kind) {
+        WorkerStats::inc(&ctx.stats.fallback_calls);
+    }
+    let p99_before = ctx.completed_p99(&kind, &backend, ctx.clock.now_ms());
+    // The permit taken at the slot is spent by this call; its headers reach the limiter.
+    let rate = job.rate.take();
+    let limits = ctx.limits.sink(&backend, ctx.clock.clone());
+    if let Some(permit) = permit.as_mut() {
+        // The running call, for the adaptive limit's check before a step up.
+        let now = ctx.clock.now_ms();
+        let admitted_ms = job.learned(ctx, &kind, now).map_or(0, |e| e.quantile_ms);
+        permit.started(admitted_ms, env.deadline().expires_at_ms(), now);
+    }
+    let cancel = job
+        .cancel
+        .as_ref()
+        .map(|c| c.token.clone())
+        .unwrap_or_default();
+    let mut call = call_backend(
+        ctx,
+        &backend,
+        &env,
+        job.msg.attempt,
+        budget_ms,
+        &cancel,
+        stream.as_ref(),
+        Some(limits),
+    )
+    .await;
+    if let Some(rate) = rate {
+        let used = (call.output.as_ref().and_then(|o| o.usage))
+            .map(|u| u.prompt_tokens + u.completion_tokens);
+        rate.spent(used, ctx.clock.now_ms());
+    }
+    if let Some(s) = &stream {
+        s.end();
+    }
+    WorkerStats::add(&ctx.stats.running, -1);
+    (ctx.stats.metrics.model_call).observe_ms(call.latency_ms);
+    if let Some(permit) = permit.as_mut()
+        && call.result.teaches_call_time().is_some()
+    {
+        // The adaptive limit learns from a useful call's time (a failed one says nothing
+        // about it), against the learned time of its request alone, before the estimator
+        // takes the call in.
+        let now = ctx.clock.now_ms();
+        let alone = match job.probe {
+            Some(_) => None,
+            None => ctx.learned_alone(&kind, &backend, job.size, now),
+        };
+        permit.ended(
+            call.latency_ms.max(0) as u64,
+            alone.map_or(0, |e| e.mean_ms),
+            now,
+        );
+    }
+    drop(permit);
+    let now = ctx.clock.now_ms();
+    if job.lost.is_cancelled() {
+        d.handle(&ctx.cfg.policy, Event::ChannelLost, now);
+    }
+    let ended = Event::CallEnded {
+        result: call.result.clone(),
+        learned: job.learned(ctx, &kind, now),
+        jitter: jitter(),
+    };
+    d.handle(&ctx.cfg.policy, ended, now);
+    // The result as the core records it (a call cut at the ack window is its failure).
+    if let Some(result) = d.call_result() {
+        call.result = result.clone();
+    }
+    let verdict = Verdict::of(ctx.breakers.policy(), &call.result, budget_ms, p99_before);
+    match job.trial.take() {
+        Some(trial) => trial.ended(verdict, now),
+        None => ctx.breakers.ended(&backend, verdict, now),
+    }
+    if let Some(note) = d.note() {
+        call.error = Some(note.to_owned());
+    }
+    if let Some(cut) = call.result.teaches_call_time() {
+        ctx.observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
+    }
+    if let Some(probe) = job.probe.take() {
+        probe.end(match &call.result {
+            CallResult::Completed => ProbeEnd::Completed { budget_ms },
+            CallResult::DeadlineExceeded | CallResult::Failed { .. } => ProbeEnd::Wasted {
+                duration_ms: call.latency_ms.max(0) as u64,
+            },
+            _ => ProbeEnd::Released,
+        });
+    }
+    if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
+        let m = &ctx.stats.metrics;
+        m.prompt_tokens
+            .fetch_add(u.prompt_tokens, Ordering::Relaxed);
+        m.completion_tokens
+            .fetch_add(u.completion_tokens, Ordering::Relaxed);
+    }
+    job.call = Some(call);
+}
 
 /// What a model call produced, for the ledger.
 pub(crate) struct Call {

@@ -1,10 +1,15 @@
-//! The driver of one delivery: it feeds the core's state machine
-//! ([`lastcall_core::delivery`]) with what happens (ledger answers, slots, the clock, the
-//! call's end, shutdown, a lost channel, a cancellation) and carries out each step it
-//! asks for. The decisions are the core's; this module only does the IO.
+//! The driver of one delivery: one loop that asks the core's state machine
+//! ([`lastcall_core::delivery::Delivery`]) for its next [`Action`], carries it out, and
+//! reports what happened (ledger answers, slots, the clock, the call's end, shutdown, a
+//! lost channel, a cancellation) as [`Event`]s. The decisions are the core's; this module
+//! only does the IO. A state added to the core that asks for an existing action needs no
+//! change here.
 //!
+//! The actions' IO:
 //! - `look_up`: the receipt (the holds of `crate::lease`, then the ledger lookup);
-//! - [`wait`]: the wait for a slot (EDF, latest useful start, cancel) and for the clock;
+//! - `write_start`: the durable `running` row;
+//! - [`wait`]: the wait for a slot (its order, latest useful start, breaker, rate limit,
+//!   cancel) and for the clock;
 //! - [`call`]: the model call; [`settle`]: publish a retry, record, finish with the broker;
 //! - [`record`]: the ledger rows.
 
@@ -16,8 +21,9 @@ mod wait;
 use crate::ctx::{CancelGuard, Ctx, InFlight};
 use crate::lease::{self, Interrupted};
 use crate::settle::Ticket;
+use crate::slots::SlotPermit;
 use lastcall_backend::CancellationToken;
-use lastcall_core::delivery::{self, Finish, Looked, Received, Settle, Started};
+use lastcall_core::delivery::{Action, Decision, Delivery, Event};
 use lastcall_core::fallback::{self, Candidate};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::Estimate;
@@ -48,9 +54,6 @@ pub(crate) struct Job {
     /// Fires when the delivery's channel (generation) is lost.
     lost: CancellationToken,
     id: String,
-    /// Why the admission rule decided as it did, when a number explains it (the learned
-    /// call duration); recorded as the outcome's error text.
-    note: Option<String>,
     /// Model calls of earlier deliveries of this job (the ledger's count at receipt).
     prior_starts: u32,
     /// Set when the job runs as a probe: the learned estimate refused it while a slot was
@@ -66,6 +69,17 @@ pub(crate) struct Job {
     /// [`Job::choose_backend`] chose on a fallback route. Its breaker, limiter and learned
     /// call times are the ones that apply, and the ledger's `backend` names it.
     backend: String,
+    /// The mean learned call time at receipt: the job's work in the buffer's order.
+    work_ms: u64,
+    /// Its cancellation watch, from its first wait for a slot to its end.
+    cancel: Option<CancelGuard>,
+    /// The model slot it holds, from the slot to the end of its call.
+    permit: Option<SlotPermit>,
+    /// Its claim on the job's call in this process (a redelivery waits for it), from the
+    /// start write to its end.
+    running: Option<InFlight>,
+    /// What its model call produced, for the outcome row.
+    call: Option<call::Call>,
 }
 
 impl Job {
@@ -201,141 +215,135 @@ pub(crate) async fn handle(
         Err(_) => ctx.backend.name(),
     }
     .to_owned();
-    let received = delivery::receive(parsed, msg.attempt, received_at_ms, ct);
+    let delivery = Delivery::new(parsed, msg.attempt, received_at_ms, ct);
     let job = Job {
         backend,
         msg,
         ticket,
         lost,
         id: job_id.to_string(),
-        note: None,
         prior_starts: 0,
         probe: None,
         size,
         trial: None,
         rate: None,
+        work_ms: 0,
+        cancel: None,
+        permit: None,
+        running: None,
+        call: None,
     };
-    drive(ctx, job, received).instrument(span).await;
+    drive(ctx, job, delivery).instrument(span).await;
 }
 
-/// Run the state machine to the delivery's end.
-async fn drive(ctx: Arc<Ctx>, mut job: Job, mut received: Received) {
+/// Carry out what the state machine asks for, to the delivery's end.
+async fn drive(ctx: Arc<Ctx>, mut job: Job, mut d: Delivery) {
     loop {
-        let (waiting, learned) = match look_up(&ctx, &mut job, received).await {
-            Err(finish) => return settle::finish(&ctx, job, finish).await,
-            Ok((Looked::Settle(s), _)) => return settle::settle(&ctx, job, s, None).await,
-            Ok((Looked::AwaitSlot(w), learned)) => (w, learned),
-        };
-        let cancel = CancelGuard::register(&ctx, &job.id);
-        let mean_ms = learned.map_or(0, |e| e.mean_ms);
-        let (admitted, permit) =
-            match wait::for_slot(&ctx, &mut job, waiting, mean_ms, &cancel).await {
-                wait::Waited::Admitted(a, permit) => (a, permit),
-                wait::Waited::Settle(s) => return settle::settle(&ctx, job, s, None).await,
-                wait::Waited::Finish(f) => return settle::finish(&ctx, job, f).await,
-            };
-        // From here the call is this process's: a redelivery of the job waits for it.
-        let Some(_running) = InFlight::claim(&ctx, &job.id) else {
-            // Another delivery of the same job got here first (a redelivery raced its
-            // first delivery): start over from the receipt, which waits for that call.
-            // Its rate-limit permit goes back meanwhile.
-            job.rate = None;
-            received = admitted.already_running_here();
-            continue;
-        };
-        let row = record::start_row(&ctx, &job, &admitted);
-        if ctx.door.commit(LedgerWrite::Start(row)).await.is_none() {
-            return settle::finish(&ctx, job, admitted.shutdown()).await;
+        match d.poll_action() {
+            Action::LookUp => look_up(&ctx, &mut job, &mut d).await,
+            Action::AwaitSlot => {
+                if job.cancel.is_none() {
+                    job.cancel = Some(CancelGuard::register(&ctx, &job.id));
+                }
+                wait::for_slot(&ctx, &mut job, &mut d).await;
+            }
+            Action::AwaitClock => wait::for_clock(&ctx, &job, &mut d).await,
+            Action::WriteStart => write_start(&ctx, &mut job, &mut d).await,
+            Action::Call { budget_ms } => call::call(&ctx, &mut job, &mut d, budget_ms).await,
+            Action::PublishRetry(retry) => settle::publish_retry(&ctx, &job, &mut d, retry).await,
+            Action::Record => settle::record(&ctx, &job, &mut d).await,
+            Action::Finish(f) => return settle::finish(&ctx, job, &d, f).await,
         }
-        // The store write took time: the core checks again so the call truly starts in time.
-        let now = ctx.clock.now_ms();
-        let learned = job.learned(&ctx, admitted.env().kind().as_str(), now);
-        let admitted = if job.lost.is_cancelled() {
-            admitted.channel_lost()
-        } else {
-            admitted
-        };
-        let cancelled = cancel.token.is_cancelled();
-        match admitted.start_durable(
+    }
+}
+
+/// The durable `running` row, then the core's check once more (the write took time).
+async fn write_start(ctx: &Arc<Ctx>, job: &mut Job, d: &mut Delivery) {
+    // From here the call is this process's: a redelivery of the job waits for it.
+    let Some(running) = InFlight::claim(ctx, &job.id) else {
+        // Another delivery of the same job got here first (a redelivery raced its first
+        // delivery): start over from the receipt, which waits for that call. Its slot and
+        // rate-limit permit go back meanwhile.
+        job.permit = None;
+        job.rate = None;
+        return d.handle(
             &ctx.cfg.policy,
-            learned.map(|e| e.quantile_ms),
-            cancelled,
-            now,
-        ) {
-            Started::Settle(s) => {
-                drop(permit);
-                job.rate = None;
-                return settle::settle(&ctx, job, s, None).await;
-            }
-            Started::HandBack(r) => {
-                drop(permit);
-                job.rate = None;
-                tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the start was written: handing the job back unstarted");
-                return settle::record(&ctx, job, r, None).await;
-            }
-            Started::Call(c) => {
-                return settle::call_and_settle(&ctx, job, c, permit, &cancel).await;
-            }
-        }
+            Event::AlreadyRunningHere,
+            ctx.clock.now_ms(),
+        );
+    };
+    job.running = Some(running);
+    let row = record::start_row(ctx, job, d);
+    if ctx.door.commit(LedgerWrite::Start(row)).await.is_none() {
+        return d.handle(&ctx.cfg.policy, Event::Shutdown, ctx.clock.now_ms());
+    }
+    let now = ctx.clock.now_ms();
+    if job.lost.is_cancelled() {
+        d.handle(&ctx.cfg.policy, Event::ChannelLost, now);
+    }
+    let learned = d
+        .env()
+        .and_then(|e| job.learned(ctx, e.kind().as_str(), now));
+    let cancel_requested = (job.cancel.as_ref()).is_some_and(|c| c.token.is_cancelled());
+    let started = Event::StartDurable {
+        learned,
+        cancel_requested,
+    };
+    d.handle(&ctx.cfg.policy, started, now);
+    if matches!(d.poll_action(), Action::Call { .. }) {
+        return;
+    }
+    job.permit = None;
+    job.rate = None;
+    if d.decision() == Some(Decision::HandedBack) {
+        tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the start was written: handing the job back unstarted");
     }
 }
 
 /// The receipt: hold the job while a call of it still runs (here or on another live
-/// worker), look it up, and let the core decide. `Err`: it ends here (shutdown, lost).
-async fn look_up(
-    ctx: &Ctx,
-    job: &mut Job,
-    received: Received,
-) -> Result<(Looked, Option<Estimate>), Finish> {
-    let interrupted = |r: Received, why: Interrupted| match why {
-        Interrupted::Shutdown => r.shutdown(),
-        Interrupted::ChannelLost => r.channel_lost(),
+/// worker), look it up, and let the core decide.
+async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
+    let policy = &ctx.cfg.policy;
+    let interrupted = |why: Interrupted| match why {
+        Interrupted::Shutdown => Event::Shutdown,
+        Interrupted::ChannelLost => Event::ChannelLost,
     };
-    let valid = received.parsed().is_ok();
+    let valid = d.parsed().is_ok();
     // A redelivery of a job whose call still runs here (its first delivery's channel was
     // lost): hold it, without a slot, until that call has settled; the ledger then says it
     // is recorded and it is acked as a duplicate — no second model call.
     if valid && let Err(why) = lease::hold_while_running_here(ctx, &job.id, &job.lost).await {
-        return Err(interrupted(received, why));
+        return d.handle(policy, interrupted(why), ctx.clock.now_ms());
     }
     let Some(info) = ctx.door.receipt_info(&job.id).await else {
-        return Err(received.shutdown());
+        return d.handle(policy, Event::Shutdown, ctx.clock.now_ms());
     };
     let info = match held_elsewhere(ctx, job, valid, info).await {
         Ok(Some(info)) => info,
-        Ok(None) => return Err(received.shutdown()),
-        Err(why) => return Err(interrupted(received, why)),
+        Ok(None) => return d.handle(policy, Event::Shutdown, ctx.clock.now_ms()),
+        Err(why) => return d.handle(policy, interrupted(why), ctx.clock.now_ms()),
     };
     job.prior_starts = info.prior_starts;
-    let env = received.parsed().as_ref().ok();
-    let at = received.facts().received_at_ms;
-    let learned = env.and_then(|e| {
+    let at = d.facts().map_or(0, |f| f.received_at_ms);
+    let learned = d.env().and_then(|e| {
         job.choose_backend(ctx, e, at);
         let learned = job.learned(ctx, e.kind().as_str(), at);
         job.maybe_probe(ctx, e, learned, ctx.slots.available() > 0, at)
     });
+    job.work_ms = learned.map_or(0, |l| l.mean_ms);
     let facts = ReceiptFacts {
         already_recorded: info.already_recorded,
         prior_starts: info.prior_starts,
         cancel_requested: info.cancel_requested,
-        expected_wait_ms: env.map_or(0, |e| {
-            ctx.expected_wait_ms(&ticket(
-                e,
-                job.msg.receipt,
-                learned.map_or(0, |l| l.mean_ms),
-            ))
+        expected_wait_ms: d.env().map_or(0, |e| {
+            ctx.expected_wait_ms(&ticket(e, job.msg.receipt, job.work_ms))
         }),
-        learned_runtime_ms: learned.map(|e| e.quantile_ms),
+        learned_runtime_ms: None,
     };
-    if let Err(e) = received.parsed() {
+    if let Err(e) = d.parsed() {
         tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
     }
-    let now = received.facts().received_at_ms;
-    let looked = received.looked(&ctx.cfg.policy, facts, now);
-    if let Looked::Settle(Settle::Record(r)) = &looked {
-        job.note = record::learned_note(learned, r.terminal());
-    }
-    Ok((looked, learned))
+    d.handle(policy, Event::Looked { facts, learned }, at);
 }
 
 /// The job's place in the buffer's order ([`crate::slots`]).

@@ -3,14 +3,13 @@
 use super::Job;
 use super::call::Call;
 use crate::ctx::Ctx;
-use lastcall_core::delivery::{Admitted, Recording};
-use lastcall_core::service_time::Estimate;
-use lastcall_core::{Envelope, State, Tenant, Terminal};
+use lastcall_core::delivery::Delivery;
+use lastcall_core::{Envelope, State, Tenant};
 use lastcall_store::{AttemptStart, OutcomeRecord};
 
 /// The durable `running` row written before the call (makes crash loops countable).
-pub(crate) fn start_row(ctx: &Ctx, job: &Job, a: &Admitted) -> AttemptStart {
-    let (env, facts) = (a.env(), a.facts());
+pub(crate) fn start_row(ctx: &Ctx, job: &Job, d: &Delivery) -> AttemptStart {
+    let (env, facts) = (d.env().expect("admitted"), d.facts().expect("admitted"));
     let checked_at_ms = facts.checked_at_ms.unwrap_or(facts.received_at_ms);
     AttemptStart {
         attempt_key: job.ticket.attempt_key().to_owned(),
@@ -29,19 +28,20 @@ pub(crate) fn start_row(ctx: &Ctx, job: &Job, a: &Admitted) -> AttemptStart {
     }
 }
 
-/// The outcome row of `r` (a terminal outcome, or a retry's or hand-back's attempt).
+/// The outcome row of a delivery being recorded (a terminal outcome, or a retry's or
+/// hand-back's attempt).
 pub(crate) fn outcome_row(
     ctx: &Ctx,
     job: &Job,
-    r: &Recording,
+    d: &Delivery,
     call: Option<&Call>,
 ) -> OutcomeRecord {
-    let (facts, terminal) = (r.facts(), r.terminal());
-    let env = r.parsed().as_ref().ok();
-    let error = match (r.parsed(), call) {
+    let (facts, terminal) = (d.facts().expect("recording"), d.terminal());
+    let env = d.parsed().ok();
+    let error = match (d.parsed(), call) {
         (Err(e), _) => Some(e.to_string()),
         (_, Some(c)) => c.error.clone(),
-        _ => job.note.clone(),
+        _ => d.note().map(str::to_owned),
     };
     let output = call.and_then(|c| c.output.as_ref());
     let usage = output.and_then(|o| o.usage);
@@ -51,7 +51,7 @@ pub(crate) fn outcome_row(
         kind: env.map_or_else(|| "invalid".to_owned(), |e| e.kind().to_string()),
         state: terminal.map_or(State::Running, |t| t.state),
         reason: terminal.and_then(|t| t.reason.clone()),
-        decision: r.decision(),
+        decision: d.decision().expect("recording"),
         attempt: facts.attempt,
         created_at_ms: env.map(|e| e.deadline().created_at_ms()),
         expires_at_ms: env.map(|e| e.deadline().expires_at_ms()),
@@ -92,13 +92,4 @@ pub(crate) fn outcome_row(
 /// The envelope's tenant (parsed with it, so always valid).
 pub(crate) fn tenant_of(env: &Envelope) -> Tenant {
     Tenant::parse(env.tenant()).unwrap_or_else(|_| Tenant::default_tenant())
-}
-
-/// The ledger note of a refusal decided by the learned call duration
-/// ([`Estimate::refusal_note`]).
-pub(crate) fn learned_note(
-    learned: Option<Estimate>,
-    terminal: Option<&Terminal>,
-) -> Option<String> {
-    learned?.refusal_note(terminal?.reason.as_ref())
 }

@@ -1,154 +1,98 @@
 //! The wait for a model slot in the bounded local buffer (priority tiers, fair share among
 //! tenants, then `--buffer-order` within a tenant: [`crate::slots`]), and for a trusted
-//! clock.
+//! clock: the IO of [`Action::AwaitSlot`](lastcall_core::delivery::Action::AwaitSlot) and
+//! [`Action::AwaitClock`](lastcall_core::delivery::Action::AwaitClock).
 //!
 //! A job that can no longer finish in time leaves the buffer as soon as that is known,
-//! not when it reaches a slot: it is settled at its latest useful start, which frees its
-//! prefetch place for a job that can still make it.
+//! not when it reaches a slot: the core settles it at its latest useful start
+//! ([`Delivery::poll_timeout`]), which frees its prefetch place for a job that can still
+//! make it.
 
 use super::Job;
-use super::record::learned_note;
-use crate::ctx::{CancelGuard, Ctx};
+use crate::ctx::Ctx;
 use crate::slots::SlotPermit;
 use crate::stats::WorkerStats;
 use lastcall_core::breaker::Permit;
-use lastcall_core::delivery::{
-    Admission, Admitted, ClockState, ClockTick, ClockWait, Finish, Settle, WaitTick, Waiting,
-};
+use lastcall_core::delivery::{Action, ClockState, Delivery, Event};
 use std::time::Duration;
 
-/// How the wait ended.
-pub(crate) enum Waited {
-    /// Admitted, holding a slot: write the start, then call.
-    Admitted(Admitted, SlotPermit),
-    Settle(Settle),
-    Finish(Finish),
-}
-
-/// How one wait for a slot ended, before the admission check.
-enum Slotted {
-    Slot(Waiting, SlotPermit),
-    Settle(Settle),
-    Finish(Finish),
-}
-
-/// Wait for a slot, then ask the core (the last admission check); wait for the clock when
-/// it may not be trusted (without holding a slot), then for a slot again.
-pub(crate) async fn for_slot(
-    ctx: &Ctx,
-    job: &mut Job,
-    mut waiting: Waiting,
-    mean_ms: u64,
-    cancel: &CancelGuard,
-) -> Waited {
-    loop {
-        let (w, mut permit) = match buffered(ctx, job, waiting, mean_ms, cancel).await {
-            Slotted::Slot(w, permit) => (w, permit),
-            Slotted::Settle(s) => return Waited::Settle(s),
-            Slotted::Finish(f) => return Waited::Finish(f),
-        };
-        crate::hooks::hold_before_admission(&ctx.cfg).await;
-        // Fail closed while the clock's sync state forbids admission.
-        let clock = if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
-            ClockState::Trusted
-        } else {
-            ClockState::Untrusted
-        };
-        let now = ctx.clock.now_ms();
-        // On a fallback route: the backend of the route that can take the job now (or the
-        // one to wait for); the gates below run on it.
-        job.choose_backend(ctx, w.env(), now);
-        // The model server's circuit breaker: no call to a server known to be down.
-        let w = match breaker(ctx, job, w, permit, now) {
-            Gate::Go(w, p) => {
-                permit = p;
-                w
-            }
-            Gate::Settle(s) => return Waited::Settle(s),
-            Gate::Wait(w, next_call_at_ms) => {
-                waiting = match until_breaker(ctx, job, w, next_call_at_ms, cancel).await {
-                    Ok(w) => w,
-                    Err(end) => return end,
-                };
-                continue;
-            }
-        };
-        // The backend's rate limits: no call without a permit.
-        let w = match rate_limit(ctx, job, w, permit, now) {
-            Gate::Go(w, p) => {
-                permit = p;
-                w
-            }
-            Gate::Settle(s) => return Waited::Settle(s),
-            Gate::Wait(w, permit_at_ms) => {
-                waiting = match until_permit(ctx, job, w, permit_at_ms, cancel).await {
-                    Ok(w) => w,
-                    Err(end) => return end,
-                };
-                continue;
-            }
-        };
-        let learned = job.learned(ctx, w.env().kind().as_str(), now);
-        // This job holds a free slot: if the estimate alone refuses it, it may probe.
-        let learned = job.maybe_probe(ctx, w.env(), learned, true, now);
-        let received_at_ms = w.facts().received_at_ms;
-        let admission = w.slot_granted(clock, &ctx.cfg.policy, learned.map(|e| e.quantile_ms), now);
-        if clock == ClockState::Trusted {
-            tracing::Span::current().record("checked_at_ms", now);
-            (ctx.stats.metrics.consumer_dwell).observe_ms(now - received_at_ms);
-        }
-        match admission {
-            Admission::Start(a) => {
-                (ctx.stats.metrics.remaining_budget).observe_ms(a.budget_ms() as i64);
-                return Waited::Admitted(a, permit);
-            }
-            Admission::Settle(s) => {
-                job.rate = None;
-                if let Settle::Record(r) = &s {
-                    job.note = learned_note(learned, r.terminal());
-                }
-                return Waited::Settle(s);
-            }
-            // The broker's ack window (its consumer timeout, when known) closed while the
-            // job waited: not started, handed back; the redelivery has a fresh window.
-            Admission::HandBack(f) => {
-                job.rate = None;
-                tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
-                return Waited::Finish(f);
-            }
-            Admission::ClockWait(c) => {
-                drop(permit);
-                job.rate = None;
-                waiting = match for_clock(ctx, job, c).await {
-                    Ok(w) => w,
-                    Err(end) => return end,
-                };
-            }
-        }
+/// One wait for a slot, then the gates of the job's backend (breaker, rate limit) and the
+/// core's last admission check. The delivery leaves [`Action::AwaitSlot`] unless a gate
+/// makes the job wait without its slot: the driver then comes back here (a slot again,
+/// and the gates again).
+pub(crate) async fn for_slot(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
+    let Some(permit) = buffered(ctx, job, d).await else {
+        return;
+    };
+    crate::hooks::hold_before_admission(&ctx.cfg).await;
+    // Fail closed while the clock's sync state forbids admission.
+    let clock = if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
+        ClockState::Trusted
+    } else {
+        ClockState::Untrusted
+    };
+    let now = ctx.clock.now_ms();
+    let Some(kind) = d.env().map(|e| e.kind().as_str().to_owned()) else {
+        return;
+    };
+    // On a fallback route: the backend of the route that can take the job now (or the
+    // one to wait for); the gates below run on it.
+    if let Some(env) = d.env() {
+        job.choose_backend(ctx, env, now);
     }
-}
-
-/// Whether a job holding a slot may call now.
-#[allow(clippy::large_enum_variant)] // short-lived, moved once
-enum Gate {
-    /// Yes (closed, or this job has the half-open trial).
-    Go(Waiting, SlotPermit),
-    /// Its model server's breaker is open past the job's latest useful start.
-    Settle(Settle),
-    /// Open (or half-open with the trial running) until about this instant: wait without
-    /// the slot.
-    Wait(Waiting, i64),
+    // The model server's circuit breaker: no call to a server known to be down.
+    let Some(permit) = breaker(ctx, job, d, &kind, permit, now).await else {
+        return;
+    };
+    // The backend's rate limits: no call without a permit.
+    let Some(permit) = rate_limit(ctx, job, d, &kind, permit, now).await else {
+        return;
+    };
+    let learned = job.learned(ctx, &kind, now);
+    // This job holds a free slot: if the estimate alone refuses it, it may probe.
+    let learned = match d.env() {
+        Some(env) => job.maybe_probe(ctx, env, learned, true, now),
+        None => learned,
+    };
+    let received_at_ms = d.facts().map_or(now, |f| f.received_at_ms);
+    d.handle(&ctx.cfg.policy, Event::SlotGranted { clock, learned }, now);
+    if clock == ClockState::Trusted {
+        tracing::Span::current().record("checked_at_ms", now);
+        (ctx.stats.metrics.consumer_dwell).observe_ms(now - received_at_ms);
+    }
+    match d.poll_action() {
+        Action::WriteStart => {
+            let budget_ms = d.budget_ms().unwrap_or(0);
+            (ctx.stats.metrics.remaining_budget).observe_ms(budget_ms as i64);
+            job.permit = Some(permit);
+        }
+        // The broker's ack window (its consumer timeout, when known) closed while the job
+        // waited: not started, handed back; the redelivery has a fresh window.
+        Action::Finish(_) => {
+            job.rate = None;
+            tracing::info!(job_id = %job.id, "the broker's ack window (consumer_timeout) closed while the job waited for a slot: handing it back for redelivery");
+        }
+        // Refused by the last check, or waiting for the clock without its slot.
+        _ => job.rate = None,
+    }
 }
 
 /// Ask the job's model server's breaker whether its call may go out now. A half-open
 /// breaker's one trial goes to this job (`job.trial`); an open one keeps the job waiting,
 /// without its slot, while its budget still allows a call after the breaker's next
 /// trial, and ends it without a call (`admission:upstream_unavailable`) otherwise.
-fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -> Gate {
+/// `Some`: the call may go out, with the slot.
+async fn breaker(
+    ctx: &Ctx,
+    job: &mut Job,
+    d: &mut Delivery,
+    kind: &str,
+    permit: SlotPermit,
+    now: i64,
+) -> Option<SlotPermit> {
     if job.trial.is_some() {
-        return Gate::Go(w, permit);
+        return Some(permit);
     }
-    let kind = w.env().kind().as_str();
     let key = job.backend.clone();
     let key = key.as_str();
     // A trial running past the hang limit of the kind's completed calls has failed.
@@ -156,46 +100,44 @@ fn breaker(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -
     // The door refuses a kind whose breakers are open on every live worker; a kind on a
     // fallback route is not recorded there (another backend of its route may take it).
     let for_door = (ctx.route(kind).len() == 1).then_some(kind);
-    match ctx.breakers.permit(key, for_door, trial_limit, now) {
-        (Permit::Call, _) => Gate::Go(w, permit),
+    let next_call_at_ms = match ctx.breakers.permit(key, for_door, trial_limit, now) {
+        (Permit::Call, _) => return Some(permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
-            Gate::Go(w, permit)
+            return Some(permit);
         }
-        (Permit::Wait { next_call_at_ms }, _) => {
-            drop(permit);
-            let learned = job.learned(ctx, w.env().kind().as_str(), now);
-            let latest = w.latest_start_ms(&ctx.cfg.policy, learned.map(|e| e.quantile_ms));
-            if latest.is_some_and(|latest| next_call_at_ms > latest) {
-                tracing::info!(job_id = %job.id, backend = key, next_call_at_ms, "the model server's circuit breaker is open past this job's latest useful start: ending it without a call");
-                return Gate::Settle(w.upstream_unavailable(&ctx.cfg.policy, now));
-            }
-            Gate::Wait(w, next_call_at_ms)
-        }
+        (Permit::Wait { next_call_at_ms }, _) => next_call_at_ms,
+    };
+    drop(permit);
+    let policy = &ctx.cfg.policy;
+    d.handle(policy, Event::Estimate(job.learned(ctx, kind, now)), now);
+    let latest = d.poll_timeout(policy);
+    if latest.is_some_and(|latest| next_call_at_ms > latest) {
+        tracing::info!(job_id = %job.id, backend = key, next_call_at_ms, "the model server's circuit breaker is open past this job's latest useful start: ending it without a call");
+        d.handle(policy, Event::UpstreamUnavailable, now);
+        return None;
     }
-}
-
-/// Hold a job (without a slot) while its model server's breaker is open: until about
-/// `next_call_at_ms`, a change of the breaker, a cancellation, a shutdown or the loss of
-/// the channel. `Ok`: wait for a slot again (and ask the breaker again).
-async fn until_breaker(
-    ctx: &Ctx,
-    job: &Job,
-    waiting: Waiting,
-    next_call_at_ms: i64,
-    cancel: &CancelGuard,
-) -> Result<Waiting, Waited> {
+    // Hold the job (without a slot) until about the breaker's next trial, a change of
+    // the breaker, a cancellation, a shutdown or the loss of the channel.
     let changed = ctx.breakers.changed.notified();
     WorkerStats::add(&ctx.stats.waiting, 1);
-    let end = tokio::select! {
-        _ = ctx.clock.sleep_until(next_call_at_ms + 1) => Ok(waiting),
-        _ = changed => Ok(waiting),
-        _ = ctx.shutdown.cancelled() => Err(Waited::Finish(waiting.shutdown())),
-        _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
-        _ = cancel.token.cancelled() => Err(Waited::Settle(waiting.cancel())),
+    let cancel = job
+        .cancel
+        .as_ref()
+        .map(|c| c.token.clone())
+        .unwrap_or_default();
+    let event = tokio::select! {
+        _ = ctx.clock.sleep_until(next_call_at_ms + 1) => None,
+        _ = changed => None,
+        _ = ctx.shutdown.cancelled() => Some(Event::Shutdown),
+        _ = job.lost.cancelled() => Some(Event::ChannelLost),
+        _ = cancel.cancelled() => Some(Event::Cancel),
     };
     WorkerStats::add(&ctx.stats.waiting, -1);
-    end
+    if let Some(event) = event {
+        d.handle(policy, event, ctx.clock.now_ms());
+    }
+    None
 }
 
 /// Take the job's rate-limit permit for its backend while it holds a slot
@@ -203,142 +145,157 @@ async fn until_breaker(
 /// a job of another backend, or one whose permit is there, can run meanwhile) and the job
 /// waits for the permit if it comes no later than its latest useful start; else it ends
 /// now, without a call (`admission:rate_limited`). The last admission check runs after
-/// this, at the slot.
-fn rate_limit(ctx: &Ctx, job: &mut Job, w: Waiting, permit: SlotPermit, now: i64) -> Gate {
+/// this, at the slot. `Some`: the permit is taken, the slot kept.
+async fn rate_limit(
+    ctx: &Ctx,
+    job: &mut Job,
+    d: &mut Delivery,
+    kind: &str,
+    permit: SlotPermit,
+    now: i64,
+) -> Option<SlotPermit> {
     if job.rate.is_some() {
-        return Gate::Go(w, permit);
+        return Some(permit);
     }
-    let kind = w.env().kind().as_str();
     let key = job.backend.clone();
     let key = key.as_str();
     let tokens = lastcall_core::rate_limit::reserved_tokens(job.size);
-    match ctx.limits.try_take(key, tokens, now) {
+    let permit_at = match ctx.limits.try_take(key, tokens, now) {
         Ok(taken) => {
             job.rate = Some(taken);
-            Gate::Go(w, permit)
+            return Some(permit);
         }
-        Err(permit_at) => {
-            drop(permit);
-            // A half-open trial this job got goes to the next job.
-            job.trial = None;
-            let learned = job.learned(ctx, kind, now);
-            let latest = w.latest_start_ms(&ctx.cfg.policy, learned.map(|e| e.quantile_ms));
-            let too_late = match permit_at {
-                None => true,
-                Some(at) => latest.is_some_and(|latest| at > latest),
-            };
-            if too_late {
-                tracing::info!(job_id = %job.id, backend = key, permit_at_ms = permit_at, latest_start_ms = latest, tokens, "the backend's next rate-limit permit comes after this job's latest useful start: ending it without a call");
-                ctx.limits.refused();
-                return Gate::Settle(w.rate_limited(&ctx.cfg.policy, now));
-            }
-            Gate::Wait(w, permit_at.unwrap_or(now))
-        }
+        Err(permit_at) => permit_at,
+    };
+    drop(permit);
+    // A half-open trial this job got goes to the next job.
+    job.trial = None;
+    let policy = &ctx.cfg.policy;
+    d.handle(policy, Event::Estimate(job.learned(ctx, kind, now)), now);
+    let latest = d.poll_timeout(policy);
+    let too_late = match permit_at {
+        None => true,
+        Some(at) => latest.is_some_and(|latest| at > latest),
+    };
+    if too_late {
+        tracing::info!(job_id = %job.id, backend = key, permit_at_ms = permit_at, latest_start_ms = latest, tokens, "the backend's next rate-limit permit comes after this job's latest useful start: ending it without a call");
+        ctx.limits.refused();
+        d.handle(policy, Event::RateLimited, now);
+        return None;
     }
-}
-
-/// Hold a job (without a slot) until about `permit_at_ms`, when its rate-limit permit
-/// comes, or a permit is given back, a cancellation, a shutdown or the loss of the channel.
-/// `Ok`: wait for a slot again (and take the permit then).
-async fn until_permit(
-    ctx: &Ctx,
-    job: &Job,
-    waiting: Waiting,
-    permit_at_ms: i64,
-    cancel: &CancelGuard,
-) -> Result<Waiting, Waited> {
+    // Hold the job (without a slot) until about the permit's instant, a permit given
+    // back, a cancellation, a shutdown or the loss of the channel.
     let changed = ctx.limits.changed.notified();
     WorkerStats::add(&ctx.stats.waiting, 1);
     WorkerStats::add(&ctx.stats.rate_limit_waiting, 1);
-    let end = tokio::select! {
-        _ = ctx.clock.sleep_until(permit_at_ms) => Ok(waiting),
-        _ = changed => Ok(waiting),
-        _ = ctx.shutdown.cancelled() => Err(Waited::Finish(waiting.shutdown())),
-        _ = job.lost.cancelled() => Err(Waited::Finish(waiting.channel_lost())),
-        _ = cancel.token.cancelled() => Err(Waited::Settle(waiting.cancel())),
+    let cancel = job
+        .cancel
+        .as_ref()
+        .map(|c| c.token.clone())
+        .unwrap_or_default();
+    let event = tokio::select! {
+        _ = ctx.clock.sleep_until(permit_at.unwrap_or(now)) => None,
+        _ = changed => None,
+        _ = ctx.shutdown.cancelled() => Some(Event::Shutdown),
+        _ = job.lost.cancelled() => Some(Event::ChannelLost),
+        _ = cancel.cancelled() => Some(Event::Cancel),
     };
     WorkerStats::add(&ctx.stats.rate_limit_waiting, -1);
     WorkerStats::add(&ctx.stats.waiting, -1);
-    end
+    if let Some(event) = event {
+        d.handle(policy, event, ctx.clock.now_ms());
+    }
+    None
 }
 
-/// One wait in the buffer: until a slot, the latest useful start, a cancellation, a
-/// shutdown or the loss of the channel.
-async fn buffered(
-    ctx: &Ctx,
-    job: &mut Job,
-    mut waiting: Waiting,
-    mean_ms: u64,
-    cancel: &CancelGuard,
-) -> Slotted {
+/// One wait in the buffer: until a slot (`Some`), or the latest useful start when the
+/// core then settles the job, a cancellation, a shutdown or the loss of the channel.
+async fn buffered(ctx: &Ctx, job: &mut Job, d: &mut Delivery) -> Option<SlotPermit> {
     let policy = &ctx.cfg.policy;
-    let kind = waiting.env().kind().as_str().to_owned();
-    let acquire = ctx
-        .slots
-        .acquire(super::ticket(waiting.env(), job.msg.receipt, mean_ms));
+    let (kind, ticket) = {
+        let env = d.env()?;
+        let ticket = super::ticket(env, job.msg.receipt, job.work_ms);
+        (env.kind().as_str().to_owned(), ticket)
+    };
+    let acquire = ctx.slots.acquire(ticket);
     tokio::pin!(acquire);
+    let cancel = job
+        .cancel
+        .as_ref()
+        .map(|c| c.token.clone())
+        .unwrap_or_default();
     WorkerStats::add(&ctx.stats.waiting, 1);
-    let end = loop {
+    let permit = loop {
         let now = ctx.clock.now_ms();
         // On a fallback route the latest useful start is the chosen backend's: when the
         // first backend's has passed, a faster one of the route may still take the job.
-        job.choose_backend(ctx, waiting.env(), now);
-        let latest =
-            waiting.latest_start_ms(policy, job.learned(ctx, &kind, now).map(|e| e.quantile_ms));
+        if let Some(env) = d.env() {
+            job.choose_backend(ctx, env, now);
+        }
+        d.handle(policy, Event::Estimate(job.learned(ctx, &kind, now)), now);
+        let latest = d.poll_timeout(policy);
         // On the worker's clock: a test's manual clock moved past it fires it at once.
         let until = ctx.clock.sleep_until(latest.unwrap_or(now) + 1);
-        tokio::select! {
-            p = &mut acquire => break Slotted::Slot(waiting, p),
-            _ = ctx.shutdown.cancelled() => break Slotted::Finish(waiting.shutdown()),
-            _ = job.lost.cancelled() => break Slotted::Finish(waiting.channel_lost()),
-            _ = cancel.token.cancelled() => break Slotted::Settle(waiting.cancel()),
+        let event = tokio::select! {
+            p = &mut acquire => break Some(p),
+            _ = ctx.shutdown.cancelled() => Event::Shutdown,
+            _ = job.lost.cancelled() => Event::ChannelLost,
+            _ = cancel.cancelled() => Event::Cancel,
             _ = until, if latest.is_some() => {
                 let now = ctx.clock.now_ms();
-                job.choose_backend(ctx, waiting.env(), now);
-                let learned = job.learned(ctx, &kind, now);
-                match waiting.latest_start_reached(policy, learned.map(|e| e.quantile_ms), now) {
-                    // Still admissible (the estimate changed): keep waiting.
-                    WaitTick::Keep(w) => waiting = w,
-                    WaitTick::Settle(s) => {
-                        // This is the job's last admission check: it counts as one, like
-                        // the check at a slot (the dwell histogram matches the ledger).
-                        if let Settle::Record(r) = &s {
-                            let dwell = now - r.facts().received_at_ms;
-                            (ctx.stats.metrics.consumer_dwell).observe_ms(dwell);
-                            job.note = learned_note(learned, r.terminal());
-                        }
-                        break Slotted::Settle(s);
-                    }
+                if let Some(env) = d.env() {
+                    job.choose_backend(ctx, env, now);
                 }
+                Event::Timeout { learned: job.learned(ctx, &kind, now) }
             }
+        };
+        let timeout = matches!(event, Event::Timeout { .. });
+        let now = ctx.clock.now_ms();
+        d.handle(policy, event, now);
+        match d.poll_action() {
+            // Still admissible (the estimate changed): keep waiting.
+            Action::AwaitSlot => {}
+            Action::Record if timeout => {
+                // This was the job's last admission check: it counts as one, like the
+                // check at a slot (the dwell histogram matches the ledger).
+                let received_at_ms = d.facts().map_or(now, |f| f.received_at_ms);
+                (ctx.stats.metrics.consumer_dwell).observe_ms(now - received_at_ms);
+                break None;
+            }
+            _ => break None,
         }
     };
     WorkerStats::add(&ctx.stats.waiting, -1);
-    end
+    permit
 }
 
-/// Hold the job until the clock may be trusted, without holding a slot meanwhile.
-/// `Ok`: wait for a slot again.
-async fn for_clock(ctx: &Ctx, job: &Job, mut c: ClockWait) -> Result<Waiting, Waited> {
+/// Hold the job until the clock may be trusted, without holding a slot meanwhile, and
+/// let the core look now and then whether it can still pass the admission check.
+pub(crate) async fn for_clock(ctx: &Ctx, job: &Job, d: &mut Delivery) {
     tracing::warn!(state = ?ctx.clock.sync_state(), "clock not known to be synchronised: admission stopped (--clock-sync require)");
-    let kind = c.env().kind().as_str().to_owned();
-    WorkerStats::add(&ctx.stats.waiting, 1);
-    let end = loop {
-        let now = ctx.clock.now_ms();
-        let learned = job.learned(ctx, &kind, now).map(|e| e.quantile_ms);
-        c = match c.tick(&ctx.cfg.policy, learned, now) {
-            ClockTick::Keep(c) => c,
-            ClockTick::Settle(s) => break Err(Waited::Settle(s)),
-        };
-        tokio::select! {
-            _ = tokio::time::sleep(Duration::from_millis(200)) => {}
-            _ = ctx.shutdown.cancelled() => break Err(Waited::Finish(c.shutdown())),
-            _ = job.lost.cancelled() => break Err(Waited::Finish(c.channel_lost())),
-        }
-        if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
-            break Ok(c.trusted());
-        }
+    let policy = &ctx.cfg.policy;
+    let Some(kind) = d.env().map(|e| e.kind().as_str().to_owned()) else {
+        return;
     };
+    WorkerStats::add(&ctx.stats.waiting, 1);
+    while d.poll_action() == Action::AwaitClock {
+        let now = ctx.clock.now_ms();
+        let learned = job.learned(ctx, &kind, now);
+        d.handle(policy, Event::Timeout { learned }, now);
+        if d.poll_action() != Action::AwaitClock {
+            break;
+        }
+        let event = tokio::select! {
+            _ = tokio::time::sleep(Duration::from_millis(200)) => None,
+            _ = ctx.shutdown.cancelled() => Some(Event::Shutdown),
+            _ = job.lost.cancelled() => Some(Event::ChannelLost),
+        };
+        let event = match event {
+            Some(e) => e,
+            None if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) => Event::ClockTrusted,
+            None => continue,
+        };
+        d.handle(policy, event, ctx.clock.now_ms());
+    }
     WorkerStats::add(&ctx.stats.waiting, -1);
-    end
 }
