@@ -723,10 +723,22 @@ pub enum Event {
     /// start (it leaves if it can no longer finish in time), or a job waiting for clock
     /// sync looks again whether it still can pass the admission check.
     Timeout { learned: Option<Estimate> },
-    /// Its model server's circuit breaker stays open past the job's latest useful start.
-    UpstreamUnavailable,
-    /// Its backend's next rate-limit permit comes after the job's latest useful start.
-    RateLimited,
+    /// Its model server's circuit breaker is open until about `next_call_at_ms` (the
+    /// driver gave the slot back). The core decides: past the job's latest useful start it
+    /// ends without a call (`admission:upstream_unavailable`); else it keeps waiting, and
+    /// the driver holds it without a slot until then.
+    BreakerOpen {
+        next_call_at_ms: i64,
+        learned: Option<Estimate>,
+    },
+    /// Its backend's next rate-limit permit comes at `permit_at_ms` (`None`: no permit can
+    /// cover the request; the driver gave the slot back). The core decides: past the job's
+    /// latest useful start, or never, it ends without a call (`admission:rate_limited`);
+    /// else it keeps waiting, and the driver holds it without a slot until then.
+    NoRatePermit {
+        permit_at_ms: Option<i64>,
+        learned: Option<Estimate>,
+    },
     /// The clock may be trusted again ([`Action::AwaitClock`]).
     ClockTrusted,
     /// A redelivery of the same job already runs here: look it up again (which waits).
@@ -848,6 +860,8 @@ impl Delivery {
             | E::Estimate(learned)
             | E::SlotGranted { learned, .. }
             | E::Timeout { learned }
+            | E::BreakerOpen { learned, .. }
+            | E::NoRatePermit { learned, .. }
             | E::StartDurable { learned, .. }
             | E::CallEnded { learned, .. } => self.learned = learned,
             _ => {}
@@ -877,13 +891,32 @@ impl Delivery {
                     WaitTick::Settle(s) => self.settle(s),
                 }
             }
-            (Phase::Waiting(w), E::UpstreamUnavailable) => {
-                let s = w.upstream_unavailable(policy, now);
-                self.settle(s)
+            (
+                Phase::Waiting(w),
+                E::BreakerOpen {
+                    next_call_at_ms, ..
+                },
+            ) => {
+                let latest = w.latest_start_ms(policy, learned);
+                if latest.is_some_and(|latest| next_call_at_ms > latest) {
+                    let s = w.upstream_unavailable(policy, now);
+                    self.settle(s)
+                } else {
+                    Phase::Waiting(w)
+                }
             }
-            (Phase::Waiting(w), E::RateLimited) => {
-                let s = w.rate_limited(policy, now);
-                self.settle(s)
+            (Phase::Waiting(w), E::NoRatePermit { permit_at_ms, .. }) => {
+                let latest = w.latest_start_ms(policy, learned);
+                let too_late = match permit_at_ms {
+                    None => true,
+                    Some(at) => latest.is_some_and(|latest| at > latest),
+                };
+                if too_late {
+                    let s = w.rate_limited(policy, now);
+                    self.settle(s)
+                } else {
+                    Phase::Waiting(w)
+                }
             }
             (Phase::Waiting(w), E::Cancel) => {
                 let s = w.cancel();

@@ -852,13 +852,34 @@ fn the_facts_carry_the_instants_the_ledger_records() {
 }
 
 /// A job whose backend's next rate-limit permit comes after its latest useful start ends
-/// without a call: `expired_not_started`, `admission:rate_limited`, checked then, acked.
+/// without a call: `expired_not_started`, `admission:rate_limited`, checked then, acked;
+/// one whose permit comes in time waits for it.
 #[test]
 fn a_rate_limited_job_ends_unstarted_with_its_reason() {
     let p = policy();
     let mut d = Delivery::new(Ok(env(10_000, Some(500))), 0, 1_000, None);
     d.handle(&p, looked(ReceiptFacts::default(), None), 1_000);
-    d.handle(&p, Event::RateLimited, 1_200);
+    // A permit before its latest useful start (10 000 − 100 − 500): it keeps waiting.
+    let permit_at_ms = Some(9_400);
+    d.handle(
+        &p,
+        Event::NoRatePermit {
+            permit_at_ms,
+            learned: None,
+        },
+        1_100,
+    );
+    assert_eq!(d.poll_action(), Action::AwaitSlot);
+    // One after it: it ends now.
+    let permit_at_ms = Some(9_401);
+    d.handle(
+        &p,
+        Event::NoRatePermit {
+            permit_at_ms,
+            learned: None,
+        },
+        1_200,
+    );
     assert_eq!(d.poll_action(), Action::Record);
     let t = d.terminal().expect("terminal");
     assert_eq!(t.state, lastcall_core::State::ExpiredNotStarted);
@@ -1017,4 +1038,46 @@ fn an_event_a_state_has_no_use_for_changes_nothing() {
         d.terminal().map(|t| t.state),
         Some(lastcall_core::State::Cancelled)
     );
+}
+
+/// The breaker's gate is the core's: a job whose model server's breaker opens again before
+/// its latest useful start keeps waiting (without a slot); past it, or never admissible
+/// with the learned time, it ends without a call, `admission:upstream_unavailable`. A
+/// policy that does not watch the latest start waits for the breaker.
+#[test]
+fn an_open_breaker_past_the_latest_start_ends_the_job_unstarted() {
+    let p = policy();
+    let mut d = Delivery::new(Ok(env(10_000, None)), 0, 1_000, None);
+    d.handle(&p, looked(ReceiptFacts::default(), None), 1_000);
+    let open = |next_call_at_ms, learned| Event::BreakerOpen {
+        next_call_at_ms,
+        learned,
+    };
+    // Latest start with a learned 2 s: 10 000 − 100 − 2 000.
+    d.handle(&p, open(7_900, Some(estimate(2_000))), 1_200);
+    assert_eq!(d.poll_action(), Action::AwaitSlot);
+    d.handle(&p, open(7_901, Some(estimate(2_000))), 1_300);
+    assert_eq!(d.poll_action(), Action::Record);
+    let t = d.terminal().expect("terminal");
+    assert_eq!(
+        t.reason.as_ref().map(ToString::to_string).as_deref(),
+        Some("admission:upstream_unavailable")
+    );
+    assert_eq!(d.facts().unwrap().checked_at_ms, Some(1_300));
+
+    let unwatched = WorkerPolicy {
+        dispatch: Arc::new(NoChecks),
+        ..policy()
+    };
+    let mut d = Delivery::new(Ok(env(10_000, None)), 0, 1_000, None);
+    d.handle(&unwatched, looked(ReceiptFacts::default(), None), 1_000);
+    d.handle(&unwatched, open(60_000, None), 1_200);
+    assert_eq!(d.poll_action(), Action::AwaitSlot);
+    // Without a latest start to hold it to, a rate limit that never comes refuses it.
+    let never = Event::NoRatePermit {
+        permit_at_ms: None,
+        learned: None,
+    };
+    d.handle(&unwatched, never, 1_300);
+    assert_eq!(d.poll_action(), Action::Record);
 }

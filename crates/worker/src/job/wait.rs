@@ -110,11 +110,17 @@ async fn breaker(
     };
     drop(permit);
     let policy = &ctx.cfg.policy;
-    d.handle(policy, Event::Estimate(job.learned(ctx, kind, now)), now);
-    let latest = d.poll_timeout(policy);
-    if latest.is_some_and(|latest| next_call_at_ms > latest) {
+    let learned = job.learned(ctx, kind, now);
+    d.handle(
+        policy,
+        Event::BreakerOpen {
+            next_call_at_ms,
+            learned,
+        },
+        now,
+    );
+    if d.poll_action() != Action::AwaitSlot {
         tracing::info!(job_id = %job.id, backend = key, next_call_at_ms, "the model server's circuit breaker is open past this job's latest useful start: ending it without a call");
-        d.handle(policy, Event::UpstreamUnavailable, now);
         return None;
     }
     // Hold the job (without a slot) until about the breaker's next trial, a change of
@@ -171,16 +177,19 @@ async fn rate_limit(
     // A half-open trial this job got goes to the next job.
     job.trial = None;
     let policy = &ctx.cfg.policy;
-    d.handle(policy, Event::Estimate(job.learned(ctx, kind, now)), now);
-    let latest = d.poll_timeout(policy);
-    let too_late = match permit_at {
-        None => true,
-        Some(at) => latest.is_some_and(|latest| at > latest),
-    };
-    if too_late {
-        tracing::info!(job_id = %job.id, backend = key, permit_at_ms = permit_at, latest_start_ms = latest, tokens, "the backend's next rate-limit permit comes after this job's latest useful start: ending it without a call");
+    let learned = job.learned(ctx, kind, now);
+    let permit_at_ms = permit_at;
+    d.handle(
+        policy,
+        Event::NoRatePermit {
+            permit_at_ms,
+            learned,
+        },
+        now,
+    );
+    if d.poll_action() != Action::AwaitSlot {
+        tracing::info!(job_id = %job.id, backend = key, permit_at_ms, tokens, "the backend's next rate-limit permit comes after this job's latest useful start: ending it without a call");
         ctx.limits.refused();
-        d.handle(policy, Event::RateLimited, now);
         return None;
     }
     // Hold the job (without a slot) until about the permit's instant, a permit given
