@@ -25,9 +25,25 @@ pub fn is_fresh(renewed_at_ms: i64, now_ms: i64) -> bool {
     renewed_at_ms >= fresh_since(now_ms)
 }
 
+/// The hold rule: whether a delivery must first wait for another worker's call of the
+/// same job (while that worker's lease is fresh) before it may run. Only a valid job with
+/// a model call already started (`prior_starts`, the ledger's attempt rows) and no outcome
+/// yet can have one running elsewhere; anything else goes straight to the admission rule.
+pub fn may_run_elsewhere(valid: bool, prior_starts: u32, already_recorded: bool) -> bool {
+    valid && prior_starts > 0 && !already_recorded
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn only_a_started_unrecorded_valid_job_is_held() {
+        assert!(may_run_elsewhere(true, 1, false));
+        assert!(!may_run_elsewhere(true, 0, false), "never started");
+        assert!(!may_run_elsewhere(true, 3, true), "its outcome is recorded");
+        assert!(!may_run_elsewhere(false, 1, false), "rejected, not run");
+    }
 
     #[test]
     fn a_lease_holds_for_its_ttl_and_survives_missed_renewals() {

@@ -370,7 +370,7 @@ async fn held_elsewhere(
     valid: bool,
     info: ReceiptInfo,
 ) -> Result<Option<ReceiptInfo>, Interrupted> {
-    if info.prior_starts == 0 || info.already_recorded || !valid {
+    if !lastcall_core::lease::may_run_elsewhere(valid, info.prior_starts, info.already_recorded) {
         return Ok(Some(info));
     }
     if lease::hold_while_running_elsewhere(ctx, &job.id, &job.lost).await? {
