@@ -797,7 +797,7 @@ pub struct WorkerArgs {
     /// call in flight adds to the calls completed per second. It judges each call's time
     /// against the time learned for a request of its size (so long prompts are not taken
     /// for congestion), halves the limit when calls turn much slower than learned (a hang),
-    /// starts at 2, and admits
+    /// starts at 1 (2 after its first 4 measured calls), and admits
     /// each job with its call time × the slowdown predicted at the current limit; it raises
     /// the limit only when the calls already running would still end before their
     /// deadlines. `/metrics` shows it as `lastcall_worker_concurrency_limit`. The local

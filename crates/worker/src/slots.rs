@@ -513,6 +513,7 @@ mod tests {
     async fn an_adaptive_limit_wakes_waiters_when_it_rises_and_drains_when_it_falls() {
         let cfg = LimitConfig {
             samples_per_step: 2,
+            initial: 2,
             ..LimitConfig::new(8)
         };
         let slots = Arc::new(Slots::adaptive(cfg, BufferOrder::Edf, []));
