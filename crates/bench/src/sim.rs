@@ -350,8 +350,9 @@ struct Job {
     /// A probe granted at receipt (the room its refusal left), as the worker grants one
     /// when the learned estimate alone refuses a job while a slot is free.
     probe: Option<u64>,
-    /// Its delivery at a worker: the core's state machine, driven as the worker drives it.
-    delivery: Option<Delivery>,
+    /// Its delivery at a worker: the core's state machine, driven as the worker drives it
+    /// (boxed: a million jobs wait mostly without one).
+    delivery: Option<Box<Delivery>>,
 }
 
 struct Worker {
@@ -692,7 +693,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         };
     // A delivery the core settled: record its outcome (the ledger write is instant here),
     // then it must finish with the broker.
-    let record = |jobs: &mut Vec<Job>, j: usize, mut d: Delivery, now: i64| -> Result<()> {
+    let record = |jobs: &mut Vec<Job>, j: usize, d: &mut Delivery, now: i64| -> Result<()> {
         let Some(t) = d.terminal() else {
             bail!("invariant: job {j} was settled without an outcome");
         };
@@ -734,7 +735,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         if jobs[j].probe.take().is_some() {
                             workers[w].est.probe_ended(key, ProbeEnd::Released, now);
                         }
-                        record(&mut jobs, j, d, now)?;
+                        record(&mut jobs, j, &mut d, now)?;
                     }
                 }
             }
@@ -820,7 +821,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 {
                     wk.est.observe_request(key, d, cut, jobs[j].size, now);
                 }
-                record(&mut jobs, j, delivery, now)?;
+                record(&mut jobs, j, &mut delivery, now)?;
                 if let Some(budget_ms) = probe {
                     let end = if cut {
                         ProbeEnd::Wasted { duration_ms: d }
@@ -924,7 +925,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         wk.held[l] += 1;
                         wk.buffer.push(ticket, j);
                         let latest = d.poll_timeout(&policy).unwrap_or(now);
-                        jobs[j].delivery = Some(d);
+                        jobs[j].delivery = Some(Box::new(d));
                         // Due once its latest useful start has passed.
                         push(&mut events, latest.max(now) + 1, Ev::Latest(w, j));
                     } else {
@@ -934,7 +935,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         if jobs[j].probe.take().is_some() {
                             wk.est.probe_ended(key, ProbeEnd::Released, now);
                         }
-                        record(&mut jobs, j, d, now)?;
+                        record(&mut jobs, j, &mut d, now)?;
                     }
                 }
             }
@@ -979,7 +980,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                             None => wk.refused_with_room(key, &policy, &jobs[j], now),
                         }
                         wk.held[lane[jobs[j].tenant]] -= 1;
-                        record(&mut jobs, j, d, now)?;
+                        record(&mut jobs, j, &mut d, now)?;
                     }
                     Action::Call { budget_ms } => {
                         jobs[j].delivery = Some(d);

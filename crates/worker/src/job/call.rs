@@ -18,7 +18,7 @@ use std::time::{Duration, Instant};
 /// Call the model with the budget the core gave, report its end, and let the call teach
 /// what it measured.
 pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: u64) {
-    let Some(env) = d.env().cloned() else {
+    let Some(env) = d.env() else {
         return;
     };
     let mut permit = job.permit.take();
@@ -65,7 +65,7 @@ pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: 
     let mut call = call_backend(
         ctx,
         &backend,
-        &env,
+        env,
         job.msg.attempt,
         budget_ms,
         &cancel,
