@@ -272,7 +272,16 @@ struct SizedFit {
     largest: f64,
 }
 
+/// How long a caller may keep a [`Predictor`] whose key's [`ServiceTimes::revision`] has not
+/// changed: the recency weights and the age limit move little in that time.
+pub const PREDICTOR_REUSE_MS: i64 = 100;
+
 impl Predictor {
+    /// Where the key's estimate comes from (`None`: nothing is known).
+    pub fn base_source(&self) -> Option<EstimateSource> {
+        self.base.map(|e| e.source)
+    }
+
     /// The estimate for a request of `size` ([`ServiceTimes::estimate_for`]).
     pub fn estimate(&self, size: Option<RequestSize>) -> Option<Estimate> {
         let (Some(size), Some(f)) = (size, self.fit) else {
@@ -375,6 +384,9 @@ pub struct ServiceTimes {
     all: VecDeque<Sample>,
     observations: u64,
     tokens: u64,
+    /// Bumped by every change to what [`Self::predictor`] computes from (a call recorded,
+    /// cut calls reweighted by a probe): [`Self::revision`].
+    revision: u64,
 }
 
 impl ServiceTimes {
@@ -387,7 +399,18 @@ impl ServiceTimes {
             all: VecDeque::with_capacity(cfg.window),
             observations: 0,
             tokens: 0,
+            revision: 0,
         }
+    }
+
+    /// A number that changes whenever the recorded calls do: a [`Predictor`] made at one
+    /// revision stays the one [`Self::predictor`] would make, but for the time that passed
+    /// (the calls' recency weights and age limit, which move slowly) and for the running
+    /// calls of a cold-start bound ([`Predictor::base_source`] `LowerBound`). A caller that
+    /// estimates many requests keeps one per key while the revision holds, as the worker
+    /// does for up to [`PREDICTOR_REUSE_MS`].
+    pub fn revision(&self) -> u64 {
+        self.revision
     }
 
     /// The settings in use, after clamping.
@@ -438,6 +461,7 @@ impl ServiceTimes {
     ) {
         let size = size.filter(|_| self.cfg.request_aware);
         self.observations += 1;
+        self.revision += 1;
         let sample = Sample {
             at_ms: now_ms,
             duration_ms,
@@ -818,6 +842,7 @@ impl ServiceTimes {
                 for s in contradicted {
                     s.halvings = s.halvings.saturating_add(PROBE_HALVINGS).min(64);
                 }
+                self.revision += 1;
             }
             ProbeEnd::Wasted { duration_ms } => {
                 w.credit = Some((credit - duration_ms as f64, now_ms));

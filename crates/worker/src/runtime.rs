@@ -86,6 +86,7 @@ impl Worker {
             limits,
             door,
             service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(cfg.service_time))),
+            fits: Default::default(),
             in_flight: std::sync::Mutex::default(),
             slots: Arc::new(match cfg.auto_slots {
                 Some(limit) => Slots::adaptive(limit, cfg.buffer_order, cfg.tenant_weights.clone()),
