@@ -315,6 +315,39 @@ impl Predictor {
     }
 }
 
+/// The [`Predictor`] of each key, kept while the estimator's [`ServiceTimes::revision`]
+/// holds and for at most [`PREDICTOR_REUSE_MS`]: a worker asks for a job's learned time at
+/// each of its gates, and a fit sorts and fits the key's window. A cold-start bound
+/// (`LowerBound`: it follows the running calls' elapsed time) is never kept. Bounded: it
+/// forgets everything when `max_keys` would be passed.
+#[derive(Debug, Clone, Default)]
+pub struct PredictorCache {
+    kept: HashMap<String, (u64, i64, Predictor)>,
+}
+
+impl PredictorCache {
+    /// The predictor of `key` at `now_ms`: the kept one when still valid, else a fresh one.
+    pub fn get(&mut self, service: &ServiceTimes, key: &str, now_ms: i64) -> Predictor {
+        let revision = service.revision();
+        if let Some(&(r, at, p)) = self.kept.get(key)
+            && r == revision
+            && (at..at + PREDICTOR_REUSE_MS).contains(&now_ms)
+        {
+            return p;
+        }
+        let p = service.predictor(key, now_ms);
+        if p.base_source() == Some(EstimateSource::LowerBound) {
+            self.kept.remove(key);
+        } else {
+            if self.kept.len() >= service.cfg.max_keys {
+                self.kept.clear();
+            }
+            self.kept.insert(key.to_owned(), (revision, now_ms, p));
+        }
+        p
+    }
+}
+
 /// How a probe call ([`ServiceTimes::try_probe`]) ended, for [`ServiceTimes::probe_ended`].
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ProbeEnd {
@@ -1870,6 +1903,58 @@ mod tests {
         );
         // Without a size, the per-kind estimate.
         assert_eq!(st.estimate_for("k", None, 100).unwrap().quantile_ms, kind);
+    }
+
+    /// A kept predictor is the one a fresh fit gives until a call is recorded, a probe
+    /// reweighs the cut calls, or [`PREDICTOR_REUSE_MS`] pass; a cold-start bound is not
+    /// kept (it follows the running calls).
+    #[test]
+    fn the_predictor_cache_follows_every_recorded_call() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        let mut cache = PredictorCache::default();
+        let est =
+            |c: &mut PredictorCache, st: &ServiceTimes, now| c.get(st, "k", now).estimate(None);
+        st.observe("k", 100, 0);
+        let token = st.call_started("k", 0);
+        assert_eq!(
+            est(&mut cache, &st, 10).map(|e| e.source),
+            Some(EstimateSource::LowerBound)
+        );
+        // The running call's elapsed time lifts the bound at once: nothing was kept.
+        assert_eq!(est(&mut cache, &st, 500), st.estimate_for("k", None, 500));
+        st.call_ended("k", token);
+        for t in 1..=3 {
+            st.observe("k", 100, t);
+        }
+        let before = st.revision();
+        let first = est(&mut cache, &st, 10);
+        assert_eq!(first, st.estimate_for("k", None, 10));
+        assert_eq!(st.revision(), before, "estimating changes nothing");
+        st.observe("k", 5_000, 20);
+        assert_ne!(st.revision(), before);
+        assert_eq!(est(&mut cache, &st, 30), st.estimate_for("k", None, 30));
+        assert_ne!(
+            est(&mut cache, &st, 30),
+            first,
+            "the new call counts at once"
+        );
+        // A probe that completes reweighs cut calls: a new revision.
+        let r = st.revision();
+        st.probe_ended("k", ProbeEnd::Completed { budget_ms: 1_000 }, 40);
+        assert_ne!(st.revision(), r);
+        // Within the reuse window the kept fit answers; past it, a fresh one.
+        let kept = cache.get(&st, "k", 50);
+        assert_eq!(
+            cache
+                .get(&st, "k", 50 + PREDICTOR_REUSE_MS - 1)
+                .estimate(None),
+            kept.estimate(None)
+        );
+        let later = 50 + PREDICTOR_REUSE_MS;
+        assert_eq!(
+            cache.get(&st, "k", later).estimate(None),
+            st.estimate_for("k", None, later)
+        );
     }
 
     #[test]

@@ -9,9 +9,7 @@ use crate::store_retry::StoreHealth;
 use lastcall_backend::{Backend, CancellationToken};
 use lastcall_broker::Publisher;
 use lastcall_core::request_size::RequestSize;
-use lastcall_core::service_time::{
-    CallToken, Estimate, EstimateSource, PREDICTOR_REUSE_MS, Predictor, ProbeEnd, ServiceTimes,
-};
+use lastcall_core::service_time::{CallToken, Estimate, PredictorCache, ProbeEnd, ServiceTimes};
 use lastcall_store::Ledger;
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
@@ -80,10 +78,10 @@ pub(crate) struct Ctx {
     /// rule's minimum useful runtime when a job sets none, and the expected wait; also the
     /// calls in flight (cold start) and the probes ([`Probe`]).
     pub(crate) service: Arc<Mutex<ServiceTimes>>,
-    /// The estimator's fit per key, kept while no call was recorded since and for at most
-    /// [`PREDICTOR_REUSE_MS`]: a job asks for its learned time at each gate, and a fit
+    /// The estimator's fit per key ([`PredictorCache`]), kept while no call was recorded
+    /// since, for at most 100 ms: a job asks for its learned time at each gate, and a fit
     /// sorts and fits the key's window (before this cache, most of a job's CPU).
-    pub(crate) fits: Mutex<HashMap<String, Fit>>,
+    pub(crate) fits: Mutex<PredictorCache>,
     /// Outcome events, published after each durable terminal outcome (best-effort).
     pub(crate) events: lastcall_broker::EventSink,
     /// Token deltas of streaming calls, to each job's `reply_to` (best-effort, bounded).
@@ -97,12 +95,6 @@ pub(crate) struct Ctx {
     /// The rate limits of each model server (backend, or route), shared by all slots.
     pub(crate) limits: Arc<crate::limits::Limiters>,
 }
-
-/// A kept fit: the estimator's revision and the instant it was made at.
-pub(crate) type Fit = (u64, i64, Predictor);
-
-/// The most fits kept (the estimator's keys are bounded likewise).
-const FITS_KEPT: usize = 1_024;
 
 /// The estimator key of `kind`'s calls served by `backend`.
 fn key_of(kind: &str, backend: &str) -> String {
@@ -183,24 +175,8 @@ impl Ctx {
         if fallback {
             return service.own_estimate_for(&key, size, now_ms);
         }
-        let revision = service.revision();
         let mut fits = self.fits.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(&(r, at, p)) = fits.get(&key)
-            && r == revision
-            && (at..at + PREDICTOR_REUSE_MS).contains(&now_ms)
-        {
-            return p.estimate(size);
-        }
-        let p = service.predictor(&key, now_ms);
-        // A cold-start bound follows the running calls' elapsed time: not kept.
-        if p.base_source() == Some(EstimateSource::LowerBound) {
-            fits.remove(&key);
-        } else {
-            if fits.len() >= FITS_KEPT {
-                fits.clear();
-            }
-            fits.insert(key, (revision, now_ms, p));
-        }
+        let p = fits.get(&service, &key, now_ms);
         p.estimate(size)
     }
 
