@@ -984,29 +984,25 @@ impl Delivery {
         }
     }
 
-    /// The delivery's envelope as parsed (an invalid one is recorded `rejected`).
-    pub fn parsed(&self) -> Result<&Envelope, &RejectError> {
+    /// The delivery's envelope as parsed (an invalid one is recorded `rejected`); `None`
+    /// once finished (the envelope went with the last step).
+    pub fn parsed(&self) -> Option<Result<&Envelope, &RejectError>> {
         let parsed = match &self.phase {
             Phase::Received(r) => &r.parsed,
             Phase::Publishing(p) => &p.parsed,
             Phase::Recording(r) => &r.parsed,
-            Phase::Waiting(w) => return Ok(&w.env),
-            Phase::ClockWait(c) => return Ok(&c.env),
-            Phase::Admitted(a) => return Ok(&a.env),
-            Phase::Calling(c) => return Ok(&c.env),
-            Phase::Done(_) | Phase::Moving => {
-                unreachable!("a finished delivery has given its envelope up")
-            }
+            Phase::Waiting(w) => return Some(Ok(&w.env)),
+            Phase::ClockWait(c) => return Some(Ok(&c.env)),
+            Phase::Admitted(a) => return Some(Ok(&a.env)),
+            Phase::Calling(c) => return Some(Ok(&c.env)),
+            Phase::Done(_) | Phase::Moving => return None,
         };
-        parsed.as_ref()
+        Some(parsed.as_ref())
     }
 
     /// Its envelope, when it is valid (and the delivery not finished).
     pub fn env(&self) -> Option<&Envelope> {
-        match &self.phase {
-            Phase::Done(_) | Phase::Moving => None,
-            _ => self.parsed().ok(),
-        }
+        self.parsed()?.ok()
     }
 
     /// What is known of the delivery for the ledger (`None` once finished).

@@ -308,7 +308,7 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
         Interrupted::Shutdown => Event::Shutdown,
         Interrupted::ChannelLost => Event::ChannelLost,
     };
-    let valid = d.parsed().is_ok();
+    let valid = d.env().is_some();
     // A redelivery of a job whose call still runs here (its first delivery's channel was
     // lost): hold it, without a slot, until that call has settled; the ledger then says it
     // is recorded and it is acked as a duplicate — no second model call.
@@ -340,7 +340,7 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
         }),
         learned_runtime_ms: None,
     };
-    if let Err(e) = d.parsed() {
+    if let Some(Err(e)) = d.parsed() {
         tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
     }
     d.handle(policy, Event::Looked { facts, learned }, at);

@@ -37,8 +37,9 @@ pub(crate) fn outcome_row(
     call: Option<&Call>,
 ) -> OutcomeRecord {
     let (facts, terminal) = (d.facts().expect("recording"), d.terminal());
-    let env = d.parsed().ok();
-    let error = match (d.parsed(), call) {
+    let parsed = d.parsed().expect("recording");
+    let env = parsed.ok();
+    let error = match (parsed, call) {
         (Err(e), _) => Some(e.to_string()),
         (_, Some(c)) => c.error.clone(),
         _ => d.note().map(str::to_owned),
