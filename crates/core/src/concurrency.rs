@@ -489,6 +489,22 @@ mod tests {
         (1.0 + 0.15 * (n.min(k) - 1.0)) * (n / k).max(1.0)
     }
 
+    /// `n` independent factors in `[1 − spread, 1 + spread)`, from `seed` (splitmix64).
+    fn iid_noise(seed: u64, n: usize, spread: f64) -> Vec<f64> {
+        let mut x = seed;
+        (0..n)
+            .map(|_| {
+                x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+                let mut z = x;
+                z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+                z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+                z ^= z >> 31;
+                let u = (z >> 11) as f64 / (1u64 << 53) as f64;
+                1.0 - spread + 2.0 * spread * u
+            })
+            .collect()
+    }
+
     /// Drive `lim` with a saturated worker (always `limit` in flight) against `slow`, for
     /// `calls` calls of expected time 100 ms (× `noise[i]`), starting at `t0`. The
     /// estimator is modelled as knowing the server's time at the current level (the worst
@@ -736,21 +752,28 @@ mod tests {
             prop_assert_eq!(run(), run());
         }
 
-        /// Against a server whose latency does not grow with concurrency, with noise, the
-        /// limit rises to (near) max.
+        /// Against a server whose latency does not grow with concurrency, with independent
+        /// ±10% noise on every call, the limit rises to (near) max.
+        ///
+        /// The noise is drawn call by call from a seed. It was a short vector repeated
+        /// cyclically, and proptest found a cycle (4 slow calls in 32) that lines up with
+        /// the 16-call windows, so that every trial up measured the slow calls and every
+        /// level it came from did not: the limit stopped at 13 of 16. No estimate from
+        /// a window can tell noise that follows the windows from a real slowdown; a real
+        /// server's noise does not follow them.
         #[test]
-        fn flat_latency_rises_to_max(noise in proptest::collection::vec(0.9f64..1.1, 1..64), max in 2usize..=16) {
+        fn flat_latency_rises_to_max(seed in any::<u64>(), max in 2usize..=16) {
             let mut lim = AdaptiveLimit::new(LimitConfig::new(max));
-            drive(&mut lim, flat, 200 * max, 0, &noise);
+            drive(&mut lim, flat, 200 * max, 0, &iid_noise(seed, 200 * max, 0.1));
             prop_assert!(lim.limit() + 2 >= max, "{} of {}", lim.limit(), max);
         }
 
-        /// Against a server that saturates at 6 in flight, with mild noise, the limit ends
-        /// near the knee, never at max.
+        /// Against a server that saturates at 6 in flight, with independent ±5% noise on every
+        /// call, the limit ends near the knee, never at max.
         #[test]
-        fn a_saturating_server_keeps_it_near_the_knee(noise in proptest::collection::vec(0.95f64..1.05, 1..64)) {
+        fn a_saturating_server_keeps_it_near_the_knee(seed in any::<u64>()) {
             let mut lim = AdaptiveLimit::new(LimitConfig::new(16));
-            drive(&mut lim, knee6, 4_000, 0, &noise);
+            drive(&mut lim, knee6, 4_000, 0, &iid_noise(seed, 4_000, 0.05));
             prop_assert!((3..=9).contains(&lim.limit()), "{}", lim.limit());
         }
 

@@ -123,26 +123,10 @@ async fn breaker(
         tracing::info!(job_id = %job.id, backend = key, next_call_at_ms, "the model server's circuit breaker is open past this job's latest useful start: ending it without a call");
         return None;
     }
-    // Hold the job (without a slot) until about the breaker's next trial, a change of
-    // the breaker, a cancellation, a shutdown or the loss of the channel.
+    // Hold the job (without a slot) until about the breaker's next trial or a change of
+    // the breaker.
     let changed = ctx.breakers.changed.notified();
-    WorkerStats::add(&ctx.stats.waiting, 1);
-    let cancel = job
-        .cancel
-        .as_ref()
-        .map(|c| c.token.clone())
-        .unwrap_or_default();
-    let event = tokio::select! {
-        _ = ctx.clock.sleep_until(next_call_at_ms + 1) => None,
-        _ = changed => None,
-        _ = ctx.shutdown.cancelled() => Some(Event::Shutdown),
-        _ = job.lost.cancelled() => Some(Event::ChannelLost),
-        _ = cancel.cancelled() => Some(Event::Cancel),
-    };
-    WorkerStats::add(&ctx.stats.waiting, -1);
-    if let Some(event) = event {
-        d.handle(policy, event, ctx.clock.now_ms());
-    }
+    hold_without_slot(ctx, job, d, next_call_at_ms + 1, changed).await;
     None
 }
 
@@ -192,29 +176,43 @@ async fn rate_limit(
         ctx.limits.refused();
         return None;
     }
-    // Hold the job (without a slot) until about the permit's instant, a permit given
-    // back, a cancellation, a shutdown or the loss of the channel.
+    // Hold the job (without a slot) until about the permit's instant or a permit given
+    // back.
     let changed = ctx.limits.changed.notified();
-    WorkerStats::add(&ctx.stats.waiting, 1);
     WorkerStats::add(&ctx.stats.rate_limit_waiting, 1);
+    hold_without_slot(ctx, job, d, permit_at.unwrap_or(now), changed).await;
+    WorkerStats::add(&ctx.stats.rate_limit_waiting, -1);
+    None
+}
+
+/// Hold a job that a gate (the breaker, the rate limit) keeps waiting without its slot:
+/// until `until_ms`, a change of that gate (`changed`), a cancellation, a shutdown or the
+/// loss of the channel. The last three are reported to the delivery; after the first two
+/// the driver asks for a slot again.
+async fn hold_without_slot(
+    ctx: &Ctx,
+    job: &Job,
+    d: &mut Delivery,
+    until_ms: i64,
+    changed: tokio::sync::futures::Notified<'_>,
+) {
     let cancel = job
         .cancel
         .as_ref()
         .map(|c| c.token.clone())
         .unwrap_or_default();
+    WorkerStats::add(&ctx.stats.waiting, 1);
     let event = tokio::select! {
-        _ = ctx.clock.sleep_until(permit_at.unwrap_or(now)) => None,
+        _ = ctx.clock.sleep_until(until_ms) => None,
         _ = changed => None,
         _ = ctx.shutdown.cancelled() => Some(Event::Shutdown),
         _ = job.lost.cancelled() => Some(Event::ChannelLost),
         _ = cancel.cancelled() => Some(Event::Cancel),
     };
-    WorkerStats::add(&ctx.stats.rate_limit_waiting, -1);
     WorkerStats::add(&ctx.stats.waiting, -1);
     if let Some(event) = event {
-        d.handle(policy, event, ctx.clock.now_ms());
+        d.handle(&ctx.cfg.policy, event, ctx.clock.now_ms());
     }
-    None
 }
 
 /// One wait in the buffer: until a slot (`Some`), or the latest useful start when the
