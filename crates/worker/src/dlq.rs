@@ -6,7 +6,7 @@
 //! with `park`, copied to `{prefix}.parked` for a human before the ack.
 
 use crate::clock::Clock;
-use crate::store_retry::{StoreHealth, until_stored};
+use crate::settle::OwnDoor;
 use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
 use lastcall_core::deadletter::{DeadLetterOutcome, DeathReason, classify};
@@ -132,6 +132,7 @@ impl DeadLetterProcessor {
     /// Copy a dead letter to `queue` with confirm (no expiration: it is kept for people).
     async fn copy_to(
         &self,
+        door: &OwnDoor,
         queue: &str,
         m: &Incoming,
         job_id: &str,
@@ -144,9 +145,9 @@ impl DeadLetterProcessor {
             timestamp_s: (now / 1000) as u64,
             signature: None,
         };
-        self.publisher
-            .publish("", queue, &m.body, &props)
+        door.publish(&self.publisher, "", queue, &m.body, &props)
             .await
+            .map(drop)
             .map_err(|e| e.to_string())
     }
 
@@ -170,7 +171,7 @@ impl DeadLetterProcessor {
         stop: CancellationToken,
         idle_exit: Option<Duration>,
     ) -> Result<(), String> {
-        let health = StoreHealth::default();
+        let door = OwnDoor::new(self.ledger.clone(), stop.clone());
         loop {
             let mut stream = match IncomingStream::open(
                 &self.broker,
@@ -193,7 +194,7 @@ impl DeadLetterProcessor {
             let ended = stream
                 .for_each(&stop, idle_exit, |m| async {
                     let m = m;
-                    self.handle(&m, &health, &stop).await
+                    self.handle(&m, &door).await
                 })
                 .await;
             let why = match ended {
@@ -253,33 +254,32 @@ impl DeadLetterProcessor {
 
     /// One dead letter: read it, record its outcome (the first one wins), count it, copy
     /// it where it is to be kept, then ack. `false`: stopping before the write.
-    async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {
+    async fn handle(&self, m: &Incoming, door: &OwnDoor) -> bool {
         let now = self.clock.now_ms();
         let letter = self.read(m, now);
         let rec = letter.record(m, &self.name, now);
-        let Some(written) =
-            until_stored(health, stop, || {}, || self.ledger.record_terminal(&rec)).await
-        else {
+        let Some((durable, written)) = door.record_terminal(&rec).await else {
             return false;
         };
         self.count(&letter, &rec, written).await;
         let Some(copies) = self.copies(&letter).await else {
-            let _ = m.settler.requeue().await;
+            door.hand_back(m).await;
             return true;
         };
         for queue in &copies {
-            if let Err(e) = self.copy_to(queue, m, letter.job_id.as_str(), now).await {
+            if let Err(e) = self
+                .copy_to(door, queue, m, letter.job_id.as_str(), now)
+                .await
+            {
                 tracing::error!(error = %e, queue = %queue, "copying a dead letter failed; leaving it in the dead-letter queue");
-                let _ = m.settler.requeue().await;
+                door.hand_back(m).await;
                 return true;
             }
         }
         if self.park && letter.parsed.is_err() {
             self.stats.parked.fetch_add(1, Ordering::Relaxed);
         }
-        if let Err(e) = m.settler.ack().await {
-            tracing::warn!(error = %e, "ack of a dead letter failed after the write; it will be seen again and kept once");
-        }
+        door.ack(m, durable).await;
         tracing::info!(job_id = %letter.job_id, reason = letter.death.label(), state = letter.outcome.state.as_str(), written, "dead letter processed");
         true
     }

@@ -7,10 +7,11 @@
 //! deadline is unchanged. **Invariant:** stale work is never republished: the relay applies
 //! the admission rule of every publish (remaining budget less the clock margin, at least
 //! the minimum useful runtime); a retry that fails it is recorded as `expired_not_started`
-//! (`retry:deadline_passed` / `retry:below_min_runtime`) and acked.
+//! (`retry:deadline_passed` / `retry:below_min_runtime`) and acked. It settles through
+//! [`OwnDoor`]: an ack only after the recorded outcome or the confirmed republish.
 
 use crate::clock::Clock;
-use crate::store_retry::{StoreHealth, until_stored};
+use crate::settle::OwnDoor;
 use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, Names, PublishProps, Publisher};
 use lastcall_core::{
@@ -83,11 +84,11 @@ impl RetryRelay {
         )
         .await
         .map_err(|e| e.to_string())?;
-        let health = StoreHealth::default();
+        let door = OwnDoor::new(self.ledger.clone(), stop.clone());
         let ended = stream
             .for_each(&stop, None, |m| async {
                 let m = m;
-                self.handle(&m, &health, &stop).await
+                self.handle(&m, &door).await
             })
             .await;
         match ended {
@@ -102,23 +103,23 @@ impl RetryRelay {
     }
 
     /// Returns `false` when stopping before the delivery could be settled.
-    async fn handle(&self, m: &Incoming, health: &StoreHealth, stop: &CancellationToken) -> bool {
+    async fn handle(&self, m: &Incoming, door: &OwnDoor) -> bool {
         let now = self.clock.now_ms();
         let env = match Envelope::parse(&m.body, &RELAYED, now) {
             Ok(env) => env,
             Err(e) => {
                 // Only valid envelopes are ever retried; anything else goes to the DLX.
                 tracing::error!(error = %e, "invalid body in the retry-ready queue; dead-lettering it");
-                let _ = m.settler.dead_letter().await;
+                door.dead_letter(m).await;
                 return true;
             }
         };
         match self.useful_ttl(&env, now) {
             Ok(ttl_ms) => {
-                self.republish(m, &env, ttl_ms, now).await;
+                self.republish(m, &env, ttl_ms, door, now).await;
                 true
             }
-            Err(refusal) => self.record_stale(m, &env, refusal, health, stop, now).await,
+            Err(refusal) => self.record_stale(m, &env, refusal, door, now).await,
         }
     }
 
@@ -143,8 +144,7 @@ impl RetryRelay {
         m: &Incoming,
         env: &Envelope,
         refusal: Refusal,
-        health: &StoreHealth,
-        stop: &CancellationToken,
+        door: &OwnDoor,
         now: i64,
     ) -> bool {
         let reason = Reason::Refused(Stage::Retry, refusal.into());
@@ -169,21 +169,18 @@ impl RetryRelay {
                 now,
             )
         };
-        if until_stored(health, stop, || {}, || self.ledger.record_outcome(&rec))
-            .await
-            .is_none()
-        {
+        let Some((written, _)) = door.record_outcome(&rec).await else {
             return false;
-        }
+        };
         crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
-        let _ = m.settler.ack().await;
+        door.ack(m, written).await;
         tracing::info!(job_id = %env.job_id(), %reason, "retry can no longer be useful after its delay: recorded, not republished");
         true
     }
 
     /// Republish the retry byte for byte with `ttl_ms` (with confirm), then ack; a publish
     /// that is not confirmed hands the retry back.
-    async fn republish(&self, m: &Incoming, env: &Envelope, ttl_ms: u64, now: i64) {
+    async fn republish(&self, m: &Incoming, env: &Envelope, ttl_ms: u64, door: &OwnDoor, now: i64) {
         let props = PublishProps {
             job_id: env.job_id().to_string(),
             ttl_ms: Some(ttl_ms),
@@ -195,19 +192,18 @@ impl RetryRelay {
         let (exchange, key) =
             self.names
                 .job_route(env.tenant(), env.priority(), env.kind().as_str());
-        match self
-            .publisher
-            .publish(exchange, &key, &m.body, &props)
+        match door
+            .publish(&self.publisher, exchange, &key, &m.body, &props)
             .await
         {
-            Ok(()) => {
-                let _ = m.settler.ack().await;
+            Ok(confirmed) => {
+                door.ack(m, confirmed).await;
                 tracing::info!(job_id = %env.job_id(), attempt = m.attempt, ttl_ms, "retry relayed to the jobs exchange");
             }
             Err(e) => {
                 tracing::warn!(error = %e, "relaying a retry was not confirmed; handing it back");
                 tokio::time::sleep(Duration::from_millis(200)).await;
-                let _ = m.settler.requeue().await;
+                door.hand_back(m).await;
             }
         }
     }

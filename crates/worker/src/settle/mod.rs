@@ -1,5 +1,7 @@
 //! The one settlement door of the worker: every durable write a delivery needs, and every
-//! ack, reject and requeue, goes through [`Door`].
+//! ack, reject and requeue, goes through [`Door`] — or, for the consumers that settle one
+//! delivery at a time on their own channel (the retry relay, the dead-letter processor),
+//! through [`OwnDoor`] (`own.rs`), whose ack takes a proof of the durable step.
 //!
 //! The runtime calls [`Door::commit`] (retried until durable, or `None` at shutdown),
 //! then exactly one of [`Door::ack`], [`Door::dead_letter`] or [`Door::hand_back`] with
@@ -17,8 +19,10 @@
 mod ack_batch;
 mod ack_log;
 mod committer;
+mod own;
 
 pub(crate) use ack_batch::{AckBatch, Ticket};
+pub(crate) use own::OwnDoor;
 
 use crate::clock::Clock;
 use crate::stats::WorkerStats;
