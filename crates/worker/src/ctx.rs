@@ -2,6 +2,7 @@
 
 use crate::clock::Clock;
 use crate::config::WorkerConfig;
+use crate::held::Held;
 use crate::settle::Door;
 use crate::slots::Slots;
 use crate::stats::WorkerStats;
@@ -11,9 +12,7 @@ use lastcall_broker::Publisher;
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::{CallToken, Estimate, PredictorCache, ProbeEnd, ServiceTimes};
 use lastcall_store::Ledger;
-use std::collections::HashMap;
 use std::sync::{Arc, Mutex, RwLock};
-use tokio::sync::watch;
 
 /// The most recent calls a starting worker reads from the ledger ([`Ctx::learn_from_ledger`]):
 /// eight full estimator windows, enough for the kinds a worker serves at once.
@@ -71,9 +70,8 @@ pub(crate) struct Ctx {
     /// The settlement door: group commit of the starts and outcomes that must be durable
     /// before a call or an ack, and every ack, reject and requeue.
     pub(crate) door: Door,
-    /// Jobs whose model call runs in this process now, by job id: a redelivery of one of
-    /// them (after a reconnect) waits for that call to settle instead of calling again.
-    pub(crate) in_flight: Mutex<HashMap<String, watch::Receiver<()>>>,
+    /// The jobs held (waiting or running) and the calls running in this process.
+    pub(crate) held: Arc<Held>,
     /// Learned model call durations per `kind|backend` ([`ServiceTimes`]): the admission
     /// rule's minimum useful runtime when a job sets none, and the expected wait; also the
     /// calls in flight (cold start) and the probes ([`Probe`]).
@@ -86,10 +84,6 @@ pub(crate) struct Ctx {
     pub(crate) events: lastcall_broker::EventSink,
     /// Token deltas of streaming calls, to each job's `reply_to` (best-effort, bounded).
     pub(crate) deltas: lastcall_broker::DeltaSink,
-    /// Jobs in this process (waiting for a slot or running), by job id: a cancellation
-    /// broadcast (`{prefix}.control`) fires the token, which ends the wait or aborts the
-    /// call. The count is the deliveries sharing it.
-    pub(crate) cancels: Mutex<HashMap<String, (CancellationToken, usize)>>,
     /// The circuit breaker of each model server (backend, or route).
     pub(crate) breakers: Arc<crate::breakers::Breakers>,
     /// The rate limits of each model server (backend, or route), shared by all slots.
@@ -241,30 +235,6 @@ impl Ctx {
         service.config()
     }
 
-    /// Whether `job_id` waits for a slot or runs in this process.
-    pub(crate) fn holds(&self, job_id: &str) -> bool {
-        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
-        map.contains_key(job_id)
-    }
-
-    /// The ids of the jobs held here (waiting for a slot or running), for the cancellation
-    /// sweep.
-    pub(crate) fn held_ids(&self) -> Vec<String> {
-        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
-        map.keys().cloned().collect()
-    }
-
-    /// A cancellation the ledger confirmed for `job_id`: end its wait or abort its call here.
-    pub(crate) fn cancel_local(&self, job_id: &str) {
-        let map = self.cancels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some((token, _)) = map.get(job_id)
-            && !token.is_cancelled()
-        {
-            tracing::info!(job_id, "cancellation requested: stopping the job here");
-            token.cancel();
-        }
-    }
-
     /// A call of `kind` on `backend` starts now: while it runs, its elapsed time is a lower
     /// bound on the call time of a kind with too few ended calls (cold start).
     pub(crate) fn call_started(&self, kind: &str, backend: &str) -> CallToken {
@@ -364,79 +334,6 @@ impl Ctx {
             .read()
             .unwrap_or_else(|e| e.into_inner())
             .clone()
-    }
-}
-
-/// A model call running in this process, registered by job id until it has settled.
-pub(crate) struct InFlight {
-    ctx: Arc<Ctx>,
-    id: String,
-    _done: watch::Sender<()>,
-}
-
-impl InFlight {
-    /// Register `id`'s call; `None` when one is already registered.
-    pub(crate) fn claim(ctx: &Arc<Ctx>, id: &str) -> Option<Self> {
-        let mut map = ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        if map.contains_key(id) {
-            return None;
-        }
-        let (tx, rx) = watch::channel(());
-        map.insert(id.to_owned(), rx);
-        Some(Self {
-            ctx: ctx.clone(),
-            id: id.to_owned(),
-            _done: tx,
-        })
-    }
-
-    /// The running call of `id` here, if any: its receiver changes (closes) when it settled.
-    pub(crate) fn running(ctx: &Ctx, id: &str) -> Option<watch::Receiver<()>> {
-        let map = ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        map.get(id).cloned()
-    }
-}
-
-impl Drop for InFlight {
-    fn drop(&mut self) {
-        let mut map = self.ctx.in_flight.lock().unwrap_or_else(|e| e.into_inner());
-        map.remove(&self.id);
-    }
-}
-
-/// This delivery's entry in [`Ctx::cancels`]; dropping it unregisters it.
-pub(crate) struct CancelGuard {
-    ctx: Arc<Ctx>,
-    id: String,
-    pub(crate) token: CancellationToken,
-}
-
-impl CancelGuard {
-    pub(crate) fn register(ctx: &Arc<Ctx>, id: &str) -> Self {
-        let mut map = ctx.cancels.lock().unwrap_or_else(|e| e.into_inner());
-        let entry = map
-            .entry(id.to_owned())
-            .or_insert_with(|| (CancellationToken::new(), 0));
-        entry.1 += 1;
-        let token = entry.0.clone();
-        drop(map);
-        Self {
-            ctx: ctx.clone(),
-            id: id.to_owned(),
-            token,
-        }
-    }
-}
-
-impl Drop for CancelGuard {
-    fn drop(&mut self) {
-        let mut map = self.ctx.cancels.lock().unwrap_or_else(|e| e.into_inner());
-        if let Some(entry) = map.get_mut(&self.id) {
-            entry.1 -= 1;
-            if entry.1 == 0 {
-                map.remove(&self.id);
-            }
-        }
     }
 }
 

@@ -6,7 +6,7 @@
 //! `running` attempt under another worker with a fresh lease waits, without a slot, until
 //! that attempt settles. A worker whose lease expired is presumed dead.
 
-use crate::ctx::{Ctx, InFlight};
+use crate::ctx::Ctx;
 use lastcall_backend::CancellationToken;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -94,7 +94,7 @@ pub(crate) async fn hold_while_running_here(
     id: &str,
     lost: &CancellationToken,
 ) -> Result<(), Interrupted> {
-    while let Some(mut rx) = InFlight::running(ctx, id) {
+    while let Some(mut rx) = ctx.held.running(id) {
         tracing::info!(
             "redelivery of a job whose model call still runs here: holding it until that call settles"
         );

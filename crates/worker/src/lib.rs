@@ -33,6 +33,7 @@ pub mod events;
 #[cfg(test)]
 mod fuzz_headers;
 mod generation;
+mod held;
 mod hooks;
 mod job;
 mod lease;

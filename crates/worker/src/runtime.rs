@@ -87,7 +87,7 @@ impl Worker {
             door,
             service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(cfg.service_time))),
             fits: Default::default(),
-            in_flight: std::sync::Mutex::default(),
+            held: Default::default(),
             slots: Arc::new(match cfg.auto_slots {
                 Some(limit) => Slots::adaptive(limit, cfg.buffer_order, cfg.tenant_weights.clone()),
                 None => Slots::new(
@@ -107,7 +107,6 @@ impl Worker {
             nonce,
             events: lastcall_broker::EventSink::spawn(&broker, &names_events),
             deltas: lastcall_broker::DeltaSink::spawn(&broker),
-            cancels: std::sync::Mutex::default(),
         };
         (ctx.stats.metrics).attach(ctx.slots.clone(), ctx.cfg.prefetch);
         // The backend (or default route) shows in /readyz and /metrics before its first call.

@@ -2,8 +2,10 @@
 //! `/readyz` ledger mirror and the cancellation follower.
 
 use crate::ctx::Ctx;
+use crate::held::Held;
 use lastcall_backend::CancellationToken;
 use lastcall_broker::Broker;
+use lastcall_store::Ledger;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -36,26 +38,30 @@ const CANCEL_SWEEP: std::time::Duration = std::time::Duration::from_secs(2);
 ///
 /// Every [`CANCEL_SWEEP`] it also reads the flags of all the jobs held here in one query,
 /// so a request whose broadcast was lost still stops its job within that period.
-async fn check_cancels(ctx: Arc<Ctx>, mut requests: tokio::sync::mpsc::Receiver<String>) {
+async fn check_cancels(
+    ledger: Arc<Ledger>,
+    held: Arc<Held>,
+    mut requests: tokio::sync::mpsc::Receiver<String>,
+) {
     let mut sweep = tokio::time::interval(CANCEL_SWEEP);
     sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             next = requests.recv() => {
                 let Some(job_id) = next else { return };
-                check_one(&ctx, &job_id).await;
+                check_one(&ledger, &held, &job_id).await;
             }
-            _ = sweep.tick() => sweep_held(&ctx).await,
+            _ = sweep.tick() => sweep_held(&ledger, &held).await,
         }
     }
 }
 
-async fn check_one(ctx: &Ctx, job_id: &str) {
-    if !ctx.holds(job_id) {
+async fn check_one(ledger: &Ledger, held: &Held, job_id: &str) {
+    if !held.holds(job_id) {
         return;
     }
-    match ctx.ledger.get(job_id).await {
-        Ok(Some(rec)) if rec.cancel_requested => ctx.cancel_local(job_id),
+    match ledger.get(job_id).await {
+        Ok(Some(rec)) if rec.cancel_requested => held.cancel_local(job_id),
         Ok(_) => tracing::warn!(
             job_id = %job_id.escape_debug(),
             "a cancellation broadcast for a job the ledger holds no cancellation request for: ignored"
@@ -68,16 +74,16 @@ async fn check_one(ctx: &Ctx, job_id: &str) {
     }
 }
 
-async fn sweep_held(ctx: &Ctx) {
-    let held = ctx.held_ids();
-    if held.is_empty() {
+async fn sweep_held(ledger: &Ledger, held: &Held) {
+    let ids = held.held_ids();
+    if ids.is_empty() {
         return;
     }
-    match ctx.ledger.receipt_info_many(&held).await {
+    match ledger.receipt_info_many(&ids).await {
         Ok(found) => {
             for (job_id, info) in found {
                 if info.cancel_requested {
-                    ctx.cancel_local(&job_id);
+                    held.cancel_local(&job_id);
                 }
             }
         }
@@ -110,7 +116,11 @@ impl Sidecars {
         // (`Ledger::cancel` sets `cancel_requested`, and only the authenticated paths call
         // it: `DELETE /v1/jobs/{id}`, `lastcall cancel`). One task checks them in order.
         let (wake, requests) = tokio::sync::mpsc::channel(CONTROL_QUEUE);
-        let checker = tokio::spawn(check_cancels(ctx.clone(), requests));
+        let checker = tokio::spawn(check_cancels(
+            ctx.ledger.clone(),
+            ctx.held.clone(),
+            requests,
+        ));
         let control = tokio::spawn(lastcall_broker::events::follow_control(
             broker.clone(),
             ctx.cfg.topology.names.control_exchange.clone(),

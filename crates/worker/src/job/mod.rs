@@ -18,7 +18,8 @@ mod record;
 mod settle;
 mod wait;
 
-use crate::ctx::{CancelGuard, Ctx, InFlight};
+use crate::ctx::Ctx;
+use crate::held::{CancelGuard, InFlight};
 use crate::lease::{self, Interrupted};
 use crate::settle::Ticket;
 use crate::slots::SlotPermit;
@@ -243,7 +244,7 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut d: Delivery) {
             Action::LookUp => look_up(&ctx, &mut job, &mut d).await,
             Action::AwaitSlot => {
                 if job.cancel.is_none() {
-                    job.cancel = Some(CancelGuard::register(&ctx, &job.id));
+                    job.cancel = Some(CancelGuard::register(&ctx.held, &job.id));
                 }
                 wait::for_slot(&ctx, &mut job, &mut d).await;
             }
@@ -260,7 +261,7 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut d: Delivery) {
 /// The durable `running` row, then the core's check once more (the write took time).
 async fn write_start(ctx: &Arc<Ctx>, job: &mut Job, d: &mut Delivery) {
     // From here the call is this process's: a redelivery of the job waits for it.
-    let Some(running) = InFlight::claim(ctx, &job.id) else {
+    let Some(running) = InFlight::claim(&ctx.held, &job.id) else {
         // Another delivery of the same job got here first (a redelivery raced its first
         // delivery): start over from the receipt, which waits for that call. Its slot and
         // rate-limit permit go back meanwhile.
