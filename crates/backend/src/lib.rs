@@ -162,7 +162,13 @@ pub trait Backend: Send + Sync {
     /// route; [`call_on`](Self::call_on) calls one of them): this one's name alone unless
     /// this one routes kinds. The first is [`route_of`](Self::route_of)'s answer.
     fn routes_of(&self, kind: &str) -> Vec<&str> {
-        vec![self.route_of(kind).unwrap_or(self.name())]
+        vec![self.first_route(kind)]
+    }
+
+    /// The first backend calls of `kind` go to: [`route_of`](Self::route_of)'s answer, or
+    /// this one (the key of the kind's circuit breaker and of its learned-time gauge).
+    fn first_route(&self, kind: &str) -> &str {
+        self.route_of(kind).unwrap_or(self.name())
     }
 
     /// Every name [`route_of`](Self::route_of) can answer, or this one's: the backends whose

@@ -46,6 +46,7 @@ pub mod slots;
 pub mod stats;
 pub mod store_retry;
 pub mod stream;
+mod times;
 
 pub use lastcall_clock as clock;
 pub use lastcall_producer::{cancel, shed, submit};

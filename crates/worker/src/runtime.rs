@@ -19,9 +19,9 @@ use crate::sidecars::Sidecars;
 use crate::slots::Slots;
 use crate::stats::WorkerStats;
 use crate::store_retry::StoreHealth;
+use crate::times::CallTimes;
 use lastcall_backend::{Backend, CancellationToken};
 use lastcall_broker::{Broker, Publisher};
-use lastcall_core::service_time::ServiceTimes;
 use lastcall_store::Ledger;
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
@@ -81,21 +81,28 @@ impl Worker {
             cfg.rate_limits.clone(),
             stats.clone(),
         ));
+        let slots = Arc::new(match cfg.auto_slots {
+            Some(limit) => Slots::adaptive(limit, cfg.buffer_order, cfg.tenant_weights.clone()),
+            None => Slots::new(
+                cfg.slots.max(1),
+                cfg.buffer_order,
+                cfg.tenant_weights.clone(),
+            ),
+        });
+        let times = CallTimes::new(
+            cfg.service_time,
+            backend.clone(),
+            slots.clone(),
+            clock.clone(),
+            stats.clone(),
+        );
         let ctx = Ctx {
             breakers,
             limits,
             door,
-            service: Arc::new(std::sync::Mutex::new(ServiceTimes::new(cfg.service_time))),
-            fits: Default::default(),
+            times,
             held: Default::default(),
-            slots: Arc::new(match cfg.auto_slots {
-                Some(limit) => Slots::adaptive(limit, cfg.buffer_order, cfg.tenant_weights.clone()),
-                None => Slots::new(
-                    cfg.slots.max(1),
-                    cfg.buffer_order,
-                    cfg.tenant_weights.clone(),
-                ),
-            }),
+            slots,
             cfg,
             ledger,
             backend,
@@ -111,7 +118,7 @@ impl Worker {
         (ctx.stats.metrics).attach(ctx.slots.clone(), ctx.cfg.prefetch);
         // The backend (or default route) shows in /readyz and /metrics before its first call.
         ctx.breakers.register(ctx.breaker_key(""));
-        ctx.learn_from_ledger().await;
+        ctx.times.learn_from_ledger(&ctx.ledger).await;
         Ok(Self {
             ctx: Arc::new(ctx),
             broker,

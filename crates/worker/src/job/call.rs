@@ -47,7 +47,7 @@ pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: 
     if backend != ctx.breaker_key(&kind) {
         WorkerStats::inc(&ctx.stats.fallback_calls);
     }
-    let p99_before = ctx.completed_p99(&kind, &backend, ctx.clock.now_ms());
+    let p99_before = ctx.times.completed_p99(&kind, &backend, ctx.clock.now_ms());
     // The permit taken at the slot is spent by this call; its headers reach the limiter.
     let rate = job.rate.take();
     let limits = ctx.limits.sink(&backend, ctx.clock.clone());
@@ -92,7 +92,7 @@ pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: 
         let now = ctx.clock.now_ms();
         let alone = match job.probe {
             Some(_) => None,
-            None => ctx.learned_alone(&kind, &backend, job.size, now),
+            None => ctx.times.learned_alone(&kind, &backend, job.size, now),
         };
         permit.ended(
             call.latency_ms.max(0) as u64,
@@ -124,7 +124,8 @@ pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: 
         call.error = Some(note.to_owned());
     }
     if let Some(cut) = call.result.teaches_call_time() {
-        ctx.observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
+        ctx.times
+            .observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
     }
     if let Some(probe) = job.probe.take() {
         probe.end(match &call.result {
@@ -192,7 +193,7 @@ pub(crate) async fn call_backend(
     let t0 = Instant::now();
     // The call's deadline, on the worker's clock (the one that admitted it).
     let deadline = ctx.clock.sleep_until(ctx.clock.now_ms() + budget_ms as i64);
-    let token = ctx.call_started(env.kind().as_str(), backend);
+    let token = ctx.times.call_started(env.kind().as_str(), backend);
     let deltas = stream.map(|s| s.deltas());
     let fut = (ctx.backend).call_on(backend, req, cancel.clone(), deltas, limits);
     tokio::pin!(fut);
@@ -222,7 +223,7 @@ pub(crate) async fn call_backend(
         }
     };
     call.latency_ms = t0.elapsed().as_millis() as i64;
-    ctx.call_ended(env.kind().as_str(), backend, token);
+    ctx.times.call_ended(env.kind().as_str(), backend, token);
     call
 }
 

@@ -58,8 +58,8 @@ pub(crate) struct Job {
     /// Model calls of earlier deliveries of this job (the ledger's count at receipt).
     prior_starts: u32,
     /// Set when the job runs as a probe: the learned estimate refused it while a slot was
-    /// free ([`crate::ctx::Probe`]); its checks then use the floor, not the estimate.
-    probe: Option<crate::ctx::Probe>,
+    /// free ([`crate::times::Probe`]); its checks then use the floor, not the estimate.
+    probe: Option<crate::times::Probe>,
     /// The request's size from its payload, for the request-aware call-time estimate.
     size: Option<RequestSize>,
     /// Set when this job's call is its model server's half-open breaker trial.
@@ -88,7 +88,7 @@ impl Job {
     fn learned(&self, ctx: &Ctx, kind: &str, now_ms: i64) -> Option<Estimate> {
         match self.probe {
             Some(_) => None,
-            None => ctx.learned(kind, &self.backend, self.size, now_ms),
+            None => ctx.times.learned(kind, &self.backend, self.size, now_ms),
         }
     }
 
@@ -114,7 +114,7 @@ impl Job {
             .map(|&b| {
                 let learned = match self.probe {
                     Some(_) if b == self.backend => None,
-                    _ => ctx.learned(kind, b, self.size, now_ms),
+                    _ => ctx.times.learned(kind, b, self.size, now_ms),
                 };
                 let learned_ms = learned.map(|e| e.quantile_ms);
                 Candidate {
@@ -153,7 +153,9 @@ impl Job {
         let room = policy.refused_by_learned(env, learned.map(|e| e.quantile_ms), now_ms);
         let kind = env.kind().as_str();
         if let Some(room) = room.filter(|_| self.probe.is_none() && slot_free) {
-            self.probe = ctx.try_probe(kind, &self.backend, self.size, room, now_ms);
+            self.probe = ctx
+                .times
+                .try_probe(kind, &self.backend, self.size, room, now_ms);
         }
         if self.probe.is_some() {
             return None;
@@ -161,7 +163,9 @@ impl Job {
         if room.is_some() && slot_free && ctx.slots.inflation() > 1.0 {
             // Refused with a slot free: if the learned time alone admits it, the adaptive
             // limit's predicted slowdown did (it then ends the level it cannot fill).
-            let alone = ctx.learned_alone(kind, &self.backend, self.size, now_ms);
+            let alone = ctx
+                .times
+                .learned_alone(kind, &self.backend, self.size, now_ms);
             if matches!(
                 policy.on_slot(env, alone.map(|e| e.quantile_ms), now_ms),
                 lastcall_core::disposition::Slot::Run { .. }
