@@ -815,19 +815,15 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     jitter: 0.0,
                 };
                 delivery.handle(&policy, ended, now);
-                if let Some(cut) = delivery
-                    .call_result()
-                    .and_then(CallResult::teaches_call_time)
-                {
+                // The call's result as the core records it.
+                let result = delivery.call_result().cloned();
+                if let Some(cut) = result.as_ref().and_then(CallResult::teaches_call_time) {
                     wk.est.observe_request(key, d, cut, jobs[j].size, now);
                 }
                 record(&mut jobs, j, &mut delivery, now)?;
                 if let Some(budget_ms) = probe {
-                    let end = if cut {
-                        ProbeEnd::Wasted { duration_ms: d }
-                    } else {
-                        ProbeEnd::Completed { budget_ms }
-                    };
+                    let end = (result.as_ref())
+                        .map_or(ProbeEnd::Released, |r| ProbeEnd::of(r, budget_ms, d));
                     wk.est.probe_ended(key, end, now);
                 }
             }

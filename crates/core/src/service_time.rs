@@ -360,6 +360,22 @@ pub enum ProbeEnd {
     Released,
 }
 
+impl ProbeEnd {
+    /// How a probe call that was started with `budget_ms` and ended with `result` after
+    /// `duration_ms` of model time ended: completed (within its budget: the learned time
+    /// that refused it was stale), wasted (cut at the deadline or failed: model time spent
+    /// for nothing), or released (cancelled: it says nothing of the estimate).
+    pub fn of(result: &crate::CallResult, budget_ms: u64, duration_ms: u64) -> Self {
+        match result {
+            crate::CallResult::Completed => ProbeEnd::Completed { budget_ms },
+            crate::CallResult::DeadlineExceeded | crate::CallResult::Failed { .. } => {
+                ProbeEnd::Wasted { duration_ms }
+            }
+            crate::CallResult::Cancelled => ProbeEnd::Released,
+        }
+    }
+}
+
 /// A call in flight ([`ServiceTimes::call_started`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub struct CallToken(u64);
@@ -1163,6 +1179,32 @@ fn nearest_rank(q: f64, n: usize) -> usize {
 
 #[cfg(test)]
 mod tests {
+    #[test]
+    fn a_probes_end_follows_its_calls_result() {
+        use crate::{CallResult, Reason};
+        assert_eq!(
+            ProbeEnd::of(&CallResult::Completed, 900, 400),
+            ProbeEnd::Completed { budget_ms: 900 }
+        );
+        assert_eq!(
+            ProbeEnd::of(&CallResult::DeadlineExceeded, 900, 900),
+            ProbeEnd::Wasted { duration_ms: 900 }
+        );
+        let failed = CallResult::Failed {
+            retryable: true,
+            reason: Reason::Backend("http_503".into()),
+            retry_after_ms: None,
+        };
+        assert_eq!(
+            ProbeEnd::of(&failed, 900, 30),
+            ProbeEnd::Wasted { duration_ms: 30 }
+        );
+        assert_eq!(
+            ProbeEnd::of(&CallResult::Cancelled, 900, 200),
+            ProbeEnd::Released
+        );
+    }
+
     use super::*;
     use proptest::prelude::*;
 

@@ -128,13 +128,11 @@ pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: 
             .observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
     }
     if let Some(probe) = job.probe.take() {
-        probe.end(match &call.result {
-            CallResult::Completed => ProbeEnd::Completed { budget_ms },
-            CallResult::DeadlineExceeded | CallResult::Failed { .. } => ProbeEnd::Wasted {
-                duration_ms: call.latency_ms.max(0) as u64,
-            },
-            _ => ProbeEnd::Released,
-        });
+        probe.end(ProbeEnd::of(
+            &call.result,
+            budget_ms,
+            call.latency_ms.max(0) as u64,
+        ));
     }
     if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
         let m = &ctx.stats.metrics;
