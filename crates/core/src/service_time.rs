@@ -788,22 +788,27 @@ impl ServiceTimes {
         {
             return false;
         }
-        // Nor, at a cold start (too few calls for a quantile), when a completed call of a
-        // request no larger than this one took longer than the room: call time grows with
-        // the request, so the longest such call stands for the quantile of the few there
-        // are. (Without it, the job with a sliver of budget left, which EDF hands a free
-        // slot first, was probed: 156 ms for a call of seconds, in the simulator.)
-        let no_larger = |f: Option<[f64; 2]>| match (size.map(|s| s.features()), f) {
-            (Some(job), Some(f)) => f[0] <= job[0] && f[1] <= job[1],
-            (Some(_), None) => false,
-            (None, _) => true,
-        };
+        // Nor, at a cold start (too few calls for a quantile), when a completed call says
+        // this request takes longer than the room. Call time grows with the request and
+        // has a fixed part that is not negative (affine, as the fit assumes), so a request
+        // takes at least [`lower_share`] of a completed call's time: all of it when that
+        // call's request was no larger, the share of the smallest ratio of sizes when it
+        // was larger. The largest such bound stands for the quantile of the few calls
+        // there are. (Without it, the job with a sliver of budget left, which EDF hands a
+        // free slot first, was probed: 156 ms for a call of seconds, in the simulator; and
+        // a 112-token prompt with 518 ms left, after calls of 349 and 474 tokens that took
+        // 2.1 and 2.6 s, was probed and cut.)
+        let job = size.map(|s| s.features());
         let longest = (self.keys.get(key).into_iter())
             .flat_map(|w| w.samples.iter())
-            .filter(|s| !s.cut && self.cfg.is_fresh(s.at_ms, now_ms) && no_larger(s.size))
-            .map(|s| s.duration_ms)
-            .max();
-        if justified.is_none() && longest.is_some_and(|d| d > room_ms) {
+            .filter(|s| !s.cut && self.cfg.is_fresh(s.at_ms, now_ms))
+            .filter_map(|s| match (job, s.size) {
+                (Some(job), Some(f)) => Some(s.duration_ms as f64 * lower_share(job, f)),
+                (Some(_), None) => None,
+                (None, _) => Some(s.duration_ms as f64),
+            })
+            .fold(None, |m: Option<f64>, d| Some(m.map_or(d, |m| m.max(d))));
+        if justified.is_none() && longest.is_some_and(|d| d > room_ms as f64) {
             return false;
         }
         // A call of the key still running well past what completed calls take: the server
@@ -1175,6 +1180,19 @@ fn standard_normal_quantile(p: f64) -> f64 {
 fn nearest_rank(q: f64, n: usize) -> usize {
     let r = (q * n as f64 - 1e-9).ceil();
     (r as usize).clamp(1, n)
+}
+
+/// The share of a completed call's time that a request of features `job` takes at least,
+/// given that call's request had features `call`: with call time affine in the features,
+/// `t = a + Σ bᵢ·xᵢ` and `a, bᵢ ≥ 0`, `t(job) ≥ r·t(call)` for `r = min(1, minᵢ jobᵢ ÷ callᵢ)`
+/// over the features the call had (1 when the call was no larger in every feature).
+fn lower_share(job: [f64; 2], call: [f64; 2]) -> f64 {
+    job.iter()
+        .zip(call)
+        .filter(|&(_, c)| c > 0.0)
+        .map(|(&j, c)| j / c)
+        .fold(1.0, f64::min)
+        .max(0.0)
 }
 
 #[cfg(test)]
@@ -2118,8 +2136,35 @@ mod tests {
             "156 ms for a call of seconds"
         );
         assert!(st.try_probe("k", tokens(200), 2_000, 10));
-        // Smaller than every completed call: nothing says it is long.
+        // Smaller than every completed call: it takes at least its share of each (call
+        // time is affine with a fixed part ≥ 0): 10/50 of 800 ms = 160 ms.
         assert!(st.try_probe("k", tokens(10), 500, 10));
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        st.observe_request("k", 1_000, false, tokens(100), 0);
+        st.observe_request("k", 800, false, tokens(50), 1);
+        assert!(!st.try_probe("k", tokens(10), 150, 10), "160 ms at least");
+    }
+
+    #[test]
+    fn at_a_cold_start_a_probe_needs_room_for_its_share_of_larger_calls() {
+        // The simulator's cold run (seed 4 at 2×): after calls of 474 and 349 tokens that
+        // took 2.6 and 2.1 s, a 112-token prompt with 518 ms left was probed and cut (it
+        // took 1.3 s). 112/349 of 2,122 ms is 681 ms: no probe.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        st.observe_request("k", 2_559, false, tokens(474), 0);
+        st.observe_request("k", 2_122, false, tokens(349), 1);
+        assert!(!st.try_probe("k", tokens(112), 518, 10));
+        assert!(st.try_probe("k", tokens(112), 700, 10));
+    }
+
+    #[test]
+    fn the_lower_share_is_the_smallest_ratio_of_sizes_at_most_one() {
+        assert_eq!(lower_share([10.0, 0.0], [50.0, 0.0]), 0.2);
+        assert_eq!(lower_share([100.0, 0.0], [50.0, 0.0]), 1.0);
+        // Both features: the smaller ratio; a feature the call did not have says nothing.
+        assert_eq!(lower_share([100.0, 8.0], [200.0, 64.0]), 0.125);
+        assert_eq!(lower_share([100.0, 8.0], [200.0, 0.0]), 0.5);
+        assert_eq!(lower_share([0.0, 0.0], [0.0, 0.0]), 1.0);
     }
 
     #[test]
