@@ -24,7 +24,7 @@ pub(crate) struct Ctx {
     pub(crate) stats: Arc<WorkerStats>,
     pub(crate) slots: Arc<Slots>,
     /// The retry publisher of the current broker connection (replaced on reconnect).
-    pub(crate) publisher: RwLock<Publisher>,
+    pub(crate) publisher: Arc<RwLock<Publisher>>,
     pub(crate) health: StoreHealth,
     /// Fires on shutdown: waiting jobs are handed back, store retries stop.
     pub(crate) shutdown: CancellationToken,

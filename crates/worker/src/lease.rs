@@ -6,14 +6,16 @@
 //! `running` attempt under another worker with a fresh lease waits, without a slot, until
 //! that attempt settles. A worker whose lease expired is presumed dead.
 
+use crate::clock::Clock;
 use crate::ctx::Ctx;
 use lastcall_backend::CancellationToken;
+use lastcall_store::Ledger;
 use std::sync::Arc;
-use std::sync::atomic::Ordering;
 use std::time::Duration;
 
 /// How often a worker renews its lease in the ledger.
-const LEASE_RENEW: Duration = Duration::from_millis(lastcall_core::lease::LEASE_RENEW_MS);
+pub(crate) const LEASE_RENEW: Duration =
+    Duration::from_millis(lastcall_core::lease::LEASE_RENEW_MS);
 
 /// Why a hold ended early.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -22,16 +24,17 @@ pub(crate) enum Interrupted {
     ChannelLost,
 }
 
-/// Renew this worker's lease until `stop` fires (one row per worker, not per job), and
-/// mirror the retry publisher's connection into the stats.
-pub(crate) async fn renew(ctx: Arc<Ctx>, stop: CancellationToken) {
+/// Renew the lease of the worker `name` until `stop` fires (one row per worker, not per
+/// job).
+pub(crate) async fn renew(
+    ledger: Arc<Ledger>,
+    name: String,
+    clock: Arc<dyn Clock>,
+    stop: CancellationToken,
+) {
     let mut failing = false;
     loop {
-        match ctx
-            .ledger
-            .heartbeat(&ctx.cfg.name, ctx.clock.now_ms())
-            .await
-        {
+        match ledger.heartbeat(&name, clock.now_ms()).await {
             Ok(()) if failing => {
                 failing = false;
                 tracing::info!("worker lease renewed again");
@@ -43,8 +46,6 @@ pub(crate) async fn renew(ctx: Arc<Ctx>, stop: CancellationToken) {
             }
             Err(_) => {}
         }
-        let connected = ctx.publisher().is_connected().await;
-        (ctx.stats.retry_publisher_connected).store(connected, Ordering::Relaxed);
         tokio::select! {
             _ = tokio::time::sleep(LEASE_RENEW) => {}
             _ = stop.cancelled() => return,

@@ -108,7 +108,7 @@ impl Worker {
             backend,
             clock,
             stats,
-            publisher: std::sync::RwLock::new(publisher),
+            publisher: Arc::new(std::sync::RwLock::new(publisher)),
             health,
             shutdown,
             nonce,

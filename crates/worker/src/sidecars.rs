@@ -1,5 +1,6 @@
 //! The tasks that run beside a worker's generations for its whole life: the lease, the
-//! `/readyz` ledger mirror and the cancellation follower.
+//! `/readyz` mirrors of the ledger's health and of the retry publisher's connection, and
+//! the cancellation follower. Each takes what it uses, not the worker's `Ctx`.
 
 use crate::ctx::Ctx;
 use crate::held::Held;
@@ -16,6 +17,8 @@ pub(crate) struct Sidecars {
     stop: CancellationToken,
     lease: JoinHandle<()>,
     mirror: JoinHandle<()>,
+    /// Mirrors the retry publisher's connection into the stats.
+    publisher: JoinHandle<()>,
     control: JoinHandle<()>,
     checker: JoinHandle<()>,
     /// Writes the breakers' openings and closings to the ledger, for the door.
@@ -98,7 +101,27 @@ impl Sidecars {
     /// ledger writer.
     pub(crate) fn start(ctx: &Arc<Ctx>, broker: &Broker) -> Self {
         let stop = CancellationToken::new();
-        let lease = tokio::spawn(crate::lease::renew(ctx.clone(), stop.clone()));
+        let lease = tokio::spawn(crate::lease::renew(
+            ctx.ledger.clone(),
+            ctx.cfg.name.clone(),
+            ctx.clock.clone(),
+            stop.clone(),
+        ));
+        // The retry publisher's connection (replaced on reconnect), for `/readyz`.
+        let publisher = {
+            let (publisher, stats, stop) = (ctx.publisher.clone(), ctx.stats.clone(), stop.clone());
+            tokio::spawn(async move {
+                loop {
+                    let current = publisher.read().unwrap_or_else(|e| e.into_inner()).clone();
+                    let connected = current.is_connected().await;
+                    (stats.retry_publisher_connected).store(connected, Ordering::Relaxed);
+                    tokio::select! {
+                        _ = tokio::time::sleep(crate::lease::LEASE_RENEW) => {}
+                        _ = stop.cancelled() => return,
+                    }
+                }
+            })
+        };
         // `/readyz`'s ledger check follows every write's result at once, also while the
         // receive loop waits for a delivery (a full buffer of jobs whose writes fail).
         let mirror = {
@@ -145,6 +168,7 @@ impl Sidecars {
             stop,
             lease,
             mirror,
+            publisher,
             control,
             checker,
             breakers,
@@ -155,6 +179,7 @@ impl Sidecars {
     pub(crate) fn abort(self) {
         self.stop.cancel();
         self.mirror.abort();
+        self.publisher.abort();
         self.checker.abort();
         self.breakers.abort();
     }
@@ -162,6 +187,7 @@ impl Sidecars {
     pub(crate) async fn stop(self) {
         self.stop.cancel();
         self.mirror.abort();
+        self.publisher.abort();
         let _ = self.lease.await;
         let _ = tokio::time::timeout(Duration::from_secs(2), self.control).await;
         self.checker.abort();
