@@ -385,7 +385,7 @@ impl Worker {
     /// with the fit kept between observations, × the adaptive limit's inflation).
     fn learned(&mut self, key: &str, size: Option<RequestSize>, now: i64) -> Option<Estimate> {
         let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
-        self.raw(key, size, now).map(|e| inflate(e, k))
+        self.raw(key, size, now).map(|e| e.inflated(k))
     }
 
     /// The learned call time without inflation (the adaptive limit's reference).
@@ -429,18 +429,6 @@ impl Worker {
 
     fn free(&self) -> usize {
         self.cap().saturating_sub(self.running)
-    }
-}
-
-/// `e` at `k` times the time.
-fn inflate(e: Estimate, k: f64) -> Estimate {
-    if k <= 1.0 {
-        return e;
-    }
-    Estimate {
-        quantile_ms: (e.quantile_ms as f64 * k).ceil() as u64,
-        mean_ms: (e.mean_ms as f64 * k).ceil() as u64,
-        ..e
     }
 }
 

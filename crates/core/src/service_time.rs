@@ -230,6 +230,19 @@ pub struct Estimate {
 }
 
 impl Estimate {
+    /// This estimate for a call `k` times slower (the predicted slowdown at the adaptive
+    /// limit's level): the quantile and the mean scaled, rounded up; unchanged at `k ≤ 1`.
+    pub fn inflated(self, k: f64) -> Estimate {
+        if k <= 1.0 {
+            return self;
+        }
+        Estimate {
+            quantile_ms: (self.quantile_ms as f64 * k).ceil() as u64,
+            mean_ms: (self.mean_ms as f64 * k).ceil() as u64,
+            ..self
+        }
+    }
+
     /// The ledger note of a refusal that this estimate decided (a reason for which
     /// [`crate::Reason::is_learned_refusal`] holds): which estimate it was, so that an operator
     /// can see why a job with budget left was not started. `None` for any other outcome.
@@ -807,7 +820,7 @@ impl ServiceTimes {
                 (Some(_), None) => None,
                 (None, _) => Some(s.duration_ms as f64),
             })
-            .fold(None, |m: Option<f64>, d| Some(m.map_or(d, |m| m.max(d))));
+            .max_by(f64::total_cmp);
         if justified.is_none() && longest.is_some_and(|d| d > room_ms as f64) {
             return false;
         }
@@ -1197,6 +1210,9 @@ fn lower_share(job: [f64; 2], call: [f64; 2]) -> f64 {
 
 #[cfg(test)]
 mod tests {
+    use super::*;
+    use proptest::prelude::*;
+
     #[test]
     fn a_probes_end_follows_its_calls_result() {
         use crate::{CallResult, Reason};
@@ -1222,9 +1238,6 @@ mod tests {
             ProbeEnd::Released
         );
     }
-
-    use super::*;
-    use proptest::prelude::*;
 
     #[test]
     fn a_refusal_note_names_the_estimate_only_for_a_refusal_it_decided() {

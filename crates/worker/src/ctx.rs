@@ -24,7 +24,7 @@ pub(crate) struct Ctx {
     pub(crate) stats: Arc<WorkerStats>,
     pub(crate) slots: Arc<Slots>,
     /// The retry publisher of the current broker connection (replaced on reconnect).
-    pub(crate) publisher: Arc<RwLock<Publisher>>,
+    pub(crate) publisher: Arc<RetryPublisher>,
     pub(crate) health: StoreHealth,
     /// Fires on shutdown: waiting jobs are handed back, store retries stop.
     pub(crate) shutdown: CancellationToken,
@@ -88,12 +88,24 @@ impl Ctx {
             mean_ms,
         )
     }
+}
 
-    /// The retry publisher of the current connection.
-    pub(crate) fn publisher(&self) -> Publisher {
-        self.publisher
-            .read()
-            .unwrap_or_else(|e| e.into_inner())
-            .clone()
+/// The retry publisher of the current broker connection, replaced on reconnect; shared by
+/// the job tasks, the retry relay and the `/readyz` mirror.
+pub(crate) struct RetryPublisher(RwLock<Publisher>);
+
+impl RetryPublisher {
+    pub(crate) fn new(publisher: Publisher) -> Self {
+        Self(RwLock::new(publisher))
+    }
+
+    /// The publisher of the current connection.
+    pub(crate) fn get(&self) -> Publisher {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// The publisher of a new connection.
+    pub(crate) fn replace(&self, publisher: Publisher) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = publisher;
     }
 }

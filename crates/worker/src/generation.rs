@@ -54,7 +54,7 @@ impl Generation {
         // Due retries come back through the relay, with the remaining budget as their TTL.
         let relay = crate::relay::RetryRelay::build(
             broker.clone(),
-            ctx.publisher(),
+            ctx.publisher.get(),
             ctx.ledger.clone(),
             cfg.topology.names.clone(),
             ctx.clock.clone(),

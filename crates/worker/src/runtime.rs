@@ -12,7 +12,7 @@
 //! most `prefetch` deliveries (broker-enforced) and at most `max_buffer_bytes` of bodies.
 
 use crate::clock::Clock;
-use crate::ctx::Ctx;
+use crate::ctx::{Ctx, RetryPublisher};
 use crate::generation::{End, Generation, bounded, log_task_end};
 use crate::settle::Door;
 use crate::sidecars::Sidecars;
@@ -108,7 +108,7 @@ impl Worker {
             backend,
             clock,
             stats,
-            publisher: Arc::new(std::sync::RwLock::new(publisher)),
+            publisher: Arc::new(RetryPublisher::new(publisher)),
             health,
             shutdown,
             nonce,
@@ -247,7 +247,7 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
         };
         match ready.await {
             Ok(p) => {
-                *ctx.publisher.write().unwrap_or_else(|e| e.into_inner()) = p;
+                ctx.publisher.replace(p);
                 tracing::warn!(node = %broker.node(), "broker connection restored: topology declared, consuming again");
                 return Some(broker);
             }

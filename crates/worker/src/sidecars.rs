@@ -112,8 +112,7 @@ impl Sidecars {
             let (publisher, stats, stop) = (ctx.publisher.clone(), ctx.stats.clone(), stop.clone());
             tokio::spawn(async move {
                 loop {
-                    let current = publisher.read().unwrap_or_else(|e| e.into_inner()).clone();
-                    let connected = current.is_connected().await;
+                    let connected = publisher.get().is_connected().await;
                     (stats.retry_publisher_connected).store(connected, Ordering::Relaxed);
                     tokio::select! {
                         _ = tokio::time::sleep(crate::lease::LEASE_RENEW) => {}

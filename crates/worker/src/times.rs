@@ -116,16 +116,8 @@ impl CallTimes {
         size: Option<RequestSize>,
         now_ms: i64,
     ) -> Option<Estimate> {
-        let k = self.slots.inflation();
         let e = self.learned_alone(kind, backend, size, now_ms)?;
-        if k <= 1.0 {
-            return Some(e);
-        }
-        Some(Estimate {
-            quantile_ms: (e.quantile_ms as f64 * k).ceil() as u64,
-            mean_ms: (e.mean_ms as f64 * k).ceil() as u64,
-            ..e
-        })
+        Some(e.inflated(self.slots.inflation()))
     }
 
     /// [`CallTimes::learned`] without the slowdown of adaptive slots: the adaptive limit's

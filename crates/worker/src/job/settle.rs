@@ -21,7 +21,7 @@ pub(crate) async fn publish_retry(ctx: &Ctx, job: &Job, d: &mut Delivery, retry:
         timestamp_s: (ctx.clock.now_ms() / 1000) as u64,
         signature: job.msg.signature.clone(),
     };
-    let publisher = ctx.publisher();
+    let publisher = ctx.publisher.get();
     let policy = &ctx.cfg.policy;
     match publisher.publish("", &queue, &job.msg.body, &props).await {
         Ok(()) => {

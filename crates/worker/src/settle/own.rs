@@ -55,27 +55,24 @@ impl OwnDoor {
     /// wrote the job's terminal outcome. `None` when stopping first (the delivery must
     /// not be settled: the broker redelivers it).
     pub(crate) async fn record_outcome(&self, rec: &OutcomeRecord) -> Option<(Written, bool)> {
-        until_stored(
-            &self.health,
-            &self.stop,
-            || {},
-            || self.ledger.record_outcome(rec),
-        )
-        .await
-        .map(|wrote| (Written(()), wrote))
+        self.written(|| self.ledger.record_outcome(rec)).await
     }
 
     /// [`Ledger::record_terminal`] (no attempt row needed; the first outcome wins),
     /// retried as [`Self::record_outcome`].
     pub(crate) async fn record_terminal(&self, rec: &OutcomeRecord) -> Option<(Written, bool)> {
-        until_stored(
-            &self.health,
-            &self.stop,
-            || {},
-            || self.ledger.record_terminal(rec),
-        )
-        .await
-        .map(|wrote| (Written(()), wrote))
+        self.written(|| self.ledger.record_terminal(rec)).await
+    }
+
+    /// `write`, retried until it commits (or `stop`), with its proof.
+    async fn written<F, Fut>(&self, write: F) -> Option<(Written, bool)>
+    where
+        F: FnMut() -> Fut,
+        Fut: std::future::Future<Output = Result<bool, lastcall_store::StoreError>>,
+    {
+        until_stored(&self.health, &self.stop, || {}, write)
+            .await
+            .map(|wrote| (Written(()), wrote))
     }
 
     /// Publish with confirm: the proof when the broker confirmed it.
