@@ -29,7 +29,9 @@ use lastcall_core::concurrency::{AdaptiveLimit, LimitConfig, Running, Sample, Sl
 use lastcall_core::delivery::{Action, ClockState, Delivery, Event};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
-use lastcall_core::service_time::{Estimate, Predictor, ProbeEnd, ServiceTimeConfig, ServiceTimes};
+use lastcall_core::service_time::{
+    Estimate, PredictorCache, ProbeEnd, ServiceTimeConfig, ServiceTimes,
+};
 use lastcall_core::table::render;
 use lastcall_core::{
     CallResult, Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, State, Tenant,
@@ -360,8 +362,8 @@ struct Worker {
     /// Fixed slots, or the adaptive limit of `--slots auto`.
     slots: usize,
     limit: Option<AdaptiveLimit>,
-    /// The estimator's fit, reused until an observation or [`REFIT_MS`] of simulated time.
-    pred: Option<(i64, Predictor)>,
+    /// The estimator's fit per key, as the worker keeps it ([`PredictorCache`]).
+    fits: PredictorCache,
     /// The jobs in the buffer, in the policy's order.
     buffer: Schedule<usize, Box<dyn Policy>>,
     /// Deliveries held (buffered or running), per lane.
@@ -375,10 +377,6 @@ struct Worker {
     seen: std::collections::HashMap<usize, i64>,
 }
 
-/// The estimator's fit is recomputed after every observation, and at least this often
-/// (the recency weights and the age limit change slowly with time).
-const REFIT_MS: i64 = 100;
-
 impl Worker {
     /// The learned call time of a request of `size` at `now` at the concurrency a call
     /// started now runs at (the worker's `Ctx::learned`: `ServiceTimes::estimate_for`,
@@ -390,14 +388,7 @@ impl Worker {
 
     /// The learned call time without inflation (the adaptive limit's reference).
     fn raw(&mut self, key: &str, size: Option<RequestSize>, now: i64) -> Option<Estimate> {
-        match &self.pred {
-            Some((at, p)) if now - at < REFIT_MS => p.estimate(size),
-            _ => {
-                let p = self.est.predictor(key, now);
-                self.pred = Some((now, p));
-                p.estimate(size)
-            }
-        }
+        self.fits.get(&self.est, key, now).estimate(size)
     }
 
     /// As the worker does: may a job refused by the learned time with `room` ms run as a
@@ -636,7 +627,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 request_aware: a.estimate == crate::EstimateArg::Request,
                 ..ServiceTimeConfig::default()
             }),
-            pred: None,
+            fits: PredictorCache::default(),
             slots,
             limit: (a.slots == SlotCount::Auto)
                 .then(|| AdaptiveLimit::new(LimitConfig::new(a.max_slots))),
@@ -753,7 +744,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 wk.generation += 1;
                 wk.running = 0;
                 wk.held = vec![0; lanes];
-                wk.pred = None;
+                wk.fits = PredictorCache::default();
                 // The next crash, while work remains (else the run would never end).
                 let open = jobs.iter().any(|j| j.outcome.is_none());
                 if let (Some(every), true) = (a.crash_every_s, open) {
@@ -781,7 +772,6 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         now,
                     );
                 }
-                wk.pred = None;
                 wk.running -= 1;
                 wk.held[lane[jobs[j].tenant]] -= 1;
                 server_in_flight -= 1;
