@@ -28,12 +28,15 @@ scripts/setup-openapi.sh
 scripts/setup-python-example.sh   # pika for examples/python/producer.py (crates/cli/tests/python_example.rs)
 # The OpenAI-backend tests run a real llama.cpp server: llama.cpp's C++ `llama-server`, built
 # from the llama.cpp sources in the llama-cpp-python sdist on PyPI (the only llama.cpp build
-# of the suite; about 11 CPU-minutes, 5-6 minutes on 2 idle cores, the first time, then
-# cached). It must be there before the tests (not built inside a test's time limit), but
-# it need not wait for the Rust build: it runs beside it, at a lower priority, using the
-# cores the Rust build leaves idle (its link and build-script steps), and the tests start
-# when both are done. Its progress lines start with `[N/M]` or `llama-server:`.
-nice -n 10 scripts/llama-server.sh setup &
+# of the suite; about 8 CPU-minutes the first time, then cached). It need not hold up the
+# rest: it builds beside the Rust build and then beside the tests that do not need it, at
+# the lowest priority, on the cores they leave idle (link steps, tests waiting on the broker
+# or a timer). The tests that need it (their names contain `real_llama`; the helpers that
+# start it check that) run last, once it is built. Its progress lines start with `[N/M]` or
+# `llama-server:`.
+started=$SECONDS
+elapsed() { printf '%dm%02ds' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)); }
+nice -n 19 scripts/llama-server.sh setup &
 llama_setup=$!
 # One build of the dependency tree for every test: the `otlp` feature (OpenTelemetry
 # export, off by default) is switched on for the whole workspace run, so its test runs here
@@ -42,12 +45,28 @@ llama_setup=$!
 # .ci/run lints with the same feature set. The workspace build also puts `lastcall-bench`
 # beside `lastcall` in the target directory: the tests of `lastcall bench …` (an alias that
 # runs it) need it there, which `cargo nextest run -p lastcall` alone would not build.
+run=(cargo nextest run --workspace --features lastcall/otlp --no-fail-fast)
+llama_tests='test(/real_llama/)'
 if ! cargo nextest run --workspace --features lastcall/otlp --no-run; then
   wait "$llama_setup" || true
   exit 1
 fi
+status=0
+if (($# > 0)); then
+  # Arguments (a filter, a test name): one run of what they select, llama-server built.
+  wait "$llama_setup" || { echo "[test] scripts/llama-server.sh setup failed (see above)" >&2; exit 1; }
+  "${run[@]}" "$@" || status=$?
+  echo "[test] $(elapsed): done (exit $status)" >&2
+  exit "$status"
+fi
+echo "[test] $(elapsed): built; the tests that need no llama-server first" >&2
+"${run[@]}" -E "not $llama_tests" || status=$?
+echo "[test] $(elapsed): waiting for the llama-server build, if still running" >&2
 if ! wait "$llama_setup"; then
   echo "[test] scripts/llama-server.sh setup failed (see above); run it again to retry the llama.cpp build" >&2
   exit 1
 fi
-cargo nextest run --workspace --features lastcall/otlp --no-fail-fast "$@"
+echo "[test] $(elapsed): the tests against llama-server" >&2
+"${run[@]}" -E "$llama_tests" || status=$?
+echo "[test] $(elapsed): done (exit $status)" >&2
+exit "$status"

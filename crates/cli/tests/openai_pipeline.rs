@@ -42,7 +42,7 @@ async fn run(
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn worker_with_a_real_openai_compatible_server() {
+async fn worker_with_a_real_llama_server() {
     let (_server, base_url) = LlamaServer::start(&[]);
 
     let env = Env::sqlite("openai").await;

@@ -63,6 +63,13 @@ struct Server {
 
 impl Server {
     fn start() -> Self {
+        // scripts/test.sh runs the tests that need llama-server after its build, by name.
+        let name = std::thread::current().name().unwrap_or_default().to_owned();
+        assert!(
+            name.contains("real_llama") || name == "main",
+            "the test `{name}` starts llama-server, so its name must contain `real_llama`: \
+             scripts/test.sh runs those tests after llama-server is built"
+        );
         let port = free_port();
         let started = Instant::now();
         let out = Command::new("bash")

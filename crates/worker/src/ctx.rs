@@ -1,6 +1,8 @@
 //! The shared state of one running worker: its settings and adapters, and the values its
 //! tasks share (the door, the jobs held, the call times, the slots, the breakers, the
-//! rate limits), each its own type in its own module.
+//! rate limits), each its own type in its own module. A job's driver (`job/mod.rs`) holds
+//! it; its steps take views of the part they use: [`Calls`] (the wait for a slot and the
+//! model call) and [`Recording`] (the outcome row, the retry publish, the settlement).
 
 use crate::clock::Clock;
 use crate::config::WorkerConfig;
@@ -47,7 +49,26 @@ pub(crate) struct Ctx {
     pub(crate) limits: Arc<crate::limits::Limiters>,
 }
 
-impl Ctx {
+/// What waiting for a slot and making the model call use (`job/wait.rs`, `job/call.rs`,
+/// and the job's gates: its backend on a fallback route, its learned time, a probe): the
+/// backend, the call times, the slots, the breakers, the rate limits, the token stream,
+/// the stats, the clock and the shutdown signal. Not the ledger, the settlement door, the
+/// retry publisher, the outcome events or the jobs held: a job waiting or calling records
+/// nothing and settles nothing.
+pub(crate) struct Calls<'a> {
+    pub(crate) cfg: &'a WorkerConfig,
+    pub(crate) clock: &'a Arc<dyn Clock>,
+    pub(crate) stats: &'a Arc<WorkerStats>,
+    pub(crate) backend: &'a Arc<dyn Backend>,
+    pub(crate) times: &'a CallTimes,
+    pub(crate) slots: &'a Arc<Slots>,
+    pub(crate) breakers: &'a Arc<crate::breakers::Breakers>,
+    pub(crate) limits: &'a Arc<crate::limits::Limiters>,
+    pub(crate) deltas: &'a lastcall_broker::DeltaSink,
+    pub(crate) shutdown: &'a CancellationToken,
+}
+
+impl Calls<'_> {
     /// The circuit breaker key of a kind: the first backend its calls go to (the route's
     /// first backend when kinds are routed).
     pub(crate) fn breaker_key<'a>(&'a self, kind: &str) -> &'a str {
@@ -87,6 +108,52 @@ impl Ctx {
             self.slots.total(),
             mean_ms,
         )
+    }
+}
+
+/// What the end of a delivery uses (`job/settle.rs`, and the outcome row of
+/// `job/record.rs`): the settlement door, the retry publisher, the outcome events, the
+/// stats and the clock. Not the slots, the call times, the breakers or the limits: a
+/// delivery that is being recorded and settled no longer decides anything about a call.
+pub(crate) struct Recording<'a> {
+    pub(crate) cfg: &'a WorkerConfig,
+    pub(crate) clock: &'a dyn Clock,
+    pub(crate) stats: &'a WorkerStats,
+    pub(crate) door: &'a Door,
+    pub(crate) publisher: &'a RetryPublisher,
+    pub(crate) events: &'a lastcall_broker::EventSink,
+    /// The worker's backend name: the outcome row of a delivery that named none.
+    pub(crate) backend: &'a str,
+}
+
+impl Ctx {
+    /// The part of the worker that waiting for a slot and calling the model use.
+    pub(crate) fn calls(&self) -> Calls<'_> {
+        Calls {
+            cfg: &self.cfg,
+            clock: &self.clock,
+            stats: &self.stats,
+            backend: &self.backend,
+            times: &self.times,
+            slots: &self.slots,
+            breakers: &self.breakers,
+            limits: &self.limits,
+            deltas: &self.deltas,
+            shutdown: &self.shutdown,
+        }
+    }
+
+    /// The part of the worker that recording and settling a delivery uses.
+    pub(crate) fn recording(&self) -> Recording<'_> {
+        Recording {
+            cfg: &self.cfg,
+            clock: self.clock.as_ref(),
+            stats: &self.stats,
+            door: &self.door,
+            publisher: &self.publisher,
+            events: &self.events,
+            backend: self.backend.name(),
+        }
     }
 }
 

@@ -117,7 +117,7 @@ impl Worker {
         };
         (ctx.stats.metrics).attach(ctx.slots.clone(), ctx.cfg.prefetch);
         // The backend (or default route) shows in /readyz and /metrics before its first call.
-        ctx.breakers.register(ctx.breaker_key(""));
+        ctx.breakers.register(ctx.backend.first_route(""));
         ctx.times.learn_from_ledger(&ctx.ledger).await;
         Ok(Self {
             ctx: Arc::new(ctx),

@@ -7,6 +7,19 @@ fn script() -> std::path::PathBuf {
     std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../scripts/llama-server.sh")
 }
 
+/// `scripts/test.sh` runs the tests that need llama-server after the others, once its
+/// build (beside the Rust build and the other tests) is done: it finds them by name, so the
+/// name of every such test contains `real_llama`.
+pub fn assert_named_real_llama() {
+    let thread = std::thread::current();
+    let name = thread.name().unwrap_or_default();
+    assert!(
+        name.contains("real_llama") || name == "main",
+        "the test `{name}` starts llama-server, so its name must contain `real_llama`: \
+         scripts/test.sh runs those tests after llama-server is built"
+    );
+}
+
 /// A running server (its port); `scripts/llama-server.sh stop PORT` when dropped.
 pub struct LlamaServer(pub u16);
 
@@ -14,6 +27,7 @@ impl LlamaServer {
     /// `scripts/llama-server.sh start PORT` on a free port with `env` (LLAMA_SERVER_*); the
     /// server and its base URL (`http://127.0.0.1:PORT/v1`).
     pub fn start(env: &[(&str, &str)]) -> (LlamaServer, String) {
+        assert_named_real_llama();
         let port = super::private_rabbit::free_port();
         let out = Command::new("bash")
             .arg(script())

@@ -4,7 +4,7 @@
 //! the breaker, the learned call times, a probe's end).
 
 use super::Job;
-use crate::ctx::Ctx;
+use crate::ctx::Calls;
 use crate::stats::WorkerStats;
 use lastcall_backend::{BackendError, CallOutput, CallRequest, CancellationToken};
 use lastcall_core::breaker::Verdict;
@@ -17,7 +17,7 @@ use std::time::{Duration, Instant};
 
 /// Call the model with the budget the core gave, report its end, and let the call teach
 /// what it measured.
-pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: u64) {
+pub(crate) async fn call(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery, budget_ms: u64) {
     let Some(env) = d.env() else {
         return;
     };
@@ -28,7 +28,7 @@ pub(crate) async fn call(ctx: &Ctx, job: &mut Job, d: &mut Delivery, budget_ms: 
     // queue the name happens to match (the work queue, through the default exchange).
     let stream = match job.msg.reply_to.as_deref() {
         Some(to) if lastcall_core::delta::is_direct_reply_to(to) => Some(
-            crate::stream::CallStream::new(&ctx.deltas, to, &job.id, job.msg.attempt),
+            crate::stream::CallStream::new(ctx.deltas, to, &job.id, job.msg.attempt),
         ),
         Some(to) => {
             tracing::warn!(
@@ -171,7 +171,7 @@ impl Call {
 /// `budget_ms`, the remaining budget, as its timeout; `requested` aborts it.
 #[allow(clippy::too_many_arguments)] // one call's parts, each from a different place
 pub(crate) async fn call_backend(
-    ctx: &Ctx,
+    ctx: &Calls<'_>,
     backend: &str,
     env: &Envelope,
     attempt: u32,

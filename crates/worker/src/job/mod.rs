@@ -18,7 +18,7 @@ mod record;
 mod settle;
 mod wait;
 
-use crate::ctx::Ctx;
+use crate::ctx::{Calls, Ctx};
 use crate::held::{CancelGuard, InFlight};
 use crate::lease::{self, Interrupted};
 use crate::settle::Ticket;
@@ -85,7 +85,7 @@ pub(crate) struct Job {
 
 impl Job {
     /// The learned call time that applies to this job on its backend: none for a probe.
-    fn learned(&self, ctx: &Ctx, kind: &str, now_ms: i64) -> Option<Estimate> {
+    fn learned(&self, ctx: &Calls<'_>, kind: &str, now_ms: i64) -> Option<Estimate> {
         match self.probe {
             Some(_) => None,
             None => ctx.times.learned(kind, &self.backend, self.size, now_ms),
@@ -99,7 +99,7 @@ impl Job {
     /// follow (breaker, rate limit, admission) run on the chosen backend. A job holding
     /// its backend's half-open trial or rate-limit permit keeps that backend; a kind with
     /// one backend has nothing to choose.
-    fn choose_backend(&mut self, ctx: &Ctx, env: &Envelope, now_ms: i64) {
+    fn choose_backend(&mut self, ctx: &Calls<'_>, env: &Envelope, now_ms: i64) {
         if self.trial.is_some() || self.rate.is_some() {
             return;
         }
@@ -143,7 +143,7 @@ impl Job {
     /// run it as a probe if the estimator allows one. Returns the estimate that applies.
     fn maybe_probe(
         &mut self,
-        ctx: &Ctx,
+        ctx: &Calls<'_>,
         env: &Envelope,
         learned: Option<Estimate>,
         slot_free: bool,
@@ -216,7 +216,7 @@ pub(crate) async fn handle(
     let ct = ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64);
     let size = (parsed.as_ref().ok()).and_then(|e| RequestSize::of_payload(&e.payload));
     let backend = match &parsed {
-        Ok(e) => ctx.breaker_key(e.kind().as_str()),
+        Ok(e) => ctx.backend.first_route(e.kind().as_str()),
         Err(_) => ctx.backend.name(),
     }
     .to_owned();
@@ -250,14 +250,18 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut d: Delivery) {
                 if job.cancel.is_none() {
                     job.cancel = Some(CancelGuard::register(&ctx.held, &job.id));
                 }
-                wait::for_slot(&ctx, &mut job, &mut d).await;
+                wait::for_slot(&ctx.calls(), &mut job, &mut d).await;
             }
-            Action::AwaitClock => wait::for_clock(&ctx, &job, &mut d).await,
+            Action::AwaitClock => wait::for_clock(&ctx.calls(), &job, &mut d).await,
             Action::WriteStart => write_start(&ctx, &mut job, &mut d).await,
-            Action::Call { budget_ms } => call::call(&ctx, &mut job, &mut d, budget_ms).await,
-            Action::PublishRetry(retry) => settle::publish_retry(&ctx, &job, &mut d, retry).await,
-            Action::Record => settle::record(&ctx, &job, &mut d).await,
-            Action::Finish(f) => return settle::finish(&ctx, job, &d, f).await,
+            Action::Call { budget_ms } => {
+                call::call(&ctx.calls(), &mut job, &mut d, budget_ms).await
+            }
+            Action::PublishRetry(retry) => {
+                settle::publish_retry(&ctx.recording(), &job, &mut d, retry).await
+            }
+            Action::Record => settle::record(&ctx.recording(), &job, &mut d).await,
+            Action::Finish(f) => return settle::finish(&ctx.recording(), job, &d, f).await,
         }
     }
 }
@@ -278,7 +282,7 @@ async fn write_start(ctx: &Arc<Ctx>, job: &mut Job, d: &mut Delivery) {
         );
     };
     job.running = Some(running);
-    let row = record::start_row(ctx, job, d);
+    let row = record::start_row(&ctx.cfg.name, job, d);
     if ctx.door.commit(LedgerWrite::Start(row)).await.is_none() {
         return d.handle(&ctx.cfg.policy, Event::Shutdown, ctx.clock.now_ms());
     }
@@ -288,7 +292,7 @@ async fn write_start(ctx: &Arc<Ctx>, job: &mut Job, d: &mut Delivery) {
     }
     let learned = d
         .env()
-        .and_then(|e| job.learned(ctx, e.kind().as_str(), now));
+        .and_then(|e| job.learned(&ctx.calls(), e.kind().as_str(), now));
     let cancel_requested = (job.cancel.as_ref()).is_some_and(|c| c.token.is_cancelled());
     let started = Event::StartDurable {
         learned,
@@ -330,10 +334,11 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
     };
     job.prior_starts = info.prior_starts;
     let at = d.facts().map_or(0, |f| f.received_at_ms);
+    let calls = ctx.calls();
     let learned = d.env().and_then(|e| {
-        job.choose_backend(ctx, e, at);
-        let learned = job.learned(ctx, e.kind().as_str(), at);
-        job.maybe_probe(ctx, e, learned, ctx.slots.available() > 0, at)
+        job.choose_backend(&calls, e, at);
+        let learned = job.learned(&calls, e.kind().as_str(), at);
+        job.maybe_probe(&calls, e, learned, ctx.slots.available() > 0, at)
     });
     job.work_ms = learned.map_or(0, |l| l.mean_ms);
     let facts = ReceiptFacts {
@@ -341,7 +346,7 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
         prior_starts: info.prior_starts,
         cancel_requested: info.cancel_requested,
         expected_wait_ms: d.env().map_or(0, |e| {
-            ctx.expected_wait_ms(&ticket(e, job.msg.receipt, job.work_ms))
+            calls.expected_wait_ms(&ticket(e, job.msg.receipt, job.work_ms))
         }),
         learned_runtime_ms: None,
     };

@@ -2,13 +2,13 @@
 
 use super::Job;
 use super::call::Call;
-use crate::ctx::Ctx;
+use crate::ctx::Recording;
 use lastcall_core::delivery::Delivery;
 use lastcall_core::{Envelope, State, Tenant};
 use lastcall_store::{AttemptStart, OutcomeRecord};
 
 /// The durable `running` row written before the call (makes crash loops countable).
-pub(crate) fn start_row(ctx: &Ctx, job: &Job, d: &Delivery) -> AttemptStart {
+pub(crate) fn start_row(worker: &str, job: &Job, d: &Delivery) -> AttemptStart {
     let (env, facts) = (d.env().expect("admitted"), d.facts().expect("admitted"));
     let checked_at_ms = facts.checked_at_ms.unwrap_or(facts.received_at_ms);
     AttemptStart {
@@ -18,7 +18,7 @@ pub(crate) fn start_row(ctx: &Ctx, job: &Job, d: &Delivery) -> AttemptStart {
         attempt: facts.attempt,
         created_at_ms: env.deadline().created_at_ms(),
         expires_at_ms: env.deadline().expires_at_ms(),
-        worker: ctx.cfg.name.clone(),
+        worker: worker.to_owned(),
         redelivered: job.msg.redelivered,
         received_at_ms: facts.received_at_ms,
         checked_at_ms,
@@ -31,7 +31,7 @@ pub(crate) fn start_row(ctx: &Ctx, job: &Job, d: &Delivery) -> AttemptStart {
 /// The outcome row of a delivery being recorded (a terminal outcome, or a retry's or
 /// hand-back's attempt).
 pub(crate) fn outcome_row(
-    ctx: &Ctx,
+    ctx: &Recording<'_>,
     job: &Job,
     d: &Delivery,
     call: Option<&Call>,
@@ -77,10 +77,7 @@ pub(crate) fn outcome_row(
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
         // The backend that served (or would have served) the call: the route's, when
         // kinds are routed; on a fallback route, the one chosen for this call.
-        backend: Some(
-            env.map_or(ctx.backend.name(), |_| job.backend.as_str())
-                .to_owned(),
-        ),
+        backend: Some(env.map_or(ctx.backend, |_| job.backend.as_str()).to_owned()),
         model: output.and_then(|o| o.model.clone()),
         min_runtime_ms: facts
             .min_runtime_ms

@@ -3,7 +3,7 @@
 
 use super::Job;
 use super::record::outcome_row;
-use crate::ctx::Ctx;
+use crate::ctx::Recording;
 use crate::stats::WorkerStats;
 use lastcall_broker::PublishProps;
 use lastcall_core::delivery::{Action, Delivery, Event, Finish, FinishKind, Retry};
@@ -11,7 +11,7 @@ use lastcall_store::LedgerWrite;
 
 /// Publish the retry with confirm: the body byte for byte (the deadline cannot change),
 /// the remaining budget as its TTL, on the retry queue of its delay.
-pub(crate) async fn publish_retry(ctx: &Ctx, job: &Job, d: &mut Delivery, retry: Retry) {
+pub(crate) async fn publish_retry(ctx: &Recording<'_>, job: &Job, d: &mut Delivery, retry: Retry) {
     let delay = ctx.cfg.policy.retry.queue_delays_ms[retry.queue_index];
     let queue = ctx.cfg.topology.names.retry_queue(delay);
     let props = PublishProps {
@@ -47,7 +47,7 @@ pub(crate) async fn publish_retry(ctx: &Ctx, job: &Job, d: &mut Delivery, retry:
 
 /// Write the outcome durably (group commit, retried); the core then says how to finish
 /// with the broker.
-pub(crate) async fn record(ctx: &Ctx, job: &Job, d: &mut Delivery) {
+pub(crate) async fn record(ctx: &Recording<'_>, job: &Job, d: &mut Delivery) {
     let policy = &ctx.cfg.policy;
     let rec = outcome_row(ctx, job, d, job.call.as_ref());
     let stored = ctx.door.commit(LedgerWrite::outcome(rec.clone())).await;
@@ -67,10 +67,10 @@ pub(crate) async fn record(ctx: &Ctx, job: &Job, d: &mut Delivery) {
                 "outcome recorded"
             );
         }
-        crate::hooks::pause_after_store(&ctx.cfg).await;
+        crate::hooks::pause_after_store(ctx.cfg).await;
         if terminal.is_some() {
             let calls = job.prior_starts + u32::from(rec.model_called);
-            crate::events::emit(&ctx.events, &rec, calls);
+            crate::events::emit(ctx.events, &rec, calls);
         }
     } else if terminal.is_some() {
         tracing::info!("outcome already recorded earlier; keeping the first");
@@ -83,7 +83,7 @@ pub(crate) async fn record(ctx: &Ctx, job: &Job, d: &mut Delivery) {
 }
 
 /// The delivery's one way out, through the settlement door.
-pub(crate) async fn finish(ctx: &Ctx, job: Job, d: &Delivery, f: Finish) {
+pub(crate) async fn finish(ctx: &Recording<'_>, job: Job, d: &Delivery, f: Finish) {
     if d.is_duplicate() {
         WorkerStats::inc(&ctx.stats.duplicates);
         tracing::info!("redelivery of a job with a recorded outcome: acking without running");

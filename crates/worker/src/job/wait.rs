@@ -9,7 +9,7 @@
 //! make it.
 
 use super::Job;
-use crate::ctx::Ctx;
+use crate::ctx::Calls;
 use crate::slots::SlotPermit;
 use crate::stats::WorkerStats;
 use lastcall_core::breaker::Permit;
@@ -20,11 +20,11 @@ use std::time::Duration;
 /// core's last admission check. The delivery leaves [`Action::AwaitSlot`] unless a gate
 /// makes the job wait without its slot: the driver then comes back here (a slot again,
 /// and the gates again).
-pub(crate) async fn for_slot(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
+pub(crate) async fn for_slot(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery) {
     let Some(permit) = buffered(ctx, job, d).await else {
         return;
     };
-    crate::hooks::hold_before_admission(&ctx.cfg).await;
+    crate::hooks::hold_before_admission(ctx.cfg).await;
     // Fail closed while the clock's sync state forbids admission.
     let clock = if ctx.cfg.clock_sync.admits(ctx.clock.as_ref()) {
         ClockState::Trusted
@@ -83,7 +83,7 @@ pub(crate) async fn for_slot(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
 /// trial, and ends it without a call (`admission:upstream_unavailable`) otherwise.
 /// `Some`: the call may go out, with the slot.
 async fn breaker(
-    ctx: &Ctx,
+    ctx: &Calls<'_>,
     job: &mut Job,
     d: &mut Delivery,
     kind: &str,
@@ -137,7 +137,7 @@ async fn breaker(
 /// now, without a call (`admission:rate_limited`). The last admission check runs after
 /// this, at the slot. `Some`: the permit is taken, the slot kept.
 async fn rate_limit(
-    ctx: &Ctx,
+    ctx: &Calls<'_>,
     job: &mut Job,
     d: &mut Delivery,
     kind: &str,
@@ -190,7 +190,7 @@ async fn rate_limit(
 /// loss of the channel. The last three are reported to the delivery; after the first two
 /// the driver asks for a slot again.
 async fn hold_without_slot(
-    ctx: &Ctx,
+    ctx: &Calls<'_>,
     job: &Job,
     d: &mut Delivery,
     until_ms: i64,
@@ -217,7 +217,7 @@ async fn hold_without_slot(
 
 /// One wait in the buffer: until a slot (`Some`), or the latest useful start when the
 /// core then settles the job, a cancellation, a shutdown or the loss of the channel.
-async fn buffered(ctx: &Ctx, job: &mut Job, d: &mut Delivery) -> Option<SlotPermit> {
+async fn buffered(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery) -> Option<SlotPermit> {
     let policy = &ctx.cfg.policy;
     let (kind, ticket) = {
         let env = d.env()?;
@@ -278,7 +278,7 @@ async fn buffered(ctx: &Ctx, job: &mut Job, d: &mut Delivery) -> Option<SlotPerm
 
 /// Hold the job until the clock may be trusted, without holding a slot meanwhile, and
 /// let the core look now and then whether it can still pass the admission check.
-pub(crate) async fn for_clock(ctx: &Ctx, job: &Job, d: &mut Delivery) {
+pub(crate) async fn for_clock(ctx: &Calls<'_>, job: &Job, d: &mut Delivery) {
     tracing::warn!(state = ?ctx.clock.sync_state(), "clock not known to be synchronised: admission stopped (--clock-sync require)");
     let policy = &ctx.cfg.policy;
     let Some(kind) = d.env().map(|e| e.kind().as_str().to_owned()) else {
