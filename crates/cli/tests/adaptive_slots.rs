@@ -6,7 +6,7 @@
 //! The limit must move above its start and stay within [1, max]; the jobs must finish on
 //! time, and no call may reach the server after its job's deadline.
 
-mod common;
+use crate::common;
 
 use common::upstream::{BATCHING, Upstream};
 use common::*;

@@ -13,7 +13,7 @@
 //!   while the alarm is still on;
 //! - once the watermark is restored, serve accepts jobs again and they complete.
 
-mod common;
+use crate::common;
 
 use common::calls_in;
 use common::http::{Children, curl};

@@ -1,7 +1,7 @@
 //! `lastcall bench …` in smoke mode via the binary: the output is well-formed and the
 //! counts add up. No timing assertions: the numbers of a smoke run mean nothing.
 
-mod common;
+use crate::common;
 
 use common::{Env, OutputBounded};
 use serde_json::Value;

@@ -1,6 +1,6 @@
 //! The `lastcall` binary's commands as a user runs them.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::Command;

@@ -1,7 +1,7 @@
 //! `lastcall.toml` as a user writes it: per-command sections, their precedence against
 //! flags and environment variables, `config show`, and errors for unknown keys.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::{Command, Output};

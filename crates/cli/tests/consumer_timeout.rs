@@ -13,7 +13,7 @@
 //!
 //! In both cases the worker keeps running and consuming: a short job afterwards completes.
 
-mod common;
+use crate::common;
 
 use common::http::Children;
 use common::private_rabbit::PrivateRabbit;

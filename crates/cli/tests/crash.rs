@@ -2,7 +2,7 @@
 //! job is redelivered, and the ledger still holds exactly one outcome with one model call.
 //! Also: SIGTERM drains gracefully and hands waiting work back.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::topology::queue_depth;

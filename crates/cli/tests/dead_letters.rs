@@ -2,7 +2,7 @@
 //! head to the DLX (`maxlen`), and the dead-letter processor records `failed`/`maxlen`
 //! with the deadline unchanged, then exits when idle.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_worker::clock::now_ms;

@@ -7,7 +7,7 @@
 //!   upstream_unavailable` with `Retry-After` and publishes nothing; after the server
 //!   recovers and the breaker closes, jobs are admitted again.
 
-mod common;
+use crate::common;
 
 use common::upstream::{FAILING, HEALTHY, Upstream};
 use common::*;

@@ -2,7 +2,7 @@
 //! of the real `lastcall serve` binary and `lastcall submit --wait`, against the real
 //! broker, a real worker and a real ledger.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_core::OutcomeEvent;

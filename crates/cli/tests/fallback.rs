@@ -11,7 +11,7 @@
 //! - A job waiting in the buffer for the one slot, past its latest useful start on the
 //!   slow first backend, is not ended: it goes to the fast second when the slot frees.
 
-mod common;
+use crate::common;
 
 use common::upstream::{FAILING, Upstream, openai, submit_all, until};
 use common::*;

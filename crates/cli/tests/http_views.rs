@@ -5,7 +5,7 @@
 //! written. (These need a worker and the dead-letter processor, so they live here and not
 //! in `crates/http`, which does not depend on the worker runtime.)
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::management::Management;

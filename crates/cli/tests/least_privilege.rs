@@ -15,7 +15,7 @@
 //! The broker is shared with other tests: only this test's own vhost and users are created,
 //! and a drop guard deletes them (and stops the worker) even when an assertion fails.
 
-mod common;
+use crate::common;
 
 use lastcall_broker::topology::queue_depth;
 use lastcall_broker::{Broker, IncomingStream, PublishProps, Publisher};

@@ -1,7 +1,7 @@
 //! `lastcall ledger prune|export|copy` as a user runs them, and the worker's background
 //! pruning with its gauges on `/metrics`, against real SQLite and PostgreSQL ledgers.
 
-mod common;
+use crate::common;
 
 use common::http::{Children, curl};
 use common::*;

@@ -6,7 +6,7 @@
 //! server). And continuous batching is real: a worker with several slots has several
 //! generations in the server's slots at once, read from the server's log.
 
-mod common;
+use crate::common;
 
 use common::llama::LlamaServer;
 use common::private_rabbit::free_port;

@@ -3,7 +3,7 @@
 //! POSTed protobuf bodies; the test looks for the job's span fields in them.
 #![cfg(feature = "otlp")]
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_worker::clock::now_ms;

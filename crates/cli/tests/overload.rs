@@ -2,7 +2,7 @@
 //! receipt when the expected wait for a slot leaves too little budget, and group commit
 //! (many deliveries finishing together: every one recorded once, then acked).
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_store::ListFilter;

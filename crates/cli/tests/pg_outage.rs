@@ -4,7 +4,7 @@
 //! directory on its own port (`common::private_pg`: initdb + pg_ctl as user postgres), never
 //! the shared one.
 
-mod common;
+use crate::common;
 
 use common::private_pg::PrivatePg;
 use common::*;

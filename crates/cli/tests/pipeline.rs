@@ -2,7 +2,7 @@
 //! deadline during a call, the expired action, refusals before publishing, topology
 //! conflicts, the fail-closed clock mode and a store outage.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::topology::QueueType;

@@ -4,7 +4,7 @@
 //! it and the DLQ processor records `failed`/`delivery_limit`. The worker is the real
 //! binary, restarted after every crash.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::topology::QueueType;

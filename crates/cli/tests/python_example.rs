@@ -6,7 +6,7 @@
 //! The example runs with the venv of `scripts/setup-python-example.sh` (pika from PyPI);
 //! without it these tests fail and say so.
 
-mod common;
+use crate::common;
 
 use common::http::{Children, curl};
 use common::*;

@@ -3,7 +3,7 @@
 //! limit. Jobs flow through, expired jobs are dead-lettered (at least once) and recorded,
 //! and a full queue refuses publishes with a publisher nack that reaches the caller.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::PublishError;

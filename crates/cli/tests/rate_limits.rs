@@ -14,7 +14,7 @@
 //!   earlier than it asked and completes inside its budget; one whose budget cannot cover
 //!   it ends at once (`retry:rate_limited`).
 
-mod common;
+use crate::common;
 
 use common::upstream::{HEALTHY, LIMITED, Upstream, openai, submit_all, until};
 use common::*;

@@ -3,7 +3,7 @@
 //! outcome that arrives after reconciliation replaces `unknown` (a late outcome, counted),
 //! and `lastcall report` aggregates it. Real broker, real ledgers, the real binary.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_core::State;

@@ -3,7 +3,7 @@
 //! like from the client) while calls run and jobs wait. The shared broker itself is never
 //! touched. Nothing is lost, nothing runs twice, and the worker resumes by itself.
 
-mod common;
+use crate::common;
 
 use common::http::curl;
 use common::proxy::FreezableProxy;

@@ -2,7 +2,7 @@
 //! queues keep their order, a retry that cannot fit is never published, and the maximum
 //! number of attempts is honoured without ever changing the deadline.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::{IncomingStream, PublishProps, Publisher};

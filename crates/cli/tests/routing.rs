@@ -1,7 +1,7 @@
 //! A worker whose kinds are routed to several backends: each call is recorded and learned
 //! under the backend that served it (the ledger's `backend`), not under the router.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_backend::Backend;

@@ -17,7 +17,7 @@
 //! refused broker URL is shown masked), so that a test in which no secret was loaded cannot
 //! pass by saying nothing. Only the management password's use is not observable here.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::fs::File;

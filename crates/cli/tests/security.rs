@@ -1,7 +1,7 @@
 //! Security review, round two (issue #34), the worker's side: what a client that may
 //! publish to the broker (the producer role) can no longer make a worker do.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_core::event::ControlMessage;

@@ -1,7 +1,7 @@
 //! The seed's four broker cases (seed 000), against the real RabbitMQ and a real ledger.
 //! In every case the model is called zero times for these jobs.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::IncomingStream;

@@ -1,7 +1,7 @@
 //! `lastcall serve` as an operator runs it: the real binary on a real socket, with the
 //! token from the environment, in front of the real broker and ledger.
 
-mod common;
+use crate::common;
 
 use common::*;
 use std::process::{Command, Stdio};

@@ -4,7 +4,7 @@
 //! accepted, a retry with the same id after the broker recovers is accepted, and the
 //! duplicate message the first attempt left in the queue runs no second model call.
 
-mod common;
+use crate::common;
 
 use common::http::curl;
 use common::proxy::FreezableProxy;

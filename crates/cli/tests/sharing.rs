@@ -2,7 +2,7 @@
 //! serves a higher priority tier first, then the tenant that has had the least model time
 //! for its weight, then the earliest deadline.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_core::{Priority, Tenant};

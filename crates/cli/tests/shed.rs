@@ -3,7 +3,7 @@
 //! published or recorded) and `lastcall serve` answers it `429 would_expire_in_queue` with
 //! `Retry-After`; with `--no-shed` both accept it.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::management::{Management, QueueStats};

@@ -4,7 +4,7 @@
 //! deadline are `rejected`/`bad_signature`, dead-lettered, and never reach the model; they
 //! are recorded under synthetic ids, so a forged copy cannot block the real job it names.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_broker::{IncomingStream, PublishProps, Publisher};

@@ -5,7 +5,7 @@
 //!
 //! Mounting a tmpfs needs root (as on CI here); without it the test fails and says so.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_worker::clock::now_ms;

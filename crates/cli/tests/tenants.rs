@@ -2,7 +2,7 @@
 //! --tenant`, `report --tenant` and its per-tenant table, `tokens hash`, and the real
 //! `serve --tokens-file` on a socket in front of the real broker and ledger.
 
-mod common;
+use crate::common;
 
 use common::*;
 use lastcall_core::{Decision, State, Tenant};

@@ -8,7 +8,7 @@
 //! - `lastcall serve --tls-cert --tls-key` and `lastcall worker` (the real binary) over
 //!   amqps and PostgreSQL TLS: a job POSTed over HTTPS (reqwest trusting the CA) completes.
 
-mod common;
+use crate::common;
 
 use common::http::Children;
 use common::private_pg::PrivatePg;

@@ -10,7 +10,7 @@
 //! answered) opens it again. And 429 with `Retry-After`: a retry never comes earlier, and
 //! a job whose budget cannot cover it ends at once (`retry:rate_limited`).
 
-mod common;
+use crate::common;
 
 use common::upstream::{FAILING, HANGING, HEALTHY, LIMITED, Upstream, submit_all, until};
 use common::*;

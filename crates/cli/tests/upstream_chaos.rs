@@ -16,7 +16,7 @@
 //! - **recovery**: from the fault's end to the first on-time completion of a job sent after
 //!   it.
 
-mod common;
+use crate::common;
 
 use common::upstream::{
     FAILING, HANGING, HEALTHY, LIMITED, MALFORMED, RESET, SLOW_FIRST_BYTE, SLOW_STREAM, Upstream,

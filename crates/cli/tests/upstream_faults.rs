@@ -9,7 +9,7 @@
 //! only, so jobs run as probes while slots are free, and their completions contradict the
 //! cut calls: the jobs sent after the recovery finish.
 
-mod common;
+use crate::common;
 
 use common::upstream::{BUSY, BY_LENGTH, HANGING, HEALTHY, Upstream};
 use common::*;
