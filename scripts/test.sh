@@ -68,10 +68,16 @@ if ! cargo nextest run --workspace --features lastcall/otlp --no-run; then
   exit 1
 fi
 tools_ready
+llama_ready() {
+  if ! wait "$llama_setup"; then
+    echo "[test] scripts/llama-server.sh setup failed (see above); run it again to retry the llama.cpp build" >&2
+    exit 1
+  fi
+}
 status=0
 if (($# > 0)); then
   # Arguments (a filter, a test name): one run of what they select, llama-server built.
-  wait "$llama_setup" || { echo "[test] scripts/llama-server.sh setup failed (see above)" >&2; exit 1; }
+  llama_ready
   "${run[@]}" "$@" || status=$?
   echo "[test] $(elapsed): done (exit $status)" >&2
   exit "$status"
@@ -79,10 +85,7 @@ fi
 echo "[test] $(elapsed): built; the tests that need no llama-server first" >&2
 "${run[@]}" -E "not $llama_tests" || status=$?
 echo "[test] $(elapsed): waiting for the llama-server build, if still running" >&2
-if ! wait "$llama_setup"; then
-  echo "[test] scripts/llama-server.sh setup failed (see above); run it again to retry the llama.cpp build" >&2
-  exit 1
-fi
+llama_ready
 echo "[test] $(elapsed): the tests against llama-server" >&2
 "${run[@]}" -E "$llama_tests" || status=$?
 echo "[test] $(elapsed): done (exit $status)" >&2
