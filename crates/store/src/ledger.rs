@@ -262,10 +262,7 @@ fn runs(writes: &[LedgerWrite]) -> Vec<std::ops::Range<usize>> {
     let mut ids = std::collections::HashSet::new();
     let mut keys = std::collections::HashSet::new();
     for (i, w) in writes.iter().enumerate() {
-        let (id, key) = match w {
-            LedgerWrite::Start(s) => (s.job_id.as_str(), s.attempt_key.as_str()),
-            LedgerWrite::Outcome(r) => (r.job_id.as_str(), r.attempt_key.as_str()),
-        };
+        let (id, key) = w.ids();
         if ids.contains(id) || (!key.is_empty() && keys.contains(key)) {
             out.push(from..i);
             from = i;
@@ -578,6 +575,9 @@ pub enum LedgerWrite {
     Start(AttemptStart),
     /// As [`Ledger::record_outcome`].
     Outcome(Box<OutcomeRecord>),
+    /// As [`Ledger::record_terminal`]: a terminal outcome of a job that may have no
+    /// attempt (an empty `attempt_key` writes no attempt row).
+    Terminal(Box<OutcomeRecord>),
 }
 
 impl LedgerWrite {
@@ -586,9 +586,24 @@ impl LedgerWrite {
         LedgerWrite::Outcome(Box::new(rec))
     }
 
+    /// A terminal outcome write ([`LedgerWrite::Terminal`]).
+    pub fn terminal(rec: OutcomeRecord) -> Self {
+        LedgerWrite::Terminal(Box::new(rec))
+    }
+
+    /// The job and attempt key the write touches.
+    fn ids(&self) -> (&str, &str) {
+        match self {
+            LedgerWrite::Start(s) => (&s.job_id, &s.attempt_key),
+            LedgerWrite::Outcome(r) | LedgerWrite::Terminal(r) => (&r.job_id, &r.attempt_key),
+        }
+    }
+
     /// The check [`Ledger::write_batch`] runs before its transaction: a non-empty
-    /// `attempt_key` (state, reason and decision are typed, so always valid). Callers that batch writes from many tasks run it
-    /// first, so one bad item cannot fail the others' commit.
+    /// `attempt_key` for a start or an outcome, a terminal state for a
+    /// [`Terminal`](LedgerWrite::Terminal) (state, reason and decision are typed, so
+    /// always valid). Callers that batch writes from many tasks run it first, so one bad
+    /// item cannot fail the others' commit.
     pub fn validate(&self) -> Result<(), StoreError> {
         match self {
             LedgerWrite::Start(s) if s.attempt_key.is_empty() => Err(StoreError::Fatal(format!(
@@ -597,7 +612,18 @@ impl LedgerWrite {
             ))),
             LedgerWrite::Start(_) => Ok(()),
             LedgerWrite::Outcome(rec) => Self::validate_outcome(rec),
+            LedgerWrite::Terminal(rec) => Self::validate_terminal(rec),
         }
+    }
+
+    fn validate_terminal(rec: &OutcomeRecord) -> Result<(), StoreError> {
+        if !rec.state.is_terminal() {
+            return Err(StoreError::Fatal(format!(
+                "record_terminal needs a terminal state, got `{}`",
+                rec.state
+            )));
+        }
+        Ok(())
     }
 
     fn validate_outcome(rec: &OutcomeRecord) -> Result<(), StoreError> {
@@ -937,7 +963,7 @@ impl Ledger {
     /// terminal. An empty `attempt_key` is `Fatal`.
     pub async fn record_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
         LedgerWrite::validate_outcome(rec)?;
-        self.write_outcome(rec).await
+        self.write_outcome(rec, LedgerWrite::outcome).await
     }
 
     /// A terminal outcome for a job that may have no accepted row and no attempt (the
@@ -945,21 +971,18 @@ impl Ledger {
     /// rule as [`record_outcome`](Self::record_outcome); an attempt row is written only when
     /// `rec.attempt_key` is not empty. A non-terminal `rec.state` is `Fatal`.
     pub async fn record_terminal(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
-        if !rec.state.is_terminal() {
-            return Err(StoreError::Fatal(format!(
-                "record_terminal needs a terminal state, got `{}`",
-                rec.state
-            )));
-        }
-        self.write_outcome(rec).await
+        LedgerWrite::validate_terminal(rec)?;
+        self.write_outcome(rec, LedgerWrite::terminal).await
     }
 
-    async fn write_outcome(&self, rec: &OutcomeRecord) -> Result<bool, StoreError> {
+    async fn write_outcome(
+        &self,
+        rec: &OutcomeRecord,
+        write: fn(OutcomeRecord) -> LedgerWrite,
+    ) -> Result<bool, StoreError> {
         let terminal = rec.state.is_terminal();
         tracing::debug!(job_id = %rec.job_id, state = %rec.state, "record outcome");
-        let wrote = self
-            .write_all(&[LedgerWrite::outcome(rec.clone())], &[])
-            .await?[0];
+        let wrote = self.write_all(&[write(rec.clone())], &[]).await?[0];
         if terminal && !wrote {
             tracing::debug!(job_id = %rec.job_id, "terminal outcome already recorded; kept the first");
         }
@@ -1003,7 +1026,7 @@ impl Ledger {
         for w in writes {
             terminal.push(match w {
                 LedgerWrite::Start(_) => false,
-                LedgerWrite::Outcome(rec) => rec.state.is_terminal(),
+                LedgerWrite::Outcome(rec) | LedgerWrite::Terminal(rec) => rec.state.is_terminal(),
             });
         }
         if writes.is_empty() && acked.is_empty() {
@@ -1025,8 +1048,10 @@ impl Ledger {
                 for i in run {
                     match &writes[i] {
                         LedgerWrite::Start(st) => starts.push(st),
-                        LedgerWrite::Outcome(rec) if terminal[i] => terminals.push((i, rec)),
-                        LedgerWrite::Outcome(rec) => lives.push(rec),
+                        LedgerWrite::Outcome(rec) | LedgerWrite::Terminal(rec) if terminal[i] => {
+                            terminals.push((i, rec))
+                        }
+                        LedgerWrite::Outcome(rec) | LedgerWrite::Terminal(rec) => lives.push(rec),
                     }
                 }
                 starts.sort_by(|a, b| a.job_id.cmp(&b.job_id));

@@ -226,6 +226,7 @@ both_backends!(
     invalid_input_is_fatal,
     group_commit_writes_many_in_one_batch,
     group_commit_with_an_invalid_item_writes_nothing,
+    group_commit_takes_terminal_outcomes_without_an_attempt,
     group_commit_of_a_large_batch_uses_several_statements,
     receipt_info_many_matches_receipt_info,
     ingress_claims_an_id_once_then_stamps_or_releases_it,
@@ -1260,6 +1261,37 @@ async fn group_commit_with_an_invalid_item_writes_nothing(db: &TestDb) {
     assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
     assert!(err.to_string().contains("`b2`"), "{err}");
     assert_eq!(l.get("b1").await.unwrap(), None, "all or nothing");
+}
+
+/// The dead-letter processor's writes (no attempt, first outcome wins) go through the same
+/// group commit as a worker's: [`LedgerWrite::Terminal`] takes an empty attempt key, and
+/// refuses a state that is not terminal before the transaction opens.
+async fn group_commit_takes_terminal_outcomes_without_an_attempt(db: &TestDb) {
+    let l = &db.ledger;
+    let expired = OutcomeRecord {
+        decision: Decision::Ack,
+        ..outcome("t1", "", State::ExpiredBeforeReceive, 700)
+    };
+    assert!(LedgerWrite::outcome(expired.clone()).validate().is_err());
+    let batch = [
+        LedgerWrite::terminal(expired.clone()),
+        LedgerWrite::outcome(completed("t2", "w1:c1:1", 710, "ok")),
+    ];
+    assert_eq!(l.write_batch(&batch).await.unwrap(), vec![true, true]);
+    assert_eq!(
+        l.write_batch(&[LedgerWrite::terminal(expired)])
+            .await
+            .unwrap(),
+        vec![false],
+        "the first outcome stays"
+    );
+    let job = must_get(l, "t1").await;
+    assert_eq!(job.state, "expired_before_receive");
+    assert!(l.attempts("t1").await.unwrap().is_empty());
+    let live = LedgerWrite::terminal(outcome("t3", "", State::Running, 720));
+    let err = l.write_batch(&[live]).await.unwrap_err();
+    assert!(matches!(err, StoreError::Fatal(_)), "{err:?}");
+    assert_eq!(l.get("t3").await.unwrap(), None);
 }
 
 // ---------------------------------------------------------------------------------------

@@ -6,12 +6,12 @@
 //! with `park`, copied to `{prefix}.parked` for a human before the ack.
 
 use crate::clock::Clock;
-use crate::settle::OwnDoor;
+use crate::settle::Door;
 use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, PublishProps, Publisher, Topology};
 use lastcall_core::deadletter::{DeadLetterOutcome, DeathReason, classify};
 use lastcall_core::{Decision, Envelope, EnvelopeLimits, JobId, RejectError, RejectReason};
-use lastcall_store::{Ledger, OutcomeRecord};
+use lastcall_store::{Ledger, LedgerWrite, OutcomeRecord};
 use std::sync::Arc;
 use std::sync::atomic::Ordering;
 use std::time::Duration;
@@ -132,7 +132,7 @@ impl DeadLetterProcessor {
     /// Copy a dead letter to `queue` with confirm (no expiration: it is kept for people).
     async fn copy_to(
         &self,
-        door: &OwnDoor,
+        door: &Door,
         queue: &str,
         m: &Incoming,
         job_id: &str,
@@ -171,7 +171,7 @@ impl DeadLetterProcessor {
         stop: CancellationToken,
         idle_exit: Option<Duration>,
     ) -> Result<(), String> {
-        let door = OwnDoor::new(self.ledger.clone(), stop.clone());
+        let door = Door::direct(self.ledger.clone(), stop.clone());
         loop {
             let mut stream = match IncomingStream::open(
                 &self.broker,
@@ -254,11 +254,11 @@ impl DeadLetterProcessor {
 
     /// One dead letter: read it, record its outcome (the first one wins), count it, copy
     /// it where it is to be kept, then ack. `false`: stopping before the write.
-    async fn handle(&self, m: &Incoming, door: &OwnDoor) -> bool {
+    async fn handle(&self, m: &Incoming, door: &Door) -> bool {
         let now = self.clock.now_ms();
         let letter = self.read(m, now);
         let rec = letter.record(m, &self.name, now);
-        let Some((durable, written)) = door.record_terminal(&rec).await else {
+        let Some((durable, written)) = door.commit(LedgerWrite::terminal(rec.clone())).await else {
             return false;
         };
         self.count(&letter, &rec, written).await;

@@ -8,16 +8,17 @@
 //! the admission rule of every publish (remaining budget less the clock margin, at least
 //! the minimum useful runtime); a retry that fails it is recorded as `expired_not_started`
 //! (`retry:deadline_passed` / `retry:below_min_runtime`) and acked. It settles through
-//! [`OwnDoor`]: an ack only after the recorded outcome or the confirmed republish.
+//! the settlement [`Door`] (its own, one write and one ack at a time): an ack only after
+//! the recorded outcome or the confirmed republish.
 
 use crate::clock::Clock;
-use crate::settle::OwnDoor;
+use crate::settle::Door;
 use lastcall_broker::consume::Ended;
 use lastcall_broker::{Broker, Incoming, IncomingStream, Names, PublishProps, Publisher};
 use lastcall_core::{
     Admission, AdmissionPolicy, Decision, Envelope, EnvelopeLimits, Reason, Refusal, Stage, State,
 };
-use lastcall_store::{Ledger, OutcomeRecord};
+use lastcall_store::{Ledger, LedgerWrite, OutcomeRecord};
 use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
@@ -84,7 +85,7 @@ impl RetryRelay {
         )
         .await
         .map_err(|e| e.to_string())?;
-        let door = OwnDoor::new(self.ledger.clone(), stop.clone());
+        let door = Door::direct(self.ledger.clone(), stop.clone());
         let ended = stream
             .for_each(&stop, None, |m| async {
                 let m = m;
@@ -103,7 +104,7 @@ impl RetryRelay {
     }
 
     /// Returns `false` when stopping before the delivery could be settled.
-    async fn handle(&self, m: &Incoming, door: &OwnDoor) -> bool {
+    async fn handle(&self, m: &Incoming, door: &Door) -> bool {
         let now = self.clock.now_ms();
         let env = match Envelope::parse(&m.body, &RELAYED, now) {
             Ok(env) => env,
@@ -144,7 +145,7 @@ impl RetryRelay {
         m: &Incoming,
         env: &Envelope,
         refusal: Refusal,
-        door: &OwnDoor,
+        door: &Door,
         now: i64,
     ) -> bool {
         let reason = Reason::Refused(Stage::Retry, refusal.into());
@@ -169,7 +170,7 @@ impl RetryRelay {
                 now,
             )
         };
-        let Some((written, _)) = door.record_outcome(&rec).await else {
+        let Some((written, _)) = door.commit(LedgerWrite::outcome(rec.clone())).await else {
             return false;
         };
         crate::events::emit_counting(&self.events, &self.ledger, &rec).await;
@@ -180,7 +181,7 @@ impl RetryRelay {
 
     /// Republish the retry byte for byte with `ttl_ms` (with confirm), then ack; a publish
     /// that is not confirmed hands the retry back.
-    async fn republish(&self, m: &Incoming, env: &Envelope, ttl_ms: u64, door: &OwnDoor, now: i64) {
+    async fn republish(&self, m: &Incoming, env: &Envelope, ttl_ms: u64, door: &Door, now: i64) {
         let props = PublishProps {
             job_id: env.job_id().to_string(),
             ttl_ms: Some(ttl_ms),

@@ -21,7 +21,7 @@ mod wait;
 use crate::ctx::{Calls, Ctx};
 use crate::held::{CancelGuard, InFlight};
 use crate::lease::{self, Interrupted};
-use crate::settle::Ticket;
+use crate::settle::{Durable, Receipt, Ticket};
 use crate::slots::SlotPermit;
 use lastcall_backend::CancellationToken;
 use lastcall_core::delivery::{Action, Decision, Delivery, Event};
@@ -29,7 +29,7 @@ use lastcall_core::fallback::{self, Candidate};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::Estimate;
 use lastcall_core::{Envelope, JobId, ReceiptFacts, job_id_for};
-use lastcall_store::{LedgerWrite, ReceiptInfo};
+use lastcall_store::LedgerWrite;
 use std::sync::Arc;
 use tracing::Instrument;
 
@@ -81,6 +81,9 @@ pub(crate) struct Job {
     running: Option<InFlight>,
     /// What its model call produced, for the outcome row.
     call: Option<call::Call>,
+    /// The settlement door's proof that the delivery's outcome is durable (written, or
+    /// found recorded at receipt): what its ack needs.
+    durable: Option<Durable>,
 }
 
 impl Job {
@@ -237,6 +240,7 @@ pub(crate) async fn handle(
         permit: None,
         running: None,
         call: None,
+        durable: None,
     };
     drive(ctx, job, delivery).instrument(span).await;
 }
@@ -260,7 +264,7 @@ async fn drive(ctx: Arc<Ctx>, mut job: Job, mut d: Delivery) {
             Action::PublishRetry(retry) => {
                 settle::publish_retry(&ctx.recording(), &job, &mut d, retry).await
             }
-            Action::Record => settle::record(&ctx.recording(), &job, &mut d).await,
+            Action::Record => settle::record(&ctx.recording(), &mut job, &mut d).await,
             Action::Finish(f) => return settle::finish(&ctx.recording(), job, &d, f).await,
         }
     }
@@ -324,11 +328,14 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
     if valid && let Err(why) = lease::hold_while_running_here(ctx, &job.id, &job.lost).await {
         return d.handle(policy, interrupted(why), ctx.clock.now_ms());
     }
-    let Some(info) = ctx.door.receipt_info(&job.id).await else {
+    let Some(receipt) = ctx.door.receipt_info(&job.id).await else {
         return d.handle(policy, Event::Shutdown, ctx.clock.now_ms());
     };
-    let info = match held_elsewhere(ctx, job, valid, info).await {
-        Ok(Some(info)) => info,
+    let info = match held_elsewhere(ctx, job, valid, receipt).await {
+        Ok(Some(Receipt { info, recorded })) => {
+            job.durable = recorded;
+            info
+        }
         Ok(None) => return d.handle(policy, Event::Shutdown, ctx.clock.now_ms()),
         Err(why) => return d.handle(policy, interrupted(why), ctx.clock.now_ms()),
     };
@@ -378,13 +385,14 @@ async fn held_elsewhere(
     ctx: &Ctx,
     job: &Job,
     valid: bool,
-    info: ReceiptInfo,
-) -> Result<Option<ReceiptInfo>, Interrupted> {
+    receipt: Receipt,
+) -> Result<Option<Receipt>, Interrupted> {
+    let info = &receipt.info;
     if !lastcall_core::lease::may_run_elsewhere(valid, info.prior_starts, info.already_recorded) {
-        return Ok(Some(info));
+        return Ok(Some(receipt));
     }
     if lease::hold_while_running_elsewhere(ctx, &job.id, &job.lost).await? {
         return Ok(ctx.door.receipt_info(&job.id).await);
     }
-    Ok(Some(info))
+    Ok(Some(receipt))
 }

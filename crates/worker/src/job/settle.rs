@@ -23,8 +23,14 @@ pub(crate) async fn publish_retry(ctx: &Recording<'_>, job: &Job, d: &mut Delive
     };
     let publisher = ctx.publisher.get();
     let policy = &ctx.cfg.policy;
-    match publisher.publish("", &queue, &job.msg.body, &props).await {
-        Ok(()) => {
+    // Confirmed, the retry is the broker's; the delivery is acked after its `retrying`
+    // row (the proof its ack needs comes from that write).
+    let published = ctx
+        .door
+        .publish(&publisher, "", &queue, &job.msg.body, &props)
+        .await;
+    match published {
+        Ok(_confirmed) => {
             tracing::info!(queue = %queue, delay_ms = retry.delay_ms, next_attempt = retry.next_attempt, "retry published");
             WorkerStats::inc(&ctx.stats.retries);
             d.handle(policy, Event::Published, ctx.clock.now_ms());
@@ -47,14 +53,15 @@ pub(crate) async fn publish_retry(ctx: &Recording<'_>, job: &Job, d: &mut Delive
 
 /// Write the outcome durably (group commit, retried); the core then says how to finish
 /// with the broker.
-pub(crate) async fn record(ctx: &Recording<'_>, job: &Job, d: &mut Delivery) {
+pub(crate) async fn record(ctx: &Recording<'_>, job: &mut Job, d: &mut Delivery) {
     let policy = &ctx.cfg.policy;
     let rec = outcome_row(ctx, job, d, job.call.as_ref());
     let stored = ctx.door.commit(LedgerWrite::outcome(rec.clone())).await;
-    let Some(newly) = stored else {
+    let Some((durable, newly)) = stored else {
         // Shutting down before the write succeeded: no ack.
         return d.handle(policy, Event::Shutdown, ctx.clock.now_ms());
     };
+    job.durable = Some(durable);
     let terminal = d.terminal();
     if newly {
         if let Some(t) = terminal {
@@ -90,7 +97,17 @@ pub(crate) async fn finish(ctx: &Recording<'_>, job: Job, d: &Delivery, f: Finis
     }
     match f.kind() {
         // Acked by the flusher, possibly together with other finished deliveries.
-        FinishKind::Ack => ctx.door.ack(job.ticket),
+        FinishKind::Ack => match job.durable {
+            Some(durable) => ctx.door.ack(job.ticket, durable).await,
+            None => {
+                // The core acks only after the durable step; without the door's proof of
+                // it nothing is sent, and the broker redelivers the job at the channel's
+                // close (its ledger rows decide what happens then).
+                tracing::error!(job_id = %job.id, "an ack without the durable step's proof; leaving the delivery to the broker");
+                debug_assert!(false, "ack without a durable proof");
+                drop(job.ticket);
+            }
+        },
         // The reject is sent before its tag is released: no `multiple` ack overtakes it.
         FinishKind::DeadLetter => ctx.door.dead_letter(job.ticket).await,
         // It never started: back to the broker unrecorded, checked again at its next

@@ -136,12 +136,11 @@ impl AckBatch {
     }
 
     /// Start the flusher; it acks whatever is finished whenever woken, and does a last
-    /// flush when `stop` fires.
+    /// flush when `stop` fires. With `marks`, each ack's time is noted there.
     pub(crate) fn spawn_flusher(
         &self,
         stats: Arc<WorkerStats>,
-        marks: super::ack_log::AckLog,
-        clock: Arc<dyn crate::clock::Clock>,
+        marks: Option<(super::ack_log::AckLog, Arc<dyn crate::clock::Clock>)>,
         stop: CancellationToken,
     ) -> JoinHandle<()> {
         let this = self.clone();
@@ -152,7 +151,7 @@ impl AckBatch {
                     _ = stop.cancelled() => true,
                 };
                 let flush = this.take();
-                send(flush, &stats, &marks, clock.now_ms()).await;
+                send(flush, &stats, marks.as_ref()).await;
                 if stopping {
                     return;
                 }
@@ -210,7 +209,11 @@ impl Ticket {
     }
 }
 
-async fn send(flush: Flush, stats: &WorkerStats, marks: &super::ack_log::AckLog, now_ms: i64) {
+async fn send(
+    flush: Flush,
+    stats: &WorkerStats,
+    marks: Option<&(super::ack_log::AckLog, Arc<dyn crate::clock::Clock>)>,
+) {
     let mut settled = 0u64;
     if let Some((settler, n)) = flush.prefix {
         let r = if n > 1 {
@@ -238,7 +241,10 @@ async fn send(flush: Flush, stats: &WorkerStats, marks: &super::ack_log::AckLog,
     stats
         .settled
         .fetch_add(settled, std::sync::atomic::Ordering::Relaxed);
-    for key in flush.keys {
-        marks.record(key, now_ms);
+    if let Some((log, clock)) = marks {
+        let now_ms = clock.now_ms();
+        for key in flush.keys {
+            log.record(key, now_ms);
+        }
     }
 }
