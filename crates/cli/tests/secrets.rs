@@ -975,7 +975,10 @@ async fn secrets_stay_out_of_output_metrics_and_the_ledger() {
             &["--signing-key-file", key_file][..],
         ),
     ] {
-        let mut args = submit(id, "400");
+        // Long enough for `lastcall submit` to publish it on a loaded machine (its
+        // deadline counts from the command's start: 400 ms once ran out before the
+        // publish), short enough to expire in the queue soon after.
+        let mut args = submit(id, "1500");
         args.extend_from_slice(key_args);
         h.ok(log, &args);
         let until = Instant::now() + Duration::from_secs(20);
