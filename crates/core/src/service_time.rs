@@ -72,7 +72,10 @@
 //! - **Cold start**: with fewer than `min_samples` calls of a key, its longest fresh call,
 //!   ended or still running ([`ServiceTimes::call_started`]), is a lower bound
 //!   ([`EstimateSource::LowerBound`]); with a fixed call time, at most one call per slot
-//!   is cut before the estimate holds (property-tested).
+//!   is cut before the estimate holds (property-tested). Until the request-aware fit holds,
+//!   a request larger than every completed call is held to the estimate scaled by its size
+//!   ([`Predictor::estimate`]), and a probe of it needs room for the line through the
+//!   completed calls' sizes and times.
 //! - **No clock**: like the rest of the crate, every function takes `now_ms`.
 
 use crate::request_size::RequestSize;
@@ -271,6 +274,9 @@ impl Estimate {
 pub struct Predictor {
     base: Option<Estimate>,
     fit: Option<SizedFit>,
+    /// Before the fit holds: the largest request (the sum of its features) among the
+    /// key's fresh calls, when every one of them has a known size.
+    cold_largest: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -297,8 +303,27 @@ impl Predictor {
 
     /// The estimate for a request of `size` ([`ServiceTimes::estimate_for`]).
     pub fn estimate(&self, size: Option<RequestSize>) -> Option<Estimate> {
-        let (Some(size), Some(f)) = (size, self.fit) else {
+        let Some(size) = size else {
             return self.base;
+        };
+        let Some(f) = self.fit else {
+            // Before the fit holds, a request larger than every call the estimate rests
+            // on is held to their time scaled in proportion to its size (through the
+            // origin from the largest: an overestimate when there is a fixed cost, as
+            // below). Without it, at a cold start a prompt of 1,819 tokens was admitted
+            // at the 2.6 s that one of 474 tokens took, and cut at 6.5 s.
+            let job = size.features();
+            return match (self.base, self.cold_largest) {
+                (Some(b), Some(largest)) if job[0] + job[1] > largest => {
+                    let scale = (job[0] + job[1] + 1.0) / (largest + 1.0);
+                    Some(Estimate {
+                        quantile_ms: (b.quantile_ms as f64 * scale).ceil() as u64,
+                        mean_ms: (b.mean_ms as f64 * scale).round() as u64,
+                        ..b
+                    })
+                }
+                (b, _) => b,
+            };
         };
         let job = size.features();
         let predicted = f.model.predict(job);
@@ -643,17 +668,43 @@ impl ServiceTimes {
     pub fn predictor(&self, key: &str, now_ms: i64) -> Predictor {
         let base = self.estimate(key, now_ms);
         let fit = match (self.keys.get(key), base.map(|e| e.source)) {
-            (Some(w), Some(EstimateSource::Key)) => self.sized(w, now_ms),
+            (Some(w), Some(EstimateSource::Key)) => self.sized(w, now_ms, false),
             _ => None,
         };
-        Predictor { base, fit }
+        let cold_largest = match (self.keys.get(key), base.map(|e| e.source)) {
+            (Some(w), Some(EstimateSource::Key | EstimateSource::LowerBound))
+                if fit.is_none() && self.cfg.request_aware =>
+            {
+                // Completed calls only: a cut call's time is a lower bound (and one a
+                // probe contradicted hardly counts in the base).
+                let fresh = || (w.samples.iter()).filter(|s| self.cfg.is_fresh(s.at_ms, now_ms));
+                fresh()
+                    .all(|s| s.size.is_some())
+                    .then(|| {
+                        fresh()
+                            .filter(|s| !s.cut && s.halvings == 0)
+                            .filter_map(|s| s.size.map(|f| f[0] + f[1]))
+                            .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))))
+                    })
+                    .flatten()
+            }
+            _ => None,
+        };
+        Predictor {
+            base,
+            fit,
+            cold_largest,
+        }
     }
 
     /// The request-aware fit of a key's window, when it has enough sized calls.
-    fn sized(&self, w: &KeyWindow, now_ms: i64) -> Option<SizedFit> {
+    /// `completed_only`: without the cut calls (their times are lower bounds; after a
+    /// hang they are what a probe is to contradict).
+    fn sized(&self, w: &KeyWindow, now_ms: i64, completed_only: bool) -> Option<SizedFit> {
         // (size, duration, weight, cut, contradicted)
         let rows: Vec<([f64; 2], f64, f64, bool, bool)> = (w.samples.iter())
             .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
+            .filter(|s| !(completed_only && s.cut))
             .filter_map(|s| {
                 let wt = self.cfg.recency(s.at_ms, now_ms) * (-f64::from(s.halvings)).exp2();
                 Some((
@@ -801,6 +852,25 @@ impl ServiceTimes {
         {
             return false;
         }
+        // Nor when the completed calls' request-aware fit (its high quantile, not the through-origin
+        // floor for requests larger than any seen) does not fit the room, for a request
+        // above some completed call (below all of them the fit only extrapolates down, and
+        // says nothing). The mean alone let through probes of the longest prompts that
+        // the completed calls, mostly short and fast, underestimated: in the simulator's
+        // cold runs a 1,611-token probe was cut at 9.9 s after 13 s of call, one probe
+        // a tenth of a short run's model time.
+        if let (Some(job), Some(w)) = (size.map(|s| s.features()), self.keys.get(key))
+            && (w.samples.iter()).any(|s| {
+                !s.cut
+                    && self.cfg.is_fresh(s.at_ms, now_ms)
+                    && s.size.is_some_and(|f| f[0] <= job[0] && f[1] <= job[1])
+            })
+            && self
+                .sized(w, now_ms, true)
+                .is_some_and(|f| f.model.predict(job) * f.q > room_ms as f64)
+        {
+            return false;
+        }
         // Nor, at a cold start (too few calls for a quantile), when a completed call says
         // this request takes longer than the room. Call time grows with the request and
         // has a fixed part that is not negative (affine, as the fit assumes), so a request
@@ -859,7 +929,15 @@ impl ServiceTimes {
         // Below every completed request the fit would only extrapolate down (and with one
         // size seen, not at all): it says nothing there.
         let covered = rows.iter().any(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
-        if rows.len() < MIN_SIZED.max(self.cfg.min_samples) || !covered {
+        // Fewer calls than a fit needs still say, from two sizes on, how the time grows
+        // with the size: above every one of them (where a probe would extrapolate
+        // anyway), their line is the cold start's best guess of the request's mean.
+        let above_all = rows.iter().all(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
+        let sizes = |i: usize| rows.iter().map(move |r| r.0[i]);
+        let spread =
+            |i: usize| sizes(i).fold(f64::MIN, f64::max) > sizes(i).fold(f64::MAX, f64::min);
+        let few = rows.len() >= 2 && above_all && (spread(0) || spread(1));
+        if (rows.len() < MIN_SIZED.max(self.cfg.min_samples) && !few) || !covered {
             return None;
         }
         let model = CallModel::fit(&rows);
@@ -2113,6 +2191,54 @@ mod tests {
             plain.observe("k", 1_250 + i % 7, i as i64);
         }
         assert!(!plain.try_probe("k", short, 500, 100));
+    }
+
+    /// The simulator's worst cold start: calls of 474 and 349 tokens took 2.6 and 2.1 s;
+    /// then a prompt of 1,819 tokens came with 6.5 s of room. Before the fit holds it is
+    /// held to their time scaled by its size (about 9.8 s): refused, and not probed (the
+    /// two calls' line, 900 ms + 3.5 ms a token, expects 7.3 s).
+    #[test]
+    fn before_the_fit_a_larger_request_is_scaled_and_not_probed_past_the_calls_line() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        st.observe_request("k", 2_559, false, tokens(474), 800);
+        st.observe_request("k", 2_122, false, tokens(349), 3_400);
+        let at = |st: &ServiceTimes, n| st.estimate_for("k", tokens(n), 5_480).unwrap();
+        assert_eq!(at(&st, 400).quantile_ms, 2_559, "no larger: the bound");
+        let big = at(&st, 1_819);
+        assert!((9_700..=9_900).contains(&big.quantile_ms), "{big:?}");
+        assert!(!st.try_probe("k", tokens(1_819), 6_529, 5_480));
+        // Room for the line's 7.3 s: probed.
+        assert!(st.try_probe("k", tokens(1_819), 7_500, 5_480));
+        // A call of unknown size in the window: no scaling (its size is not known).
+        st.observe("k", 1_000, 5_500);
+        assert_eq!(Some(at(&st, 1_819)), st.estimate("k", 5_480));
+    }
+
+    /// A probe of a request whose completed calls' fit puts its mean within the room but
+    /// its high quantile past it is not run: those are the long prompts that a window of
+    /// mostly short calls underestimates.
+    #[test]
+    fn no_probe_when_the_completed_calls_quantile_does_not_fit() {
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..40u64 {
+            // 1 s + 3 ms a token, ±30%.
+            let n = 50 + (i * 37) % 400;
+            let d = ((1_000 + 3 * n) as f64 * (0.7 + 0.6 * ((i * 7) % 10) as f64 / 9.0)) as u64;
+            st.observe_request("k", d, false, tokens(n), i as i64 * 100);
+        }
+        let now = 4_000;
+        let e = st.estimate_for("k", tokens(1_500), now).unwrap();
+        let mean = e.mean_ms;
+        let fitted = st
+            .predictor("k", now)
+            .fit
+            .map(|f| f.model.predict([1_500.0, 0.0]) * f.q)
+            .unwrap();
+        assert!(fitted > mean as f64 * 1.1, "{fitted} vs {mean}");
+        let room = ((mean as f64 + fitted) / 2.0) as u64;
+        assert!(room < e.quantile_ms, "the estimate refuses it");
+        assert!(!st.try_probe("k", tokens(1_500), room, now));
+        assert!(st.try_probe("k", tokens(1_500), fitted as u64 + 1, now));
     }
 
     fn tokens(n: u64) -> Option<RequestSize> {
