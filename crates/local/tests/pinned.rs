@@ -1,6 +1,10 @@
 //! The text the model produces for fixed prompts, pinned (issue #19: sharing the weights
 //! between slots must not change any answer). The expected strings were recorded with the
-//! code that loaded one full model per slot, before the weights were shared.
+//! code that loaded one full model per slot, before the weights were shared (48 and 40
+//! tokens). The calls now ask for their first 12 tokens, which must be the beginning of the
+//! pinned text: decoding is the whole cost of these tests (55 CPU-seconds with the full
+//! texts, 2026-12-06), and a slot that read another's state, or its own from an earlier
+//! call, goes astray from the first tokens on.
 
 mod common;
 
@@ -23,16 +27,28 @@ fn request(payload: Value) -> CallRequest {
 /// Greedy decoding (the default temperature 0).
 fn greedy() -> Value {
     json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-           "max_tokens": 48})
+           "max_tokens": PINNED_TOKENS})
 }
 const GREEDY: &str = "L'Étoile: Paris, la Ciampère de l'Amour (The City of Love) in French.";
 
 /// Temperature sampling with the backend's fixed seed.
 fn sampled() -> Value {
-    json!({"prompt": "Write a short poem about the sea.", "max_tokens": 40, "temperature": 0.8})
+    json!({"prompt": "Write a short poem about the sea.", "max_tokens": PINNED_TOKENS, "temperature": 0.8})
 }
 const SAMPLED: &str = "The ethereal depths of the ocean, where bioluminescent wonders reside, \n\n\
     Where myth and legend entwine, and shadows dance in time \nIn this haunting refrain, I've crafted";
+
+/// Tokens asked of each pinned call: the pinned texts' first ones.
+const PINNED_TOKENS: u64 = 12;
+
+/// `got` is the beginning of the pinned text `want`, and not a trivially short one.
+#[track_caller]
+fn assert_begins(got: &str, want: &str) {
+    assert!(
+        got.chars().count() >= 20 && want.starts_with(got),
+        "{got:?} is not the beginning of the pinned {want:?}"
+    );
+}
 
 async fn text(b: &dyn Backend, payload: Value) -> String {
     b.call(request(payload), CancellationToken::new())
@@ -59,8 +75,8 @@ async fn slots_sharing_the_weights_give_the_pinned_text_at_the_same_time() {
         let (pa, pb) = (pool.clone(), pool.clone());
         let ta = tokio::spawn(async move { text(&pa.instances()[0], prompt_a).await });
         let tb = tokio::spawn(async move { text(&pb.instances()[1], prompt_b).await });
-        assert_eq!(ta.await.unwrap(), want_a);
-        assert_eq!(tb.await.unwrap(), want_b);
+        assert_begins(&ta.await.unwrap(), want_a);
+        assert_begins(&tb.await.unwrap(), want_b);
     }
 }
 
@@ -83,7 +99,7 @@ async fn a_slot_does_not_wait_for_the_other_and_cancellation_still_stops_it() {
         .call(request(greedy()), CancellationToken::new())
         .await
         .expect("the second slot serves a call while the first decodes");
-    assert_eq!(out.text, GREEDY);
+    assert_begins(&out.text, GREEDY);
     assert!(!long.is_finished(), "the long call was still decoding");
     let fired = Instant::now();
     cancel.cancel();
