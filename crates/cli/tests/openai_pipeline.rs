@@ -124,7 +124,17 @@ async fn worker_with_a_real_llama_server() {
 
     // 2. A deadline shorter than the generation: deadline_exceeded, the request aborted,
     //    and the server free right after (not stuck behind the abandoned generation).
-    let r = &run(&s, &env, "too-long", 1_500, long_generation(), 30).await;
+    //    A kind of its own: a request of 1,000 `max_tokens` after completed calls of 4
+    //    and 8 is held, before the request-aware fit holds, to their time scaled by its
+    //    size (tens of seconds), and refused unstarted with 1.5 s of budget.
+    let long = lastcall_producer::NewJob {
+        kind: "incident.long".into(),
+        ..job_with("too-long", 1_500, long_generation())
+    };
+    s.submit(&long, now_ms()).await.unwrap();
+    let r = &env
+        .wait_terminal(&["too-long".into()], Duration::from_secs(30))
+        .await[0];
     assert_eq!(r.state, "deadline_exceeded", "{r:?}");
     assert!(r.cancel_requested);
     assert_eq!(r.cancel_confirmed, Some(true));
