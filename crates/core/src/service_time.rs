@@ -301,6 +301,12 @@ impl Predictor {
         self.base.map(|e| e.source)
     }
 
+    /// Whether the request-aware fit holds ([`MIN_SIZED`] completed calls of known size):
+    /// [`Self::estimate`] then depends on the request's size.
+    pub fn is_request_aware(&self) -> bool {
+        self.fit.is_some()
+    }
+
     /// The estimate for a request of `size` ([`ServiceTimes::estimate_for`]).
     pub fn estimate(&self, size: Option<RequestSize>) -> Option<Estimate> {
         let Some(size) = size else {

@@ -26,6 +26,18 @@
 //! budget: every job reached a worker with less budget left than its call needs and was
 //! refused there, after its broker and ledger costs.
 //!
+//! # Each request's own call time
+//!
+//! A kind that mixes short and long prompts has no single call time: the longest of its
+//! recent calls is a long prompt's, and a short job behind a modest queue would be shed by
+//! it. So the door also reads the kind's newest completed calls with the request sizes the
+//! workers recorded (`Ledger::recent_completed_calls_of_kind`, at most [`LEARNED_CALLS`])
+//! and fits them with the workers' own estimator (`lastcall_core::service_time`, replayed
+//! as a starting worker replays the ledger). When its request-aware fit holds (8 completed
+//! calls of known size), a chat job (`prompt` or `messages`) is held to its own predicted
+//! p99 ([`RequestSize::of_payload`], the workers' measure); otherwise, and for other
+//! payloads, to the longest recent call as above.
+//!
 //! # The live count (`serve`, `submit`, `bench goodput`)
 //!
 //! The management API's numbers are sampled every `collect_statistics_interval` (5 s by
@@ -121,7 +133,9 @@
 use lastcall_broker::management::{Management, QueueStats};
 use lastcall_broker::publish::Publisher;
 use lastcall_core::Priority;
+use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{QueuedJob, walk_fifo};
+use lastcall_core::service_time::{EstimateSource, Predictor, ServiceTimeConfig, ServiceTimes};
 use lastcall_store::Ledger;
 use std::collections::{HashMap, VecDeque};
 use std::time::Duration;
@@ -138,6 +152,40 @@ pub const WORKER_LIVE_MS: i64 = lastcall_core::lease::LEASE_TTL_MS;
 
 /// At most this many kinds' call times are cached (kinds come from producers: bounded).
 const MAX_CACHED_KINDS: usize = 256;
+
+/// How many of a kind's newest completed calls the door fits its request-aware call time
+/// to: the workers' estimator window.
+pub const LEARNED_CALLS: u32 = 128;
+
+/// What the door knows of a kind's call time: the longest of its newest completed calls,
+/// and the request-aware fit of its recent ones when that holds.
+#[derive(Debug, Clone, Copy)]
+struct Learned {
+    longest: Option<u64>,
+    sized: Option<Predictor>,
+}
+
+impl Learned {
+    /// The workers' request-aware estimate over `calls` (the same estimator, fed the same
+    /// way as a starting worker replays the ledger), when its fit holds.
+    fn fit(calls: &[lastcall_store::RecordedCall], now_ms: i64) -> Option<Predictor> {
+        let mut times = ServiceTimes::new(ServiceTimeConfig::default());
+        for c in calls {
+            times.observe_request("k", c.latency_ms, false, c.size, c.recorded_at_ms);
+        }
+        let p = times.predictor("k", now_ms);
+        (p.is_request_aware() && p.base_source() == Some(EstimateSource::Key)).then_some(p)
+    }
+
+    /// A job of `size`'s call time: its own high quantile when the fit holds and the size
+    /// is known, else the longest recent call.
+    fn call_ms(&self, size: Option<RequestSize>) -> Option<u64> {
+        match (self.sized, size) {
+            (Some(p), Some(size)) => p.estimate(Some(size)).map(|e| e.quantile_ms),
+            _ => self.longest,
+        }
+    }
+}
 
 /// Longest `Retry-After` ever suggested: the rate is a sample of a few seconds, not a
 /// forecast.
@@ -571,7 +619,7 @@ pub struct Shedder {
     /// runtime is set aside).
     ledger: Option<std::sync::Arc<Ledger>>,
     /// Per kind: when the call time was read from the ledger, and what it was.
-    learned: tokio::sync::Mutex<HashMap<String, (Instant, Option<u64>)>>,
+    learned: tokio::sync::Mutex<HashMap<String, (Instant, Learned)>>,
     /// The lanes' queues, by lane number (`lane_queues[0]` is the work queue);
     /// empty: a lane job's backlog is not read ([`Self::with_lane_queues`]).
     lane_queues: Vec<String>,
@@ -710,32 +758,50 @@ impl Shedder {
     }
 
     /// The call time the workers recently held `kind` to, from the ledger (module doc),
-    /// cached for [`Self::FRESH_FOR`]; `None` without a ledger, when unknown, or when the
-    /// ledger does not answer.
-    pub async fn learned_call_ms(&self, kind: &str, now_ms: i64) -> Option<u64> {
+    /// for a request of `size` when known (module doc, "Each request's own call time"),
+    /// cached per kind for [`Self::FRESH_FOR`]; `None` without a ledger, when unknown, or
+    /// when the ledger does not answer.
+    pub async fn learned_call_ms(
+        &self,
+        kind: &str,
+        size: Option<RequestSize>,
+        now_ms: i64,
+    ) -> Option<u64> {
         let ledger = self.ledger.as_ref()?;
         if let Some((at, v)) = self.learned.lock().await.get(kind)
             && at.elapsed() < Self::FRESH_FOR
         {
-            return *v;
+            return v.call_ms(size);
         }
-        // Not under the lock: requests of other kinds do not wait for this query.
-        let v = match ledger
-            .recent_call_ms(kind, now_ms.saturating_sub(LEARNED_WINDOW_MS))
-            .await
-        {
+        // Not under the lock: requests of other kinds do not wait for these queries.
+        let since = now_ms.saturating_sub(LEARNED_WINDOW_MS);
+        let longest = match ledger.recent_call_ms(kind, since).await {
             Ok(v) => v,
             Err(e) => {
                 tracing::debug!(error = %e, "the door could not read the learned call time; none used");
                 None
             }
         };
+        let sized = match longest {
+            None => None,
+            Some(_) => match ledger
+                .recent_completed_calls_of_kind(kind, since, LEARNED_CALLS)
+                .await
+            {
+                Ok(calls) => Learned::fit(&calls, now_ms),
+                Err(e) => {
+                    tracing::debug!(error = %e, "the door could not read the kind's recent calls; the longest recent call used");
+                    None
+                }
+            },
+        };
+        let v = Learned { longest, sized };
         let mut cache = self.learned.lock().await;
         if cache.len() >= MAX_CACHED_KINDS && !cache.contains_key(kind) {
             cache.clear();
         }
         cache.insert(kind.to_owned(), (Instant::now(), v));
-        v
+        v.call_ms(size)
     }
 
     /// The work queue's numbers from the management API, at most [`Self::FRESH_FOR`] old;
@@ -858,9 +924,11 @@ impl Shedder {
     /// work queue is remembered (with a live source) as one the queue now holds.
     /// `margin_ms` (the producer's clock margin, which a worker also keeps) is added to
     /// the call time.
+    #[allow(clippy::too_many_arguments)]
     pub async fn check(
         &self,
         kind: &str,
+        size: Option<RequestSize>,
         place: Place,
         expires_at_ms: i64,
         min_runtime_ms: Option<u64>,
@@ -883,7 +951,7 @@ impl Shedder {
         };
         let call_ms = match min_runtime_ms {
             Some(own) => Some(own),
-            None => self.learned_call_ms(kind, now_ms).await,
+            None => self.learned_call_ms(kind, size, now_ms).await,
         }
         .map(|c| c.saturating_add(margin_ms))
         .or((margin_ms > 0).then_some(margin_ms));
@@ -912,6 +980,55 @@ impl Shedder {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn tokens(n: u64) -> Option<RequestSize> {
+        Some(RequestSize {
+            prompt_tokens: n,
+            max_tokens: None,
+        })
+    }
+
+    /// Issue #31's server behind the door: 70% short prompts (~70 ms), 30% long (~1.25 s).
+    /// A short job is held to a short call's time, a long one to a long one's; an unsized
+    /// one, or a kind whose fit does not hold, to the longest recent call.
+    #[test]
+    fn the_door_holds_each_request_to_its_own_call_time() {
+        let calls: Vec<lastcall_store::RecordedCall> = (0..40u64)
+            .map(|i| {
+                let p = if i % 10 < 7 { 10 } else { 600 };
+                lastcall_store::RecordedCall {
+                    kind: "chat".into(),
+                    latency_ms: 50 + 2 * p + (i * 7919) % 13,
+                    recorded_at_ms: 1_000 * i as i64,
+                    cut: false,
+                    size: tokens(p),
+                    prompt_tokens: None,
+                }
+            })
+            .collect();
+        let longest = calls.iter().map(|c| c.latency_ms).max();
+        let learned = Learned {
+            longest,
+            sized: Learned::fit(&calls, 40_000),
+        };
+        let short = learned.call_ms(tokens(10)).unwrap();
+        let long = learned.call_ms(tokens(600)).unwrap();
+        assert!(short < 120, "{short}");
+        assert!((1_250..1_400).contains(&long), "{long}");
+        assert_eq!(learned.call_ms(None), longest);
+        // Too few calls of known size for the fit: the longest call, whatever the size.
+        let few = Learned {
+            longest,
+            sized: Learned::fit(&calls[..5], 40_000),
+        };
+        assert!(few.sized.is_none());
+        assert_eq!(few.call_ms(tokens(10)), longest);
+        // Calls recorded without a size (before ledger version 12): the same.
+        let sizeless: Vec<_> = (calls.iter().cloned())
+            .map(|c| lastcall_store::RecordedCall { size: None, ..c })
+            .collect();
+        assert!(Learned::fit(&sizeless, 40_000).is_none());
+    }
 
     const NOW: i64 = 1_700_000_000_000;
 

@@ -432,6 +432,7 @@ impl Submitter {
         match shedder
             .check(
                 kind,
+                lastcall_core::request_size::RequestSize::of_payload(&env.payload),
                 place,
                 env.deadline().expires_at_ms(),
                 env.min_runtime_ms,

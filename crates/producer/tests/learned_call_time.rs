@@ -3,6 +3,7 @@
 //! a real SQLite ledger.
 
 use lastcall_broker::management::Management;
+use lastcall_core::request_size::RequestSize;
 use lastcall_core::{Decision, State};
 use lastcall_producer::shed::{LEARNED_WINDOW_MS, Shedder};
 use lastcall_store::{Ledger, OutcomeRecord};
@@ -46,7 +47,7 @@ async fn the_door_uses_the_longest_recent_measured_call_of_the_same_kind() {
     );
     assert_eq!(
         shedder(Some(ledger.clone()))
-            .learned_call_ms("summary", NOW)
+            .learned_call_ms("summary", None, NOW)
             .await,
         None,
         "nothing recorded yet"
@@ -104,31 +105,85 @@ async fn the_door_uses_the_longest_recent_measured_call_of_the_same_kind() {
 
     let door = shedder(Some(ledger.clone()));
     assert_eq!(
-        door.learned_call_ms("summary", NOW).await,
+        door.learned_call_ms("summary", None, NOW).await,
         Some(900),
         "the longest of the recent completed calls"
     );
     assert_eq!(
-        door.learned_call_ms("code", NOW).await,
+        door.learned_call_ms("code", None, NOW).await,
         Some(50),
         "a completion without a measured call is skipped"
     );
-    assert_eq!(door.learned_call_ms("other", NOW).await, None);
+    assert_eq!(door.learned_call_ms("other", None, NOW).await, None);
     assert_eq!(
-        door.learned_call_ms("lonely", NOW).await,
+        door.learned_call_ms("lonely", None, NOW).await,
         None,
         "only the last 10 minutes count"
     );
     // A reading is reused for a second (the same answer at a later `now`).
     assert_eq!(
-        door.learned_call_ms("summary", NOW + LEARNED_WINDOW_MS)
+        door.learned_call_ms("summary", None, NOW + LEARNED_WINDOW_MS)
             .await,
         Some(900)
     );
     assert_eq!(
-        shedder(None).learned_call_ms("summary", NOW).await,
+        shedder(None).learned_call_ms("summary", None, NOW).await,
         None,
         "no ledger, no call time"
+    );
+    ledger.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+/// A kind that mixes short and long prompts (issue #31's server: ~70 ms and ~1.25 s): once
+/// 8 completed calls of known size are in the ledger, a short job is held to a short call's
+/// time and a long one to a long one's, not every job to the longest call.
+#[tokio::test]
+async fn the_door_holds_each_request_to_its_own_call_time() {
+    let dir = std::env::temp_dir().join(format!("lastcall-sized-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ledger = Arc::new(
+        Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
+            .await
+            .unwrap(),
+    );
+    let tokens = |n| {
+        Some(RequestSize {
+            prompt_tokens: n,
+            max_tokens: None,
+        })
+    };
+    for i in 0..30u64 {
+        let p = if i % 10 < 7 { 10 } else { 600 };
+        let rec = OutcomeRecord {
+            attempt_key: format!("m{i}:a"),
+            latency_ms: Some((50 + 2 * p + (i * 7919) % 13) as i64),
+            request_size: tokens(p),
+            ..OutcomeRecord::new(
+                format!("m{i}"),
+                "mixed",
+                State::Completed,
+                Decision::Ack,
+                NOW - 60_000 + 1_000 * i as i64,
+            )
+        };
+        assert!(ledger.record_outcome(&rec).await.unwrap());
+    }
+    let door = shedder(Some(ledger.clone()));
+    let short = door
+        .learned_call_ms("mixed", tokens(10), NOW)
+        .await
+        .unwrap();
+    let long = door
+        .learned_call_ms("mixed", tokens(600), NOW)
+        .await
+        .unwrap();
+    let unsized_job = door.learned_call_ms("mixed", None, NOW).await.unwrap();
+    assert!(short < 120, "a short prompt: {short} ms");
+    assert!((1_250..1_400).contains(&long), "a long prompt: {long} ms");
+    assert!(
+        unsized_job >= 1_250,
+        "the longest recent call: {unsized_job} ms"
     );
     ledger.close().await;
     let _ = std::fs::remove_dir_all(&dir);

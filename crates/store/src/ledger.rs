@@ -489,6 +489,11 @@ const SELECT_RECENT_CALLS: &str = "SELECT kind, latency_ms, recorded_at_ms, stat
      WHERE recorded_at_ms >= $1 AND backend = $2 AND latency_ms IS NOT NULL \
      AND (state = 'completed' OR (state = 'deadline_exceeded' AND reason = 'cancelled_at_deadline')) \
      ORDER BY recorded_at_ms DESC LIMIT $3";
+/// The newest completed calls of one kind, with their sizes (as above); newest first.
+const SELECT_RECENT_COMPLETED_OF_KIND: &str = "SELECT kind, latency_ms, recorded_at_ms, state, \
+     prompt_tokens, request_tokens, request_max_tokens FROM jobs \
+     WHERE recorded_at_ms >= $1 AND kind = $2 AND state = 'completed' AND latency_ms IS NOT NULL \
+     ORDER BY recorded_at_ms DESC LIMIT $3";
 const SELECT_SINCE: &str = concat!(
     "SELECT ",
     job_columns!(),
@@ -1286,10 +1291,37 @@ impl Ledger {
         since_ms: i64,
         limit: u32,
     ) -> Result<Vec<crate::RecordedCall>, StoreError> {
+        self.calls_by(SELECT_RECENT_CALLS, backend, since_ms, limit)
+            .await
+    }
+
+    /// The newest `limit` *completed* model calls of `kind` recorded since `since_ms`, on
+    /// any backend, with their request sizes; oldest first. The door (`lastcall_producer`'s
+    /// shedding) fits the kind's request-aware call time to them: only measured calls
+    /// count there, never a cut one's lower bound.
+    pub async fn recent_completed_calls_of_kind(
+        &self,
+        kind: &str,
+        since_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<crate::RecordedCall>, StoreError> {
+        self.calls_by(SELECT_RECENT_COMPLETED_OF_KIND, kind, since_ms, limit)
+            .await
+    }
+
+    /// The calls `sql` selects (binds: since, `key`, limit; the columns of
+    /// `SELECT_RECENT_CALLS`), oldest first.
+    async fn calls_by(
+        &self,
+        sql: &'static str,
+        key: &str,
+        since_ms: i64,
+        limit: u32,
+    ) -> Result<Vec<crate::RecordedCall>, StoreError> {
         let mut calls: Vec<crate::RecordedCall> = on_pool!(self, read, |pool| {
-            sqlx::query(SELECT_RECENT_CALLS)
+            sqlx::query(sql)
                 .bind(since_ms)
-                .bind(backend)
+                .bind(key)
                 .bind(i64::from(limit))
                 .fetch_all(pool)
                 .await

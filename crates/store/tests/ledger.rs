@@ -2173,6 +2173,36 @@ async fn the_doors_call_time_comes_from_measured_calls_only(db: &TestDb) {
     assert_eq!(l.recent_call_ms("chat", 5_000).await.unwrap(), Some(300));
     assert_eq!(l.recent_call_ms("chat", 0).await.unwrap(), Some(9_000));
     assert_eq!(l.recent_call_ms("other", 0).await.unwrap(), None);
+    // The calls its request-aware fit takes: the kind's completed ones, oldest first, the
+    // newest `limit` of them, their measured times.
+    let cut = OutcomeRecord {
+        state: State::DeadlineExceeded,
+        reason: Some(lastcall_core::Reason::CancelledAtDeadline),
+        result: None,
+        ..call("cut", 13_000, 5_000, 0)
+    };
+    assert!(l.record_terminal(&cut).await.unwrap());
+    let calls = l
+        .recent_completed_calls_of_kind("chat", 5_000, 10)
+        .await
+        .unwrap();
+    let times: Vec<u64> = calls.iter().map(|c| c.latency_ms).collect();
+    assert_eq!(times, [300, 250, 200], "completed only, oldest first");
+    assert!(calls.iter().all(|c| c.kind == "chat" && !c.cut));
+    let newest = l
+        .recent_completed_calls_of_kind("chat", 0, 2)
+        .await
+        .unwrap();
+    assert_eq!(
+        newest.iter().map(|c| c.latency_ms).collect::<Vec<_>>(),
+        [250, 200]
+    );
+    assert!(
+        l.recent_completed_calls_of_kind("other", 0, 10)
+            .await
+            .unwrap()
+            .is_empty()
+    );
 }
 
 async fn cancel_ends_a_waiting_job_and_flags_a_running_one(db: &TestDb) {
