@@ -12,8 +12,9 @@
 //! `ready / ack_rate` is the time until the jobs ahead of this one have left the queue —
 //! the moment a worker takes it. It still needs its own call after that. The worker
 //! records, with every outcome, how long its model call took (`latency_ms`, measured).
-//! The door reads it back from the ledger: the longest of the newest 20 `completed` calls
-//! of the same kind in the last 10 minutes (`Ledger::recent_call_ms`;
+//! The door reads it back from the ledger: the longest of the newest [`LONGEST_OF`] (20)
+//! `completed` calls of the same kind in the last 10 minutes
+//! (`Ledger::recent_completed_calls_of_kind`;
 //! [`LEARNED_WINDOW_MS`]; cached per kind for [`Shedder::FRESH_FOR`]), so a job is shed
 //! when `queue wait + that call time` exceeds its budget, with no hint from the user. Only
 //! measured calls count, never a job's recorded `min_runtime_ms`: that may be a client's
@@ -30,9 +31,8 @@
 //!
 //! A kind that mixes short and long prompts has no single call time: the longest of its
 //! recent calls is a long prompt's, and a short job behind a modest queue would be shed by
-//! it. So the door also reads the kind's newest completed calls with the request sizes the
-//! workers recorded (`Ledger::recent_completed_calls_of_kind`, at most [`LEARNED_CALLS`])
-//! and fits them with the workers' own estimator (`lastcall_core::service_time`, replayed
+//! it. So the door reads the kind's newest completed calls (at most [`LEARNED_CALLS`],
+//! one query for both) with the request sizes the workers recorded, and also fits them with the workers' own estimator (`lastcall_core::service_time`, replayed
 //! as a starting worker replays the ledger). When its request-aware fit holds (8 completed
 //! calls of known size), a chat job (`prompt` or `messages`) is held to its own predicted
 //! p99 ([`RequestSize::of_payload`], the workers' measure); otherwise, and for other
@@ -157,15 +157,31 @@ const MAX_CACHED_KINDS: usize = 256;
 /// to: the workers' estimator window.
 pub const LEARNED_CALLS: u32 = 128;
 
+/// The door's call time for a job without a size, or before the fit holds: the longest of
+/// the kind's newest this many completed calls.
+pub const LONGEST_OF: usize = 20;
+
 /// What the door knows of a kind's call time: the longest of its newest completed calls,
 /// and the request-aware fit of its recent ones when that holds.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, Default)]
 struct Learned {
     longest: Option<u64>,
     sized: Option<Predictor>,
 }
 
 impl Learned {
+    /// From the kind's newest completed calls, oldest first: the longest of the newest
+    /// [`LONGEST_OF`], and their fit.
+    fn of(calls: &[lastcall_store::RecordedCall], now_ms: i64) -> Self {
+        let longest = (calls.iter().rev().take(LONGEST_OF))
+            .map(|c| c.latency_ms)
+            .max();
+        Self {
+            longest,
+            sized: longest.and_then(|_| Self::fit(calls, now_ms)),
+        }
+    }
+
     /// The workers' request-aware estimate over `calls` (the same estimator, fed the same
     /// way as a starting worker replays the ledger), when its fit holds.
     fn fit(calls: &[lastcall_store::RecordedCall], now_ms: i64) -> Option<Predictor> {
@@ -775,27 +791,16 @@ impl Shedder {
         }
         // Not under the lock: requests of other kinds do not wait for these queries.
         let since = now_ms.saturating_sub(LEARNED_WINDOW_MS);
-        let longest = match ledger.recent_call_ms(kind, since).await {
-            Ok(v) => v,
+        let v = match ledger
+            .recent_completed_calls_of_kind(kind, since, LEARNED_CALLS)
+            .await
+        {
+            Ok(calls) => Learned::of(&calls, now_ms),
             Err(e) => {
                 tracing::debug!(error = %e, "the door could not read the learned call time; none used");
-                None
+                Learned::default()
             }
         };
-        let sized = match longest {
-            None => None,
-            Some(_) => match ledger
-                .recent_completed_calls_of_kind(kind, since, LEARNED_CALLS)
-                .await
-            {
-                Ok(calls) => Learned::fit(&calls, now_ms),
-                Err(e) => {
-                    tracing::debug!(error = %e, "the door could not read the kind's recent calls; the longest recent call used");
-                    None
-                }
-            },
-        };
-        let v = Learned { longest, sized };
         let mut cache = self.learned.lock().await;
         if cache.len() >= MAX_CACHED_KINDS && !cache.contains_key(kind) {
             cache.clear();

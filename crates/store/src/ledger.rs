@@ -473,14 +473,6 @@ const SELECT_COUNTS: &str = "SELECT state, COUNT(*) AS n FROM jobs GROUP BY stat
 /// Late truths (the `jobs_reconciled` partial index covers it).
 const SELECT_LATE_OUTCOMES: &str = "SELECT COUNT(*) FROM jobs \
      WHERE reconciled_at_ms IS NOT NULL AND state <> 'unknown'";
-/// The newest minimum runtime a completed job of a kind was held to (`$1` kind, `$2` since):
-/// newest first through the `recorded_at_ms` index.
-/// The longest of the newest 20 measured calls of one kind that
-/// completed (`latency_ms`, which the worker measures; never `min_runtime_ms`, which may be
-/// the client's own number).
-const SELECT_RECENT_CALL_MS: &str = "SELECT MAX(latency_ms) FROM (SELECT latency_ms FROM jobs \
-     WHERE recorded_at_ms >= $2 AND kind = $1 AND state = 'completed' \
-     AND latency_ms IS NOT NULL ORDER BY recorded_at_ms DESC LIMIT 20) AS recent";
 /// The newest model calls of one backend whose duration is known: completed ones, and
 /// ones cut at the deadline (a lower bound, as the worker counts them); newest first.
 /// With the request's size, the worker's (`request_*`) and the server's (`prompt_tokens`).
@@ -1253,33 +1245,6 @@ impl Ledger {
         })
     }
 
-    /// How long the recent model calls of `kind` took: the longest of the newest 20
-    /// calls that completed since `since_ms`, as the workers
-    /// measured them (`latency_ms`); `None` when there is none. The door's shedder uses it
-    /// as the call time a new job of that kind will need. Only measured calls count: a
-    /// job's own `min_runtime_ms` is the client's number, and one client must not set the
-    /// call time every other client's jobs of the kind are shed by.
-    pub async fn recent_call_ms(
-        &self,
-        kind: &str,
-        since_ms: i64,
-    ) -> Result<Option<u64>, StoreError> {
-        let v: Option<i64> = on_pool!(self, read, |pool| {
-            sqlx::query(SELECT_RECENT_CALL_MS)
-                .bind(kind)
-                .bind(since_ms)
-                .fetch_optional(pool)
-                .await
-                .and_then(|row| {
-                    row.map(|r| r.try_get::<Option<i64>, _>(0))
-                        .transpose()
-                        .map(Option::flatten)
-                })
-                .map_err(db("reading the recent call time"))?
-        });
-        Ok(v.and_then(|v| u64::try_from(v).ok()))
-    }
-
     /// The newest `limit` model calls made through `backend` (the label the worker records
     /// in `backend`) and recorded since `since_ms` whose duration is known: completed calls
     /// and calls cut at the deadline. Oldest first, so that they can be replayed into an
@@ -1296,9 +1261,11 @@ impl Ledger {
     }
 
     /// The newest `limit` *completed* model calls of `kind` recorded since `since_ms`, on
-    /// any backend, with their request sizes; oldest first. The door (`lastcall_producer`'s
-    /// shedding) fits the kind's request-aware call time to them: only measured calls
-    /// count there, never a cut one's lower bound.
+    /// any backend, with their request sizes, as the workers measured them
+    /// (`latency_ms`); oldest first. The door (`lastcall_producer`'s shedding) takes its
+    /// call time for a new job of the kind from them: only measured calls count, never a
+    /// cut one's lower bound, and never a job's own `min_runtime_ms` (the client's number:
+    /// one client must not set the call time every other client's jobs are shed by).
     pub async fn recent_completed_calls_of_kind(
         &self,
         kind: &str,
