@@ -15,6 +15,7 @@ pub mod route;
 pub mod sim;
 
 pub use lastcall_core::rate_limit::{self, Observed};
+pub use lastcall_core::request_size::RequestSize;
 use serde::Serialize;
 use serde_json::{Map, Value};
 use std::future::Future;
@@ -175,6 +176,25 @@ pub trait Backend: Send + Sync {
     /// calls this one makes (a worker reads their recent call times from the ledger).
     fn serving_names(&self) -> Vec<&str> {
         vec![self.name()]
+    }
+
+    /// The size of a job's request, for the call-time estimate of calls of `kind` (the
+    /// unit the worker learns them in): by default the payload's approximate size
+    /// ([`RequestSize::of_payload`]: 4 characters a token); a backend that holds the
+    /// model's tokenizer counts the prompt's tokens with it
+    /// ([`counts_prompt_tokens`](Self::counts_prompt_tokens)). Routers answer for the
+    /// kind's first backend.
+    fn request_size(&self, kind: &str, payload: &Map<String, Value>) -> Option<RequestSize> {
+        let _ = kind;
+        RequestSize::of_payload(payload)
+    }
+
+    /// Whether [`request_size`](Self::request_size) counts the prompt's tokens exactly for
+    /// calls of `kind` (the model's tokenizer): the prompt tokens its calls report are
+    /// then the same count, and a starting worker replays the ledger's calls under it.
+    fn counts_prompt_tokens(&self, kind: &str) -> bool {
+        let _ = kind;
+        false
     }
 
     /// Run one call. Must return promptly with [`BackendError::Cancelled`] once `cancel`

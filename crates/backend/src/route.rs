@@ -309,6 +309,22 @@ impl Backend for RoutedBackend {
         }
     }
 
+    fn request_size(
+        &self,
+        kind: &str,
+        payload: &serde_json::Map<String, serde_json::Value>,
+    ) -> Option<lastcall_core::request_size::RequestSize> {
+        match self.route_of(kind).and_then(|name| self.backends.get(name)) {
+            Some(b) => b.request_size(kind, payload),
+            None => lastcall_core::request_size::RequestSize::of_payload(payload),
+        }
+    }
+
+    fn counts_prompt_tokens(&self, kind: &str) -> bool {
+        (self.route_of(kind).and_then(|name| self.backends.get(name)))
+            .is_some_and(|b| b.counts_prompt_tokens(kind))
+    }
+
     fn serving_names(&self) -> Vec<&str> {
         let mut names: Vec<&str> = self.backends.keys().map(String::as_str).collect();
         names.sort_unstable();

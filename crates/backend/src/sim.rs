@@ -194,8 +194,12 @@ impl SimBackend {
         }
         Ok(CallOutput {
             text,
+            // No tokenizer here: the prompt counted by the documented approximation, as a
+            // worker measures it (a fixed count would tell the estimator every prompt is
+            // the same size).
             usage: Some(Usage {
-                prompt_tokens: 8,
+                prompt_tokens: crate::RequestSize::of_payload(&req.payload)
+                    .map_or(0, |s| s.prompt_tokens),
                 completion_tokens: 8,
             }),
             model: Some("sim".into()),

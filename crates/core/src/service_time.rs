@@ -277,6 +277,9 @@ pub struct Predictor {
     /// Before the fit holds: the largest request (the sum of its features) among the
     /// key's fresh calls, when every one of them has a known size.
     cold_largest: Option<f64>,
+    /// The key's calibration ([`ServiceTimes::calibration`]): a request's measured prompt
+    /// tokens × this are the fit's unit (`None`: the measure is).
+    k: Option<f64>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -318,7 +321,7 @@ impl Predictor {
             // origin from the largest: an overestimate when there is a fixed cost, as
             // below). Without it, at a cold start a prompt of 1,819 tokens was admitted
             // at the 2.6 s that one of 474 tokens took, and cut at 6.5 s.
-            let job = size.features();
+            let job = calibrated(size.features(), self.k.unwrap_or(1.0));
             return match (self.base, self.cold_largest) {
                 (Some(b), Some(largest)) if job[0] + job[1] > largest => {
                     let scale = (job[0] + job[1] + 1.0) / (largest + 1.0);
@@ -331,7 +334,7 @@ impl Predictor {
                 (b, _) => b,
             };
         };
-        let job = size.features();
+        let job = calibrated(size.features(), self.k.unwrap_or(1.0));
         let predicted = f.model.predict(job);
         let e = Estimate {
             quantile_ms: (predicted * f.q - 1e-6).ceil().max(0.0) as u64,
@@ -430,12 +433,46 @@ struct Sample {
     duration_ms: u64,
     /// Cut at the deadline: the call time is at least `duration_ms` (censored).
     cut: bool,
-    /// The request's size ([`RequestSize::features`]), when known.
+    /// The request's size as measured before the call ([`RequestSize::features`]), when
+    /// known.
     size: Option<[f64; 2]>,
+    /// The prompt tokens the call used as counted after it (the server's `usage`, or the
+    /// model's tokenizer), when known: the unit the fit takes ([`Sample::x`]).
+    used: Option<f64>,
     /// How many completed probes showed since that calls fit in less: the weight is
     /// multiplied by `2^-halvings`.
     halvings: u8,
 }
+
+impl Sample {
+    /// The features the fit takes for this call under the key's calibration `k`
+    /// ([`ServiceTimes::calibration`]): the prompt tokens it used when they were counted,
+    /// else its measure before the call × `k`; its measure alone when the key's counts are
+    /// not used (`k` is `None`).
+    fn x(&self, k: Option<f64>) -> Option<[f64; 2]> {
+        match (k, self.used, self.size) {
+            (None, _, s) => s,
+            (Some(_), Some(u), s) => Some([u, s.map_or(0.0, |s| s[1])]),
+            (Some(k), None, Some(s)) => Some(calibrated(s, k)),
+            (Some(_), None, None) => None,
+        }
+    }
+
+    /// The features a prediction before the call had: its measure under `k` (as for
+    /// [`Self::x`]), else (a call known only by the tokens it used) [`Self::x`].
+    fn x_before(&self, k: Option<f64>) -> Option<[f64; 2]> {
+        (self.size.map(|s| calibrated(s, k.unwrap_or(1.0)))).or_else(|| self.x(k))
+    }
+}
+
+/// How closely the counted tokens must follow the measure (their weighted correlation,
+/// when the measure varies) to be used: a server whose count does not grow with the
+/// prompt (a fixed or a missing count) says nothing of the request's size.
+const MIN_COUNT_CORRELATION: f64 = 0.5;
+
+/// The calibration's bounds: a measure before the call that is off by more than this
+/// factor from the counted tokens is not an approximation of them.
+const CALIBRATION_BOUNDS: (f64, f64) = (1.0 / 16.0, 16.0);
 
 /// A completed probe halves the weight of each cut call it contradicts this many times
 /// (divides it by 8).
@@ -517,7 +554,7 @@ impl ServiceTimes {
     /// server's side (connect error, 5xx, 429, reset) says nothing about how long a useful
     /// call takes: do not record it.
     pub fn observe(&mut self, key: &str, duration_ms: u64, now_ms: i64) {
-        self.push_sample(key, duration_ms, false, None, now_ms);
+        self.push_sample(key, duration_ms, false, None, None, now_ms);
     }
 
     /// Record one call of a request of `size` (completed, or `cut` at the deadline), for
@@ -531,8 +568,30 @@ impl ServiceTimes {
         size: Option<RequestSize>,
         now_ms: i64,
     ) {
+        self.observe_counted(key, duration_ms, cut, size, None, now_ms);
+    }
+
+    /// [`Self::observe_request`], with the prompt tokens the call used as counted after it
+    /// (`used_prompt_tokens`: the server's `usage`, or the model's tokenizer), when known.
+    /// The request-aware fit then takes the counted tokens, and predicts a new request from
+    /// its measure (`size`, read before the call) × the key's calibration: the counted
+    /// tokens ÷ the measure over its recent calls ([`Self::calibration`]). The error
+    /// quantile stays the one of predictions from the measure, so the measure's own error
+    /// is in it. When every call's count equals its measure (a tokenizer's count) the
+    /// estimate is [`Self::observe_request`]'s.
+    pub fn observe_counted(
+        &mut self,
+        key: &str,
+        duration_ms: u64,
+        cut: bool,
+        size: Option<RequestSize>,
+        used_prompt_tokens: Option<u64>,
+        now_ms: i64,
+    ) {
         let size = size.map(|s| s.features());
-        self.push_sample(key, duration_ms, cut, size, now_ms);
+        // A count of 0 is no count (a streamed reply without usage).
+        let used = used_prompt_tokens.filter(|&u| u > 0).map(|u| u as f64);
+        self.push_sample(key, duration_ms, cut, size, used, now_ms);
     }
 
     /// Record one call under `key` that was cut at the deadline after `duration_ms`: a
@@ -541,7 +600,7 @@ impl ServiceTimes {
     /// than every budget); a refusal that rests on such observations alone may be probed
     /// ([`Self::try_probe`]), and a probe that completes contradicts them.
     pub fn observe_cut(&mut self, key: &str, duration_ms: u64, now_ms: i64) {
-        self.push_sample(key, duration_ms, true, None, now_ms);
+        self.push_sample(key, duration_ms, true, None, None, now_ms);
     }
 
     fn push_sample(
@@ -550,9 +609,11 @@ impl ServiceTimes {
         duration_ms: u64,
         cut: bool,
         size: Option<[f64; 2]>,
+        used: Option<f64>,
         now_ms: i64,
     ) {
         let size = size.filter(|_| self.cfg.request_aware);
+        let used = used.filter(|_| self.cfg.request_aware);
         self.observations += 1;
         self.revision += 1;
         let sample = Sample {
@@ -560,6 +621,7 @@ impl ServiceTimes {
             duration_ms,
             cut,
             size,
+            used,
             halvings: 0,
         };
         push(&mut self.all, sample, &self.cfg);
@@ -673,6 +735,7 @@ impl ServiceTimes {
     /// caller that estimates many requests between observations keeps it).
     pub fn predictor(&self, key: &str, now_ms: i64) -> Predictor {
         let base = self.estimate(key, now_ms);
+        let k = self.keys.get(key).and_then(|w| self.calibration(w, now_ms));
         let fit = match (self.keys.get(key), base.map(|e| e.source)) {
             (Some(w), Some(EstimateSource::Key)) => self.sized(w, now_ms, false),
             _ => None,
@@ -685,11 +748,11 @@ impl ServiceTimes {
                 // probe contradicted hardly counts in the base).
                 let fresh = || (w.samples.iter()).filter(|s| self.cfg.is_fresh(s.at_ms, now_ms));
                 fresh()
-                    .all(|s| s.size.is_some())
+                    .all(|s| s.x(k).is_some())
                     .then(|| {
                         fresh()
                             .filter(|s| !s.cut && s.halvings == 0)
-                            .filter_map(|s| s.size.map(|f| f[0] + f[1]))
+                            .filter_map(|s| s.x(k).map(|f| f[0] + f[1]))
                             .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))))
                     })
                     .flatten()
@@ -700,25 +763,63 @@ impl ServiceTimes {
             base,
             fit,
             cold_largest,
+            k,
         }
+    }
+
+    /// A key's calibration at `now_ms`: the prompt tokens its fresh calls used as counted
+    /// after them ÷ their measure before them, recency-weighted (a ratio of sums, so the long
+    /// prompts weigh most), over the calls that have both; 1 when none has. A request's
+    /// measured prompt tokens × this are in the fit's unit ([`Sample::x`]). `None` when the
+    /// counts do not follow the measure (a weighted correlation below
+    /// [`MIN_COUNT_CORRELATION`] while the measure varies): the key's counts are then not
+    /// used, and the fit takes the measure.
+    fn calibration(&self, w: &KeyWindow, now_ms: i64) -> Option<f64> {
+        // (measure, count, weight)
+        let pairs: Vec<(f64, f64, f64)> = (w.samples.iter())
+            .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
+            .filter_map(|s| {
+                let (u, f) = (s.used?, s.size?);
+                Some((f[0], u, self.cfg.recency(s.at_ms, now_ms)))
+            })
+            .collect();
+        let total: f64 = pairs.iter().map(|p| p.2).sum();
+        let measured: f64 = pairs.iter().map(|p| p.2 * p.0).sum();
+        let used: f64 = pairs.iter().map(|p| p.2 * p.1).sum();
+        if pairs.is_empty() || measured <= 0.0 || used <= 0.0 {
+            return Some(1.0);
+        }
+        let (mm, mu) = (measured / total, used / total);
+        let var_m: f64 = pairs.iter().map(|p| p.2 * (p.0 - mm).powi(2)).sum();
+        let var_u: f64 = pairs.iter().map(|p| p.2 * (p.1 - mu).powi(2)).sum();
+        let cov: f64 = pairs.iter().map(|p| p.2 * (p.0 - mm) * (p.1 - mu)).sum();
+        if var_m > 1e-9 * total * mm * mm.max(1.0)
+            && (var_u <= 0.0 || cov / (var_m * var_u).sqrt() < MIN_COUNT_CORRELATION)
+        {
+            return None;
+        }
+        Some((used / measured).clamp(CALIBRATION_BOUNDS.0, CALIBRATION_BOUNDS.1))
     }
 
     /// The request-aware fit of a key's window, when it has enough sized calls.
     /// `completed_only`: without the cut calls (their times are lower bounds; after a
     /// hang they are what a probe is to contradict).
     fn sized(&self, w: &KeyWindow, now_ms: i64, completed_only: bool) -> Option<SizedFit> {
-        // (size, duration, weight, cut, contradicted)
-        let rows: Vec<([f64; 2], f64, f64, bool, bool)> = (w.samples.iter())
+        let k = self.calibration(w, now_ms);
+        // (size, duration, weight, cut, contradicted, size as predicted before the call)
+        type Row = ([f64; 2], f64, f64, bool, bool, [f64; 2]);
+        let rows: Vec<Row> = (w.samples.iter())
             .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
             .filter(|s| !(completed_only && s.cut))
             .filter_map(|s| {
                 let wt = self.cfg.recency(s.at_ms, now_ms) * (-f64::from(s.halvings)).exp2();
                 Some((
-                    s.size?,
+                    s.x(k)?,
                     s.duration_ms.max(1) as f64,
                     wt,
                     s.cut,
                     s.halvings > 0,
+                    s.x_before(k)?,
                 ))
             })
             .collect();
@@ -742,8 +843,10 @@ impl ServiceTimes {
         let largest = (rows.iter().filter(|r| !r.3 && !r.4))
             .map(|r| r.0[0] + r.0[1])
             .fold(0.0, f64::max);
+        // The error of the prediction made before the call (from the measure, when the fit
+        // takes the counted tokens): the measure's own error is in the quantile.
         let mut ratios: Vec<(f64, f64, bool)> = (rows.iter())
-            .map(|r| (r.1 / model.predict(r.0), r.2, r.4))
+            .map(|r| (r.1 / model.predict(r.5), r.2, r.4))
             .collect();
         ratios.sort_unstable_by(|a, b| a.0.total_cmp(&b.0));
         let total: f64 = ratios.iter().map(|r| r.1).sum();
@@ -834,11 +937,13 @@ impl ServiceTimes {
         // long would otherwise refuse its short requests for good, learning nothing.
         // Without request-awareness every request is judged as the kind's.
         let size = size.filter(|_| self.cfg.request_aware);
-        let justified = match size.map(|s| s.features()) {
+        let k = (self.keys.get(key)).and_then(|w| self.calibration(w, now_ms));
+        let job = size.map(|s| calibrated(s.features(), k.unwrap_or(1.0)));
+        let justified = match job {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
                 let no_larger: VecDeque<Sample> = (w.samples.iter())
-                    .filter(|s| s.size.is_none_or(|f| f[0] <= job[0] && f[1] <= job[1]))
+                    .filter(|s| s.x(k).is_none_or(|f| f[0] <= job[0] && f[1] <= job[1]))
                     .copied()
                     .collect();
                 self.summarize(&no_larger, now_ms, EstimateSource::Key, false)
@@ -851,7 +956,7 @@ impl ServiceTimes {
         // longer than the room: a request larger than every completed one is refused on an
         // extrapolation, but when even the fit's mean (not its high quantile) does not fit,
         // the probe would almost surely be cut, its time wasted.
-        if let (Some(job), Some(w)) = (size.map(|s| s.features()), self.keys.get(key))
+        if let (Some(job), Some(w)) = (job, self.keys.get(key))
             && self
                 .completed_mean_for(w, job, now_ms)
                 .is_some_and(|m| m > room_ms as f64)
@@ -865,11 +970,11 @@ impl ServiceTimes {
         // the completed calls, mostly short and fast, underestimated: in the simulator's
         // cold runs a 1,611-token probe was cut at 9.9 s after 13 s of call, one probe
         // a tenth of a short run's model time.
-        if let (Some(job), Some(w)) = (size.map(|s| s.features()), self.keys.get(key))
+        if let (Some(job), Some(w)) = (job, self.keys.get(key))
             && (w.samples.iter()).any(|s| {
                 !s.cut
                     && self.cfg.is_fresh(s.at_ms, now_ms)
-                    && s.size.is_some_and(|f| f[0] <= job[0] && f[1] <= job[1])
+                    && s.x(k).is_some_and(|f| f[0] <= job[0] && f[1] <= job[1])
             })
             && self
                 .sized(w, now_ms, true)
@@ -887,11 +992,10 @@ impl ServiceTimes {
         // free slot first, was probed: 156 ms for a call of seconds, in the simulator; and
         // a 112-token prompt with 518 ms left, after calls of 349 and 474 tokens that took
         // 2.1 and 2.6 s, was probed and cut.)
-        let job = size.map(|s| s.features());
         let longest = (self.keys.get(key).into_iter())
             .flat_map(|w| w.samples.iter())
             .filter(|s| !s.cut && self.cfg.is_fresh(s.at_ms, now_ms))
-            .filter_map(|s| match (job, s.size) {
+            .filter_map(|s| match (job, s.x(k)) {
                 (Some(job), Some(f)) => Some(s.duration_ms as f64 * lower_share(job, f)),
                 (Some(_), None) => None,
                 (None, _) => Some(s.duration_ms as f64),
@@ -924,11 +1028,13 @@ impl ServiceTimes {
     /// completed calls of known size alone (no cut call, no call a probe contradicted), or
     /// `None` with fewer than [`MIN_SIZED`] of them or none no larger than `job`.
     fn completed_mean_for(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<f64> {
-        let rows: Vec<FitRow> = (w.samples.iter())
+        let k = self.calibration(w, now_ms);
+        // (size, duration, weight, size as predicted before the call)
+        let rows: Vec<([f64; 2], f64, f64, [f64; 2])> = (w.samples.iter())
             .filter(|s| !s.cut && s.halvings == 0 && self.cfg.is_fresh(s.at_ms, now_ms))
             .filter_map(|s| {
                 let wt = self.cfg.recency(s.at_ms, now_ms);
-                Some((s.size?, s.duration_ms.max(1) as f64, wt))
+                Some((s.x(k)?, s.duration_ms.max(1) as f64, wt, s.x_before(k)?))
             })
             .filter(|r| r.2 > FORGOTTEN)
             .collect();
@@ -946,11 +1052,12 @@ impl ServiceTimes {
         if (rows.len() < MIN_SIZED.max(self.cfg.min_samples) && !few) || !covered {
             return None;
         }
-        let model = CallModel::fit(&rows);
+        let fit_rows: Vec<FitRow> = rows.iter().map(|r| (r.0, r.1, r.2)).collect();
+        let model = CallModel::fit(&fit_rows);
         let total: f64 = rows.iter().map(|r| r.2).sum();
         let ratio = rows
             .iter()
-            .map(|r| r.1 / model.predict(r.0) * r.2)
+            .map(|r| r.1 / model.predict(r.3) * r.2)
             .sum::<f64>()
             / total;
         Some(model.predict(job) * ratio)
@@ -1171,13 +1278,14 @@ pub const KEEP_PER_SIZE: usize = 16;
 
 /// The size class of a sample: `⌊log₂(size + 1)⌋`, `None` when its size is unknown.
 fn size_class(s: &Sample) -> Option<u32> {
-    s.size.map(|f| ((f[0] + f[1] + 1.0).log2().floor()) as u32)
+    s.x(Some(1.0))
+        .map(|f| ((f[0] + f[1] + 1.0).log2().floor()) as u32)
 }
 
 /// The oldest sample that is not among the last [`KEEP_PER_SIZE`] of its size class;
 /// `None` when there is none (then the oldest goes).
 fn sized_victim(window: &VecDeque<Sample>) -> Option<usize> {
-    if window.iter().all(|s| s.size.is_none()) {
+    if window.iter().all(|s| s.x(Some(1.0)).is_none()) {
         return None;
     }
     let mut newer: HashMap<Option<u32>, usize> = HashMap::new();
@@ -1277,6 +1385,12 @@ fn standard_normal_quantile(p: f64) -> f64 {
 fn nearest_rank(q: f64, n: usize) -> usize {
     let r = (q * n as f64 - 1e-9).ceil();
     (r as usize).clamp(1, n)
+}
+
+/// A request's features measured before its call, in the fit's unit: its prompt tokens ×
+/// the calibration `k` ([`ServiceTimes::calibration`]).
+fn calibrated(features: [f64; 2], k: f64) -> [f64; 2] {
+    [features[0] * k, features[1]]
 }
 
 /// The share of a completed call's time that a request of features `job` takes at least,
@@ -2541,5 +2655,159 @@ mod tests {
             flat.observe("k", 100, 10_000 + i);
         }
         assert_eq!(flat.estimate("k", 10_100).unwrap().quantile_ms, 2_000);
+    }
+
+    /// A deterministic stream of uniform numbers in `[0, 1)` (xorshift64).
+    fn uniform(seed: u64) -> impl FnMut() -> f64 {
+        let mut x = seed.max(1);
+        move || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            (x >> 11) as f64 / (1u64 << 53) as f64
+        }
+    }
+
+    /// `n` calls of a server taking 50 ms + 2 ms per prompt token (counted), with prompts
+    /// of 20 to 2,000 tokens (log-uniform), whose measure before the call is the count ×
+    /// a factor drawn from `[1 - noise, 1 + noise]`, ÷ `scale`: (measure, count, ms).
+    fn noisy_calls(n: usize, noise: f64, scale: f64, seed: u64) -> Vec<(u64, u64, u64)> {
+        let mut u = uniform(seed);
+        (0..n)
+            .map(|_| {
+                let tokens = (20f64.ln() + u() * (2_000f64.ln() - 20f64.ln()))
+                    .exp()
+                    .round();
+                let measure = (tokens * (1.0 + noise * (2.0 * u() - 1.0)) / scale).round();
+                (
+                    measure.max(1.0) as u64,
+                    tokens as u64,
+                    50 + 2 * tokens as u64,
+                )
+            })
+            .collect()
+    }
+
+    proptest! {
+        /// Counted tokens equal to the measure, or a constant multiple of it, change no
+        /// estimate: the calibration and the fit's slope absorb the factor.
+        #[test]
+        fn counts_proportional_to_the_measure_change_no_estimate(
+            calls in proptest::collection::vec((1u64..3_000, 1u64..20_000, any::<bool>()), 8..60),
+            factor in prop_oneof![Just(1.0f64), 0.5f64..3.0],
+            asked in proptest::collection::vec(1u64..4_000, 1..8),
+        ) {
+            let mut plain = ServiceTimes::new(ServiceTimeConfig::default());
+            let mut counted = ServiceTimes::new(ServiceTimeConfig::default());
+            for (i, &(m, d, cut)) in calls.iter().enumerate() {
+                plain.observe_request("k", d, cut, tokens(m), i as i64);
+                let used = (m as f64 * factor).round() as u64;
+                counted.observe_counted("k", d, cut, tokens(m), Some(used), i as i64);
+            }
+            let now = calls.len() as i64;
+            for &a in &asked {
+                let (p, c) = (
+                    plain.estimate_for("k", tokens(a), now).map(|e| e.quantile_ms),
+                    counted.estimate_for("k", tokens(a), now).map(|e| e.quantile_ms),
+                );
+                if factor == 1.0 {
+                    prop_assert_eq!(p, c);
+                } else {
+                    // The counts are rounded to whole tokens: a call's time moves by its
+                    // slope × half a token at most.
+                    let (p, c) = (p.unwrap_or(0) as f64, c.unwrap_or(0) as f64);
+                    prop_assert!((p - c).abs() <= 0.02 * p.max(c) + 2.0, "{} vs {}", p, c);
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn the_fit_on_counted_tokens_is_not_flattened_by_the_measures_error() {
+        // The measure is off by up to ±50% per request: fitted on it, the slope is
+        // attenuated (errors in the regressor); fitted on the counted tokens, it is the
+        // server's 2 ms a token.
+        let calls = noisy_calls(120, 0.5, 1.0, 7);
+        let (mut plain, mut counted) = (
+            ServiceTimes::new(ServiceTimeConfig::default()),
+            ServiceTimes::new(ServiceTimeConfig::default()),
+        );
+        for &(m, t, d) in &calls {
+            plain.observe_request("k", d, false, tokens(m), 0);
+            counted.observe_counted("k", d, false, tokens(m), Some(t), 0);
+        }
+        let slope = |st: &ServiceTimes| {
+            let w = st.keys.get("k").unwrap();
+            st.sized(w, 0, false).unwrap().model.slopes[0]
+        };
+        let (p, c) = (slope(&plain), slope(&counted));
+        assert!(p < 1.9, "fitted on the measure: {p}");
+        assert!((1.98..2.02).contains(&c), "fitted on the counts: {c}");
+    }
+
+    #[test]
+    fn with_counted_tokens_the_quantile_still_covers_the_measures_error() {
+        // The server is exact (50 ms + 2 ms a token): every call's error is the measure's.
+        // A p99 fitted on the counts but judged on them would be the line itself, and cut
+        // half the calls; judged on the predictions from the measure, it covers them.
+        let (mut st, learned) = (
+            ServiceTimes::new(ServiceTimeConfig::default()),
+            noisy_calls(128, 0.3, 1.0, 11),
+        );
+        for &(m, t, d) in &learned {
+            st.observe_counted("k", d, false, tokens(m), Some(t), 0);
+        }
+        let fresh = noisy_calls(2_000, 0.3, 1.0, 12);
+        let over = (fresh.iter())
+            .filter(|&&(m, _, d)| d > st.estimate_for("k", tokens(m), 0).unwrap().quantile_ms)
+            .count();
+        assert!(over <= 60, "{over} of 2,000 calls over their p99");
+    }
+
+    #[test]
+    fn calls_known_only_by_their_count_are_in_the_calibrated_unit() {
+        // A worker measures a prompt at 1.5 counted tokens a unit... the other way: the
+        // measure is ⅔ of the count. Calls replayed from an older ledger know only the
+        // count; live ones know both. A request measured at 400 (600 counted tokens) takes
+        // 50 + 1,200 ms: the calibration puts the measure in the count's unit.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for (i, &(_, t, d)) in noisy_calls(40, 0.0, 1.5, 3).iter().enumerate() {
+            st.observe_counted("k", d, false, None, Some(t), i as i64);
+        }
+        for (i, &(m, t, d)) in noisy_calls(12, 0.0, 1.5, 4).iter().enumerate() {
+            st.observe_counted("k", d, false, tokens(m), Some(t), 40 + i as i64);
+        }
+        let e = st.estimate_for("k", tokens(400), 52).unwrap();
+        assert!(
+            (1_220..1_300).contains(&e.mean_ms),
+            "mean {} for 600 counted tokens",
+            e.mean_ms
+        );
+        // Without the counts of the live calls (their measure only), the replayed ones'
+        // count and the live ones' measure would be mixed as one unit.
+        let mut mixed = ServiceTimes::new(ServiceTimeConfig::default());
+        for (i, &(_, t, d)) in noisy_calls(40, 0.0, 1.5, 3).iter().enumerate() {
+            mixed.observe_counted("k", d, false, None, Some(t), i as i64);
+        }
+        for (i, &(m, _, d)) in noisy_calls(12, 0.0, 1.5, 4).iter().enumerate() {
+            mixed.observe_request("k", d, false, tokens(m), 40 + i as i64);
+        }
+        let e = mixed.estimate_for("k", tokens(400), 52).unwrap();
+        assert!(e.mean_ms < 1_150, "mixed units: mean {}", e.mean_ms);
+    }
+
+    #[test]
+    fn counts_that_do_not_follow_the_measure_are_not_used() {
+        // A server that reports the same prompt count for every request (a fake, or a
+        // proxy's) would leave the fit no size to go by: the short prompts would be held
+        // to the long ones' time again. Its counts are ignored.
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..100u64 {
+            let p = if i % 10 < 7 { 10 } else { 600 };
+            let d = 50 + 2 * p + (i * 7919) % 13;
+            st.observe_counted("k", d, false, tokens(p), Some(5), i as i64);
+        }
+        let short = st.estimate_for("k", tokens(10), 100).unwrap().quantile_ms;
+        assert!(short < 120, "a short prompt: {short}");
     }
 }

@@ -8,7 +8,8 @@ use candle_core::{Device, Tensor};
 use candle_transformers::generation::LogitsProcessor;
 use candle_transformers::models::quantized_llama::ModelWeights;
 use lastcall_backend::{
-    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas, Usage,
+    Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas,
+    RequestSize, Usage,
 };
 use std::path::Path;
 use std::sync::Arc;
@@ -294,9 +295,41 @@ impl LocalBackend {
     }
 }
 
+impl LocalBackend {
+    /// The size of a chat payload with the prompt's tokens counted exactly: the ids this
+    /// backend would feed the model (the template's included, [`Self::prompt_ids`]), the
+    /// count its calls report. A payload that is not a chat request keeps the
+    /// approximation's answer (its call fails anyway).
+    pub fn counted_size(
+        &self,
+        payload: &serde_json::Map<String, serde_json::Value>,
+    ) -> Option<RequestSize> {
+        let approx = RequestSize::of_payload(payload)?;
+        match ChatRequest::from_payload(payload) {
+            Ok(chat) => Some(RequestSize {
+                prompt_tokens: self.prompt_ids(&chat).len() as u64,
+                ..approx
+            }),
+            Err(_) => Some(approx),
+        }
+    }
+}
+
 impl Backend for LocalBackend {
     fn name(&self) -> &str {
         "local"
+    }
+
+    fn request_size(
+        &self,
+        _kind: &str,
+        payload: &serde_json::Map<String, serde_json::Value>,
+    ) -> Option<RequestSize> {
+        self.counted_size(payload)
+    }
+
+    fn counts_prompt_tokens(&self, _kind: &str) -> bool {
+        true
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {

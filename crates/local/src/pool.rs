@@ -8,7 +8,9 @@
 //! costs its KV cache, not another copy of the model.
 
 use crate::{LocalBackend, LocalError};
-use lastcall_backend::{Backend, BackendError, CallFuture, CallRequest, CancellationToken, Deltas};
+use lastcall_backend::{
+    Backend, BackendError, CallFuture, CallRequest, CancellationToken, Deltas, RequestSize,
+};
 use std::path::Path;
 use std::sync::Mutex;
 
@@ -84,6 +86,19 @@ impl LocalPool {
 impl Backend for LocalPool {
     fn name(&self) -> &str {
         "local"
+    }
+
+    /// Counted by the first instance's tokenizer: every instance loads the same model.
+    fn request_size(
+        &self,
+        _kind: &str,
+        payload: &serde_json::Map<String, serde_json::Value>,
+    ) -> Option<RequestSize> {
+        self.instances[0].counted_size(payload)
+    }
+
+    fn counts_prompt_tokens(&self, _kind: &str) -> bool {
+        true
     }
 
     fn call(&self, req: CallRequest, cancel: CancellationToken) -> CallFuture<'_> {

@@ -47,13 +47,11 @@ async fn generates_text_and_stops_at_cancel_and_timeout() {
 
     // Generates text.
     let t0 = Instant::now();
+    let payload = json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
+                         "max_tokens": 48});
     let out = b
         .call(
-            request(
-                json!({"messages": [{"role": "user", "content": "What is the capital of France?"}],
-                       "max_tokens": 48}),
-                Duration::from_secs(600),
-            ),
+            request(payload.clone(), Duration::from_secs(600)),
             CancellationToken::new(),
         )
         .await
@@ -68,6 +66,17 @@ async fn generates_text_and_stops_at_cancel_and_timeout() {
     assert!(!out.text.trim().is_empty(), "empty answer");
     assert!(usage.completion_tokens > 0 && usage.completion_tokens <= 48);
     assert!(usage.prompt_tokens > 10);
+    // The worker's measure of the request before the call is the model's own count (the
+    // template's tokens included), not the 4-characters-a-token approximation.
+    let payload = payload.as_object().unwrap();
+    let measured = b.request_size("chat", payload).expect("a chat payload");
+    let approx = lastcall_backend::RequestSize::of_payload(payload).unwrap();
+    assert_eq!(
+        (measured.prompt_tokens, measured.max_tokens),
+        (usage.prompt_tokens, Some(48))
+    );
+    assert_ne!(measured.prompt_tokens, approx.prompt_tokens, "{approx:?}");
+    assert!(b.counts_prompt_tokens("chat"));
     assert_eq!(out.model.as_deref(), Some("SmolLM2-135M-Instruct-Q4_1"));
     assert!(
         out.text.contains("Paris"),

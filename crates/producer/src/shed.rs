@@ -35,8 +35,10 @@
 //! one query for both) with the request sizes the workers recorded, and also fits them with the workers' own estimator (`lastcall_core::service_time`, replayed
 //! as a starting worker replays the ledger). When its request-aware fit holds (8 completed
 //! calls of known size), a chat job (`prompt` or `messages`) is held to its own predicted
-//! p99 ([`RequestSize::of_payload`], the workers' measure); otherwise, and for other
-//! payloads, to the longest recent call as above.
+//! p99 ([`RequestSize::of_payload`]: the approximation the workers record; the prompt
+//! tokens the calls used, as their server or the local model's tokenizer counted them,
+//! refine it as in the workers' estimator); otherwise, and for other payloads, to the
+//! longest recent call as above.
 //!
 //! # The live count (`serve`, `submit`, `bench goodput`)
 //!
@@ -187,7 +189,10 @@ impl Learned {
     fn fit(calls: &[lastcall_store::RecordedCall], now_ms: i64) -> Option<Predictor> {
         let mut times = ServiceTimes::new(ServiceTimeConfig::default());
         for c in calls {
-            times.observe_request("k", c.latency_ms, false, c.size, c.recorded_at_ms);
+            // The recorded approximation is the door's measure too; the server's count
+            // (or the local model's tokenizer's), where recorded, refines it.
+            let used = c.prompt_tokens;
+            times.observe_counted("k", c.latency_ms, false, c.size, used, c.recorded_at_ms);
         }
         let p = times.predictor("k", now_ms);
         (p.is_request_aware() && p.base_source() == Some(EstimateSource::Key)).then_some(p)

@@ -135,6 +135,58 @@ async fn the_door_uses_the_longest_recent_measured_call_of_the_same_kind() {
     let _ = std::fs::remove_dir_all(&dir);
 }
 
+/// Calls recorded before ledger version 12 carry the server's prompt count but not the
+/// payload's measure; newer ones carry both (here the server counts twice the
+/// approximation). The door puts them in one unit: 6 newer calls alone are too few for a
+/// fit, the 20 older ones make it hold, and a short job is held to a short call's time.
+#[tokio::test]
+async fn the_door_fits_older_calls_by_the_servers_count() {
+    let dir = std::env::temp_dir().join(format!("lastcall-counted-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ledger = Arc::new(
+        Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
+            .await
+            .unwrap(),
+    );
+    let tokens = |n| {
+        Some(RequestSize {
+            prompt_tokens: n,
+            max_tokens: None,
+        })
+    };
+    for i in 0..26u64 {
+        let counted = if i % 10 < 7 { 20 } else { 1_200 };
+        let newer = i >= 20;
+        let rec = OutcomeRecord {
+            attempt_key: format!("c{i}:a"),
+            latency_ms: Some((50 + counted + (i * 7919) % 13) as i64),
+            prompt_tokens: Some(counted as i64),
+            request_size: if newer { tokens(counted / 2) } else { None },
+            ..OutcomeRecord::new(
+                format!("c{i}"),
+                "counted",
+                State::Completed,
+                Decision::Ack,
+                NOW - 60_000 + 1_000 * i as i64,
+            )
+        };
+        assert!(ledger.record_outcome(&rec).await.unwrap());
+    }
+    let door = shedder(Some(ledger.clone()));
+    let short = door
+        .learned_call_ms("counted", tokens(10), NOW)
+        .await
+        .unwrap();
+    let long = door
+        .learned_call_ms("counted", tokens(600), NOW)
+        .await
+        .unwrap();
+    assert!(short < 120, "a short prompt: {short} ms");
+    assert!((1_250..1_400).contains(&long), "a long prompt: {long} ms");
+    ledger.close().await;
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
 /// A kind that mixes short and long prompts (issue #31's server: ~70 ms and ~1.25 s): once
 /// 8 completed calls of known size are in the ledger, a short job is held to a short call's
 /// time and a long one to a long one's, not every job to the longest call.

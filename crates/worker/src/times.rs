@@ -25,21 +25,31 @@ const LEDGER_CALLS: u32 = 1_024;
 /// without them.
 const LEDGER_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The size a call read from the ledger is replayed under: the one its worker measured
-/// from the payload (`RecordedCall::size`), the unit live calls are learned in; for a call
-/// recorded without it (before ledger version 12, or whose payload was not a chat request,
-/// whose live call was learned unsized), the prompt tokens its server reported.
-/// Without any size, these calls (of a kind mixing short and long prompts, mostly the long
-/// ones' times at its p99) would hold every request to the kind's estimate, and a refusal
-/// they justify is never probed: the kind would be locked out until they leave the window
-/// (BENCHMARKS.md §12).
-fn replayed_size(c: &lastcall_store::RecordedCall) -> Option<RequestSize> {
-    c.size.or_else(|| {
-        c.prompt_tokens.map(|prompt_tokens| RequestSize {
+/// The size a call read from the ledger is replayed under, as a live call of its kind is
+/// learned: its measure before the call and the prompt tokens it used.
+/// - Where the kind's backend counts the prompt's tokens (`counted`: the local model's
+///   tokenizer), the recorded count (`prompt_tokens`) is the measure too, with the
+///   payload's `max_tokens`.
+/// - Elsewhere, the payload's approximate size (`RecordedCall::size`) and the server's
+///   count. A call recorded without the size (before ledger version 12) is known by its
+///   count alone, which the estimator puts in one unit with the rest
+///   ([`ServiceTimes::observe_counted`]). Without any size, these calls (of a kind mixing
+///   short and long prompts, mostly the long ones' times at its p99) would hold every
+///   request to the kind's estimate, and a refusal they justify is never probed: the kind
+///   would be locked out until they leave the window (BENCHMARKS.md §12).
+fn replayed_size(
+    c: &lastcall_store::RecordedCall,
+    counted: bool,
+) -> (Option<RequestSize>, Option<u64>) {
+    let used = c.prompt_tokens.filter(|&t| t > 0);
+    if counted {
+        let size = used.map(|prompt_tokens| RequestSize {
             prompt_tokens,
-            max_tokens: None,
-        })
-    })
+            max_tokens: c.size.and_then(|s| s.max_tokens),
+        });
+        return (size, used);
+    }
+    (c.size, used)
 }
 
 /// Observes one call of `backend` read from the ledger as if it had just ended here (at
@@ -47,12 +57,14 @@ fn replayed_size(c: &lastcall_store::RecordedCall) -> Option<RequestSize> {
 fn replay(
     service: &mut ServiceTimes,
     backend: &str,
+    counted: bool,
     c: &lastcall_store::RecordedCall,
     now_ms: i64,
 ) {
     let key = key_of(&c.kind, backend);
     let at = c.recorded_at_ms.min(now_ms);
-    service.observe_request(&key, c.latency_ms, c.cut, replayed_size(c), at);
+    let (size, used) = replayed_size(c, counted);
+    service.observe_counted(&key, c.latency_ms, c.cut, size, used, at);
 }
 
 /// The estimator key of `kind`'s calls served by `backend`.
@@ -178,7 +190,8 @@ impl CallTimes {
         {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             for (backend, c) in &calls {
-                replay(&mut service, backend, c, now);
+                let counted = self.backend.counts_prompt_tokens(&c.kind);
+                replay(&mut service, backend, counted, c, now);
                 kinds.insert(c.kind.as_str());
             }
         }
@@ -255,7 +268,9 @@ impl CallTimes {
     }
 
     /// One call of `kind` on `backend`, a request of `size`, took `ms`: completed, or
-    /// `cut` at the deadline (a lower bound).
+    /// `cut` at the deadline (a lower bound); `used`: the prompt tokens it used, as its
+    /// server (or the model's tokenizer) counted them, when it said.
+    #[allow(clippy::too_many_arguments)]
     pub(crate) fn observe_call(
         &self,
         kind: &str,
@@ -263,12 +278,13 @@ impl CallTimes {
         ms: i64,
         cut: bool,
         size: Option<RequestSize>,
+        used: Option<u64>,
         now_ms: i64,
     ) {
         let key = key_of(kind, backend);
         let estimate = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
-            service.observe_request(&key, ms.max(0) as u64, cut, size, now_ms);
+            service.observe_counted(&key, ms.max(0) as u64, cut, size, used, now_ms);
             service.estimate(&key, now_ms)
         };
         // The gauge is per kind: it shows the route's first backend.
@@ -348,7 +364,7 @@ mod tests {
     ) -> bool {
         let mut st = ServiceTimes::new(ServiceTimeConfig::default());
         for i in 0..50 {
-            replay(&mut st, "sim", &call(i, worker, server), 100);
+            replay(&mut st, "sim", false, &call(i, worker, server), 100);
         }
         let e = st.estimate_for("chat|sim", job, 100).expect("learned");
         assert!(
@@ -359,14 +375,15 @@ mod tests {
     }
 
     #[test]
-    fn a_replayed_call_is_sized_by_its_worker_before_its_server() {
+    fn a_replayed_call_is_sized_by_its_measure_and_its_servers_count() {
         let short = sized(10, None);
-        // The worker measured long prompts; their server counted 8 tokens (as the sim
-        // backend does for any prompt). Under the worker's size the calls are larger than
-        // the short job, which is probed; under the server's they would justify refusing it.
-        assert!(probed_after(sized(600, None), Some(8), short));
-        // And the other way round: the worker's size says no larger, the refusal stands.
-        assert!(!probed_after(sized(8, None), Some(600), short));
+        // Long prompts, which their server counted at twice the worker's measure: the calls
+        // are larger than the short job, which is probed.
+        assert!(probed_after(sized(600, None), Some(1_200), short));
+        // A job measured at 400 is 800 of the server's tokens: larger than every replayed
+        // call (600), so they justify its refusal, which stands. (Measure and count taken
+        // as one unit, the calls would be larger than it, and it would be probed.)
+        assert!(!probed_after(sized(300, None), Some(600), sized(400, None)));
         // `max_tokens` is replayed too (the server's count has none): calls of the same
         // prompt with a larger cap are larger requests.
         let capped = sized(10, Some(64));
@@ -378,7 +395,24 @@ mod tests {
         assert!(!probed_after(None, Some(8), short));
         // Neither: an unsized call, which justifies refusing any request.
         assert!(!probed_after(None, None, short));
-        assert_eq!(replayed_size(&call(0, capped, Some(600))), capped);
-        assert_eq!(replayed_size(&call(0, None, Some(600))), sized(600, None));
+        assert_eq!(
+            replayed_size(&call(0, capped, Some(600)), false),
+            (capped, Some(600))
+        );
+        assert_eq!(
+            replayed_size(&call(0, None, Some(600)), false),
+            (None, Some(600))
+        );
+        // A backend that counts the prompt's tokens (the local model's tokenizer) measures
+        // a request by that count: the recorded count is the measure, with the cap.
+        assert_eq!(
+            replayed_size(&call(0, capped, Some(600)), true),
+            (sized(600, Some(64)), Some(600))
+        );
+        // A count of 0 (a streamed reply without usage) is no count.
+        assert_eq!(
+            replayed_size(&call(0, capped, Some(0)), false),
+            (capped, None)
+        );
     }
 }

@@ -207,6 +207,21 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             while sock.read(&mut sink).await? > 0 {}
         }
         phase => {
+            // The servers whose call time grows with the prompt count it as a server does
+            // (a token a word, and 8 for the chat template); the others report 5.
+            let last = if phase == BY_LENGTH || phase == BATCHING {
+                let words = prompt_words(&buf[head_len..]);
+                LAST.replace(
+                    r#""prompt_tokens":5,"completion_tokens":1,"total_tokens":6"#,
+                    &format!(
+                        r#""prompt_tokens":{},"completion_tokens":1,"total_tokens":{}"#,
+                        words + 8,
+                        words + 9
+                    ),
+                )
+            } else {
+                LAST.to_owned()
+            };
             let ms = if phase == BY_LENGTH {
                 let words = prompt_words(&buf[head_len..]);
                 let others = up.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -228,7 +243,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             if phase == BY_LENGTH || phase == BATCHING {
                 up.in_flight.fetch_sub(1, Ordering::SeqCst);
             }
-            let body = format!("data: {CHUNK}\n\ndata: {LAST}\n\ndata: [DONE]\n\n");
+            let body = format!("data: {CHUNK}\n\ndata: {last}\n\ndata: [DONE]\n\n");
             let resp = format!(
                 "HTTP/1.1 200 OK\r\nContent-Type: text/event-stream\r\n{headers}Content-Length: {}\r\nConnection: close\r\n\r\n{body}",
                 body.len()

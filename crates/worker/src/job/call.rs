@@ -124,8 +124,8 @@ pub(crate) async fn call(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery, budge
         call.error = Some(note.to_owned());
     }
     if let Some(cut) = call.result.teaches_call_time() {
-        ctx.times
-            .observe_call(&kind, &backend, call.latency_ms, cut, job.size, now);
+        let used = (call.output.as_ref().and_then(|o| o.usage)).map(|u| u.prompt_tokens);
+        (ctx.times).observe_call(&kind, &backend, call.latency_ms, cut, job.size, used, now);
     }
     if let Some(probe) = job.probe.take() {
         probe.end(ProbeEnd::of(

@@ -60,8 +60,13 @@ pub(crate) struct Job {
     /// Set when the job runs as a probe: the learned estimate refused it while a slot was
     /// free ([`crate::times::Probe`]); its checks then use the floor, not the estimate.
     probe: Option<crate::times::Probe>,
-    /// The request's size from its payload, for the request-aware call-time estimate.
+    /// The request's size as the kind's backend measures it
+    /// ([`lastcall_backend::Backend::request_size`]: the model's tokenizer where it has
+    /// one), for the request-aware call-time estimate.
     size: Option<RequestSize>,
+    /// The request's size by the documented approximation ([`RequestSize::of_payload`]),
+    /// the one the ledger records (`request_tokens`): the measure the door has too.
+    payload_size: Option<RequestSize>,
     /// Set when this job's call is its model server's half-open breaker trial.
     trial: Option<crate::breakers::Trial>,
     /// The rate-limit permit this job took for its call; given back if dropped unused.
@@ -217,7 +222,9 @@ pub(crate) async fn handle(
         received_at_ms,
     );
     let ct = ctx.cfg.consumer_timeout.map(|d| d.as_millis() as u64);
-    let size = (parsed.as_ref().ok()).and_then(|e| RequestSize::of_payload(&e.payload));
+    let payload_size = (parsed.as_ref().ok()).and_then(|e| RequestSize::of_payload(&e.payload));
+    let size = (parsed.as_ref().ok())
+        .and_then(|e| ctx.backend.request_size(e.kind().as_str(), &e.payload));
     let backend = match &parsed {
         Ok(e) => ctx.backend.first_route(e.kind().as_str()),
         Err(_) => ctx.backend.name(),
@@ -233,6 +240,7 @@ pub(crate) async fn handle(
         prior_starts: 0,
         probe: None,
         size,
+        payload_size,
         trial: None,
         rate: None,
         work_ms: 0,

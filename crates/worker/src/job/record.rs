@@ -69,9 +69,10 @@ pub(crate) fn outcome_row(
         // Counts from an upstream server: `as` would turn 2^64 − 1 into −1.
         prompt_tokens: usage.map(|u| i64::try_from(u.prompt_tokens).unwrap_or(i64::MAX)),
         completion_tokens: usage.map(|u| i64::try_from(u.completion_tokens).unwrap_or(i64::MAX)),
-        // The size this worker learned the call under (its own measure of the payload), so
-        // that a worker starting later replays the call in the same unit.
-        request_size: job.size,
+        // The payload's size by the documented approximation: the door predicts from it,
+        // and a worker starting later replays the call under it (or, where its backend
+        // counts the prompt's tokens, under `prompt_tokens`).
+        request_size: job.payload_size,
         latency_ms: call.map(|c| c.latency_ms),
         cancel_requested: call.is_some_and(|c| c.cancel_requested),
         cancel_confirmed: call.and_then(|c| c.cancel_confirmed),
