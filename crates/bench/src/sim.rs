@@ -117,6 +117,15 @@ pub struct SimArgs {
     /// `per-kind` (one estimate per kind, the estimator before issue #31; reference only)
     #[arg(long, value_enum, default_value = "request")]
     pub estimate: crate::EstimateArg,
+    /// `length:`/`mixed:` services: how far the workers' measure of a prompt (4 characters
+    /// a token) is from the server's count. Each prompt has `4 × (1 ± x)` characters a
+    /// token, drawn uniformly (0: exactly 4, the measure is the count)
+    #[arg(long, default_value_t = 0.0, value_name = "X")]
+    pub measure_error: f64,
+    /// The server reports no prompt count (`usage`): the estimator learns on the workers'
+    /// measure alone, as before issue #31's refinement (reference only)
+    #[arg(long)]
+    pub no_usage: bool,
     /// Print one JSON object instead of the table
     #[arg(long)]
     pub json: bool,
@@ -581,8 +590,14 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     SHORT_TOKENS
                 };
                 let mut p = serde_json::Map::new();
-                // CHARS_PER_TOKEN characters a token, less the per-message allowance.
-                let chars = (tokens.saturating_sub(4)) * 4;
+                // CHARS_PER_TOKEN characters a token (± the measure's error), less the
+                // per-message allowance.
+                let per_token = if a.measure_error > 0.0 {
+                    4.0 * (1.0 + a.measure_error.min(0.9) * (2.0 * rng.random::<f64>() - 1.0))
+                } else {
+                    4.0
+                };
+                let chars = (tokens.saturating_sub(4) as f64 * per_token).round() as u64;
                 p.insert("prompt".into(), "x".repeat(chars as usize).into());
                 let size = RequestSize::of_payload(&p);
                 (serde_json::Map::new(), size, tokens)
@@ -796,7 +811,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 // The call's result as the core records it.
                 let result = delivery.call_result().cloned();
                 if let Some(cut) = result.as_ref().and_then(CallResult::teaches_call_time) {
-                    wk.est.observe_request(key, d, cut, jobs[j].size, now);
+                    // The server's count of the prompt: the true tokens.
+                    let used = (!a.no_usage && jobs[j].size.is_some()).then_some(jobs[j].tokens);
+                    (wk.est).observe_counted(key, d, cut, jobs[j].size, used, now);
                 }
                 record(&mut jobs, j, &mut delivery, now)?;
                 if let Some(budget_ms) = probe {
@@ -1256,6 +1273,8 @@ mod tests {
             share_cap: false,
             sweep: None,
             estimate: crate::EstimateArg::Request,
+            measure_error: 0.0,
+            no_usage: false,
             json: false,
         }
     }

@@ -7,9 +7,13 @@
 //! - **prompt tokens**: the characters of `prompt`, or of every `content` string in
 //!   `messages`, divided by [`CHARS_PER_TOKEN`] (4, the usual rule of thumb for English
 //!   with BPE tokenizers), rounded up; plus [`TOKENS_PER_MESSAGE`] per message (the
-//!   chat template's role markers). It is an approximation: the estimate is fitted to it
-//!   (the call times learned against the same approximation), so a constant factor off
-//!   costs nothing, and only its noise shows in the error quantile.
+//!   chat template's role markers). It is an approximation, for a worker without the
+//!   model's tokenizer (the `local` backend counts with its own, through
+//!   `Backend::request_size`) and for the door. The tokens a call used, as its server
+//!   counted them (`usage`), refine it: the estimator fits the counts and predicts from
+//!   this measure × the kind's calibration, the counted ÷ measured tokens of its recent
+//!   calls (`ServiceTimes::observe_counted`), so a constant factor off costs nothing, and
+//!   only its noise shows in the error quantile.
 //! - **output tokens**: the payload's `max_tokens`, when it sets one (the cap; the
 //!   learned fit absorbs how much of it is used).
 //!

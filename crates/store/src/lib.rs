@@ -143,10 +143,11 @@ pub struct OutcomeRecord {
     /// The model server's token counts (its `usage`), when it reported them.
     pub prompt_tokens: Option<i64>,
     pub completion_tokens: Option<i64>,
-    /// The request's size as the worker measured it from the payload
-    /// ([`RequestSize::of_payload`]; `request_tokens` and `request_max_tokens`): what a
-    /// starting worker replays the call under ([`RecordedCall::size`]). `None` when the
-    /// payload is not a chat request (or the writer never read it: a dead letter).
+    /// The payload's approximate size ([`RequestSize::of_payload`]; `request_tokens` and
+    /// `request_max_tokens`), whatever the backend's own measure: the door's measure, and
+    /// with `prompt_tokens` what a starting worker replays the call under
+    /// ([`RecordedCall::size`]). `None` when the payload is not a chat request (or the
+    /// writer never read it: a dead letter).
     pub request_size: Option<RequestSize>,
     pub latency_ms: Option<i64>,
     pub cancel_requested: bool,
@@ -221,15 +222,14 @@ pub struct RecordedCall {
     pub recorded_at_ms: i64,
     /// Cut at the deadline (`deadline_exceeded`): `latency_ms` is a lower bound.
     pub cut: bool,
-    /// The request's size as the worker that made the call measured it from the payload
-    /// (`request_tokens`, `request_max_tokens`): the unit a worker learns its live calls
-    /// in, so a starting worker replays the call under it. `None` for a call recorded
+    /// The payload's approximate size (`request_tokens`, `request_max_tokens`:
+    /// [`RequestSize::of_payload`], 4 characters a token): the measure a worker without
+    /// the model's tokenizer, and the door, predict from. `None` for a call recorded
     /// before ledger version 12, or whose payload was not a chat request.
     pub size: Option<RequestSize>,
-    /// The prompt's tokens as the model server counted them (its `usage`), when it said: a
-    /// different measure from `size` (the server's tokenizer, not the worker's
-    /// 4-characters-a-token approximation), and no `max_tokens`; the size a starting
-    /// worker falls back to for a call without `size`.
+    /// The prompt's tokens as the call counted them (the server's `usage`, or the local
+    /// model's tokenizer), when it said: the count the estimator's fit takes, which
+    /// refines `size` (`ServiceTimes::observe_counted`).
     pub prompt_tokens: Option<u64>,
 }
 

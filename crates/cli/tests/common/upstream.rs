@@ -127,6 +127,10 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
         }
         buf.extend_from_slice(&chunk[..n]);
     }
+    // What this request gets is decided before it is counted: a test that changes the
+    // phase once it sees the count must not change this request's answer.
+    let phase = up.phase.load(Ordering::SeqCst);
+    let headers = up.headers.lock().unwrap().clone();
     let n = up.requests.fetch_add(1, Ordering::SeqCst);
     up.arrivals.lock().unwrap().push(Instant::now());
     let wall_ms = std::time::SystemTime::now()
@@ -137,7 +141,6 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
         .lock()
         .unwrap()
         .push((first_content(&buf[head_len..]), wall_ms));
-    let headers = up.headers.lock().unwrap().clone();
     let error = |status: u16, text: &str, extra: &str| {
         let body = r#"{"error":{"message":"the model is busy"}}"#;
         format!(
@@ -145,7 +148,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             body.len()
         )
     };
-    match up.phase.load(Ordering::SeqCst) {
+    match phase {
         FAILING => {
             let resp = error(503, "Service Unavailable", "");
             sock.write_all(resp.as_bytes()).await?;
