@@ -277,9 +277,9 @@ pub struct Predictor {
     /// Before the fit holds: the largest request (the sum of its features) among the
     /// key's fresh calls, when every one of them has a known size.
     cold_largest: Option<f64>,
-    /// The key's calibration ([`ServiceTimes::calibration`]): a request's measured prompt
-    /// tokens × this are the fit's unit (`None`: the measure is).
-    k: Option<f64>,
+    /// The key's calibration ([`ServiceTimes::calibration`]): what puts a request's
+    /// measured prompt tokens in the fit's unit (`None`: the measure is that unit).
+    k: Option<Calibration>,
 }
 
 #[derive(Debug, Clone, Copy)]
@@ -321,7 +321,10 @@ impl Predictor {
             // origin from the largest: an overestimate when there is a fixed cost, as
             // below). Without it, at a cold start a prompt of 1,819 tokens was admitted
             // at the 2.6 s that one of 474 tokens took, and cut at 6.5 s.
-            let job = calibrated(size.features(), self.k.unwrap_or(1.0));
+            let job = self
+                .k
+                .unwrap_or(Calibration::IDENTITY)
+                .apply(size.features());
             return match (self.base, self.cold_largest) {
                 (Some(b), Some(largest)) if job[0] + job[1] > largest => {
                     let scale = (job[0] + job[1] + 1.0) / (largest + 1.0);
@@ -334,7 +337,10 @@ impl Predictor {
                 (b, _) => b,
             };
         };
-        let job = calibrated(size.features(), self.k.unwrap_or(1.0));
+        let job = self
+            .k
+            .unwrap_or(Calibration::IDENTITY)
+            .apply(size.features());
         let predicted = f.model.predict(job);
         let e = Estimate {
             quantile_ms: (predicted * f.q - 1e-6).ceil().max(0.0) as u64,
@@ -449,19 +455,22 @@ impl Sample {
     /// ([`ServiceTimes::calibration`]): the prompt tokens it used when they were counted,
     /// else its measure before the call × `k`; its measure alone when the key's counts are
     /// not used (`k` is `None`).
-    fn x(&self, k: Option<f64>) -> Option<[f64; 2]> {
+    fn x(&self, k: Option<Calibration>) -> Option<[f64; 2]> {
         match (k, self.used, self.size) {
             (None, _, s) => s,
             (Some(_), Some(u), s) => Some([u, s.map_or(0.0, |s| s[1])]),
-            (Some(k), None, Some(s)) => Some(calibrated(s, k)),
+            (Some(k), None, Some(s)) => Some(k.apply(s)),
             (Some(_), None, None) => None,
         }
     }
 
     /// The features a prediction before the call had: its measure under `k` (as for
     /// [`Self::x`]), else (a call known only by the tokens it used) [`Self::x`].
-    fn x_before(&self, k: Option<f64>) -> Option<[f64; 2]> {
-        (self.size.map(|s| calibrated(s, k.unwrap_or(1.0)))).or_else(|| self.x(k))
+    fn x_before(&self, k: Option<Calibration>) -> Option<[f64; 2]> {
+        (self
+            .size
+            .map(|s| k.unwrap_or(Calibration::IDENTITY).apply(s)))
+        .or_else(|| self.x(k))
     }
 }
 
@@ -470,9 +479,35 @@ impl Sample {
 /// prompt (a fixed or a missing count) says nothing of the request's size.
 const MIN_COUNT_CORRELATION: f64 = 0.5;
 
-/// The calibration's bounds: a measure before the call that is off by more than this
-/// factor from the counted tokens is not an approximation of them.
+/// The calibration's bounds on its scale: a measure before the call that is off by more
+/// than this factor from the counted tokens is not an approximation of them.
 const CALIBRATION_BOUNDS: (f64, f64) = (1.0 / 16.0, 16.0);
+
+/// The counted prompt tokens as a function of the measure before the call
+/// ([`ServiceTimes::calibration`]): `offset + scale × measure`, at least 0. An offset,
+/// because a server's count includes what its chat template adds (a default system prompt:
+/// 30 tokens for SmolLM2's), which the measure does not see.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(crate) struct Calibration {
+    offset: f64,
+    scale: f64,
+}
+
+impl Calibration {
+    /// The measure is the count.
+    const IDENTITY: Calibration = Calibration {
+        offset: 0.0,
+        scale: 1.0,
+    };
+
+    /// `features` measured before a call, in the count's unit.
+    fn apply(&self, features: [f64; 2]) -> [f64; 2] {
+        [
+            (self.offset + self.scale * features[0]).max(0.0),
+            features[1],
+        ]
+    }
+}
 
 /// A completed probe halves the weight of each cut call it contradicts this many times
 /// (divides it by 8).
@@ -574,11 +609,12 @@ impl ServiceTimes {
     /// [`Self::observe_request`], with the prompt tokens the call used as counted after it
     /// (`used_prompt_tokens`: the server's `usage`, or the model's tokenizer), when known.
     /// The request-aware fit then takes the counted tokens, and predicts a new request from
-    /// its measure (`size`, read before the call) × the key's calibration: the counted
-    /// tokens ÷ the measure over its recent calls ([`Self::calibration`]). The error
-    /// quantile stays the one of predictions from the measure, so the measure's own error
-    /// is in it. When every call's count equals its measure (a tokenizer's count) the
-    /// estimate is [`Self::observe_request`]'s.
+    /// its measure (`size`, read before the call) put in the count's unit by the key's
+    /// calibration: the counted tokens as a line in the measure over its recent calls
+    /// ([`Self::calibration`]). The error quantile stays the one of predictions from the
+    /// measure, so the measure's own error is in it. When every call's count equals its
+    /// measure (a tokenizer's count), or is any constant multiple of it, the estimate is
+    /// [`Self::observe_request`]'s.
     pub fn observe_counted(
         &mut self,
         key: &str,
@@ -768,13 +804,14 @@ impl ServiceTimes {
     }
 
     /// A key's calibration at `now_ms`: the prompt tokens its fresh calls used as counted
-    /// after them ÷ their measure before them, recency-weighted (a ratio of sums, so the long
-    /// prompts weigh most), over the calls that have both; 1 when none has. A request's
-    /// measured prompt tokens × this are in the fit's unit ([`Sample::x`]). `None` when the
-    /// counts do not follow the measure (a weighted correlation below
-    /// [`MIN_COUNT_CORRELATION`] while the measure varies): the key's counts are then not
-    /// used, and the fit takes the measure.
-    fn calibration(&self, w: &KeyWindow, now_ms: i64) -> Option<f64> {
+    /// after them, as a line in their measure before them (recency-weighted least
+    /// squares over the calls that have both: `offset + scale × measure`; through the
+    /// origin, Σ counted ÷ Σ measured, while the measure does not vary); the identity when
+    /// none has both. A request's measured prompt tokens under it are in the fit's unit
+    /// ([`Sample::x`]). `None` when the counts do not follow the measure (a weighted
+    /// correlation below [`MIN_COUNT_CORRELATION`] while the measure varies): the key's
+    /// counts are then not used, and the fit takes the measure.
+    fn calibration(&self, w: &KeyWindow, now_ms: i64) -> Option<Calibration> {
         // (measure, count, weight)
         let pairs: Vec<(f64, f64, f64)> = (w.samples.iter())
             .filter(|s| self.cfg.is_fresh(s.at_ms, now_ms))
@@ -787,18 +824,26 @@ impl ServiceTimes {
         let measured: f64 = pairs.iter().map(|p| p.2 * p.0).sum();
         let used: f64 = pairs.iter().map(|p| p.2 * p.1).sum();
         if pairs.is_empty() || measured <= 0.0 || used <= 0.0 {
-            return Some(1.0);
+            return Some(Calibration::IDENTITY);
         }
         let (mm, mu) = (measured / total, used / total);
         let var_m: f64 = pairs.iter().map(|p| p.2 * (p.0 - mm).powi(2)).sum();
         let var_u: f64 = pairs.iter().map(|p| p.2 * (p.1 - mu).powi(2)).sum();
         let cov: f64 = pairs.iter().map(|p| p.2 * (p.0 - mm) * (p.1 - mu)).sum();
-        if var_m > 1e-9 * total * mm * mm.max(1.0)
-            && (var_u <= 0.0 || cov / (var_m * var_u).sqrt() < MIN_COUNT_CORRELATION)
-        {
+        let (lo, hi) = CALIBRATION_BOUNDS;
+        if var_m <= 1e-9 * total * mm * mm.max(1.0) {
+            // One size measured: its count ÷ its measure.
+            let scale = (used / measured).clamp(lo, hi);
+            return Some(Calibration { offset: 0.0, scale });
+        }
+        if var_u <= 0.0 || cov / (var_m * var_u).sqrt() < MIN_COUNT_CORRELATION {
             return None;
         }
-        Some((used / measured).clamp(CALIBRATION_BOUNDS.0, CALIBRATION_BOUNDS.1))
+        let scale = (cov / var_m).clamp(lo, hi);
+        Some(Calibration {
+            offset: mu - scale * mm,
+            scale,
+        })
     }
 
     /// The request-aware fit of a key's window, when it has enough sized calls.
@@ -938,7 +983,7 @@ impl ServiceTimes {
         // Without request-awareness every request is judged as the kind's.
         let size = size.filter(|_| self.cfg.request_aware);
         let k = (self.keys.get(key)).and_then(|w| self.calibration(w, now_ms));
-        let job = size.map(|s| calibrated(s.features(), k.unwrap_or(1.0)));
+        let job = size.map(|s| k.unwrap_or(Calibration::IDENTITY).apply(s.features()));
         let justified = match job {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
@@ -1278,14 +1323,17 @@ pub const KEEP_PER_SIZE: usize = 16;
 
 /// The size class of a sample: `⌊log₂(size + 1)⌋`, `None` when its size is unknown.
 fn size_class(s: &Sample) -> Option<u32> {
-    s.x(Some(1.0))
+    s.x(Some(Calibration::IDENTITY))
         .map(|f| ((f[0] + f[1] + 1.0).log2().floor()) as u32)
 }
 
 /// The oldest sample that is not among the last [`KEEP_PER_SIZE`] of its size class;
 /// `None` when there is none (then the oldest goes).
 fn sized_victim(window: &VecDeque<Sample>) -> Option<usize> {
-    if window.iter().all(|s| s.x(Some(1.0)).is_none()) {
+    if window
+        .iter()
+        .all(|s| s.x(Some(Calibration::IDENTITY)).is_none())
+    {
         return None;
     }
     let mut newer: HashMap<Option<u32>, usize> = HashMap::new();
@@ -1385,12 +1433,6 @@ fn standard_normal_quantile(p: f64) -> f64 {
 fn nearest_rank(q: f64, n: usize) -> usize {
     let r = (q * n as f64 - 1e-9).ceil();
     (r as usize).clamp(1, n)
-}
-
-/// A request's features measured before its call, in the fit's unit: its prompt tokens ×
-/// the calibration `k` ([`ServiceTimes::calibration`]).
-fn calibrated(features: [f64; 2], k: f64) -> [f64; 2] {
-    [features[0] * k, features[1]]
 }
 
 /// The share of a completed call's time that a request of features `job` takes at least,
@@ -2809,5 +2851,40 @@ mod tests {
         }
         let short = st.estimate_for("k", tokens(10), 100).unwrap().quantile_ms;
         assert!(short < 120, "a short prompt: {short}");
+    }
+
+    #[test]
+    fn a_count_with_the_templates_tokens_is_calibrated_with_an_offset() {
+        // llama-server's count of a SmolLM2 prompt includes its default system prompt:
+        // about 30 tokens + 0.85 × the measure (BENCHMARKS.md §13). Through the origin,
+        // a short prompt's count would be put at a third of its real 60, its calls would
+        // look 2–3× slower than predicted, and that ratio would inflate every estimate.
+        let mut u = uniform(5);
+        let (mut plain, mut counted) = (
+            ServiceTimes::new(ServiceTimeConfig::default()),
+            ServiceTimes::new(ServiceTimeConfig::default()),
+        );
+        for i in 0..120 {
+            let m = (30f64.ln() + u() * (600f64.ln() - 30f64.ln()))
+                .exp()
+                .round();
+            let t = (30.0 + 0.85 * m).round();
+            let d = ((100.0 + 6.0 * t) * (1.0 + 0.2 * u())) as u64;
+            plain.observe_request("k", d, false, tokens(m as u64), i);
+            counted.observe_counted("k", d, false, tokens(m as u64), Some(t as u64), i);
+        }
+        for m in [35, 150, 580] {
+            let (p, c) = (
+                plain.estimate_for("k", tokens(m), 120).unwrap().quantile_ms as f64,
+                counted
+                    .estimate_for("k", tokens(m), 120)
+                    .unwrap()
+                    .quantile_ms as f64,
+            );
+            assert!(
+                (c / p - 1.0).abs() < 0.05,
+                "measure {m}: {c} ms, on the measure {p} ms"
+            );
+        }
     }
 }
