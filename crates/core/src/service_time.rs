@@ -788,7 +788,7 @@ impl ServiceTimes {
                     .then(|| {
                         fresh()
                             .filter(|s| !s.cut && s.halvings == 0)
-                            .filter_map(|s| s.x(k).map(|f| f[0] + f[1]))
+                            .filter_map(|s| s.x_before(k).map(|f| f[0] + f[1]))
                             .fold(None, |m: Option<f64>, x| Some(m.map_or(x, |m| m.max(x))))
                     })
                     .flatten()
@@ -880,13 +880,17 @@ impl ServiceTimes {
             return None;
         }
         let model = CallModel::fit(&fit_rows);
+        // The range a request is compared with is in the unit it is predicted from: the
+        // calls' sizes as measured before them (a noisy measure of a long prompt is
+        // larger than the count of any call half the time, and would be held to the
+        // kind's time as "larger than every call seen").
         let seen = |i: usize| {
             (rows.iter().filter(|r| !r.3 && !r.4))
-                .map(|r| r.0[i])
+                .map(|r| r.5[i])
                 .fold(f64::MIN, f64::max)
         };
         let largest = (rows.iter().filter(|r| !r.3 && !r.4))
-            .map(|r| r.0[0] + r.0[1])
+            .map(|r| r.5[0] + r.5[1])
             .fold(0.0, f64::max);
         // The error of the prediction made before the call (from the measure, when the fit
         // takes the counted tokens): the measure's own error is in the quantile.
@@ -988,7 +992,10 @@ impl ServiceTimes {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
                 let no_larger: VecDeque<Sample> = (w.samples.iter())
-                    .filter(|s| s.x(k).is_none_or(|f| f[0] <= job[0] && f[1] <= job[1]))
+                    .filter(|s| {
+                        s.x_before(k)
+                            .is_none_or(|f| f[0] <= job[0] && f[1] <= job[1])
+                    })
                     .copied()
                     .collect();
                 self.summarize(&no_larger, now_ms, EstimateSource::Key, false)
@@ -1019,7 +1026,8 @@ impl ServiceTimes {
             && (w.samples.iter()).any(|s| {
                 !s.cut
                     && self.cfg.is_fresh(s.at_ms, now_ms)
-                    && s.x(k).is_some_and(|f| f[0] <= job[0] && f[1] <= job[1])
+                    && s.x_before(k)
+                        .is_some_and(|f| f[0] <= job[0] && f[1] <= job[1])
             })
             && self
                 .sized(w, now_ms, true)
@@ -1040,7 +1048,7 @@ impl ServiceTimes {
         let longest = (self.keys.get(key).into_iter())
             .flat_map(|w| w.samples.iter())
             .filter(|s| !s.cut && self.cfg.is_fresh(s.at_ms, now_ms))
-            .filter_map(|s| match (job, s.x(k)) {
+            .filter_map(|s| match (job, s.x_before(k)) {
                 (Some(job), Some(f)) => Some(s.duration_ms as f64 * lower_share(job, f)),
                 (Some(_), None) => None,
                 (None, _) => Some(s.duration_ms as f64),
@@ -1079,18 +1087,23 @@ impl ServiceTimes {
             .filter(|s| !s.cut && s.halvings == 0 && self.cfg.is_fresh(s.at_ms, now_ms))
             .filter_map(|s| {
                 let wt = self.cfg.recency(s.at_ms, now_ms);
-                Some((s.x(k)?, s.duration_ms.max(1) as f64, wt, s.x_before(k)?))
+                Some((
+                    s.x_before(k)?,
+                    s.duration_ms.max(1) as f64,
+                    wt,
+                    s.x_before(k)?,
+                ))
             })
             .filter(|r| r.2 > FORGOTTEN)
             .collect();
         // Below every completed request the fit would only extrapolate down (and with one
         // size seen, not at all): it says nothing there.
-        let covered = rows.iter().any(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
+        let covered = rows.iter().any(|r| r.3[0] <= job[0] && r.3[1] <= job[1]);
         // Fewer calls than a fit needs still say, from two sizes on, how the time grows
         // with the size: above every one of them (where a probe would extrapolate
         // anyway), their line is the cold start's best guess of the request's mean.
-        let above_all = rows.iter().all(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
-        let sizes = |i: usize| rows.iter().map(move |r| r.0[i]);
+        let above_all = rows.iter().all(|r| r.3[0] <= job[0] && r.3[1] <= job[1]);
+        let sizes = |i: usize| rows.iter().map(move |r| r.3[i]);
         let spread =
             |i: usize| sizes(i).fold(f64::MIN, f64::max) > sizes(i).fold(f64::MAX, f64::min);
         let few = rows.len() >= 2 && above_all && (spread(0) || spread(1));
@@ -2886,5 +2899,31 @@ mod tests {
                 "measure {m}: {c} ms, on the measure {p} ms"
             );
         }
+    }
+
+    #[test]
+    fn a_request_is_compared_with_the_calls_as_they_were_measured() {
+        // Two prompt sizes, 10 and 600 counted tokens, measured ±30%: a long prompt
+        // measured at 700 is one of the long ones, not larger than every call seen (the
+        // largest count), which would hold it to the kind's time scaled up.
+        let mut u = uniform(9);
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        for i in 0..100 {
+            let t = if i % 10 < 7 { 10.0 } else { 600.0 };
+            let m = (t * (1.0 + 0.3 * (2.0 * u() - 1.0))).round() as u64;
+            let d = (50.0 + 2.0 * t) as u64 + (i * 7919) % 13;
+            st.observe_counted("k", d, false, tokens(m), Some(t as u64), i as i64);
+        }
+        let w = st.keys.get("k").unwrap();
+        let f = st.sized(w, 100, false).unwrap();
+        assert!(
+            f.seen[0] > 700.0,
+            "the range in measured units: {}",
+            f.seen[0]
+        );
+        let k = st.calibration(w, 100).unwrap();
+        let e = st.estimate_for("k", tokens(700), 100).unwrap();
+        let fitted = (f.model.predict(k.apply([700.0, 0.0])) * f.q - 1e-6).ceil() as u64;
+        assert_eq!(e.quantile_ms, fitted);
     }
 }
