@@ -30,6 +30,16 @@
 //! both neighbours. A trial the worker cannot fill (`2 × samples_per_step` calls started
 //! below the limit) is abandoned.
 //!
+//! **Trials refused in a row wait longer, at an end of the range.** At 1 (or at `max`)
+//! every trial goes the one way left. On a server that time-shares its calls, each trial
+//! of 2 is refused, and without a wait the limit spent half its calls at 2, each twice as
+//! slow: in the simulator `auto` completed 90.6% of the best fixed count's on-time jobs
+//! at 2× (1 slot is best there). So after each refused trial the level at an end waits
+//! twice as many samples before the next one, up to 8× `samples_per_step`
+//! ([`MAX_BACKOFF`]); a kept trial, or a halving, resets the wait. Inside the range the
+//! trials alternate between the two neighbours and keep the plain wait (a longer one
+//! there cost the batching servers at 5× up to 2 points; BENCHMARKS.md §13).
+//!
 //! **The start.** The limit starts at 1 ([`LimitConfig::initial`]): nothing is known yet of
 //! the server, nor of the calls' times, and calls that run beside each other on a server
 //! that time-shares them take twice as long each — at a cold start, with nothing learned,
@@ -242,7 +252,15 @@ pub struct AdaptiveLimit {
     /// Jobs the inflation refused while a slot was free, since the level was set
     /// ([`AdaptiveLimit::refused_by_inflation`]).
     refused: u32,
+    /// Trials refused in a row since one was last kept (or the limit halved), at most
+    /// [`MAX_BACKOFF`]: a steady level waits `samples_per_step × 2^turned` samples before
+    /// its next trial.
+    turned: u32,
 }
+
+/// The most doublings of a steady level's wait before its next trial (× 8: 128 samples
+/// with the default 16 a step).
+pub const MAX_BACKOFF: u32 = 3;
 
 impl AdaptiveLimit {
     pub fn new(cfg: LimitConfig) -> Self {
@@ -263,6 +281,7 @@ impl AdaptiveLimit {
             changed_at_ms: i64::MIN,
             unfilled: 0,
             refused: 0,
+            turned: 0,
         }
     }
 
@@ -343,6 +362,7 @@ impl AdaptiveLimit {
                 self.decreased_at_ms = now_ms;
                 self.short = 1.0;
                 self.next = Dir::Up;
+                self.turned = 0;
                 return self.limit;
             }
         }
@@ -387,10 +407,12 @@ impl AdaptiveLimit {
                 };
                 if keep {
                     // Go on in the same direction (from here, measured).
+                    self.turned = 0;
                     self.phase = Phase::Steady;
                     self.step(here, running, now_ms);
                 } else {
-                    // Back, and the other way next time.
+                    // Back, and the other way next time, after a longer wait.
+                    self.turned = (self.turned + 1).min(MAX_BACKOFF);
                     self.next = if self.limit > from {
                         Dir::Down
                     } else {
@@ -457,8 +479,13 @@ impl AdaptiveLimit {
     /// quarter of it at the first level (nothing is known of the server yet; the step up
     /// that follows is a trial, judged in full).
     fn samples_needed(&self) -> u32 {
-        match (self.changed_at_ms, self.limit) {
-            (i64::MIN, 1) => (self.cfg.samples_per_step / 4).max(1),
+        match (self.changed_at_ms, self.limit, self.phase) {
+            (i64::MIN, 1, _) => (self.cfg.samples_per_step / 4).max(1),
+            // At an end of the range every trial goes the one way left: refused in a row,
+            // they wait longer (inside, the trials alternate between the neighbours).
+            (_, l, Phase::Steady) if l == 1 || l == self.cfg.max => {
+                self.cfg.samples_per_step << self.turned
+            }
             _ => self.cfg.samples_per_step,
         }
     }
@@ -568,6 +595,46 @@ mod tests {
             tail.iter().all(|&l| (4..=8).contains(&l)),
             "near the knee (6): {seen:?}"
         );
+    }
+
+    /// Pure time sharing: two calls in flight each take twice as long.
+    fn time_sharing(n: usize) -> f64 {
+        n as f64
+    }
+
+    #[test]
+    fn refused_trials_grow_rarer_and_a_kept_one_resets_the_wait() {
+        // On a server that time-shares, a second call in flight never pays: each trial of
+        // 2 is refused. The steady level waits twice as long after each refusal (up to
+        // 8× `samples_per_step`), so the trials take a shrinking share of the calls.
+        // The estimator is modelled as knowing a call's time alone (100 ms): at `n` in
+        // flight a call takes `n` times that.
+        let mut lim = AdaptiveLimit::new(LimitConfig::new(16));
+        let mut now = 0;
+        let mut above = 0;
+        for i in 0..3_000 {
+            let n = lim.limit();
+            if i >= 1_000 && n > 1 {
+                above += 1;
+            }
+            let took = 100.0 * time_sharing(n);
+            let started = now;
+            now += (took / n as f64).ceil() as i64 + 1;
+            let s = Sample {
+                started_ms: started,
+                in_flight: n,
+                observed_ms: took as u64,
+                expected_ms: 100,
+            };
+            lim.observe(s, &[], now);
+        }
+        // Without the wait, a trial of 16 calls every 32: half of them.
+        assert!(above < 400, "{above} of 2,000 calls above 1");
+        // The server stops slowing down: the next trial is kept, and the limit climbs
+        // without waiting long at each level.
+        now = drive(&mut lim, flat, 600, now, &[1.0]);
+        let _ = now;
+        assert!(lim.limit() >= 6, "{lim:?}");
     }
 
     #[test]
