@@ -1049,7 +1049,7 @@ impl ServiceTimes {
             .flat_map(|w| w.samples.iter())
             .filter(|s| !s.cut && self.cfg.is_fresh(s.at_ms, now_ms))
             .filter_map(|s| match (job, s.x_before(k)) {
-                (Some(job), Some(f)) => Some(s.duration_ms as f64 * lower_share(job, f)),
+                (Some(job), Some(f)) => Some(s.duration_ms as f64 * cold_share(job, f)),
                 (Some(_), None) => None,
                 (None, _) => Some(s.duration_ms as f64),
             })
@@ -1446,6 +1446,27 @@ fn standard_normal_quantile(p: f64) -> f64 {
 fn nearest_rank(q: f64, n: usize) -> usize {
     let r = (q * n as f64 - 1e-9).ceil();
     (r as usize).clamp(1, n)
+}
+
+/// The share of a completed call's time (its request of features `call`) that a cold
+/// start's probe of a request of features `job` needs room for: [`lower_share`], except
+/// when the request is larger in one feature and smaller in the other. The bound then
+/// rests on the smaller feature alone (a prompt longer than the call's, with fewer
+/// `max_tokens`, could in principle take 9/42 of its time), and a probe it let through on
+/// the real llama-server (1,039 prompt tokens and 9 `max_tokens`, after a call of 918 and
+/// 42 that took 5.5 s, with 5.3 s left) ran past its deadline. There it is the size's
+/// share of the call (the sum of the features, as [`Predictor::estimate`] scales a
+/// request larger than every call before the fit holds), at most 1: a guess, not a bound.
+fn cold_share(job: [f64; 2], call: [f64; 2]) -> f64 {
+    let strict = lower_share(job, call);
+    let larger = (0..2).any(|i| job[i] > call[i]);
+    let smaller = (0..2).any(|i| job[i] < call[i]);
+    if larger && smaller {
+        let by_size = (job[0] + job[1] + 1.0) / (call[0] + call[1] + 1.0);
+        strict.max(by_size.min(1.0))
+    } else {
+        strict
+    }
 }
 
 /// The share of a completed call's time that a request of features `job` takes at least,
@@ -2925,5 +2946,27 @@ mod tests {
         let e = st.estimate_for("k", tokens(700), 100).unwrap();
         let fitted = (f.model.predict(k.apply([700.0, 0.0])) * f.q - 1e-6).ceil() as u64;
         assert_eq!(e.quantile_ms, fitted);
+    }
+
+    #[test]
+    fn at_a_cold_start_a_longer_prompt_with_fewer_output_tokens_is_not_probed_on_the_smaller_one() {
+        // The real llama-server (BENCHMARKS.md §13): after one call of 918 prompt tokens
+        // and 42 `max_tokens` that took 5,526 ms, a request of 1,039 and 9 with 5,322 ms
+        // left was probed (the bound on its smaller feature: 9/42 of the call, 1.2 s) and
+        // ran past its deadline.
+        let sized = |p, m| {
+            Some(RequestSize {
+                prompt_tokens: p,
+                max_tokens: Some(m),
+            })
+        };
+        let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+        st.observe_request("k", 5_526, false, sized(918, 42), 0);
+        assert!(!st.try_probe("k", sized(1_039, 9), 5_322, 10));
+        assert!(st.try_probe("k", sized(1_039, 9), 5_600, 10));
+        // Smaller in both: the bound as before (100/918 of the call, 602 ms).
+        assert!(st.try_probe("k", sized(100, 9), 700, 10));
+        assert_eq!(cold_share([1_039.0, 9.0], [918.0, 42.0]), 1.0);
+        assert_eq!(cold_share([100.0, 8.0], [200.0, 64.0]), 0.125);
     }
 }
