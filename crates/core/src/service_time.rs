@@ -823,7 +823,9 @@ impl ServiceTimes {
         let total: f64 = pairs.iter().map(|p| p.2).sum();
         let measured: f64 = pairs.iter().map(|p| p.2 * p.0).sum();
         let used: f64 = pairs.iter().map(|p| p.2 * p.1).sum();
-        if pairs.is_empty() || measured <= 0.0 || used <= 0.0 {
+        // Counts equal to the measure (the local model's tokenizer): exactly the identity,
+        // not a fitted line a rounding error away from it.
+        if pairs.is_empty() || measured <= 0.0 || used <= 0.0 || pairs.iter().all(|p| p.0 == p.1) {
             return Some(Calibration::IDENTITY);
         }
         let (mm, mu) = (measured / total, used / total);
