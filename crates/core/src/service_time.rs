@@ -315,16 +315,13 @@ impl Predictor {
         let Some(size) = size else {
             return self.base;
         };
+        let job = Calibration::measured(self.k, size.features());
         let Some(f) = self.fit else {
             // Before the fit holds, a request larger than every call the estimate rests
             // on is held to their time scaled in proportion to its size (through the
             // origin from the largest: an overestimate when there is a fixed cost, as
             // below). Without it, at a cold start a prompt of 1,819 tokens was admitted
             // at the 2.6 s that one of 474 tokens took, and cut at 6.5 s.
-            let job = self
-                .k
-                .unwrap_or(Calibration::IDENTITY)
-                .apply(size.features());
             return match (self.base, self.cold_largest) {
                 (Some(b), Some(largest)) if job[0] + job[1] > largest => {
                     let scale = (job[0] + job[1] + 1.0) / (largest + 1.0);
@@ -337,10 +334,6 @@ impl Predictor {
                 (b, _) => b,
             };
         };
-        let job = self
-            .k
-            .unwrap_or(Calibration::IDENTITY)
-            .apply(size.features());
         let predicted = f.model.predict(job);
         let e = Estimate {
             quantile_ms: (predicted * f.q - 1e-6).ceil().max(0.0) as u64,
@@ -467,10 +460,7 @@ impl Sample {
     /// The features a prediction before the call had: its measure under `k` (as for
     /// [`Self::x`]), else (a call known only by the tokens it used) [`Self::x`].
     fn x_before(&self, k: Option<Calibration>) -> Option<[f64; 2]> {
-        (self
-            .size
-            .map(|s| k.unwrap_or(Calibration::IDENTITY).apply(s)))
-        .or_else(|| self.x(k))
+        (self.size.map(|s| Calibration::measured(k, s))).or_else(|| self.x(k))
     }
 }
 
@@ -494,6 +484,12 @@ pub(crate) struct Calibration {
 }
 
 impl Calibration {
+    /// `features` measured before a call in the fit's unit under a key's calibration `k`
+    /// (`None`: the measure is that unit).
+    fn measured(k: Option<Calibration>, features: [f64; 2]) -> [f64; 2] {
+        k.unwrap_or(Calibration::IDENTITY).apply(features)
+    }
+
     /// The measure is the count.
     const IDENTITY: Calibration = Calibration {
         offset: 0.0,
@@ -773,7 +769,7 @@ impl ServiceTimes {
         let base = self.estimate(key, now_ms);
         let k = self.keys.get(key).and_then(|w| self.calibration(w, now_ms));
         let fit = match (self.keys.get(key), base.map(|e| e.source)) {
-            (Some(w), Some(EstimateSource::Key)) => self.sized(w, now_ms, false),
+            (Some(w), Some(EstimateSource::Key)) => self.sized(w, k, now_ms, false),
             _ => None,
         };
         let cold_largest = match (self.keys.get(key), base.map(|e| e.source)) {
@@ -851,8 +847,14 @@ impl ServiceTimes {
     /// The request-aware fit of a key's window, when it has enough sized calls.
     /// `completed_only`: without the cut calls (their times are lower bounds; after a
     /// hang they are what a probe is to contradict).
-    fn sized(&self, w: &KeyWindow, now_ms: i64, completed_only: bool) -> Option<SizedFit> {
-        let k = self.calibration(w, now_ms);
+    /// `k`: the key's [`Self::calibration`] at `now_ms`.
+    fn sized(
+        &self,
+        w: &KeyWindow,
+        k: Option<Calibration>,
+        now_ms: i64,
+        completed_only: bool,
+    ) -> Option<SizedFit> {
         // (size, duration, weight, cut, contradicted, size as predicted before the call)
         type Row = ([f64; 2], f64, f64, bool, bool, [f64; 2]);
         let rows: Vec<Row> = (w.samples.iter())
@@ -989,7 +991,7 @@ impl ServiceTimes {
         // Without request-awareness every request is judged as the kind's.
         let size = size.filter(|_| self.cfg.request_aware);
         let k = (self.keys.get(key)).and_then(|w| self.calibration(w, now_ms));
-        let job = size.map(|s| k.unwrap_or(Calibration::IDENTITY).apply(s.features()));
+        let job = size.map(|s| Calibration::measured(k, s.features()));
         let justified = match job {
             None => completed,
             Some(job) => (self.keys.get(key)).and_then(|w| {
@@ -1012,7 +1014,7 @@ impl ServiceTimes {
         // the probe would almost surely be cut, its time wasted.
         if let (Some(job), Some(w)) = (job, self.keys.get(key))
             && self
-                .completed_mean_for(w, job, now_ms)
+                .completed_mean_for(w, k, job, now_ms)
                 .is_some_and(|m| m > room_ms as f64)
         {
             return false;
@@ -1032,7 +1034,7 @@ impl ServiceTimes {
                         .is_some_and(|f| f[0] <= job[0] && f[1] <= job[1])
             })
             && self
-                .sized(w, now_ms, true)
+                .sized(w, k, now_ms, true)
                 .is_some_and(|f| f.model.predict(job) * f.q > room_ms as f64)
         {
             return false;
@@ -1082,42 +1084,42 @@ impl ServiceTimes {
     /// The mean call time of a request of size `job` predicted from a window's fresh
     /// completed calls of known size alone (no cut call, no call a probe contradicted), or
     /// `None` with fewer than [`MIN_SIZED`] of them or none no larger than `job`.
-    fn completed_mean_for(&self, w: &KeyWindow, job: [f64; 2], now_ms: i64) -> Option<f64> {
-        let k = self.calibration(w, now_ms);
-        // (size, duration, weight, size as predicted before the call)
-        let rows: Vec<([f64; 2], f64, f64, [f64; 2])> = (w.samples.iter())
+    fn completed_mean_for(
+        &self,
+        w: &KeyWindow,
+        k: Option<Calibration>,
+        job: [f64; 2],
+        now_ms: i64,
+    ) -> Option<f64> {
+        // In the unit the request is predicted from (the calls' measures, calibrated): a
+        // mean from the measure is the line fitted on it.
+        let rows: Vec<FitRow> = (w.samples.iter())
             .filter(|s| !s.cut && s.halvings == 0 && self.cfg.is_fresh(s.at_ms, now_ms))
             .filter_map(|s| {
                 let wt = self.cfg.recency(s.at_ms, now_ms);
-                Some((
-                    s.x_before(k)?,
-                    s.duration_ms.max(1) as f64,
-                    wt,
-                    s.x_before(k)?,
-                ))
+                Some((s.x_before(k)?, s.duration_ms.max(1) as f64, wt))
             })
             .filter(|r| r.2 > FORGOTTEN)
             .collect();
         // Below every completed request the fit would only extrapolate down (and with one
         // size seen, not at all): it says nothing there.
-        let covered = rows.iter().any(|r| r.3[0] <= job[0] && r.3[1] <= job[1]);
+        let covered = rows.iter().any(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
         // Fewer calls than a fit needs still say, from two sizes on, how the time grows
         // with the size: above every one of them (where a probe would extrapolate
         // anyway), their line is the cold start's best guess of the request's mean.
-        let above_all = rows.iter().all(|r| r.3[0] <= job[0] && r.3[1] <= job[1]);
-        let sizes = |i: usize| rows.iter().map(move |r| r.3[i]);
+        let above_all = rows.iter().all(|r| r.0[0] <= job[0] && r.0[1] <= job[1]);
+        let sizes = |i: usize| rows.iter().map(move |r| r.0[i]);
         let spread =
             |i: usize| sizes(i).fold(f64::MIN, f64::max) > sizes(i).fold(f64::MAX, f64::min);
         let few = rows.len() >= 2 && above_all && (spread(0) || spread(1));
         if (rows.len() < MIN_SIZED.max(self.cfg.min_samples) && !few) || !covered {
             return None;
         }
-        let fit_rows: Vec<FitRow> = rows.iter().map(|r| (r.0, r.1, r.2)).collect();
-        let model = CallModel::fit(&fit_rows);
+        let model = CallModel::fit(&rows);
         let total: f64 = rows.iter().map(|r| r.2).sum();
         let ratio = rows
             .iter()
-            .map(|r| r.1 / model.predict(r.3) * r.2)
+            .map(|r| r.1 / model.predict(r.0) * r.2)
             .sum::<f64>()
             / total;
         Some(model.predict(job) * ratio)
@@ -2816,7 +2818,10 @@ mod tests {
         }
         let slope = |st: &ServiceTimes| {
             let w = st.keys.get("k").unwrap();
-            st.sized(w, 0, false).unwrap().model.slopes[0]
+            st.sized(w, st.calibration(w, 0), 0, false)
+                .unwrap()
+                .model
+                .slopes[0]
         };
         let (p, c) = (slope(&plain), slope(&counted));
         assert!(p < 1.9, "fitted on the measure: {p}");
@@ -2938,7 +2943,7 @@ mod tests {
             st.observe_counted("k", d, false, tokens(m), Some(t as u64), i as i64);
         }
         let w = st.keys.get("k").unwrap();
-        let f = st.sized(w, 100, false).unwrap();
+        let f = st.sized(w, st.calibration(w, 100), 100, false).unwrap();
         assert!(
             f.seen[0] > 700.0,
             "the range in measured units: {}",
