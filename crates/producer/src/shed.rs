@@ -189,10 +189,10 @@ impl Learned {
     fn fit(calls: &[lastcall_store::RecordedCall], now_ms: i64) -> Option<Predictor> {
         let mut times = ServiceTimes::new(ServiceTimeConfig::default());
         for c in calls {
-            // The recorded approximation is the door's measure too; the server's count
-            // (or the local model's tokenizer's), where recorded, refines it.
-            let used = c.prompt_tokens;
-            times.observe_counted("k", c.latency_ms, false, c.size, used, c.recorded_at_ms);
+            // The recorded approximation is the door's measure too (it has no tokenizer);
+            // the call's count, where recorded, refines it.
+            let (size, used) = c.replayed(false);
+            times.observe_counted("k", c.latency_ms, false, size, used, c.recorded_at_ms);
         }
         let p = times.predictor("k", now_ms);
         (p.is_request_aware() && p.base_source() == Some(EstimateSource::Key)).then_some(p)

@@ -233,6 +233,33 @@ pub struct RecordedCall {
     pub prompt_tokens: Option<u64>,
 }
 
+impl RecordedCall {
+    /// The size this call is replayed under, as a live call of its kind is learned
+    /// (`ServiceTimes::observe_counted`): its measure before the call and the prompt
+    /// tokens it used (a count of 0, a streamed reply without usage, is no count).
+    /// - Where the kind's backend counts the prompt's tokens (`counted`: the local model's
+    ///   tokenizer), the recorded count is the measure too, with the payload's
+    ///   `max_tokens`.
+    /// - Elsewhere, and for the door, the payload's approximate size ([`Self::size`]) and
+    ///   the server's count. A call recorded without the size (before ledger version 12)
+    ///   is known by its count alone, which the estimator's calibration puts in one unit
+    ///   with the rest. Without any size, these calls (of a kind mixing short and long
+    ///   prompts, mostly the long ones' times at its p99) would hold every request to the
+    ///   kind's estimate, and a refusal they justify is never probed: the kind would be
+    ///   locked out until they leave the window (BENCHMARKS.md §12).
+    pub fn replayed(&self, counted: bool) -> (Option<RequestSize>, Option<u64>) {
+        let used = self.prompt_tokens.filter(|&t| t > 0);
+        if counted {
+            let size = used.map(|prompt_tokens| RequestSize {
+                prompt_tokens,
+                max_tokens: self.size.and_then(|s| s.max_tokens),
+            });
+            return (size, used);
+        }
+        (self.size, used)
+    }
+}
+
 /// What the worker needs to know about a job when a delivery arrives.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct ReceiptInfo {

@@ -25,35 +25,9 @@ const LEDGER_CALLS: u32 = 1_024;
 /// without them.
 const LEDGER_READ_LIMIT: std::time::Duration = std::time::Duration::from_secs(5);
 
-/// The size a call read from the ledger is replayed under, as a live call of its kind is
-/// learned: its measure before the call and the prompt tokens it used.
-/// - Where the kind's backend counts the prompt's tokens (`counted`: the local model's
-///   tokenizer), the recorded count (`prompt_tokens`) is the measure too, with the
-///   payload's `max_tokens`.
-/// - Elsewhere, the payload's approximate size (`RecordedCall::size`) and the server's
-///   count. A call recorded without the size (before ledger version 12) is known by its
-///   count alone, which the estimator puts in one unit with the rest
-///   ([`ServiceTimes::observe_counted`]). Without any size, these calls (of a kind mixing
-///   short and long prompts, mostly the long ones' times at its p99) would hold every
-///   request to the kind's estimate, and a refusal they justify is never probed: the kind
-///   would be locked out until they leave the window (BENCHMARKS.md §12).
-fn replayed_size(
-    c: &lastcall_store::RecordedCall,
-    counted: bool,
-) -> (Option<RequestSize>, Option<u64>) {
-    let used = c.prompt_tokens.filter(|&t| t > 0);
-    if counted {
-        let size = used.map(|prompt_tokens| RequestSize {
-            prompt_tokens,
-            max_tokens: c.size.and_then(|s| s.max_tokens),
-        });
-        return (size, used);
-    }
-    (c.size, used)
-}
-
 /// Observes one call of `backend` read from the ledger as if it had just ended here (at
-/// its recorded time, never later than `now_ms`), under [`replayed_size`].
+/// its recorded time, never later than `now_ms`), under
+/// [`RecordedCall::replayed`](lastcall_store::RecordedCall::replayed).
 fn replay(
     service: &mut ServiceTimes,
     backend: &str,
@@ -63,7 +37,7 @@ fn replay(
 ) {
     let key = key_of(&c.kind, backend);
     let at = c.recorded_at_ms.min(now_ms);
-    let (size, used) = replayed_size(c, counted);
+    let (size, used) = c.replayed(counted);
     service.observe_counted(&key, c.latency_ms, c.cut, size, used, at);
 }
 
@@ -396,23 +370,17 @@ mod tests {
         // Neither: an unsized call, which justifies refusing any request.
         assert!(!probed_after(None, None, short));
         assert_eq!(
-            replayed_size(&call(0, capped, Some(600)), false),
+            call(0, capped, Some(600)).replayed(false),
             (capped, Some(600))
         );
-        assert_eq!(
-            replayed_size(&call(0, None, Some(600)), false),
-            (None, Some(600))
-        );
+        assert_eq!(call(0, None, Some(600)).replayed(false), (None, Some(600)));
         // A backend that counts the prompt's tokens (the local model's tokenizer) measures
         // a request by that count: the recorded count is the measure, with the cap.
         assert_eq!(
-            replayed_size(&call(0, capped, Some(600)), true),
+            call(0, capped, Some(600)).replayed(true),
             (sized(600, Some(64)), Some(600))
         );
         // A count of 0 (a streamed reply without usage) is no count.
-        assert_eq!(
-            replayed_size(&call(0, capped, Some(0)), false),
-            (capped, None)
-        );
+        assert_eq!(call(0, capped, Some(0)).replayed(false), (capped, None));
     }
 }
