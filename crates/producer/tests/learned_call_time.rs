@@ -36,15 +36,43 @@ async fn record(ledger: &Ledger, id: &str, kind: &str, state: State, ms: Option<
     assert!(ledger.record_outcome(&rec).await.unwrap(), "{id} recorded");
 }
 
+/// A fresh SQLite ledger in a temp directory named by `tag` (removed by the caller).
+async fn sqlite_ledger(tag: &str) -> (std::path::PathBuf, Arc<Ledger>) {
+    let dir = std::env::temp_dir().join(format!("lastcall-{tag}-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let ledger = Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
+        .await
+        .unwrap();
+    (dir, Arc::new(ledger))
+}
+
+/// A request of `n` prompt tokens, no `max_tokens`.
+fn tokens(n: u64) -> Option<RequestSize> {
+    Some(RequestSize {
+        prompt_tokens: n,
+        max_tokens: None,
+    })
+}
+
+/// A completed call `id` of `kind` that took `ms`, recorded `at_s` seconds into the minute
+/// before `NOW`.
+fn completed(id: String, kind: &str, ms: u64, at_s: u64) -> OutcomeRecord {
+    OutcomeRecord {
+        attempt_key: format!("{id}:a"),
+        latency_ms: Some(ms as i64),
+        ..OutcomeRecord::new(
+            id,
+            kind,
+            State::Completed,
+            Decision::Ack,
+            NOW - 60_000 + 1_000 * at_s as i64,
+        )
+    }
+}
+
 #[tokio::test]
 async fn the_door_uses_the_longest_recent_measured_call_of_the_same_kind() {
-    let dir = std::env::temp_dir().join(format!("lastcall-learned-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ledger = Arc::new(
-        Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
-            .await
-            .unwrap(),
-    );
+    let (dir, ledger) = sqlite_ledger("learned").await;
     assert_eq!(
         shedder(Some(ledger.clone()))
             .learned_call_ms("summary", None, NOW)
@@ -141,33 +169,18 @@ async fn the_door_uses_the_longest_recent_measured_call_of_the_same_kind() {
 /// fit, the 20 older ones make it hold, and a short job is held to a short call's time.
 #[tokio::test]
 async fn the_door_fits_older_calls_by_the_servers_count() {
-    let dir = std::env::temp_dir().join(format!("lastcall-counted-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ledger = Arc::new(
-        Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
-            .await
-            .unwrap(),
-    );
-    let tokens = |n| {
-        Some(RequestSize {
-            prompt_tokens: n,
-            max_tokens: None,
-        })
-    };
+    let (dir, ledger) = sqlite_ledger("counted").await;
     for i in 0..26u64 {
         let counted = if i % 10 < 7 { 20 } else { 1_200 };
         let newer = i >= 20;
         let rec = OutcomeRecord {
-            attempt_key: format!("c{i}:a"),
-            latency_ms: Some((50 + counted + (i * 7919) % 13) as i64),
             prompt_tokens: Some(counted as i64),
             request_size: if newer { tokens(counted / 2) } else { None },
-            ..OutcomeRecord::new(
+            ..completed(
                 format!("c{i}"),
                 "counted",
-                State::Completed,
-                Decision::Ack,
-                NOW - 60_000 + 1_000 * i as i64,
+                50 + counted + (i * 7919) % 13,
+                i,
             )
         };
         assert!(ledger.record_outcome(&rec).await.unwrap());
@@ -192,32 +205,12 @@ async fn the_door_fits_older_calls_by_the_servers_count() {
 /// time and a long one to a long one's, not every job to the longest call.
 #[tokio::test]
 async fn the_door_holds_each_request_to_its_own_call_time() {
-    let dir = std::env::temp_dir().join(format!("lastcall-sized-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let ledger = Arc::new(
-        Ledger::connect(&format!("sqlite://{}/l.db", dir.display()))
-            .await
-            .unwrap(),
-    );
-    let tokens = |n| {
-        Some(RequestSize {
-            prompt_tokens: n,
-            max_tokens: None,
-        })
-    };
+    let (dir, ledger) = sqlite_ledger("sized").await;
     for i in 0..30u64 {
         let p = if i % 10 < 7 { 10 } else { 600 };
         let rec = OutcomeRecord {
-            attempt_key: format!("m{i}:a"),
-            latency_ms: Some((50 + 2 * p + (i * 7919) % 13) as i64),
             request_size: tokens(p),
-            ..OutcomeRecord::new(
-                format!("m{i}"),
-                "mixed",
-                State::Completed,
-                Decision::Ack,
-                NOW - 60_000 + 1_000 * i as i64,
-            )
+            ..completed(format!("m{i}"), "mixed", 50 + 2 * p + (i * 7919) % 13, i)
         };
         assert!(ledger.record_outcome(&rec).await.unwrap());
     }
