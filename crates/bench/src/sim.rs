@@ -63,7 +63,8 @@ pub struct SimArgs {
     /// The highest limit of `--slots auto`
     #[arg(long, default_value_t = 16)]
     pub max_slots: usize,
-    /// Unacked deliveries per worker [default: 2 × slots; with auto, 2 × --max-slots]
+    /// Unacked deliveries per worker and queue [default: the worker's, 32 × slots and at
+    /// least 128; with auto, of --max-slots]
     #[arg(long)]
     pub prefetch: Option<usize>,
     /// Call times: `fixed:MS`, `lognormal:MEAN_MS,SIGMA`, or
@@ -523,7 +524,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             Some(((s * 1000.0) as i64, ((s + d) * 1000.0) as i64))
         }
     };
-    let prefetch = a.prefetch.unwrap_or(2 * slots).max(1);
+    let prefetch = a
+        .prefetch
+        .unwrap_or(usize::from(lastcall_worker::default_prefetch(slots)))
+        .max(1);
     let lanes = a.lanes.max(1);
     let tenants = match &a.tenants {
         Some(spec) => parse_tenants(spec, a.overload)?,

@@ -804,11 +804,14 @@ pub struct WorkerArgs {
     /// backend does not batch: it keeps a fixed number
     #[arg(long, value_name = "N|auto")]
     pub slots: Option<SlotCount>,
-    /// The highest limit of `--slots auto` (and its prefetch: 2 × this unless --prefetch)
+    /// The highest limit of `--slots auto` (its prefetch counts this many slots)
     #[arg(long, default_value_t = 16, value_parser = clap::value_parser!(u16).range(1..=1024))]
     pub max_slots: u16,
-    /// Unacked deliveries the broker may push to this worker [default: 2 × slots; with
-    /// `--slots auto`, 2 × --max-slots]
+    /// Unacked deliveries the broker may push to this worker from each queue it consumes
+    /// (the work queue and each of the 7 lanes) [default: 32 × slots, at least 128; with
+    /// `--slots auto`, 32 × --max-slots]. Large on purpose: jobs beyond what the slots can
+    /// finish in time are taken and refused at once, so no tenant's backlog stands in a
+    /// broker queue ahead of another's (README, "Sharing capacity")
     #[arg(long)]
     pub prefetch: Option<u16>,
     /// Cap on the bytes of message bodies held locally (prefetch only bounds the count)

@@ -18,6 +18,7 @@ mod dead_letters;
 mod door;
 mod events;
 mod fallback;
+mod isolation;
 mod http_views;
 mod least_privilege;
 mod ledger;

@@ -55,6 +55,7 @@ pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
 #[cfg(feature = "test-hooks")]
 pub use hooks::Fault;
 pub use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};
+pub use config::default_prefetch;
 pub use runtime::{Worker, WorkerConfig};
 pub use slots::BufferOrder;
 pub use stats::WorkerStats;
