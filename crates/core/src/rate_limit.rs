@@ -457,9 +457,18 @@ mod tests {
             remaining: 0,
             reset_ms: 86_400_000,
         };
-        l.observe(1_000, &Observed { requests: Some(day), tokens: Some(day) });
+        l.observe(
+            1_000,
+            &Observed {
+                requests: Some(day),
+                tokens: Some(day),
+            },
+        );
         assert_eq!(l.permit_at(1_000, 0), Some(1_000 + HOLD as i64));
-        assert_eq!(l.permit_at(1_000 + HOLD as i64, 500), Some(1_000 + HOLD as i64));
+        assert_eq!(
+            l.permit_at(1_000 + HOLD as i64, 500),
+            Some(1_000 + HOLD as i64)
+        );
     }
 
     #[test]
@@ -470,9 +479,18 @@ mod tests {
             remaining: 1,
             reset_ms: 1_000,
         };
-        l.observe(0, &Observed { requests: None, tokens: Some(tiny) });
+        l.observe(
+            0,
+            &Observed {
+                requests: None,
+                tokens: Some(tiny),
+            },
+        );
         assert_eq!(l.limits(0).tokens_per_minute, Some(MIN_LEARNED_TOKENS));
-        assert_eq!(l.limits(LEARNED_TTL_MS - 1).tokens_per_minute, Some(MIN_LEARNED_TOKENS));
+        assert_eq!(
+            l.limits(LEARNED_TTL_MS - 1).tokens_per_minute,
+            Some(MIN_LEARNED_TOKENS)
+        );
         // Not stated again: forgotten, and a request of any size goes at once.
         assert_eq!(l.limits(LEARNED_TTL_MS), Limits::default());
         assert_eq!(l.permit_at(LEARNED_TTL_MS, 1_000_000), Some(LEARNED_TTL_MS));
@@ -486,7 +504,13 @@ mod tests {
             reset_ms: 1_000,
         };
         let mut l = RateLimiter::new(Limits::default(), HOLD, 0);
-        l.observe(0, &Observed { requests: None, tokens: Some(learned) });
+        l.observe(
+            0,
+            &Observed {
+                requests: None,
+                tokens: Some(learned),
+            },
+        );
         assert_eq!(l.permit_at(0, 50_000), Some(0));
         l.take(0, 50_000);
         // One minute's worth of debt at most: full again two minutes later.
@@ -497,7 +521,13 @@ mod tests {
             tokens_per_minute: Some(100_000),
         };
         let mut l = RateLimiter::new(conf, HOLD, 0);
-        l.observe(0, &Observed { requests: None, tokens: Some(learned) });
+        l.observe(
+            0,
+            &Observed {
+                requests: None,
+                tokens: Some(learned),
+            },
+        );
         assert_eq!(l.permit_at(0, 50_000), Some(0));
         assert_eq!(l.permit_at(0, 100_001), None);
     }
