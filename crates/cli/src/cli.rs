@@ -986,7 +986,8 @@ pub struct OpenAiArgs {
         default_value = "http://127.0.0.1:8080/v1"
     )]
     pub base_url: String,
-    /// OpenAI backend: model name sent with each request (a route's model overrides it)
+    /// OpenAI backend: model name sent with each request (a route's model overrides it; a
+    /// job's payload `model` only when --allow-model names it)
     #[arg(long, env = "LASTCALL_OPENAI_MODEL", default_value = "default")]
     pub model: String,
     /// OpenAI backend: name of the environment variable holding the API key (used if set)
