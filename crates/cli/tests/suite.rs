@@ -47,6 +47,7 @@ mod signing;
 mod sqlite_full;
 mod tenants;
 mod tls;
+mod upstream_advice;
 mod upstream_breaker;
 mod upstream_chaos;
 mod upstream_faults;

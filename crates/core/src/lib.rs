@@ -17,6 +17,7 @@
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
 //! - [`delivery`]: the life of one delivery as a state machine over those decisions.
 //! - [`ack_plan`]: which coalesced acks are safe now, over plain delivery tags.
+//! - [`model_choice`]: which model the upstream is asked for (a payload's only when allowed).
 //! - [`outcome`]: the ledger's outcome states (docs/concepts.md).
 //! - [`rate_limit`]: per-backend requests and tokens per minute (token buckets), tightened
 //!   by the server's `x-ratelimit-*` headers.
@@ -49,6 +50,7 @@ pub mod event;
 pub mod fallback;
 pub mod ids;
 pub mod lease;
+pub mod model_choice;
 pub mod outcome;
 pub mod rate_limit;
 pub mod reason;
