@@ -313,18 +313,11 @@ impl Broker {
     }
 }
 
-/// Hide the password of an AMQP URL for messages.
+/// Hide the passwords of a URL (AMQP, the ledger's, the management API's) for messages:
+/// `user:***@` and secret query parameters (`?password=***`); see
+/// [`lastcall_core::redact::url`].
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
+    lastcall_core::redact::url(url)
 }
 
 #[cfg(test)]

@@ -52,6 +52,7 @@ pub mod lease;
 pub mod outcome;
 pub mod rate_limit;
 pub mod reason;
+pub mod redact;
 pub mod report;
 pub mod request_size;
 pub mod retry;
