@@ -47,4 +47,5 @@ mod tenants;
 mod tls;
 mod upstream_breaker;
 mod upstream_chaos;
+mod upstream_errors;
 mod upstream_faults;
