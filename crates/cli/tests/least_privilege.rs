@@ -1,16 +1,20 @@
-//! Least privilege on the broker (issue #14, item 8; `docs/broker-permissions.md`).
+//! Least privilege on the broker (issue #14, item 8; issue #48, item 8;
+//! `docs/broker-permissions.md`).
 //!
-//! A fresh vhost with one RabbitMQ user per role — deployer, producer, worker, dead-letter
-//! processor — each holding exactly the `configure`/`write`/`read` regexes the document
-//! gives (copied here verbatim, for the default prefix `lastcall`). The real binary runs
-//! each role's command as that user: the deployer declares the topology, the producer
-//! submits, a worker completes one job and retries another until it is dead-lettered, and
-//! `lastcall dlq` records an expiry. Then the refusals that matter: the producer cannot
-//! consume the work queue or bypass the jobs exchange, the worker cannot forge dead letters
-//! or publish to other exchanges, the dead-letter processor cannot republish to the jobs
-//! exchange or consume work. Also pinned: a producer with `write` on the jobs exchange and
-//! nothing else cannot submit, because every command declares the topology at startup and
-//! RabbitMQ checks `configure` even when the declaration matches what exists.
+//! A fresh vhost with one RabbitMQ user per role — deployer, producer, follower, worker,
+//! dead-letter processor — each holding exactly the `configure`/`write`/`read` regexes the
+//! document gives (copied here verbatim, for the default prefix `lastcall`). The real
+//! binary runs each role's command as that user: before the deployer, the producer is
+//! told to run it; the deployer declares the topology, the producer submits (checking the
+//! topology with passive declares: it may configure nothing), a worker completes one job
+//! and retries another until it is dead-lettered, and `lastcall dlq` records an expiry.
+//! Then the refusals that matter: the producer cannot consume the work queue or bypass the
+//! jobs exchange, the worker cannot forge dead letters or publish to other exchanges, the
+//! dead-letter processor cannot republish to the jobs exchange or consume work; and no role
+//! but the deployer can bind a queue of any name it may touch to the jobs or lanes
+//! exchange (under the earlier regexes a producer declared a *queue* `lastcall.jobs`,
+//! bound it to the exchange of that name and read every job), nor consume a queue that is
+//! not its own.
 //!
 //! The broker is shared with other tests: only this test's own vhost and users are created,
 //! and a drop guard deletes them (and stops the worker) even when an assertion fails.
@@ -643,8 +647,8 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         "producer publishes to the dead-letter exchange",
         "lastcall.dlx",
     );
-    // … nor declare a queue of its own to bind to the jobs exchange (it has read on the
-    // exchange, for re-declaring `jobs → work`): every job's payload would be copied to it.
+    // … nor declare a queue of its own to bind to the jobs exchange: every job's payload
+    // would be copied to it (the sweep below tries every name).
     for queue in ["lastcall.events.follow.spy", "lastcall.spy"] {
         assert_refused(
             declare_and_bind(&producer, queue, "lastcall.jobs").await,
