@@ -50,4 +50,5 @@ mod tls;
 mod upstream_advice;
 mod upstream_breaker;
 mod upstream_chaos;
+mod upstream_errors;
 mod upstream_faults;

@@ -54,6 +54,7 @@ pub mod model_choice;
 pub mod outcome;
 pub mod rate_limit;
 pub mod reason;
+pub mod redact;
 pub mod report;
 pub mod request_size;
 pub mod retry;

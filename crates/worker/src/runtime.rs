@@ -57,7 +57,7 @@ impl Worker {
     ) -> Result<Self, WorkerError> {
         let setup = |e: String| WorkerError::Setup(e);
         cfg.topology
-            .apply(&broker)
+            .ensure(&broker)
             .await
             .map_err(|e| setup(e.to_string()))?;
         // Retries are published on a connection of their own: under a resource alarm the
@@ -240,7 +240,7 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
         let broker = old.reconnect(stop, None).await?;
         let ready = async {
             let topology = &ctx.cfg.topology;
-            topology.apply(&broker).await.map_err(|e| e.to_string())?;
+            topology.ensure(&broker).await.map_err(|e| e.to_string())?;
             let publish_broker = broker.another().await.map_err(|e| e.to_string())?;
             Publisher::new(&publish_broker, Duration::from_secs(5))
                 .await

@@ -201,7 +201,7 @@ pub(crate) async fn call_backend(
     tokio::pin!(fut);
     let grace = ctx.cfg.cancel_grace;
     let mut call = tokio::select! {
-        r = &mut fut => from_result(r),
+        r = &mut fut => from_result(r, env.job_id().as_str(), backend),
         _ = deadline => {
             // Still running at the deadline: request cancellation and wait briefly for
             // the backend to confirm. Work that goes on remotely is not "not started".
@@ -252,7 +252,7 @@ where
     }
 }
 
-fn from_result(r: Result<CallOutput, BackendError>) -> Call {
+fn from_result(r: Result<CallOutput, BackendError>, job_id: &str, backend: &str) -> Call {
     match r {
         Ok(out) => Call {
             output: Some(out),
@@ -276,7 +276,23 @@ fn from_result(r: Result<CallOutput, BackendError>) -> Call {
                 reason: Reason::Backend(e.reason().to_owned()),
                 retry_after_ms,
             };
-            Call::ended(result, Some(e.to_string()), None)
+            // The job's `error` is read by its tenant: the failure's class only. The
+            // upstream's own text (internal hosts, URLs, a proxy's page) is for the
+            // operator's log, quoted and escaped (`?`).
+            let message = match &e {
+                BackendError::Retryable { message, .. }
+                | BackendError::Terminal { message, .. } => message.as_str(),
+                BackendError::Cancelled { .. } => "",
+            };
+            tracing::warn!(
+                job_id,
+                backend,
+                reason = e.reason(),
+                error = ?e.to_string(),
+                "model call failed"
+            );
+            let shown = lastcall_core::redact::backend_failure(e.reason(), message);
+            Call::ended(result, Some(shown), None)
         }
     }
 }
