@@ -113,10 +113,16 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
     // Deadline beats naive in real time (BENCHMARKS §1: at 5×, naive started 190 calls
     // after their deadline and completed 18.3% of the bound, lastcall ~95%). The smoke
     // run (2 s of arrivals at 5×, 100 ms calls, 1 s deadlines) is short, so the margins
-    // are wide: naive starts at least 10 calls after their deadline, and lastcall
-    // completes at least 1.5× naive's on-time count.
+    // are wide: naive starts at least 50 calls after their deadline (178 in one run), and lastcall
+    // completes at least 1.5× naive's on-time count (90 against 36).
     let naive = &policies[2];
-    assert!(u(naive, "started_after_deadline") >= 10, "naive: {naive}");
+    eprintln!(
+        "on time: deadline {}, naive {}; started after the deadline: naive {}",
+        u(&policies[0], "on_time"),
+        u(naive, "on_time"),
+        u(naive, "started_after_deadline")
+    );
+    assert!(u(naive, "started_after_deadline") >= 50, "naive: {naive}");
     assert!(
         2 * u(&policies[0], "on_time") >= 3 * u(naive, "on_time"),
         "deadline {} vs naive {} on time",
