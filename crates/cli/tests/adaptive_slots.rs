@@ -163,9 +163,9 @@ async fn auto_slots_raise_the_limit_against_a_batching_server_and_no_call_is_lat
 /// The real-time sweep of BENCHMARKS.md §10: fixed 1…6 and auto, one after the other on
 /// the same load (slow tier: ~2 minutes). It asserts what §10 cites, with margins for
 /// noise: of ~481 jobs, fixed 1 / 2 / 3 slots 175 / 307 / 419 on time (rising; one slot
-/// at most half), 4–6 slots all (≥ 85% here: 5 slots gave 91.3% at load 19); auto 98.3% of the best fixed (≥ 90%, the
-/// target), 0.0% wasted (≤ 5%), highest limit 5 (≥ 4: throughput rises up to 4 calls), 0
-/// calls after the deadline (exactly).
+/// at most half), 4–6 slots all (≥ 85% here: 5 slots gave 91.3% at load 19); auto 98.3%
+/// of the best fixed (≥ 90%, the target), 0.0% wasted (≤ 5%), highest limit 5 (≥ 4:
+/// throughput rises up to 4 calls), 0 calls after the deadline (exactly).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn sweep_fixed_slot_counts_against_auto_on_a_batching_server() {

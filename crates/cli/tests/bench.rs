@@ -113,8 +113,8 @@ async fn goodput_smoke_counts_add_up_for_every_policy() {
     // Deadline beats naive in real time (BENCHMARKS §1: at 5×, naive started 190 calls
     // after their deadline and completed 18.3% of the bound, lastcall ~95%). The smoke
     // run (2 s of arrivals at 5×, 100 ms calls, 1 s deadlines) is short, so the margins
-    // are wide: naive starts at least 50 calls after their deadline (178 in one run), and lastcall
-    // completes at least 1.5× naive's on-time count (90 against 36).
+    // are wide: naive starts at least 50 calls after their deadline (178 in one run),
+    // and lastcall completes at least 1.5× naive's on-time count (90 against 36).
     let naive = &policies[2];
     eprintln!(
         "on time: deadline {}, naive {}; started after the deadline: naive {}",
