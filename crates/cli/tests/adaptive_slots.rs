@@ -143,6 +143,15 @@ async fn auto_slots_raise_the_limit_against_a_batching_server_and_no_call_is_lat
         r.on_time,
         r.sent
     );
+    // BENCHMARKS §10 cites 466 of 481 (96.9%) for this test, run alone; beside another
+    // test at load 19 it gave 360 (74.8%). 65% leaves room for that and is still above
+    // what two fixed slots reach (~55%; one slot ~35%).
+    assert!(
+        r.on_time * 100 >= r.sent * 65,
+        "on time {} of {} (< 65%)",
+        r.on_time,
+        r.sent
+    );
     assert!(
         r.cut * 20 <= r.on_time,
         "cut {} vs on time {}",
@@ -152,7 +161,11 @@ async fn auto_slots_raise_the_limit_against_a_batching_server_and_no_call_is_lat
 }
 
 /// The real-time sweep of BENCHMARKS.md §10: fixed 1…6 and auto, one after the other on
-/// the same load (slow tier: ~2 minutes).
+/// the same load (slow tier: ~2 minutes). It asserts what §10 cites, with margins for
+/// noise: of ~481 jobs, fixed 1 / 2 / 3 slots 175 / 307 / 419 on time (rising; one slot
+/// at most half), 4–6 slots all (≥ 85% here: 5 slots gave 91.3% at load 19); auto 98.3%
+/// of the best fixed (≥ 90%, the target), 0.0% wasted (≤ 5%), highest limit 5 (≥ 4:
+/// throughput rises up to 4 calls), 0 calls after the deadline (exactly).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore]
 async fn sweep_fixed_slot_counts_against_auto_on_a_batching_server() {
@@ -184,6 +197,46 @@ async fn sweep_fixed_slot_counts_against_auto_on_a_batching_server() {
             r.late,
             r.highest,
         );
-        assert_eq!(r.late, 0);
+        assert_eq!(r.late, 0, "calls at the server after the deadline");
     }
+    let fixed = |n: usize| &rows[n - 1].1;
+    let auto = &rows[6].1;
+    let pct = |a: usize, b: usize| 100.0 * a as f64 / b.max(1) as f64;
+    assert!(
+        fixed(1).on_time < fixed(2).on_time && fixed(2).on_time < fixed(3).on_time,
+        "on time rises with the slots up to the server's 4 batch places: {} / {} / {}",
+        fixed(1).on_time,
+        fixed(2).on_time,
+        fixed(3).on_time
+    );
+    assert!(
+        2 * fixed(1).on_time <= fixed(1).sent,
+        "one slot is overloaded (§10: 175 of 481): {} of {}",
+        fixed(1).on_time,
+        fixed(1).sent
+    );
+    for n in 4..=6 {
+        assert!(
+            pct(fixed(n).on_time, fixed(n).sent) >= 85.0,
+            "{n} slots finish (nearly) all on time (§10: 481 of 481): {} of {}",
+            fixed(n).on_time,
+            fixed(n).sent
+        );
+    }
+    assert!(
+        pct(auto.on_time, best) >= 90.0,
+        "auto within 10% of the best fixed count (§10: 98.3%): {} vs {best}",
+        auto.on_time
+    );
+    assert!(
+        pct(auto.wasted_ms as usize, auto.model_ms as usize) <= 5.0,
+        "auto wastes ≤ 5% of its model time (§10: 0.0%): {} of {} ms",
+        auto.wasted_ms,
+        auto.model_ms
+    );
+    assert!(
+        auto.highest >= 4,
+        "auto's limit reaches the server's 4 batch places (§10: 5): {}",
+        auto.highest
+    );
 }

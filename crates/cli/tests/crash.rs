@@ -55,7 +55,11 @@ fn wait_exit(child: &mut Child, timeout: Duration) -> std::process::ExitStatus {
 async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
     let env = Env::sqlite("sigkill").await;
     let log = env.dir.join("calls.log");
-    let mut first = worker(&env, &["--fault", "pause-after-store"], &log);
+    let first_log = env.dir.join("first.log");
+    let mut first = worker_command(&env, &["--fault", "pause-after-store"], &log)
+        .stderr(std::fs::File::create(&first_log).unwrap())
+        .spawn()
+        .expect("spawn the lastcall binary");
     env.submitter(0, true)
         .await
         .submit(&job("k1", 60_000), now_ms())
@@ -65,9 +69,27 @@ async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
         .wait_terminal(&["k1".into()], Duration::from_secs(20))
         .await;
     assert_eq!(recs[0].state, "completed");
-    // The outcome is durable and the worker is paused before its ack: kill it hard. (The
-    // sleep lets time pass on purpose: the paused worker must not move on by itself.)
-    tokio::time::sleep(Duration::from_millis(300)).await;
+    // The outcome is durable and the worker is paused before its ack (it says so, and the
+    // broker still holds the delivery unacked): kill it hard.
+    let until = Instant::now() + Duration::from_secs(30);
+    while !std::fs::read_to_string(&first_log)
+        .unwrap_or_default()
+        .contains("fault: paused after store")
+    {
+        assert!(
+            Instant::now() < until,
+            "the worker never reached its pause after the store: {}",
+            std::fs::read_to_string(&first_log).unwrap_or_default()
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let work = vec![env.topo.names.work_queue.clone()];
+    let held = rabbitmqctl::counts_of(&work)[0];
+    assert_eq!(
+        held.map(|c| (c.ready, c.unacked)),
+        Some((0, 1)),
+        "the paused worker holds the delivery unacked"
+    );
     assert!(
         first.try_wait().unwrap().is_none(),
         "the worker must still be paused before the ack"
@@ -105,14 +127,17 @@ async fn sigkill_between_store_and_ack_keeps_one_outcome_and_one_call() {
     nix_term(&second);
     let status = wait_exit(&mut second, Duration::from_secs(15));
     assert!(status.success(), "graceful shutdown exits 0: {status:?}");
-    // Had the second worker not acked, closing its channel would have requeued the job:
-    // the sleep gives the broker time to show that wrong outcome, so the check can fail.
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert_eq!(
-        env.ready(&env.topo.names.work_queue).await,
-        0,
-        "the redelivery was acked"
-    );
+    // Had the second worker not acked, closing its channel would have requeued the job.
+    // Once the broker holds nothing unacked and no consumer on the queue, the delivery was
+    // either acked or is back in the queue: only then is an empty queue proof.
+    let settled = rabbitmqctl::wait_queues(
+        &work,
+        "the work queue without a consumer or an unacked delivery",
+        Duration::from_secs(60),
+        |c| c.unacked == 0 && c.consumers == 0,
+    )
+    .await;
+    assert_eq!(settled[0].ready, 0, "the redelivery was acked");
     let rec = env.ledger.get("k1").await.unwrap().unwrap();
     assert_eq!(rec.state, "completed");
     assert_eq!(rec.backend_calls, 1);

@@ -266,7 +266,9 @@ impl Drop for Serve {
 
 /// Hundreds of long-polls on one job: each reads the ledger once when it arrives and once
 /// when the job's outcome event wakes it — none while it waits. The wake delay after the
-/// outcome was recorded is printed (a figure, not a timed assertion).
+/// outcome was recorded is printed and bounded loosely (docs/http-api.md cites 23 ms p50,
+/// 32 ms max; asserted: p50 ≤ 1 s, max ≤ 5 s, for a loaded machine — a long-poll that
+/// missed the event would answer only at its 60 s `wait_ms`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn long_polls_wake_on_the_outcome_event_without_polling_the_ledger() {
     const WAITERS: u64 = 200;
@@ -323,6 +325,10 @@ async fn long_polls_wake_on_the_outcome_event_without_polling_the_ledger() {
         "{WAITERS} long-polls woken after the outcome was recorded: p50 {} ms, max {} ms",
         wakes[wakes.len() / 2],
         wakes[wakes.len() - 1]
+    );
+    assert!(
+        wakes[wakes.len() / 2] <= 1_000 && wakes[wakes.len() - 1] <= 5_000,
+        "long-polls woken late after the outcome (ms): {wakes:?}"
     );
     // A long-poll on a terminal job answers at once; on an unknown id it answers 404 at
     // the end of its wait; a bad wait_ms is the documented JSON error naming the field.

@@ -69,9 +69,16 @@ async fn invalid_envelopes_are_rejected_to_the_dlx_once_and_never_loop() {
         by_id("bad-schema").reason.as_deref(),
         Some("unsupported_schema")
     );
-    // All three are recorded (above); the sleep lets time pass on purpose, so that a
-    // redelivery, if any, would show in the count.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    // All three are recorded (above). A message handed back to the queue stays in it,
+    // ready or unacked, until it is settled for good: once the broker holds none, a
+    // redelivery, if any, has been received and shows in the count.
+    rabbitmqctl::wait_queues(
+        std::slice::from_ref(&env.topo.names.work_queue),
+        "the work queue empty, nothing unacked",
+        Duration::from_secs(60),
+        |c| c.ready == 0 && c.unacked == 0,
+    )
+    .await;
     assert_eq!(
         w.stats.received.load(Ordering::Relaxed),
         3,
@@ -433,18 +440,31 @@ async fn store_outage_withholds_acks_and_loses_nothing() {
         .await
         .unwrap();
     }
-    // The outage lasts 7 s on purpose (time passing is the scenario: the 1.2 s calls end
-    // while the store is locked, and the worker keeps retrying the store meanwhile).
-    tokio::time::sleep(Duration::from_millis(7_000)).await;
+    // The outage lasts until the 1.2 s calls have ended while the store is locked and the
+    // worker has since failed to store their outcomes again and again: an ack without a
+    // stored outcome would have been sent by then.
+    let until = Instant::now() + Duration::from_secs(60);
+    while w.stats.running.load(Ordering::Relaxed) > 0 || sim.calls() < 3 {
+        assert!(Instant::now() < until, "the three calls did not end");
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    let retries_at_end = w.stats.store_retries.load(Ordering::Relaxed);
+    while w.stats.store_retries.load(Ordering::Relaxed) < retries_at_end + 3 {
+        assert!(
+            Instant::now() < until,
+            "the worker did not retry the store after the calls ended"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
     assert_eq!(
         w.stats.settled.load(Ordering::Relaxed),
         0,
         "no ack without a stored outcome"
     );
-    assert!(
-        w.stats.store_retries.load(Ordering::Relaxed) > 0,
-        "the worker retried the store"
-    );
+    // The broker agrees: all five messages are still in the work queue.
+    let work = std::slice::from_ref(&env.topo.names.work_queue);
+    let held = rabbitmqctl::counts_of(work)[0].unwrap();
+    assert_eq!(held.ready + held.unacked, 5, "nothing acked: {held:?}");
     let received_during_outage = w.stats.received.load(Ordering::Relaxed);
     sqlx::query("ROLLBACK").execute(&mut lock).await.unwrap();
     drop(lock);

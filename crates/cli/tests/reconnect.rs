@@ -65,7 +65,11 @@ async fn a_lost_connection_loses_nothing_and_runs_nothing_twice() {
     })
     .await;
     assert!(!handle.is_finished(), "the worker keeps running");
-    tokio::time::sleep(Duration::from_millis(300)).await; // the node stays down a while
+    // The node stays down until it has refused the worker's reconnection twice.
+    wait_for("two refused reconnections", Duration::from_secs(30), || {
+        proxy.refused() >= 2
+    })
+    .await;
     proxy.refuse(false);
 
     // Every job ends completed, with exactly one model call each, and the queue is empty

@@ -88,13 +88,17 @@ async fn a_30s_retry_does_not_hold_back_a_1s_retry() {
     assert!(ttl < 120_000, "the original total is never granted again");
     assert_eq!(m.attempt, 1, "the attempt header survives the delay");
     m.settler.ack().await.unwrap();
-    // The 30 s retry is still waiting in its own queue.
+    // The 30 s retry is still waiting in its own queue, and nothing else reached the work
+    // queue: once the broker has taken the ack, it holds nothing there, ready or
+    // delivered to this consumer.
+    rabbitmqctl::wait_queues(
+        std::slice::from_ref(&env.topo.names.work_queue),
+        "the work queue empty, nothing unacked",
+        Duration::from_secs(60),
+        |c| c.ready == 0 && c.unacked == 0,
+    )
+    .await;
     assert_eq!(env.ready(&env.topo.names.retry_queue(30_000)).await, 1);
-    assert!(
-        tokio::time::timeout(Duration::from_millis(500), work.next())
-            .await
-            .is_err()
-    );
     work.close().await;
     relay_stop.cancel();
     relay_task.await.unwrap().unwrap();
@@ -134,9 +138,16 @@ async fn a_retry_that_cannot_fit_the_budget_is_never_published() {
         rows.iter().any(|a| a.model_called),
         "the failed attempt is recorded: {rows:?}"
     );
-    // The outcome is recorded (above); the sleep lets the 1 s retry delay pass on purpose,
-    // so a retry published by mistake would be back in a queue or at the backend.
-    tokio::time::sleep(Duration::from_millis(1_500)).await;
+    // The outcome is recorded (above). A marker put in the 1 s retry queue now comes back
+    // and runs after any retry of `o1` published by mistake before it (the queue expires
+    // its head first, the relay and the worker's one slot keep that order): once the
+    // marker has completed, such a retry would be back in a queue or at the backend.
+    publish_to_retry_queue(&env, &env.topo.names.retry_queue(1_000), "marker").await;
+    let marker = env
+        .wait_terminal(&["marker".into()], Duration::from_secs(60))
+        .await;
+    assert_eq!(marker[0].state, "completed", "{:?}", marker[0]);
+    assert_eq!(sim.calls_for("marker"), 1);
     for d in &env.topo.retry_delays_ms {
         assert_eq!(env.ready(&env.topo.names.retry_queue(*d)).await, 0);
     }

@@ -115,7 +115,9 @@ async fn a_light_tenant_beside_a_flood_finishes_on_time_across_two_workers() {
 }
 
 /// `flood` (tenant, tier) sends 10× what the workers' slots can do, `light` a tenth of it;
-/// every `light` job must finish on time.
+/// every `light` job must finish on time. Every submission must be accepted, and the flood
+/// must really overload the workers (most of its jobs miss their deadline), or the light
+/// tenant's result proves nothing.
 async fn light_beside_flood(
     name: &str,
     workers: usize,
@@ -145,6 +147,8 @@ async fn light_beside_flood(
         let s = s.clone();
         flooders.push(tokio::spawn(async move {
             let mut tick = tokio::time::interval(Duration::from_millis(20 / workers as u64));
+            // The submissions refused, and the first refusal's reason.
+            let mut errors = (0, None);
             for i in 0..per_task {
                 tick.tick().await;
                 let job = job(&format!("flood-{t}-{i}"), 2_000);
@@ -153,8 +157,12 @@ async fn light_beside_flood(
                     .unwrap()
                     .with_tenant(Tenant::parse(flood.0).unwrap())
                     .with_priority(flood.1);
-                let _ = s.submit_envelope(&e, None, now_ms()).await;
+                if let Err(e) = s.submit_envelope(&e, None, now_ms()).await {
+                    errors.0 += 1;
+                    errors.1.get_or_insert(e.to_string());
+                }
             }
+            errors
         }));
     }
     let mut light_ids = Vec::new();
@@ -172,7 +180,8 @@ async fn light_beside_flood(
         light_ids.push(id);
     }
     for f in flooders {
-        f.await.unwrap();
+        let (errors, first) = f.await.unwrap();
+        assert_eq!(errors, 0, "flood submissions refused; the first: {first:?}");
     }
     let recs = env.wait_terminal(&light_ids, Duration::from_secs(30)).await;
     let late: Vec<_> = recs
@@ -184,10 +193,46 @@ async fn light_beside_flood(
         .map(|r| (&r.job_id, &r.state, &r.reason))
         .collect();
     assert!(late.is_empty(), "light jobs not on time: {late:?}");
+    flood_overloaded(&env, flood.0, 4 * per_task).await;
     for w in ws {
         w.stop().await;
     }
     env.cleanup().await;
+}
+
+/// The flood overloaded the workers: all `submitted` of its jobs are in the ledger, and
+/// once every one of their deadlines has passed, at least half of them missed it (10× the
+/// slots' capacity leaves ~90% to miss; an idle worker would miss none).
+async fn flood_overloaded(env: &Env, tenant: &str, submitted: usize) {
+    let filter = lastcall_store::ListFilter {
+        tenant: Some(tenant.into()),
+        ..Default::default()
+    };
+    let flood = |recs: Vec<lastcall_store::JobRecord>| -> Vec<lastcall_store::JobRecord> {
+        (recs.into_iter())
+            .filter(|r| r.job_id.starts_with("flood-"))
+            .collect()
+    };
+    let recs = flood(env.ledger.list(&filter).await.unwrap());
+    assert_eq!(recs.len(), submitted, "every flood job is in the ledger");
+    // A job not finished by its deadline can never be on time: wait for the last one.
+    let last = (recs.iter()).filter_map(|r| r.expires_at_ms).max().unwrap();
+    let until = Instant::now() + Duration::from_secs(60);
+    while now_ms() <= last {
+        assert!(Instant::now() < until, "the flood's deadlines never passed");
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let recs = flood(env.ledger.list(&filter).await.unwrap());
+    let on_time = (recs.iter())
+        .filter(|r| r.state == "completed")
+        .filter(|r| r.finished_at_ms.unwrap_or(i64::MAX) <= r.expires_at_ms.unwrap_or(0))
+        .count();
+    let missed = submitted - on_time;
+    eprintln!("flood: {submitted} submitted, {on_time} on time, {missed} missed");
+    assert!(
+        missed * 2 >= submitted,
+        "the flood did not overload the workers: {on_time} of {submitted} on time"
+    );
 }
 
 /// The worker's consumer over the work queue and the lanes ends as soon as the broker

@@ -23,6 +23,8 @@ pub struct FreezableProxy {
     resets: watch::Sender<u64>,
     /// While set, new connections are accepted and closed at once (a dead node).
     refusing: watch::Sender<bool>,
+    /// Connections closed at once while refusing.
+    refused: std::sync::Arc<std::sync::atomic::AtomicU64>,
     accept: tokio::task::JoinHandle<()>,
 }
 
@@ -36,10 +38,13 @@ impl FreezableProxy {
         let (delay_ms, delay) = watch::channel(0u64);
         let (resets, reset_rx) = watch::channel(0u64);
         let (refusing, refusing_rx) = watch::channel(false);
+        let refused = std::sync::Arc::new(std::sync::atomic::AtomicU64::new(0));
+        let refused_count = refused.clone();
         let accept = tokio::spawn(async move {
             while let Ok((client, _)) = listener.accept().await {
                 if *refusing_rx.borrow() {
                     drop(client);
+                    refused_count.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                     continue;
                 }
                 let Ok(server) = TcpStream::connect(upstream).await else {
@@ -73,6 +78,7 @@ impl FreezableProxy {
             delay_ms,
             resets,
             refusing,
+            refused,
             accept,
         }
     }
@@ -88,6 +94,12 @@ impl FreezableProxy {
     #[allow(dead_code)]
     pub fn refuse(&self, on: bool) {
         self.refusing.send_replace(on);
+    }
+
+    /// The connections closed at once while refusing, so far.
+    #[allow(dead_code)]
+    pub fn refused(&self) -> u64 {
+        self.refused.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// From now on, hold every byte the broker sends.

@@ -52,3 +52,57 @@ fn parse_rows(stdout: &str, n: usize) -> Vec<(String, Vec<String>)> {
         })
         .collect()
 }
+
+/// A queue's counts as the shared node's queue itself holds them: `rabbitmqctl` asks the
+/// queue, where the management API serves samples up to 5 s old.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct QueueCounts {
+    pub ready: u64,
+    pub unacked: u64,
+    pub consumers: u64,
+}
+
+/// The counts of each of `queues` on the shared node (`None`: not listed).
+pub fn counts_of(queues: &[String]) -> Vec<Option<QueueCounts>> {
+    let rows = list_queues(
+        shared_ctl,
+        &["messages_ready", "messages_unacknowledged", "consumers"],
+    );
+    (queues.iter())
+        .map(|q| {
+            let (_, v) = rows.iter().find(|(name, _)| name == q)?;
+            Some(QueueCounts {
+                ready: v[0].parse().ok()?,
+                unacked: v[1].parse().ok()?,
+                consumers: v[2].parse().ok()?,
+            })
+        })
+        .collect()
+}
+
+/// Poll the shared node until every one of `queues` exists and its counts satisfy `done`
+/// (`what` says what that means); panics after `within` with the counts last seen. Each
+/// look takes a few seconds (`rabbitmqctl` starts a VM): give `within` ≥ 30 s.
+pub async fn wait_queues(
+    queues: &[String],
+    what: &str,
+    within: std::time::Duration,
+    done: impl Fn(&QueueCounts) -> bool,
+) -> Vec<QueueCounts> {
+    let until = std::time::Instant::now() + within;
+    loop {
+        let qs = queues.to_vec();
+        let seen = tokio::task::spawn_blocking(move || counts_of(&qs))
+            .await
+            .unwrap();
+        if seen.iter().all(|c| c.as_ref().is_some_and(&done)) {
+            return seen.into_iter().map(Option::unwrap).collect();
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "timed out waiting for {what}: {:?}",
+            queues.iter().zip(&seen).collect::<Vec<_>>()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(200)).await;
+    }
+}
