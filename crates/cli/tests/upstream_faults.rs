@@ -176,7 +176,11 @@ async fn short_and_long_prompts_of_one_kind_are_each_held_to_their_own_call_time
     );
     // One call time for the kind gave 17 of 360. docs/concepts.md and BENCHMARKS cite 255–256
     // of 360 from this test; ≥ 200 is that figure with a margin for a loaded machine.
-    assert!(on_time("") >= 200, "{} of 360 on time: {recs:#?}", on_time(""));
+    assert!(
+        on_time("") >= 200,
+        "{} of 360 on time: {recs:#?}",
+        on_time("")
+    );
     assert_eq!(cut, 0, "no call cut at its deadline: {recs:#?}");
     w.stop().await;
     server.abort();
