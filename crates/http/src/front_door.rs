@@ -132,7 +132,7 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
         ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
         ApiError::OverQuota(r) => Some(r.retry_after_s),
         ApiError::UpstreamUnavailable { retry_after_s, .. } => Some(*retry_after_s),
-        ApiError::TooManyWaiting => Some(1),
+        ApiError::TooManyWaiting | ApiError::TenantLimit { .. } => Some(1),
         _ => None,
     };
     let mut r = oa_error(status, kind, Some(e.code()), e.field(), e.to_string());
@@ -218,7 +218,7 @@ pub async fn chat_completions(
         return from_api_error(e);
     }
     // The same limit as `POST /v1/jobs` (`serve --max-body-bytes`), not axum's 2 MB.
-    let body = match crate::jobs::read_body(&headers, body, state.max_body_bytes).await {
+    let body = match crate::jobs::read_body(&state, &headers, body).await {
         Ok(b) => b,
         Err(e) => return from_api_error(e),
     };
@@ -298,11 +298,17 @@ async fn run(
         })?),
         None => None,
     };
+    let priority = caller
+        .job_priority(priority, "X-Lastcall-Priority")
+        .map_err(IntoResponse::into_response)?;
     caller
         .check_kind(&kind)
         .map_err(IntoResponse::into_response)?;
+    let job_id = caller
+        .new_job_id(header(headers, "idempotency-key"), "Idempotency-Key")
+        .map_err(from_api_error)?;
     let job = NewJob {
-        job_id: header(headers, "idempotency-key").map(str::to_owned),
+        job_id: Some(job_id),
         kind,
         payload: o,
         deadline,
@@ -316,12 +322,21 @@ async fn run(
         .map_err(|e| from_api_error(submit_error(e, deadline)))?;
     let env = crate::jobs::tagged(env, tenant, priority);
     let id = env.job_id().to_string();
-    let tokens = lastcall_core::request_size::RequestSize::of_payload(&env.payload)
-        .map_or(0, |s| s.prompt_tokens);
+    // Everything forwarded to the model counts (`tool_calls`, `tools`, …), not only the
+    // `content` strings.
+    let tokens = lastcall_core::request_size::forwarded_tokens(&env.payload);
     state
         .admit_quota(env.tenant(), tokens)
         .map_err(from_api_error)?;
     let expires_at_ms = env.deadline().expires_at_ms();
+    // A permit to wait (bounded: `serve --max-waiting`, and the tenant's `max_waiting`),
+    // and for a stream one to stream (`serve --max-streams`, the tenant's `max_streams`),
+    // held until the answer or the stream ends (the guard carries them) and taken before
+    // any broker channel is opened: a refused request opens none.
+    let mut permit = state.wait_permit(caller).map_err(from_api_error)?;
+    if stream {
+        permit = permit.and(state.stream_permit(caller).map_err(from_api_error)?);
+    }
     // A channel of its own whose direct reply-to address the job carries: the worker's
     // token deltas come back on it.
     let reply = if stream {
@@ -335,9 +350,6 @@ async fn run(
     } else {
         None
     };
-    // A permit to wait (bounded: `serve --max-waiting`), held until the answer or the
-    // stream ends (the guard carries it).
-    let permit = state.wait_permit().map_err(from_api_error)?;
     // Subscribed before publishing: the outcome cannot come first.
     let mut waiter = state.waiters.subscribe(&id);
     let mut guard = CancelOnDrop {
@@ -394,8 +406,15 @@ async fn run(
         );
         return Ok(s.respond().await);
     }
+    let read = || async {
+        Ok::<_, ApiError>(
+            read_job(state, &id)
+                .await?
+                .filter(|r| crate::jobs::visible(caller, r)),
+        )
+    };
     let rec = waiter
-        .until_terminal(until, || read_job(state, &id))
+        .until_terminal(until, read)
         .await
         .map_err(from_api_error)?;
     guard.armed = false;
@@ -591,7 +610,7 @@ pub(crate) struct CancelOnDrop {
     id: String,
     pub(crate) armed: bool,
     /// This request's place among those waiting for an outcome ([`AppState::waiting`]).
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    _permit: crate::Held,
 }
 
 impl Drop for CancelOnDrop {

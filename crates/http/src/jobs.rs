@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use lastcall_broker::PublishError;
-use lastcall_core::request_size::RequestSize;
+use lastcall_core::request_size::forwarded_tokens;
 use lastcall_core::{Priority, RejectReason, State as JobState};
 use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
@@ -51,10 +51,12 @@ pub async fn create(
     body: Body,
 ) -> Result<Response, ApiError> {
     ApiError::require_json(&headers)?;
-    let bytes = read_body(&headers, body, state.max_body_bytes).await?;
-    let (job, callback, tags) = parse_request_with_callback(&bytes)?;
+    let bytes = read_body(&state, &headers, body).await?;
+    let (mut job, callback, tags) = parse_request_with_callback(&bytes)?;
     let tenant = caller.job_tenant(tags.tenant.as_deref(), "tenant")?;
     caller.check_kind(&job.kind)?;
+    let priority = caller.job_priority(tags.priority, "priority")?;
+    job.job_id = Some(caller.new_job_id(job.job_id.as_deref(), "job_id")?);
     let callback = match callback {
         Some(url) => Some(
             state
@@ -74,10 +76,11 @@ pub async fn create(
         .submitter
         .envelope(&job, now)
         .map_err(|e| submit_error(e, spec))?;
-    let env = tagged(env, tenant, tags.priority);
+    let env = tagged(env, tenant, priority);
     let job_id = env.job_id().to_string();
-    // The tenant's quotas, before anything is claimed or published.
-    let tokens = RequestSize::of_payload(&env.payload).map_or(0, |s| s.prompt_tokens);
+    // The tenant's quotas, before anything is claimed or published: everything the
+    // payload forwards to the model counts.
+    let tokens = forwarded_tokens(&env.payload);
     state.admit_quota(env.tenant(), tokens)?;
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
@@ -177,13 +180,16 @@ pub(crate) fn tagged(
     }
 }
 
-/// A request body of at most `limit` bytes (`serve --max-body-bytes`): `413` as soon as
-/// its `Content-Length` says more, or once more arrived.
+/// A request body of at most `serve --max-body-bytes`: `413` as soon as its
+/// `Content-Length` says more, or once more arrived; `408 body_read_timeout` when it has
+/// not all arrived within `serve --body-read-timeout-ms` (a client sending slowly holds a
+/// connection and a task no longer).
 pub(crate) async fn read_body(
+    state: &AppState,
     headers: &HeaderMap,
     body: Body,
-    limit: usize,
 ) -> Result<axum::body::Bytes, ApiError> {
+    let limit = state.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -191,8 +197,10 @@ pub(crate) async fn read_body(
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::TooLarge { limit });
     }
-    axum::body::to_bytes(body, limit)
+    let timeout = state.body_read_timeout;
+    tokio::time::timeout(timeout, axum::body::to_bytes(body, limit))
         .await
+        .map_err(|_| ApiError::BodyTimeout(timeout.as_millis() as u64))?
         .map_err(|_| ApiError::TooLarge { limit })
 }
 
@@ -484,17 +492,25 @@ pub async fn show(
 ) -> Result<Response, ApiError> {
     let wait_ms = q.integer("wait_ms", 0..=state.max_wait_ms)?.unwrap_or(0);
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
+    let key = caller.job_id(&id);
+    // Another tenant's job reads as none at every read, so a long-poll on it waits the
+    // whole `wait_ms` like one on a missing id (issue #48).
+    let read = || async {
+        Ok::<_, ApiError>(
+            read_job(&state, &key)
+                .await?
+                .filter(|r| visible(&caller, r)),
+        )
+    };
     // Registered before the first read: an outcome recorded in between still wakes it.
     let rec = if wait_ms > 0 {
-        let _permit = state.wait_permit()?;
-        let mut waiter = state.waiters.subscribe(&id);
-        waiter
-            .until_terminal(until, || read_job(&state, &id))
-            .await?
+        let _permit = state.wait_permit(&caller)?;
+        let mut waiter = state.waiters.subscribe(&key);
+        waiter.until_terminal(until, read).await?
     } else {
-        read_job(&state, &id).await?
+        read().await?
     };
-    match rec.filter(|r| visible(&caller, r)) {
+    match rec {
         Some(rec) => Ok(Json(rec).into_response()),
         None => Err(ApiError::NotFound(id)),
     }
@@ -502,7 +518,7 @@ pub async fn show(
 
 /// Whether `caller` may see `rec`: a tenant's token sees only its tenant's jobs (another
 /// tenant's job is "no such job", its existence not revealed).
-fn visible(caller: &Caller, rec: &JobRecord) -> bool {
+pub(crate) fn visible(caller: &Caller, rec: &JobRecord) -> bool {
     caller.tenant().is_none_or(|t| t == rec.tenant)
 }
 
@@ -533,6 +549,7 @@ pub async fn cancel(
     Extension(caller): Extension<Caller>,
     PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
+    let id = caller.job_id(&id);
     if caller.tenant().is_some()
         && !read_job(&state, &id)
             .await?
