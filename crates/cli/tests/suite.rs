@@ -16,6 +16,7 @@ mod consumer_timeout;
 mod crash;
 mod dead_letters;
 mod door;
+mod door_tenancy;
 mod events;
 mod fallback;
 mod http_views;

@@ -137,6 +137,6 @@ mod tests {
         // Never less than the prompt measure (one short message: its template tokens).
         let short = json!({"messages": [{"role": "user", "content": "abcd"}]});
         assert!(tokens(short.clone()) >= size(short).unwrap().prompt_tokens);
-        assert_eq!(tokens(json!({})), 1, "`{}`: 2 characters");
+        assert_eq!(tokens(json!({})), 1, "two characters: an empty object");
     }
 }
