@@ -566,7 +566,13 @@ impl<'r> ToResponse<'r> for TenantLimit {
             "TenantLimit",
             ResponseBuilder::new()
                 .description("With a token of the tokens file: its tenant already holds as many requests in flight as its `max_requests` allows (`tenant_limit`, `field` is `max_requests`; on a long-poll or chat request also `max_waiting`, on a stream `max_streams`). Nothing was published; retry after `Retry-After` (1 s)")
-                .header("Retry-After", HeaderBuilder::new().schema(RetryAfter::schema()).build())
+                .header(
+                    "Retry-After",
+                    HeaderBuilder::new()
+                        .schema(Some(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(1))))
+                        .description(Some("Seconds: 1"))
+                        .build(),
+                )
                 .content("application/json", error_content())
                 .build()
                 .into(),
