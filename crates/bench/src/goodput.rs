@@ -212,6 +212,8 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
             "--estimate split-kinds splits the jobs by prompt length: use it with --service smollm2-mixed"
         );
     }
+    // Celery's prefetch (a multiple of its slots: 2 × unless --prefetch), recorded as the
+    // setup's `prefetch`; lastcall's worker takes its own default unless --prefetch.
     let prefetch = a
         .prefetch
         .unwrap_or((nominal * 2).clamp(1, u16::MAX as usize) as u16);
@@ -394,7 +396,10 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 setup.clock_uncertainty_ms,
                 match a.prefetch {
                     Some(p) => p.to_string(),
-                    None => format!("2 × slots ({} with auto)", 2 * a.max_slots),
+                    None => format!(
+                        "the worker's default ({} with auto)",
+                        lastcall_worker::default_prefetch(a.max_slots)
+                    ),
                 },
                 orders
                     .iter()
@@ -727,10 +732,10 @@ async fn run_policy(
         .filter(|t| t.weight != 1)
         .map(|t| (t.name.clone(), t.weight))
         .collect();
-    // The worker's default: 2 × slots (with auto, 2 × the most).
+    // The worker's default (with auto, of the most slots).
     cfg.prefetch = a
         .prefetch
-        .unwrap_or((slots * 2).clamp(1, u16::MAX as usize) as u16);
+        .unwrap_or(lastcall_worker::default_prefetch(slots));
     cfg.shutdown_grace = Duration::from_secs(5);
     cfg.policy.dispatch = policy;
     cfg.buffer_order = order;

@@ -243,7 +243,8 @@ pub struct GoodputArgs {
     /// Clock uncertainty margin of the admission rule, in ms (the worker's default)
     #[arg(long, default_value_t = 100)]
     pub clock_uncertainty_ms: u64,
-    /// Unacked deliveries the broker may push to the worker [default: 2 × slots]
+    /// Unacked deliveries the broker may push to the worker per queue [default: the
+    /// worker's, 32 × slots and at least 128]
     #[arg(long)]
     pub prefetch: Option<u16>,
     /// Ledger for the runs [default: a fresh SQLite file per policy in a temp directory].

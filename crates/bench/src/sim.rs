@@ -63,7 +63,8 @@ pub struct SimArgs {
     /// The highest limit of `--slots auto`
     #[arg(long, default_value_t = 16)]
     pub max_slots: usize,
-    /// Unacked deliveries per worker [default: 2 × slots; with auto, 2 × --max-slots]
+    /// Unacked deliveries per worker and queue [default: the worker's, 32 × slots and at
+    /// least 128; with auto, of --max-slots]
     #[arg(long)]
     pub prefetch: Option<usize>,
     /// Call times: `fixed:MS`, `lognormal:MEAN_MS,SIGMA`, or
@@ -475,6 +476,10 @@ pub struct SimReport {
     /// Jain's index over the tenants' on-time completions ÷ their max-min fair shares of
     /// all on-time completions (1 = perfectly fair); absent with one tenant.
     pub jain: Option<f64>,
+    /// The lowest tenant's on-time completions ÷ its max-min fair share; absent with one.
+    pub min_share: Option<f64>,
+    /// The tenants below half their max-min fair share; absent with one tenant.
+    pub below_half_share: Option<u64>,
     pub crashes: u64,
     /// Deliveries requeued by crashes.
     pub redelivered: u64,
@@ -523,7 +528,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             Some(((s * 1000.0) as i64, ((s + d) * 1000.0) as i64))
         }
     };
-    let prefetch = a.prefetch.unwrap_or(2 * slots).max(1);
+    let prefetch = a
+        .prefetch
+        .unwrap_or(usize::from(lastcall_worker::default_prefetch(slots)))
+        .max(1);
     let lanes = a.lanes.max(1);
     let tenants = match &a.tenants {
         Some(spec) => parse_tenants(spec, a.overload)?,
@@ -1046,17 +1054,23 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         per[j.tenant].0 += 1;
         per[j.tenant].1 += u64::from(j.on_time);
     }
-    let jain_index = (tenants.len() > 1).then(|| {
+    // Each tenant's on-time completions ÷ its max-min fair share of all of them.
+    let shares: Option<Vec<f64>> = (tenants.len() > 1).then(|| {
         let demands: Vec<f64> = per.iter().map(|p| p.0 as f64).collect();
         let fair = max_min_shares(&demands, on_time as f64);
-        let x: Vec<f64> = per
-            .iter()
+        per.iter()
             .zip(&fair)
             .filter(|(_, f)| **f > 0.0)
             .map(|(p, f)| p.1 as f64 / f)
-            .collect();
-        jain(&x)
+            .collect()
     });
+    let jain_index = shares.as_deref().map(jain);
+    let below_half_share = shares
+        .as_deref()
+        .map(|x| x.iter().filter(|&&r| r < 0.5).count() as u64);
+    let min_share = shares
+        .as_deref()
+        .and_then(|x| x.iter().copied().reduce(f64::min));
     let tenant_reports = tenants
         .iter()
         .zip(&per)
@@ -1100,6 +1114,8 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         probes,
         tenants: tenant_reports,
         jain: jain_index,
+        min_share,
+        below_half_share,
         crashes,
         redelivered,
         lost,
@@ -1180,6 +1196,11 @@ pub fn run(a: SimArgs) -> Result<ExitCode> {
         );
         if let Some(j) = r.jain {
             println!("Jain's fairness index (on time ÷ max-min fair share): {j:.3}");
+        }
+        if let (Some(m), Some(n)) = (r.min_share, r.below_half_share) {
+            println!(
+                "lowest tenant: {m:.3} of its max-min fair share; {n} tenants below half of theirs"
+            );
         }
     }
     Ok(ExitCode::SUCCESS)

@@ -1,7 +1,7 @@
 //! The RabbitMQ adapter of lastcall. This is the only crate that knows lapin.
 //!
 //! # Layout
-//! - [`topology`]: names (CONTRACT §2) and the idempotent declaration of exchanges,
+//! - [`topology`]: names (docs/wire-format.md) and the idempotent declaration of exchanges,
 //!   queues, bindings and retry queues, with clear errors on conflicting declarations.
 //! - [`publish`]: a confirm-mode publisher: persistent messages, `expiration` from the
 //!   caller's remaining budget, and a confirm awaited as its own step (nack and timeout are

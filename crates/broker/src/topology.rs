@@ -1,4 +1,4 @@
-//! Names and declarations of the broker topology (CONTRACT §2).
+//! Names and declarations of the broker topology (docs/wire-format.md).
 
 use crate::{Broker, BrokerError};
 use lapin::ExchangeKind;

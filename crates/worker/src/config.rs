@@ -22,7 +22,8 @@ pub struct WorkerConfig {
     /// `--slots auto`: the number of calls in flight adapts in `[1, max]` to the model
     /// server ([`lastcall_core::concurrency`]); `None`: exactly `slots`.
     pub auto_slots: Option<lastcall_core::concurrency::LimitConfig>,
-    /// Unacked deliveries the broker may push to this worker (default 2 × slots).
+    /// Unacked deliveries the broker may push to this worker from each queue it consumes
+    /// (the work queue and each lane): [`default_prefetch`] unless set.
     pub prefetch: u16,
     /// Cap on the bytes of bodies held locally; prefetch only bounds the count.
     pub max_buffer_bytes: usize,
@@ -60,6 +61,10 @@ pub struct WorkerConfig {
     /// when kinds are routed; [`lastcall_core::rate_limit`]). A backend not named here is
     /// limited only by what its servers' `x-ratelimit-*` headers say.
     pub rate_limits: std::collections::BTreeMap<String, lastcall_core::rate_limit::Limits>,
+    /// The models a payload's `model` may name (`--allow-model`); any other is removed
+    /// before the call, so the route's or the backend's own model serves: a producer does
+    /// not pick what runs on the operator's key ([`lastcall_core::model_choice`]).
+    pub allowed_models: lastcall_core::model_choice::AllowedModels,
     /// The learned call time's settings ([`lastcall_core::service_time`]); the default is
     /// what `lastcall worker` runs with (the benchmark turns request-awareness off for its
     /// reference run).
@@ -73,7 +78,7 @@ impl WorkerConfig {
             name: default_worker_name(),
             slots,
             auto_slots: None,
-            prefetch: (slots * 2).clamp(1, u16::MAX as usize) as u16,
+            prefetch: default_prefetch(slots),
             max_buffer_bytes: 64 * 1024 * 1024,
             policy: WorkerPolicy::default(),
             clock_sync: ClockSyncMode::Ignore,
@@ -89,6 +94,7 @@ impl WorkerConfig {
             consumer_timeout: None,
             breaker: Default::default(),
             rate_limits: Default::default(),
+            allowed_models: Default::default(),
             service_time: ServiceTimeConfig::default(),
         }
     }
@@ -109,4 +115,27 @@ pub enum Fault {
     /// Stop forever right after an outcome is stored, before the ack, logging
     /// `fault: paused after store`, so a test can SIGKILL the process at exactly that point.
     PauseAfterStore,
+}
+
+/// The default window of unacked deliveries per queue: 32 per model slot, at least 128.
+///
+/// **Why this large** (issue #48): tenant isolation must not depend on which broker queue a
+/// tenant's jobs share. A worker holds a delivery unacked while the job waits for a slot,
+/// so with a small window (it was 2 × slots) a flood's jobs that *can* still finish fill
+/// it, the queue then moves only as fast as the slots, and every other tenant's job in that
+/// queue waits behind the flood's backlog in the broker's FIFO: a light tenant beside a
+/// flood in its lane got 3 of 11 jobs on time, 1 of 11 when every job went to the work
+/// queue. With a window larger than what the buffer admits (at receipt a job is refused
+/// when its expected wait under the fair share exceeds its budget, so a tenant's waiting
+/// jobs are at most about slots × budget ÷ call time), the surplus is delivered and refused
+/// at receipt at once, the queue drains as fast as it fills, and the fair share orders
+/// every tenant's jobs in the buffer: 11 of 11 both ways (`tests/isolation.rs`).
+///
+/// The bound: isolation holds while slots × budget ÷ call time stays below the window
+/// (31 calls per budget per slot here; 63 with 2 slots). Memory: at most this many
+/// deliveries per queue (8 queues), and never more than `max_buffer_bytes` of bodies.
+/// The price: under overload a worker holds what it can finish, not only what it can start
+/// soon, so between workers of unequal speed the slower keeps its share of arrivals.
+pub fn default_prefetch(slots: usize) -> u16 {
+    (slots.saturating_mul(32)).clamp(128, u16::MAX as usize) as u16
 }

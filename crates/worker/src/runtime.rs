@@ -79,6 +79,7 @@ impl Worker {
         let breakers = Arc::new(crate::breakers::Breakers::new(cfg.breaker, stats.clone()));
         let limits = Arc::new(crate::limits::Limiters::new(
             cfg.rate_limits.clone(),
+            cfg.breaker.max_cool_down_ms.max(cfg.breaker.cool_down_ms),
             stats.clone(),
         ));
         let slots = Arc::new(match cfg.auto_slots {

@@ -1,0 +1,213 @@
+//! Tenant isolation whatever the tenants are called and however the producer routes
+//! (issue #48): a light tenant beside a 10× flood gets its jobs done on time when the two
+//! names hash to the same lane, and when every job is published to `{prefix}.jobs` by its
+//! kind (one broker FIFO for all tenants). Default worker settings (2 slots, the default
+//! window); real RabbitMQ and ledger.
+
+use crate::common;
+
+use common::*;
+use lastcall_broker::{PublishProps, Publisher};
+use lastcall_core::{Priority, Tenant};
+use lastcall_worker::clock::now_ms;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+/// How the producer routes every job (both tenants').
+#[derive(Debug, Clone, Copy)]
+enum Route {
+    /// The producer computes the lane (docs/wire-format.md §1).
+    Lanes,
+    /// The producer publishes to the jobs exchange by kind, without computing lanes.
+    ByKind,
+}
+
+const FLOOD: &str = "flood";
+/// A tenant whose lane is the flood's.
+fn colliding_light() -> String {
+    let lane = lastcall_core::lane_of(FLOOD, Priority::Standard);
+    (0..)
+        .map(|i| format!("light-{i}"))
+        .find(|t| lastcall_core::lane_of(t, Priority::Standard) == lane)
+        .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenant_in_the_floods_lane_finishes_on_time() {
+    let light = colliding_light();
+    assert_eq!(
+        lastcall_core::lane_of(FLOOD, Priority::Standard),
+        lastcall_core::lane_of(&light, Priority::Standard)
+    );
+    flood_and_light("isolation-lane", &light, Route::Lanes, 1).await;
+}
+
+/// The same across two workers on one PostgreSQL ledger, each consuming every queue.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenant_in_the_floods_lane_finishes_on_time_across_two_workers() {
+    flood_and_light("isolation-lane-2", &colliding_light(), Route::Lanes, 2).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenant_finishes_on_time_when_every_job_is_published_by_kind() {
+    flood_and_light("isolation-kind", "light", Route::ByKind, 1).await;
+}
+
+/// Worker defaults: 2 slots each; calls of 100 ms × the number of workers, so that the
+/// workers together do 20 jobs/s whatever their number (one test process publishes for
+/// them all). `flood` sends 10× that for 6 s, `light` 2 jobs/s, 2 s budgets both. The light tenant must get ≥ 95% of its
+/// jobs done on time, and all jobs together ≥ 70% of the bound (what 2 slots can complete
+/// in the flood's span plus one budget; BENCHMARKS.md quotes the measured figure).
+async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) {
+    const BUDGET_MS: u64 = 2_000;
+    const SPAN_MS: u64 = 6_000;
+    const SLOTS: usize = 2;
+    let call_ms = 100 * workers as u64;
+    let env = if workers == 1 {
+        Env::sqlite(name).await
+    } else {
+        Env::postgres(name).await
+    };
+    let mut ws = Vec::new();
+    for i in 0..workers {
+        let mut cfg = lastcall_worker::WorkerConfig::new(&env.prefix, SLOTS);
+        cfg.topology = env.topo.clone();
+        cfg.name = format!("{name}-worker-{i}");
+        ws.push(env.start_worker(cfg, sim(call_ms), system_clock()).await);
+    }
+    let s = Arc::new(env.submitter(100, false).await);
+    let publisher = Arc::new(
+        Publisher::new(&env.broker, Duration::from_secs(5))
+            .await
+            .unwrap(),
+    );
+    let names = env.topo.names.clone();
+    let submit = {
+        let (s, publisher, names) = (s.clone(), publisher.clone(), names.clone());
+        move |id: String, tenant: String| {
+            let (s, publisher, names) = (s.clone(), publisher.clone(), names.clone());
+            async move {
+                let e = s
+                    .envelope(&job(&id, BUDGET_MS), now_ms())
+                    .unwrap()
+                    .with_tenant(Tenant::parse(&tenant).unwrap());
+                match route {
+                    Route::Lanes => {
+                        s.submit_envelope(&e, None, now_ms()).await.unwrap();
+                    }
+                    Route::ByKind => {
+                        let props = PublishProps {
+                            job_id: id.clone(),
+                            ttl_ms: e.deadline().broker_ttl_ms(now_ms()),
+                            attempt: 0,
+                            timestamp_s: (now_ms() / 1000) as u64,
+                            signature: None,
+                        };
+                        publisher
+                            .publish(
+                                &names.jobs_exchange,
+                                e.kind().as_str(),
+                                &e.to_bytes(),
+                                &props,
+                            )
+                            .await
+                            .unwrap();
+                    }
+                };
+            }
+        }
+    };
+    let t0 = Instant::now();
+    let mut flooders = Vec::new();
+    let per_task = (SPAN_MS / 20) as usize;
+    for t in 0..4 {
+        let submit = submit.clone();
+        flooders.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_millis(20));
+            for i in 0..per_task {
+                tick.tick().await;
+                submit(format!("flood-{t}-{i}"), FLOOD.to_owned()).await;
+            }
+        }));
+    }
+    let mut light_ids = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(500));
+    tick.tick().await;
+    for i in 0..(SPAN_MS / 500 - 1) {
+        tick.tick().await;
+        let id = format!("light-job-{i}");
+        submit(id.clone(), light.to_owned()).await;
+        light_ids.push(id);
+    }
+    for f in flooders {
+        f.await.unwrap();
+    }
+    let span_ms = t0.elapsed().as_millis() as u64;
+    let flood_ids: Vec<String> = (0..4)
+        .flat_map(|t| (0..per_task).map(move |i| format!("flood-{t}-{i}")))
+        .collect();
+    // Every job ends: run by the worker, refused at receipt, or expired in the broker and
+    // recorded by the dead-letter processor.
+    let all: Vec<String> = light_ids.iter().chain(&flood_ids).cloned().collect();
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        env.drain_dead_letters(false).await;
+        let mut ended = 0;
+        for id in &all {
+            if let Some(r) = env.ledger.get(id).await.unwrap()
+                && r.state
+                    .parse::<lastcall_core::State>()
+                    .is_ok_and(|s| s.is_terminal())
+            {
+                ended += 1;
+            }
+        }
+        if ended == all.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "{ended} of {} jobs have an outcome",
+            all.len()
+        );
+    }
+    let ledger = &env.ledger;
+    let on_time = async |ids: &[String]| {
+        let mut n = 0;
+        for id in ids {
+            let r = ledger.get(id).await.unwrap().unwrap();
+            if r.state == "completed" && r.finished_at_ms.unwrap() <= r.expires_at_ms.unwrap() {
+                n += 1;
+            }
+        }
+        n
+    };
+    let mut outcomes = std::collections::BTreeMap::new();
+    for id in &all {
+        let r = ledger.get(id).await.unwrap().unwrap();
+        *outcomes
+            .entry(format!("{}/{}", r.state, r.reason.unwrap_or_default()))
+            .or_insert(0) += 1;
+    }
+    eprintln!("outcomes: {outcomes:?}");
+    let light_on_time = on_time(&light_ids).await;
+    let flood_on_time = on_time(&flood_ids).await;
+    let bound = ((span_ms + BUDGET_MS) * (SLOTS * workers) as u64 / call_ms).min(all.len() as u64);
+    let total = (light_on_time + flood_on_time) as f64 / bound as f64;
+    eprintln!(
+        "{route:?}: light {light_on_time}/{} on time; all {}/{} = {total:.3} of the bound {bound}",
+        light_ids.len(),
+        light_on_time + flood_on_time,
+        all.len()
+    );
+    assert!(
+        light_on_time as f64 >= 0.95 * light_ids.len() as f64,
+        "light tenant: {light_on_time} of {} on time",
+        light_ids.len()
+    );
+    assert!(total >= 0.7, "all jobs: {total:.3} of the bound on time");
+    for w in ws {
+        w.stop().await;
+    }
+    env.cleanup().await;
+}
