@@ -250,7 +250,7 @@ impl Caller {
 }
 
 /// Routes only the operator's token may read: they show every tenant's numbers.
-const OPERATOR_ONLY: [&str; 3] = ["/", "/v1/dashboard", "/metrics"];
+pub(crate) const OPERATOR_ONLY: [&str; 3] = ["/", "/v1/dashboard", "/metrics"];
 
 /// Equal in time that depends only on the lengths.
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
