@@ -1239,6 +1239,14 @@ pub struct ServeArgs {
     /// completions, streams); more are answered 503 too_many_waiting with Retry-After
     #[arg(long, default_value_t = lastcall_http::MAX_WAITING, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_waiting: usize,
+    /// Streaming chat requests at once (each holds a broker channel for its token deltas;
+    /// RabbitMQ allows 2,047 per connection); more are answered 503 too_many_waiting
+    #[arg(long, default_value_t = lastcall_http::MAX_STREAMS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=2_000))]
+    pub max_streams: usize,
+    /// How long a request body may take to arrive, in ms; past it 408 body_read_timeout
+    /// and the connection is closed
+    #[arg(long, default_value_t = 10_000, value_parser = clap::value_parser!(u64).range(100..=600_000))]
+    pub body_read_timeout_ms: u64,
     /// Connections held at once at most; the next one is accepted when one closes
     #[arg(long, default_value_t = lastcall_http::limit::MAX_CONNECTIONS, value_parser = clap::builder::RangedU64ValueParser::<usize>::new().range(1..=1_000_000))]
     pub max_connections: usize,

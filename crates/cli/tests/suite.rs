@@ -17,6 +17,7 @@ mod crash;
 mod dead_letters;
 mod docs;
 mod door;
+mod door_tenancy;
 mod events;
 mod fallback;
 mod http_views;

@@ -224,7 +224,7 @@ async fn serve_maps_a_hashed_token_to_its_tenant() {
     );
     assert_eq!(code, 202, "{resp}");
     assert_eq!(
-        env.ledger.get("sa-1").await.unwrap().unwrap().tenant,
+        env.ledger.get("team-a:sa-1").await.unwrap().unwrap().tenant,
         "team-a"
     );
     let (code, resp) = post(

@@ -16,6 +16,12 @@
 //!   only its noise shows in the error quantile.
 //! - **output tokens**: the payload's `max_tokens`, when it sets one (the cap; the
 //!   learned fit absorbs how much of it is used).
+//! - **forwarded tokens** ([`forwarded_tokens`]), what the door's `tokens_per_minute`
+//!   quota counts: the same rule over everything the payload forwards to the model (the
+//!   backends send the whole payload: `tool_calls` arguments, `tools`, names, not only the
+//!   `content` strings), its JSON's characters ÷ [`CHARS_PER_TOKEN`], never less than the
+//!   prompt tokens. A client cannot pass a large request under a quota in fields the
+//!   prompt measure skips.
 //!
 //! Pure: no IO.
 
@@ -66,6 +72,17 @@ impl RequestSize {
     }
 }
 
+/// The tokens a quota counts for `payload`: the characters of its JSON (everything the
+/// backends forward to the model) ÷ [`CHARS_PER_TOKEN`], rounded up, and at least the
+/// prompt tokens of [`RequestSize::of_payload`]. See the module doc.
+pub fn forwarded_tokens(payload: &Map<String, Value>) -> u64 {
+    let chars = serde_json::to_string(payload)
+        .map_or(0, |s| s.chars().count() as u64)
+        .div_ceil(CHARS_PER_TOKEN);
+    let prompt = RequestSize::of_payload(payload).map_or(0, |s| s.prompt_tokens);
+    chars.max(prompt)
+}
+
 /// The characters of a message's `content`: a string, or the `text` of its parts.
 fn content_chars(message: &Value) -> u64 {
     match message.get("content") {
@@ -100,5 +117,26 @@ mod tests {
         assert_eq!(s.prompt_tokens, 3 + 2 * TOKENS_PER_MESSAGE);
         assert_eq!(s.max_tokens, None);
         assert_eq!(size(json!({"text": "not a chat request"})), None);
+    }
+
+    /// What the quota counts: every forwarded field, not only `content`.
+    #[test]
+    fn forwarded_tokens_count_everything_forwarded() {
+        let tokens = |v: Value| forwarded_tokens(v.as_object().unwrap());
+        let call = json!({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "c1", "type": "function",
+             "function": {"name": "f", "arguments": "x".repeat(40_000)}}]}]});
+        assert_eq!(
+            size(call.clone()).unwrap().prompt_tokens,
+            TOKENS_PER_MESSAGE
+        );
+        assert!(tokens(call) >= 10_000);
+        let tools = json!({"messages": [{"role": "user", "content": "hi"}],
+                           "tools": [{"description": "y".repeat(4_000)}]});
+        assert!(tokens(tools) >= 1_000);
+        // Never less than the prompt measure (one short message: its template tokens).
+        let short = json!({"messages": [{"role": "user", "content": "abcd"}]});
+        assert!(tokens(short.clone()) >= size(short).unwrap().prompt_tokens);
+        assert_eq!(tokens(json!({})), 1, "two characters: an empty object");
     }
 }

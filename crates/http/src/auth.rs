@@ -156,6 +156,77 @@ impl Caller {
         }
     }
 
+    /// The tier of a job this caller submits naming `named` in `field`: `403
+    /// priority_not_allowed` above a tenant token's `max_priority`; none named: the lower
+    /// of `standard` and that (the operator's token: any tier, `None` for the default).
+    pub fn job_priority(
+        &self,
+        named: Option<lastcall_core::Priority>,
+        field: &'static str,
+    ) -> Result<Option<lastcall_core::Priority>, ApiError> {
+        let Caller::Tenant(e) = self else {
+            return Ok(named);
+        };
+        match named {
+            // `Priority` orders the highest tier first.
+            Some(p) if p < e.max_priority => Err(ApiError::NotAllowed {
+                field,
+                code: "priority_not_allowed",
+                message: format!(
+                    "this token may submit at most tier `{}` (`max_priority` of its tokens-file entry), and `{field}` asks for `{}`",
+                    e.max_priority.as_str(),
+                    p.as_str()
+                ),
+            }),
+            Some(p) => Ok(Some(p)),
+            None if e.max_priority > lastcall_core::Priority::Standard => Ok(Some(e.max_priority)),
+            None => Ok(None),
+        }
+    }
+
+    /// The ledger id of a job this caller names `named` (issue #48: a tenant never reaches
+    /// another tenant's job, not even its existence). The operator's ids are global; a
+    /// tenant token's are scoped by its tenant: `<tenant>:<named>`, unless `named` already
+    /// starts with `<tenant>:` (the id the answers carry). Every id a tenant token can
+    /// name therefore lies in its own namespace: another tenant's job is a missing one, in
+    /// status and timing. (The tokens file refuses a tenant with `:`, so no namespace holds
+    /// another.)
+    pub fn job_id(&self, named: &str) -> String {
+        match self {
+            Caller::Operator => named.to_owned(),
+            Caller::Tenant(e) => {
+                let prefix = format!("{}:", e.tenant);
+                if named.starts_with(&prefix) {
+                    named.to_owned()
+                } else {
+                    prefix + named
+                }
+            }
+        }
+    }
+
+    /// [`Caller::job_id`] for a job to submit: `None` (the request names none) gets a new
+    /// random id ([`lastcall_producer::new_job_id`]) in the caller's namespace; an id that
+    /// is too long once scoped is `400` naming `field`.
+    pub fn new_job_id(&self, named: Option<&str>, field: &'static str) -> Result<String, ApiError> {
+        let id = self.job_id(&named.map_or_else(lastcall_producer::new_job_id, str::to_owned));
+        if let (Caller::Tenant(e), Some(n)) = (self, named)
+            && id.len() > lastcall_core::JobId::MAX_LEN
+        {
+            return Err(ApiError::bad(
+                field,
+                "invalid_field",
+                format!(
+                    "`{field}` `{}` is too long for this token: its job ids are `{}:<id>`, at most {} characters in all",
+                    crate::params::shorten(n),
+                    e.tenant,
+                    lastcall_core::JobId::MAX_LEN
+                ),
+            ));
+        }
+        Ok(id)
+    }
+
     /// `403 kind_not_allowed` unless this caller may submit jobs of `kind`.
     pub fn check_kind(&self, kind: &str) -> Result<(), ApiError> {
         match self {
@@ -179,7 +250,7 @@ impl Caller {
 }
 
 /// Routes only the operator's token may read: they show every tenant's numbers.
-const OPERATOR_ONLY: [&str; 3] = ["/", "/v1/dashboard", "/metrics"];
+pub(crate) const OPERATOR_ONLY: [&str; 3] = ["/", "/v1/dashboard", "/metrics"];
 
 /// Equal in time that depends only on the lengths.
 fn ct_eq(a: &[u8], b: &[u8]) -> bool {
@@ -241,9 +312,41 @@ pub async fn require_token(
             ),
         });
     }
+    // A tenant's requests in flight, to the last byte of the answer (`max_requests`).
+    let held = state.tenant_hold(&caller, "max_requests", "requests in flight", |l| {
+        l.max_requests
+    })?;
     let mut req = req;
     req.extensions_mut().insert(caller);
-    Ok(next.run(req).await)
+    let resp = next.run(req).await;
+    Ok(resp.map(|body| axum::body::Body::new(HoldingBody { body, _held: held })))
+}
+
+/// A response body that keeps its request's permits ([`crate::Held`]) until it is sent or
+/// dropped.
+struct HoldingBody {
+    body: axum::body::Body,
+    _held: crate::Held,
+}
+
+impl hyper::body::Body for HoldingBody {
+    type Data = axum::body::Bytes;
+    type Error = axum::Error;
+
+    fn poll_frame(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<Option<Result<hyper::body::Frame<Self::Data>, Self::Error>>> {
+        std::pin::Pin::new(&mut self.body).poll_frame(cx)
+    }
+
+    fn is_end_stream(&self) -> bool {
+        self.body.is_end_stream()
+    }
+
+    fn size_hint(&self) -> hyper::body::SizeHint {
+        self.body.size_hint()
+    }
 }
 
 /// Why a request comes from another origin than this server's, if it does: its

@@ -95,6 +95,24 @@ pub enum ApiError {
         "too many requests wait for an outcome on this server at once (serve --max-waiting); retry shortly, or read the job without waiting"
     )]
     TooManyWaiting,
+    /// 429: the caller's tenant already holds as many of a shared resource as its
+    /// tokens-file entry allows (`field`: `max_waiting`, `max_streams`, `max_requests`);
+    /// answered with `Retry-After: 1`. Nothing was published or recorded.
+    #[error(
+        "tenant `{tenant}` already holds {limit} {what} at once, its limit (`{field}` in the tokens file); retry when one ends"
+    )]
+    TenantLimit {
+        tenant: String,
+        field: &'static str,
+        what: &'static str,
+        limit: usize,
+    },
+    /// 408: the request body did not arrive within the body-read timeout
+    /// (`serve --body-read-timeout-ms`); the connection is closed.
+    #[error(
+        "the request body did not arrive within {0} ms (serve --body-read-timeout-ms); send it at once"
+    )]
+    BodyTimeout(u64),
     /// 503: `serve` is listening but still waiting for its broker or ledger
     /// (`crate::starting`); answered with `Retry-After: 1`.
     #[error("{0}")]
@@ -170,9 +188,10 @@ impl ApiError {
             ApiError::Conflict(_) | ApiError::AlreadyTerminal { .. } => StatusCode::CONFLICT,
             ApiError::TooLarge { .. } => StatusCode::PAYLOAD_TOO_LARGE,
             ApiError::Expired { .. } => StatusCode::UNPROCESSABLE_ENTITY,
-            ApiError::WouldExpireInQueue { .. } | ApiError::OverQuota(_) => {
-                StatusCode::TOO_MANY_REQUESTS
-            }
+            ApiError::WouldExpireInQueue { .. }
+            | ApiError::OverQuota(_)
+            | ApiError::TenantLimit { .. } => StatusCode::TOO_MANY_REQUESTS,
+            ApiError::BodyTimeout(_) => StatusCode::REQUEST_TIMEOUT,
             ApiError::Unavailable(_)
             | ApiError::UpstreamUnavailable { .. }
             | ApiError::LedgerUnavailable
@@ -200,6 +219,8 @@ impl ApiError {
             ApiError::UpstreamUnavailable { .. } => "upstream_unavailable",
             ApiError::LedgerUnavailable => "ledger_unavailable",
             ApiError::TooManyWaiting => "too_many_waiting",
+            ApiError::TenantLimit { .. } => "tenant_limit",
+            ApiError::BodyTimeout(_) => "body_read_timeout",
             ApiError::Starting(_) => "starting",
             ApiError::Internal(_) => "internal",
             ApiError::Http { code, .. } => code,
@@ -211,6 +232,8 @@ impl ApiError {
             ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
             ApiError::NotAllowed { field, .. } => Some(field),
             ApiError::OverQuota(r) => Some(r.quota),
+            ApiError::TenantLimit { field, .. } => Some(field),
+            ApiError::BodyTimeout(_) => Some("body"),
             ApiError::Conflict(_) => Some("job_id"),
             ApiError::UnsupportedMediaType(_) => Some("Content-Type"),
             _ => None,
@@ -250,7 +273,15 @@ impl IntoResponse for ApiError {
                 axum::http::HeaderValue::from(retry_after_s),
             );
         }
-        if let ApiError::Starting(_) | ApiError::TooManyWaiting = &self {
+        if let ApiError::BodyTimeout(_) = &self {
+            resp.headers_mut().insert(
+                axum::http::header::CONNECTION,
+                axum::http::HeaderValue::from_static("close"),
+            );
+        }
+        if let ApiError::Starting(_) | ApiError::TooManyWaiting | ApiError::TenantLimit { .. } =
+            &self
+        {
             resp.headers_mut().insert(
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from(1u64),

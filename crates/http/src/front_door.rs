@@ -132,7 +132,7 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
         ApiError::WouldExpireInQueue { retry_after_s, .. } => Some(*retry_after_s),
         ApiError::OverQuota(r) => Some(r.retry_after_s),
         ApiError::UpstreamUnavailable { retry_after_s, .. } => Some(*retry_after_s),
-        ApiError::TooManyWaiting => Some(1),
+        ApiError::TooManyWaiting | ApiError::TenantLimit { .. } => Some(1),
         _ => None,
     };
     let mut r = oa_error(status, kind, Some(e.code()), e.field(), e.to_string());
@@ -184,9 +184,9 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         ("X-Lastcall-Deadline-Ms" = Option<i64>, Header, nullable = false, minimum = 1),
         ("X-Lastcall-Expires-At-Ms" = Option<i64>, Header, nullable = false),
         ("X-Stainless-Read-Timeout" = Option<f64>, Header, nullable = false),
-        ("Idempotency-Key" = Option<String>, Header, nullable = false),
+        ("Idempotency-Key" = Option<String>, Header, nullable = false, description = "Becomes the job id; a token of the tokens file's in its tenant's namespace (`<tenant>:<key>`), so another tenant's job is never the answer"),
         ("X-Lastcall-Tenant" = Option<String>, Header, nullable = false, pattern = "^[A-Za-z0-9._:-]{1,64}$", description = "The job's tenant (`default` when absent). A token of the tokens file acts for its own tenant: leave it out or name the same one (another is `403 tenant_mismatch`, in lastcall's error shape like every `403`). The body's `user` is never the tenant"),
-        ("X-Lastcall-Priority" = Option<crate::openapi::PriorityTier>, Header, nullable = false, description = "The job's priority tier: `critical`, `standard` (when absent) or `batch`"),
+        ("X-Lastcall-Priority" = Option<crate::openapi::PriorityTier>, Header, nullable = false, description = "The job's priority tier: `critical`, `standard` (when absent) or `batch`. A token of the tokens file may name at most its `max_priority` (above: `403 priority_not_allowed`)"),
     ),
     request_body(content = inline(crate::openapi::ChatCompletionRequest), content_type = "application/json"),
     responses(
@@ -196,13 +196,14 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         )),
         (status = 400, description = "Not an OpenAI chat request, a malformed deadline, `X-Lastcall-Tenant` or `X-Lastcall-Priority` header (`param` names it), `stream` not a boolean, or the job was `rejected`", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
-        (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`); or, with a token of the tokens file, `X-Lastcall-Tenant` names another tenant (`tenant_mismatch`) or the model's kind is not one the token may submit (`kind_not_allowed`); every `403` is in lastcall's error shape, `field` naming the header or `kind`", body = crate::openapi::ErrorBody),
+        (status = 403, description = "Sent from another origin (`cross_origin`), or with Basic credentials, which are for reads only (`basic_credentials_read_only`); or, with a token of the tokens file, `X-Lastcall-Tenant` names another tenant (`tenant_mismatch`) or the model's kind is not one the token may submit (`kind_not_allowed`), or `X-Lastcall-Priority` names a tier above the token's `max_priority` (`priority_not_allowed`); every `403` is in lastcall's error shape, `field` naming the header or `kind`", body = crate::openapi::ErrorBody),
         (status = 404, description = "Unknown `model` (`model_not_found`)", body = crate::openapi::OpenAiError),
+        (status = 408, description = "The body did not all arrive within `serve --body-read-timeout-ms` (10 s by default): `body_read_timeout`, the connection is closed", body = crate::openapi::OpenAiError),
         (status = 409, description = "The job was cancelled (`x-should-retry: false`)", body = crate::openapi::OpenAiError),
         (status = 413, description = "The body is larger than this server's limit (`serve --max-body-bytes`, 1 MiB by default), or the job as published would be too large (`body_too_large`)", body = crate::openapi::OpenAiError),
         (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`, `param` `Content-Type`)", body = crate::openapi::OpenAiError),
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
-        (status = 429, description = "Over a quota of the tenant (`over_quota`, `param` names it; `Retry-After`), or shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
+        (status = 429, description = "With a token of the tokens file, its tenant holds its cap of requests in flight, waits or streams (`tenant_limit`, `param` names `max_requests`, `max_waiting` or `max_streams`; `Retry-After: 1`; in lastcall's error shape when refused before the route, for `max_requests`); over a quota of the tenant (`over_quota`, `param` names it; `Retry-After`; everything forwarded to the model counts), or shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
         (status = 503, description = "Not accepted: the model server of the kind is down for every live worker (`upstream_unavailable`, their circuit breakers open; `Retry-After` until their next trial), the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
         (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
@@ -218,7 +219,7 @@ pub async fn chat_completions(
         return from_api_error(e);
     }
     // The same limit as `POST /v1/jobs` (`serve --max-body-bytes`), not axum's 2 MB.
-    let body = match crate::jobs::read_body(&headers, body, state.max_body_bytes).await {
+    let body = match crate::jobs::read_body(&state, &headers, body).await {
         Ok(b) => b,
         Err(e) => return from_api_error(e),
     };
@@ -298,11 +299,17 @@ async fn run(
         })?),
         None => None,
     };
+    let priority = caller
+        .job_priority(priority, "X-Lastcall-Priority")
+        .map_err(IntoResponse::into_response)?;
     caller
         .check_kind(&kind)
         .map_err(IntoResponse::into_response)?;
+    let job_id = caller
+        .new_job_id(header(headers, "idempotency-key"), "Idempotency-Key")
+        .map_err(from_api_error)?;
     let job = NewJob {
-        job_id: header(headers, "idempotency-key").map(str::to_owned),
+        job_id: Some(job_id),
         kind,
         payload: o,
         deadline,
@@ -316,12 +323,21 @@ async fn run(
         .map_err(|e| from_api_error(submit_error(e, deadline)))?;
     let env = crate::jobs::tagged(env, tenant, priority);
     let id = env.job_id().to_string();
-    let tokens = lastcall_core::request_size::RequestSize::of_payload(&env.payload)
-        .map_or(0, |s| s.prompt_tokens);
+    // Everything forwarded to the model counts (`tool_calls`, `tools`, …), not only the
+    // `content` strings.
+    let tokens = lastcall_core::request_size::forwarded_tokens(&env.payload);
     state
         .admit_quota(env.tenant(), tokens)
         .map_err(from_api_error)?;
     let expires_at_ms = env.deadline().expires_at_ms();
+    // A permit to wait (bounded: `serve --max-waiting`, and the tenant's `max_waiting`),
+    // and for a stream one to stream (`serve --max-streams`, the tenant's `max_streams`),
+    // held until the answer or the stream ends (the guard carries them) and taken before
+    // any broker channel is opened: a refused request opens none.
+    let mut permit = state.wait_permit(caller).map_err(from_api_error)?;
+    if stream {
+        permit = permit.and(state.stream_permit(caller).map_err(from_api_error)?);
+    }
     // A channel of its own whose direct reply-to address the job carries: the worker's
     // token deltas come back on it.
     let reply = if stream {
@@ -335,9 +351,6 @@ async fn run(
     } else {
         None
     };
-    // A permit to wait (bounded: `serve --max-waiting`), held until the answer or the
-    // stream ends (the guard carries it).
-    let permit = state.wait_permit().map_err(from_api_error)?;
     // Subscribed before publishing: the outcome cannot come first.
     let mut waiter = state.waiters.subscribe(&id);
     let mut guard = CancelOnDrop {
@@ -394,8 +407,15 @@ async fn run(
         );
         return Ok(s.respond().await);
     }
+    let read = || async {
+        Ok::<_, ApiError>(
+            read_job(state, &id)
+                .await?
+                .filter(|r| crate::jobs::visible(caller, r)),
+        )
+    };
     let rec = waiter
-        .until_terminal(until, || read_job(state, &id))
+        .until_terminal(until, read)
         .await
         .map_err(from_api_error)?;
     guard.armed = false;
@@ -591,7 +611,7 @@ pub(crate) struct CancelOnDrop {
     id: String,
     pub(crate) armed: bool,
     /// This request's place among those waiting for an outcome ([`AppState::waiting`]).
-    _permit: tokio::sync::OwnedSemaphorePermit,
+    _permit: crate::Held,
 }
 
 impl Drop for CancelOnDrop {

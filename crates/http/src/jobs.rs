@@ -11,7 +11,7 @@ use axum::http::{HeaderMap, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
 use lastcall_broker::PublishError;
-use lastcall_core::request_size::RequestSize;
+use lastcall_core::request_size::forwarded_tokens;
 use lastcall_core::{Priority, RejectReason, State as JobState};
 use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{CancelOutcome, JobRecord, ListFilter};
@@ -36,11 +36,12 @@ use std::sync::Arc;
         (status = 400, description = "The body breaks the document: not JSON, not an object, a field missing, of the wrong type or outside its bounds (`deadline_ms` above the horizon, `min_runtime_ms` above the horizon, a `job_id` or `kind` outside its pattern), or both or neither of `deadline_ms` and `expires_at_ms`. `error` is the reason (`missing_field`, `invalid_field`, `invalid_json`, `not_an_object`, `deadline_beyond_horizon`), `field` names the field", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, response = crate::openapi::Forbidden),
-        (status = 409, description = "The job id was accepted before (or is being accepted concurrently) with a different payload", body = crate::openapi::ErrorBody),
+        (status = 408, response = crate::openapi::SlowBody),
+        (status = 409, description = "The job id was accepted before (or is being accepted concurrently) with a different payload. A token of the tokens file names its jobs in its tenant's namespace (`<tenant>:<job_id>`), so another tenant's job is never a conflict", body = crate::openapi::ErrorBody),
         (status = 413, response = crate::openapi::TooLarge),
         (status = 415, response = crate::openapi::NotJson),
         (status = 422, description = "The deadline is well-formed but the clock refuses it, nothing was published: it has already passed or lies within the clock margin (`already_expired`; also a `deadline_ms` shorter than the margin), or an `expires_at_ms` lies farther ahead than the horizon (`deadline_beyond_horizon`). `field` names the deadline field the request sent; or a `callback_url` this server does not allow (`callback_not_allowed`, `field` is `callback_url`)", body = crate::openapi::ErrorBody),
-        (status = 429, description = "Over a quota of the job's tenant (`over_quota`, `field` names the quota: `jobs_per_second` or `tokens_per_minute`, the prompt tokens estimated as chars ÷ 4 + 4 per message), nothing published or recorded, `Retry-After` in whole seconds; or shed at the door, nothing published or recorded: the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) plus the clock margin exceeds the budget it has left, so it cannot finish even if started now (any tier); or, by tier, the estimated wait (`critical`: none, the workers serve it first; `standard`: its queue's; `batch`: its lane's plus the work queue's `standard` backlog, served before it) in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
+        (status = 429, description = "With a token of the tokens file, its tenant holds as many requests in flight as its `max_requests` (`tenant_limit`, `Retry-After: 1`); or over a quota of the job's tenant (`over_quota`, `field` names the quota: `jobs_per_second` or `tokens_per_minute`, the tokens estimated as the characters of the payload's JSON — everything forwarded to the model — ÷ 4, at least the prompt's chars ÷ 4 + 4 per message), nothing published or recorded, `Retry-After` in whole seconds; or shed at the door, nothing published or recorded: the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) plus the clock margin exceeds the budget it has left, so it cannot finish even if started now (any tier); or, by tier, the estimated wait (`critical`: none, the workers serve it first; `standard`: its queue's; `batch`: its lane's plus the work queue's `standard` backlog, served before it) in the work queue (the messages ready that a worker will still reach in time ÷ the pace the workers take them at, from live counts of the queue, with RabbitMQ's management API standing in until a pace is measured) plus the job's call time (its `min_runtime_ms`, else the one the workers learned for its kind) and the clock margin exceeds the budget it has left, so it would expire before a worker could start it. `error` is `would_expire_in_queue`; `message` and `estimate` name the numbers. Retry after `Retry-After` seconds (when the queue, draining at that rate, would leave room for the same budget) or with a longer deadline. Never answered when the queue has nothing ready, when there is no pace and no recent ack rate (no consumer, idle queue), when neither the broker's count nor the management API answers (fail open), or with `serve --no-shed`", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "Seconds until the queue, draining at its recent pace, would leave room for the same budget (1–3600)"))),
         (status = 503, description = "Not accepted, nothing recorded for the job id: the model server of the job's kind is down for every live worker (`upstream_unavailable`: their circuit breakers are open; nothing published; `Retry-After`: seconds until the breakers' next trial call, at least 1), the broker did not confirm in time (the message may still reach the queue: retry with the same job_id), refused it (nack), the ledger is unavailable, or a concurrent request with the same job id is still being published", body = crate::openapi::ErrorBody, headers(("Retry-After" = inline(crate::openapi::RetryAfter), description = "With `upstream_unavailable`: seconds until the workers' circuit breakers let a trial call through (1–3600)"))),
     ),
 )]
@@ -51,10 +52,12 @@ pub async fn create(
     body: Body,
 ) -> Result<Response, ApiError> {
     ApiError::require_json(&headers)?;
-    let bytes = read_body(&headers, body, state.max_body_bytes).await?;
-    let (job, callback, tags) = parse_request_with_callback(&bytes)?;
+    let bytes = read_body(&state, &headers, body).await?;
+    let (mut job, callback, tags) = parse_request_with_callback(&bytes)?;
     let tenant = caller.job_tenant(tags.tenant.as_deref(), "tenant")?;
     caller.check_kind(&job.kind)?;
+    let priority = caller.job_priority(tags.priority, "priority")?;
+    job.job_id = Some(caller.new_job_id(job.job_id.as_deref(), "job_id")?);
     let callback = match callback {
         Some(url) => Some(
             state
@@ -74,10 +77,11 @@ pub async fn create(
         .submitter
         .envelope(&job, now)
         .map_err(|e| submit_error(e, spec))?;
-    let env = tagged(env, tenant, tags.priority);
+    let env = tagged(env, tenant, priority);
     let job_id = env.job_id().to_string();
-    // The tenant's quotas, before anything is claimed or published.
-    let tokens = RequestSize::of_payload(&env.payload).map_or(0, |s| s.prompt_tokens);
+    // The tenant's quotas, before anything is claimed or published: everything the
+    // payload forwards to the model counts.
+    let tokens = forwarded_tokens(&env.payload);
     state.admit_quota(env.tenant(), tokens)?;
 
     // Claim the id in the ledger, publish with confirm, stamp or release the claim: the
@@ -177,13 +181,16 @@ pub(crate) fn tagged(
     }
 }
 
-/// A request body of at most `limit` bytes (`serve --max-body-bytes`): `413` as soon as
-/// its `Content-Length` says more, or once more arrived.
+/// A request body of at most `serve --max-body-bytes`: `413` as soon as its
+/// `Content-Length` says more, or once more arrived; `408 body_read_timeout` when it has
+/// not all arrived within `serve --body-read-timeout-ms` (a client sending slowly holds a
+/// connection and a task no longer).
 pub(crate) async fn read_body(
+    state: &AppState,
     headers: &HeaderMap,
     body: Body,
-    limit: usize,
 ) -> Result<axum::body::Bytes, ApiError> {
+    let limit = state.max_body_bytes;
     let declared = headers
         .get(header::CONTENT_LENGTH)
         .and_then(|v| v.to_str().ok())
@@ -191,8 +198,10 @@ pub(crate) async fn read_body(
     if declared.is_some_and(|n| n > limit) {
         return Err(ApiError::TooLarge { limit });
     }
-    axum::body::to_bytes(body, limit)
+    let timeout = state.body_read_timeout;
+    tokio::time::timeout(timeout, axum::body::to_bytes(body, limit))
         .await
+        .map_err(|_| ApiError::BodyTimeout(timeout.as_millis() as u64))?
         .map_err(|_| ApiError::TooLarge { limit })
 }
 
@@ -471,7 +480,7 @@ pub const MAX_WAIT_MS: i64 = 60_000;
         (status = 200, description = "The record", body = crate::openapi::JobRecord),
         (status = 400, description = "The path parameter cannot be decoded (percent-encoding that is not UTF-8; `field` is `id`), or `wait_ms` is not an integer from 0 to this server's maximum or is given twice (`field` is `wait_ms`)", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
-        (status = 404, description = "No such job (after waiting, with `wait_ms`)", body = crate::openapi::ErrorBody),
+        (status = 404, description = "No such job (after waiting, with `wait_ms`). With a token of the tokens file the id is read in its tenant's namespace (`<tenant>:<id>`), and another tenant's job is answered exactly as a missing one, after the whole `wait_ms`", body = crate::openapi::ErrorBody),
         (status = 503, description = "With `wait_ms`: as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`); read without `wait_ms` or retry", body = crate::openapi::ErrorBody),
         (status = 500, response = crate::openapi::LedgerError),
     ),
@@ -484,17 +493,25 @@ pub async fn show(
 ) -> Result<Response, ApiError> {
     let wait_ms = q.integer("wait_ms", 0..=state.max_wait_ms)?.unwrap_or(0);
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
+    let key = caller.job_id(&id);
+    // Another tenant's job reads as none at every read, so a long-poll on it waits the
+    // whole `wait_ms` like one on a missing id (issue #48).
+    let read = || async {
+        Ok::<_, ApiError>(
+            read_job(&state, &key)
+                .await?
+                .filter(|r| visible(&caller, r)),
+        )
+    };
     // Registered before the first read: an outcome recorded in between still wakes it.
     let rec = if wait_ms > 0 {
-        let _permit = state.wait_permit()?;
-        let mut waiter = state.waiters.subscribe(&id);
-        waiter
-            .until_terminal(until, || read_job(&state, &id))
-            .await?
+        let _permit = state.wait_permit(&caller)?;
+        let mut waiter = state.waiters.subscribe(&key);
+        waiter.until_terminal(until, read).await?
     } else {
-        read_job(&state, &id).await?
+        read().await?
     };
-    match rec.filter(|r| visible(&caller, r)) {
+    match rec {
         Some(rec) => Ok(Json(rec).into_response()),
         None => Err(ApiError::NotFound(id)),
     }
@@ -502,7 +519,7 @@ pub async fn show(
 
 /// Whether `caller` may see `rec`: a tenant's token sees only its tenant's jobs (another
 /// tenant's job is "no such job", its existence not revealed).
-fn visible(caller: &Caller, rec: &JobRecord) -> bool {
+pub(crate) fn visible(caller: &Caller, rec: &JobRecord) -> bool {
     caller.tenant().is_none_or(|t| t == rec.tenant)
 }
 
@@ -533,6 +550,7 @@ pub async fn cancel(
     Extension(caller): Extension<Caller>,
     PathParam(id): PathParam,
 ) -> Result<Response, ApiError> {
+    let id = caller.job_id(&id);
     if caller.tenant().is_some()
         && !read_job(&state, &id)
             .await?

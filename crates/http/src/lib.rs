@@ -97,6 +97,17 @@ pub struct AppState {
     /// one permit each; none left: `503 too_many_waiting` (`serve --max-waiting`, 4,096 by
     /// default). Each holds a socket, a waiter and a task for up to its deadline.
     pub waiting: Arc<tokio::sync::Semaphore>,
+    /// Streaming chat requests at once, one permit each, taken after a wait permit and
+    /// before the stream opens its broker channel for the deltas; none left:
+    /// `503 too_many_waiting` (`serve --max-streams`, 1,024 by default: RabbitMQ allows
+    /// 2,047 channels per connection).
+    pub streams: Arc<tokio::sync::Semaphore>,
+    /// What each tenant holds of the waits, the streams and the requests in flight, against
+    /// its tokens-file caps ([`tokens::TenantLimits`]; `429 tenant_limit` past one).
+    pub holds: Arc<tokens::TenantHolds>,
+    /// How long a request body may take to arrive (`serve --body-read-timeout-ms`, 10 s by
+    /// default): past it `408 body_read_timeout` and the connection is closed.
+    pub body_read_timeout: std::time::Duration,
     /// Where `DELETE /v1/jobs/{id}` announces a job cancelled before its start
     /// (`{prefix}.events`) and asks the workers to stop a running one (`{prefix}.control`).
     /// Disabled by default; `serve` connects both.
@@ -154,6 +165,9 @@ impl AppState {
             waiters: Arc::new(waiters::Waiters::default()),
             max_wait_ms: jobs::MAX_WAIT_MS,
             waiting: Arc::new(tokio::sync::Semaphore::new(MAX_WAITING)),
+            streams: Arc::new(tokio::sync::Semaphore::new(MAX_STREAMS)),
+            holds: Arc::new(tokens::TenantHolds::default()),
+            body_read_timeout: BODY_READ_TIMEOUT,
             events: lastcall_broker::EventSink::disabled(),
             control: lastcall_broker::EventSink::disabled(),
             webhooks: webhooks::WebhookConfig::default(),
@@ -172,6 +186,24 @@ impl AppState {
 /// Requests that may wait for an outcome at once by default ([`AppState::waiting`]).
 pub const MAX_WAITING: usize = 4_096;
 
+/// Streaming requests at once by default ([`AppState::streams`]): each holds a broker
+/// channel, and RabbitMQ allows 2,047 per connection.
+pub const MAX_STREAMS: usize = 1_024;
+
+/// How long a request body may take to arrive by default ([`AppState::body_read_timeout`]).
+pub const BODY_READ_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
+
+/// Permits a request holds until its answer ends (dropped: given back).
+#[derive(Debug, Default)]
+pub(crate) struct Held(Vec<tokio::sync::OwnedSemaphorePermit>);
+
+impl Held {
+    pub(crate) fn and(mut self, other: Held) -> Held {
+        self.0.extend(other.0);
+        self
+    }
+}
+
 impl AppState {
     /// Admit one job of `tenant` needing about `tokens` prompt tokens under the tenant's
     /// quotas (`429 over_quota` with `Retry-After` when over one; nothing taken then), and
@@ -188,12 +220,59 @@ impl AppState {
             })
     }
 
-    /// A permit to wait for an outcome, or `503 too_many_waiting` when all are taken.
-    pub(crate) fn wait_permit(&self) -> Result<tokio::sync::OwnedSemaphorePermit, ApiError> {
-        self.waiting
-            .clone()
-            .try_acquire_owned()
-            .map_err(|_| ApiError::TooManyWaiting)
+    /// A permit to wait for an outcome: `429 tenant_limit` when the caller's tenant holds
+    /// its `max_waiting`, `503 too_many_waiting` when the server's are all taken.
+    pub(crate) fn wait_permit(&self, caller: &Caller) -> Result<Held, ApiError> {
+        let mut held =
+            self.tenant_hold(caller, "max_waiting", "waiting requests", |l| l.max_waiting)?;
+        held.0.push(
+            self.waiting
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| ApiError::TooManyWaiting)?,
+        );
+        Ok(held)
+    }
+
+    /// A permit to stream (taken before the stream's broker channel is opened): `429
+    /// tenant_limit` past the tenant's `max_streams`, `503 too_many_waiting` past the
+    /// server's ([`AppState::streams`]).
+    pub(crate) fn stream_permit(&self, caller: &Caller) -> Result<Held, ApiError> {
+        let mut held = self.tenant_hold(caller, "max_streams", "streams", |l| l.max_streams)?;
+        held.0.push(
+            self.streams
+                .clone()
+                .try_acquire_owned()
+                .map_err(|_| ApiError::TooManyWaiting)?,
+        );
+        Ok(held)
+    }
+
+    /// One of `resource` for the caller's tenant under its tokens-file cap (nothing for
+    /// the operator's token, or a tenant the file does not name).
+    pub(crate) fn tenant_hold(
+        &self,
+        caller: &Caller,
+        resource: &'static str,
+        what: &'static str,
+        limit: impl Fn(&tokens::TenantLimits) -> usize,
+    ) -> Result<Held, ApiError> {
+        let Some(tenant) = caller.tenant() else {
+            return Ok(Held::default());
+        };
+        let Some(policy) = self.tokens.as_ref().and_then(|f| f.policy(tenant)) else {
+            return Ok(Held::default());
+        };
+        let limit = limit(&policy.limits);
+        match self.holds.try_hold(tenant, resource, limit) {
+            Some(p) => Ok(Held(vec![p])),
+            None => Err(ApiError::TenantLimit {
+                tenant: tenant.to_owned(),
+                field: resource,
+                what,
+                limit,
+            }),
+        }
     }
 }
 

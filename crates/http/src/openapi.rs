@@ -35,7 +35,7 @@ use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
     security(("bearer" = []), ("basic" = [])),
     components(
         schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError, PriorityTier),
-        responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError),
+        responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError, TenantLimit, SlowBody),
     ),
 )]
 pub struct ApiDoc;
@@ -77,6 +77,15 @@ pub(crate) fn finish(doc: &mut utoipa::openapi::OpenApi, public: &[String]) {
                 op.security = Some(Vec::new());
             }
             op.tags = None;
+            if !open && !crate::auth::OPERATOR_ONLY.contains(&path.as_str()) {
+                // Any request of a tenant's token counts against its `max_requests`.
+                op.responses
+                    .responses
+                    .entry("429".into())
+                    .or_insert_with(|| {
+                        utoipa::openapi::Ref::from_response_name("TenantLimit").into()
+                    });
+            }
             if op.description.as_deref() == Some("") {
                 op.description = None;
             }
@@ -144,7 +153,7 @@ impl ToSchema for JobState {
 #[derive(ToSchema)]
 #[allow(dead_code)] // a schema: `jobs::parse_request` reads the body field by field
 pub(crate) struct NewJobFields {
-    /// Generated when absent. Reusing an id with the same payload is idempotent; with another payload it is a 409.
+    /// Generated when absent (`job-` and 128 random bits). Reusing an id with the same payload is idempotent; with another payload it is a 409. A token of the tokens file names its jobs in its tenant's namespace: `order-7` is the job `<tenant>:order-7`, the id the answer carries.
     #[schema(pattern = "^[A-Za-z0-9._:-]{1,128}$")]
     job_id: Option<String>,
     #[schema(pattern = "^[a-z0-9._-]{1,64}$")]
@@ -169,7 +178,7 @@ pub(crate) struct NewJobFields {
     /// Whose job it is (`default` when absent): 1–64 characters of `[A-Za-z0-9._:-]`. A request made with a token of the server's tokens file acts for that token's tenant: leave it out or name the same one (another is refused with `403 tenant_mismatch`)
     #[schema(pattern = "^[A-Za-z0-9._:-]{1,64}$")]
     tenant: Option<String>,
-    /// The job's priority tier (`standard` when absent): under overload `critical` is served first, `batch` last
+    /// The job's priority tier (`standard` when absent): under overload `critical` is served first, `batch` last. A token of the tokens file may name at most its `max_priority` (`standard` unless its entry says otherwise; above: `403 priority_not_allowed`), and absent is the lower of `standard` and that
     #[schema(inline)]
     priority: Option<PriorityTier>,
 }
@@ -540,7 +549,46 @@ impl<'r> ToResponse<'r> for Forbidden {
         (
             "Forbidden",
             ResponseBuilder::new()
-                .description("A request that changes something sent from another origin (`cross_origin`: `Origin` is not this server's `Host`, or `Sec-Fetch-Site` is `cross-site` or `same-site`), or presenting Basic credentials, which are for reads only (`basic_credentials_read_only`: send the token as `Bearer`); with a token of the tokens file (`serve --tokens-file`): a body, header or query naming another tenant than the token's (`tenant_mismatch`, `field` names it), a kind the token may not submit (`kind_not_allowed`, `field` is `kind`), or a route only the operator's token may read, the dashboard and `/metrics` (`operator_only`)")
+                .description("A request that changes something sent from another origin (`cross_origin`: `Origin` is not this server's `Host`, or `Sec-Fetch-Site` is `cross-site` or `same-site`), or presenting Basic credentials, which are for reads only (`basic_credentials_read_only`: send the token as `Bearer`); with a token of the tokens file (`serve --tokens-file`): a body, header or query naming another tenant than the token's (`tenant_mismatch`, `field` names it), a kind the token may not submit (`kind_not_allowed`, `field` is `kind`), a tier above the token's `max_priority` (`priority_not_allowed`, `field` names the body field or header), or a route only the operator's token may read, the dashboard and `/metrics` (`operator_only`)")
+                .content("application/json", error_content())
+                .build()
+                .into(),
+        )
+    }
+}
+
+/// `429 tenant_limit`: the caller's tenant holds its cap of a shared resource.
+pub(crate) struct TenantLimit;
+
+impl<'r> ToResponse<'r> for TenantLimit {
+    fn response() -> (&'r str, RefOr<utoipa::openapi::Response>) {
+        (
+            "TenantLimit",
+            ResponseBuilder::new()
+                .description("With a token of the tokens file: its tenant already holds as many requests in flight as its `max_requests` allows (`tenant_limit`, `field` is `max_requests`; on a long-poll or chat request also `max_waiting`, on a stream `max_streams`). Nothing was published; retry after `Retry-After` (1 s)")
+                .header(
+                    "Retry-After",
+                    HeaderBuilder::new()
+                        .schema(Some(ObjectBuilder::new().schema_type(Type::Integer).minimum(Some(1))))
+                        .description(Some("Seconds: 1"))
+                        .build(),
+                )
+                .content("application/json", error_content())
+                .build()
+                .into(),
+        )
+    }
+}
+
+/// `408 body_read_timeout`: the body did not arrive in time.
+pub(crate) struct SlowBody;
+
+impl<'r> ToResponse<'r> for SlowBody {
+    fn response() -> (&'r str, RefOr<utoipa::openapi::Response>) {
+        (
+            "SlowBody",
+            ResponseBuilder::new()
+                .description("The request body did not all arrive within this server's body-read timeout (`serve --body-read-timeout-ms`, 10 s by default): `body_read_timeout`; the connection is closed, nothing was published")
                 .content("application/json", error_content())
                 .build()
                 .into(),

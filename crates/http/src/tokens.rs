@@ -11,13 +11,20 @@
 //! jobs_per_second = 20       # quota (optional): jobs accepted per second
 //! tokens_per_minute = 60000  # quota (optional): estimated prompt tokens per minute
 //! kinds = ["chat"]           # optional: the only job kinds this token may submit
+//! max_priority = "standard"  # the highest tier this token may submit (default standard)
+//! max_waiting = 1024         # long-polls, held chat requests and streams at once
+//! max_streams = 256          # streaming chat requests at once (each holds a broker channel)
+//! max_requests = 2048        # requests in flight at once (each holds a connection)
 //! ```
 //!
 //! `sha256` is the hex SHA-256 of the token (`lastcall tokens hash`, or `printf %s TOKEN |
 //! sha256sum`): the file never holds a usable secret. A presented token is hashed and looked
 //! up; a lookup keyed by a SHA-256 digest tells a timing observer nothing about the token.
-//! Weight and quotas belong to the tenant: two tokens of one tenant must agree on them
-//! (the allowed kinds may differ per token).
+//! Weight, quotas and the `max_*` caps belong to the tenant: two tokens of one tenant must
+//! agree on them (the allowed kinds and `max_priority` may differ per token). The caps
+//! default to a quarter of the server's own ([`TenantLimits::default`]), so no tenant can
+//! hold all of a shared resource (issue #48). A tenant's name may not contain `:`: its
+//! tokens' job ids are `<tenant>:<id>` ([`crate::auth::Caller::job_id`]).
 //!
 //! Quotas are token buckets ([`Bucket`], pure: `now_ms` is an argument): `jobs_per_second`
 //! holds one second's worth (at least 1 job), `tokens_per_minute` one minute's. A request
@@ -36,6 +43,10 @@ pub struct TokenEntry {
     pub tenant: Tenant,
     /// `None`: every kind.
     pub kinds: Option<BTreeSet<String>>,
+    /// The highest tier this token may submit (`max_priority`, default `standard`): a
+    /// higher one is `403 priority_not_allowed`. A request naming no tier gets the lower
+    /// of `standard` and this.
+    pub max_priority: lastcall_core::Priority,
 }
 
 impl TokenEntry {
@@ -52,6 +63,29 @@ pub struct Quota {
     pub tokens_per_minute: Option<u64>,
 }
 
+/// How much of the server's shared resources one tenant may hold at once (the tokens
+/// file's `max_waiting`, `max_streams`, `max_requests`). Each defaults to a quarter of
+/// the server's own default bound.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct TenantLimits {
+    /// Requests waiting for an outcome (long-polls, held chat requests, streams).
+    pub max_waiting: usize,
+    /// Streaming chat requests (each holds a broker channel for its deltas).
+    pub max_streams: usize,
+    /// Requests in flight, from the headers to the last byte of the answer.
+    pub max_requests: usize,
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        Self {
+            max_waiting: crate::MAX_WAITING / 4,
+            max_streams: crate::MAX_STREAMS / 4,
+            max_requests: crate::limit::MAX_CONNECTIONS / 4,
+        }
+    }
+}
+
 /// What the file says about a tenant.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct TenantPolicy {
@@ -59,6 +93,7 @@ pub struct TenantPolicy {
     /// (the scheduler reads [`TokensFile::weights`]).
     pub weight: u32,
     pub quota: Quota,
+    pub limits: TenantLimits,
 }
 
 /// The parsed tokens file.
@@ -97,6 +132,10 @@ struct RawEntry {
     jobs_per_second: Option<f64>,
     tokens_per_minute: Option<u64>,
     kinds: Option<Vec<String>>,
+    max_priority: Option<String>,
+    max_waiting: Option<usize>,
+    max_streams: Option<usize>,
+    max_requests: Option<usize>,
 }
 
 /// The hex SHA-256 of a token (surrounding whitespace removed, as the server does), as
@@ -142,6 +181,34 @@ impl TokensFile {
             }
             let tenant =
                 Tenant::parse(&e.tenant).map_err(|err| format!("{at}: `tenant` {}", err.0))?;
+            if tenant.as_str().contains(':') {
+                return Err(format!(
+                    "{at}: `tenant` may not contain `:` here: a tenant token's job ids are `<tenant>:<id>`, and a `:` in the tenant would make one tenant's ids another's"
+                ));
+            }
+            let max_priority = match e.max_priority.as_deref() {
+                None => lastcall_core::Priority::Standard,
+                Some(p) => p
+                    .parse::<lastcall_core::Priority>()
+                    .map_err(|err| format!("{at}: `max_priority` {}", err.0))?,
+            };
+            let defaults = TenantLimits::default();
+            let mut limits = defaults;
+            for (field, value, slot) in [
+                ("max_waiting", e.max_waiting, &mut limits.max_waiting),
+                ("max_streams", e.max_streams, &mut limits.max_streams),
+                ("max_requests", e.max_requests, &mut limits.max_requests),
+            ] {
+                match value {
+                    Some(0) => {
+                        return Err(format!(
+                            "{at}: `{field}` must be at least 1 (leave it out for the default)"
+                        ));
+                    }
+                    Some(n) => *slot = n,
+                    None => {}
+                }
+            }
             let weight = e.weight.unwrap_or(1);
             if weight == 0 {
                 return Err(format!("{at}: `weight` must be at least 1"));
@@ -174,11 +241,12 @@ impl TokensFile {
                     jobs_per_second: e.jobs_per_second,
                     tokens_per_minute: e.tokens_per_minute,
                 },
+                limits,
             };
             match out.tenants.get(tenant.as_str()) {
                 Some(known) if *known != policy => {
                     return Err(format!(
-                        "{at}: `weight` and the quotas belong to the tenant, and an earlier entry of `{tenant}` sets them differently; give every token of a tenant the same `weight`, `jobs_per_second` and `tokens_per_minute`"
+                        "{at}: `weight` and the quotas belong to the tenant, and an earlier entry of `{tenant}` sets them differently; give every token of a tenant the same `weight`, `jobs_per_second`, `tokens_per_minute`, `max_waiting`, `max_streams` and `max_requests`"
                     ));
                 }
                 Some(_) => {}
@@ -188,7 +256,14 @@ impl TokensFile {
             }
             if out
                 .by_hash
-                .insert(hash, Arc::new(TokenEntry { tenant, kinds }))
+                .insert(
+                    hash,
+                    Arc::new(TokenEntry {
+                        tenant,
+                        kinds,
+                        max_priority,
+                    }),
+                )
                 .is_some()
             {
                 return Err(format!(
@@ -304,6 +379,34 @@ impl std::fmt::Display for QuotaRefusal {
                 self.limit, self.retry_after_s
             ),
         }
+    }
+}
+
+/// What one tenant holds of the server's shared resources now, against its
+/// [`TenantLimits`]: a semaphore per tenant and resource, made when first needed (bounded
+/// by the tenants of the file).
+#[derive(Debug, Default)]
+pub struct TenantHolds {
+    sems: Mutex<HashMap<(String, &'static str), Arc<tokio::sync::Semaphore>>>,
+}
+
+impl TenantHolds {
+    /// One more of `resource` (a [`TenantLimits`] field name) for `tenant`, whose limit is
+    /// `limit`; `None` when the tenant already holds `limit`. The permit gives it back.
+    pub fn try_hold(
+        &self,
+        tenant: &str,
+        resource: &'static str,
+        limit: usize,
+    ) -> Option<tokio::sync::OwnedSemaphorePermit> {
+        let sem = self
+            .sems
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .entry((tenant.to_owned(), resource))
+            .or_insert_with(|| Arc::new(tokio::sync::Semaphore::new(limit)))
+            .clone();
+        sem.try_acquire_owned().ok()
     }
 }
 
@@ -428,6 +531,16 @@ tenant = "team-b"
         assert_eq!(q.jobs_per_second, Some(2.0));
         assert_eq!(q.tokens_per_minute, Some(600));
         assert_eq!(f.policy("team-b").unwrap().quota, Quota::default());
+        assert_eq!(
+            a.max_priority,
+            lastcall_core::Priority::Standard,
+            "the default"
+        );
+        assert_eq!(
+            f.policy("team-b").unwrap().limits,
+            TenantLimits::default(),
+            "a quarter of the server's bounds"
+        );
     }
 
     #[test]
@@ -459,6 +572,20 @@ tenant = "team-b"
                 "`kinds`",
             ),
             (
+                &format!("[[token]]\nsha256 = \"{h}\"\ntenant = \"a:b\"\n"),
+                "`tenant` may not contain `:`",
+            ),
+            (
+                &format!(
+                    "[[token]]\nsha256 = \"{h}\"\ntenant = \"a\"\nmax_priority = \"urgent\"\n"
+                ),
+                "`max_priority`",
+            ),
+            (
+                &format!("[[token]]\nsha256 = \"{h}\"\ntenant = \"a\"\nmax_streams = 0\n"),
+                "`max_streams`",
+            ),
+            (
                 &format!("[[token]]\nsha256 = \"{h}\"\ntenant = \"a\"\ntoken = \"x\"\n"),
                 "unknown field",
             ),
@@ -481,6 +608,24 @@ tenant = "team-b"
             assert!(e.contains(names), "{text}: {e}");
         }
         assert!(TokensFile::parse("").unwrap().is_empty());
+    }
+
+    #[test]
+    fn a_tenant_holds_at_most_its_limit_and_gets_them_back() {
+        let holds = TenantHolds::default();
+        let a1 = holds.try_hold("a", "max_streams", 2).unwrap();
+        let _a2 = holds.try_hold("a", "max_streams", 2).unwrap();
+        assert!(holds.try_hold("a", "max_streams", 2).is_none());
+        assert!(
+            holds.try_hold("b", "max_streams", 2).is_some(),
+            "per tenant"
+        );
+        assert!(
+            holds.try_hold("a", "max_waiting", 2).is_some(),
+            "per resource"
+        );
+        drop(a1);
+        assert!(holds.try_hold("a", "max_streams", 2).is_some());
     }
 
     #[test]

@@ -116,12 +116,12 @@ impl std::fmt::Debug for Submitter {
     }
 }
 
-static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-
-/// A new job id: time, process and a sequence number; unique enough without a UUID crate.
-pub fn new_job_id(now_ms: i64) -> String {
-    let n = SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    format!("job-{now_ms:x}-{:x}-{n}", std::process::id())
+/// A new job id: `job-` and 128 random bits in hex (from the operating system's
+/// generator through `rand`'s thread-local CSPRNG). Unguessable: knowing one id (or the
+/// time, the process id) tells nothing of another, so an id cannot be probed (issue #48).
+pub fn new_job_id() -> String {
+    let bits: u128 = rand::random();
+    format!("job-{bits:032x}")
 }
 
 impl Submitter {
@@ -171,7 +171,7 @@ impl Submitter {
 
     /// Build the envelope for `job` at `now_ms` (validated like any received body).
     pub fn envelope(&self, job: &NewJob, now_ms: i64) -> Result<Envelope, SubmitError> {
-        let job_id = job.job_id.clone().unwrap_or_else(|| new_job_id(now_ms));
+        let job_id = job.job_id.clone().unwrap_or_else(new_job_id);
         let deadline = match job.deadline {
             DeadlineSpec::RelativeMs(ms) => Deadline::from_budget(now_ms, ms),
             DeadlineSpec::AbsoluteMs(at) => Deadline::new(now_ms.min(at), at),
@@ -354,8 +354,12 @@ impl Submitter {
                 continue; // released between our claim and the read: claim again
             };
             // A row a worker wrote first has no payload hash; it is the same job id, and
-            // the worker has it: answer as a duplicate rather than publish again.
-            if existing.as_ref().is_some_and(|h| *h != claim.payload_hash) {
+            // the worker has it: answer as a duplicate rather than publish again — but
+            // only to its own tenant: another tenant's job is never this request's answer
+            // (issue #48).
+            if existing.as_ref().is_some_and(|h| *h != claim.payload_hash)
+                || rec.tenant != claim.tenant.as_str()
+            {
                 return Err(SubmitError::Conflict { job_id });
             }
             let pending = rec.state == "accepted" && rec.accepted_at_ms.is_none();

@@ -247,6 +247,8 @@ async fn build(
     state.max_body_bytes = a.max_body_bytes;
     state.max_wait_ms = a.max_wait_ms;
     state.waiting = std::sync::Arc::new(tokio::sync::Semaphore::new(a.max_waiting));
+    state.streams = std::sync::Arc::new(tokio::sync::Semaphore::new(a.max_streams));
+    state.body_read_timeout = std::time::Duration::from_millis(a.body_read_timeout_ms);
     state.front_door = front_door;
     state.webhooks = webhooks;
     state.tokens = tokens;

@@ -66,7 +66,7 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
     let waiting = if a.wait {
         let id = job
             .job_id
-            .get_or_insert_with(|| lastcall_producer::new_job_id(clock.now_ms()))
+            .get_or_insert_with(lastcall_producer::new_job_id)
             .clone();
         let follower = match &a.events_amqp_url {
             Some(url) => super::connect_events_broker(url).await?,

@@ -36,7 +36,7 @@ fn entry(token: &str, tenant: &lastcall_core::Tenant, bare: bool) -> Result<Stri
         format!("{hash}\n")
     } else {
         format!(
-            "[[token]]\nsha256 = \"{hash}\"\ntenant = \"{tenant}\"\n# weight = 1\n# jobs_per_second = 10\n# tokens_per_minute = 100000\n# kinds = [\"chat\"]\n"
+            "[[token]]\nsha256 = \"{hash}\"\ntenant = \"{tenant}\"\n# weight = 1\n# jobs_per_second = 10\n# tokens_per_minute = 100000\n# kinds = [\"chat\"]\n# max_priority = \"standard\"\n# max_waiting = 1024\n# max_streams = 256\n# max_requests = 2048\n"
         )
     })
 }
