@@ -37,6 +37,7 @@
 pub mod ack_plan;
 pub mod ack_window;
 pub mod admission;
+pub mod alerts;
 pub mod breaker;
 pub mod concurrency;
 pub mod deadletter;
@@ -47,8 +48,10 @@ pub mod disposition;
 pub mod envelope;
 pub mod event;
 pub mod fallback;
+pub mod headline;
 pub mod ids;
 pub mod lease;
+pub mod live;
 pub mod outcome;
 pub mod rate_limit;
 pub mod reason;
