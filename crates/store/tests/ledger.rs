@@ -3476,7 +3476,11 @@ async fn the_headline_equals_the_records_and_reads_no_text(db: &TestDb) {
             checked_at_ms: Some(created + dwell + 1),
             latency_ms: (!refused).then_some(100 + i),
             model_called: !refused,
-            worker: if i % 11 == 0 { "dlq:x".into() } else { "w1".into() },
+            worker: if i % 11 == 0 {
+                "dlq:x".into()
+            } else {
+                "w1".into()
+            },
             tenant: Tenant::parse(["a", "b", "c"][i as usize % 3]).unwrap(),
             result: Some("text".into()),
             ..outcome(&id, &format!("{id}-1"), state, created + dwell + 500)
@@ -3510,13 +3514,16 @@ async fn the_headline_equals_the_records_and_reads_no_text(db: &TestDb) {
             assert_eq!(f.on_time, count(&|s| s == "completed"));
             assert_eq!(
                 f.refused,
-                count(&|s| ["expired_not_started", "expired_before_receive", "rejected"]
-                    .contains(&s))
+                count(
+                    &|s| ["expired_not_started", "expired_before_receive", "rejected"].contains(&s)
+                )
             );
             assert_eq!(f.pending, count(&|s| s == "accepted" || s == "running"));
             assert_eq!(
                 f.wasted_model_ms,
-                rs.iter().map(|r| r.wasted_model_ms.max(0) as u64).sum::<u64>()
+                rs.iter()
+                    .map(|r| r.wasted_model_ms.max(0) as u64)
+                    .sum::<u64>()
             );
             let mut dwells: Vec<i64> = rs
                 .iter()
@@ -3572,17 +3579,28 @@ async fn a_lease_carries_its_workers_live_numbers(db: &TestDb) {
         learned_call_ms: [("chat".to_owned(), 1_500)].into(),
         ..Default::default()
     };
-    l.heartbeat_live("w1", 10_000, &live.to_json()).await.unwrap();
+    l.heartbeat_live("w1", 10_000, &live.to_json())
+        .await
+        .unwrap();
     l.heartbeat("w-old", 1_000).await.unwrap();
     l.heartbeat("w-none", 9_000).await.unwrap();
     let got = l.worker_leases(5_000).await.unwrap();
     assert_eq!(got.len(), 2, "{got:?}");
-    assert_eq!((got[0].worker.as_str(), got[0].renewed_at_ms), ("w1", 10_000));
+    assert_eq!(
+        (got[0].worker.as_str(), got[0].renewed_at_ms),
+        ("w1", 10_000)
+    );
     assert_eq!(got[0].live.as_ref(), Some(&live));
-    assert_eq!((got[1].worker.as_str(), got[1].live.as_ref()), ("w-none", None));
+    assert_eq!(
+        (got[1].worker.as_str(), got[1].live.as_ref()),
+        ("w-none", None)
+    );
     l.heartbeat("w1", 11_000).await.unwrap();
     let got = l.worker_leases(5_000).await.unwrap();
-    assert_eq!((got[0].renewed_at_ms, got[0].live.as_ref()), (11_000, Some(&live)));
+    assert_eq!(
+        (got[0].renewed_at_ms, got[0].live.as_ref()),
+        (11_000, Some(&live))
+    );
 }
 
 /// The alerts' reads: breakers open now under a fresh lease, one per (worker, backend)
@@ -3604,7 +3622,10 @@ async fn the_alerts_read_open_breakers_of_live_workers_and_outcomes_per_kind(db:
         .unwrap();
     let open = l.open_breakers(now, now - 10_000).await.unwrap();
     assert_eq!(open.len(), 1, "{open:?}");
-    assert_eq!((open[0].worker.as_str(), open[0].backend.as_str()), ("live", "vllm"));
+    assert_eq!(
+        (open[0].worker.as_str(), open[0].backend.as_str()),
+        ("live", "vllm")
+    );
     assert_eq!(open[0].kinds, kinds);
 
     for (i, state) in [State::Rejected, State::ExpiredNotStarted, State::Completed]
@@ -3617,5 +3638,8 @@ async fn the_alerts_read_open_breakers_of_live_workers_and_outcomes_per_kind(db:
     }
     let got = l.kind_outcomes(now - 1_000).await.unwrap();
     assert_eq!(got.len(), 1);
-    assert_eq!((got[0].kind.as_str(), got[0].jobs, got[0].refused), ("chat", 3, 2));
+    assert_eq!(
+        (got[0].kind.as_str(), got[0].jobs, got[0].refused),
+        ("chat", 3, 2)
+    );
 }
