@@ -596,7 +596,8 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
         let shot = chromium(
             &[
                 "--virtual-time-budget=10000",
-                &format!("--window-size={width},1100"),
+                // Tall enough for every card (the per-tenant table too).
+                &format!("--window-size={width},1800"),
                 &format!("--screenshot={}", png.display()),
                 &url,
             ],

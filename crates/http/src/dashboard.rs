@@ -439,6 +439,53 @@ fn bucket(ms: i64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first paint: every placeholder filled with the snapshot's numbers in the
+    /// script's formats, the snapshot embedded so that no text of it can end the script
+    /// element, and dashes (never a placeholder) without a snapshot.
+    #[test]
+    fn the_page_is_rendered_with_its_first_state() {
+        let snap = json!({
+            "headline": {
+                "arrivals": 40, "on_time": 35, "on_time_pct": 87.5, "pending": 1,
+                "refused": 3, "wasted_model_ms": 12_340,
+                "queue_dwell_p99_ms": 2_500, "queue_dwell_p99_over": false,
+            },
+            "waiting": {
+                "broker_ready": 4, "broker_unacked": 2, "waiting_for_slot": 1,
+                "running": 2, "concurrency_limit": null,
+            },
+            "tenants": [{"tenant": "</script><b>x"}],
+        });
+        let html = render_page(Some(&snap));
+        assert!(!html.contains("{{"), "every placeholder is filled");
+        for (id, text) in [
+            ("h-on_time", "87.5%"),
+            ("h-refused", "3"),
+            ("h-wasted", "12.3 s"),
+            ("h-dwell", "≤ 2.5 s"),
+            ("h-arrivals", "35 of 40 arrivals (1 not ended)"),
+            ("wait-broker_ready", "4"),
+            ("wait-concurrency_limit", "n/a"),
+        ] {
+            assert!(
+                html.contains(&format!("id=\"{id}\">{text}<")),
+                "{id}: {text}"
+            );
+        }
+        let script = html
+            .split("<script id=\"initial\" type=\"application/json\">")
+            .nth(1)
+            .unwrap();
+        let json = script.split("</script>").next().unwrap();
+        assert_eq!(serde_json::from_str::<Value>(json).unwrap(), snap);
+        assert!(!json.contains('<'));
+
+        let empty = render_page(None);
+        assert!(!empty.contains("{{"));
+        assert!(empty.contains("id=\"h-on_time\">–<"));
+        assert!(empty.contains(">null</script>"));
+    }
     use lastcall_core::{Decision, Reason};
     use lastcall_store::{Ledger, OutcomeRecord};
 
