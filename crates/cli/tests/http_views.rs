@@ -411,6 +411,9 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
         d["waiting"]["concurrency_limit"] == 1
             && d["waiting"]["workers_live"] == 1
             && d["waiting"]["running"] == 0
+            && d["workers"]["workers"][0]["live"]["learned_call_ms"]["incident.summary"]
+                .as_u64()
+                .is_some()
             && !has_alert(d, "dead_letters_unprocessed")
     })
     .await;
