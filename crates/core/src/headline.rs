@@ -77,9 +77,10 @@ pub fn slice_of(created_at_ms: i64, since_ms: i64, until_ms: i64, slices: i64) -
     ((created_at_ms - since_ms).max(0) * slices / span).clamp(0, slices - 1)
 }
 
-/// The start of slice `i`.
+/// The start of slice `i`: the first instant [`slice_of`] puts in it (rounded up).
 pub fn slice_start(i: i64, since_ms: i64, until_ms: i64, slices: i64) -> i64 {
-    since_ms + (until_ms - since_ms) * i / slices
+    let span = (until_ms - since_ms).max(1);
+    since_ms + (span * i + slices - 1) / slices
 }
 
 fn is_refused(state: &str) -> bool {
