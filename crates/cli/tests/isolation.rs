@@ -103,12 +103,7 @@ async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) 
                             signature: None,
                         };
                         publisher
-                            .publish(
-                                &names.jobs_exchange,
-                                e.kind().as_str(),
-                                &e.to_bytes(),
-                                &props,
-                            )
+                            .publish(&names.jobs_exchange, e.kind().as_str(), &e.to_bytes(), &props)
                             .await
                             .unwrap();
                     }
@@ -191,7 +186,8 @@ async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) 
     eprintln!("outcomes: {outcomes:?}");
     let light_on_time = on_time(&light_ids).await;
     let flood_on_time = on_time(&flood_ids).await;
-    let bound = ((span_ms + BUDGET_MS) * (SLOTS * workers) as u64 / CALL_MS).min(all.len() as u64);
+    let bound =
+        ((span_ms + BUDGET_MS) * (SLOTS * workers) as u64 / CALL_MS).min(all.len() as u64);
     let total = (light_on_time + flood_on_time) as f64 / bound as f64;
     eprintln!(
         "{route:?}: light {light_on_time}/{} on time; all {}/{} = {total:.3} of the bound {bound}",
