@@ -44,6 +44,25 @@ pub struct Usage {
     pub completion_tokens: u64,
 }
 
+impl Usage {
+    /// The most tokens one call is taken to have used, per count: a server that reports
+    /// more (a bug, or a hostile server) is taken at this, so sums never overflow.
+    pub const MAX_REPORTED_TOKENS: u64 = 100_000_000;
+
+    /// The counts a server reported, each clamped to [`Self::MAX_REPORTED_TOKENS`].
+    pub fn reported(prompt_tokens: u64, completion_tokens: u64) -> Self {
+        Self {
+            prompt_tokens: prompt_tokens.min(Self::MAX_REPORTED_TOKENS),
+            completion_tokens: completion_tokens.min(Self::MAX_REPORTED_TOKENS),
+        }
+    }
+
+    /// Prompt and completion tokens together (saturating).
+    pub fn total(&self) -> u64 {
+        self.prompt_tokens.saturating_add(self.completion_tokens)
+    }
+}
+
 /// A finished model call.
 #[derive(Debug, Clone, PartialEq, Default, Serialize)]
 pub struct CallOutput {

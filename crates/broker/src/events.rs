@@ -13,8 +13,8 @@ use crate::own_channel::OwnChannel;
 use crate::{Broker, BrokerError};
 use futures_util::StreamExt;
 use lapin::options::{
-    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions,
-    ExchangeDeclareOptions, QueueBindOptions, QueueDeclareOptions,
+    BasicAckOptions, BasicConsumeOptions, BasicPublishOptions, BasicQosOptions, QueueBindOptions,
+    QueueDeclareOptions,
 };
 use lapin::types::{AMQPValue, FieldTable, LongString};
 use lapin::{BasicProperties, Channel, ExchangeKind};
@@ -349,20 +349,14 @@ async fn subscribe(
     exchange: &str,
     kind: ExchangeKind,
     queue: &str,
-) -> Result<(Channel, lapin::Consumer), BrokerError> {
-    let amqp = |doing: &'static str| move |source| BrokerError::Amqp { doing, source };
-    let ch = b.channel().await?;
-    ch.exchange_declare(
-        exchange.into(),
-        kind,
-        ExchangeDeclareOptions {
-            durable: true,
-            ..Default::default()
-        },
-        FieldTable::default(),
-    )
-    .await
-    .map_err(amqp("declaring the events exchange"))?;
+) -> Result<(Channel, lapin::Consumer), String> {
+    let amqp = |doing: &'static str| move |source| BrokerError::Amqp { doing, source }.to_string();
+    // Declared if this user may (idempotent), else only checked: a follower needs no
+    // `configure` on the exchange it follows.
+    crate::topology::declare_or_verify_exchange(b, exchange, kind)
+        .await
+        .map_err(|e| e.to_string())?;
+    let ch = b.channel().await.map_err(|e| e.to_string())?;
     let mut args = FieldTable::default();
     args.insert("x-max-length".into(), AMQPValue::LongLongInt(10_000));
     args.insert(

@@ -1,7 +1,7 @@
 //! The RabbitMQ adapter of lastcall. This is the only crate that knows lapin.
 //!
 //! # Layout
-//! - [`topology`]: names (CONTRACT §2) and the idempotent declaration of exchanges,
+//! - [`topology`]: names (docs/wire-format.md) and the idempotent declaration of exchanges,
 //!   queues, bindings and retry queues, with clear errors on conflicting declarations.
 //! - [`publish`]: a confirm-mode publisher: persistent messages, `expiration` from the
 //!   caller's remaining budget, and a confirm awaited as its own step (nack and timeout are
@@ -43,13 +43,15 @@ pub const DEFAULT_PREFIX: &str = "lastcall";
 
 /// The cap every lastcall binary puts on its log filter: lapin's trace level logs the
 /// AMQP login frame, password included, so `lapin::io_loop` never goes below debug,
-/// whatever `LASTCALL_LOG` asks for. Combine it with the filter (`FilterExt::and`), rather
+/// whatever `LASTCALL_LOG` asks for; sqlx warns of a PostgreSQL URL parameter it does not
+/// know with its value (`sslpassword=…`), so that target logs errors only. Combine it with the filter (`FilterExt::and`), rather
 /// than adding a directive to it, which would instead raise that target to debug by default.
 pub fn log_cap() -> tracing_subscriber::filter::Targets {
     use tracing_subscriber::filter::{LevelFilter, Targets};
     Targets::new()
         .with_default(LevelFilter::TRACE)
         .with_target("lapin::io_loop", LevelFilter::DEBUG)
+        .with_target("sqlx_postgres::options::parse", LevelFilter::ERROR)
 }
 
 /// How long a polite goodbye (`basic.cancel`, `channel.close`, `connection.close`) may wait
@@ -313,18 +315,11 @@ impl Broker {
     }
 }
 
-/// Hide the password of an AMQP URL for messages.
+/// Hide the passwords of a URL (AMQP, the ledger's, the management API's) for messages:
+/// `user:***@` and secret query parameters (`?password=***`); see
+/// [`lastcall_core::redact::url`].
 pub fn redact(url: &str) -> String {
-    match (url.find("://"), url.rfind('@')) {
-        (Some(s), Some(at)) if at > s + 3 => {
-            let creds = &url[s + 3..at];
-            match creds.find(':') {
-                Some(c) => format!("{}{}:***{}", &url[..s + 3], &creds[..c], &url[at..]),
-                None => url.to_owned(),
-            }
-        }
-        _ => url.to_owned(),
-    }
+    lastcall_core::redact::url(url)
 }
 
 #[cfg(test)]

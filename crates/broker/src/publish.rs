@@ -10,7 +10,7 @@ use std::time::Duration;
 
 /// Header carrying the 0-based attempt number.
 pub const ATTEMPT_HEADER: &str = "x-lastcall-attempt";
-/// Header carrying the ingress signature (CONTRACT §1).
+/// Header carrying the ingress signature (docs/wire-format.md).
 pub const SIGNATURE_HEADER: &str = "x-lastcall-signature";
 
 /// RabbitMQ's direct reply-to pseudo-queue: a consumer on it (no-ack) gets what is

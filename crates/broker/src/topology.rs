@@ -1,4 +1,4 @@
-//! Names and declarations of the broker topology (CONTRACT §2).
+//! Names and declarations of the broker topology (docs/wire-format.md).
 
 use crate::{Broker, BrokerError};
 use lapin::ExchangeKind;
@@ -238,6 +238,56 @@ impl Topology {
         Ok(())
     }
 
+    /// Make sure the topology exists, for a process that uses it (`submit`, `serve`,
+    /// `worker`, `dlq`): declare it as [`apply`](Self::apply) does; if the broker refuses
+    /// that (`ACCESS_REFUSED`: a least-privilege user, which may not configure the
+    /// topology, see docs/broker-permissions.md), check with passive declares, which need
+    /// no permission, that every exchange and queue of it exists. A missing one is an
+    /// error that says to run `lastcall topology apply` as the deployer. Bindings cannot
+    /// be checked passively: the deployer's.
+    ///
+    /// The refused declare is tried once per process: lapin logs the broker's refusal as an
+    /// error line (`Channel closed … ACCESS_REFUSED`), and after a reconnect the same user
+    /// is refused again, so later calls go straight to the passive check.
+    pub async fn ensure(&self, broker: &Broker) -> Result<(), TopologyError> {
+        static REFUSED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+        if let Some(refused) = REFUSED.get() {
+            return self.verify(broker, refused).await;
+        }
+        match self.apply(broker).await {
+            Err(TopologyError::Broker(e)) if is_refused(&e) => {
+                let refused = e.to_string();
+                self.verify(broker, &refused).await?;
+                tracing::info!(error = %refused, "this user may not declare the topology (least privilege): checked with passive declares that it exists");
+                let _ = REFUSED.set(refused);
+                Ok(())
+            }
+            r => r,
+        }
+    }
+
+    /// Passive declares of every exchange and queue of the topology.
+    async fn verify(&self, broker: &Broker, refused: &str) -> Result<(), TopologyError> {
+        let n = &self.names;
+        for e in [
+            &n.jobs_exchange,
+            &n.dlx,
+            &n.events_exchange,
+            &n.control_exchange,
+            &n.lanes_exchange,
+        ] {
+            exists(broker, "exchange", e, refused).await?;
+        }
+        let mut queues = n.lane_queues();
+        queues.push(n.dead_queue.clone());
+        queues.push(n.retry_ready_queue());
+        queues.extend(self.retry_delays_ms.iter().map(|d| n.retry_queue(*d)));
+        for q in &queues {
+            exists(broker, "queue", q, refused).await?;
+        }
+        Ok(())
+    }
+
     /// Declare a queue other than the work queue. In quorum mode a deployment made before
     /// these queues became quorum queues holds them as classic queues: redeclaring them as
     /// quorum fails (`inequivalent arg 'x-queue-type'`), so the classic declaration is
@@ -417,6 +467,96 @@ async fn finish(
     }
 }
 
+/// Whether the broker refused an operation for want of a permission.
+pub(crate) fn is_refused(e: &BrokerError) -> bool {
+    e.to_string().contains("ACCESS_REFUSED")
+}
+
+/// Declare the exchange `name` of `kind`, or, when this user may not
+/// (`ACCESS_REFUSED`), check passively that it exists: the followers of the events and
+/// control exchanges, which need no `configure` on them then.
+pub(crate) async fn declare_or_verify_exchange(
+    broker: &Broker,
+    name: &str,
+    kind: ExchangeKind,
+) -> Result<(), TopologyError> {
+    // As in `Topology::ensure`: refused once, checked passively from then on.
+    static REFUSED: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    if let Some(refused) = REFUSED.get() {
+        return exists(broker, "exchange", name, refused).await;
+    }
+    let ch = broker.channel().await?;
+    let r = ch
+        .exchange_declare(
+            name.into(),
+            kind,
+            ExchangeDeclareOptions {
+                durable: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await;
+    match finish(ch, r, "exchange", name).await {
+        Err(TopologyError::Broker(e)) if is_refused(&e) => {
+            let refused = e.to_string();
+            exists(broker, "exchange", name, &refused).await?;
+            let _ = REFUSED.set(refused);
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// Passive declare of an exchange or queue (no permission needed); `refused` is why it
+/// was not declared, for the error when it does not exist.
+async fn exists(
+    broker: &Broker,
+    what: &'static str,
+    name: &str,
+    refused: &str,
+) -> Result<(), TopologyError> {
+    let ch = broker.channel().await?;
+    let r = if what == "exchange" {
+        ch.exchange_declare(
+            name.into(),
+            ExchangeKind::Topic,
+            ExchangeDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+    } else {
+        ch.queue_declare(
+            name.into(),
+            QueueDeclareOptions {
+                passive: true,
+                ..Default::default()
+            },
+            FieldTable::default(),
+        )
+        .await
+        .map(|_| ())
+    };
+    match r {
+        Ok(()) => {
+            crate::goodbye("closing a channel", ch.close(200, "ok".into())).await;
+            Ok(())
+        }
+        Err(e) if e.to_string().contains("NOT_FOUND") => Err(TopologyError::Missing {
+            what,
+            name: name.to_owned(),
+            refused: refused.to_owned(),
+        }),
+        Err(source) => Err(TopologyError::Broker(BrokerError::Amqp {
+            doing: "checking the topology",
+            source,
+        })),
+    }
+}
+
 fn long(s: &str) -> AMQPValue {
     AMQPValue::LongString(LongString::from(s.as_bytes().to_vec()))
 }
@@ -431,6 +571,15 @@ pub enum TopologyError {
         what: &'static str,
         name: String,
         detail: String,
+    },
+    /// A user that may not declare the topology found part of it missing.
+    #[error(
+        "{what} `{name}` does not exist, and this user may not declare it ({refused}): run `lastcall topology apply` as the deployer first, with the same --prefix and topology flags (docs/broker-permissions.md)"
+    )]
+    Missing {
+        what: &'static str,
+        name: String,
+        refused: String,
     },
     #[error(transparent)]
     Broker(#[from] BrokerError),

@@ -759,6 +759,11 @@ fn parse_rate_limit(s: &str) -> Result<(String, lastcall_core::rate_limit::Limit
     Ok((name.to_owned(), limits))
 }
 
+/// `NAME` of `--allow-model`.
+fn parse_model_name(s: &str) -> Result<String, String> {
+    lastcall_core::model_choice::AllowedModels::parse_name(s)
+}
+
 /// `TENANT=WEIGHT` of `--tenant-weight`.
 fn parse_tenant_weight(s: &str) -> Result<(String, u32), String> {
     let (name, weight) = s
@@ -892,8 +897,9 @@ pub struct WorkerArgs {
     /// until the cool-down ends, then one trial call
     #[arg(long, env = "LASTCALL_BREAKER_FAILURES", default_value_t = 5, value_parser = clap::value_parser!(u32).range(1..))]
     pub breaker_failures: u32,
-    /// The first cool-down of an open circuit breaker (a server's longer Retry-After wins);
-    /// doubled after each failed trial up to --breaker-max-cool-down-ms
+    /// The first cool-down of an open circuit breaker (a server's longer Retry-After wins,
+    /// up to --breaker-max-cool-down-ms); doubled after each failed trial up to
+    /// --breaker-max-cool-down-ms
     #[arg(
         long,
         env = "LASTCALL_BREAKER_COOL_DOWN_MS",
@@ -901,7 +907,9 @@ pub struct WorkerArgs {
         value_name = "MS"
     )]
     pub breaker_cool_down_ms: u64,
-    /// The longest cool-down of an open circuit breaker after repeated failed trials
+    /// The longest cool-down of an open circuit breaker after repeated failed trials, and
+    /// the longest a model server's headers hold it: a `Retry-After` or an
+    /// `x-ratelimit-reset-*` further out is cut to this (then a trial call goes)
     #[arg(
         long,
         env = "LASTCALL_BREAKER_MAX_COOL_DOWN_MS",
@@ -913,11 +921,18 @@ pub struct WorkerArgs {
     /// `[worker] rate_limit = ["openai:rpm=60,tpm=90000"]`): requests and tokens per
     /// minute, shared by all slots. BACKEND is `openai`, `sim`, `local`, or a `[routing]`
     /// backend name. A server's `x-ratelimit-*` headers tighten them (and set them for a
-    /// backend not named). A call waits for its permit when the permit comes before the
+    /// backend not named, for 10 min after the server last said so; a request above such a
+    /// learned limit goes alone once the bucket is full). A call waits for its permit when the permit comes before the
     /// job's latest useful start; otherwise the job ends at once without a call,
     /// `expired_not_started` / `admission:rate_limited`
     #[arg(long = "rate-limit", value_name = "BACKEND:rpm=N,tpm=N", value_parser = parse_rate_limit, action = clap::ArgAction::Append)]
     pub rate_limit: Vec<(String, lastcall_core::rate_limit::Limits)>,
+    /// A model a job's payload may ask for by its `model` field (repeatable;
+    /// `[worker] allow_model = ["gpt-4o-mini"]`). The model a call asks for is the route's
+    /// `model`, else --model; a payload's `model` is sent only when named here, and
+    /// otherwise dropped, so a producer cannot pick a dearer model on your API key
+    #[arg(long = "allow-model", value_name = "NAME", value_parser = parse_model_name, action = clap::ArgAction::Append)]
+    pub allow_model: Vec<String>,
     #[command(flatten)]
     pub admission: AdmissionArgs,
     #[command(flatten)]
@@ -974,7 +989,8 @@ pub struct OpenAiArgs {
         default_value = "http://127.0.0.1:8080/v1"
     )]
     pub base_url: String,
-    /// OpenAI backend: model name sent with each request (a route's model overrides it)
+    /// OpenAI backend: model name sent with each request (a route's model overrides it; a
+    /// job's payload `model` only when --allow-model names it)
     #[arg(long, env = "LASTCALL_OPENAI_MODEL", default_value = "default")]
     pub model: String,
     /// OpenAI backend: name of the environment variable holding the API key (used if set)

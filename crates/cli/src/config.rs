@@ -890,6 +890,21 @@ mod tests {
     }
 
     #[test]
+    fn allowed_models_come_from_flags_or_the_file() {
+        let l =
+            loaded("[worker]\nallow_model = [\"gpt-4o-mini\", \"Qwen/Qwen2.5-1.5B\"]\n").unwrap();
+        let (w, _) = worker(&l, &["worker", "--backend", "sim"]);
+        assert_eq!(w.allow_model, vec!["gpt-4o-mini", "Qwen/Qwen2.5-1.5B"]);
+        let (w, _) = worker(&l, &["worker", "--backend", "sim", "--allow-model", "x"]);
+        assert_eq!(w.allow_model, vec!["x"]);
+        let e = loaded("[worker]\nallow_model = [\"two words\"]\n")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(e.contains("allow_model") && e.contains("no spaces"), "{e}");
+    }
+
+    #[test]
     fn tenant_weights_come_from_flags_or_the_file() {
         let l = loaded("[worker]\ntenant_weight = [\"team-a=3\", \"team-b=1\"]\n").unwrap();
         let (w, _) = worker(&l, &["worker", "--backend", "sim"]);

@@ -340,6 +340,42 @@ async fn cluster_of_three_the_topology_home_node_killed() {
     cluster_one_node_killed("cluster_kill_home_node", 0).await;
 }
 
+/// Slow tier: the workers' URL list starts with a node that refuses connections (its port
+/// is closed) and goes on with B, then C. They connect to B past the closed one; B is then
+/// killed (`kill -9`) mid-run and stays down, and they fail over to C. `serve` is on C,
+/// then A. Nothing lost, no duplicate, no late start; the workers complete jobs again
+/// after the failover.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "slow tier: a 3-node RabbitMQ cluster (run with --run-ignored all)"]
+async fn cluster_url_list_first_closed_then_the_second_node_killed() {
+    let mut nodes = PrivateRabbit::cluster(3);
+    let closed = format!(
+        "amqp://guest:guest@127.0.0.1:{}/%2f?heartbeat=2",
+        common::private_rabbit::free_port()
+    );
+    let url = |i: usize| nodes[i].url("?heartbeat=2");
+    let serve_urls = [url(2), url(0)].join(",");
+    let worker_urls = [closed, url(1), url(2)].join(",");
+    let spec = Spec {
+        workers: 2,
+        queue_type: "quorum",
+        deadline_ms: 15_000,
+        ..Spec::default()
+    };
+    let mut run = loaded(
+        "cluster_first_closed_second_killed",
+        &serve_urls,
+        &worker_urls,
+        sqlite,
+        spec.clone(),
+    )
+    .await;
+    nodes[1].kill9();
+    run.fault_ended();
+    run.run_for(Duration::from_secs(10)).await;
+    run.finish(bound(1, &spec)).await;
+}
+
 /// Slow tier: the soak under faults (`common/soak.rs`), `LASTCALL_SOAK_MINUTES` long
 /// (default 5; `scripts/soak.sh --minutes N` sets it): 1.5× overload through serve and a
 /// pika producer, three workers on one private PostgreSQL ledger with a short retention,

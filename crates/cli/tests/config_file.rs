@@ -99,7 +99,7 @@ backend = "sim"
     assert_eq!(
         row(&out, "amqp_url"),
         (
-            "amqp://app:****@rabbit.example:5672/%2f".into(),
+            "amqp://app:***@rabbit.example:5672/%2f".into(),
             "file".into()
         )
     );
@@ -116,7 +116,7 @@ backend = "sim"
     assert!(out.status.success(), "{}", text(&out.stderr));
     assert_eq!(
         row(&out, "amqp_url"),
-        ("amqp://u:****@h/%2f".into(), "flag".into())
+        ("amqp://u:***@h/%2f".into(), "flag".into())
     );
     assert_eq!(
         row(&out, "prefix"),

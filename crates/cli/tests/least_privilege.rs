@@ -1,16 +1,20 @@
-//! Least privilege on the broker (issue #14, item 8; `docs/broker-permissions.md`).
+//! Least privilege on the broker (issue #14, item 8; issue #48, item 8;
+//! `docs/broker-permissions.md`).
 //!
-//! A fresh vhost with one RabbitMQ user per role — deployer, producer, worker, dead-letter
-//! processor — each holding exactly the `configure`/`write`/`read` regexes the document
-//! gives (copied here verbatim, for the default prefix `lastcall`). The real binary runs
-//! each role's command as that user: the deployer declares the topology, the producer
-//! submits, a worker completes one job and retries another until it is dead-lettered, and
-//! `lastcall dlq` records an expiry. Then the refusals that matter: the producer cannot
-//! consume the work queue or bypass the jobs exchange, the worker cannot forge dead letters
-//! or publish to other exchanges, the dead-letter processor cannot republish to the jobs
-//! exchange or consume work. Also pinned: a producer with `write` on the jobs exchange and
-//! nothing else cannot submit, because every command declares the topology at startup and
-//! RabbitMQ checks `configure` even when the declaration matches what exists.
+//! A fresh vhost with one RabbitMQ user per role — deployer, producer, follower, worker,
+//! dead-letter processor — each holding exactly the `configure`/`write`/`read` regexes the
+//! document gives (copied here verbatim, for the default prefix `lastcall`). The real
+//! binary runs each role's command as that user: before the deployer, the producer is
+//! told to run it; the deployer declares the topology, the producer submits (checking the
+//! topology with passive declares: it may configure nothing), a worker completes one job
+//! and retries another until it is dead-lettered, and `lastcall dlq` records an expiry.
+//! Then the refusals that matter: the producer cannot consume the work queue or bypass the
+//! jobs exchange, the worker cannot forge dead letters or publish to other exchanges, the
+//! dead-letter processor cannot republish to the jobs exchange or consume work; and no role
+//! but the deployer can bind a queue of any name it may touch to the jobs or lanes
+//! exchange (under the earlier regexes a producer declared a *queue* `lastcall.jobs`,
+//! bound it to the exchange of that name and read every job), nor consume a queue that is
+//! not its own.
 //!
 //! The broker is shared with other tests: only this test's own vhost and users are created,
 //! and a drop guard deletes them (and stops the worker) even when an assertion fails.
@@ -42,48 +46,39 @@ const DEPLOYER: Role = Role {
     read: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|retry\..+)$",
 };
 
-/// `lastcall submit` / `lastcall serve` / `lastcall cancel`. No queue of its own: it can
-/// read no queue at all (with its read on `lastcall.jobs`, for re-declaring the
-/// `jobs → work` binding, a queue it could declare could be bound to the jobs exchange and
-/// read every job's payload).
+/// `lastcall submit` / `lastcall serve` / `lastcall cancel`: publishing, nothing else. It
+/// neither configures nor reads anything (it checks the topology with passive declares,
+/// which need no permission), so it can route no job to a queue it reads (issue #48).
 const PRODUCER: Role = Role {
     name: "producer",
-    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|retry\..+)$",
-    write: r"^lastcall\.(jobs|lanes|work(\.lane[1-7])?|dead|events|control)$",
-    read: r"^lastcall\.(jobs|dlx|lanes)$",
+    configure: "^$",
+    write: r"^lastcall\.(jobs|lanes|events|control)$",
+    read: "^$",
 };
 
 /// The outcome-events follower of `serve` and `submit --wait` (`--events-amqp-url`): its
 /// own exclusive queue bound to `lastcall.events`, and nothing it could bind to the jobs.
 const FOLLOWER: Role = Role {
     name: "follower",
-    configure: r"^lastcall\.(events|events\.follow\..+)$",
+    configure: r"^lastcall\.events\.follow\..+$",
     write: r"^lastcall\.events\.follow\..+$",
     read: r"^lastcall\.(events|events\.follow\..+)$",
 };
 
-/// `lastcall worker`.
+/// `lastcall worker`: reads the work it consumes, configures only its control queue.
 const WORKER: Role = Role {
     name: "worker",
-    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|control\.follow\..+|retry\..+)$",
-    write: r"^(lastcall\.(jobs|lanes|work(\.lane[1-7])?|dead|events|control\.follow\..+)|amq\.default)$",
-    read: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|retry\.ready|control|control\.follow\..+)$",
+    configure: r"^lastcall\.control\.follow\..+$",
+    write: r"^(lastcall\.(jobs|lanes|events|control\.follow\..+)|amq\.default)$",
+    read: r"^lastcall\.(work(\.lane[1-7])?|retry\.ready|control|control\.follow\..+)$",
 };
 
 /// `lastcall dlq --park --split-by-reason`.
 const DLQ: Role = Role {
     name: "dlq",
-    configure: r"^lastcall\.(jobs|dlx|lanes|work(\.lane[1-7])?|dead|events|control|parked|retry\..+|dead\..+)$",
-    write: r"^(lastcall\.(work(\.lane[1-7])?|dead|events)|amq\.default)$",
-    read: r"^lastcall\.(jobs|dlx|lanes|dead)$",
-};
-
-/// What a producer would get if publishing were all it did: not enough today.
-const PUBLISH_ONLY: Role = Role {
-    name: "publish-only",
-    configure: "^$",
-    write: r"^lastcall\.jobs$",
-    read: "^$",
+    configure: r"^lastcall\.(parked|dead\..+)$",
+    write: r"^(lastcall\.events|amq\.default)$",
+    read: r"^lastcall\.dead$",
 };
 
 const PREFIX: &str = "lastcall";
@@ -230,6 +225,27 @@ async fn wait_until(what: &str, timeout: Duration, mut check: impl AsyncFnMut() 
     }
 }
 
+/// Nothing was refused in a process's log but the one declare it tries before checking
+/// passively (`Topology::ensure`, a follower's exchange): lapin logs the broker's answer
+/// to it as an error, once per process and kind.
+fn assert_no_refusal(log: &str, who: &str) {
+    let expected = |l: &str| {
+        l.contains("lapin::channel")
+            && ["'lastcall.jobs'", "'lastcall.events'", "'lastcall.control'"]
+                .iter()
+                .any(|e| l.contains(&format!("access to exchange {e}")))
+    };
+    let refused: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("ACCESS_REFUSED"))
+        .collect();
+    let unexpected: Vec<&&str> = refused.iter().filter(|l| !expected(l)).collect();
+    assert!(
+        unexpected.is_empty() && refused.len() <= 2,
+        "{who} was refused something (or tried to declare again):\n{log}"
+    );
+}
+
 /// An error's text with all its sources.
 fn chain(e: &(dyn std::error::Error + 'static)) -> String {
     let mut text = e.to_string();
@@ -310,6 +326,98 @@ async fn declare_and_bind(url: &str, queue: &str, exchange: &str) -> Result<(), 
     r
 }
 
+/// Every name the roles' regexes match or a role uses, as a queue name: the topology's,
+/// the dead-letter copies, the followers' queues, and one of nobody's.
+fn touchable_names() -> Vec<String> {
+    let mut names: Vec<String> = [
+        "jobs",
+        "lanes",
+        "dlx",
+        "events",
+        "control",
+        "work",
+        "dead",
+        "parked",
+        "retry.ready",
+        "retry.1s",
+        "retry.5s",
+        "events.follow.spy",
+        "control.follow.spy",
+        "spy",
+    ]
+    .iter()
+    .map(|n| format!("{PREFIX}.{n}"))
+    .collect();
+    names.extend((1..lastcall_core::LANES).map(|l| format!("{PREFIX}.work.lane{l}")));
+    names.extend(
+        lastcall_core::deadletter::SPLIT_LABELS
+            .iter()
+            .map(|l| format!("{PREFIX}.dead.{l}")),
+    );
+    names
+}
+
+/// A copy of every job the exchange routes: the queue `queue` (declared exclusive unless
+/// it exists) bound to `exchange` with `key`, on a connection of its own.
+async fn spy(url: &str, queue: &str, exchange: &str, key: &str) -> Result<(), lapin::Error> {
+    use lapin::options::{QueueBindOptions, QueueDeclareOptions};
+    use lapin::types::FieldTable;
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+    let r = async {
+        let probe = conn.create_channel().await?;
+        let passive = QueueDeclareOptions {
+            passive: true,
+            ..Default::default()
+        };
+        let exists = probe
+            .queue_declare(queue.into(), passive, FieldTable::default())
+            .await
+            .is_ok();
+        let ch = conn.create_channel().await?;
+        if !exists {
+            let own = QueueDeclareOptions {
+                exclusive: true,
+                auto_delete: true,
+                ..Default::default()
+            };
+            ch.queue_declare(queue.into(), own, FieldTable::default())
+                .await?;
+        }
+        ch.queue_bind(
+            queue.into(),
+            exchange.into(),
+            key.into(),
+            QueueBindOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+    }
+    .await;
+    let _ = conn.close(200, "done".into()).await;
+    r
+}
+
+/// Start a consumer on `queue` as the user of `url` (and cancel it by closing).
+async fn consume_as(url: &str, queue: &str) -> Result<(), lapin::Error> {
+    use lapin::options::BasicConsumeOptions;
+    use lapin::types::FieldTable;
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+    let r = async {
+        let ch = conn.create_channel().await?;
+        ch.basic_consume(
+            queue.into(),
+            "least-privilege-spy".into(),
+            BasicConsumeOptions::default(),
+            FieldTable::default(),
+        )
+        .await
+        .map(drop)
+    }
+    .await;
+    let _ = conn.close(200, "done".into()).await;
+    r
+}
+
 async fn depth(broker: &Broker, queue: &str) -> u32 {
     queue_depth(broker, queue)
         .await
@@ -326,20 +434,9 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     let follower = sb.user(&FOLLOWER);
     let worker = sb.user(&WORKER);
     let dlq = sb.user(&DLQ);
-    let publish_only = sb.user(&PUBLISH_ONLY);
     let long = Duration::from_secs(30);
     let topo = ["--retry-delays-ms", DELAYS];
 
-    // The deployer declares everything (once per deployment, before the others start).
-    let (ok, out, err) = sb.run(&deployer, &["topology", "apply", topo[0], topo[1]], long);
-    assert!(ok, "topology apply as the deployer: {err}");
-    assert!(out.contains("topology applied"), "{out}");
-    let inspect = Broker::connect(&deployer).await.unwrap();
-    let work = "lastcall.work";
-    let dead = "lastcall.dead";
-
-    // Publishing alone is not enough: `submit` re-declares the topology at startup, and
-    // RabbitMQ checks `configure` on every non-passive declare, even an identical one.
     let submit = |id: &'static str, kind: &'static str, deadline_ms: &'static str| {
         [
             "submit",
@@ -358,16 +455,25 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
             topo[1],
         ]
     };
+    // Before the deployer: the producer may not declare the topology, finds it missing
+    // with its passive declares, and says who must create it.
     let (ok, _, err) = sb.run(
-        &publish_only,
+        &producer,
         &submit("never", "incident.summary", "60000"),
         long,
     );
     assert!(
-        !ok && err.contains("ACCESS_REFUSED") && err.contains("'lastcall.jobs'"),
-        "submit with write on the jobs exchange only should be refused at its startup declare \
-         (if submit stopped declaring, update docs/broker-permissions.md): {err}"
+        !ok && err.contains("does not exist") && err.contains("topology apply"),
+        "submit before the deployer ran: {err}"
     );
+
+    // The deployer declares everything (once per deployment, before the others start).
+    let (ok, out, err) = sb.run(&deployer, &["topology", "apply", topo[0], topo[1]], long);
+    assert!(ok, "topology apply as the deployer: {err}");
+    assert!(out.contains("topology applied"), "{out}");
+    let inspect = Broker::connect(&deployer).await.unwrap();
+    let work = "lastcall.work";
+    let dead = "lastcall.dead";
     assert_eq!(depth(&inspect, work).await, 0, "nothing was published");
 
     // The producer submits one job that completes, and waits for its outcome event
@@ -481,7 +587,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         status.success() && printed.contains("state: completed"),
         "submit --wait as the producer: {status}\n{printed}\n{wait_err}"
     );
-    assert!(!wait_err.contains("ACCESS_REFUSED"), "{wait_err}");
+    assert_no_refusal(&wait_err, "submit --wait");
     let pid = sb.children[1].id().to_string();
     assert!(
         Command::new("kill")
@@ -492,11 +598,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     );
     let status = wait_exit(&mut sb.children[1], long, "the worker after SIGTERM");
     assert!(status.success(), "worker exit {status}:\n{}", log());
-    assert!(
-        !log().contains("ACCESS_REFUSED"),
-        "the worker was refused something:\n{}",
-        log()
-    );
+    assert_no_refusal(&log(), "the worker");
 
     // The producer cancels a job before its start (ledger, then the broadcast on
     // `P.control` and the event on `P.events`); it was published, so the work queue holds
@@ -512,7 +614,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         ok && out.contains("cancelled before it started"),
         "cancel as the producer: {out}\n{err}"
     );
-    assert!(!err.contains("ACCESS_REFUSED"), "{err}");
+    assert_no_refusal(&err, "lastcall");
     assert_eq!(
         state("lp-cancel").await,
         Some(("cancelled".into(), "cancelled_before_start".into()))
@@ -545,8 +647,8 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         "producer publishes to the dead-letter exchange",
         "lastcall.dlx",
     );
-    // … nor declare a queue of its own to bind to the jobs exchange (it has read on the
-    // exchange, for re-declaring `jobs → work`): every job's payload would be copied to it.
+    // … nor declare a queue of its own to bind to the jobs exchange: every job's payload
+    // would be copied to it (the sweep below tries every name).
     for queue in ["lastcall.events.follow.spy", "lastcall.spy"] {
         assert_refused(
             declare_and_bind(&producer, queue, "lastcall.jobs").await,
@@ -610,7 +712,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
     )
     .await;
     let serve_err = std::fs::read_to_string(&serve_log).unwrap_or_default();
-    assert!(!serve_err.contains("ACCESS_REFUSED"), "{serve_err}");
+    assert_no_refusal(&serve_err, "serve");
     let mut serve = sb.children.pop().unwrap();
     let _ = serve.kill();
     let _ = serve.wait();
@@ -667,7 +769,7 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         out.contains("dead letters processed: 2 (recorded: 1, outcome already present: 1"),
         "{out}\n{err}"
     );
-    assert!(!err.contains("ACCESS_REFUSED"), "{err}");
+    assert_no_refusal(&err, "lastcall");
     assert_eq!(
         state("lp-expired").await,
         Some(("expired_before_receive".into(), "broker_ttl_expired".into()))
@@ -692,6 +794,67 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         "dlq consumes the work queue",
         work,
     );
+
+    // No role but the deployer can get a copy of a job it did not produce or consume
+    // (issue #48): under every name any role may touch, declaring a queue (or using the
+    // existing one) and binding it to the jobs or the lanes exchange is refused. Under
+    // the earlier regexes a producer or worker declared a *queue* `lastcall.jobs`, bound
+    // it to the exchange of that name and read every payload; the dlq bound
+    // `lastcall.dead` to it.
+    let names = touchable_names();
+    let mut holes = Vec::new();
+    for (role, url) in [
+        ("producer", &producer),
+        ("worker", &worker),
+        ("dlq", &dlq),
+        ("follower", &follower),
+    ] {
+        for q in &names {
+            for (exchange, key) in [("lastcall.jobs", "#"), ("lastcall.lanes", "1")] {
+                match spy(url, q, exchange, key).await {
+                    Err(e) if chain(&e).contains("ACCESS_REFUSED") => {}
+                    other => {
+                        holes.push(format!("{role}: queue {q} bound to {exchange}: {other:?}"))
+                    }
+                }
+            }
+        }
+        // Nor can it read a queue that is not its own work (existing queues only: one it
+        // cannot declare it cannot have bound either).
+        let readable: &[&str] = match role {
+            "worker" => &[
+                "lastcall.work",
+                "lastcall.work.lane1",
+                "lastcall.work.lane2",
+                "lastcall.work.lane3",
+                "lastcall.work.lane4",
+                "lastcall.work.lane5",
+                "lastcall.work.lane6",
+                "lastcall.work.lane7",
+                "lastcall.retry.ready",
+            ],
+            "dlq" => &["lastcall.dead"],
+            _ => &[],
+        };
+        for q in names.iter().filter(|q| !readable.contains(&q.as_str())) {
+            if queue_depth(&inspect, q).await.unwrap().is_none() {
+                continue;
+            }
+            match consume_as(url, q).await {
+                Err(e) if chain(&e).contains("ACCESS_REFUSED") => {}
+                other => holes.push(format!("{role}: consumes {q}: {other:?}")),
+            }
+        }
+    }
+    assert!(
+        holes.is_empty(),
+        "a role can read jobs it neither produced nor consumed:\n{}",
+        holes.join("\n")
+    );
+    // The sweep is not vacuous: the deployer (which must create these bindings) can.
+    spy(&deployer, "lastcall.work", "lastcall.jobs", "#")
+        .await
+        .expect("the deployer re-declares the binding jobs → work");
 
     for b in [inspect, as_producer, as_worker, as_dlq] {
         b.close().await;

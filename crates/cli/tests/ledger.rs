@@ -458,3 +458,103 @@ async fn serve_shows_the_ledgers_size_but_prunes_nothing() {
     );
     env.cleanup().await;
 }
+
+/// `ledger export --out` and prune archives hold payloads and results: created 0600
+/// (issue #48; they were created with the umask's 0644, readable by every local user),
+/// and an existing export target is made owner-only before it is written.
+#[cfg(unix)]
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn exports_and_prune_archives_are_readable_by_their_owner_only() {
+    use std::os::unix::fs::PermissionsExt;
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    let env = Env::sqlite("lprivate").await;
+    fixture(&env.ledger).await;
+    let fresh = env.dir.join("fresh.jsonl");
+    let existing = env.dir.join("existing.jsonl");
+    std::fs::write(&existing, "old contents\n").unwrap();
+    std::fs::set_permissions(&existing, std::fs::Permissions::from_mode(0o644)).unwrap();
+    for file in [&fresh, &existing] {
+        let out = env.cli(&["ledger", "export", "--out", file.to_str().unwrap()]);
+        assert!(out.status.success(), "{}", text(&out.stderr));
+        assert_eq!(mode(file), 0o600, "{}", file.display());
+        assert!(
+            std::fs::read_to_string(file)
+                .unwrap()
+                .contains("the answer to mid-1"),
+            "the export was written"
+        );
+    }
+    let archive = env.dir.join("archive");
+    let out = env.cli(&[
+        "ledger",
+        "prune",
+        "--archive-dir",
+        archive.to_str().unwrap(),
+    ]);
+    assert!(out.status.success(), "{}", text(&out.stderr));
+    let files: Vec<_> = std::fs::read_dir(&archive)
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    assert_eq!(files.len(), 1, "{files:?}");
+    assert_eq!(mode(&files[0]), 0o600, "{}", files[0].display());
+    env.cleanup().await;
+}
+
+/// A password in a PostgreSQL URL's query (`?password=`, `sslpassword=`) is masked like
+/// one in `user:password@`: in `ledger copy`'s progress and in the error of a ledger that
+/// cannot be opened (issue #48: only `user:password@` was).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn passwords_in_a_ledger_urls_query_stay_out_of_output() {
+    const SECRET: &str = "qp-SECRET-7c2e9a41";
+    const SSL_SECRET: &str = "ssl-SECRET-0b5d3f86";
+    let src = Env::sqlite("lqcopy").await;
+    fixture(&src.ledger).await;
+    let dst = Env::postgres("lqcopyd").await;
+    // The test server trusts local connections: the password is sent and ignored.
+    let to = format!("{}?password={SECRET}", dst.store_url);
+    let out = src.cli(&["ledger", "copy", "--to", &to, "--no-progress"]);
+    let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+    assert!(out.status.success(), "{stderr}");
+    assert!(
+        stderr.contains("password=***"),
+        "the URL is shown, masked: {stderr}"
+    );
+    assert!(
+        !stdout.contains(SECRET) && !stderr.contains(SECRET),
+        "{stdout}\n{stderr}"
+    );
+
+    // Nothing listens on port 1: the open fails, and its error shows the URL.
+    let unreachable =
+        format!("postgres://lastcall@127.0.0.1:1/x?sslpassword={SSL_SECRET}&password={SECRET}");
+    for args in [
+        &["--store-url", &unreachable, "jobs", "list"][..],
+        &[
+            "--store-url",
+            &src.store_url,
+            "ledger",
+            "copy",
+            "--to",
+            &unreachable,
+        ],
+    ] {
+        let mut c = std::process::Command::new(env!("CARGO_BIN_EXE_lastcall"));
+        c.args(args);
+        let out = output_within(&mut c, &format!("lastcall {args:?}"), CHILD_LIMIT);
+        let (stdout, stderr) = (text(&out.stdout), text(&out.stderr));
+        assert!(!out.status.success(), "{args:?}: {stdout}");
+        assert!(
+            stderr.contains("127.0.0.1:1"),
+            "{args:?}: the URL is named: {stderr}"
+        );
+        for s in [SECRET, SSL_SECRET] {
+            assert!(
+                !stdout.contains(s) && !stderr.contains(s),
+                "{args:?}: {stdout}\n{stderr}"
+            );
+        }
+    }
+    src.cleanup().await;
+    dst.cleanup().await;
+}

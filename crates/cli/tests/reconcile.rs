@@ -265,7 +265,7 @@ async fn mixed_run(env: Env) {
             .as_array()
             .unwrap()
             .iter()
-            .any(|e| e["key"].as_str().unwrap().contains("simulated bad request")),
+            .any(|e| e["key"].as_str().unwrap().contains("failed (sim_400)")),
         "{}",
         r["top_errors"]
     );

@@ -1,4 +1,4 @@
-//! Envelope signatures end to end (CONTRACT §1, `x-lastcall-signature`): the real
+//! Envelope signatures end to end (docs/wire-format.md, `x-lastcall-signature`): the real
 //! `lastcall worker` binary holds the key (from the environment) and `lastcall submit`
 //! signs with it (from a file). An unsigned job and a signed job re-published with a later
 //! deadline are `rejected`/`bad_signature`, dead-lettered, and never reach the model; they

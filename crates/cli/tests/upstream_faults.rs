@@ -134,8 +134,10 @@ async fn short_and_long_prompts_of_one_kind_are_each_held_to_their_own_call_time
     let env = Env::sqlite("by-length").await;
     let backend: Arc<dyn Backend> =
         Arc::new(OpenAiBackend::new(OpenAiConfig::new(&base, "m")).unwrap());
-    // The worker's default: 2 slots, prefetch 2 × slots.
-    let cfg = env.worker_config(2, 4);
+    // The worker's defaults: 2 slots, the default window.
+    let mut cfg = lastcall_worker::WorkerConfig::new(&env.prefix, 2);
+    cfg.topology = env.topo.clone();
+    cfg.name = "by-length-worker".into();
     cfg.topology.apply(&env.broker).await.unwrap();
     let w = env.start_worker(cfg, backend, system_clock()).await;
     let s = env.submitter(100, true).await;
@@ -172,8 +174,10 @@ async fn short_and_long_prompts_of_one_kind_are_each_held_to_their_own_call_time
         on_time("long"),
         up.answered.load(Ordering::SeqCst),
     );
-    // One call time for the kind gave 17 of 360; the short jobs alone can give far more.
-    assert!(on_time("short") >= 60, "{recs:#?}");
+    // One call time for the kind gave 17 of 360. docs/concepts.md and BENCHMARKS cite 255–256
+    // of 360 from this test; ≥ 200 is that figure with a margin for a loaded machine.
+    assert!(on_time("") >= 200, "{} of 360 on time: {recs:#?}", on_time(""));
+    assert_eq!(cut, 0, "no call cut at its deadline: {recs:#?}");
     w.stop().await;
     server.abort();
     env.cleanup().await;

@@ -8,7 +8,9 @@
 //!   [`BreakerPolicy::hang_factor`] × the kind's learned p99 — a hung call) open it.
 //! - **Open**: no call goes out until `open_until_ms`: the cool-down (starting at
 //!   [`BreakerPolicy::cool_down_ms`], doubled after each failed trial up to
-//!   [`BreakerPolicy::max_cool_down_ms`]), and never before a server's `Retry-After`.
+//!   [`BreakerPolicy::max_cool_down_ms`]), and never before a server's `Retry-After`
+//!   up to that maximum (a header is advice: a `Retry-After` of a day holds it for
+//!   `max_cool_down_ms`, then the trial call goes).
 //! - **Half-open**: the first job to ask after the cool-down gets the one trial call
 //!   ([`Permit::Trial`]); everyone else waits. The trial's success closes the breaker (and
 //!   resets the cool-down), its failure opens it again with the doubled cool-down; a trial
@@ -276,7 +278,7 @@ impl Breaker {
                     self.consecutive = self.consecutive.saturating_add(1);
                     (self.consecutive >= policy.failures_to_open.max(1)).then(|| {
                         self.cool_down_ms = policy.cool_down_ms;
-                        self.open(BreakerState::Closed, retry_after_ms, now_ms)
+                        self.open(policy, BreakerState::Closed, retry_after_ms, now_ms)
                     })
                 }
             },
@@ -305,7 +307,7 @@ impl Breaker {
                             .saturating_mul(2)
                             .min(policy.max_cool_down_ms.max(policy.cool_down_ms));
                     }
-                    Some(self.open(BreakerState::HalfOpen, retry_after_ms, now_ms))
+                    Some(self.open(policy, BreakerState::HalfOpen, retry_after_ms, now_ms))
                 }
             },
             // A call that started before the breaker opened: only the trial decides.
@@ -313,8 +315,16 @@ impl Breaker {
         }
     }
 
-    fn open(&mut self, from: BreakerState, retry_after_ms: Option<u64>, now_ms: i64) -> Transition {
-        let hold = retry_after_ms.unwrap_or(self.cool_down_ms);
+    fn open(
+        &mut self,
+        policy: &BreakerPolicy,
+        from: BreakerState,
+        retry_after_ms: Option<u64>,
+        now_ms: i64,
+    ) -> Transition {
+        // The server's Retry-After is advice: never longer than the longest cool-down.
+        let max = policy.max_cool_down_ms.max(policy.cool_down_ms);
+        let hold = retry_after_ms.map_or(self.cool_down_ms, |ra| ra.min(max));
         self.state = BreakerState::Open;
         self.trial_started_ms = None;
         self.open_until_ms = now_ms.saturating_add(i64::try_from(hold).unwrap_or(i64::MAX));
@@ -425,6 +435,24 @@ mod tests {
         assert_eq!(t.unwrap().open_until_ms, Some(5_010));
     }
 
+    /// A `Retry-After` of a day holds the breaker for the longest cool-down, then the
+    /// trial call goes.
+    #[test]
+    fn a_retry_after_longer_than_the_longest_cool_down_is_cut_to_it() {
+        let p = policy();
+        let mut b = Breaker::new(&p);
+        let day = Verdict::Failure {
+            retry_after_ms: Some(86_400_000),
+        };
+        for _ in 0..3 {
+            b.ended(&p, false, day, 0);
+        }
+        assert_eq!(b.open_until_ms(), 8_000);
+        assert_eq!(b.permit(&p, 10_000, 8_000).0, Permit::Trial);
+        let t = b.ended(&p, true, day, 8_100).unwrap();
+        assert_eq!(t.open_until_ms, Some(16_100));
+    }
+
     #[test]
     fn verdicts() {
         let p = policy();
@@ -530,7 +558,7 @@ mod tests {
                             0 => Verdict::Success,
                             1 => Verdict::Neutral,
                             2 => Verdict::Failure { retry_after_ms: None },
-                            _ => Verdict::Failure { retry_after_ms: Some(dt as u64 * 3) },
+                            _ => Verdict::Failure { retry_after_ms: Some(dt as u64 * 9) },
                         };
                         let trial = trial_running;
                         trial_running = false;
@@ -542,8 +570,11 @@ mod tests {
                                 opens += 1;
                                 let until = t.open_until_ms.unwrap();
                                 match verdict {
-                                    // The server's Retry-After is the cool-down.
-                                    Verdict::Failure { retry_after_ms: Some(ra) } => prop_assert_eq!(until, now + ra as i64),
+                                    // The server's Retry-After is the cool-down, up to
+                                    // the longest one.
+                                    Verdict::Failure { retry_after_ms: Some(ra) } => {
+                                        prop_assert_eq!(until, now + ra.min(p.max_cool_down_ms) as i64)
+                                    }
                                     _ => {
                                         prop_assert!(until >= now + p.cool_down_ms as i64);
                                         prop_assert!(until - now <= p.max_cool_down_ms as i64);

@@ -1,4 +1,4 @@
-//! The v1 job envelope (CONTRACT §1): parsing and validation.
+//! The v1 job envelope (docs/wire-format.md): parsing and validation.
 //!
 //! Validation reports a [`RejectError`] whose `reason` is a stable code for the ledger and
 //! whose `field` names the offending field, so a producer can fix its input.

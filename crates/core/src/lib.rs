@@ -7,7 +7,7 @@
 //!
 //! # Layout
 //! - [`ids`]: `JobId` and `Kind`, parsed once at the edge.
-//! - [`envelope`]: the v1 job envelope (CONTRACT §1) with validation reasons that name the field.
+//! - [`envelope`]: the v1 job envelope (docs/wire-format.md) with validation reasons that name the field.
 //! - [`deadline`]: the immutable absolute deadline, the remaining budget and the broker TTL.
 //! - [`admission`]: the last admission check before a model call.
 //! - [`breaker`]: the circuit breaker per model server (closed, open, half-open).
@@ -17,7 +17,8 @@
 //! - [`disposition`]: what the worker does with each delivery, as an enum naming every case.
 //! - [`delivery`]: the life of one delivery as a state machine over those decisions.
 //! - [`ack_plan`]: which coalesced acks are safe now, over plain delivery tags.
-//! - [`outcome`]: the ledger's outcome states (CONTRACT §3).
+//! - [`model_choice`]: which model the upstream is asked for (a payload's only when allowed).
+//! - [`outcome`]: the ledger's outcome states (docs/concepts.md).
 //! - [`rate_limit`]: per-backend requests and tokens per minute (token buckets), tightened
 //!   by the server's `x-ratelimit-*` headers.
 //! - [`reason`]: the ledger's outcome reasons and attempt decisions, typed up to the store.
@@ -52,9 +53,11 @@ pub mod headline;
 pub mod ids;
 pub mod lease;
 pub mod live;
+pub mod model_choice;
 pub mod outcome;
 pub mod rate_limit;
 pub mod reason;
+pub mod redact;
 pub mod report;
 pub mod request_size;
 pub mod retry;

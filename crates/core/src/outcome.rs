@@ -1,4 +1,4 @@
-//! Outcome states of the ledger (CONTRACT §3).
+//! Outcome states of the ledger (docs/concepts.md).
 
 use std::fmt;
 use std::str::FromStr;

@@ -16,6 +16,17 @@
 //! The worker asks [`RateLimiter::permit_at`] when a call could go out and compares it
 //! with the job's latest useful start: it waits for a permit that comes in time, and
 //! refuses the job at once (`admission:rate_limited`) otherwise.
+//!
+//! **Headers are advice, not orders** (issue #48): a server's word never holds the backend
+//! for long.
+//! - A reset (and a 429's `Retry-After`) further out than [`RateLimiter::new`]'s
+//!   `max_hold_ms` (the worker's `--breaker-max-cool-down-ms`) ends at `max_hold_ms`.
+//! - A learned limit expires [`LEARNED_TTL_MS`] after the server last stated it, and is
+//!   never below [`MIN_LEARNED_REQUESTS`] / [`MIN_LEARNED_TOKENS`] per minute.
+//! - A trial call is always possible: a request larger than a learned (not configured)
+//!   limit goes when the bucket is full, instead of never.
+//! - A bucket's debt (a call that reported more tokens than it reserved) is at most one
+//!   minute's worth.
 
 /// The window the limits are stated in: one minute.
 pub const WINDOW_MS: u64 = 60_000;
@@ -23,6 +34,15 @@ pub const WINDOW_MS: u64 = 60_000;
 /// Output tokens a request is assumed to ask for when its payload sets no `max_tokens`
 /// (for the tokens bucket; the call's reported usage corrects it afterwards).
 pub const DEFAULT_OUTPUT_TOKENS: u64 = 256;
+
+/// How long a limit learned from the headers holds after the server last stated it.
+pub const LEARNED_TTL_MS: i64 = 10 * WINDOW_MS as i64;
+
+/// The lowest learned requests per minute: a header stating less is taken as this.
+pub const MIN_LEARNED_REQUESTS: u64 = 1;
+
+/// The lowest learned tokens per minute: a header stating less is taken as this.
+pub const MIN_LEARNED_TOKENS: u64 = 1_000;
 
 /// Configured limits of one backend; `None`: no configured limit (a server's headers may
 /// still set one).
@@ -92,7 +112,13 @@ fn units(n: u64) -> i128 {
 #[derive(Debug, Clone, PartialEq, Eq)]
 struct Bucket {
     configured: Option<u64>,
-    learned: Option<u64>,
+    /// The server's limit and the instant it expires ([`LEARNED_TTL_MS`] after it was
+    /// last stated).
+    learned: Option<(u64, i64)>,
+    /// The lowest limit a header may teach.
+    floor: u64,
+    /// The longest a server's window holds (ms).
+    max_hold_ms: u64,
     /// Available permits at `updated_ms`, in permit·ms (a permit is [`WINDOW_MS`] units,
     /// so a refill of `limit` per minute adds exactly `limit` units a ms: integer
     /// arithmetic, no rounding). Negative: debt, after a correction.
@@ -103,19 +129,29 @@ struct Bucket {
 }
 
 impl Bucket {
-    fn new(configured: Option<u64>, now_ms: i64) -> Self {
+    fn new(configured: Option<u64>, floor: u64, max_hold_ms: u64, now_ms: i64) -> Self {
         Self {
             configured,
             learned: None,
+            floor,
+            max_hold_ms,
             level: units(configured.unwrap_or(0)),
             updated_ms: now_ms,
             server: None,
         }
     }
 
-    /// The limit per minute in force: the smaller of the configured and the learned one.
-    fn capacity(&self) -> Option<u64> {
-        match (self.configured, self.learned) {
+    /// The learned limit, while it holds at `now_ms`.
+    fn learned(&self, now_ms: i64) -> Option<u64> {
+        self.learned
+            .filter(|(_, until)| now_ms < *until)
+            .map(|(l, _)| l)
+    }
+
+    /// The limit per minute in force at `now_ms`: the smaller of the configured and the
+    /// learned one.
+    fn capacity(&self, now_ms: i64) -> Option<u64> {
+        match (self.configured, self.learned(now_ms)) {
             (Some(c), Some(l)) => Some(c.min(l)),
             (c, l) => c.or(l),
         }
@@ -123,7 +159,7 @@ impl Bucket {
 
     /// Bring the level up to `now_ms` (a clock that went back refills nothing).
     fn refill(&mut self, now_ms: i64) {
-        let Some(cap) = self.capacity() else {
+        let Some(cap) = self.capacity(now_ms) else {
             self.updated_ms = self.updated_ms.max(now_ms);
             return;
         };
@@ -139,17 +175,21 @@ impl Bucket {
     }
 
     /// The earliest instant ≥ `now_ms` at which `n` permits are available; `None`: never
-    /// (`n` exceeds the limit).
+    /// (`n` exceeds the configured limit). A request above a learned limit is a trial: it
+    /// may go when the bucket is full.
     fn permit_at(&self, now_ms: i64, n: u64) -> Option<i64> {
         let mut at = now_ms;
-        if let Some(cap) = self.capacity() {
-            if n > cap {
-                return None;
-            }
+        if self.configured.is_some_and(|c| n > c) {
+            return None;
+        }
+        // A trial above the limit needs a full bucket, and the whole server window.
+        let n = self.capacity(now_ms).map_or(n, |cap| n.min(cap));
+        if let Some(cap) = self.capacity(now_ms) {
             let mut b = self.clone();
             b.refill(now_ms);
-            if b.level < units(n) {
-                let missing = units(n) - b.level;
+            let need = units(n);
+            if b.level < need {
+                let missing = need - b.level;
                 let wait = missing.div_euclid(i128::from(cap))
                     + i128::from(missing.rem_euclid(i128::from(cap)) != 0);
                 at = now_ms.saturating_add(i64::try_from(wait).unwrap_or(i64::MAX));
@@ -163,9 +203,14 @@ impl Bucket {
         Some(at)
     }
 
+    /// The lowest level: one minute's worth of debt.
+    fn floor_level(&self, now_ms: i64) -> i128 {
+        -self.capacity(now_ms).map_or(0, units)
+    }
+
     fn take(&mut self, now_ms: i64, n: u64) {
         self.refill(now_ms);
-        self.level -= units(n);
+        self.level = (self.level - units(n)).max(self.floor_level(now_ms));
         if let Some((remaining, until)) = self.server_remaining(now_ms) {
             self.server = Some((remaining.saturating_sub(n), until));
         }
@@ -175,30 +220,33 @@ impl Bucket {
     /// tokens than reserved), never above the capacity.
     fn give_back(&mut self, now_ms: i64, n: u64) {
         self.refill(now_ms);
-        let cap = self.capacity().map_or(i128::MAX, units);
+        let cap = self.capacity(now_ms).map_or(i128::MAX, units);
         self.level = self.level.saturating_add(units(n)).min(cap);
     }
 
-    /// Charge `n` more permits than were taken (a call that used more tokens).
+    /// Charge `n` more permits than were taken (a call that used more tokens), down to
+    /// one minute's worth of debt.
     fn charge(&mut self, now_ms: i64, n: u64) {
         self.refill(now_ms);
-        self.level -= units(n);
+        self.level = (self.level - units(n)).max(self.floor_level(now_ms));
     }
 
     fn observe(&mut self, now_ms: i64, w: Window) {
         self.refill(now_ms);
         if let Some(limit) = w.limit.filter(|l| *l > 0) {
-            let first = self.capacity().is_none();
-            self.learned = Some(limit);
+            let limit = limit.max(self.floor);
+            let first = self.capacity(now_ms).is_none();
+            self.learned = Some((limit, now_ms.saturating_add(LEARNED_TTL_MS)));
             if first {
                 // A limit learned just now: the bucket starts from what the server says.
                 self.level = units(limit);
             }
-            let cap = self.capacity().unwrap_or(limit);
-            self.level = self.level.min(units(cap));
+            let cap = self.capacity(now_ms).unwrap_or(limit);
+            self.level = self.level.clamp(self.floor_level(now_ms), units(cap));
         }
         self.level = self.level.min(units(w.remaining));
-        let until = now_ms.saturating_add(i64::try_from(w.reset_ms).unwrap_or(i64::MAX));
+        let hold = w.reset_ms.min(self.max_hold_ms);
+        let until = now_ms.saturating_add(i64::try_from(hold).unwrap_or(i64::MAX));
         self.server = Some(match self.server_remaining(now_ms) {
             // Only tighten within the window already known.
             Some((r, u)) => (r.min(w.remaining), u.max(until)),
@@ -215,24 +263,35 @@ pub struct RateLimiter {
 }
 
 impl RateLimiter {
-    /// Full buckets at `now_ms` for the configured limits.
-    pub fn new(limits: Limits, now_ms: i64) -> Self {
+    /// Full buckets at `now_ms` for the configured limits; no server window holds the
+    /// backend longer than `max_hold_ms`.
+    pub fn new(limits: Limits, max_hold_ms: u64, now_ms: i64) -> Self {
         Self {
-            requests: Bucket::new(limits.requests_per_minute, now_ms),
-            tokens: Bucket::new(limits.tokens_per_minute, now_ms),
+            requests: Bucket::new(
+                limits.requests_per_minute,
+                MIN_LEARNED_REQUESTS,
+                max_hold_ms,
+                now_ms,
+            ),
+            tokens: Bucket::new(
+                limits.tokens_per_minute,
+                MIN_LEARNED_TOKENS,
+                max_hold_ms,
+                now_ms,
+            ),
         }
     }
 
-    /// The limits in force (configured or learned, the smaller).
-    pub fn limits(&self) -> Limits {
+    /// The limits in force at `now_ms` (configured or learned, the smaller).
+    pub fn limits(&self, now_ms: i64) -> Limits {
         Limits {
-            requests_per_minute: self.requests.capacity(),
-            tokens_per_minute: self.tokens.capacity(),
+            requests_per_minute: self.requests.capacity(now_ms),
+            tokens_per_minute: self.tokens.capacity(now_ms),
         }
     }
 
     /// The earliest instant ≥ `now_ms` at which one request of `tokens` tokens may go out;
-    /// `None`: never (it asks for more tokens than the limit per minute).
+    /// `None`: never (it asks for more tokens than the configured limit per minute).
     pub fn permit_at(&self, now_ms: i64, tokens: u64) -> Option<i64> {
         let r = self.requests.permit_at(now_ms, 1)?;
         let t = self.tokens.permit_at(now_ms, tokens)?;
@@ -286,6 +345,9 @@ mod tests {
     use super::*;
     use proptest::prelude::*;
 
+    /// The longest a server window holds in these tests (the worker's default).
+    const HOLD: u64 = 30_000;
+
     fn rpm(n: u64) -> Limits {
         Limits {
             requests_per_minute: Some(n),
@@ -310,7 +372,7 @@ mod tests {
 
     #[test]
     fn a_full_bucket_then_one_request_per_refill() {
-        let mut l = RateLimiter::new(rpm(2), 0);
+        let mut l = RateLimiter::new(rpm(2), HOLD, 0);
         assert_eq!(l.permit_at(0, 0), Some(0));
         l.take(0, 0);
         l.take(0, 0);
@@ -323,13 +385,14 @@ mod tests {
 
     #[test]
     fn no_limit_means_no_wait_and_oversize_means_never() {
-        let l = RateLimiter::new(Limits::default(), 0);
+        let l = RateLimiter::new(Limits::default(), HOLD, 0);
         assert_eq!(l.permit_at(5, 1_000_000), Some(5));
         let l = RateLimiter::new(
             Limits {
                 requests_per_minute: None,
                 tokens_per_minute: Some(1_000),
             },
+            HOLD,
             0,
         );
         assert_eq!(l.permit_at(0, 1_001), None);
@@ -338,7 +401,7 @@ mod tests {
 
     #[test]
     fn headers_teach_a_limit_and_hold_until_their_reset() {
-        let mut l = RateLimiter::new(Limits::default(), 0);
+        let mut l = RateLimiter::new(Limits::default(), HOLD, 0);
         l.observe(
             0,
             &Observed {
@@ -350,13 +413,13 @@ mod tests {
                 tokens: None,
             },
         );
-        assert_eq!(l.limits(), rpm(3));
+        assert_eq!(l.limits(0), rpm(3));
         // Nothing before the reset (and the bucket refills at 3/min: one in 20 s).
         assert_eq!(l.permit_at(0, 0), Some(20_000));
         assert_eq!(l.permit_at(19_999, 0), Some(20_000));
         assert_eq!(l.permit_at(20_000, 0), Some(20_000));
         // A configured lower limit wins over the learned one.
-        let mut l = RateLimiter::new(rpm(2), 0);
+        let mut l = RateLimiter::new(rpm(2), HOLD, 0);
         l.observe(
             0,
             &Observed {
@@ -368,7 +431,7 @@ mod tests {
                 tokens: None,
             },
         );
-        assert_eq!(l.limits(), rpm(2));
+        assert_eq!(l.limits(0), rpm(2));
     }
 
     #[test]
@@ -377,13 +440,108 @@ mod tests {
             requests_per_minute: None,
             tokens_per_minute: Some(600),
         };
-        let mut l = RateLimiter::new(tpm, 0);
+        let mut l = RateLimiter::new(tpm, HOLD, 0);
         l.take(0, 600);
         assert_eq!(l.permit_at(0, 100), Some(10_000));
         l.settle_tokens(0, 600, 500);
         assert_eq!(l.permit_at(0, 100), Some(0));
         l.settle_tokens(0, 0, 100);
         assert_eq!(l.permit_at(0, 100), Some(10_000));
+    }
+
+    #[test]
+    fn a_reset_or_retry_after_holds_no_longer_than_the_maximum() {
+        let mut l = RateLimiter::new(Limits::default(), HOLD, 0);
+        let day = Window {
+            limit: None,
+            remaining: 0,
+            reset_ms: 86_400_000,
+        };
+        l.observe(
+            1_000,
+            &Observed {
+                requests: Some(day),
+                tokens: Some(day),
+            },
+        );
+        assert_eq!(l.permit_at(1_000, 0), Some(1_000 + HOLD as i64));
+        assert_eq!(
+            l.permit_at(1_000 + HOLD as i64, 500),
+            Some(1_000 + HOLD as i64)
+        );
+    }
+
+    #[test]
+    fn learned_limits_have_a_floor_and_expire() {
+        let mut l = RateLimiter::new(Limits::default(), HOLD, 0);
+        let tiny = Window {
+            limit: Some(1),
+            remaining: 1,
+            reset_ms: 1_000,
+        };
+        l.observe(
+            0,
+            &Observed {
+                requests: None,
+                tokens: Some(tiny),
+            },
+        );
+        assert_eq!(l.limits(0).tokens_per_minute, Some(MIN_LEARNED_TOKENS));
+        assert_eq!(
+            l.limits(LEARNED_TTL_MS - 1).tokens_per_minute,
+            Some(MIN_LEARNED_TOKENS)
+        );
+        // Not stated again: forgotten, and a request of any size goes at once.
+        assert_eq!(l.limits(LEARNED_TTL_MS), Limits::default());
+        assert_eq!(l.permit_at(LEARNED_TTL_MS, 1_000_000), Some(LEARNED_TTL_MS));
+    }
+
+    #[test]
+    fn a_request_above_a_learned_limit_goes_as_a_trial_when_the_bucket_is_full() {
+        let learned = Window {
+            limit: Some(2_000),
+            remaining: 2_000,
+            reset_ms: 1_000,
+        };
+        let mut l = RateLimiter::new(Limits::default(), HOLD, 0);
+        l.observe(
+            0,
+            &Observed {
+                requests: None,
+                tokens: Some(learned),
+            },
+        );
+        assert_eq!(l.permit_at(0, 50_000), Some(0));
+        l.take(0, 50_000);
+        // One minute's worth of debt at most: full again two minutes later.
+        assert_eq!(l.permit_at(0, 50_000), Some(2 * WINDOW_MS as i64));
+        // Above a configured limit it is never (the operator's word).
+        let conf = Limits {
+            requests_per_minute: None,
+            tokens_per_minute: Some(100_000),
+        };
+        let mut l = RateLimiter::new(conf, HOLD, 0);
+        l.observe(
+            0,
+            &Observed {
+                requests: None,
+                tokens: Some(learned),
+            },
+        );
+        assert_eq!(l.permit_at(0, 50_000), Some(0));
+        assert_eq!(l.permit_at(0, 100_001), None);
+    }
+
+    #[test]
+    fn a_huge_reported_usage_is_at_most_a_minute_of_debt() {
+        let tpm = Limits {
+            requests_per_minute: None,
+            tokens_per_minute: Some(600),
+        };
+        let mut l = RateLimiter::new(tpm, HOLD, 0);
+        l.take(0, 100);
+        l.settle_tokens(0, 100, u64::MAX);
+        assert_eq!(l.permit_at(0, 600), Some(2 * WINDOW_MS as i64));
     }
 
     /// `None` (never) sorts after every instant.
@@ -409,7 +567,7 @@ mod tests {
             limit in 1u64..20,
             steps in prop::collection::vec((0i64..10_000, prop::option::of(window())), 1..200),
         ) {
-            let mut l = RateLimiter::new(rpm(limit), 0);
+            let mut l = RateLimiter::new(rpm(limit), HOLD, 0);
             let mut now = 0i64;
             let mut grants: Vec<i64> = Vec::new();
             for (dt, obs) in steps {
@@ -438,7 +596,7 @@ mod tests {
             tpm in 1u64..10_000, taken in 0u64..20_000, now in 0i64..200_000,
             a in 0u64..12_000, b in 0u64..12_000,
         ) {
-            let mut l = RateLimiter::new(Limits { requests_per_minute: Some(100), tokens_per_minute: Some(tpm) }, 0);
+            let mut l = RateLimiter::new(Limits { requests_per_minute: Some(100), tokens_per_minute: Some(tpm) }, HOLD, 0);
             l.take(0, taken);
             let (a, b) = (a.min(b), a.max(b));
             prop_assert!(key(l.permit_at(now, a)) <= key(l.permit_at(now, b)));
@@ -459,7 +617,7 @@ mod tests {
             later in 0i64..120_000,
         ) {
             let limits = Limits { requests_per_minute: configured, tokens_per_minute: None };
-            let mut l = RateLimiter::new(limits, 0);
+            let mut l = RateLimiter::new(limits, HOLD, 0);
             let mut now = 0;
             for (dt, b) in before {
                 now += dt;
@@ -467,12 +625,45 @@ mod tests {
                 if l.permit_at(now, 0) == Some(now) { l.take(now, 0); }
             }
             // An observation that keeps the limit in force.
-            let w = Window { limit: l.limits().requests_per_minute.or(w.limit), ..w };
+            let w = Window { limit: l.limits(now).requests_per_minute.or(w.limit), ..w };
             let mut after = l.clone();
             after.observe(now, &Observed { requests: Some(w), tokens: None });
             let t = now + later.min(w.reset_ms as i64);
             prop_assert!(key(after.permit_at(t, 0)) >= key(l.permit_at(t, 0)),
                 "before {:?}, after {:?}", l.permit_at(t, 0), after.permit_at(t, 0));
+        }
+
+        /// Headers are advice: without a configured limit, whatever the servers said
+        /// (resets up to a day, tiny limits, huge reported usage), a request of any size
+        /// gets a permit, no later than the longest hold or two minutes (a full bucket
+        /// after one minute's worth of debt).
+        #[test]
+        fn a_trial_is_always_possible_without_a_configured_limit(
+            steps in prop::collection::vec(
+                (0i64..30_000, prop::option::of((window(), 0u64..86_400_000)), 0u64..5_000, prop::option::of(0u64..=u64::MAX)),
+                1..60,
+            ),
+            hold in 1u64..120_000,
+            n in 0u64..1_000_000,
+        ) {
+            let mut l = RateLimiter::new(Limits::default(), hold, 0);
+            let mut now = 0i64;
+            for (dt, obs, tokens, used) in steps {
+                now += dt;
+                if let Some((w, reset_ms)) = obs {
+                    let w = Window { reset_ms, ..w };
+                    l.observe(now, &Observed { requests: Some(w), tokens: Some(w) });
+                }
+                if l.permit_at(now, tokens) == Some(now) {
+                    l.take(now, tokens);
+                    if let Some(used) = used {
+                        l.settle_tokens(now, tokens, used);
+                    }
+                }
+                let bound = now + (hold as i64).max(2 * WINDOW_MS as i64);
+                let at = l.permit_at(now, n);
+                prop_assert!(at.is_some_and(|at| at <= bound), "{at:?} > {bound}");
+            }
         }
     }
 }

@@ -1,5 +1,5 @@
 //! Why a job ended as it did, and what a delivery's attempt row records: the ledger's
-//! `reason` and `decision` columns as types (CONTRACT §3).
+//! `reason` and `decision` columns as types (docs/concepts.md).
 //!
 //! Every writer builds a [`Reason`] and a [`Decision`]; they become text only where the
 //! store binds them (`Display` / [`Decision::as_str`]). The texts are the wire and ledger

@@ -168,11 +168,11 @@ pub struct TenantAccount {
 
 impl TenantAccount {
     fn add(&mut self, s: &TenantSample, reasons: &mut BTreeMap<String, u64>) {
-        self.jobs += s.jobs;
-        self.model_ms += s.model_ms;
-        self.prompt_tokens += s.prompt_tokens;
-        self.completion_tokens += s.completion_tokens;
-        self.wasted_model_ms += s.wasted_model_ms;
+        self.jobs = self.jobs.saturating_add(s.jobs);
+        self.model_ms = self.model_ms.saturating_add(s.model_ms);
+        self.prompt_tokens = self.prompt_tokens.saturating_add(s.prompt_tokens);
+        self.completion_tokens = self.completion_tokens.saturating_add(s.completion_tokens);
+        self.wasted_model_ms = self.wasted_model_ms.saturating_add(s.wasted_model_ms);
         if s.state == State::Completed.as_str() {
             self.on_time += s.jobs;
             return;
@@ -231,13 +231,15 @@ pub fn tenant_accounts(samples: &[TenantSample], top: usize) -> Vec<TenantAccoun
         };
         let mut reasons = BTreeMap::<String, u64>::new();
         for (acc, r) in rest {
-            other.jobs += acc.jobs;
-            other.on_time += acc.on_time;
-            other.refused += acc.refused;
-            other.model_ms += acc.model_ms;
-            other.wasted_model_ms += acc.wasted_model_ms;
-            other.prompt_tokens += acc.prompt_tokens;
-            other.completion_tokens += acc.completion_tokens;
+            other.jobs = other.jobs.saturating_add(acc.jobs);
+            other.on_time = other.on_time.saturating_add(acc.on_time);
+            other.refused = other.refused.saturating_add(acc.refused);
+            other.model_ms = other.model_ms.saturating_add(acc.model_ms);
+            other.wasted_model_ms = other.wasted_model_ms.saturating_add(acc.wasted_model_ms);
+            other.prompt_tokens = other.prompt_tokens.saturating_add(acc.prompt_tokens);
+            other.completion_tokens = other
+                .completion_tokens
+                .saturating_add(acc.completion_tokens);
             for (k, n) in r {
                 *reasons.entry(k).or_default() += n;
             }

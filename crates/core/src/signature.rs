@@ -1,4 +1,4 @@
-//! Envelope signatures (`x-lastcall-signature`, CONTRACT §1): an HMAC-SHA256 set by a
+//! Envelope signatures (`x-lastcall-signature`, docs/wire-format.md): an HMAC-SHA256 set by a
 //! trusted ingress over the job id, the deadline and the exact body bytes, so that a worker
 //! holding the same key can refuse work whose deadline an untrusted producer extended.
 //!

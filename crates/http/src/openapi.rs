@@ -383,7 +383,7 @@ pub struct Readiness {
     pub degraded: bool,
 }
 
-// A job's record as the ledger holds it: `lastcall_store::JobRecord` (CONTRACT §3) as it
+// A job's record as the ledger holds it: `lastcall_store::JobRecord` (docs/concepts.md) as it
 // serializes; the unit test below holds the two together.
 #[derive(ToSchema)]
 #[allow(dead_code)] // a schema: the handlers send `lastcall_store::JobRecord`

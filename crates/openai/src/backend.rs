@@ -289,10 +289,11 @@ impl OpenAiBackend {
                     _ = tokio::time::sleep(req.timeout) => "timeout",
                     result = self.exchange(body, started, deltas, limits) => {
                         if let Err(e) = &result {
-                            tracing::warn!(
+                            // The worker logs the failure (with the job) at `warn`.
+                            tracing::debug!(
                                 reason = e.reason(),
                                 latency_ms = started.elapsed().as_millis() as u64,
-                                error = %e,
+                                error = ?e.to_string(),
                                 "model call failed"
                             );
                         }

@@ -9,7 +9,8 @@
 //! A 429 with `Retry-After` says the same in other words: no request until then. It
 //! becomes a requests window with nothing remaining for that long ([`from_response`]), so
 //! the worker sends no other call to the server before it (and a job that cannot wait that
-//! long ends without a call, `admission:rate_limited`).
+//! long ends without a call, `admission:rate_limited`). The rate limiter cuts any window to
+//! the breaker's longest cool-down: a header is advice, not an order.
 
 use lastcall_backend::rate_limit::{Observed, Window};
 

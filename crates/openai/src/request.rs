@@ -20,7 +20,8 @@ const PASS_THROUGH: &[&str] = &[
 ///
 /// - `messages` (an array) is sent as is; otherwise `prompt` (a string) becomes one user
 ///   message; a payload with neither is a terminal `bad_payload` error.
-/// - `model`: the payload's (a route may have put it there), else `default_model`.
+/// - `model`: the payload's (a route may have put it there; the worker drops one that
+///   `--allow-model` does not name), else `default_model`.
 /// - `max_tokens`: the payload's (a positive integer), else `default_max_tokens`; at most
 ///   `limit` either way (a larger request is lowered to it).
 /// - the fields in [`PASS_THROUGH`] are copied; everything else in the payload is ignored.

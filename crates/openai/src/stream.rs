@@ -62,13 +62,12 @@ impl Assembly {
             self.model = Some(m.to_string());
         }
         if let Some(u) = chunk.get("usage").filter(|u| u.is_object()) {
-            self.usage = Some(Usage {
-                prompt_tokens: u.get("prompt_tokens").and_then(Value::as_u64).unwrap_or(0),
-                completion_tokens: u
-                    .get("completion_tokens")
-                    .and_then(Value::as_u64)
-                    .unwrap_or(0),
-            });
+            // Clamped: the server's counts are advice, and are summed afterwards.
+            let count = |k: &str| u.get(k).and_then(Value::as_u64).unwrap_or(0);
+            self.usage = Some(Usage::reported(
+                count("prompt_tokens"),
+                count("completion_tokens"),
+            ));
         }
         let mut step = Step::Quiet;
         if let Some(choice) = chunk.pointer("/choices/0") {

@@ -297,7 +297,7 @@ pub enum CancelOutcome {
     NotFound,
 }
 
-/// A job's record (CONTRACT §3), as `jobs show --json` prints it.
+/// A job's record (docs/concepts.md), as `jobs show --json` prints it.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct JobRecord {
     pub job_id: String,

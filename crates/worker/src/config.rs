@@ -61,6 +61,10 @@ pub struct WorkerConfig {
     /// when kinds are routed; [`lastcall_core::rate_limit`]). A backend not named here is
     /// limited only by what its servers' `x-ratelimit-*` headers say.
     pub rate_limits: std::collections::BTreeMap<String, lastcall_core::rate_limit::Limits>,
+    /// The models a payload's `model` may name (`--allow-model`); any other is removed
+    /// before the call, so the route's or the backend's own model serves: a producer does
+    /// not pick what runs on the operator's key ([`lastcall_core::model_choice`]).
+    pub allowed_models: lastcall_core::model_choice::AllowedModels,
     /// The learned call time's settings ([`lastcall_core::service_time`]); the default is
     /// what `lastcall worker` runs with (the benchmark turns request-awareness off for its
     /// reference run).
@@ -90,6 +94,7 @@ impl WorkerConfig {
             consumer_timeout: None,
             breaker: Default::default(),
             rate_limits: Default::default(),
+            allowed_models: Default::default(),
             service_time: ServiceTimeConfig::default(),
         }
     }

@@ -68,7 +68,7 @@ impl DeadLetterProcessor {
         clock: Arc<dyn Clock>,
         park: bool,
     ) -> Result<Self, String> {
-        topology.apply(&broker).await.map_err(|e| e.to_string())?;
+        topology.ensure(&broker).await.map_err(|e| e.to_string())?;
         if park {
             topology
                 .declare_plain_queue(&broker, &parked_queue(&topology.names.prefix))
@@ -226,7 +226,7 @@ impl DeadLetterProcessor {
             };
             let ready = async {
                 self.topology
-                    .apply(&broker)
+                    .ensure(&broker)
                     .await
                     .map_err(|e| e.to_string())?;
                 Publisher::new(&broker, Duration::from_secs(5))

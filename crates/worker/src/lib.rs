@@ -52,10 +52,10 @@ pub use lastcall_clock as clock;
 pub use lastcall_producer::{cancel, shed, submit};
 
 pub use clock::{Clock, ClockSyncMode, SyncState, SystemClock};
+pub use config::default_prefetch;
 #[cfg(feature = "test-hooks")]
 pub use hooks::Fault;
 pub use lastcall_producer::{DeadlineSpec, NewJob, SubmitError, Submitted, Submitter};
-pub use config::default_prefetch;
 pub use runtime::{Worker, WorkerConfig};
 pub use slots::BufferOrder;
 pub use stats::WorkerStats;

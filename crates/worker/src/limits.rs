@@ -19,6 +19,9 @@ use tokio::sync::Notify;
 pub(crate) struct Limiters {
     /// The configured limits by backend name (`--rate-limit`).
     configured: BTreeMap<String, Limits>,
+    /// The longest a server's reset or `Retry-After` holds a backend (the breaker's
+    /// longest cool-down): headers are advice.
+    max_hold_ms: u64,
     /// A limiter per backend that has limits, configured or learned from its headers.
     map: Mutex<BTreeMap<String, RateLimiter>>,
     /// Fires when a permit is given back: waiting jobs look again.
@@ -27,9 +30,14 @@ pub(crate) struct Limiters {
 }
 
 impl Limiters {
-    pub(crate) fn new(configured: BTreeMap<String, Limits>, stats: Arc<WorkerStats>) -> Self {
+    pub(crate) fn new(
+        configured: BTreeMap<String, Limits>,
+        max_hold_ms: u64,
+        stats: Arc<WorkerStats>,
+    ) -> Self {
         Self {
             configured,
+            max_hold_ms,
             map: Mutex::default(),
             changed: Notify::new(),
             stats,
@@ -41,6 +49,7 @@ impl Limiters {
         let l = map.entry(key.to_owned()).or_insert_with(|| {
             RateLimiter::new(
                 self.configured.get(key).copied().unwrap_or_default(),
+                self.max_hold_ms,
                 now_ms,
             )
         });
@@ -49,7 +58,7 @@ impl Limiters {
 
     /// Take the permit for one call of `tokens` tokens to `key` if it is there at
     /// `now_ms`; else the instant it comes (`Err(None)`: never, the request is larger
-    /// than the limit per minute).
+    /// than the configured limit per minute).
     pub(crate) fn try_take(
         self: &Arc<Self>,
         key: &str,

@@ -57,7 +57,7 @@ impl Worker {
     ) -> Result<Self, WorkerError> {
         let setup = |e: String| WorkerError::Setup(e);
         cfg.topology
-            .apply(&broker)
+            .ensure(&broker)
             .await
             .map_err(|e| setup(e.to_string()))?;
         // Retries are published on a connection of their own: under a resource alarm the
@@ -79,6 +79,7 @@ impl Worker {
         let breakers = Arc::new(crate::breakers::Breakers::new(cfg.breaker, stats.clone()));
         let limits = Arc::new(crate::limits::Limiters::new(
             cfg.rate_limits.clone(),
+            cfg.breaker.max_cool_down_ms.max(cfg.breaker.cool_down_ms),
             stats.clone(),
         ));
         let slots = Arc::new(match cfg.auto_slots {
@@ -239,7 +240,7 @@ async fn reconnect(ctx: &Ctx, old: &Broker, stop: &CancellationToken) -> Option<
         let broker = old.reconnect(stop, None).await?;
         let ready = async {
             let topology = &ctx.cfg.topology;
-            topology.apply(&broker).await.map_err(|e| e.to_string())?;
+            topology.ensure(&broker).await.map_err(|e| e.to_string())?;
             let publish_broker = broker.another().await.map_err(|e| e.to_string())?;
             Publisher::new(&publish_broker, Duration::from_secs(5))
                 .await

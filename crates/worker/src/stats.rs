@@ -85,6 +85,14 @@ impl WorkerStats {
         c.fetch_add(1, Ordering::Relaxed);
     }
 
+    /// Add `n` to a counter, stopping at `u64::MAX` (a server-reported count never wraps
+    /// it).
+    pub(crate) fn add_saturating(c: &AtomicU64, n: u64) {
+        let _ = c.fetch_update(Ordering::Relaxed, Ordering::Relaxed, |v| {
+            Some(v.saturating_add(n))
+        });
+    }
+
     pub(crate) fn add(g: &AtomicI64, d: i64) {
         g.fetch_add(d, Ordering::Relaxed);
     }

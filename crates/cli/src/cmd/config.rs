@@ -207,77 +207,30 @@ pub fn mask(key: &str, arg: &Arg, value: &str) -> String {
     mask_urls(value)
 }
 
-/// Mask the password of every URL in a comma-separated list (`scheme://user:****@host`),
-/// and the values of query parameters that name a secret (`?password=****`).
+/// Mask the password of every URL in a comma-separated list (`scheme://user:***@host`),
+/// and the values of query parameters that name a secret (`?password=***`).
 pub fn mask_urls(value: &str) -> String {
-    value.split(',').map(mask_url).collect::<Vec<_>>().join(",")
-}
-
-fn mask_url(v: &str) -> String {
-    let Some(s) = v.find("://") else {
-        return v.to_owned();
-    };
-    let rest = &v[s + 3..];
-    let auth_end = rest.find(['/', '?', '#']).unwrap_or(rest.len());
-    let authority = &rest[..auth_end];
-    let mut out = v[..s + 3].to_owned();
-    match authority.rfind('@') {
-        Some(at) => {
-            let creds = &authority[..at];
-            match creds.find(':') {
-                Some(c) => {
-                    out.push_str(&creds[..c]);
-                    out.push_str(":****");
-                }
-                None => out.push_str(creds),
-            }
-            out.push_str(&authority[at..]);
-        }
-        None => out.push_str(authority),
-    }
-    let tail = &rest[auth_end..];
-    match tail.find('?') {
-        Some(q) => {
-            out.push_str(&tail[..=q]);
-            let params: Vec<String> = tail[q + 1..]
-                .split('&')
-                .map(|p| match p.split_once('=') {
-                    Some((k, _)) if secret_param(k) => format!("{k}=****"),
-                    _ => p.to_owned(),
-                })
-                .collect();
-            out.push_str(&params.join("&"));
-        }
-        None => out.push_str(tail),
-    }
-    out
-}
-
-fn secret_param(name: &str) -> bool {
-    let n = name.to_ascii_lowercase();
-    ["password", "passwd", "token", "secret", "key"]
-        .iter()
-        .any(|w| n.contains(w))
-        && !n.ends_with("file")
+    lastcall_core::redact::url(value)
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
 
+    // The URLs' own cases are lastcall_core::redact's.
     #[test]
     fn url_passwords_and_secret_parameters_are_masked() {
         assert_eq!(
             mask_urls("amqp://guest:secret@h:5672/%2f"),
-            "amqp://guest:****@h:5672/%2f"
+            "amqp://guest:***@h:5672/%2f"
         );
         assert_eq!(
             mask_urls("amqp://a:p1@h1:5672,amqp://b:p2@h2:5672"),
-            "amqp://a:****@h1:5672,amqp://b:****@h2:5672"
+            "amqp://a:***@h1:5672,amqp://b:***@h2:5672"
         );
         assert_eq!(
             mask_urls("postgres://u@db/x?sslmode=require&password=hunter2"),
-            "postgres://u@db/x?sslmode=require&password=****"
+            "postgres://u@db/x?sslmode=require&password=***"
         );
         assert_eq!(
             mask_urls("amqps://h/%2f?cacertfile=/ca.pem"),

@@ -158,6 +158,40 @@ async fn prune_holding_lock(
     Ok(total)
 }
 
+/// `options` creating a file readable and writable by its owner only (0600): exports
+/// and archives hold job payloads and results.
+fn private_file(options: &mut std::fs::OpenOptions) -> &mut std::fs::OpenOptions {
+    #[cfg(unix)]
+    std::os::unix::fs::OpenOptionsExt::mode(options, 0o600);
+    options
+}
+
+/// Create (or truncate) `path` for an export, owner-only (0600); an existing regular file
+/// is made owner-only too before anything is written to it (a device or pipe, such as
+/// `/dev/stdout`, is left as it is).
+fn create_private(path: &Path) -> std::io::Result<std::fs::File> {
+    let file = private_file(
+        std::fs::OpenOptions::new()
+            .write(true)
+            .create(true)
+            .truncate(true),
+    )
+    .open(path)?;
+    make_private(&file)?;
+    Ok(file)
+}
+
+/// An existing regular file made owner-only (one an earlier version created
+/// world-readable); a device or pipe is left as it is.
+fn make_private(file: &std::fs::File) -> std::io::Result<()> {
+    #[cfg(unix)]
+    if file.metadata()?.is_file() {
+        use std::os::unix::fs::PermissionsExt;
+        file.set_permissions(std::fs::Permissions::from_mode(0o600))?;
+    }
+    Ok(())
+}
+
 /// The archive of one prune pass: `DIR/ledger-YYYY-MM-DD.jsonl` (the UTC day of the
 /// pass), appended and synced before each batch's deletion commits.
 struct Archive {
@@ -179,10 +213,10 @@ impl Archive {
         tokio::task::block_in_place(|| {
             std::fs::create_dir_all(&self.dir)?;
             let new = !self.path.exists();
-            let mut file = std::fs::OpenOptions::new()
-                .create(true)
-                .append(true)
+            // Job payloads and results: readable by the owner only.
+            let mut file = private_file(std::fs::OpenOptions::new().create(true).append(true))
                 .open(&self.path)?;
+            make_private(&file)?;
             let mut buf = Vec::with_capacity(jobs.len() * 512);
             for j in jobs {
                 serde_json::to_writer(&mut buf, j)?;
@@ -493,7 +527,7 @@ async fn export(s: &Settings, a: ExportArgs, clock: &dyn Clock) -> Result<ExitCo
     let ledger = super::open_ledger_to_read(&s.store_url).await?;
     let mut out: Box<dyn Write> = match &a.out {
         Some(path) => Box::new(std::io::BufWriter::new(
-            std::fs::File::create(path)
+            create_private(path)
                 .with_context(|| format!("cannot create --out {}", path.display()))?,
         )),
         None => Box::new(std::io::BufWriter::new(std::io::stdout())),

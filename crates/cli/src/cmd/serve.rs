@@ -222,7 +222,7 @@ async fn build(
         front_door,
         webhooks,
     } = p;
-    topo.apply(&broker).await?;
+    topo.ensure(&broker).await?;
     let (admission, limits) = super::admission(&a.admission);
     let horizon_ms = limits.horizon_ms;
     let publisher = Publisher::new(&broker, Duration::from_millis(a.confirm_timeout_ms)).await?;

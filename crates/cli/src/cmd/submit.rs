@@ -33,7 +33,7 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
     let (admission, limits) = super::admission(&a.admission);
     let broker = super::connect_broker(s).await?;
     let topo = super::topology(&s.prefix, &a.topology)?;
-    topo.apply(&broker).await?;
+    topo.ensure(&broker).await?;
     let ledger = if a.no_ledger {
         None
     } else {

@@ -298,6 +298,13 @@ pub fn config(s: &Settings, a: &WorkerArgs) -> Result<WorkerConfig> {
         ..Default::default()
     };
     cfg.rate_limits = a.rate_limit.iter().cloned().collect();
+    cfg.allowed_models =
+        lastcall_core::model_choice::AllowedModels::new(a.allow_model.iter().cloned())
+            .map_err(|e| anyhow::anyhow!("--allow-model: {e}"))?;
+    if !cfg.allowed_models.is_empty() {
+        let names: Vec<&str> = cfg.allowed_models.names().collect();
+        tracing::info!(models = ?names, "a payload's `model` may name these models");
+    }
     for (backend, l) in &cfg.rate_limits {
         tracing::info!(backend = %backend, rpm = l.requests_per_minute, tpm = l.tokens_per_minute, "rate limits configured");
     }

@@ -54,6 +54,11 @@ pub struct Upstream {
     /// arrival, ms since the epoch: calls that reach the server after their job's
     /// deadline are counted here, at the server.
     pub seen: Mutex<Vec<(String, i64)>>,
+    /// Each request's `model`, in arrival order.
+    pub models: Mutex<Vec<String>>,
+    /// The `usage` object a healthy answer reports instead of its own (e.g. counts
+    /// that overflow when summed).
+    pub usage: Mutex<Option<String>>,
 }
 
 impl Upstream {
@@ -141,6 +146,7 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
         .lock()
         .unwrap()
         .push((first_content(&buf[head_len..]), wall_ms));
+    up.models.lock().unwrap().push(model_of(&buf[head_len..]));
     let error = |status: u16, text: &str, extra: &str| {
         let body = r#"{"error":{"message":"the model is busy"}}"#;
         format!(
@@ -225,6 +231,13 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
             } else {
                 LAST.to_owned()
             };
+            let last = match up.usage.lock().unwrap().as_deref() {
+                Some(usage) => last.replace(
+                    r#"{"prompt_tokens":5,"completion_tokens":1,"total_tokens":6}"#,
+                    usage,
+                ),
+                None => last,
+            };
             let ms = if phase == BY_LENGTH {
                 let words = prompt_words(&buf[head_len..]);
                 let others = up.in_flight.fetch_add(1, Ordering::SeqCst);
@@ -268,6 +281,12 @@ fn first_content(body: &[u8]) -> String {
         .as_str()
         .unwrap_or_default()
         .to_owned()
+}
+
+/// A chat request's `model`.
+fn model_of(body: &[u8]) -> String {
+    let v: serde_json::Value = serde_json::from_slice(body).unwrap_or_default();
+    v["model"].as_str().unwrap_or_default().to_owned()
 }
 
 /// The words of a chat request's messages.

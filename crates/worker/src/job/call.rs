@@ -12,7 +12,6 @@ use lastcall_core::delivery::{Delivery, Event};
 use lastcall_core::service_time::ProbeEnd;
 use lastcall_core::{CallResult, Envelope, Reason};
 use std::future::Future;
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 /// Call the model with the budget the core gave, report its end, and let the call teach
@@ -74,8 +73,7 @@ pub(crate) async fn call(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery, budge
     )
     .await;
     if let Some(rate) = rate {
-        let used = (call.output.as_ref().and_then(|o| o.usage))
-            .map(|u| u.prompt_tokens + u.completion_tokens);
+        let used = (call.output.as_ref().and_then(|o| o.usage)).map(|u| u.total());
         rate.spent(used, ctx.clock.now_ms());
     }
     if let Some(s) = &stream {
@@ -136,10 +134,8 @@ pub(crate) async fn call(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery, budge
     }
     if let Some(u) = call.output.as_ref().and_then(|o| o.usage) {
         let m = &ctx.stats.metrics;
-        m.prompt_tokens
-            .fetch_add(u.prompt_tokens, Ordering::Relaxed);
-        m.completion_tokens
-            .fetch_add(u.completion_tokens, Ordering::Relaxed);
+        WorkerStats::add_saturating(&m.prompt_tokens, u.prompt_tokens);
+        WorkerStats::add_saturating(&m.completion_tokens, u.completion_tokens);
     }
     job.call = Some(call);
 }
@@ -181,11 +177,19 @@ pub(crate) async fn call_backend(
     limits: Option<lastcall_backend::LimitSink>,
 ) -> Call {
     let cancel = CancellationToken::new();
+    let mut payload = env.payload.clone();
+    if let Some(asked) = ctx.cfg.allowed_models.screen(&mut payload) {
+        tracing::debug!(
+            job_id = %env.job_id(),
+            model = %asked.to_string().escape_debug(),
+            "the payload's model is not on --allow-model: the route's or backend's serves"
+        );
+    }
     let req = CallRequest {
         job_id: env.job_id().to_string(),
         kind: env.kind().to_string(),
         attempt,
-        payload: env.payload.clone(),
+        payload,
         timeout: Duration::from_millis(budget_ms),
     };
     let t0 = Instant::now();
@@ -197,7 +201,7 @@ pub(crate) async fn call_backend(
     tokio::pin!(fut);
     let grace = ctx.cfg.cancel_grace;
     let mut call = tokio::select! {
-        r = &mut fut => from_result(r),
+        r = &mut fut => from_result(r, env.job_id().as_str(), backend),
         _ = deadline => {
             // Still running at the deadline: request cancellation and wait briefly for
             // the backend to confirm. Work that goes on remotely is not "not started".
@@ -222,6 +226,16 @@ pub(crate) async fn call_backend(
     };
     call.latency_ms = t0.elapsed().as_millis() as i64;
     ctx.times.call_ended(env.kind().as_str(), backend, token);
+    // A server's Retry-After is advice: the retry waits no longer than the breaker's
+    // longest cool-down (the rate limiter and the breaker hold the backend no longer).
+    if let CallResult::Failed {
+        retry_after_ms: Some(ra),
+        ..
+    } = &mut call.result
+    {
+        let p = ctx.breakers.policy();
+        *ra = (*ra).min(p.max_cool_down_ms.max(p.cool_down_ms));
+    }
     call
 }
 
@@ -238,7 +252,7 @@ where
     }
 }
 
-fn from_result(r: Result<CallOutput, BackendError>) -> Call {
+fn from_result(r: Result<CallOutput, BackendError>, job_id: &str, backend: &str) -> Call {
     match r {
         Ok(out) => Call {
             output: Some(out),
@@ -262,7 +276,23 @@ fn from_result(r: Result<CallOutput, BackendError>) -> Call {
                 reason: Reason::Backend(e.reason().to_owned()),
                 retry_after_ms,
             };
-            Call::ended(result, Some(e.to_string()), None)
+            // The job's `error` is read by its tenant: the failure's class only. The
+            // upstream's own text (internal hosts, URLs, a proxy's page) is for the
+            // operator's log, quoted and escaped (`?`).
+            let message = match &e {
+                BackendError::Retryable { message, .. }
+                | BackendError::Terminal { message, .. } => message.as_str(),
+                BackendError::Cancelled { .. } => "",
+            };
+            tracing::warn!(
+                job_id,
+                backend,
+                reason = e.reason(),
+                error = ?e.to_string(),
+                "model call failed"
+            );
+            let shown = lastcall_core::redact::backend_failure(e.reason(), message);
+            Call::ended(result, Some(shown), None)
         }
     }
 }
