@@ -1305,8 +1305,9 @@ pub struct ServeArgs {
     /// such a job is answered 429 would_expire_in_queue with Retry-After, never published
     #[arg(long)]
     pub no_shed: bool,
-    /// A worker's metrics URL (repeatable), e.g. http://127.0.0.1:9464/metrics: the dashboard
-    /// sums their "waiting for a slot" and "running" gauges
+    /// Override (repeatable): a worker's metrics URL, e.g. http://127.0.0.1:9464/metrics,
+    /// whose gauges the dashboard sums instead of the live numbers every worker publishes
+    /// through its lease in the ledger (found without wiring)
     #[arg(long, value_name = "URL")]
     pub worker_metrics: Vec<String>,
     /// Also run the dead-letter processor in this process (its counters go to /metrics)

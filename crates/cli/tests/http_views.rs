@@ -288,46 +288,78 @@ fn text_of(dom: &str, id: &str) -> Option<String> {
     Some(rest[open..open + close].to_owned())
 }
 
+/// The tenants of the dashboard test: long names, to hold the layout to its cards.
+const TENANTS: [&str; 3] = [
+    "research-evaluation-batch-nightly",
+    "support-chat",
+    "acme-corp-internal-tools-platform",
+];
+
+/// `GET path` on the dashboard server with the token.
+async fn get_text(addr: std::net::SocketAddr, path: &str) -> String {
+    reqwest::Client::new()
+        .get(format!("http://{addr}{path}"))
+        .bearer_auth(TOKEN)
+        .send()
+        .await
+        .unwrap()
+        .error_for_status()
+        .unwrap()
+        .text()
+        .await
+        .unwrap()
+}
+
+/// Poll `/v1/dashboard` until `ok` holds (management statistics and lease renewals lag).
+async fn dashboard_until(
+    addr: std::net::SocketAddr,
+    what: &str,
+    ok: impl Fn(&serde_json::Value) -> bool,
+) -> serde_json::Value {
+    let until = std::time::Instant::now() + Duration::from_secs(30);
+    loop {
+        let d: serde_json::Value =
+            serde_json::from_str(&get_text(addr, "/v1/dashboard").await).unwrap();
+        if ok(&d) {
+            return d;
+        }
+        assert!(
+            std::time::Instant::now() < until,
+            "{what}: {}",
+            serde_json::to_string_pretty(&d).unwrap()
+        );
+        tokio::time::sleep(Duration::from_millis(200)).await;
+    }
+}
+
+fn has_alert(d: &serde_json::Value, alert: &str) -> bool {
+    d["alerts"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .any(|a| a["alert"] == alert)
+}
+
+/// The dashboard as a new user meets it (issue #53): `serve` with no worker address, a
+/// worker, jobs of three tenants, in headless Chromium at 1024 and 1400 px. The headline
+/// figures are the ledger's (and `lastcall report`'s), the live tiles come from the
+/// worker's lease, dead letters left unprocessed raise an alert, the server-rendered first
+/// state carries the numbers, and no element runs out of its card at either width.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn dashboard_in_chromium_shows_the_ledger_numbers() {
     let env = Env::sqlite("dash").await;
     let sub = env.submitter(100, true).await;
-    for i in 0..2 {
-        sub.submit(&job(&format!("b{i}"), 300), now_ms())
-            .await
-            .unwrap();
-    }
-    env.wait_ready(&env.topo.names.dead_queue, 2).await;
-    let worker = env
-        .start_worker(env.worker_config(1, 4), sim(250), system_clock())
-        .await;
-    for i in 0..8 {
-        sub.submit(&job(&format!("d{i}"), 900), now_ms())
-            .await
-            .unwrap();
-    }
-    env.drain_dead_letters(false).await;
-    env.wait_terminal(
-        &[ids("b", 2), ids("d", 8)].concat(),
-        Duration::from_secs(15),
-    )
-    .await;
+    let submit = async |id: String, budget: u64, tenant: &str| {
+        let e = sub
+            .envelope(&job(&id, budget), now_ms())
+            .unwrap()
+            .with_tenant(lastcall_core::Tenant::parse(tenant).unwrap());
+        sub.submit_envelope(&e, None, now_ms()).await.unwrap();
+    };
 
-    // The worker's metrics endpoint, scraped by the dashboard.
+    // `serve` as README runs it: no `--worker-metrics`.
     let stop = CancellationToken::new();
-    let worker_addr = lastcall_http::listen(
-        "127.0.0.1:0".parse().unwrap(),
-        lastcall_http::metrics_app(
-            MetricsSource::default().with_collector(WorkerCollector(worker.stats.clone())),
-        ),
-        stop.clone(),
-        None,
-    )
-    .await
-    .unwrap()
-    .addr;
     let mut state = app_state(&env).await;
-    state.worker_metrics = vec![format!("http://{worker_addr}/metrics")];
     state.depth = Some(DepthProbe::new(
         vec![
             env.topo.names.work_queue.clone(),
@@ -341,6 +373,7 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
         )),
         Some(env.broker.clone()),
     ));
+    assert!(state.worker_metrics.is_empty());
     let addr = lastcall_http::listen(
         "127.0.0.1:0".parse().unwrap(),
         lastcall_http::app(Arc::new(state)),
@@ -350,103 +383,246 @@ async fn dashboard_in_chromium_shows_the_ledger_numbers() {
     .await
     .unwrap()
     .addr;
-    // The browser's way in: Basic credentials (token as password) answer the page's 401
-    // challenge; the page's polls carry them from the auth cache. No token in any URL
-    // the server sees.
-    let url = format!("http://lastcall:{TOKEN}@{addr}/");
 
-    let profile = env.dir.join("chromium-profile");
-    let dom_out = {
-        let url = url.clone();
-        let profile = profile.clone();
-        tokio::task::spawn_blocking(move || {
-            chromium(
-                &["--virtual-time-budget=10000", "--dump-dom", &url],
-                &profile,
-            )
-        })
-        .await
-        .unwrap()
-    };
-    let dom = String::from_utf8_lossy(&dom_out.stdout).into_owned();
-    assert!(
-        dom.contains("data-loaded=\"1\""),
-        "the page loaded its data: {}\n{dom}",
-        String::from_utf8_lossy(&dom_out.stderr)
+    // Two jobs expire in the queue before any worker runs: dead letters that nothing
+    // processes yet, which the page must say.
+    for i in 0..2 {
+        submit(format!("b{i}"), 300, "default").await;
+    }
+    env.wait_ready(&env.topo.names.dead_queue, 2).await;
+    dashboard_until(addr, "the unprocessed dead letters' alert", |d| {
+        has_alert(d, "dead_letters_unprocessed")
+    })
+    .await;
+
+    let worker = env
+        .start_worker(env.worker_config(1, 4), sim(250), system_clock())
+        .await;
+    let mut all = ids("b", 2);
+    for i in 0..12 {
+        let id = format!("d{i}");
+        submit(id.clone(), 900, TENANTS[i % 3]).await;
+        all.push(id);
+    }
+    env.drain_dead_letters(false).await;
+    env.wait_terminal(&all, Duration::from_secs(20)).await;
+    // The worker found without wiring: its lease carries its numbers.
+    let d = dashboard_until(addr, "the worker's live numbers from its lease", |d| {
+        d["waiting"]["concurrency_limit"] == 1
+            && d["waiting"]["workers_live"] == 1
+            && d["waiting"]["running"] == 0
+            && d["workers"]["workers"][0]["live"]["learned_call_ms"]["incident.summary"]
+                .as_u64()
+                .is_some()
+            && !has_alert(d, "dead_letters_unprocessed")
+    })
+    .await;
+    assert_eq!(d["waiting"]["live_source"], "leases");
+    let w = &d["workers"]["workers"][0];
+    assert_eq!(
+        (w["worker"].as_str(), w["stale"].as_bool()),
+        (Some("test-worker"), Some(false))
     );
-    let ledger = env.ledger.counts_by_state().await.unwrap();
+    assert!(
+        w["live"]["learned_call_ms"]["incident.summary"]
+            .as_u64()
+            .unwrap()
+            > 0,
+        "the learned call time: {w}"
+    );
+
+    // The headline from the ledger's own records: every job here arrived in the window.
+    let mut recs = Vec::new();
+    for id in &all {
+        recs.push(env.ledger.get(id).await.unwrap().unwrap());
+    }
+    let n = |p: &dyn Fn(&str) -> bool| recs.iter().filter(|r| p(&r.state)).count() as u64;
+    let arrivals = recs.len() as u64;
+    let on_time = n(&|s| s == "completed");
+    let refused =
+        n(&|s| ["expired_not_started", "expired_before_receive", "rejected"].contains(&s));
+    let wasted: u64 = recs.iter().map(|r| r.wasted_model_ms.max(0) as u64).sum();
+    assert!(
+        on_time >= 1 && refused >= 3,
+        "{:?}",
+        recs.iter().map(|r| &r.state).collect::<Vec<_>>()
+    );
+    let pct = format!(
+        "{:.1}%",
+        (1000.0 * on_time as f64 / arrivals as f64).round() / 10.0
+    );
+    let wasted_text = format!("{:.1} s", wasted as f64 / 1000.0);
+    let h = &d["headline"];
+    assert_eq!(
+        (
+            h["arrivals"].as_u64(),
+            h["on_time"].as_u64(),
+            h["refused"].as_u64(),
+            h["wasted_model_ms"].as_u64()
+        ),
+        (Some(arrivals), Some(on_time), Some(refused), Some(wasted)),
+        "{h}"
+    );
+    // `lastcall report` prints the same figures (the same computation).
+    let out = env.cli(&["report", "--since", "15m", "--format", "json"]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let rep: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    for k in [
+        "arrivals",
+        "on_time",
+        "on_time_pct",
+        "refused",
+        "pending",
+        "wasted_model_ms",
+        "queue_dwell_p99_ms",
+    ] {
+        assert_eq!(rep["headline"][k], h[k], "report vs dashboard: {k}");
+    }
+
+    // The first state is rendered by the server: numbers without running any script.
+    let html = get_text(addr, "/").await;
+    for (id, want) in [
+        ("h-on_time", pct.as_str()),
+        ("h-refused", &refused.to_string()),
+        ("h-wasted", &wasted_text),
+        ("wait-concurrency_limit", "1"),
+        ("wait-running", "0"),
+    ] {
+        assert_eq!(
+            text_of(&html, id).as_deref(),
+            Some(want),
+            "server-rendered {id}"
+        );
+    }
+    assert!(!html.contains("{{"), "every placeholder is filled");
+
+    // The browser: Basic credentials (token as password) answer the page's 401 challenge;
+    // the page's polls carry them from the auth cache. No token in any URL the server sees.
+    let url = format!("http://lastcall:{TOKEN}@{addr}/");
+    let counts = env.ledger.counts_by_state().await.unwrap();
     let count = |s: &str| {
-        ledger
+        counts
             .iter()
             .find(|(st, _)| st == s)
             .map(|(_, n)| *n)
             .unwrap_or(0)
     };
-    for state in [
-        "completed",
-        "expired_not_started",
-        "expired_before_receive",
-        "failed",
-        "unknown",
-    ] {
-        assert_eq!(
-            text_of(&dom, &format!("outcome-{state}")).as_deref(),
-            Some(count(state).to_string().as_str()),
-            "{state} on the page vs the ledger ({ledger:?})"
+    for width in [1024, 1400] {
+        let dom_out = {
+            let (url, profile) = (url.clone(), env.dir.join(format!("chromium-dom-{width}")));
+            tokio::task::spawn_blocking(move || {
+                chromium(
+                    &[
+                        "--virtual-time-budget=10000",
+                        &format!("--window-size={width},1100"),
+                        "--dump-dom",
+                        &url,
+                    ],
+                    &profile,
+                )
+            })
+            .await
+            .unwrap()
+        };
+        let dom = String::from_utf8_lossy(&dom_out.stdout).into_owned();
+        assert!(
+            dom.contains("data-loaded=\"1\""),
+            "the page loaded its data: {}\n{dom}",
+            String::from_utf8_lossy(&dom_out.stderr)
         );
-    }
-    assert!(
-        count("completed") >= 1 && count("expired_not_started") >= 1,
-        "{ledger:?}"
-    );
-    assert_eq!(
-        text_of(&dom, "outcome-expired_before_receive").as_deref(),
-        Some("2")
-    );
-    assert_eq!(
-        text_of(&dom, "dead-broker_ttl_expired").or_else(|| text_of(&dom, "dead-expired")),
-        Some("2".into()),
-        "dead letters by reason:\n{dom}"
-    );
-    // The per-tenant table: every job here is tenant `default`'s (it named none).
-    assert_eq!(
-        text_of(&dom, "tenant-on-time-default").as_deref(),
-        Some(count("completed").to_string().as_str()),
-        "the per-tenant table:\n{dom}"
-    );
-    assert_eq!(text_of(&dom, "wait-waiting_for_slot").as_deref(), Some("0"));
-    assert_eq!(text_of(&dom, "wait-running").as_deref(), Some("0"));
-    assert_eq!(
-        text_of(&dom, "wait-concurrency_limit").as_deref(),
-        Some("1"),
-        "the workers' concurrency limit (1 slot)"
-    );
+        assert!(
+            dom.contains(&format!("data-width=\"{width}\"")),
+            "{width} px wide"
+        );
+        assert!(
+            dom.contains("data-overflow=\"\""),
+            "nothing runs out of its card at {width} px: {:?}",
+            dom.split("data-overflow=\"")
+                .nth(1)
+                .and_then(|r| r.split('"').next())
+        );
+        for (id, want) in [
+            ("h-on_time", pct.clone()),
+            ("h-refused", refused.to_string()),
+            ("h-wasted", wasted_text.clone()),
+            ("wait-waiting_for_slot", "0".into()),
+            ("wait-running", "0".into()),
+            ("wait-concurrency_limit", "1".into()),
+            ("worker-limit-test-worker", "1".into()),
+        ] {
+            assert_eq!(
+                text_of(&dom, id).as_deref(),
+                Some(want.as_str()),
+                "{id} at {width} px"
+            );
+        }
+        for state in [
+            "completed",
+            "expired_not_started",
+            "expired_before_receive",
+            "failed",
+            "unknown",
+        ] {
+            assert_eq!(
+                text_of(&dom, &format!("outcome-{state}")).as_deref(),
+                Some(count(state).to_string().as_str()),
+                "{state} on the page vs the ledger ({counts:?})"
+            );
+        }
+        assert_eq!(
+            text_of(&dom, "outcome-expired_before_receive").as_deref(),
+            Some("2")
+        );
+        assert_eq!(
+            text_of(&dom, "dead-broker_ttl_expired").or_else(|| text_of(&dom, "dead-expired")),
+            Some("2".into()),
+            "dead letters by reason:\n{dom}"
+        );
+        for t in TENANTS {
+            let want = recs
+                .iter()
+                .filter(|r| r.tenant == t && r.state == "completed")
+                .count();
+            assert_eq!(
+                text_of(&dom, &format!("tenant-on-time-{t}")).as_deref(),
+                Some(want.to_string().as_str()),
+                "the per-tenant table:\n{dom}"
+            );
+        }
 
-    // The screenshot: a real PNG of some size.
-    let png = env.dir.join("dashboard.png");
-    let shot = chromium(
-        &[
-            "--virtual-time-budget=10000",
-            "--window-size=1280,1000",
-            &format!("--screenshot={}", png.display()),
-            &url,
-        ],
-        &env.dir.join("chromium-profile-2"),
-    );
-    let bytes = std::fs::read(&png).unwrap_or_else(|e| {
-        panic!(
-            "no screenshot ({e}): {}",
-            String::from_utf8_lossy(&shot.stderr)
-        )
-    });
-    assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
-    assert!(
-        bytes.len() > 20_000,
-        "a non-trivial image, got {} bytes",
-        bytes.len()
-    );
-    if let Ok(keep) = std::env::var("LASTCALL_DASHBOARD_PNG") {
-        std::fs::copy(&png, keep).unwrap();
+        // The screenshot: a real PNG of some size.
+        let png = env.dir.join(format!("dashboard-{width}.png"));
+        let shot = chromium(
+            &[
+                "--virtual-time-budget=10000",
+                // Tall enough for every card (the per-tenant table too).
+                &format!("--window-size={width},1800"),
+                &format!("--screenshot={}", png.display()),
+                &url,
+            ],
+            &env.dir.join(format!("chromium-shot-{width}")),
+        );
+        let bytes = std::fs::read(&png).unwrap_or_else(|e| {
+            panic!(
+                "no screenshot ({e}): {}",
+                String::from_utf8_lossy(&shot.stderr)
+            )
+        });
+        assert_eq!(&bytes[..8], b"\x89PNG\r\n\x1a\n");
+        assert!(
+            bytes.len() > 20_000,
+            "a non-trivial image, got {} bytes",
+            bytes.len()
+        );
+        if width == 1400
+            && let Ok(keep) = std::env::var("LASTCALL_DASHBOARD_PNG")
+        {
+            std::fs::copy(&png, keep).unwrap();
+        }
     }
 
     stop.cancel();

@@ -38,6 +38,7 @@
 pub mod ack_plan;
 pub mod ack_window;
 pub mod admission;
+pub mod alerts;
 pub mod breaker;
 pub mod concurrency;
 pub mod deadletter;
@@ -48,8 +49,10 @@ pub mod disposition;
 pub mod envelope;
 pub mod event;
 pub mod fallback;
+pub mod headline;
 pub mod ids;
 pub mod lease;
+pub mod live;
 pub mod model_choice;
 pub mod outcome;
 pub mod rate_limit;

@@ -1,6 +1,9 @@
-//! The live dashboard: a static page (`assets/dashboard.html`, no CDN, no data in it)
-//! and the JSON it polls, `GET /v1/dashboard`: where work waits right now, outcomes per
-//! minute, dwell histograms, dead letters by reason, and per tenant (the busiest ten, the
+//! The live dashboard: a page (`assets/dashboard.html`, no CDN; its first state rendered
+//! by the server) and the JSON it polls, `GET /v1/dashboard`: the headline (issue #53: on
+//! time ÷ arrivals, refused without a call, wasted model time, p99 queue dwell, each with
+//! its trend; `Ledger::headline`, the same as `lastcall report`'s), where work waits right
+//! now (the workers publish their live numbers through their lease), the workers, alerts,
+//! outcomes per minute, dwell histograms, dead letters by reason, and per tenant (the busiest ten, the
 //! rest as `other`): on time, refused, the other outcomes by reason, model time (wasted)
 //! and tokens.
 
@@ -12,6 +15,8 @@ use axum::Json;
 use axum::extract::State;
 use axum::response::Html;
 use lastcall_core::State as JobState;
+use lastcall_core::alerts::{ALERT_WINDOW_MS, AlertInput, alerts};
+use lastcall_core::live::{FLEET_WINDOW_MS, fleet};
 use lastcall_core::report::{TenantSample, tenant_accounts};
 use lastcall_store::{DashboardCounts, JobRecord};
 use serde_json::{Map, Value, json};
@@ -24,20 +29,135 @@ pub const DWELL_BUCKETS_MS: &[u64] = lastcall_store::DWELL_BUCKETS_MS;
 
 /// The page, behind the same auth as the API: a browser answers the `Basic` challenge of
 /// the `401` (any user name, the token as password) and the page's same-origin polls of the
-/// JSON carry the cached credentials. The page itself holds no data.
+/// JSON carry the cached credentials. Its first state is rendered here (issue #53): the
+/// headline and live tiles carry their numbers in the HTML, and the whole snapshot is
+/// embedded for the script's first render, so the first paint shows numbers, not dashes.
 #[utoipa::path(
     get,
     path = "/",
     operation_id = "dashboardPage",
-    summary = "The live dashboard page (static, no data; its same-origin requests carry the browser's cached Basic credentials)",
+    summary = "The live dashboard page (its first state rendered by the server; its same-origin requests carry the browser's cached Basic credentials)",
     description = "",
+    params(crate::openapi::DashboardParams),
     responses(
         (status = 200, description = "HTML", body = String, content_type = "text/html"),
+        (status = 400, description = "`minutes` is not an integer from 1 to 1440, or is given more than once; `field` names it", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
     ),
 )]
-pub async fn page() -> Html<&'static str> {
-    Html(include_str!("../assets/dashboard.html"))
+pub async fn page(
+    State(state): State<Arc<AppState>>,
+    q: QueryParams,
+) -> Result<Html<String>, ApiError> {
+    let minutes = q.integer("minutes", 1..=1440)?.unwrap_or(15);
+    // A ledger that cannot be read still gets the page: its script reports the error.
+    let snap = snapshot(&state, minutes).await.ok();
+    Ok(Html(render_page(snap.as_ref())))
+}
+
+const PAGE: &str = include_str!("../assets/dashboard.html");
+
+/// The page with its first state: each `{{name}}` placeholder replaced by its text (see
+/// [`first_paint`]), and the snapshot as JSON in `<script id="initial">`.
+pub fn render_page(snap: Option<&Value>) -> String {
+    let mut html = PAGE.to_owned();
+    for (name, text) in first_paint(snap) {
+        html = html.replace(&format!("{{{{{name}}}}}"), &escape_html(&text));
+    }
+    // JSON inside a script element: no `<` may end it early.
+    let json = snap
+        .map(|v| v.to_string())
+        .unwrap_or_else(|| "null".into())
+        .replace('<', "\\u003c")
+        .replace('>', "\\u003e")
+        .replace('&', "\\u0026");
+    html.replace("/*INITIAL*/null", &json)
+}
+
+fn escape_html(s: &str) -> String {
+    s.replace('&', "&amp;")
+        .replace('<', "&lt;")
+        .replace('>', "&gt;")
+        .replace('"', "&quot;")
+}
+
+/// The texts of the server-rendered tiles, by placeholder name. The page's script formats
+/// the same fields the same way (`fmt*` in `assets/dashboard.html`).
+pub fn first_paint(snap: Option<&Value>) -> Vec<(String, String)> {
+    let dash = || "–".to_owned();
+    let h = snap.and_then(|s| s.get("headline"));
+    let num = |v: Option<&Value>| v.and_then(Value::as_u64);
+    let field = |k: &str| num(h.and_then(|h| h.get(k)));
+    let mut out = vec![
+        (
+            "h-on_time".into(),
+            h.and_then(|h| h.get("on_time_pct"))
+                .and_then(Value::as_f64)
+                .map_or_else(dash, fmt_pct),
+        ),
+        (
+            "h-refused".into(),
+            field("refused").map_or_else(dash, |n| n.to_string()),
+        ),
+        (
+            "h-wasted".into(),
+            field("wasted_model_ms").map_or_else(dash, fmt_secs),
+        ),
+        (
+            "h-dwell".into(),
+            match (
+                field("queue_dwell_p99_ms"),
+                h.and_then(|h| h.get("queue_dwell_p99_over")),
+            ) {
+                (Some(ms), Some(Value::Bool(true))) => format!("> {}", fmt_ms(ms)),
+                (Some(ms), _) => format!("≤ {}", fmt_ms(ms)),
+                (None, _) => dash(),
+            },
+        ),
+        (
+            "h-arrivals".into(),
+            match (field("on_time"), field("arrivals"), field("pending")) {
+                (Some(o), Some(a), Some(p)) => format!("{o} of {a} arrivals ({p} not ended)"),
+                _ => String::new(),
+            },
+        ),
+    ];
+    let w = snap.and_then(|s| s.get("waiting"));
+    for k in [
+        "broker_ready",
+        "broker_unacked",
+        "waiting_for_slot",
+        "running",
+        "concurrency_limit",
+    ] {
+        let v = w.and_then(|w| w.get(k));
+        let text = match v {
+            Some(Value::Null) => "n/a".to_owned(),
+            Some(v) => v.to_string(),
+            None => dash(),
+        };
+        out.push((format!("wait-{k}"), text));
+    }
+    out
+}
+
+/// `87.5%`.
+pub fn fmt_pct(p: f64) -> String {
+    format!("{p:.1}%")
+}
+
+/// Model time: `12.3 s`.
+pub fn fmt_secs(ms: u64) -> String {
+    format!("{:.1} s", ms as f64 / 1000.0)
+}
+
+/// A dwell bound: `250 ms`, `2.5 s`.
+pub fn fmt_ms(ms: u64) -> String {
+    if ms >= 1000 {
+        format!("{} s", ms as f64 / 1000.0)
+    } else {
+        format!("{ms} ms")
+    }
 }
 
 /// `GET /v1/dashboard?minutes=15` (1–1440, at most once).
@@ -49,7 +169,7 @@ pub async fn page() -> Html<&'static str> {
     description = "",
     params(crate::openapi::DashboardParams),
     responses(
-        (status = 200, description = "Where work waits, outcomes, dwell histograms, dead letters", body = Object),
+        (status = 200, description = "The headline (on time, refused, wasted model time, p99 queue dwell, with their trend), where work waits (from the workers' leases), the workers, alerts, outcomes, dwell histograms, dead letters", body = Object),
         (status = 400, description = "`minutes` is not an integer from 1 to 1440, or is given more than once; `field` names it", body = crate::openapi::ErrorBody),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 500, response = crate::openapi::LedgerError),
@@ -60,6 +180,15 @@ pub async fn data(
     q: QueryParams,
 ) -> Result<Json<Value>, ApiError> {
     let minutes = q.integer("minutes", 1..=1440)?.unwrap_or(15);
+    Ok(Json(snapshot(&state, minutes).await?))
+}
+
+fn internal(e: impl std::fmt::Display) -> ApiError {
+    ApiError::Internal(e.to_string())
+}
+
+/// Everything the dashboard shows for a window of `minutes` ending now.
+pub async fn snapshot(state: &AppState, minutes: i64) -> Result<Value, ApiError> {
     let now = state.clock.now_ms();
     let since = now - minutes * 60_000;
     // Counts aggregated by the database (bounded rows, no job's text): polled every 5 s.
@@ -67,19 +196,32 @@ pub async fn data(
         .ledger
         .dashboard_counts(since)
         .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
-    let counts = state
+        .map_err(internal)?;
+    let counts = state.ledger.counts_by_state().await.map_err(internal)?;
+    let headline = state
         .ledger
-        .counts_by_state()
+        .headline(since, now, None)
         .await
-        .map_err(|e| ApiError::Internal(e.to_string()))?;
+        .map_err(internal)?;
+    let leases = state
+        .ledger
+        .worker_leases(now - FLEET_WINDOW_MS)
+        .await
+        .map_err(internal)?;
+    let fleet = fleet(&leases, now);
     let depths = match &state.depth {
         Some(p) => p.depths().await,
         None => Vec::new(),
     };
     let work = depths.iter().find(|d| d.queue == state.names.work_queue);
     let dead = depths.iter().find(|d| d.queue == state.names.dead_queue);
-    let (waiting, running, limit) = scrape_workers(&state).await;
+    // The workers' own numbers, from their leases; `--worker-metrics` URLs override.
+    let (waiting, running, limit, live_source) = if state.worker_metrics.is_empty() {
+        (fleet.waiting, fleet.running, fleet.limit, "leases")
+    } else {
+        let (w, r, l) = scrape_workers(state).await;
+        (w, r, l, "worker_metrics")
+    };
     let ledger_count = |s: &str| {
         counts
             .iter()
@@ -87,7 +229,24 @@ pub async fn data(
             .map(|(_, n)| *n)
             .unwrap_or(0)
     };
+    let alert_input = AlertInput {
+        dead_queue: dead.map(|d| (d.queue.clone(), d.ready, d.consumers)),
+        breakers: state
+            .ledger
+            .open_breakers(now, lastcall_core::lease::fresh_since(now))
+            .await
+            .map_err(internal)?,
+        over_quota: state
+            .http_stats
+            .recently_over_quota(std::time::Duration::from_millis(ALERT_WINDOW_MS as u64)),
+        kinds: state
+            .ledger
+            .kind_outcomes(now - ALERT_WINDOW_MS)
+            .await
+            .map_err(internal)?,
+    };
     let mut summary = summarize_counts(&window, since, now);
+    summary.insert("headline".into(), json!(headline));
     summary.insert(
         "waiting".into(),
         json!({
@@ -99,10 +258,16 @@ pub async fn data(
             "running_in_ledger": ledger_count("running"),
             "accepted_in_ledger": ledger_count("accepted"),
             "dead_queue_ready": dead.and_then(|d| d.ready),
+            "dead_queue_consumers": dead.and_then(|d| d.consumers),
             "depth_source": work.map(|d| d.source),
+            "live_source": live_source,
+            "workers_live": fleet.fresh,
+            "workers_stale": fleet.stale,
             "workers_scraped": state.worker_metrics.len(),
         }),
     );
+    summary.insert("workers".into(), json!(fleet));
+    summary.insert("alerts".into(), json!(alerts(&alert_input, now)));
     summary.insert("queues".into(), json!(depths));
     summary.insert(
         "ledger_totals".into(),
@@ -110,12 +275,11 @@ pub async fn data(
     );
     summary.insert("now_ms".into(), json!(now));
     summary.insert("window_minutes".into(), json!(minutes));
-    Ok(Json(Value::Object(summary)))
+    Ok(Value::Object(summary))
 }
 
-/// Sum the waiting and running gauges and the concurrency limits (the model calls the
-/// workers may run at once now: fixed slots, or the adaptive limit of `--slots auto`) of
-/// the worker metrics endpoints; `None` when no endpoint is configured or none answered.
+/// With `serve --worker-metrics URL` (an override of the leases): sum the waiting and
+/// running gauges and the concurrency limits of those endpoints; `None` when none answered.
 async fn scrape_workers(state: &AppState) -> (Option<i64>, Option<i64>, Option<i64>) {
     let mut answered = false;
     let (mut waiting, mut running, mut limit) = (0i64, 0i64, 0i64);
@@ -275,6 +439,53 @@ fn bucket(ms: i64) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// The first paint: every placeholder filled with the snapshot's numbers in the
+    /// script's formats, the snapshot embedded so that no text of it can end the script
+    /// element, and dashes (never a placeholder) without a snapshot.
+    #[test]
+    fn the_page_is_rendered_with_its_first_state() {
+        let snap = json!({
+            "headline": {
+                "arrivals": 40, "on_time": 35, "on_time_pct": 87.5, "pending": 1,
+                "refused": 3, "wasted_model_ms": 12_340,
+                "queue_dwell_p99_ms": 2_500, "queue_dwell_p99_over": false,
+            },
+            "waiting": {
+                "broker_ready": 4, "broker_unacked": 2, "waiting_for_slot": 1,
+                "running": 2, "concurrency_limit": null,
+            },
+            "tenants": [{"tenant": "</script><b>x"}],
+        });
+        let html = render_page(Some(&snap));
+        assert!(!html.contains("{{"), "every placeholder is filled");
+        for (id, text) in [
+            ("h-on_time", "87.5%"),
+            ("h-refused", "3"),
+            ("h-wasted", "12.3 s"),
+            ("h-dwell", "≤ 2.5 s"),
+            ("h-arrivals", "35 of 40 arrivals (1 not ended)"),
+            ("wait-broker_ready", "4"),
+            ("wait-concurrency_limit", "n/a"),
+        ] {
+            assert!(
+                html.contains(&format!("id=\"{id}\">{text}<")),
+                "{id}: {text}"
+            );
+        }
+        let script = html
+            .split("<script id=\"initial\" type=\"application/json\">")
+            .nth(1)
+            .unwrap();
+        let json = script.split("</script>").next().unwrap();
+        assert_eq!(serde_json::from_str::<Value>(json).unwrap(), snap);
+        assert!(!json.contains('<'));
+
+        let empty = render_page(None);
+        assert!(!empty.contains("{{"));
+        assert!(empty.contains("id=\"h-on_time\">–<"));
+        assert!(empty.contains(">null</script>"));
+    }
     use lastcall_core::{Decision, Reason};
     use lastcall_store::{Ledger, OutcomeRecord};
 

@@ -88,7 +88,16 @@ pub struct HttpStats {
     pub shed: Counter,
     /// Ledger reads of `GET /v1/jobs/{id}` (a long-poll reads once, then once per wake).
     pub job_reads: Counter,
+    /// When each tenant (bounded labels) was last refused over quota: the latest
+    /// [`RECENT_REFUSALS`] instants, for the dashboard's alert.
+    recent_quota_refusals: Arc<std::sync::Mutex<RecentRefusals>>,
 }
+
+/// How many recent quota refusals are remembered per tenant.
+pub const RECENT_REFUSALS: usize = 64;
+
+type RecentRefusals =
+    std::collections::BTreeMap<String, std::collections::VecDeque<std::time::Instant>>;
 
 impl HttpStats {
     /// Count a job of `tenant` accepted.
@@ -102,12 +111,34 @@ impl HttpStats {
     /// Count a job of `tenant` refused over `quota`.
     pub fn quota_refused(&self, tenant: &str, quota: &str) {
         let tenant = self.tenant_labels.label(tenant);
+        {
+            let mut recent = (self.recent_quota_refusals.lock()).unwrap_or_else(|p| p.into_inner());
+            let times = recent.entry(tenant.clone()).or_default();
+            if times.len() == RECENT_REFUSALS {
+                times.pop_front();
+            }
+            times.push_back(std::time::Instant::now());
+        }
         self.quota_refused_total
             .get_or_create(&QuotaLabels {
                 tenant,
                 quota: quota.to_owned(),
             })
             .inc();
+    }
+
+    /// The tenants refused over quota within `window`, with how many refusals (at most
+    /// [`RECENT_REFUSALS`] each), by name.
+    pub fn recently_over_quota(&self, window: std::time::Duration) -> Vec<(String, u64)> {
+        let recent = (self.recent_quota_refusals.lock()).unwrap_or_else(|p| p.into_inner());
+        recent
+            .iter()
+            .map(|(t, times)| {
+                let n = times.iter().filter(|at| at.elapsed() <= window).count();
+                (t.clone(), n as u64)
+            })
+            .filter(|(_, n)| *n > 0)
+            .collect()
     }
 
     fn register(&self, r: &mut Registry) {

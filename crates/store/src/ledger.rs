@@ -440,6 +440,8 @@ const MARK_UNKNOWN: &str = "UPDATE jobs SET state = 'unknown', \
      WHERE state IN ('accepted', 'running') AND expires_at_ms < $2 \
      RETURNING job_id";
 
+const UPSERT_HEARTBEAT_LIVE: &str = "INSERT INTO workers (name, heartbeat_ms, live) VALUES ($1, $2, $3) \
+     ON CONFLICT (name) DO UPDATE SET heartbeat_ms = excluded.heartbeat_ms, live = excluded.live";
 const UPSERT_HEARTBEAT: &str = "INSERT INTO workers (name, heartbeat_ms) VALUES ($1, $2) \
      ON CONFLICT (name) DO UPDATE SET heartbeat_ms = excluded.heartbeat_ms";
 
@@ -800,6 +802,27 @@ impl Ledger {
             sqlx::query(UPSERT_HEARTBEAT)
                 .bind(worker)
                 .bind(now_ms)
+                .execute(pool)
+                .await
+                .map(|_| ())
+                .map_err(db("renewing a worker lease"))?
+        });
+        Ok(())
+    }
+
+    /// Renew `worker`'s lease as [`heartbeat`](Self::heartbeat), with the live numbers
+    /// it publishes (`lastcall_core::live::WorkerLive` as JSON) for `serve`'s dashboard.
+    pub async fn heartbeat_live(
+        &self,
+        worker: &str,
+        now_ms: i64,
+        live: &str,
+    ) -> Result<(), StoreError> {
+        on_pool!(self, write, |pool| {
+            sqlx::query(UPSERT_HEARTBEAT_LIVE)
+                .bind(worker)
+                .bind(now_ms)
+                .bind(live)
                 .execute(pool)
                 .await
                 .map(|_| ())

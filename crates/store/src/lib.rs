@@ -42,7 +42,7 @@ mod migrate;
 pub use ledger::copy::{COPY_TABLES, CopyCounts, TableDigest, copy_columns};
 pub use ledger::dashboard::{
     DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DASHBOARD_TENANTS, DWELL_BUCKET_SQL,
-    DWELL_BUCKETS_MS, DashboardCounts,
+    DWELL_BUCKETS_MS, DashboardCounts, HEADLINE_STATEMENTS,
 };
 pub use ledger::retention::{
     ArchiveFn, JobStream, LedgerSize, PRUNE_DUTY, PruneCounts, PruneLock, prune_pause,

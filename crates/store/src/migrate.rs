@@ -101,6 +101,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0012_request_size.sql"),
         postgres: include_str!("../migrations/postgres/0012_request_size.sql"),
     },
+    Migration {
+        version: 13,
+        name: "worker_live",
+        sqlite: include_str!("../migrations/sqlite/0013_worker_live.sql"),
+        postgres: include_str!("../migrations/postgres/0013_worker_live.sql"),
+    },
 ];
 
 /// An index that a migration adds, on PostgreSQL, to a table that already existed: built

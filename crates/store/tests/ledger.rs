@@ -21,7 +21,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 12;
+const LATEST_VERSION: i64 = 13;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -3429,4 +3429,217 @@ async fn an_invalid_index_left_by_an_interrupted_build_is_built_again() {
     assert_eq!(valid_online_indexes(&db).await, 4);
     again.close().await;
     db.ledger.close().await;
+}
+
+// ---------------------------------------------------------------------------------------
+// The dashboard's headline, leases and alerts (issue #53)
+
+both_backends!(
+    the_headline_equals_the_records_and_reads_no_text,
+    a_lease_carries_its_workers_live_numbers,
+    the_alerts_read_open_breakers_of_live_workers_and_outcomes_per_kind,
+);
+
+/// `Ledger::headline` (two `GROUP BY`s) equals the figures computed here from each job's
+/// whole record: arrivals in `[since, until)` (ended or not), on time, refused, wasted model
+/// time, the nearest-rank p99 queue dwell's bucket, per slice and in total; per tenant too.
+async fn the_headline_equals_the_records_and_reads_no_text(db: &TestDb) {
+    use lastcall_core::headline::{HEADLINE_SLICES, slice_of};
+    use lastcall_store::{DWELL_BUCKETS_MS, HEADLINE_STATEMENTS};
+    let l = &db.ledger;
+    let (since, until) = (1_000_000i64, 1_000_000 + 15 * 60_000);
+    let states = [
+        State::Completed,
+        State::Completed,
+        State::Failed,
+        State::ExpiredNotStarted,
+        State::ExpiredBeforeReceive,
+        State::DeadlineExceeded,
+        State::Rejected,
+        State::Unknown,
+        State::Cancelled,
+    ];
+    let mut ids = Vec::new();
+    for i in 0..150i64 {
+        // From 2 minutes before the window to 1 minute after it.
+        let created = since - 120_000 + i * 7_919 % (18 * 60_000);
+        let state = states[i as usize % states.len()];
+        let id = format!("h{i}");
+        let dwell = (i * 37) % 3_000 + if i % 17 == 0 { 90_000 } else { 0 };
+        let refused = matches!(
+            state,
+            State::ExpiredNotStarted | State::ExpiredBeforeReceive | State::Rejected
+        );
+        let rec = OutcomeRecord {
+            created_at_ms: Some(created),
+            received_at_ms: (state != State::ExpiredBeforeReceive).then_some(created + dwell),
+            checked_at_ms: Some(created + dwell + 1),
+            latency_ms: (!refused).then_some(100 + i),
+            model_called: !refused,
+            worker: if i % 11 == 0 {
+                "dlq:x".into()
+            } else {
+                "w1".into()
+            },
+            tenant: Tenant::parse(["a", "b", "c"][i as usize % 3]).unwrap(),
+            result: Some("text".into()),
+            ..outcome(&id, &format!("{id}-1"), state, created + dwell + 500)
+        };
+        l.record_outcome(&rec).await.unwrap();
+        ids.push(id);
+    }
+    // Jobs that have not ended: arrivals, pending.
+    for j in 0..6i64 {
+        let id = format!("p{j}");
+        l.record_accepted(&accepted(&id, "chat", since + 1_000 + j * 100_000, until))
+            .await
+            .unwrap();
+        ids.push(id);
+    }
+
+    for tenant in [None, Some("b")] {
+        let got = l.headline(since, until, tenant).await.unwrap();
+        let mut recs = Vec::new();
+        for id in &ids {
+            recs.push(must_get(l, id).await);
+        }
+        let arrivals: Vec<&JobRecord> = recs
+            .iter()
+            .filter(|r| r.created_at_ms.is_some_and(|c| c >= since && c < until))
+            .filter(|r| tenant.is_none_or(|t| r.tenant == t))
+            .collect();
+        let check = |f: &lastcall_core::headline::Figures, rs: &[&&JobRecord]| {
+            let count = |p: &dyn Fn(&str) -> bool| rs.iter().filter(|r| p(&r.state)).count() as u64;
+            assert_eq!(f.arrivals, rs.len() as u64);
+            assert_eq!(f.on_time, count(&|s| s == "completed"));
+            assert_eq!(
+                f.refused,
+                count(
+                    &|s| ["expired_not_started", "expired_before_receive", "rejected"].contains(&s)
+                )
+            );
+            assert_eq!(f.pending, count(&|s| s == "accepted" || s == "running"));
+            assert_eq!(
+                f.wasted_model_ms,
+                rs.iter()
+                    .map(|r| r.wasted_model_ms.max(0) as u64)
+                    .sum::<u64>()
+            );
+            let mut dwells: Vec<i64> = rs
+                .iter()
+                .filter(|r| !r.worker.as_deref().unwrap_or("").starts_with("dlq:"))
+                .filter_map(|r| Some(r.received_at_ms? - r.created_at_ms?))
+                .collect();
+            dwells.sort_unstable();
+            let want = lastcall_core::report::percentile(&dwells, 0.99).map(|d| {
+                match DWELL_BUCKETS_MS.iter().find(|b| d <= **b as i64) {
+                    Some(b) => (*b, false),
+                    None => (*DWELL_BUCKETS_MS.last().unwrap(), true),
+                }
+            });
+            assert_eq!(
+                f.queue_dwell_p99_ms.map(|ms| (ms, f.queue_dwell_p99_over)),
+                want,
+                "{dwells:?}"
+            );
+        };
+        let all: Vec<&&JobRecord> = arrivals.iter().collect();
+        check(&got.total, &all);
+        // The pending jobs are tenant `default`'s.
+        assert!(got.total.arrivals > 30, "{got:?}");
+        assert_eq!(got.total.pending > 0, tenant.is_none(), "{got:?}");
+        assert!(got.total.queue_dwell_p99_over, "an overflow dwell: {got:?}");
+        assert_eq!(got.trend.len(), HEADLINE_SLICES as usize);
+        for (i, f) in got.trend.iter().enumerate() {
+            let rs: Vec<&&JobRecord> = arrivals
+                .iter()
+                .filter(|r| {
+                    slice_of(r.created_at_ms.unwrap(), since, until, HEADLINE_SLICES) == i as i64
+                })
+                .collect();
+            check(f, &rs);
+        }
+    }
+    for sql in HEADLINE_STATEMENTS {
+        for col in ["result", "error", "payload"] {
+            assert!(!sql.contains(col), "{col} in {sql}");
+        }
+    }
+}
+
+/// A worker's lease carries its live numbers (ledger version 13); a plain renewal keeps
+/// them; leases older than the read's bound are not read.
+async fn a_lease_carries_its_workers_live_numbers(db: &TestDb) {
+    use lastcall_core::live::WorkerLive;
+    let l = &db.ledger;
+    let live = WorkerLive {
+        waiting: 3,
+        running: 2,
+        limit: 4,
+        learned_call_ms: [("chat".to_owned(), 1_500)].into(),
+        ..Default::default()
+    };
+    l.heartbeat_live("w1", 10_000, &live.to_json())
+        .await
+        .unwrap();
+    l.heartbeat("w-old", 1_000).await.unwrap();
+    l.heartbeat("w-none", 9_000).await.unwrap();
+    let got = l.worker_leases(5_000).await.unwrap();
+    assert_eq!(got.len(), 2, "{got:?}");
+    assert_eq!(
+        (got[0].worker.as_str(), got[0].renewed_at_ms),
+        ("w1", 10_000)
+    );
+    assert_eq!(got[0].live.as_ref(), Some(&live));
+    assert_eq!(
+        (got[1].worker.as_str(), got[1].live.as_ref()),
+        ("w-none", None)
+    );
+    l.heartbeat("w1", 11_000).await.unwrap();
+    let got = l.worker_leases(5_000).await.unwrap();
+    assert_eq!(
+        (got[0].renewed_at_ms, got[0].live.as_ref()),
+        (11_000, Some(&live))
+    );
+}
+
+/// The alerts' reads: breakers open now under a fresh lease, one per (worker, backend)
+/// with its kinds; outcomes per kind with the refusals among them.
+async fn the_alerts_read_open_breakers_of_live_workers_and_outcomes_per_kind(db: &TestDb) {
+    let l = &db.ledger;
+    let now = 100_000;
+    l.heartbeat("live", now - 1_000).await.unwrap();
+    l.heartbeat("dead", now - 60_000).await.unwrap();
+    let kinds = ["chat".to_owned(), "embed".to_owned()];
+    l.record_breaker_open("live", "vllm", &kinds, now + 5_000, now)
+        .await
+        .unwrap();
+    l.record_breaker_open("dead", "vllm", &kinds, now + 5_000, now)
+        .await
+        .unwrap();
+    l.record_breaker_open("live", "tgi", &["old".to_owned()], now - 1, now - 10_000)
+        .await
+        .unwrap();
+    let open = l.open_breakers(now, now - 10_000).await.unwrap();
+    assert_eq!(open.len(), 1, "{open:?}");
+    assert_eq!(
+        (open[0].worker.as_str(), open[0].backend.as_str()),
+        ("live", "vllm")
+    );
+    assert_eq!(open[0].kinds, kinds);
+
+    for (i, state) in [State::Rejected, State::ExpiredNotStarted, State::Completed]
+        .into_iter()
+        .enumerate()
+    {
+        l.record_outcome(&outcome(&format!("k{i}"), &format!("k{i}-1"), state, now))
+            .await
+            .unwrap();
+    }
+    let got = l.kind_outcomes(now - 1_000).await.unwrap();
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        (got[0].kind.as_str(), got[0].jobs, got[0].refused),
+        ("chat", 3, 2)
+    );
 }

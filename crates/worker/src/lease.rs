@@ -8,6 +8,7 @@
 
 use crate::clock::Clock;
 use crate::ctx::Ctx;
+use crate::stats::WorkerStats;
 use lastcall_backend::CancellationToken;
 use lastcall_store::Ledger;
 use std::sync::Arc;
@@ -25,16 +26,19 @@ pub(crate) enum Interrupted {
 }
 
 /// Renew the lease of the worker `name` until `stop` fires (one row per worker, not per
-/// job).
+/// job), with its live numbers ([`WorkerStats::live`]).
 pub(crate) async fn renew(
     ledger: Arc<Ledger>,
     name: String,
     clock: Arc<dyn Clock>,
+    stats: Arc<WorkerStats>,
     stop: CancellationToken,
 ) {
     let mut failing = false;
     loop {
-        match ledger.heartbeat(&name, clock.now_ms()).await {
+        // The live numbers ride along (issue #53): `serve`'s dashboard reads them here.
+        let live = stats.live().to_json();
+        match ledger.heartbeat_live(&name, clock.now_ms(), &live).await {
             Ok(()) if failing => {
                 failing = false;
                 tracing::info!("worker lease renewed again");

@@ -105,6 +105,7 @@ impl Sidecars {
             ctx.ledger.clone(),
             ctx.cfg.name.clone(),
             ctx.clock.clone(),
+            ctx.stats.clone(),
             stop.clone(),
         ));
         // The retry publisher's connection (replaced on reconnect), for `/readyz`.

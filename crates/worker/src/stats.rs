@@ -120,6 +120,23 @@ impl WorkerStats {
             .collect()
     }
 
+    /// The live numbers this worker publishes through its lease at each renewal
+    /// (`serve`'s dashboard reads them from the ledger).
+    pub fn live(&self) -> lastcall_core::live::WorkerLive {
+        let learned = self
+            .metrics
+            .learned_ms
+            .lock()
+            .unwrap_or_else(|e| e.into_inner());
+        lastcall_core::live::WorkerLive {
+            waiting: self.waiting.load(Ordering::Relaxed),
+            waiting_for_rate_limit: self.rate_limit_waiting.load(Ordering::Relaxed),
+            running: self.running.load(Ordering::Relaxed),
+            limit: self.metrics.slots().map_or(0, |(_, total)| total as i64),
+            learned_call_ms: learned.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+        }
+    }
+
     pub fn readiness(&self) -> Vec<(&'static str, bool)> {
         vec![
             ("broker", self.broker_connected.load(Ordering::Relaxed)),
@@ -269,6 +286,9 @@ pub struct WorkerMetrics {
     /// The learned call duration (the admission quantile) last used, in seconds, by
     /// bounded kind label.
     pub learned_call: Family<KindLabel, Gauge<f64, AtomicU64>>,
+    /// The same learned durations in ms, for the live numbers of the lease
+    /// ([`WorkerStats::live`]).
+    learned_ms: Mutex<BTreeMap<Label, u64>>,
     /// The kind of an envelope that did not parse (never counted against the cap).
     invalid_kind: Label,
     slots: OnceLock<Arc<crate::slots::Slots>>,
@@ -293,6 +313,7 @@ impl Default for WorkerMetrics {
             kinds: BoundedLabels::first(32),
             reasons: BoundedLabels::first(64),
             learned_call: Family::default(),
+            learned_ms: Mutex::default(),
             invalid_kind: Label::from("invalid"),
             slots: OnceLock::new(),
             prefetch: AtomicU64::new(0),
@@ -339,7 +360,9 @@ impl WorkerMetrics {
 
     /// The learned call duration of `kind` after a call ended (the gauge).
     pub(crate) fn set_learned(&self, kind: &str, ms: u64) {
-        let labels = [("kind", self.kinds.label(kind))];
+        let label = self.kinds.label(kind);
+        (self.learned_ms.lock().unwrap_or_else(|e| e.into_inner())).insert(label.clone(), ms);
+        let labels = [("kind", label)];
         self.learned_call
             .get_or_create(&labels)
             .set(ms as f64 / 1000.0);

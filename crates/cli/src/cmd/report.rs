@@ -6,6 +6,7 @@ use crate::config::Settings;
 use crate::table;
 use anyhow::Result;
 use lastcall_clock::Clock;
+use lastcall_core::headline::Figures;
 use lastcall_core::report::{self, Count, Report, ReportRow};
 use std::process::ExitCode;
 
@@ -20,6 +21,10 @@ pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitC
     let since = until.saturating_sub(window);
     let ledger = super::open_ledger_to_read(&s.store_url).await?;
     let recs = ledger.records_since(since).await?;
+    // The headline: the dashboard's own computation (`Ledger::headline`).
+    let headline = ledger
+        .headline(since, until, a.tenant.as_ref().map(|t| t.as_str()))
+        .await?;
     ledger.close().await;
     let rows: Vec<ReportRow> = recs
         .into_iter()
@@ -41,11 +46,65 @@ pub async fn run(s: &Settings, a: ReportArgs, clock: &dyn Clock) -> Result<ExitC
         .collect();
     let rep = report::build(&rows, since, until);
     match a.format {
-        ReportFormat::Json => println!("{}", serde_json::to_string_pretty(&rep)?),
-        ReportFormat::Csv => print!("{}", csv(&rep)),
-        ReportFormat::Table => print!("{}", text(&rep, &a.since)),
+        ReportFormat::Json => {
+            let mut v = serde_json::to_value(&rep)?;
+            if let Some(o) = v.as_object_mut() {
+                o.insert("headline".into(), serde_json::to_value(&headline)?);
+            }
+            println!("{}", serde_json::to_string_pretty(&v)?)
+        }
+        ReportFormat::Csv => print!("{}{}", csv(&rep), headline_csv(&headline.total)),
+        ReportFormat::Table => print!(
+            "{}{}",
+            headline_text(&headline.total, &a.since),
+            text(&rep, &a.since)
+        ),
     }
     Ok(ExitCode::SUCCESS)
+}
+
+/// The headline's rows: `headline,<figure>,n` (an empty count when there is none).
+pub fn headline_csv(h: &Figures) -> String {
+    let opt = |v: Option<String>| v.unwrap_or_default();
+    let rows = [
+        ("arrivals", Some(h.arrivals.to_string())),
+        ("on_time", Some(h.on_time.to_string())),
+        ("on_time_pct", h.on_time_pct.map(|p| format!("{p:.1}"))),
+        ("refused", Some(h.refused.to_string())),
+        ("pending", Some(h.pending.to_string())),
+        ("wasted_model_ms", Some(h.wasted_model_ms.to_string())),
+        (
+            if h.queue_dwell_p99_over {
+                "queue_dwell_p99_over_ms"
+            } else {
+                "queue_dwell_p99_le_ms"
+            },
+            h.queue_dwell_p99_ms.map(|v| v.to_string()),
+        ),
+    ];
+    rows.iter()
+        .map(|(k, v)| format!("headline,{k},{},,,,\n", opt(v.clone())))
+        .collect()
+}
+
+/// The headline as the table's first lines.
+pub fn headline_text(h: &Figures, since: &str) -> String {
+    let pct = h.on_time_pct.map_or("-".to_owned(), |p| format!("{p:.1}%"));
+    let dwell = match h.queue_dwell_p99_ms {
+        None => "-".to_owned(),
+        Some(ms) if h.queue_dwell_p99_over => format!("> {ms} ms"),
+        Some(ms) => format!("<= {ms} ms"),
+    };
+    format!(
+        "jobs that arrived in the last {since}: {}\n  on time: {} ({pct}); not ended yet: {}\n  \
+         refused without a model call: {}\n  model time wasted: {:.1} s\n  \
+         p99 queue dwell: {dwell}\n\n",
+        h.arrivals,
+        h.on_time,
+        h.pending,
+        h.refused,
+        h.wasted_model_ms as f64 / 1000.0
+    )
 }
 
 fn csv_field(s: &str) -> String {

@@ -122,7 +122,7 @@ const TABLES: [Table; 6] = [
     Table {
         name: "workers",
         key: 1,
-        columns: &[("name", Text), ("heartbeat_ms", Int)],
+        columns: &[("name", Text), ("heartbeat_ms", Int), ("live", Text)],
     },
     // The workers' open breakers (migration 9): live state like the leases, copied so
     // that the copy holds every table; a row counts only while its trial time is ahead

@@ -9,6 +9,9 @@
 //! `/metrics` and their tests fold the groups with `lastcall_core::report::tenant_accounts`
 //! (the busiest tenants, the rest as `other`).
 
+use lastcall_core::alerts::{KindOutcomes, OpenBreaker};
+use lastcall_core::headline::{ArrivalGroup, DwellGroup, HEADLINE_SLICES, Headline, headline};
+use lastcall_core::live::{FLEET_MAX_WORKERS, Lease, WorkerLive};
 use lastcall_core::report::{TenantAccount, TenantSample, tenant_accounts};
 use sqlx::Row;
 
@@ -237,6 +240,217 @@ impl Ledger {
                         .collect()
                 })
                 .map_err(db("reading the per-tenant counts"))
+        })
+    }
+}
+
+/// The arrivals of a window (`created_at_ms` in `[$1, $2)`) per (trend slice, state) with
+/// their wasted model time; `$3` slices. The `recorded_at_ms` condition only lets the
+/// index on it serve (an arrival is recorded after it was created, or not yet; a minute of
+/// slack for producers' clocks).
+const SELECT_ARRIVALS: &str = concat!(
+    "SELECT s, state, COUNT(*), CAST(SUM(w) AS BIGINT) FROM (SELECT \
+     ((created_at_ms - $1) * $3) / ($2 - $1) AS s, state, ",
+    wasted_model_ms!(),
+    " AS w FROM jobs WHERE created_at_ms >= $1 AND created_at_ms < $2 \
+     AND (recorded_at_ms >= $1 - 60000 OR recorded_at_ms IS NULL) \
+     AND COALESCE($4, tenant) = tenant) t GROUP BY s, state ORDER BY s, state LIMIT $5"
+);
+
+/// The queue dwell (received − created) of the window's arrivals that a worker received
+/// (not the dead-letter processor), per (trend slice, dwell bucket).
+const SELECT_ARRIVAL_DWELL: &str = concat!(
+    "SELECT s, b, COUNT(*) FROM (SELECT ((created_at_ms - $1) * $3) / ($2 - $1) AS s, ",
+    dwell_bucket!("(received_at_ms - created_at_ms)"),
+    " AS b FROM jobs WHERE created_at_ms >= $1 AND created_at_ms < $2 \
+     AND (recorded_at_ms >= $1 - 60000 OR recorded_at_ms IS NULL) \
+     AND COALESCE($4, tenant) = tenant AND received_at_ms IS NOT NULL \
+     AND SUBSTR(COALESCE(worker, ''), 1, 4) <> 'dlq:') t GROUP BY s, b ORDER BY s, b LIMIT $5"
+);
+
+/// The statements of [`Ledger::headline`] (none reads a job's text; the tests check).
+pub const HEADLINE_STATEMENTS: [&str; 2] = [SELECT_ARRIVALS, SELECT_ARRIVAL_DWELL];
+
+/// The leases renewed at or after `$1`, the most recent first.
+const SELECT_LEASES: &str = "SELECT name, heartbeat_ms, live FROM workers WHERE heartbeat_ms >= $1 \
+     ORDER BY heartbeat_ms DESC, name LIMIT $2";
+
+impl Ledger {
+    /// The headline of the window `[since_ms, until_ms)` (issue #53), for one tenant or
+    /// all: the arrivals grouped by trend slice and state, their queue dwells by slice and
+    /// bucket (two bounded `GROUP BY`s), folded by `lastcall_core::headline::headline`.
+    /// The dashboard and `lastcall report` both call this.
+    pub async fn headline(
+        &self,
+        since_ms: i64,
+        until_ms: i64,
+        tenant: Option<&str>,
+    ) -> Result<Headline, StoreError> {
+        let until_ms = until_ms.max(since_ms + 1);
+        let n = |c: i64| c.max(0) as u64;
+        let arrivals: Vec<ArrivalGroup> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_ARRIVALS)
+                .bind(since_ms)
+                .bind(until_ms)
+                .bind(HEADLINE_SLICES)
+                .bind(tenant)
+                .bind(DASHBOARD_MAX_ROWS)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            Ok(ArrivalGroup {
+                                slice: r.try_get(0)?,
+                                state: r.try_get(1)?,
+                                jobs: n(r.try_get(2)?),
+                                wasted_model_ms: n(r.try_get::<Option<i64>, _>(3)?.unwrap_or(0)),
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading the headline's arrivals"))?
+        });
+        let dwell: Vec<DwellGroup> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_ARRIVAL_DWELL)
+                .bind(since_ms)
+                .bind(until_ms)
+                .bind(HEADLINE_SLICES)
+                .bind(tenant)
+                .bind(DASHBOARD_MAX_ROWS)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            let b: i64 = r.try_get(1)?;
+                            Ok(DwellGroup {
+                                slice: r.try_get(0)?,
+                                bucket: b.clamp(0, DWELL_BUCKETS_MS.len() as i64) as usize,
+                                jobs: n(r.try_get(2)?),
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading the headline's queue dwells"))?
+        });
+        Ok(headline(
+            since_ms,
+            until_ms,
+            HEADLINE_SLICES,
+            &arrivals,
+            &dwell,
+            DWELL_BUCKETS_MS,
+        ))
+    }
+
+    /// The leases renewed at or after `since_ms` with the live numbers their workers
+    /// published (at most [`FLEET_MAX_WORKERS`], the most recent first). Fold them with
+    /// `lastcall_core::live::fleet`.
+    pub async fn worker_leases(&self, since_ms: i64) -> Result<Vec<Lease>, StoreError> {
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_LEASES)
+                .bind(since_ms)
+                .bind(FLEET_MAX_WORKERS as i64)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            let live: Option<String> = r.try_get(2)?;
+                            Ok(Lease {
+                                worker: r.try_get(0)?,
+                                renewed_at_ms: r.try_get(1)?,
+                                live: WorkerLive::from_json(live.as_deref()),
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading the worker leases"))
+        })
+    }
+}
+
+/// The breakers held open at `$1` by workers whose lease is fresh (renewed at or after
+/// `$2`), one row per (worker, kind).
+const SELECT_OPEN_BREAKERS: &str = "SELECT b.worker, b.backend, b.kind, b.open_until_ms \
+     FROM breakers b JOIN workers w ON w.name = b.worker \
+     WHERE b.open_until_ms > $1 AND w.heartbeat_ms >= $2 \
+     ORDER BY b.worker, b.backend, b.kind LIMIT $3";
+
+/// Terminal outcomes recorded at or after `$1` per kind: all, and refused without a call.
+const SELECT_KIND_OUTCOMES: &str = concat!(
+    "SELECT kind, COUNT(*), CAST(SUM(CASE WHEN state IN ('expired_not_started', \
+     'expired_before_receive', 'rejected') THEN 1 ELSE 0 END) AS BIGINT) ",
+    window!(),
+    " GROUP BY kind ORDER BY COUNT(*) DESC, kind LIMIT $2"
+);
+
+/// At most this many rows of the alerts' reads.
+pub const ALERT_MAX_ROWS: i64 = 200;
+
+impl Ledger {
+    /// The breakers open at `now_ms` of live workers (lease renewed at or after
+    /// `live_since_ms`), one per (worker, backend) with its kinds.
+    pub async fn open_breakers(
+        &self,
+        now_ms: i64,
+        live_since_ms: i64,
+    ) -> Result<Vec<OpenBreaker>, StoreError> {
+        let rows: Vec<(String, String, String, i64)> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_OPEN_BREAKERS)
+                .bind(now_ms)
+                .bind(live_since_ms)
+                .bind(ALERT_MAX_ROWS)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| Ok((r.try_get(0)?, r.try_get(1)?, r.try_get(2)?, r.try_get(3)?)))
+                        .collect()
+                })
+                .map_err(db("reading the open breakers"))?
+        });
+        let mut out: Vec<OpenBreaker> = Vec::new();
+        for (worker, backend, kind, until) in rows {
+            match out.last_mut() {
+                Some(b) if b.worker == worker && b.backend == backend => {
+                    b.kinds.push(kind);
+                    b.open_until_ms = b.open_until_ms.min(until);
+                }
+                _ => out.push(OpenBreaker {
+                    worker,
+                    backend,
+                    kinds: vec![kind],
+                    open_until_ms: until,
+                }),
+            }
+        }
+        Ok(out)
+    }
+
+    /// The terminal outcomes recorded at or after `since_ms` per kind (the busiest
+    /// [`ALERT_MAX_ROWS`]): all of them, and those refused without a model call.
+    pub async fn kind_outcomes(&self, since_ms: i64) -> Result<Vec<KindOutcomes>, StoreError> {
+        let n = |c: i64| c.max(0) as u64;
+        on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_KIND_OUTCOMES)
+                .bind(since_ms)
+                .bind(ALERT_MAX_ROWS)
+                .fetch_all(pool)
+                .await
+                .and_then(|rows| {
+                    rows.iter()
+                        .map(|r| {
+                            Ok(KindOutcomes {
+                                kind: r.try_get(0)?,
+                                jobs: n(r.try_get(1)?),
+                                refused: n(r.try_get(2)?),
+                            })
+                        })
+                        .collect()
+                })
+                .map_err(db("reading the outcomes per kind"))
         })
     }
 }
