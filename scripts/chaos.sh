@@ -59,5 +59,5 @@ for name in "${chosen[@]}"; do
   for slow in "${SLOW[@]}"; do [ "$name" = "$slow" ] && ignored=all; done
 done
 
-exec cargo nextest run -p lastcall --test suite --no-capture \
+exec cargo nextest run -p lastcall --features test-hooks --test suite --no-capture \
   --run-ignored "$ignored" -E "$filter"

@@ -52,7 +52,7 @@ export LASTCALL_SOAK_MINUTES="$minutes" LASTCALL_SOAK_OUT="$out"
 # The soak profile (.config/nextest.toml) lets the test run for hours. The feature set of
 # scripts/test.sh, so that the test build is reused.
 status=0
-cargo nextest run --workspace --features lastcall/otlp --test suite --no-capture --profile soak \
+cargo nextest run --workspace --features lastcall/otlp,lastcall/test-hooks --test suite --no-capture --profile soak \
   --run-ignored all -E 'test(=chaos::soak_under_faults)' || status=$?
 for f in summary.md samples.csv rss.svg; do
   [ -f "$out/$f" ] && echo "soak: $out/$f" >&2

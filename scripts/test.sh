@@ -61,7 +61,11 @@ llama_setup=$!
 # .ci/run lints with the same feature set. The workspace build also puts `lastcall-bench`
 # beside `lastcall` in the target directory: the tests of `lastcall bench …` (an alias that
 # runs it) need it there, which `cargo nextest run -p lastcall` alone would not build.
-run=(cargo nextest run --workspace --features lastcall/otlp --no-fail-fast)
+# `lastcall/test-hooks` gives the binary the tests drive its test-only flags (`--fault`,
+# `--test-retention`, …); the integration tests (`suite`) require it. Only the test
+# commands name it: `cargo build` and `cargo install` build the binary users run, without.
+features=lastcall/otlp,lastcall/test-hooks
+run=(cargo nextest run --workspace --features "$features" --no-fail-fast)
 # A first build (no target directory yet) without incremental compilation: its caches only
 # serve a later rebuild, and writing them cost the workspace's crates 30 of their 133
 # CPU-seconds (2026-12-06). (The next run, with a target directory, builds incrementally
@@ -70,7 +74,7 @@ if [ -z "${CARGO_INCREMENTAL:-}" ] && [ ! -d "${CARGO_TARGET_DIR:-target}/debug"
   export CARGO_INCREMENTAL=0
 fi
 llama_tests='test(/real_llama/)'
-if ! cargo nextest run --workspace --features lastcall/otlp --no-run; then
+if ! cargo nextest run --workspace --features "$features" --no-run; then
   wait "$llama_setup" "$tools_setup" || true
   exit 1
 fi
@@ -89,7 +93,11 @@ if (($# > 0)); then
   echo "[test] $(elapsed): done (exit $status)" >&2
   exit "$status"
 fi
-echo "[test] $(elapsed): built; the tests that need no llama-server first" >&2
+# The documentation's examples (doctests, which nextest does not run), with the same
+# features: the test build's libraries are reused (a few seconds).
+echo "[test] $(elapsed): built; the doctests" >&2
+cargo test --doc --workspace --features "$features" || status=$?
+echo "[test] $(elapsed): the tests that need no llama-server first" >&2
 "${run[@]}" -E "not $llama_tests" || status=$?
 echo "[test] $(elapsed): waiting for the llama-server build, if still running" >&2
 llama_ready

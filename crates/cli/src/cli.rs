@@ -736,6 +736,9 @@ lastcall_worker::with_test_hooks!({
         /// this, below `[ledger] text_retention`'s floor of 1h
         #[arg(long, hide = true, value_name = "DURATION", value_parser = parse_test_retention)]
         pub test_text_retention: Option<i64>,
+        /// Test only: shift this worker's clock by this many ms (clock-skew drills)
+        #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
+        pub clock_offset_ms: i64,
     }
 
     fn parse_test_retention(s: &str) -> Result<i64, String> {
@@ -939,9 +942,6 @@ pub struct WorkerArgs {
     pub topology: TopologyArgs,
     #[command(flatten)]
     pub hooks: TestHookArgs,
-    /// Test only: shift this worker's clock by this many ms (clock-skew drills)
-    #[arg(long, hide = true, default_value_t = 0, allow_hyphen_values = true)]
-    pub clock_offset_ms: i64,
     /// Serve Prometheus metrics at http://ADDR/metrics (no auth: bind a private address),
     /// e.g. 127.0.0.1:9464
     #[arg(long, value_name = "ADDR")]

@@ -879,6 +879,14 @@ mod tests {
             .unwrap()
             .to_string();
         assert!(e.contains("unknown key `fault` in section [worker]"), "{e}");
+        let e = loaded("[worker]\nclock_offset_ms = 5000\n")
+            .err()
+            .unwrap()
+            .to_string();
+        assert!(
+            e.contains("unknown key `clock_offset_ms` in section [worker]"),
+            "{e}"
+        );
         let e = loaded("[dlq]\namqp_url = \"amqp://x\"\n")
             .err()
             .unwrap()

@@ -7,8 +7,8 @@
 //! lost = 0, duplicate outcomes = 0, model calls started after the deadline = 0, and
 //! duplicate model calls within the at-least-once bound; the row is printed.
 //!
-//! Short tier (every run, CI): `cargo nextest run -p lastcall --test suite -E 'test(/^chaos::/)' --no-capture`.
-//! Slow tier (the 3-node cluster): `cargo nextest run -p lastcall --test suite -E 'test(/^chaos::/)'
+//! Short tier (every run, CI): `cargo nextest run -p lastcall --features test-hooks --test suite -E 'test(/^chaos::/)' --no-capture`.
+//! Slow tier (the 3-node cluster): `cargo nextest run -p lastcall --features test-hooks --test suite -E 'test(/^chaos::/)'
 //! --run-ignored all --no-capture`. `LASTCALL_CHAOS_ROWS=FILE` appends each row to FILE.
 //! RELIABILITY.md has the results.
 

@@ -4,7 +4,8 @@
 //! OpenAPI document's operations) — are what the code generates today.
 //!
 //! After changing a flag, its help or an endpoint: `LASTCALL_BLESS_DOCS=1 cargo nextest run
-//! --workspace --features lastcall/otlp -E 'test(/^docs::/)'` rewrites the two files.
+//! --workspace --features lastcall/otlp,lastcall/test-hooks -E 'test(/^docs::/)'` rewrites
+//! the two files.
 
 use std::collections::{BTreeSet, HashMap};
 use std::path::{Path, PathBuf};
@@ -260,8 +261,8 @@ fn check_generated(rel: &str, generated: &str) {
         std::fs::write(&new, generated).unwrap();
         panic!(
             "{rel} is not what the code generates (the new text is in {}): run \
-             `LASTCALL_BLESS_DOCS=1 cargo nextest run --workspace --features lastcall/otlp -E \
-             'test(/^docs::/)'` and commit it",
+             `LASTCALL_BLESS_DOCS=1 cargo nextest run --workspace --features \
+             lastcall/otlp,lastcall/test-hooks -E 'test(/^docs::/)'` and commit it",
             new.display()
         );
     }

@@ -2,7 +2,8 @@
 //! per area, as before, sharing `common/`. One binary instead of one per file: each linked
 //! the whole dependency tree and compiled `common/` again (43 binaries took ~170 s of CPU
 //! time in a fresh build; BENCHMARKS.md §11). nextest still runs each test in its own
-//! process. Filter by module: `cargo nextest run -p lastcall -E 'test(/^chaos::/)'`.
+//! process. Filter by module: `cargo nextest run -p lastcall --features test-hooks -E
+//! 'test(/^chaos::/)'` (the suite requires the feature: the binary's test-only flags).
 
 mod common;
 

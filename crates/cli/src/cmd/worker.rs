@@ -55,7 +55,7 @@ pub async fn run(
         return Ok(ExitCode::SUCCESS);
     };
     let clock = Arc::new(SystemClock {
-        offset_ms: a.clock_offset_ms,
+        offset_ms: lastcall_worker::with_test_hooks!({ a.hooks.clock_offset_ms } else { 0 }),
     });
     let stats = Arc::new(WorkerStats::default());
     let gauges = Arc::new(super::ledger::LedgerGauges::default());
