@@ -5,11 +5,21 @@
 # llama.cpp server, the OpenAPI validator), then runs every test with cargo-nextest in ONE
 # build. Extra arguments go to `cargo nextest run`.
 #
+# `scripts/test.sh --all` adds the slow tier afterwards (CI runs it too): the tests marked
+# #[ignore] — failover on private 3-node RabbitMQ clusters, a 5-minute soak under faults
+# (lost, duplicates, late starts, memory after warm-up, the ledger's bound), the real-time
+# slot sweep. About 10 more minutes.
+#
 # LASTCALL_TEST_PG_URL=postgres://USER:PASSWORD@HOST:PORT/DB points the PostgreSQL tests at
 # another server (a role that may CREATE DATABASE); the local one is then left alone.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 started=$SECONDS
+slow_tier=0
+if [ "${1:-}" = "--all" ]; then
+  slow_tier=1
+  shift
+fi
 elapsed() { printf '%dm%02ds' $(((SECONDS - started) / 60)) $(((SECONDS - started) % 60)); }
 scripts/check-prereqs.sh test
 if [ -n "${LASTCALL_TEST_PG_URL:-}" ]; then
@@ -103,5 +113,9 @@ echo "[test] $(elapsed): waiting for the llama-server build, if still running" >
 llama_ready
 echo "[test] $(elapsed): the tests against llama-server" >&2
 "${run[@]}" -E "$llama_tests" || status=$?
+if ((slow_tier)); then
+  echo "[test] $(elapsed): the slow tier (the #[ignore] tests: clusters, soak, sweep)" >&2
+  "${run[@]}" --run-ignored ignored-only || status=$?
+fi
 echo "[test] $(elapsed): done (exit $status)" >&2
 exit "$status"
