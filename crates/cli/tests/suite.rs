@@ -20,6 +20,7 @@ mod door;
 mod events;
 mod fallback;
 mod http_views;
+mod image;
 mod isolation;
 mod least_privilege;
 mod ledger;
