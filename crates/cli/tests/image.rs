@@ -261,7 +261,11 @@ async fn the_image_runs_serve_worker_and_dlq_against_the_broker_and_ledger() {
         text(&done.stdout),
         text(&done.stderr)
     );
-    assert!(text(&done.stdout).contains("state: completed"), "{}", text(&done.stdout));
+    assert!(
+        text(&done.stdout).contains("state: completed"),
+        "{}",
+        text(&done.stdout)
+    );
     let rec = env.ledger.get("img-cli").await.unwrap().unwrap();
     assert_eq!(rec.state, "completed", "{rec:?}");
     assert_eq!(rec.worker.as_deref(), Some("image-worker"));
@@ -277,7 +281,13 @@ async fn the_image_runs_serve_worker_and_dlq_against_the_broker_and_ledger() {
             ("LASTCALL_HTTP_TOKEN", TOKEN),
             ("LASTCALL_HEALTH_URL", &format!("{base}/readyz")),
         ],
-        &["serve", "--addr", &format!("127.0.0.1:{port}"), delays[0], delays[1]],
+        &[
+            "serve",
+            "--addr",
+            &format!("127.0.0.1:{port}"),
+            delays[0],
+            delays[1],
+        ],
     );
     wait_healthy(&serve);
     let (code, body) = post_job(&base, TOKEN, "img-http", 30_000);
