@@ -22,6 +22,7 @@ mod door_tenancy;
 mod events;
 mod fallback;
 mod http_views;
+mod image;
 mod isolation;
 mod least_privilege;
 mod ledger;
