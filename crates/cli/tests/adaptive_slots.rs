@@ -37,11 +37,14 @@ async fn run(tag: &str, slots: Option<usize>, secs: u64) -> Run {
 
     let env = Env::sqlite(tag).await;
     let max = 16;
+    // The worker's default window (lastcall_worker::default_prefetch), as `lastcall worker`
+    // runs: it takes what the broker holds and refuses at receipt what cannot finish, so
+    // no job expires unrecorded in the broker.
     let cfg = match slots {
-        Some(n) => env.worker_config(n, 2 * n as u16),
+        Some(n) => env.worker_config(n, lastcall_worker::default_prefetch(n)),
         None => {
-            // The CLI's `--slots auto`: the most is --max-slots, the prefetch 2 × that.
-            let mut cfg = env.worker_config(max, 2 * max as u16);
+            // The CLI's `--slots auto`: the most is --max-slots, the window counts that many.
+            let mut cfg = env.worker_config(max, lastcall_worker::default_prefetch(max));
             cfg.auto_slots = Some(LimitConfig::new(max));
             cfg
         }
