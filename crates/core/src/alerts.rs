@@ -1,4 +1,4 @@
-//! The dashboard's alerts (issue #53): what needs the operator now, from numbers `serve`
+//! The dashboard's alerts: what needs the operator now, from numbers `serve`
 //! has already read. Pure: the caller passes what it read and `now` as values.
 
 use serde::Serialize;

@@ -1,4 +1,4 @@
-//! The operator's first question (issue #53): of the jobs that arrived in a window, how
+//! The operator's first question: of the jobs that arrived in a window, how
 //! many finished on time, how many were refused without a model call, how much model time
 //! was wasted, and how long the slowest jobs waited in the queue.
 //!

@@ -1,4 +1,4 @@
-//! What a worker publishes about itself through its lease (issue #53), and what `serve`'s
+//! What a worker publishes about itself through its lease, and what `serve`'s
 //! dashboard makes of the fleet's leases.
 //!
 //! Each worker writes a [`WorkerLive`] (JSON) into its lease row at every renewal: its

@@ -1,4 +1,4 @@
-//! Which model the upstream is asked for (issue #48): the route's, else the worker's
+//! Which model the upstream is asked for: the route's, else the worker's
 //! (`--model`); a payload's `model` only when the operator's allow-list names it. A tenant
 //! does not pick what runs on the operator's API key.
 //!

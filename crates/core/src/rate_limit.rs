@@ -17,7 +17,7 @@
 //! with the job's latest useful start: it waits for a permit that comes in time, and
 //! refuses the job at once (`admission:rate_limited`) otherwise.
 //!
-//! **Headers are advice, not orders** (issue #48): a server's word never holds the backend
+//! **Headers are advice, not orders**: a server's word never holds the backend
 //! for long.
 //! - A reset (and a 429's `Retry-After`) further out than [`RateLimiter::new`]'s
 //!   `max_hold_ms` (the worker's `--breaker-max-cool-down-ms`) ends at `max_hold_ms`.

@@ -184,7 +184,7 @@ impl Caller {
         }
     }
 
-    /// The ledger id of a job this caller names `named` (issue #48: a tenant never reaches
+    /// The ledger id of a job this caller names `named` (a tenant never reaches
     /// another tenant's job, not even its existence). The operator's ids are global; a
     /// tenant token's are scoped by its tenant: `<tenant>:<named>`, unless `named` already
     /// starts with `<tenant>:` (the id the answers carry). Every id a tenant token can

@@ -1,5 +1,5 @@
 //! The live dashboard: a page (`assets/dashboard.html`, no CDN; its first state rendered
-//! by the server) and the JSON it polls, `GET /v1/dashboard`: the headline (issue #53: on
+//! by the server) and the JSON it polls, `GET /v1/dashboard`: the headline (on
 //! time ÷ arrivals, refused without a call, wasted model time, p99 queue dwell, each with
 //! its trend; `Ledger::headline`, the same as `lastcall report`'s), where work waits right
 //! now (the workers publish their live numbers through their lease), the workers, alerts,
@@ -29,7 +29,7 @@ pub const DWELL_BUCKETS_MS: &[u64] = lastcall_store::DWELL_BUCKETS_MS;
 
 /// The page, behind the same auth as the API: a browser answers the `Basic` challenge of
 /// the `401` (any user name, the token as password) and the page's same-origin polls of the
-/// JSON carry the cached credentials. Its first state is rendered here (issue #53): the
+/// JSON carry the cached credentials. Its first state is rendered here: the
 /// headline and live tiles carry their numbers in the HTML, and the whole snapshot is
 /// embedded for the script's first render, so the first paint shows numbers, not dashes.
 #[utoipa::path(

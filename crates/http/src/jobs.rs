@@ -495,7 +495,7 @@ pub async fn show(
     let until = tokio::time::Instant::now() + std::time::Duration::from_millis(wait_ms as u64);
     let key = caller.job_id(&id);
     // Another tenant's job reads as none at every read, so a long-poll on it waits the
-    // whole `wait_ms` like one on a missing id (issue #48).
+    // whole `wait_ms` like one on a missing id.
     let read = || async {
         Ok::<_, ApiError>(
             read_job(&state, &key)

@@ -23,7 +23,7 @@
 //! Weight, quotas and the `max_*` caps belong to the tenant: two tokens of one tenant must
 //! agree on them (the allowed kinds and `max_priority` may differ per token). The caps
 //! default to a quarter of the server's own ([`TenantLimits::default`]), so no tenant can
-//! hold all of a shared resource (issue #48). A tenant's name may not contain `:`: its
+//! hold all of a shared resource. A tenant's name may not contain `:`: its
 //! tokens' job ids are `<tenant>:<id>` ([`crate::auth::Caller::job_id`]).
 //!
 //! Quotas are token buckets ([`Bucket`], pure: `now_ms` is an argument): `jobs_per_second`

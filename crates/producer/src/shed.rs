@@ -74,7 +74,7 @@
 //! The jobs in the workers' buffers (delivered, unacked) are not counted, and a job that
 //! leaves the queue able to finish may become doomed in a buffer and still count in the
 //! pace: both err towards admitting. Since the workers' default window is large (tenant
-//! isolation, issue #48: `lastcall_worker::default_prefetch`), an overload's backlog sits
+//! isolation: `lastcall_worker::default_prefetch`), an overload's backlog sits
 //! in their buffers and its surplus is refused at receipt, by the job's tenant's share;
 //! the door, which cannot see whose jobs are buffered, then sheds little (counting the
 //! buffered jobs would shed a light tenant's job behind another tenant's flood).

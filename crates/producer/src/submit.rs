@@ -118,7 +118,7 @@ impl std::fmt::Debug for Submitter {
 
 /// A new job id: `job-` and 128 random bits in hex (from the operating system's
 /// generator through `rand`'s thread-local CSPRNG). Unguessable: knowing one id (or the
-/// time, the process id) tells nothing of another, so an id cannot be probed (issue #48).
+/// time, the process id) tells nothing of another, so an id cannot be probed.
 pub fn new_job_id() -> String {
     let bits: u128 = rand::random();
     format!("job-{bits:032x}")
@@ -355,8 +355,7 @@ impl Submitter {
             };
             // A row a worker wrote first has no payload hash; it is the same job id, and
             // the worker has it: answer as a duplicate rather than publish again — but
-            // only to its own tenant: another tenant's job is never this request's answer
-            // (issue #48).
+            // only to its own tenant: another tenant's job is never this request's answer.
             if existing.as_ref().is_some_and(|h| *h != claim.payload_hash)
                 || rec.tenant != claim.tenant.as_str()
             {

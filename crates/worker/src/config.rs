@@ -119,23 +119,19 @@ pub enum Fault {
 
 /// The default window of unacked deliveries per queue: 32 per model slot, at least 128.
 ///
-/// **Why this large** (issue #48): tenant isolation must not depend on which broker queue a
-/// tenant's jobs share. A worker holds a delivery unacked while the job waits for a slot,
-/// so with a small window (it was 2 × slots) a flood's jobs that *can* still finish fill
-/// it, the queue then moves only as fast as the slots, and every other tenant's job in that
-/// queue waits behind the flood's backlog in the broker's FIFO: a light tenant beside a
-/// flood in its lane got 3 of 11 jobs on time, 1 of 11 when every job went to the work
-/// queue. With a window larger than what the buffer admits (at receipt a job is refused
-/// when its expected wait under the fair share exceeds its budget, so a tenant's waiting
-/// jobs are at most about slots × budget ÷ call time), the surplus is delivered and refused
-/// at receipt at once, the queue drains as fast as it fills, and the fair share orders
-/// every tenant's jobs in the buffer: 11 of 11 both ways (`tests/isolation.rs`).
+/// Large on purpose, for tenant isolation: a delivery stays unacked while its job waits
+/// for a slot, so a small window filled by one tenant's jobs that can still finish stops
+/// the queue, and every other tenant's job in it waits behind that backlog in the
+/// broker. At receipt a job is refused when its expected wait under the fair share
+/// exceeds its budget, so a tenant's waiting jobs are about slots × budget ÷ call time;
+/// with a window larger than that, the surplus is delivered and refused at once and the
+/// queue drains as fast as it fills (`tests/isolation.rs`).
 ///
-/// The bound: isolation holds while slots × budget ÷ call time stays below the window
-/// (31 calls per budget per slot here; 63 with 2 slots). Memory: at most this many
-/// deliveries per queue (8 queues), and never more than `max_buffer_bytes` of bodies.
-/// The price: under overload a worker holds what it can finish, not only what it can start
-/// soon, so between workers of unequal speed the slower keeps its share of arrivals.
+/// The bound: isolation holds while slots × budget ÷ call time stays below the window.
+/// Memory: at most this many deliveries per queue (8 queues), never more than
+/// `max_buffer_bytes` of bodies. The price: under overload a worker holds what it can
+/// finish, not only what it can start soon, so between workers of unequal speed the
+/// slower keeps its share of the arrivals.
 pub fn default_prefetch(slots: usize) -> u16 {
     (slots.saturating_mul(32)).clamp(128, u16::MAX as usize) as u16
 }

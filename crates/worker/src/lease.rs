@@ -36,7 +36,7 @@ pub(crate) async fn renew(
 ) {
     let mut failing = false;
     loop {
-        // The live numbers ride along (issue #53): `serve`'s dashboard reads them here.
+        // The live numbers ride along: `serve`'s dashboard reads them here.
         let live = stats.live().to_json();
         match ledger.heartbeat_live(&name, clock.now_ms(), &live).await {
             Ok(()) if failing => {

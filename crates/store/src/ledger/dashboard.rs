@@ -276,7 +276,7 @@ const SELECT_LEASES: &str = "SELECT name, heartbeat_ms, live FROM workers WHERE 
      ORDER BY heartbeat_ms DESC, name LIMIT $2";
 
 impl Ledger {
-    /// The headline of the window `[since_ms, until_ms)` (issue #53), for one tenant or
+    /// The headline of the window `[since_ms, until_ms)`, for one tenant or
     /// all: the arrivals grouped by trend slice and state, their queue dwells by slice and
     /// bucket (two bounded `GROUP BY`s), folded by `lastcall_core::headline::headline`.
     /// The dashboard and `lastcall report` both call this.
