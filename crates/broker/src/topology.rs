@@ -388,19 +388,7 @@ impl Topology {
         name: &str,
         kind: ExchangeKind,
     ) -> Result<(), TopologyError> {
-        let ch = broker.channel().await?;
-        let r = ch
-            .exchange_declare(
-                name.into(),
-                kind,
-                ExchangeDeclareOptions {
-                    durable: true,
-                    ..Default::default()
-                },
-                FieldTable::default(),
-            )
-            .await;
-        finish(ch, r, "exchange", name).await
+        declare_exchange(broker, name, kind).await
     }
 
     async fn queue(
@@ -485,6 +473,24 @@ pub(crate) async fn declare_or_verify_exchange(
     if let Some(refused) = REFUSED.get() {
         return exists(broker, "exchange", name, refused).await;
     }
+    match declare_exchange(broker, name, kind).await {
+        Err(TopologyError::Broker(e)) if is_refused(&e) => {
+            let refused = e.to_string();
+            exists(broker, "exchange", name, &refused).await?;
+            let _ = REFUSED.set(refused);
+            Ok(())
+        }
+        r => r,
+    }
+}
+
+/// Declare the durable exchange `name` of `kind` (the one declaration of an exchange, for
+/// the topology and the followers alike).
+async fn declare_exchange(
+    broker: &Broker,
+    name: &str,
+    kind: ExchangeKind,
+) -> Result<(), TopologyError> {
     let ch = broker.channel().await?;
     let r = ch
         .exchange_declare(
@@ -497,15 +503,7 @@ pub(crate) async fn declare_or_verify_exchange(
             FieldTable::default(),
         )
         .await;
-    match finish(ch, r, "exchange", name).await {
-        Err(TopologyError::Broker(e)) if is_refused(&e) => {
-            let refused = e.to_string();
-            exists(broker, "exchange", name, &refused).await?;
-            let _ = REFUSED.set(refused);
-            Ok(())
-        }
-        r => r,
-    }
+    finish(ch, r, "exchange", name).await
 }
 
 /// Passive declare of an exchange or queue (no permission needed); `refused` is why it
