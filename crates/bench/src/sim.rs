@@ -362,6 +362,8 @@ struct Job {
     /// A probe granted at receipt (the room its refusal left), as the worker grants one
     /// when the learned estimate alone refuses a job while a slot is free.
     probe: Option<u64>,
+    /// Waiting for a slot to try a probe (as the worker's): judged without the estimate.
+    probe_candidate: bool,
     /// Its delivery at a worker: the core's state machine, driven as the worker drives it
     /// (boxed: a million jobs wait mostly without one).
     delivery: Option<Box<Delivery>>,
@@ -407,6 +409,14 @@ impl Worker {
         let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
         self.est
             .try_probe(key, size, (room as f64 / k.max(1.0)) as u64, now)
+    }
+
+    /// As the worker does: may a refusal by the learned time with `room` ms be probed once
+    /// the job has a slot ([`ServiceTimes::may_probe`], judged as [`Self::try_probe`])?
+    fn may_probe(&self, key: &str, size: Option<RequestSize>, room: u64, now: i64) -> bool {
+        let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
+        self.est
+            .may_probe(key, size, (room as f64 / k.max(1.0)) as u64, now)
     }
 
     /// A job was refused while a slot was free: as the worker does, tell the adaptive
@@ -633,6 +643,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             outcome: None,
             on_time: false,
             probe: None,
+            probe_candidate: false,
             delivery: None,
         });
         push(&mut events, at, Ev::Arrive(i));
@@ -717,9 +728,9 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let buffered = workers[w].buffer.iter().find(|(_, x)| **x == j);
                 if let (None, Some((tk, _))) = (jobs[j].outcome, buffered) {
                     let receipt = tk.receipt;
-                    let learned = match jobs[j].probe {
-                        Some(_) => None,
-                        None => workers[w].learned(key, jobs[j].size, now),
+                    let learned = match jobs[j].probe.is_some() || jobs[j].probe_candidate {
+                        true => None,
+                        false => workers[w].learned(key, jobs[j].size, now),
                     };
                     let Some(mut d) = jobs[j].delivery.take() else {
                         bail!("invariant: buffered job {j} has no delivery");
@@ -754,6 +765,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 for &j in &back {
                     // The worker's process is gone, and its deliveries with it.
                     jobs[j].delivery = None;
+                    jobs[j].probe_candidate = false;
                     if jobs[j].probe.take().is_some() {
                         wk.est.probe_ended(key, ProbeEnd::Released, now);
                     }
@@ -862,15 +874,22 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     }
                     let mut learned = wk.learned(key, jobs[j].size, now);
                     // As the worker does: refused by the learned estimate alone while a slot
-                    // is free, the job may run as a probe (without the estimate).
+                    // is free, the job may run as a probe (without the estimate); with no
+                    // slot free, it waits judged without the estimate if a probe may
+                    // question the refusal, and tries the probe at its slot.
                     if let Some(room) =
                         policy.refused_by_learned(&jobs[j].env, learned.map(|e| e.quantile_ms), now)
-                        && wk.free() > 0
-                        && wk.try_probe(key, jobs[j].size, room, now)
                     {
-                        jobs[j].probe = Some(room);
-                        probes += 1;
-                        learned = None;
+                        if wk.free() > 0 {
+                            if wk.try_probe(key, jobs[j].size, room, now) {
+                                jobs[j].probe = Some(room);
+                                probes += 1;
+                                learned = None;
+                            }
+                        } else if wk.may_probe(key, jobs[j].size, room, now) {
+                            jobs[j].probe_candidate = true;
+                            learned = None;
+                        }
                     }
                     let own_mean = learned.map_or(0, |e| e.mean_ms);
                     receipts += 1;
@@ -945,6 +964,8 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let Some((ticket, j)) = wk.buffer.pop() else {
                     break;
                 };
+                // A job kept waiting for a probe is judged by the estimate again here.
+                jobs[j].probe_candidate = false;
                 let mut learned = wk.learned(key, jobs[j].size, now);
                 let mut learned_ms = learned.map(|e| e.quantile_ms);
                 let mut probe = jobs[j].probe.take();
@@ -1398,6 +1419,28 @@ mod tests {
             let r = simulate(&a).unwrap();
             assert!(r.on_time as f64 > 0.5 * a.jobs as f64, "{r:?}");
             assert!(r.wasted_time < 0.05, "{r:?}");
+        }
+    }
+
+    /// A light tenant in the flood's one queue, against call times that grow with the
+    /// prompt: its long prompts (600 tokens, a third of its jobs) are larger than any call
+    /// the worker had completed when the flood began, and no slot is ever free at
+    /// receipt. They wait judged without the extrapolated estimate and the first runs as a
+    /// probe at its slot: the light tenant ≥ 95% on time on every seed (before, 70.7% and
+    /// 73.1% on seeds 1 and 4: every long prompt refused, none ever run), with no wasted
+    /// call.
+    #[test]
+    fn longer_prompts_than_any_completed_are_learned_under_a_flood() {
+        for seed in 1..=4 {
+            let mut a = args("length:50,2,0.3", 20_000, seed);
+            a.slots = SlotCount::Fixed(2);
+            a.deadline_ms = 2_500;
+            a.lanes = 1;
+            a.tenants = Some("flood:10,light-5:0.1".into());
+            let r = simulate(&a).unwrap();
+            let light = r.tenants.iter().find(|t| t.name == "light-5").unwrap();
+            assert!(light.on_time_share >= 0.95, "seed {seed}: {r:?}");
+            assert!(r.wasted_time < 0.01, "seed {seed}: {r:?}");
         }
     }
 

@@ -53,12 +53,46 @@ async fn a_light_tenant_finishes_on_time_when_every_job_is_published_by_kind() {
     flood_and_light("isolation-kind", "light", Route::ByKind, 1).await;
 }
 
+/// Call times that grow with the prompt: the flood's prompts are short (100 ms calls), the
+/// light tenant's are 600 tokens (300 ms), larger than any call the worker completed
+/// before them. Their estimate is then the through-origin extrapolation from the short
+/// calls (seconds, past the budget); with no slot free at receipt under the flood, they
+/// were refused at receipt one after another, never run, never learned (0 of 11). They
+/// wait judged without the estimate and the first runs as a probe at its slot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_light_tenants_longer_prompts_in_the_floods_lane_are_learned_and_finish_on_time() {
+    let prompt = "x".repeat(2_400);
+    let payload = serde_json::json!({
+        "messages": [{"role": "user", "content": prompt}],
+        "sim_latency_ms": 300,
+    });
+    flood_and_light_with(
+        "isolation-long",
+        &colliding_light(),
+        Route::Lanes,
+        1,
+        Some(payload),
+    )
+    .await;
+}
+
 /// Worker defaults: 2 slots each; calls of 100 ms × the number of workers, so that the
 /// workers together do 20 jobs/s whatever their number (one test process publishes for
 /// them all). `flood` sends 10× that for 6 s, `light` 2 jobs/s, 2 s budgets both. The light tenant must get ≥ 95% of its
 /// jobs done on time, and all jobs together ≥ 40% of the bound (what 2 slots can complete
 /// in the flood's span plus one budget; BENCHMARKS.md quotes the measured figure).
 async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) {
+    flood_and_light_with(name, light, route, workers, None).await;
+}
+
+/// [`flood_and_light`], the light tenant's jobs with `light_payload` when given.
+async fn flood_and_light_with(
+    name: &str,
+    light: &str,
+    route: Route,
+    workers: usize,
+    light_payload: Option<serde_json::Value>,
+) {
     const BUDGET_MS: u64 = 2_000;
     const SPAN_MS: u64 = 6_000;
     const SLOTS: usize = 2;
@@ -84,11 +118,15 @@ async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) 
     let names = env.topo.names.clone();
     let submit = {
         let (s, publisher, names) = (s.clone(), publisher.clone(), names.clone());
-        move |id: String, tenant: String| {
+        move |id: String, tenant: String, payload: Option<serde_json::Value>| {
             let (s, publisher, names) = (s.clone(), publisher.clone(), names.clone());
             async move {
+                let new_job = match payload {
+                    Some(p) => job_with(&id, BUDGET_MS, p),
+                    None => job(&id, BUDGET_MS),
+                };
                 let e = s
-                    .envelope(&job(&id, BUDGET_MS), now_ms())
+                    .envelope(&new_job, now_ms())
                     .unwrap()
                     .with_tenant(Tenant::parse(&tenant).unwrap());
                 match route {
@@ -126,7 +164,7 @@ async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) 
             let mut tick = tokio::time::interval(Duration::from_millis(20));
             for i in 0..per_task {
                 tick.tick().await;
-                submit(format!("flood-{t}-{i}"), FLOOD.to_owned()).await;
+                submit(format!("flood-{t}-{i}"), FLOOD.to_owned(), None).await;
             }
         }));
     }
@@ -136,7 +174,7 @@ async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) 
     for i in 0..(SPAN_MS / 500 - 1) {
         tick.tick().await;
         let id = format!("light-job-{i}");
-        submit(id.clone(), light.to_owned()).await;
+        submit(id.clone(), light.to_owned(), light_payload.clone()).await;
         light_ids.push(id);
     }
     for f in flooders {
@@ -190,6 +228,17 @@ async fn flood_and_light(name: &str, light: &str, route: Route, workers: usize) 
             .or_insert(0) += 1;
     }
     eprintln!("outcomes: {outcomes:?}");
+    for id in &light_ids {
+        let r = ledger.get(id).await.unwrap().unwrap();
+        eprintln!(
+            "{id}: {} {} started {:?} finished {:?} expires {:?}",
+            r.state,
+            r.reason.unwrap_or_default(),
+            r.started_at_ms,
+            r.finished_at_ms,
+            r.expires_at_ms
+        );
+    }
     let light_on_time = on_time(&light_ids).await;
     let flood_on_time = on_time(&flood_ids).await;
     let bound = ((span_ms + BUDGET_MS) * (SLOTS * workers) as u64 / call_ms).min(all.len() as u64);

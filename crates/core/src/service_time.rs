@@ -982,6 +982,34 @@ impl ServiceTimes {
         room_ms: u64,
         now_ms: i64,
     ) -> bool {
+        if !self.may_probe(key, size, room_ms, now_ms) {
+            return false;
+        }
+        let max = self.cfg.max_probes;
+        let seen = self.observations;
+        let credit = self.credit(key, now_ms);
+        let w = self.window_mut(key, seen);
+        if w.probes >= max || credit <= 0.0 {
+            return false;
+        }
+        w.probes += 1;
+        true
+    }
+
+    /// Whether a refusal of a job of `key` with `room_ms` for its call, by the learned
+    /// estimate alone, is one a probe may question: every check of [`Self::try_probe`] but
+    /// the probes in flight and the pacing, which take nothing here. A worker with no
+    /// free slot at receipt keeps such a job waiting, judged without the estimate, and
+    /// tries the probe when it gets a slot: under a sustained flood no slot is ever free
+    /// at receipt, and a request larger than every completed one (refused on the
+    /// through-origin extrapolation) was otherwise refused for good, never learned.
+    pub fn may_probe(
+        &self,
+        key: &str,
+        size: Option<RequestSize>,
+        room_ms: u64,
+        now_ms: i64,
+    ) -> bool {
         let completed = (self.keys.get(key))
             .and_then(|w| self.summarize(&w.samples, now_ms, EstimateSource::Key, false));
         // Only the completed calls no larger than this request can justify its refusal:
@@ -1067,18 +1095,7 @@ impl ServiceTimes {
         let stuck = (self.keys.get(key)).is_some_and(|w| {
             (w.running.values()).any(|&t| now_ms.saturating_sub(t) > overdue as i64)
         });
-        if stuck {
-            return false;
-        }
-        let max = self.cfg.max_probes;
-        let seen = self.observations;
-        let credit = self.credit(key, now_ms);
-        let w = self.window_mut(key, seen);
-        if w.probes >= max || credit <= 0.0 {
-            return false;
-        }
-        w.probes += 1;
-        true
+        !stuck
     }
 
     /// The mean call time of a request of size `job` predicted from a window's fresh
@@ -2067,6 +2084,28 @@ mod tests {
             }
         }
 
+        /// A probe is granted only where [`ServiceTimes::may_probe`] said one may question
+        /// the refusal, and asking `may_probe` changes nothing.
+        #[test]
+        fn a_granted_probe_is_one_may_probe_allowed(
+            calls in proptest::collection::vec((1u64..5_000, any::<bool>(), 1u64..2_000), 0..120),
+            asks in proptest::collection::vec((1u64..4_000, 1u64..6_000), 1..20),
+        ) {
+            let mut st = ServiceTimes::new(ServiceTimeConfig::default());
+            let size = |t: u64| Some(RequestSize { prompt_tokens: t, max_tokens: None });
+            for (i, &(d, cut, t)) in calls.iter().enumerate() {
+                st.observe_request("k", d, cut, size(t), i as i64 * 10);
+            }
+            let mut now = calls.len() as i64 * 10;
+            for &(t, room) in &asks {
+                now += 5;
+                let may = st.may_probe("k", size(t), room, now);
+                prop_assert_eq!(may, st.may_probe("k", size(t), room, now));
+                let took = st.try_probe("k", size(t), room, now);
+                prop_assert!(!took || may, "probe granted at {} tokens, {} ms room, that may_probe refused", t, room);
+            }
+        }
+
         /// With every request of one size, the request-aware estimate is the per-key one.
         #[test]
         fn one_size_for_all_gives_the_per_key_estimate(
@@ -2653,6 +2692,39 @@ mod tests {
         };
         slow(&mut st, now);
         assert!(!st.try_probe("k", short, 2_400, now + 20));
+    }
+
+    #[test]
+    fn a_request_larger_than_every_completed_one_may_be_probed_without_taking_a_probe() {
+        // Only short prompts completed (70 ms at 10 tokens): a 600-token one is held to the
+        // through-origin extrapolation, seconds, and refused with 2.4 s of room.
+        let c = ServiceTimeConfig::default();
+        let mut st = ServiceTimes::new(c);
+        let size = |t: u64| {
+            Some(RequestSize {
+                prompt_tokens: t,
+                max_tokens: None,
+            })
+        };
+        for i in 0..40 {
+            st.observe_request("k", 70, false, size(10), i * 10);
+        }
+        let e = st.estimate_for("k", size(600), 500).unwrap();
+        assert!(e.quantile_ms > 2_400, "extrapolated: {e:?}");
+        // The refusal rests on smaller requests only: a probe may question it, and asking
+        // takes nothing — as often as asked, while every probe place is taken.
+        for _ in 0..c.max_probes {
+            assert!(st.try_probe("k", size(600), 2_400, 500));
+        }
+        assert!(!st.try_probe("k", size(600), 2_400, 500), "places taken");
+        assert!(st.may_probe("k", size(600), 2_400, 500));
+        assert!(st.may_probe("k", size(600), 2_400, 500));
+        // Completed calls of its own size justify the refusal: neither.
+        for i in 0..40 {
+            st.observe_request("k", 3_000, false, size(600), 1_000 + i);
+        }
+        assert!(!st.may_probe("k", size(600), 2_400, 1_100));
+        assert!(!st.try_probe("k", size(600), 2_400, 1_100));
     }
 
     #[test]

@@ -206,6 +206,23 @@ impl CallTimes {
         service.call_ended(&key, token);
     }
 
+    /// The learned estimate refuses a job of `kind` with `room_ms` for its call and no slot
+    /// is free: may the job wait, judged without the estimate, and try a probe at its slot
+    /// ([`ServiceTimes::may_probe`], at the same room as [`Self::try_probe`])?
+    pub(crate) fn may_probe(
+        &self,
+        kind: &str,
+        backend: &str,
+        size: Option<RequestSize>,
+        room_ms: u64,
+        now_ms: i64,
+    ) -> bool {
+        let key = key_of(kind, backend);
+        let room_ms = (room_ms as f64 / self.slots.inflation().max(1.0)) as u64;
+        let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        service.may_probe(&key, size, room_ms, now_ms)
+    }
+
     /// The learned estimate refuses a job of `kind` with `room_ms` for its call although a
     /// slot is free: run it as a probe, without the estimate, if the estimator allows one
     /// now (the refusal rests on cut calls, and the probe pacing).

@@ -60,6 +60,10 @@ pub(crate) struct Job {
     /// Set when the job runs as a probe: the learned estimate refused it while a slot was
     /// free ([`crate::times::Probe`]); its checks then use the floor, not the estimate.
     probe: Option<crate::times::Probe>,
+    /// Set while the job waits for a slot to try a probe: at receipt the learned estimate
+    /// alone refused it, no slot was free, and a probe may question that refusal
+    /// ([`crate::times::CallTimes::may_probe`]). Its checks use the floor until its slot.
+    probe_candidate: bool,
     /// The request's size as the kind's backend measures it
     /// ([`lastcall_backend::Backend::request_size`]: the model's tokenizer where it has
     /// one), for the request-aware call-time estimate.
@@ -92,12 +96,13 @@ pub(crate) struct Job {
 }
 
 impl Job {
-    /// The learned call time that applies to this job on its backend: none for a probe.
+    /// The learned call time that applies to this job on its backend: none for a probe, or
+    /// for a job waiting to try one.
     fn learned(&self, ctx: &Calls<'_>, kind: &str, now_ms: i64) -> Option<Estimate> {
-        match self.probe {
-            Some(_) => None,
-            None => ctx.times.learned(kind, &self.backend, self.size, now_ms),
+        if self.probe.is_some() || self.probe_candidate {
+            return None;
         }
+        ctx.times.learned(kind, &self.backend, self.size, now_ms)
     }
 
     /// On a fallback route (a kind routed to several backends in order), choose the
@@ -120,8 +125,9 @@ impl Job {
         let tokens = lastcall_core::rate_limit::reserved_tokens(self.size);
         let candidates: Vec<Candidate> = (route.iter())
             .map(|&b| {
-                let learned = match self.probe {
-                    Some(_) if b == self.backend => None,
+                let exempt = self.probe.is_some() || self.probe_candidate;
+                let learned = match exempt {
+                    true if b == self.backend => None,
                     _ => ctx.times.learned(kind, b, self.size, now_ms),
                 };
                 let learned_ms = learned.map(|e| e.quantile_ms);
@@ -141,14 +147,18 @@ impl Job {
         let chosen = route[choice.backend()];
         if chosen != self.backend {
             tracing::debug!(job_id = %self.id, from = %self.backend, to = chosen, ?choice, "fallback route: the job goes to another backend of its route");
-            // A probe was of the estimate of the backend left.
+            // A probe (or the wait for one) was of the estimate of the backend left.
             self.probe = None;
+            self.probe_candidate = false;
             self.backend = chosen.to_owned();
         }
     }
 
-    /// The learned estimate alone refuses this job now, and a slot is free (`slot_free`):
-    /// run it as a probe if the estimator allows one. Returns the estimate that applies.
+    /// The learned estimate alone refuses this job now: with a slot free (`slot_free`), run
+    /// it as a probe if the estimator allows one; with none free (at receipt, under load),
+    /// let it wait judged without the estimate if a probe may question the refusal — the
+    /// probe is tried at its slot, and without one the estimate refuses it there. Returns
+    /// the estimate that applies.
     fn maybe_probe(
         &mut self,
         ctx: &Calls<'_>,
@@ -166,6 +176,14 @@ impl Job {
                 .try_probe(kind, &self.backend, self.size, room, now_ms);
         }
         if self.probe.is_some() {
+            return None;
+        }
+        if let Some(room) = room.filter(|_| !slot_free)
+            && ctx
+                .times
+                .may_probe(kind, &self.backend, self.size, room, now_ms)
+        {
+            self.probe_candidate = true;
             return None;
         }
         if room.is_some() && slot_free && ctx.slots.inflation() > 1.0 {
@@ -239,6 +257,7 @@ pub(crate) async fn handle(
         id: job_id.to_string(),
         prior_starts: 0,
         probe: None,
+        probe_candidate: false,
         size,
         payload_size,
         trial: None,

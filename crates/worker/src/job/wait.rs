@@ -48,6 +48,9 @@ pub(crate) async fn for_slot(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery) {
     let Some(permit) = rate_limit(ctx, job, d, &kind, permit, now).await else {
         return;
     };
+    // A job kept waiting for a probe is judged by the estimate again now that it holds a
+    // slot: it runs as a probe, or the estimate refuses it.
+    job.probe_candidate = false;
     let learned = job.learned(ctx, &kind, now);
     // This job holds a free slot: if the estimate alone refuses it, it may probe.
     let learned = match d.env() {
