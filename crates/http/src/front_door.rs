@@ -341,13 +341,10 @@ async fn run(
     // A channel of its own whose direct reply-to address the job carries: the worker's
     // token deltas come back on it.
     let reply = if stream {
-        Some(
-            state
-                .submitter
-                .reply_channel()
-                .await
-                .map_err(|e| from_api_error(submit_error(e, deadline)))?,
-        )
+        let reply = (state.submitter.reply_channel().await)
+            .map_err(|e| from_api_error(submit_error(e, deadline)))?;
+        state.http_stats.stream_channels_opened.inc();
+        Some(reply)
     } else {
         None
     };

@@ -88,6 +88,9 @@ pub struct HttpStats {
     pub shed: Counter,
     /// Ledger reads of `GET /v1/jobs/{id}` (a long-poll reads once, then once per wake).
     pub job_reads: Counter,
+    /// Broker channels opened for streaming chat requests (each taken after the request's
+    /// wait and stream permits: a refused stream opens none).
+    pub stream_channels_opened: Counter,
     /// When each tenant (bounded labels) was last refused over quota: the latest
     /// [`RECENT_REFUSALS`] instants, for the dashboard's alert.
     recent_quota_refusals: Arc<std::sync::Mutex<RecentRefusals>>,
@@ -166,6 +169,11 @@ impl HttpStats {
             "lastcall_http_job_reads",
             "Ledger reads of GET /v1/jobs/{id}; a long-poll reads once, then once per outcome event of its job (never while it waits)",
             self.job_reads.clone(),
+        );
+        r.register(
+            "lastcall_http_stream_channels_opened",
+            "Broker channels opened for streaming chat requests (one per stream admitted under --max-streams; a refused stream opens none)",
+            self.stream_channels_opened.clone(),
         );
         r.register(
             "lastcall_http_responses",

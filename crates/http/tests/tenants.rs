@@ -901,6 +901,11 @@ async fn a_tenant_holds_at_most_its_caps_of_the_shared_resources() {
     let b = body_json(resp).await;
     assert_eq!(b["error"]["code"], "tenant_limit", "{b}");
     assert_eq!(env.ready_all().await, 0, "the second was not published");
+    assert_eq!(
+        state.http_stats.stream_channels_opened.get(),
+        1,
+        "the refused stream opened no broker channel"
+    );
     first.abort();
     env.cleanup().await;
 }
