@@ -34,8 +34,8 @@ use lastcall_core::service_time::{
 };
 use lastcall_core::table::render;
 use lastcall_core::{
-    CallResult, Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, State, Tenant,
-    WorkerPolicy, disposition::Slot, wait,
+    CallResult, Deadline, Envelope, JobId, Kind, Priority, Reason, ReceiptFacts, RefusalCause,
+    Stage, State, Tenant, WorkerPolicy, disposition::Slot, wait,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -67,6 +67,11 @@ pub struct SimArgs {
     /// least 128; with auto, of --max-slots]
     #[arg(long)]
     pub prefetch: Option<usize>,
+    /// Workers of unequal speed: each worker's call times × this, one per worker (e.g.
+    /// `1,4` with `--workers 2`: the second runs every call four times slower) [default: 1
+    /// each]. The capacity counts each worker at its own speed
+    #[arg(long, value_delimiter = ',', value_name = "X,…")]
+    pub worker_slowdown: Vec<f64>,
     /// Call times: `fixed:MS`, `lognormal:MEAN_MS,SIGMA`, or
     /// `length:BASE_MS,MS_PER_TOKEN,LONG_SHARE[,SLOWDOWN[,KNEE]]` — a batching server: prompts
     /// of 10 or 600 tokens, the long ones a share of the jobs; a call started with n calls
@@ -110,6 +115,11 @@ pub struct SimArgs {
     /// places (one place kept free, so the worker keeps taking from the queue)
     #[arg(long)]
     pub share_cap: bool,
+    /// Experimental: a job refused at receipt for its expected wait at this worker (not
+    /// for its deadline) is handed back to the queue once, unrecorded, for another worker
+    /// (its redelivery is refused as before)
+    #[arg(long)]
+    pub pass_on: bool,
     /// Run the same scenario with `--slots 1`, 2, … N and `--slots auto`, one row each (the
     /// comparison of BENCHMARKS.md §10)
     #[arg(long, value_name = "N")]
@@ -364,6 +374,8 @@ struct Job {
     probe: Option<u64>,
     /// Waiting for a slot to try a probe (as the worker's): judged without the estimate.
     probe_candidate: bool,
+    /// Handed back once by `--pass-on` (its redelivery is not handed back again).
+    handed_back: bool,
     /// Its delivery at a worker: the core's state machine, driven as the worker drives it
     /// (boxed: a million jobs wait mostly without one).
     delivery: Option<Box<Delivery>>,
@@ -493,6 +505,8 @@ pub struct SimReport {
     pub crashes: u64,
     /// Deliveries requeued by crashes.
     pub redelivered: u64,
+    /// Jobs handed back at receipt by `--pass-on`.
+    pub passed_on: u64,
     pub lost: u64,
     pub sim_seconds: f64,
     pub wall_ms: u128,
@@ -569,9 +583,21 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     let policy = WorkerPolicy::default();
     let mut rng = StdRng::seed_from_u64(a.seed);
     // jobs/s: the server's peak when it has one, else what the workers' slots can run.
-    let capacity = service
-        .peak_per_s()
-        .unwrap_or((a.workers * slots) as f64 * 1000.0 / service.mean_ms());
+    let slowdown: Vec<f64> = match a.worker_slowdown.as_slice() {
+        [] => vec![1.0; a.workers],
+        s if s.len() == a.workers && s.iter().all(|x| x.is_finite() && *x > 0.0) => s.to_vec(),
+        s => bail!(
+            "--worker-slowdown: {} values for {} workers; give one positive factor per worker",
+            s.len(),
+            a.workers
+        ),
+    };
+    let capacity = service.peak_per_s().unwrap_or(
+        slowdown
+            .iter()
+            .map(|x| slots as f64 * 1000.0 / (service.mean_ms() * x))
+            .sum(),
+    );
     let gap_ms = 1000.0 / (capacity * overload);
     let kind = Kind::parse("sim").expect("a valid kind");
 
@@ -644,6 +670,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
             on_time: false,
             probe: None,
             probe_candidate: false,
+            handed_back: false,
             delivery: None,
         });
         push(&mut events, at, Ev::Arrive(i));
@@ -679,6 +706,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
     let mut receipts = 0u64;
     let (mut started_late, mut wasted_calls, mut probes) = (0u64, 0u64, 0u64);
     let (mut crashes, mut redelivered) = (0u64, 0u64);
+    let mut passed_on = 0u64;
     if let Some(every) = a.crash_every_s {
         if every.is_nan() || every <= 0.0 {
             bail!("--crash-every-s must be positive");
@@ -953,6 +981,20 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         if jobs[j].probe.take().is_some() {
                             wk.est.probe_ended(key, ProbeEnd::Released, now);
                         }
+                        let for_wait = d.terminal().is_some_and(|t| {
+                            t.reason
+                                == Some(Reason::Refused(
+                                    Stage::Receipt,
+                                    RefusalCause::ExpectedWaitExceedsBudget,
+                                ))
+                        });
+                        if a.pass_on && a.workers > 1 && for_wait && !jobs[j].handed_back {
+                            // Handed back unrecorded, at the queue's head.
+                            jobs[j].handed_back = true;
+                            passed_on += 1;
+                            queues[l].push_front(j);
+                            continue;
+                        }
                         record(&mut jobs, j, &mut d, now)?;
                     }
                 }
@@ -1033,6 +1075,10 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                                     (alone * batch * (n / k).max(1.0)).round() as u64
                                 }
                             }
+                        };
+                        let d = match d {
+                            u64::MAX => d,
+                            d => (d as f64 * slowdown[w]).round() as u64,
                         };
                         let cut = d > budget_ms;
                         let d = d.min(budget_ms);
@@ -1139,6 +1185,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
         below_half_share,
         crashes,
         redelivered,
+        passed_on,
         lost,
         sim_seconds: window_s,
         wall_ms: t0.elapsed().as_millis(),
@@ -1304,6 +1351,7 @@ mod tests {
             slots: SlotCount::Fixed(4),
             max_slots: 16,
             prefetch: None,
+            worker_slowdown: Vec::new(),
             service: service.into(),
             overload: 5.0,
             deadline_ms: 2_000,
@@ -1313,6 +1361,7 @@ mod tests {
             order: "fair".into(),
             lanes: 8,
             share_cap: false,
+            pass_on: false,
             sweep: None,
             estimate: crate::EstimateArg::Request,
             measure_error: 0.0,
@@ -1442,6 +1491,30 @@ mod tests {
             assert!(light.on_time_share >= 0.95, "seed {seed}: {r:?}");
             assert!(r.wasted_time < 0.01, "seed {seed}: {r:?}");
         }
+    }
+
+    /// Workers of unequal speed (one 4× slower) at the capacity's load: with the default
+    /// window the slow worker takes its share of deliveries and refuses at receipt what
+    /// its own backlog cannot serve while the fast one idles; handing such a job back once
+    /// (`--pass-on`, experimental) lets the fast one take it. Each job still has exactly
+    /// one outcome (`simulate` fails otherwise) and no call starts late.
+    #[test]
+    fn unequal_workers_pass_refused_jobs_on() {
+        let mut a = args("fixed:200", 20_000, 1);
+        a.workers = 2;
+        a.worker_slowdown = vec![1.0, 4.0];
+        a.slots = SlotCount::Fixed(2);
+        a.overload = 1.0;
+        let kept = simulate(&a).unwrap();
+        a.pass_on = true;
+        let passed = simulate(&a).unwrap();
+        assert!(passed.passed_on > 0, "{passed:?}");
+        assert!(passed.goodput >= 0.9, "{passed:?}");
+        assert!(
+            passed.goodput > kept.goodput + 0.1,
+            "{kept:?} vs {passed:?}"
+        );
+        assert_eq!(kept.passed_on, 0);
     }
 
     /// Issue #33's fairness target in the simulator: 1,000 Zipf tenants over 3 workers at
