@@ -27,6 +27,7 @@ use anyhow::{Result, bail};
 use clap::Args;
 use lastcall_core::concurrency::{AdaptiveLimit, LimitConfig, Running, Sample, SlotCount};
 use lastcall_core::delivery::{Action, ClockState, Delivery, Event};
+use lastcall_core::live::{Lease, WorkerLive, best_peer};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
 use lastcall_core::service_time::{
@@ -34,8 +35,8 @@ use lastcall_core::service_time::{
 };
 use lastcall_core::table::render;
 use lastcall_core::{
-    CallResult, Deadline, Envelope, JobId, Kind, Priority, Reason, ReceiptFacts, RefusalCause,
-    Stage, State, Tenant, WorkerPolicy, disposition::Slot, wait,
+    CallResult, Deadline, Envelope, JobId, Kind, Priority, ReceiptFacts, State, Tenant,
+    WorkerPolicy, disposition::Slot, wait,
 };
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
@@ -115,11 +116,12 @@ pub struct SimArgs {
     /// places (one place kept free, so the worker keeps taking from the queue)
     #[arg(long)]
     pub share_cap: bool,
-    /// Experimental: a job refused at receipt for its expected wait at this worker (not
-    /// for its deadline) is handed back to the queue once, unrecorded, for another worker
-    /// (its redelivery is refused as before)
+    /// Reference only: never hand a job back at receipt. By default, as the worker does, a
+    /// job refused for its expected wait at this worker alone (not its deadline) while
+    /// another worker has room is handed back once, unrecorded (the simulator sees the
+    /// peers at once; the worker, through their leases, every 2 s)
     #[arg(long)]
-    pub pass_on: bool,
+    pub no_pass_on: bool,
     /// Run the same scenario with `--slots 1`, 2, … N and `--slots auto`, one row each (the
     /// comparison of BENCHMARKS.md §10)
     #[arg(long, value_name = "N")]
@@ -374,7 +376,7 @@ struct Job {
     probe: Option<u64>,
     /// Waiting for a slot to try a probe (as the worker's): judged without the estimate.
     probe_candidate: bool,
-    /// Handed back once by `--pass-on` (its redelivery is not handed back again).
+    /// Handed back once at receipt (its redelivery is not handed back again).
     handed_back: bool,
     /// Its delivery at a worker: the core's state machine, driven as the worker drives it
     /// (boxed: a million jobs wait mostly without one).
@@ -505,7 +507,7 @@ pub struct SimReport {
     pub crashes: u64,
     /// Deliveries requeued by crashes.
     pub redelivered: u64,
-    /// Jobs handed back at receipt by `--pass-on`.
+    /// Jobs handed back at receipt for another worker.
     pub passed_on: u64,
     pub lost: u64,
     pub sim_seconds: f64,
@@ -889,6 +891,28 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     continue;
                 };
                 next_consumer[l] = (w + 1) % a.workers;
+                // What the peers' leases tell the worker (here without their 2 s delay).
+                let peer = (a.workers > 1 && !a.no_pass_on && !jobs[queues[l][0]].handed_back)
+                    .then(|| {
+                        let leases: Vec<Lease> = (workers.iter().enumerate())
+                            .map(|(o, p)| Lease {
+                                worker: o.to_string(),
+                                renewed_at_ms: now,
+                                live: Some(WorkerLive {
+                                    waiting: p.buffer.len() as i64,
+                                    running: p.running as i64,
+                                    limit: p.cap() as i64,
+                                    learned_call_ms: (p.est.estimate(key, now))
+                                        .map(|e| ("sim".to_owned(), e.quantile_ms))
+                                        .into_iter()
+                                        .collect(),
+                                    ..WorkerLive::default()
+                                }),
+                            })
+                            .collect();
+                        best_peer(&leases, &w.to_string(), "sim", now)
+                    })
+                    .flatten();
                 let wk = &mut workers[w];
                 {
                     let Some(j) = queues[l].pop_front() else {
@@ -937,6 +961,7 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                     let facts = ReceiptFacts {
                         expected_wait_ms: wait::expected_wait_ms(ahead, wk.free(), wk.cap(), mean),
                         learned_runtime_ms: learned.map(|e| e.quantile_ms),
+                        peer,
                         ..ReceiptFacts::default()
                     };
                     let over_share = a.share_cap && {
@@ -981,15 +1006,12 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                         if jobs[j].probe.take().is_some() {
                             wk.est.probe_ended(key, ProbeEnd::Released, now);
                         }
-                        let for_wait = d.terminal().is_some_and(|t| {
-                            t.reason
-                                == Some(Reason::Refused(
-                                    Stage::Receipt,
-                                    RefusalCause::ExpectedWaitExceedsBudget,
-                                ))
-                        });
-                        if a.pass_on && a.workers > 1 && for_wait && !jobs[j].handed_back {
-                            // Handed back unrecorded, at the queue's head.
+                        if d.is_passed_on() {
+                            // Handed back unrecorded, at the queue's head; its redelivery
+                            // is not passed on again.
+                            if !matches!(d.poll_action(), Action::Finish(_)) {
+                                bail!("invariant: job {j} was passed on without a hand-back");
+                            }
                             jobs[j].handed_back = true;
                             passed_on += 1;
                             queues[l].push_front(j);
@@ -1361,7 +1383,7 @@ mod tests {
             order: "fair".into(),
             lanes: 8,
             share_cap: false,
-            pass_on: false,
+            no_pass_on: false,
             sweep: None,
             estimate: crate::EstimateArg::Request,
             measure_error: 0.0,
@@ -1496,7 +1518,7 @@ mod tests {
     /// Workers of unequal speed (one 4× slower) at the capacity's load: with the default
     /// window the slow worker takes its share of deliveries and refuses at receipt what
     /// its own backlog cannot serve while the fast one idles; handing such a job back once
-    /// (`--pass-on`, experimental) lets the fast one take it. Each job still has exactly
+    /// while a peer has room (the default; `--no-pass-on` before) lets the fast one take it. Each job still has exactly
     /// one outcome (`simulate` fails otherwise) and no call starts late.
     #[test]
     fn unequal_workers_pass_refused_jobs_on() {
@@ -1505,8 +1527,9 @@ mod tests {
         a.worker_slowdown = vec![1.0, 4.0];
         a.slots = SlotCount::Fixed(2);
         a.overload = 1.0;
+        a.no_pass_on = true;
         let kept = simulate(&a).unwrap();
-        a.pass_on = true;
+        a.no_pass_on = false;
         let passed = simulate(&a).unwrap();
         assert!(passed.passed_on > 0, "{passed:?}");
         assert!(passed.goodput >= 0.9, "{passed:?}");

@@ -280,3 +280,95 @@ async fn flood_and_light_with(
     }
     env.cleanup().await;
 }
+
+/// Workers of unequal speed on one queue: calls of 100 ms on one, 400 ms on the other, 2
+/// slots each, jobs at 0.8× their joint capacity (20 of 25 jobs/s) for 8 s, 2 s budgets,
+/// on one PostgreSQL ledger. The broker deals the deliveries round robin, and the slow
+/// worker's window holds more than it can start in time: it used to refuse those at
+/// receipt (the simulator: 74.7% on time) while the fast one idled. It hands them back,
+/// once, when the fast one's lease offers a shorter wait (the simulator: 97.2%).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_worker_hands_back_what_a_faster_peer_can_start_in_time() {
+    const BUDGET_MS: u64 = 2_000;
+    const JOBS: usize = 160;
+    let env = Env::postgres("unequal-workers").await;
+    let mut ws = Vec::new();
+    for (i, call_ms) in [(0, 100), (1, 400)] {
+        let mut cfg = lastcall_worker::WorkerConfig::new(&env.prefix, 2);
+        cfg.topology = env.topo.clone();
+        cfg.name = format!("unequal-{i}");
+        ws.push(env.start_worker(cfg, sim(call_ms), system_clock()).await);
+    }
+    // Each worker has read the other's lease, with its live numbers.
+    let until = Instant::now() + Duration::from_secs(30);
+    while !ws.iter().enumerate().all(|(i, w)| {
+        let peers = w.stats.peers.lock().unwrap();
+        let other = format!("unequal-{}", 1 - i);
+        peers.iter().any(|l| l.worker == other && l.live.is_some())
+    }) {
+        assert!(
+            Instant::now() < until,
+            "the workers never saw each other's lease"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+    let s = env.submitter(100, false).await;
+    let mut ids = Vec::new();
+    let mut tick = tokio::time::interval(Duration::from_millis(50));
+    for i in 0..JOBS {
+        tick.tick().await;
+        let id = format!("unequal-job-{i}");
+        s.submit(&job(&id, BUDGET_MS), now_ms()).await.unwrap();
+        ids.push(id);
+    }
+    let until = Instant::now() + Duration::from_secs(60);
+    loop {
+        env.drain_dead_letters(false).await;
+        let mut ended = 0;
+        for id in &ids {
+            if let Some(r) = env.ledger.get(id).await.unwrap()
+                && r.state
+                    .parse::<lastcall_core::State>()
+                    .is_ok_and(|s| s.is_terminal())
+            {
+                ended += 1;
+            }
+        }
+        if ended == ids.len() {
+            break;
+        }
+        assert!(
+            Instant::now() < until,
+            "{ended} of {JOBS} jobs have an outcome"
+        );
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    let mut on_time = 0;
+    let mut outcomes = std::collections::BTreeMap::new();
+    for id in &ids {
+        let r = env.ledger.get(id).await.unwrap().unwrap();
+        if let (Some(start), Some(exp)) = (r.started_at_ms, r.expires_at_ms) {
+            assert!(start <= exp, "{id} started after its deadline: {r:?}");
+        }
+        if r.state == "completed" && r.finished_at_ms.unwrap() <= r.expires_at_ms.unwrap() {
+            on_time += 1;
+        }
+        *outcomes
+            .entry(format!("{}/{}", r.state, r.reason.unwrap_or_default()))
+            .or_insert(0) += 1;
+    }
+    let passed_on: u64 = ws
+        .iter()
+        .map(|w| lastcall_worker::WorkerStats::get(&w.stats.passed_on))
+        .sum();
+    eprintln!("unequal workers: {on_time}/{JOBS} on time, {passed_on} handed back; {outcomes:?}");
+    assert!(passed_on > 0, "nothing was handed back: {outcomes:?}");
+    assert!(
+        on_time as f64 >= 0.9 * JOBS as f64,
+        "{on_time} of {JOBS} on time: {outcomes:?}"
+    );
+    for w in ws {
+        w.stop().await;
+    }
+    env.cleanup().await;
+}

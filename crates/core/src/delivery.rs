@@ -509,6 +509,8 @@ enum Settle {
     PublishRetry(Publishing),
     /// A redelivery of a job already recorded: nothing to write.
     Duplicate(Finish),
+    /// Handed back unrecorded for another worker ([`Disposition::PassOn`]).
+    PassOn(Finish),
 }
 
 /// The retry to publish.
@@ -617,6 +619,7 @@ fn settle(parsed: Result<Envelope, RejectError>, facts: Facts, d: Disposition) -
         Disposition::RecordThenDeadLetter(t) => (t, Decision::DeadLetter, Finish::DEAD_LETTER),
         Disposition::AckDuplicate if facts.channel_lost => return Settle::Duplicate(Finish::DROP),
         Disposition::AckDuplicate => return Settle::Duplicate(Finish::ACK),
+        Disposition::PassOn => return Settle::PassOn(Finish::HAND_BACK),
         Disposition::Retry {
             next_attempt,
             queue_index,
@@ -685,6 +688,7 @@ pub struct Delivery {
     /// The call's result as recorded (a call cut at the ack window is rewritten).
     call_result: Option<CallResult>,
     duplicate: bool,
+    passed_on: bool,
 }
 
 #[derive(Debug, Clone)]
@@ -813,6 +817,7 @@ impl Delivery {
             note: None,
             call_result: None,
             duplicate: false,
+            passed_on: false,
         }
     }
 
@@ -977,6 +982,10 @@ impl Delivery {
                 Phase::Recording(r)
             }
             Settle::PublishRetry(p) => Phase::Publishing(p),
+            Settle::PassOn(f) => {
+                self.passed_on = true;
+                Phase::Done(f)
+            }
             Settle::Duplicate(f) => {
                 self.duplicate = true;
                 Phase::Done(f)
@@ -1066,5 +1075,11 @@ impl Delivery {
     /// It ended as a redelivery of a job whose outcome the ledger already holds.
     pub fn is_duplicate(&self) -> bool {
         self.duplicate
+    }
+
+    /// It was handed back unrecorded at receipt, for another worker
+    /// ([`crate::Disposition::PassOn`]).
+    pub fn is_passed_on(&self) -> bool {
+        self.passed_on
     }
 }

@@ -72,17 +72,23 @@ impl Dispatch for DeadlineChecks {
         now_ms: i64,
     ) -> Receipt {
         let learned = facts.learned_runtime_ms;
+        let after = |ms: u64| now_ms.saturating_add(i64::try_from(ms).unwrap_or(i64::MAX));
+        // Refused here: would the best other worker, with its wait and call time, admit it?
+        let peer_admits = facts.peer.is_some_and(|p| {
+            (policy.check(env, p.call_ms, Stage::Receipt, after(p.wait_ms))).is_ok()
+        });
         match policy.check(env, learned, Stage::Receipt, now_ms) {
+            Err(_) if peer_admits => Receipt::Settle(Disposition::PassOn),
             Err(reason) => Receipt::Settle(policy.expired(reason)),
             Ok(_) if facts.expected_wait_ms == 0 || !policy.refuse_on_expected_wait => {
                 Receipt::WaitForSlot
             }
             Ok(_) => {
                 // Would it still pass the last admission check once a slot is expected?
-                let then = now_ms
-                    .saturating_add(i64::try_from(facts.expected_wait_ms).unwrap_or(i64::MAX));
+                let then = after(facts.expected_wait_ms);
                 match policy.check(env, learned, Stage::Receipt, then) {
                     Ok(_) => Receipt::WaitForSlot,
+                    Err(_) if peer_admits => Receipt::Settle(Disposition::PassOn),
                     Err(_) => Receipt::Settle(policy.expired(Reason::Refused(
                         Stage::Receipt,
                         RefusalCause::ExpectedWaitExceedsBudget,
@@ -141,6 +147,9 @@ pub enum Disposition {
     RecordThenDeadLetter(Terminal),
     /// A redelivery of a job whose outcome is already recorded: ack without running it.
     AckDuplicate,
+    /// Hand it back unrecorded, for another worker: this worker's own backlog would keep
+    /// it past its deadline while a peer has room ([`ReceiptFacts::may_pass_on`]).
+    PassOn,
     /// Publish a retry with confirm, record the attempt, then ack this delivery.
     Retry {
         next_attempt: u32,
@@ -216,6 +225,21 @@ pub struct ReceiptFacts {
     /// The learned duration of this kind's model calls (a high quantile,
     /// [`crate::service_time`]); `None` while nothing is learned.
     pub learned_runtime_ms: Option<u64>,
+    /// When this delivery may be handed back (it never was: not a redelivery), what the
+    /// best other worker offers by its fresh lease ([`crate::live::best_peer`]). A job
+    /// refused at receipt here — for its expected wait or this worker's learned call
+    /// time — that the same check admits with the peer's wait and call time is handed
+    /// back ([`Disposition::PassOn`]) instead of recorded; its redelivery decides for good.
+    pub peer: Option<PeerOffer>,
+}
+
+/// Another worker's expected wait for a slot and learned call time for a job's kind
+/// ([`ReceiptFacts::peer`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct PeerOffer {
+    pub wait_ms: u64,
+    /// `None`: that worker has learned nothing of the kind yet.
+    pub call_ms: Option<u64>,
 }
 
 /// The worker's whole decision policy.
@@ -588,6 +612,64 @@ mod tests {
                 Reason::Rejected(crate::envelope::RejectReason::InvalidJson)
             )))
         );
+    }
+
+    #[test]
+    fn a_job_refused_only_for_the_wait_here_is_passed_on_when_a_peer_has_room() {
+        let p = policy();
+        let ok = Ok(env(10_000));
+        let facts = |ms, wait: Option<u64>| ReceiptFacts {
+            expected_wait_ms: ms,
+            peer: wait.map(|wait_ms| PeerOffer {
+                wait_ms,
+                call_ms: None,
+            }),
+            ..ReceiptFacts::default()
+        };
+        // Admissible until 9,900: 900 ms of wait here refuses it at 9,000, 100 at a peer
+        // would not.
+        assert_eq!(
+            p.on_receipt(&ok, facts(900, Some(100)), 9_000),
+            Receipt::Settle(Disposition::PassOn)
+        );
+        assert_eq!(
+            p.on_receipt(&ok, facts(800, Some(0)), 9_000),
+            Receipt::WaitForSlot,
+            "it can wait here"
+        );
+        // The peers' wait would refuse it too, or there is none to ask: recorded here.
+        for peer in [Some(900), None] {
+            assert!(matches!(
+                p.on_receipt(&ok, facts(900, peer), 9_000),
+                Receipt::Settle(Disposition::RecordThenAck(_))
+            ));
+        }
+        // Its own deadline refuses it: no other worker could start it either.
+        assert_eq!(
+            p.on_receipt(&ok, facts(5_000, Some(0)), 9_950),
+            Receipt::Settle(p.expired(Reason::Refused(
+                Stage::Receipt,
+                RefusalCause::DeadlinePassed
+            )))
+        );
+        // This worker's learned call time refuses it (a slower worker); a peer's shorter
+        // one admits it, a peer as slow does not.
+        let slow = |call_ms| ReceiptFacts {
+            learned_runtime_ms: Some(2_000),
+            peer: Some(PeerOffer {
+                wait_ms: 0,
+                call_ms,
+            }),
+            ..ReceiptFacts::default()
+        };
+        assert_eq!(
+            p.on_receipt(&ok, slow(Some(500)), 9_000),
+            Receipt::Settle(Disposition::PassOn)
+        );
+        assert!(matches!(
+            p.on_receipt(&ok, slow(Some(2_000)), 9_000),
+            Receipt::Settle(Disposition::RecordThenAck(_))
+        ));
     }
 
     #[test]

@@ -71,8 +71,8 @@ pub mod wait;
 pub use admission::{Admission, AdmissionPolicy, Refusal, Stage};
 pub use deadline::Deadline;
 pub use disposition::{
-    CallResult, DeadlineChecks, Dispatch, Disposition, ExpiredAction, ReceiptFacts, Terminal,
-    WorkerPolicy,
+    CallResult, DeadlineChecks, Dispatch, Disposition, ExpiredAction, PeerOffer, ReceiptFacts,
+    Terminal, WorkerPolicy,
 };
 pub use envelope::{Envelope, EnvelopeLimits, RejectError, RejectReason};
 pub use event::OutcomeEvent;

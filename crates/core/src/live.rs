@@ -8,6 +8,7 @@
 //! in the totals; an older one is shown as stale and counts nowhere. No address has to be
 //! given to `serve`: the ledger both already share is the channel.
 
+use crate::disposition::PeerOffer;
 use crate::lease;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -193,5 +194,84 @@ mod tests {
         assert_eq!(WorkerLive::from_json(Some(&l.to_json())), Some(l));
         assert_eq!(WorkerLive::from_json(Some("{nope")), None);
         assert_eq!(WorkerLive::from_json(None), None);
+    }
+}
+
+/// The best other worker than `me` for a job of `kind` that this worker refuses at
+/// receipt, by the fresh leases: its expected wait for a slot
+/// ([`crate::wait::expected_wait_ms`] over its jobs waiting, free slots and learned call
+/// time of `kind`) and that call time, the one that would finish first
+/// ([`crate::ReceiptFacts::peer`]). A lease without live numbers is left out. The leases
+/// are up to a renewal old: a wrong answer costs one more delivery.
+pub fn best_peer(leases: &[Lease], me: &str, kind: &str, now_ms: i64) -> Option<PeerOffer> {
+    (leases.iter())
+        .filter(|l| l.worker != me && lease::is_fresh(l.renewed_at_ms, now_ms))
+        .filter_map(|l| {
+            let v = l.live.as_ref().filter(|v| v.limit > 0)?;
+            let call_ms = v.learned_call_ms.get(kind).copied();
+            let free = (v.limit - v.running).max(0) as usize;
+            let wait_ms = crate::wait::expected_wait_ms(
+                v.waiting.max(0) as usize,
+                free,
+                v.limit as usize,
+                call_ms.unwrap_or(0),
+            );
+            Some(PeerOffer { wait_ms, call_ms })
+        })
+        .min_by_key(|p| p.wait_ms.saturating_add(p.call_ms.unwrap_or(0)))
+}
+
+#[cfg(test)]
+mod peer_tests {
+    use super::*;
+
+    fn lease(worker: &str, renewed_at_ms: i64, live: Option<(i64, i64, i64, u64)>) -> Lease {
+        Lease {
+            worker: worker.into(),
+            renewed_at_ms,
+            live: live.map(|(waiting, running, limit, call)| WorkerLive {
+                waiting,
+                running,
+                limit,
+                learned_call_ms: [("chat".to_owned(), call)].into(),
+                ..WorkerLive::default()
+            }),
+        }
+    }
+
+    #[test]
+    fn the_peer_that_would_finish_first_among_the_fresh_ones() {
+        let now = 100_000;
+        let best = |ls: &[Lease]| best_peer(ls, "a", "chat", now);
+        let offer = |wait_ms, call| PeerOffer {
+            wait_ms,
+            call_ms: Some(call),
+        };
+        // A free slot: no wait.
+        assert_eq!(
+            best(&[lease("b", now, Some((0, 1, 2, 200)))]),
+            Some(offer(0, 200))
+        );
+        // 3 waiting for 2 busy slots of 200 ms: 2 releases, the first half a call away.
+        let busy = lease("b", now, Some((3, 2, 2, 200)));
+        let busy_wait = wait_of(3, 0, 2, 200);
+        assert!(busy_wait > 0);
+        assert_eq!(
+            best(std::slice::from_ref(&busy)),
+            Some(offer(busy_wait, 200))
+        );
+        // A free but far slower peer finishes later than the busy one.
+        let slow = lease("c", now, Some((0, 0, 2, 5_000)));
+        assert_eq!(best(&[busy.clone(), slow]), Some(offer(busy_wait, 200)));
+        // Stale, silent, or this worker itself: none.
+        let stale = now - 10 * lease::LEASE_RENEW_MS as i64;
+        assert_eq!(best(&[lease("b", stale, Some((0, 0, 2, 200)))]), None);
+        assert_eq!(best(&[lease("b", now, None)]), None);
+        assert_eq!(best(&[lease("a", now, Some((0, 0, 2, 200)))]), None);
+        assert_eq!(best(&[]), None);
+    }
+
+    fn wait_of(ahead: usize, free: usize, slots: usize, mean: u64) -> u64 {
+        crate::wait::expected_wait_ms(ahead, free, slots, mean)
     }
 }

@@ -38,7 +38,15 @@ pub(crate) async fn renew(
     loop {
         // The live numbers ride along: `serve`'s dashboard reads them here.
         let live = stats.live().to_json();
-        match ledger.heartbeat_live(&name, clock.now_ms(), &live).await {
+        let now = clock.now_ms();
+        // The fleet's leases: where a job this worker cannot start in time could go (a job
+        // refused for this worker's backlog alone is then handed back, once).
+        let peers = (ledger
+            .worker_leases(lastcall_core::lease::fresh_since(now))
+            .await)
+            .unwrap_or_default();
+        *stats.peers.lock().unwrap_or_else(|e| e.into_inner()) = peers;
+        match ledger.heartbeat_live(&name, now, &live).await {
             Ok(()) if failing => {
                 failing = false;
                 tracing::info!("worker lease renewed again");

@@ -39,6 +39,13 @@ pub struct WorkerStats {
     pub rejected: AtomicU64,
     /// Redeliveries acked without running because the outcome already existed.
     pub duplicates: AtomicU64,
+    /// Jobs handed back unrecorded at receipt for another worker: refused only for this
+    /// worker's backlog while a peer had room.
+    pub passed_on: AtomicU64,
+    /// The fleet's leases with their live numbers, read at this worker's last lease
+    /// renewal (every 2 s): where a job this worker cannot start in time may go
+    /// ([`lastcall_core::live::peer_wait_ms`]).
+    pub peers: Mutex<Vec<lastcall_core::live::Lease>>,
     /// Retries published.
     pub retries: AtomicU64,
     /// Ledger write attempts that failed and were retried.
@@ -451,7 +458,7 @@ fn encode_breakers(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
 
 /// The worker's plain counters (`lastcall_worker_*_total`).
 fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Result {
-    let counters: [(&str, &AtomicU64, &str); 11] = [
+    let counters: [(&str, &AtomicU64, &str); 12] = [
         (
             "lastcall_worker_rate_limited",
             &w.rate_limited,
@@ -486,6 +493,11 @@ fn encode_counters(w: &WorkerStats, enc: &mut DescriptorEncoder) -> std::fmt::Re
             "lastcall_worker_retries",
             &w.retries,
             "Retries published to a retry queue",
+        ),
+        (
+            "lastcall_worker_passed_on",
+            &w.passed_on,
+            "Jobs handed back unrecorded at receipt for another worker (refused only for this worker's backlog while a peer had room)",
         ),
         (
             "lastcall_worker_duplicates",

@@ -95,6 +95,12 @@ pub(crate) async fn finish(ctx: &Recording<'_>, job: Job, d: &Delivery, f: Finis
         WorkerStats::inc(&ctx.stats.duplicates);
         tracing::info!("redelivery of a job with a recorded outcome: acking without running");
     }
+    if d.is_passed_on() {
+        WorkerStats::inc(&ctx.stats.passed_on);
+        tracing::debug!(
+            "this worker's backlog would keep the job past its deadline and a peer has room: handing it back"
+        );
+    }
     match f.kind() {
         // Acked by the flusher, possibly together with other finished deliveries.
         FinishKind::Ack => match job.durable {
