@@ -18,7 +18,7 @@ use lastcall_core::State as JobState;
 use lastcall_core::alerts::{ALERT_WINDOW_MS, AlertInput, alerts};
 use lastcall_core::live::{FLEET_WINDOW_MS, fleet};
 use lastcall_core::report::{TenantSample, tenant_accounts};
-use lastcall_store::{DashboardCounts, JobRecord};
+use lastcall_store::{DashboardCounts, JobRecord, PRUNABLE_COUNT_LIMIT};
 use serde_json::{Map, Value, json};
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -244,6 +244,17 @@ pub async fn snapshot(state: &AppState, minutes: i64) -> Result<Value, ApiError>
             .kind_outcomes(now - ALERT_WINDOW_MS)
             .await
             .map_err(internal)?,
+        retention: match state.retention_ms {
+            Some(r) => Some((
+                r,
+                state
+                    .ledger
+                    .prunable_rows(now.saturating_sub(r), PRUNABLE_COUNT_LIMIT)
+                    .await
+                    .map_err(internal)?,
+            )),
+            None => None,
+        },
     };
     let mut summary = summarize_counts(&window, since, now);
     summary.insert("headline".into(), json!(headline));

@@ -125,6 +125,10 @@ pub struct AppState {
     pub tokens: Option<Arc<tokens::TokensFile>>,
     /// The quota buckets of the tenants the tokens file gives quotas.
     pub quotas: Arc<tokens::Quotas>,
+    /// The ledger's row retention in force (ms; `serve` reads `[ledger] retention` as the
+    /// workers that prune do), for the dashboard's `ledger_behind_retention` alert.
+    /// `None`: retention off or not known, no alert.
+    pub retention_ms: Option<i64>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -175,6 +179,7 @@ impl AppState {
             alarms: None,
             tokens: None,
             quotas: Arc::new(tokens::Quotas::default()),
+            retention_ms: None,
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()

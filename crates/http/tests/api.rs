@@ -429,6 +429,67 @@ async fn every_rejection_is_the_json_error_naming_the_parameter() {
     env.cleanup().await;
 }
 
+/// `GET /v1/dashboard` raises `ledger_behind_retention` when the ledger holds an ended job
+/// older than the retention in force plus a day's grace, and not within the grace, nor
+/// when the retention is off or unknown.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_dashboard_alerts_when_the_ledger_is_behind_its_retention() {
+    use lastcall_core::{Decision, State};
+    use lastcall_store::OutcomeRecord;
+    const DAY: i64 = 86_400_000;
+    let env = Env::new("retention-alert").await;
+    let now = now_ms();
+    let record = async |id: &str, age_ms: i64| {
+        env.ledger
+            .record_outcome(&OutcomeRecord {
+                attempt_key: format!("{id}-1"),
+                attempt: 1,
+                ..OutcomeRecord::new(
+                    id,
+                    "incident.summary",
+                    State::Completed,
+                    Decision::Ack,
+                    now - age_ms,
+                )
+            })
+            .await
+            .unwrap();
+    };
+    let alerts = async |retention_ms: Option<i64>| {
+        let mut state = env.state_with(Duration::from_secs(5)).await;
+        state.retention_ms = retention_ms;
+        let app = lastcall_http::app(Arc::new(state));
+        let (s, d) = call(&app, "GET", "/v1/dashboard", Some(TOKEN), None).await;
+        assert_eq!(s, StatusCode::OK, "{d}");
+        d["alerts"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .filter(|a| a["alert"] == "ledger_behind_retention")
+            .cloned()
+            .collect::<Vec<Value>>()
+    };
+    // Past a 1-day retention, within its day of grace: pruning may not have run yet.
+    record("recent", DAY + DAY / 2).await;
+    assert!(alerts(Some(DAY)).await.is_empty());
+    // Past retention and grace.
+    record("stale", 3 * DAY).await;
+    let a = alerts(Some(DAY)).await;
+    assert_eq!(a.len(), 1, "{a:?}");
+    let message = a[0]["message"].as_str().unwrap();
+    assert!(
+        message.contains("holds 2 ended jobs older than its retention of 24 h")
+            && message.contains("recorded 3 d ago")
+            && message.contains("lastcall ledger prune"),
+        "{message}"
+    );
+    assert_eq!(a[0]["subject"], "ledger");
+    // A longer retention, or none known: no alert.
+    assert!(alerts(Some(5 * DAY)).await.is_empty());
+    assert!(alerts(None).await.is_empty());
+    env.cleanup().await;
+}
+
 /// 503: the broker did not confirm the publish (a full quorum queue with
 /// `reject-publish` nacks it); the job is not recorded as accepted.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

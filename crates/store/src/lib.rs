@@ -45,7 +45,8 @@ pub use ledger::dashboard::{
     DWELL_BUCKETS_MS, DashboardCounts, HEADLINE_STATEMENTS,
 };
 pub use ledger::retention::{
-    ArchiveFn, JobStream, LedgerSize, PRUNE_DUTY, PruneCounts, PruneLock, prune_pause,
+    ArchiveFn, JobStream, LedgerSize, PRUNABLE_COUNT_LIMIT, PRUNE_DUTY, PruneCounts, PruneLock,
+    prune_pause,
 };
 pub use ledger::{Ledger, LedgerWrite, WEBHOOK_CLAIM_STALE_MS};
 

@@ -2393,6 +2393,7 @@ both_backends!(
     the_archive_gets_every_pruned_job_and_a_failed_archive_deletes_nothing,
     export_streams_the_window_and_round_trips_the_records,
     the_size_counts_the_job_rows,
+    the_prunable_rows_are_what_pruning_would_delete,
 );
 
 /// Rows cut off before this; texts before [`TEXT_CUT`].
@@ -2686,6 +2687,67 @@ async fn the_size_counts_the_job_rows(db: &TestDb) {
     let size = l.size().await.unwrap();
     assert_eq!(size.job_rows, 9, "{size:?}");
     assert!(size.bytes > 0, "{size:?}");
+}
+
+/// The dashboard's `ledger_behind_retention` read: the oldest job pruning would delete and
+/// how many (bounded), by the pruning rule itself: jobs held by a webhook, `unknown` or not
+/// ended never count, however old.
+async fn the_prunable_rows_are_what_pruning_would_delete(db: &TestDb) {
+    use lastcall_core::alerts::PrunableRows;
+    let l = &db.ledger;
+    retention_fixture(l).await;
+    let rows = |oldest, rows, bounded| PrunableRows {
+        oldest_recorded_at_ms: oldest,
+        rows,
+        bounded,
+    };
+    // old-done (1,000), old-fail (1,100), old-gave-up (1,250).
+    assert_eq!(
+        l.prunable_rows(ROW_CUT, 1_000).await.unwrap(),
+        rows(Some(1_000), 3, false)
+    );
+    let preview = l.prune_preview(Some(ROW_CUT), None).await.unwrap();
+    assert_eq!(preview.jobs, 3, "the same rule as pruning");
+    assert_eq!(
+        l.prunable_rows(ROW_CUT, 2).await.unwrap(),
+        rows(Some(1_000), 2, true),
+        "the count stops at its bound"
+    );
+    assert_eq!(
+        l.prunable_rows(1_050, 1_000).await.unwrap(),
+        rows(Some(1_000), 1, false)
+    );
+    assert_eq!(
+        l.prunable_rows(1_000, 1_000).await.unwrap(),
+        rows(None, 0, false),
+        "strictly before the cutoff, as pruning"
+    );
+    assert_eq!(
+        l.prunable_rows(TEXT_CUT, 1_000).await.unwrap(),
+        rows(Some(1_000), 4, false),
+        "mid-done too"
+    );
+    // Pruned: old-hook (1,200, its webhook waits), old-unknown (1,300), old-accepted and
+    // old-running stay, older than the cutoff, and none of them counts.
+    prune_all(l, 1_000).await;
+    assert_eq!(
+        l.prunable_rows(ROW_CUT, 1_000).await.unwrap(),
+        rows(None, 0, false)
+    );
+    // Its webhook delivered, old-hook may go: it counts.
+    l.record_webhook_attempt(&lastcall_store::WebhookAttempt {
+        job_id: "old-hook".into(),
+        attempt: 1,
+        at_ms: 60_000,
+        status: Some(200),
+        error: None,
+    })
+    .await
+    .unwrap();
+    assert_eq!(
+        l.prunable_rows(ROW_CUT, 1_000).await.unwrap(),
+        rows(Some(1_200), 1, false)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

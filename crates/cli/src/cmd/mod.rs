@@ -77,7 +77,19 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
         Command::Reconcile(a) => reconcile::run(&settings, a, &clock).await,
         Command::Cancel(a) => cancel::run(&settings, a, &clock).await,
         Command::Report(a) => report::run(&settings, a, &clock).await,
-        Command::Serve(a) => serve::run(&settings, a).await,
+        Command::Serve(a) => {
+            // `serve` never prunes, but its dashboard judges the ledger by the retention
+            // the workers prune with: the same `[ledger]` settings. Unreadable ones (which
+            // stop a worker) only turn that alert off here.
+            let retention = match ledger::retention_settings(loaded) {
+                Ok(p) => p.retention_ms,
+                Err(e) => {
+                    tracing::warn!(error = %e, "the dashboard's retention alert is off");
+                    None
+                }
+            };
+            serve::run(&settings, a, retention).await
+        }
         // main.rs runs it before logging and the runtime start; the same call here.
         Command::Bench(a) => bench::run(&cli.global, a),
         Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),

@@ -21,7 +21,9 @@ use std::sync::Arc;
 use std::time::Duration;
 use tokio_util::sync::CancellationToken;
 
-pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
+/// `retention_ms`: the `[ledger]` section's row retention (`None`: off or unreadable), for
+/// the dashboard's `ledger_behind_retention` alert.
+pub async fn run(s: &Settings, a: ServeArgs, retention_ms: Option<i64>) -> Result<ExitCode> {
     return_large_frees();
     // Everything a flag, a file or the environment can get wrong is read first: a usage
     // error is reported at once, before anything is bound or connected.
@@ -101,6 +103,7 @@ pub async fn run(s: &Settings, a: ServeArgs) -> Result<ExitCode> {
         topo,
         front_door,
         webhooks,
+        retention_ms,
     };
     let max_wait = a.connect_timeout_ms.map(Duration::from_millis);
     let running = match super::connect_waiting(s, &stop, max_wait, Some(&startup)).await {
@@ -181,6 +184,7 @@ struct Parts {
     topo: Topology,
     front_door: lastcall_http::front_door::FrontDoor,
     webhooks: lastcall_http::webhooks::WebhookConfig,
+    retention_ms: Option<i64>,
 }
 
 /// What runs beside the router, to be stopped with it.
@@ -221,6 +225,7 @@ async fn build(
         topo,
         front_door,
         webhooks,
+        retention_ms,
     } = p;
     topo.ensure(&broker).await?;
     let (admission, limits) = super::admission(&a.admission);
@@ -252,6 +257,7 @@ async fn build(
     state.front_door = front_door;
     state.webhooks = webhooks;
     state.tokens = tokens;
+    state.retention_ms = retention_ms;
     // The served OpenAPI document states this server's own horizon.
     state.horizon_ms = horizon_ms;
     state.claim_wait = Duration::from_millis(a.confirm_timeout_ms.saturating_add(1_000));

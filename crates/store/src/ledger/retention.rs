@@ -84,6 +84,26 @@ const SELECT_BATCH: &str = concat!(
     " ORDER BY recorded_at_ms, job_id LIMIT $2"
 );
 
+/// The `recorded_at_ms` of the oldest eligible job (through the `jobs_recorded_at` index:
+/// it stops at the first one; when pruning keeps up, none is before the cutoff).
+const SELECT_OLDEST_PRUNABLE: &str = concat!(
+    "SELECT recorded_at_ms FROM jobs WHERE ",
+    eligible!(),
+    " ORDER BY recorded_at_ms LIMIT 1"
+);
+
+/// The eligible jobs, counted up to `$2` (so a ledger far behind costs `$2` index entries
+/// per read, not all of them).
+const COUNT_PRUNABLE_BOUNDED: &str = concat!(
+    "SELECT COUNT(*) FROM (SELECT 1 FROM jobs WHERE ",
+    eligible!(),
+    " LIMIT $2) AS t"
+);
+
+/// How many prunable rows [`Ledger::prunable_rows`] counts at most for the dashboard's
+/// alert (`ledger prune --dry-run` counts them all).
+pub const PRUNABLE_COUNT_LIMIT: u32 = 1_000;
+
 /// Clears the result of the oldest `$3` eligible jobs that still hold one (through the
 /// `jobs_text_recorded` partial index).
 const CLEAR_TEXTS: &str = concat!(
@@ -265,6 +285,45 @@ impl Ledger {
                 .rows_affected()
         });
         Ok(n)
+    }
+
+    /// The jobs pruning at `before_ms` would delete (the same rule: terminal, not
+    /// `unknown`, no webhook waiting): the oldest one's `recorded_at_ms` and how many, counted
+    /// up to `limit`. Two index reads, cheap enough for the dashboard's polls: the
+    /// `ledger_behind_retention` alert.
+    pub async fn prunable_rows(
+        &self,
+        before_ms: i64,
+        limit: u32,
+    ) -> Result<lastcall_core::alerts::PrunableRows, StoreError> {
+        let oldest: Option<i64> = on_pool!(self, read, |pool| {
+            sqlx::query(SELECT_OLDEST_PRUNABLE)
+                .bind(before_ms)
+                .fetch_optional(pool)
+                .await
+                .and_then(|r| r.map(|r| r.try_get(0)).transpose())
+                .map_err(db("reading the oldest prunable job"))?
+        });
+        let rows = match oldest {
+            None => 0,
+            Some(_) => {
+                let n: i64 = on_pool!(self, read, |pool| {
+                    sqlx::query(COUNT_PRUNABLE_BOUNDED)
+                        .bind(before_ms)
+                        .bind(i64::from(limit))
+                        .fetch_one(pool)
+                        .await
+                        .and_then(|r| r.try_get(0))
+                        .map_err(db("counting the prunable jobs"))?
+                });
+                u64::try_from(n).unwrap_or(0)
+            }
+        };
+        Ok(lastcall_core::alerts::PrunableRows {
+            oldest_recorded_at_ms: oldest,
+            rows,
+            bounded: rows >= u64::from(limit),
+        })
     }
 
     /// Terminal jobs recorded before `before_ms` that only an undelivered webhook keeps.
@@ -467,10 +526,25 @@ mod tests {
             non_terminal.join(", "),
             State::Unknown.as_str()
         );
-        for sql in [ELIGIBLE, COUNT_HELD, COUNT_JOBS, SELECT_BATCH, CLEAR_TEXTS] {
+        for sql in [
+            ELIGIBLE,
+            COUNT_HELD,
+            COUNT_JOBS,
+            SELECT_BATCH,
+            CLEAR_TEXTS,
+            SELECT_OLDEST_PRUNABLE,
+            COUNT_PRUNABLE_BOUNDED,
+        ] {
             assert!(sql.contains(&kept), "{sql}");
         }
-        for sql in [SELECT_BATCH, CLEAR_TEXTS, COUNT_JOBS, COUNT_TEXTS] {
+        for sql in [
+            SELECT_BATCH,
+            CLEAR_TEXTS,
+            COUNT_JOBS,
+            COUNT_TEXTS,
+            SELECT_OLDEST_PRUNABLE,
+            COUNT_PRUNABLE_BOUNDED,
+        ] {
             assert!(
                 sql.contains("w.delivered_at_ms IS NULL AND w.given_up_at_ms IS NULL"),
                 "{sql}"
