@@ -87,6 +87,15 @@ async fn sweep_held(ledger: &Ledger, held: &Held) {
             for (job_id, info) in found {
                 if info.cancel_requested {
                     held.cancel_local(&job_id);
+                } else if info.already_recorded {
+                    // Recorded while held here: cancelled before its start (the receipt
+                    // flags hide a terminal row's request), so it must leave the buffer
+                    // now, not run at its slot. Rare: one more read.
+                    if let Ok(Some(rec)) = ledger.get(&job_id).await
+                        && rec.cancel_requested
+                    {
+                        held.cancel_local(&job_id);
+                    }
                 }
             }
         }
