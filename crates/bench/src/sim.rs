@@ -892,27 +892,32 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 };
                 next_consumer[l] = (w + 1) % a.workers;
                 // What the peers' leases tell the worker (here without their 2 s delay).
-                let peer = (a.workers > 1 && !a.no_pass_on && !jobs[queues[l][0]].handed_back)
-                    .then(|| {
-                        let leases: Vec<Lease> = (workers.iter().enumerate())
-                            .map(|(o, p)| Lease {
-                                worker: o.to_string(),
-                                renewed_at_ms: now,
-                                live: Some(WorkerLive {
-                                    waiting: p.buffer.len() as i64,
-                                    running: p.running as i64,
-                                    limit: p.cap() as i64,
-                                    learned_call_ms: (p.est.estimate(key, now))
-                                        .map(|e| ("sim".to_owned(), e.quantile_ms))
-                                        .into_iter()
-                                        .collect(),
-                                    ..WorkerLive::default()
-                                }),
-                            })
-                            .collect();
-                        best_peer(&leases, &w.to_string(), "sim", now)
-                    })
-                    .flatten();
+                let peer = if a.workers > 1 && !a.no_pass_on && !jobs[queues[l][0]].handed_back {
+                    let mut leases = Vec::with_capacity(a.workers);
+                    for o in 0..a.workers {
+                        // The kind's learned call time, as a lease publishes it (the
+                        // predictor kept between observations).
+                        let call = workers[o].raw(key, None, now).map(|e| e.quantile_ms);
+                        let p = &workers[o];
+                        leases.push(Lease {
+                            worker: o.to_string(),
+                            renewed_at_ms: now,
+                            live: Some(WorkerLive {
+                                waiting: p.buffer.len() as i64,
+                                running: p.running as i64,
+                                limit: p.cap() as i64,
+                                learned_call_ms: call
+                                    .map(|c| ("sim".to_owned(), c))
+                                    .into_iter()
+                                    .collect(),
+                                ..WorkerLive::default()
+                            }),
+                        });
+                    }
+                    best_peer(&leases, &w.to_string(), "sim", now)
+                } else {
+                    None
+                };
                 let wk = &mut workers[w];
                 {
                     let Some(j) = queues[l].pop_front() else {
