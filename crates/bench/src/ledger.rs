@@ -1,6 +1,6 @@
 //! `lastcall bench ledger`: outcome writes per second on SQLite and PostgreSQL.
 //!
-//! With `--prune-rows N` (issue #35): the ledger is first filled with N terminal jobs
+//! With `--prune-rows N`: the ledger is first filled with N terminal jobs
 //! recorded long ago, then the grouped writers run for `--measure-s` seconds alone, then
 //! again while a pruner deletes those N jobs the way a worker's background pruning does
 //! (batches of 1,000 rows, at least 50 ms apart and paced by `lastcall_store::prune_pause`:

@@ -179,15 +179,15 @@ pub struct GoodputArgs {
     /// sim backend; a lognormal with that mean and shape σ), or a real model: `smollm2`,
     /// one of a few short prompts and a drawn `max_tokens` (4–24) per job, or
     /// `smollm2-mixed`, prompts of 30 to 2,000 tokens (log-uniform) and `max_tokens` 4–64
-    /// (issue #31's mixed-length workload). A real model is the embedded SmolLM2 (needs
+    /// (a mixed-length workload). A real model is the embedded SmolLM2 (needs
     /// `scripts/setup-model.sh`) or, with --openai-url, a model server; its capacity is
     /// measured first (the embedded model with every slot busy; a server's ceiling with a
     /// saturating client)
     #[arg(long, default_value = "fixed:200")]
     pub service: ServiceDist,
     /// How the worker learns call times: `request` (the worker's: an estimate per
-    /// request, from its prompt and output tokens), `per-kind` (one estimate per kind, the
-    /// estimator before issue #31; reference only), or `split-kinds` (one estimate per
+    /// request, from its prompt and output tokens), `per-kind` (one estimate per kind,
+    /// without the request's size; reference only), or `split-kinds` (one estimate per
     /// kind, with the jobs split by hand into the kinds `short` and `long` by prompt
     /// length, as a user who knew the model would do; `smollm2-mixed` only). A
     /// comma-separated list runs each, at the first --slots value
@@ -334,7 +334,7 @@ pub enum ServiceDist {
     /// The embedded SmolLM2 model: call times follow from the prompt and the output
     /// length; the mean is measured before the run.
     SmolLm2,
-    /// SmolLM2 with prompts of 30–2,000 tokens and `max_tokens` 4–64 (issue #31).
+    /// SmolLM2 with prompts of 30–2,000 tokens and `max_tokens` 4–64.
     SmolLm2Mixed,
 }
 
@@ -447,7 +447,7 @@ pub enum PolicyArg {
 pub enum EstimateArg {
     /// Per request (the worker's).
     Request,
-    /// One per kind (before issue #31).
+    /// One per kind, without the request's size (reference only).
     PerKind,
     /// One per kind, the jobs split by prompt length into `short` and `long` kinds.
     SplitKinds,

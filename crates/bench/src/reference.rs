@@ -1,6 +1,6 @@
 //! The reference policies `bench goodput` compares lastcall's with: the deadline checks
 //! of the usual task queues, as implementations of the core's [`Dispatch`] trait, so that
-//! no production decision has a branch for them (issue #30).
+//! no production decision has a branch for them.
 //!
 //! - [`ReceiptOnly`]: check at receipt only, as Celery does with `expires`; a job that
 //!   waited for a slot past its deadline still runs, and its call runs to the end (no

@@ -1,6 +1,6 @@
 //! A circuit breaker per model server (per backend, or per route when the worker routes
 //! kinds to several backends), pure: `now_ms` is an argument, the worker holds one
-//! [`Breaker`] per backend and only reports what happened (issue #32).
+//! [`Breaker`] per backend and only reports what happened.
 //!
 //! - **Closed**: calls go out. [`BreakerPolicy::failures_to_open`] consecutive server-side
 //!   failures ([`Verdict::Failure`]: connect errors, 5xx, 408, a 429 without a usable

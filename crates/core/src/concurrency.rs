@@ -38,7 +38,7 @@
 //! twice as many samples before the next one, up to 8× `samples_per_step`
 //! ([`MAX_BACKOFF`]); a kept trial, or a halving, resets the wait. Inside the range the
 //! trials alternate between the two neighbours and keep the plain wait (a longer one
-//! there cost the batching servers at 5× up to 2 points; BENCHMARKS.md §13).
+//! there cost the batching servers at 5× up to 2 points).
 //!
 //! **The start.** The limit starts at 1 ([`LimitConfig::initial`]): nothing is known yet of
 //! the server, nor of the calls' times, and calls that run beside each other on a server
@@ -52,7 +52,7 @@
 //! call at a third of the slowdown they met). In the simulator's cold runs (about 90 s of mixed-length prompts, a server
 //! that time-shares, 20 seeds) this took the mean wasted model time from 8.2% to 3.4% (2×)
 //! and 7.3% to 4.9% (5×), for 4–6% fewer on-time completions; longer runs were unchanged
-//! within a few points (BENCHMARKS.md §12).
+//! within a few points.
 //!
 //! What that finds: a server that does not slow down (`m ≈ 1`) gets every step up, to
 //! [`LimitConfig::max`]; one whose calls slow by `β` per other call in the batch has
@@ -61,8 +61,7 @@
 //! a knee (`m = 0`) it never stays. Why not the throughput's own maximum: on-time
 //! completions, not calls per second, are the goal, and each call in flight past that point
 //! makes every call slower for a few percent more throughput — the longer prompts then no
-//! longer fit their budgets (BENCHMARKS.md §10: the best fixed slot count is below the
-//! knee). Both levels of a comparison are measured one after the other against the same
+//! longer fit their budgets (the best fixed slot count measured is below the knee). Both levels of a comparison are measured one after the other against the same
 //! estimator, so its slow adaptation (it learns from the calls at the current level) does
 //! not bias the comparison much.
 //!

@@ -1,4 +1,4 @@
-//! Fallback routes: which backend of a kind's ordered route takes a job now (issue #32).
+//! Fallback routes: which backend of a kind's ordered route takes a job now.
 //!
 //! A `[routing]` route may list several backends, e.g. a local vLLM, then a hosted API. A
 //! job goes to the **first** backend of the list that can take its call now: its circuit

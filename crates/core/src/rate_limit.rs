@@ -1,5 +1,5 @@
-//! Per-backend rate limits: requests per minute and tokens per minute, as token buckets
-//! (issue #32). Pure: every instant is an argument.
+//! Per-backend rate limits: requests per minute and tokens per minute, as token buckets.
+//! Pure: every instant is an argument.
 //!
 //! A [`RateLimiter`] holds two buckets, one for requests and one for tokens. Each bucket's
 //! capacity is its limit per minute and it refills continuously at that limit per minute

@@ -25,7 +25,7 @@ pub enum RefusalCause {
     /// The retry's delay would end past the useful start (`would_overshoot`).
     WouldOvershoot,
     /// The model server's circuit breaker is open and the job's budget does not outlast
-    /// it: no call to a server known to be down (`upstream_unavailable`, issue #32).
+    /// it: no call to a server known to be down (`upstream_unavailable`).
     UpstreamUnavailable,
     /// A rate limit leaves no call in time (`rate_limited`): at `retry`, the server's
     /// `Retry-After` plus the learned call time does not fit the remaining budget (or is

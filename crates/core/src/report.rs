@@ -9,7 +9,7 @@
 //! other than `unknown`. It is counted under its real state like any job, and again in
 //! [`Report::late_outcomes`].
 //!
-//! Per tenant (issue #33), [`tenant_accounts`] folds outcome groups into one
+//! Per tenant, [`tenant_accounts`] folds outcome groups into one
 //! [`TenantAccount`] each: on time, refused and every other outcome by reason, model time
 //! (and the share of it wasted on calls that did not complete), tokens. The same fold
 //! serves `lastcall report` (one group per job), the dashboard and `/metrics` (one group

@@ -29,7 +29,7 @@
 //!   tenant whose jobs are refused at their deadline is never served, so it stays in the
 //!   current round and the round never ends. A light tenant served once waited behind
 //!   hundreds of such tenants for the next round: 1,000 Zipf tenants got Jain's index 0.82
-//!   (BENCHMARKS.md §9). With decayed accounts, who was served *lately* decides: 0.96.
+//!   in the simulator. With decayed accounts, who was served *lately* decides: 0.96.
 //!
 //! Nothing here decides *whether* a job may start: the admission rule
 //! ([`crate::WorkerPolicy`]) still refuses any job that cannot finish in time, so a fair

@@ -56,7 +56,7 @@
 //! - **Bounded memory**: keys come from producers, so their number is bounded by
 //!   `max_keys`; a new key beyond it evicts the key observed least recently. Each key
 //!   holds at most `window` samples.
-//! - **It cannot lock itself out** (issue #32). A call cut at the deadline is a censored
+//! - **It cannot lock itself out.** A call cut at the deadline is a censored
 //!   observation ([`ServiceTimes::observe_cut`]): counted at its duration, the lower
 //!   bound. After a hang those cut calls lift the p99 above every budget, and then nothing
 //!   runs, so nothing new is learned. So a job that the cut calls alone refuse (the
@@ -122,7 +122,7 @@ pub struct ServiceTimeConfig {
     pub max_probes: u32,
     /// Keep each call's request size and estimate per request ([`ServiceTimes::estimate_for`],
     /// the default); `false`: ignore sizes, one estimate per key whatever the request (the
-    /// estimator before issue #31, kept as the benchmark's reference).
+    /// estimator without the request's size, kept as the benchmark's reference).
     pub request_aware: bool,
 }
 
@@ -725,7 +725,7 @@ impl ServiceTimes {
         }
     }
 
-    /// The estimate for a request of `size` of `key` at `now_ms` (issue #31): when the
+    /// The estimate for a request of `size` of `key` at `now_ms`: when the
     /// key's own window holds at least [`MIN_SIZED`] fresh completed calls of known size,
     /// the call time is fitted as `a + b·prompt_tokens + c·max_tokens` (weighted least
     /// squares over the completed calls; `b, c ≥ 0`, so the estimate never falls as the
@@ -1002,7 +1002,7 @@ impl ServiceTimes {
     /// free slot at receipt keeps such a job waiting, judged without the estimate, and
     /// tries the probe when it gets a slot: under a sustained flood no slot is ever free
     /// at receipt, and a request larger than every completed one (refused on the
-    /// through-origin extrapolation) was otherwise refused for good, never learned.
+    /// through-origin extrapolation) would otherwise be refused for good, never learned.
     pub fn may_probe(
         &self,
         key: &str,
@@ -2062,7 +2062,7 @@ mod tests {
             }
         }
 
-        /// The request-aware estimate (issue #31) never falls as the prompt grows.
+        /// The request-aware estimate never falls as the prompt grows.
         #[test]
         fn the_request_aware_estimate_is_monotone_in_prompt_tokens(
             calls in proptest::collection::vec((1u64..2_000, 1u64..5_000, proptest::option::of(1u64..512), any::<bool>()), 8..150),
@@ -2129,7 +2129,7 @@ mod tests {
             }
         }
 
-        /// A hang, then recovery (issue #32), on a manual clock: healthy calls, then calls
+        /// A hang, then recovery, on a manual clock: healthy calls, then calls
         /// cut at the deadline that lift the estimate above every budget, then a healthy
         /// server again. Jobs refused by the estimate alone run as probes; within 20
         /// healthy calls the estimate is back within 20% of what the healthy calls alone
@@ -2219,7 +2219,7 @@ mod tests {
             prop_assert!(wasted as f64 <= allowed, "wasted {} ms of {} ms", wasted, now);
         }
 
-        /// Cold start (issue #32): no history, a fixed call time `t`, `slots` slots, jobs
+        /// Cold start: no history, a fixed call time `t`, `slots` slots, jobs
         /// that arrive with enough budget for a call but may wait for a slot. The elapsed
         /// time of a running call and the longest ended call count as a lower bound, so no
         /// call is cut at the deadline (at most one per slot is allowed).
@@ -2349,7 +2349,7 @@ mod tests {
 
     #[test]
     fn without_request_awareness_every_request_gets_the_kinds_estimate() {
-        // The estimator before issue #31, the benchmark's reference: the same calls as
+        // The estimator without request sizes, the benchmark's reference: the same calls as
         // above, and a short prompt is held to a long one's time.
         let mut st = ServiceTimes::new(ServiceTimeConfig {
             request_aware: false,
@@ -2969,7 +2969,7 @@ mod tests {
     #[test]
     fn a_count_with_the_templates_tokens_is_calibrated_with_an_offset() {
         // llama-server's count of a SmolLM2 prompt includes its default system prompt:
-        // about 30 tokens + 0.85 × the measure (BENCHMARKS.md §13). Through the origin,
+        // about 30 tokens + 0.85 × the measure, as measured. Through the origin,
         // a short prompt's count would be put at a third of its real 60, its calls would
         // look 2–3× slower than predicted, and that ratio would inflate every estimate.
         let mut u = uniform(5);
@@ -3029,7 +3029,7 @@ mod tests {
 
     #[test]
     fn at_a_cold_start_a_longer_prompt_with_fewer_output_tokens_is_not_probed_on_the_smaller_one() {
-        // The real llama-server (BENCHMARKS.md §13): after one call of 918 prompt tokens
+        // Seen on the real llama-server: after one call of 918 prompt tokens
         // and 42 `max_tokens` that took 5,526 ms, a request of 1,039 and 9 with 5,322 ms
         // left was probed (the bound on its smaller feature: 9/42 of the call, 1.2 s) and
         // ran past its deadline.

@@ -1,5 +1,5 @@
 //! Who a job belongs to and how much it matters: the envelope's optional `tenant` and
-//! `priority` (issue #33). Both are signed with the rest of the body; an envelope without
+//! `priority`. Both are signed with the rest of the body; an envelope without
 //! them belongs to [`Tenant::DEFAULT`] at [`Priority::Standard`], so an old producer keeps
 //! working unchanged.
 

@@ -13,7 +13,7 @@
 //! `Host`, or `Sec-Fetch-Site: cross-site`/`same-site`) is refused with `403` before its
 //! credentials are looked at.
 //!
-//! Two kinds of token (issue #33): the operator's one token (`--token-file` /
+//! Two kinds of token: the operator's one token (`--token-file` /
 //! `LASTCALL_HTTP_TOKEN`), which may do everything and submit for any tenant, and the
 //! tokens of the tokens file (`serve --tokens-file`, [`crate::tokens`]), each acting for one
 //! tenant: its jobs are stamped with that tenant, it lists and reads only that tenant's

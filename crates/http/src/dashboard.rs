@@ -366,7 +366,7 @@ pub fn summarize_counts(c: &DashboardCounts, since_ms: i64, now_ms: i64) -> Map<
 /// Outcomes in the window (totals and per minute, by state), dwell histograms from the
 /// ledger's timestamps, and dead letters by reason (outcomes the dead-letter processor
 /// recorded). Pure: the records and the window are arguments. The reference computation
-/// over whole records (it was the dashboard's until #34); `GET /v1/dashboard` serves
+/// over whole records; `GET /v1/dashboard` serves
 /// [`summarize_counts`], which the tests hold equal to it.
 pub fn summarize(records: &[JobRecord], since_ms: i64, now_ms: i64) -> Map<String, Value> {
     let terminal: Vec<&'static str> = JobState::ALL

@@ -24,7 +24,7 @@
 //!   `lastcall_producer::cancel`.
 //!
 //! - `"stream": true` answers with server-sent events (`front_door_stream.rs`).
-//! - the tenant (issue #33): a token of the tokens file stamps its own tenant, and may
+//! - the tenant: a token of the tokens file stamps its own tenant, and may
 //!   submit only the kinds its entry allows; the operator's token may name one in
 //!   `X-Lastcall-Tenant` (else `default`). `X-Lastcall-Priority` sets the tier. The OpenAI
 //!   `user` field stays in the payload for the model, and is never taken as a tenant. The

@@ -3,7 +3,7 @@
 //! (`lastcall_worker::stats`), this crate registers the HTTP counters; the broker queue
 //! depths and the ledger's counts are read at each scrape. `/readyz` asks the readiness
 //! checks registered beside them. **Invariant:** every label value comes from a fixed,
-//! bounded vocabulary; no job id is ever a label. Tenants (issue #33) are producers' names:
+//! bounded vocabulary; no job id is ever a label. Tenants are producers' names:
 //! the door's counters label the first [`MAX_TENANT_LABELS`] tenants they see and count the
 //! rest as `other`; the ledger's per-tenant gauges name the [`METRICS_TENANTS`] busiest of
 //! the last hour and sum the rest as `other`.

@@ -1,4 +1,4 @@
-//! Tenants at the door (issue #33): the tokens file that maps each API token to the tenant
+//! Tenants at the door: the tokens file that maps each API token to the tenant
 //! it acts for, and the per-tenant quotas checked before anything is published.
 //!
 //! The file (`serve --tokens-file FILE`, TOML) holds one `[[token]]` table per token:

@@ -45,7 +45,7 @@
 //! The management API's numbers are sampled every `collect_statistics_interval` (5 s by
 //! default): longer than a typical budget. Measured under overload, a door that read only
 //! them swung between shedding everything (an old, deep count) and admitting everything
-//! (an old, shallow one), and the workers idled behind it (BENCHMARKS.md §1). So with a
+//! (an old, shallow one), and the workers idled behind it. So with a
 //! live source ([`Shedder::with_live_depth`]) the door:
 //! - counts the ready messages live, with a passive `queue.declare` on its publisher's
 //!   connection, at most every [`Shedder::LIVE_FRESH_FOR`], adding the jobs it admitted
@@ -1002,7 +1002,7 @@ mod tests {
         })
     }
 
-    /// Issue #31's server behind the door: 70% short prompts (~70 ms), 30% long (~1.25 s).
+    /// A length-dependent server behind the door: 70% short prompts (~70 ms), 30% long (~1.25 s).
     /// A short job is held to a short call's time, a long one to a long one's; an unsized
     /// one, or a kind whose fit does not hold, to the longest recent call.
     #[test]

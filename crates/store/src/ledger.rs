@@ -85,7 +85,7 @@ macro_rules! retried_calls_ms {
     };
 }
 
-/// A job's model time (issue #33): its recorded call's `latency_ms` plus its retried calls
+/// A job's model time: its recorded call's `latency_ms` plus its retried calls
 /// ([`retried_calls_ms!`]).
 macro_rules! model_ms {
     () => {

@@ -247,7 +247,7 @@ impl RecordedCall {
     ///   with the rest. Without any size, these calls (of a kind mixing short and long
     ///   prompts, mostly the long ones' times at its p99) would hold every request to the
     ///   kind's estimate, and a refusal they justify is never probed: the kind would be
-    ///   locked out until they leave the window (BENCHMARKS.md §12).
+    ///   locked out until they leave the window.
     pub fn replayed(&self, counted: bool) -> (Option<RequestSize>, Option<u64>) {
         let used = self.prompt_tokens.filter(|&t| t > 0);
         if counted {

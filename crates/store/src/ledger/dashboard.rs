@@ -1,10 +1,10 @@
-//! The dashboard's numbers, aggregated in SQL (issue #34): `GET /v1/dashboard` is polled
+//! The dashboard's numbers, aggregated in SQL: `GET /v1/dashboard` is polled
 //! every 5 s and used to read every job row of its window, result text included. Here it
 //! reads only counts: terminal outcomes per (state, minute), the two dwell histograms and
 //! the dead letters per reason, each a `GROUP BY` whose rows are bounded by a `LIMIT`
 //! (states × minutes, histogram buckets, reasons), never a job's row or its text.
 //!
-//! Per tenant (issue #33): [`Ledger::tenant_counts`] groups a window's outcomes by
+//! Per tenant: [`Ledger::tenant_counts`] groups a window's outcomes by
 //! (tenant, state, reason) with their model time and tokens; the dashboard, `serve`'s
 //! `/metrics` and their tests fold the groups with `lastcall_core::report::tenant_accounts`
 //! (the busiest tenants, the rest as `other`).

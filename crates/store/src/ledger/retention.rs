@@ -120,8 +120,8 @@ const SELECT_RANGE: &str = concat!(
      AND state NOT IN ('accepted', 'running') ORDER BY recorded_at_ms, job_id"
 );
 
-/// The share of the time a pruner may spend in its batches (issue #35: pruning must cost
-/// the writers at most 5% of their throughput, and a batch holds the write lock).
+/// The share of the time a pruner may spend in its batches: pruning may cost the writers
+/// at most 5% of their throughput, and a batch holds the write lock.
 pub const PRUNE_DUTY: f64 = 0.05;
 
 /// The pause after a prune batch that took `batch`: at least `min` (`batch_pause_ms`), and
