@@ -122,12 +122,11 @@ pub struct SimArgs {
     /// peers at once; the worker, through their leases, every 2 s)
     #[arg(long)]
     pub no_pass_on: bool,
-    /// Run the same scenario with `--slots 1`, 2, … N and `--slots auto`, one row each (the
-    /// comparison of BENCHMARKS.md §10)
+    /// Run the same scenario with `--slots 1`, 2, … N and `--slots auto`, one row each
     #[arg(long, value_name = "N")]
     pub sweep: Option<usize>,
     /// How the workers learn call times: `request` (the worker's, per request size) or
-    /// `per-kind` (one estimate per kind, the estimator before issue #31; reference only)
+    /// `per-kind` (one estimate per kind, without the request's size; reference only)
     #[arg(long, value_enum, default_value = "request")]
     pub estimate: crate::EstimateArg,
     /// `length:`/`mixed:` services: how far the workers' measure of a prompt (4 characters
@@ -136,7 +135,7 @@ pub struct SimArgs {
     #[arg(long, default_value_t = 0.0, value_name = "X")]
     pub measure_error: f64,
     /// The server reports no prompt count (`usage`): the estimator learns on the workers'
-    /// measure alone, as before issue #31's refinement (reference only)
+    /// measure alone, never calibrated to the server's count (reference only)
     #[arg(long)]
     pub no_usage: bool,
     /// Print one JSON object instead of the table
@@ -420,17 +419,20 @@ impl Worker {
     /// As the worker does: may a job refused by the learned time with `room` ms run as a
     /// probe? Judged against the room ÷ the adaptive limit's predicted slowdown.
     fn try_probe(&mut self, key: &str, size: Option<RequestSize>, room: u64, now: i64) -> bool {
-        let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
-        self.est
-            .try_probe(key, size, (room as f64 / k.max(1.0)) as u64, now)
+        let room = self.probe_room(room);
+        self.est.try_probe(key, size, room, now)
     }
 
     /// As the worker does: may a refusal by the learned time with `room` ms be probed once
     /// the job has a slot ([`ServiceTimes::may_probe`], judged as [`Self::try_probe`])?
     fn may_probe(&self, key: &str, size: Option<RequestSize>, room: u64, now: i64) -> bool {
+        self.est.may_probe(key, size, self.probe_room(room), now)
+    }
+
+    /// The room ÷ the adaptive limit's predicted slowdown, as the worker judges a probe.
+    fn probe_room(&self, room: u64) -> u64 {
         let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
-        self.est
-            .may_probe(key, size, (room as f64 / k.max(1.0)) as u64, now)
+        (room as f64 / k.max(1.0)) as u64
     }
 
     /// A job was refused while a slot was free: as the worker does, tell the adaptive
@@ -1460,8 +1462,8 @@ mod tests {
         assert!(r.goodput > 0.95, "{r:?}");
     }
 
-    /// Issue #33's flood through the product's lanes and fair share: the light tenant's
-    /// jobs all finish; with one queue and EDF (before) most of them do not.
+    /// A flood beside a light tenant through the product's lanes and fair share: the light
+    /// tenant's jobs all finish; with one queue and plain EDF most of them do not.
     #[test]
     fn a_light_tenant_beside_a_flood_in_the_simulator() {
         let mut a = args("fixed:200", 10_000, 1);
@@ -1484,7 +1486,7 @@ mod tests {
     }
 
     /// A kind whose first completed calls were long prompts must not refuse its short
-    /// requests for good (found on 2026-12-05: 12 of 20,000 on time with these seeds).
+    /// requests for good (with these seeds a lock-out gives about 12 of 20,000 on time).
     #[test]
     fn long_first_calls_do_not_lock_short_requests_out() {
         for (seed, slots) in [(2, 1), (2, 2), (1, 2)] {
@@ -1502,8 +1504,8 @@ mod tests {
     /// prompt: its long prompts (600 tokens, a third of its jobs) are larger than any call
     /// the worker had completed when the flood began, and no slot is ever free at
     /// receipt. They wait judged without the extrapolated estimate and the first runs as a
-    /// probe at its slot: the light tenant ≥ 95% on time on every seed (before, 70.7% and
-    /// 73.1% on seeds 1 and 4: every long prompt refused, none ever run), with no wasted
+    /// probe at its slot: the light tenant ≥ 95% on time on every seed (refused at receipt
+    /// instead, every long prompt of seeds 1 and 4 is lost: about 70%), with no wasted
     /// call.
     #[test]
     fn longer_prompts_than_any_completed_are_learned_under_a_flood() {
@@ -1545,7 +1547,7 @@ mod tests {
         assert_eq!(kept.passed_on, 0);
     }
 
-    /// Issue #33's fairness target in the simulator: 1,000 Zipf tenants over 3 workers at
+    /// Fairness in the simulator: 1,000 Zipf tenants over 3 workers at
     /// 5×, Jain's index over on-time ÷ max-min fair share ≥ 0.9 (0.82 with start-time
     /// fair queueing, whose rounds never ended while dropped jobs kept tenants behind).
     #[test]
@@ -1572,7 +1574,7 @@ mod tests {
             .unwrap()
     }
 
-    /// Issue #31 item 3: against a batching server (throughput flat past 6 calls at the
+    /// Against a batching server (throughput flat past 6 calls at the
     /// server), `--slots auto` is within 10% of the best fixed slot count at 2× and 5×, with
     /// ≤ 5% wasted model time and no late start.
     #[test]

@@ -496,17 +496,10 @@ async fn a_job_cancelled_before_its_start_is_never_run() {
 /// A job waiting in the worker's buffer for a slot and a job whose call runs: both stop
 /// on `DELETE /v1/jobs/{id}` of the real `serve` binary — the waiting one with no model
 /// call, the running one aborted through the backend's cancellation (confirmed).
-/// A job cancelled before its start while it waits in a worker's buffer, with no
-/// broadcast (lost, or the follower not yet subscribed): the worker's sweep of the ledger
-/// finds the request within its period and the job leaves the buffer without a call,
-/// while the one slot stays busy. (The sweep used to read only the flags of unfinished
-/// rows, so such a job waited for its slot and was called there.)
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_waiting_job_cancelled_without_a_broadcast_leaves_the_buffer_uncalled() {
-    let env = Env::sqlite("cancel-sweep").await;
-    let w = env
-        .start_worker(env.worker_config(1, 4), sim(20), system_clock())
-        .await;
+/// With a worker of one slot: `running`'s 60 s call holds the slot, then `waiting` waits
+/// for it in the buffer (submitted one after the other: two jobs received together race
+/// for a free slot). Both have 120 s budgets.
+async fn one_running_one_waiting(env: &Env, w: &Running, running: &str, waiting: &str) {
     let sub = env.submitter(0, true).await;
     let long = |id: &str| {
         job_with(
@@ -516,17 +509,30 @@ async fn a_waiting_job_cancelled_without_a_broadcast_leaves_the_buffer_uncalled(
         )
     };
     let now = lastcall_worker::clock::now_ms();
-    sub.submit(&long("s-run"), now).await.unwrap();
+    sub.submit(&long(running), now).await.unwrap();
     let until = Instant::now() + Duration::from_secs(20);
-    while env.ledger.get("s-run").await.unwrap().unwrap().state != "running" {
-        assert!(Instant::now() < until, "s-run did not start");
+    while env.ledger.get(running).await.unwrap().unwrap().state != "running" {
+        assert!(Instant::now() < until, "{running} did not start");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
-    sub.submit(&long("s-waiting"), now).await.unwrap();
+    sub.submit(&long(waiting), now).await.unwrap();
     while w.stats.waiting.load(std::sync::atomic::Ordering::SeqCst) < 1 {
-        assert!(Instant::now() < until, "s-waiting did not wait");
+        assert!(Instant::now() < until, "{waiting} did not wait");
         tokio::time::sleep(Duration::from_millis(20)).await;
     }
+}
+
+/// A job cancelled before its start while it waits in a worker's buffer, with no
+/// broadcast (lost, or the follower not yet subscribed): the worker's sweep of the ledger
+/// finds the request within its period and the job leaves the buffer without a call,
+/// while the one slot stays busy (not at its slot, where it would be called).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_waiting_job_cancelled_without_a_broadcast_leaves_the_buffer_uncalled() {
+    let env = Env::sqlite("cancel-sweep").await;
+    let w = env
+        .start_worker(env.worker_config(1, 4), sim(20), system_clock())
+        .await;
+    one_running_one_waiting(&env, &w, "s-run", "s-waiting").await;
     // The ledger alone: no broadcast on the control exchange.
     env.ledger
         .cancel("s-waiting", lastcall_worker::clock::now_ms())
@@ -557,28 +563,7 @@ async fn cancelling_over_http_stops_a_waiting_and_a_running_job() {
     let w = env
         .start_worker(env.worker_config(1, 4), sim(20), system_clock())
         .await;
-    let sub = env.submitter(0, true).await;
-    let long = |id: &str| {
-        job_with(
-            id,
-            120_000,
-            serde_json::json!({"prompt": "x", "sim_latency_ms": 60_000}),
-        )
-    };
-    // c-run takes the one slot first (submitted alone: two jobs received together race
-    // for a free slot); then c-buffered waits for it in the worker's buffer.
-    let now = lastcall_worker::clock::now_ms();
-    sub.submit(&long("c-run"), now).await.unwrap();
-    let until = Instant::now() + Duration::from_secs(20);
-    while env.ledger.get("c-run").await.unwrap().unwrap().state != "running" {
-        assert!(Instant::now() < until, "c-run did not start");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
-    sub.submit(&long("c-buffered"), now).await.unwrap();
-    while w.stats.waiting.load(std::sync::atomic::Ordering::SeqCst) < 1 {
-        assert!(Instant::now() < until, "c-buffered did not wait");
-        tokio::time::sleep(Duration::from_millis(20)).await;
-    }
+    one_running_one_waiting(&env, &w, "c-run", "c-buffered").await;
     let delete = async |id: &str| {
         let r = http
             .delete(format!("{}/v1/jobs/{id}", serve.base))

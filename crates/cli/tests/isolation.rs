@@ -56,9 +56,9 @@ async fn a_light_tenant_finishes_on_time_when_every_job_is_published_by_kind() {
 /// Call times that grow with the prompt: the flood's prompts are short (100 ms calls), the
 /// light tenant's are 600 tokens (300 ms), larger than any call the worker completed
 /// before them. Their estimate is then the through-origin extrapolation from the short
-/// calls (seconds, past the budget); with no slot free at receipt under the flood, they
-/// were refused at receipt one after another, never run, never learned (0 of 11). They
-/// wait judged without the estimate and the first runs as a probe at its slot.
+/// calls (seconds, past the budget), and under the flood no slot is free at receipt.
+/// They wait judged without the estimate and the first runs as a probe at its slot
+/// (refused at receipt instead, none would ever run or be learned: 0 of 11).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_light_tenants_longer_prompts_in_the_floods_lane_are_learned_and_finish_on_time() {
     let prompt = "x".repeat(2_400);
@@ -187,28 +187,8 @@ async fn flood_and_light_with(
     // Every job ends: run by the worker, refused at receipt, or expired in the broker and
     // recorded by the dead-letter processor.
     let all: Vec<String> = light_ids.iter().chain(&flood_ids).cloned().collect();
-    let until = Instant::now() + Duration::from_secs(60);
-    loop {
-        env.drain_dead_letters(false).await;
-        let mut ended = 0;
-        for id in &all {
-            if let Some(r) = env.ledger.get(id).await.unwrap()
-                && r.state
-                    .parse::<lastcall_core::State>()
-                    .is_ok_and(|s| s.is_terminal())
-            {
-                ended += 1;
-            }
-        }
-        if ended == all.len() {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "{ended} of {} jobs have an outcome",
-            all.len()
-        );
-    }
+    env.wait_terminal_draining(&all, Duration::from_secs(60))
+        .await;
     let ledger = &env.ledger;
     let on_time = async |ids: &[String]| {
         let mut n = 0;
@@ -284,9 +264,9 @@ async fn flood_and_light_with(
 /// Workers of unequal speed on one queue: calls of 100 ms on one, 400 ms on the other, 2
 /// slots each, jobs at 0.8× their joint capacity (20 of 25 jobs/s) for 8 s, 2 s budgets,
 /// on one PostgreSQL ledger. The broker deals the deliveries round robin, and the slow
-/// worker's window holds more than it can start in time: it used to refuse those at
-/// receipt (the simulator: 74.7% on time) while the fast one idled. It hands them back,
-/// once, when the fast one's lease offers a shorter wait (the simulator: 97.2%).
+/// worker's window holds more than it can start in time. It hands those back, once,
+/// when the fast one's lease offers a shorter wait (the simulator: 97.2% on time;
+/// refusing them at receipt while the fast one idles: 74.7%).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_slow_worker_hands_back_what_a_faster_peer_can_start_in_time() {
     const BUDGET_MS: u64 = 2_000;
@@ -321,29 +301,10 @@ async fn a_slow_worker_hands_back_what_a_faster_peer_can_start_in_time() {
         s.submit(&job(&id, BUDGET_MS), now_ms()).await.unwrap();
         ids.push(id);
     }
-    let until = Instant::now() + Duration::from_secs(60);
-    loop {
-        env.drain_dead_letters(false).await;
-        let mut ended = 0;
-        for id in &ids {
-            if let Some(r) = env.ledger.get(id).await.unwrap()
-                && r.state
-                    .parse::<lastcall_core::State>()
-                    .is_ok_and(|s| s.is_terminal())
-            {
-                ended += 1;
-            }
-        }
-        if ended == ids.len() {
-            break;
-        }
-        assert!(
-            Instant::now() < until,
-            "{ended} of {JOBS} jobs have an outcome"
-        );
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
+    env.wait_terminal_draining(&ids, Duration::from_secs(60))
+        .await;
     let mut on_time = 0;
+    let mut by_fast = 0;
     let mut outcomes = std::collections::BTreeMap::new();
     for id in &ids {
         let r = env.ledger.get(id).await.unwrap().unwrap();
@@ -352,6 +313,7 @@ async fn a_slow_worker_hands_back_what_a_faster_peer_can_start_in_time() {
         }
         if r.state == "completed" && r.finished_at_ms.unwrap() <= r.expires_at_ms.unwrap() {
             on_time += 1;
+            by_fast += usize::from(r.worker.as_deref() == Some("unequal-0"));
         }
         *outcomes
             .entry(format!("{}/{}", r.state, r.reason.unwrap_or_default()))
@@ -361,10 +323,20 @@ async fn a_slow_worker_hands_back_what_a_faster_peer_can_start_in_time() {
         .iter()
         .map(|w| lastcall_worker::WorkerStats::get(&w.stats.passed_on))
         .sum();
-    eprintln!("unequal workers: {on_time}/{JOBS} on time, {passed_on} handed back; {outcomes:?}");
+    eprintln!(
+        "unequal workers: {on_time}/{JOBS} on time ({by_fast} by the fast one), {passed_on} handed back; {outcomes:?}"
+    );
     assert!(passed_on > 0, "nothing was handed back: {outcomes:?}");
+    // The broker deals each worker about half the deliveries: the fast one finishes more
+    // than its half only with what the slow one handed back.
     assert!(
-        on_time as f64 >= 0.9 * JOBS as f64,
+        by_fast > JOBS / 2 + JOBS / 16,
+        "the fast worker finished {by_fast} of {JOBS}: {outcomes:?}"
+    );
+    // How many make it is a speed (measured: 154 of 160, and 126 without the hand-back;
+    // BENCHMARKS.md); here only a floor against a stalled worker.
+    assert!(
+        on_time as f64 >= 0.75 * JOBS as f64,
         "{on_time} of {JOBS} on time: {outcomes:?}"
     );
     for w in ws {

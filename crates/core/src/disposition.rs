@@ -147,8 +147,8 @@ pub enum Disposition {
     RecordThenDeadLetter(Terminal),
     /// A redelivery of a job whose outcome is already recorded: ack without running it.
     AckDuplicate,
-    /// Hand it back unrecorded, for another worker: this worker's own backlog would keep
-    /// it past its deadline while a peer has room ([`ReceiptFacts::may_pass_on`]).
+    /// Hand it back unrecorded, for another worker: refused at receipt here, it would be
+    /// admitted with the best peer's wait and call time ([`ReceiptFacts::peer`]).
     PassOn,
     /// Publish a retry with confirm, record the attempt, then ack this delivery.
     Retry {
@@ -615,7 +615,7 @@ mod tests {
     }
 
     #[test]
-    fn a_job_refused_only_for_the_wait_here_is_passed_on_when_a_peer_has_room() {
+    fn a_job_refused_here_that_a_peer_would_admit_is_passed_on() {
         let p = policy();
         let ok = Ok(env(10_000));
         let facts = |ms, wait: Option<u64>| ReceiptFacts {

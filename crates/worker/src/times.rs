@@ -218,9 +218,15 @@ impl CallTimes {
         now_ms: i64,
     ) -> bool {
         let key = key_of(kind, backend);
-        let room_ms = (room_ms as f64 / self.slots.inflation().max(1.0)) as u64;
+        let room_ms = self.probe_room(room_ms);
         let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
         service.may_probe(&key, size, room_ms, now_ms)
+    }
+
+    /// A probe runs at the current concurrency: what the estimator's calls say is judged
+    /// against the room ÷ the adaptive limit's predicted slowdown.
+    fn probe_room(&self, room_ms: u64) -> u64 {
+        (room_ms as f64 / self.slots.inflation().max(1.0)) as u64
     }
 
     /// The learned estimate refuses a job of `kind` with `room_ms` for its call although a
@@ -235,9 +241,7 @@ impl CallTimes {
         now_ms: i64,
     ) -> Option<Probe> {
         let key = key_of(kind, backend);
-        // The probe runs at the current concurrency: what the estimator's calls say is
-        // judged against the room ÷ the adaptive limit's predicted slowdown.
-        let room_ms = (room_ms as f64 / self.slots.inflation().max(1.0)) as u64;
+        let room_ms = self.probe_room(room_ms);
         let granted = {
             let mut service = self.service.lock().unwrap_or_else(|e| e.into_inner());
             service.try_probe(&key, size, room_ms, now_ms)

@@ -222,8 +222,30 @@ impl Env {
 
     /// Wait until every id has a terminal outcome; panics with the states seen otherwise.
     pub async fn wait_terminal(&self, ids: &[String], timeout: Duration) -> Vec<JobRecord> {
+        self.wait_terminal_as(ids, timeout, false).await
+    }
+
+    /// [`Env::wait_terminal`], recording the dead letters before each look (jobs that
+    /// expired in the broker end through the dead-letter processor).
+    pub async fn wait_terminal_draining(
+        &self,
+        ids: &[String],
+        timeout: Duration,
+    ) -> Vec<JobRecord> {
+        self.wait_terminal_as(ids, timeout, true).await
+    }
+
+    async fn wait_terminal_as(
+        &self,
+        ids: &[String],
+        timeout: Duration,
+        drain: bool,
+    ) -> Vec<JobRecord> {
         let until = std::time::Instant::now() + timeout;
         loop {
+            if drain {
+                self.drain_dead_letters(false).await;
+            }
             let mut recs = Vec::new();
             for id in ids {
                 if let Some(r) = self.ledger.get(id).await.unwrap() {
