@@ -170,12 +170,12 @@ impl Drop for Sandbox {
             let _ = c.wait();
         }
         for u in &self.users {
-            let _ = Command::new("rabbitmqctl")
-                .args(["-q", "delete_user", u])
+            let _ = Command::new("timeout")
+                .args(["60", "rabbitmqctl", "-q", "delete_user", u])
                 .output();
         }
-        match Command::new("rabbitmqctl")
-            .args(["-q", "delete_vhost", &self.vhost])
+        match Command::new("timeout")
+            .args(["60", "rabbitmqctl", "-q", "delete_vhost", &self.vhost])
             .output()
         {
             Ok(o) if o.status.success() => {}
@@ -185,20 +185,35 @@ impl Drop for Sandbox {
     }
 }
 
-/// `rabbitmqctl -q ARGS`, which must succeed.
+/// `rabbitmqctl -q ARGS`, which must succeed. Each try is bounded (`timeout 60`): the CLI
+/// is an Erlang node of its own, which can stall while other nodes start and stop on the
+/// machine; a try that timed out is made again, and an "already exists" answer to a retry
+/// counts as done (the timed-out try got through).
 fn rabbitmqctl(args: &[&str]) {
-    let out = Command::new("rabbitmqctl")
-        .arg("-q")
-        .args(args)
-        .output()
-        .expect("this test creates its own vhost and users with `rabbitmqctl` (run it as root)");
-    assert!(
-        out.status.success(),
-        "rabbitmqctl {}: {}{}",
-        args.join(" "),
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
+    let mut last = String::new();
+    for attempt in 0..3 {
+        let out = Command::new("timeout")
+            .args(["60", "rabbitmqctl", "-q"])
+            .args(args)
+            .output()
+            .expect(
+                "this test creates its own vhost and users with `rabbitmqctl` (run it as root)",
+            );
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        if out.status.success() || (attempt > 0 && text.contains("already exists")) {
+            return;
+        }
+        // `timeout` exits 124 when it stopped the command; anything else is the answer.
+        if out.status.code() != Some(124) {
+            panic!("rabbitmqctl {}: {text}", args.join(" "));
+        }
+        last = text;
+    }
+    panic!("rabbitmqctl {} timed out 3 times: {last}", args.join(" "));
 }
 
 fn wait_exit(child: &mut Child, timeout: Duration, what: &str) -> std::process::ExitStatus {
@@ -360,10 +375,25 @@ fn touchable_names() -> Vec<String> {
 /// A copy of every job the exchange routes: the queue `queue` (declared exclusive unless
 /// it exists) bound to `exchange` with `key`, on a connection of its own.
 async fn spy(url: &str, queue: &str, exchange: &str, key: &str) -> Result<(), lapin::Error> {
+    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
+    let r = spy_on(&conn, queue, exchange, key).await;
+    let _ = conn.close(200, "done".into()).await;
+    r
+}
+
+/// [`spy`] on channels of an open connection: a refusal closes only its channel, so one
+/// connection per role serves the whole sweep (hundreds of connections each opened and
+/// closed made the sweep the slowest part of this test on a loaded machine). Each probe
+/// is bounded: a broker that does not answer fails the test naming the probe.
+async fn spy_on(
+    conn: &lapin::Connection,
+    queue: &str,
+    exchange: &str,
+    key: &str,
+) -> Result<(), lapin::Error> {
     use lapin::options::{QueueBindOptions, QueueDeclareOptions};
     use lapin::types::FieldTable;
-    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
-    let r = async {
+    let probe = async {
         let probe = conn.create_channel().await?;
         let passive = QueueDeclareOptions {
             passive: true,
@@ -391,18 +421,15 @@ async fn spy(url: &str, queue: &str, exchange: &str, key: &str) -> Result<(), la
             FieldTable::default(),
         )
         .await
-    }
-    .await;
-    let _ = conn.close(200, "done".into()).await;
-    r
+    };
+    bounded(&format!("bind {queue} to {exchange}"), probe).await
 }
 
-/// Start a consumer on `queue` as the user of `url` (and cancel it by closing).
-async fn consume_as(url: &str, queue: &str) -> Result<(), lapin::Error> {
+/// Start a consumer on `queue` on a channel of `conn` (cancelled when the channel closes).
+async fn consume_on(conn: &lapin::Connection, queue: &str) -> Result<(), lapin::Error> {
     use lapin::options::BasicConsumeOptions;
     use lapin::types::FieldTable;
-    let conn = lapin::Connection::connect(url, lapin::ConnectionProperties::default()).await?;
-    let r = async {
+    let probe = async {
         let ch = conn.create_channel().await?;
         ch.basic_consume(
             queue.into(),
@@ -410,12 +437,19 @@ async fn consume_as(url: &str, queue: &str) -> Result<(), lapin::Error> {
             BasicConsumeOptions::default(),
             FieldTable::default(),
         )
+        .await?;
+        let _ = ch.close(200, "done".into()).await;
+        Ok(())
+    };
+    bounded(&format!("consume {queue}"), probe).await
+}
+
+/// `fut`, which must finish within 30 s (a broker that answers nothing fails the test
+/// with the step's name rather than at the test runner's timeout).
+async fn bounded<T>(what: &str, fut: impl std::future::Future<Output = T>) -> T {
+    tokio::time::timeout(Duration::from_secs(30), fut)
         .await
-        .map(drop)
-    }
-    .await;
-    let _ = conn.close(200, "done".into()).await;
-    r
+        .unwrap_or_else(|_| panic!("the broker did not answer within 30 s: {what}"))
 }
 
 async fn depth(broker: &Broker, queue: &str) -> u32 {
@@ -809,18 +843,15 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
         ("dlq", &dlq),
         ("follower", &follower),
     ] {
-        for q in &names {
-            for (exchange, key) in [("lastcall.jobs", "#"), ("lastcall.lanes", "1")] {
-                match spy(url, q, exchange, key).await {
-                    Err(e) if chain(&e).contains("ACCESS_REFUSED") => {}
-                    other => {
-                        holes.push(format!("{role}: queue {q} bound to {exchange}: {other:?}"))
-                    }
-                }
-            }
-        }
-        // Nor can it read a queue that is not its own work (existing queues only: one it
+        let conn = bounded(
+            &format!("connect as the {role}"),
+            lapin::Connection::connect(url, lapin::ConnectionProperties::default()),
+        )
+        .await
+        .unwrap();
+        // It cannot read a queue that is not its own work (existing queues only: one it
         // cannot declare it cannot have bound either).
+        // Checked before the binding sweep, whose exclusive queues live until `conn` closes.
         let readable: &[&str] = match role {
             "worker" => &[
                 "lastcall.work",
@@ -840,11 +871,23 @@ async fn each_role_works_with_its_own_permissions_and_no_more() {
             if queue_depth(&inspect, q).await.unwrap().is_none() {
                 continue;
             }
-            match consume_as(url, q).await {
+            match consume_on(&conn, q).await {
                 Err(e) if chain(&e).contains("ACCESS_REFUSED") => {}
                 other => holes.push(format!("{role}: consumes {q}: {other:?}")),
             }
         }
+        // Nor bind a queue to the exchanges the work comes from.
+        for q in &names {
+            for (exchange, key) in [("lastcall.jobs", "#"), ("lastcall.lanes", "1")] {
+                match spy_on(&conn, q, exchange, key).await {
+                    Err(e) if chain(&e).contains("ACCESS_REFUSED") => {}
+                    other => {
+                        holes.push(format!("{role}: queue {q} bound to {exchange}: {other:?}"))
+                    }
+                }
+            }
+        }
+        let _ = bounded("close", conn.close(200, "done".into())).await;
     }
     assert!(
         holes.is_empty(),
