@@ -902,7 +902,8 @@ pub struct WorkerArgs {
     pub breaker_failures: u32,
     /// The first cool-down of an open circuit breaker (a server's longer Retry-After wins,
     /// up to --breaker-max-cool-down-ms); doubled after each failed trial up to
-    /// --breaker-max-cool-down-ms
+    /// --breaker-max-cool-down-ms; and the least time between two trials: a job that
+    /// cannot wait for a longer cool-down's end takes the trial once this has passed
     #[arg(
         long,
         env = "LASTCALL_BREAKER_COOL_DOWN_MS",

@@ -42,6 +42,10 @@ async fn send(
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn after_a_hang_and_errors_the_estimate_recovers_and_jobs_run_again() {
+    let _ = tracing_subscriber::fmt()
+        .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+        .with_test_writer()
+        .try_init(); // TEMP
     let up = Arc::new(Upstream::default());
     let (base, server) = up.start().await;
 
@@ -105,15 +109,28 @@ async fn after_a_hang_and_errors_the_estimate_recovers_and_jobs_run_again() {
         up.requests.load(Ordering::SeqCst),
         up.answered.load(Ordering::SeqCst),
     );
+    let mut missed = std::collections::BTreeMap::<String, usize>::new();
+    for r in recs.iter().filter(|r| after.contains(&r.job_id)) {
+        if r.state != "completed"
+            || r.finished_at_ms.unwrap_or(i64::MAX) > r.expires_at_ms.unwrap_or(0)
+        {
+            let why = format!("{} {}", r.state, r.reason.as_deref().unwrap_or("-"));
+            *missed.entry(why).or_default() += 1;
+        }
+    }
+    eprintln!("after recovery, not on time: {missed:?}");
     assert!(cut_during_hang > 0, "the hang cut calls at their deadline");
     // No lock-out: once the cut calls have been probed, no job is refused for the
     // learned time; every job of the last two seconds finishes in time. (Before: the
     // cut calls held the p99 above every budget for up to ten minutes.)
     assert_eq!(refused_learned(&late), 0, "{recs:#?}");
     assert_eq!(on_time(&late), late.len());
-    // And most jobs sent after the recovery finish, though the slots stayed stuck on the
-    // hung calls until their deadlines for the first second of it.
-    assert!(on_time(&after) * 2 >= after.len(), "{recs:#?}");
+    // And the jobs sent after the recovery finish, though the slots stayed stuck on the
+    // hung calls until their deadlines for the first second of it, and the breaker's
+    // backoff had grown: a job that cannot wait for it takes a demand trial, and a
+    // trial declared hung does not decide its successor's verdict. (Measured: 49–50 of
+    // 50 in 10 runs; 39–46 in some runs without the demand trial and the trial's name.)
+    assert!(on_time(&after) * 10 >= after.len() * 8, "{missed:?}");
     w.stop().await;
     server.abort();
     env.cleanup().await;

@@ -1009,6 +1009,16 @@ impl Delivery {
         Some(parsed.as_ref())
     }
 
+    /// Its latest useful start with the `learned` call time, when it waits for a start
+    /// and the policy watches that instant: what a gate (the breaker's demand trial) asks
+    /// before it decides.
+    pub fn latest_start_ms(&self, policy: &WorkerPolicy, learned: Option<Estimate>) -> Option<i64> {
+        match &self.phase {
+            Phase::Waiting(w) => w.latest_start_ms(policy, learned.map(|e| e.quantile_ms)),
+            _ => None,
+        }
+    }
+
     /// Its envelope, when it is valid (and the delivery not finished).
     pub fn env(&self) -> Option<&Envelope> {
         self.parsed()?.ok()

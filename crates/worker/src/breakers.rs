@@ -16,7 +16,8 @@ use tokio::sync::{Notify, mpsc};
 /// holds its jobs while the breaker is open.
 const MAX_KINDS: usize = 64;
 
-/// A breaker opened (`open_until_ms`: its next trial) or closed (`None`), for the ledger.
+/// A breaker opened (`open_until_ms`: its next trial, a demand trial's earliest instant)
+/// or closed (`None`), for the ledger.
 #[derive(Debug)]
 pub(crate) struct Change {
     backend: String,
@@ -67,16 +68,18 @@ impl Breakers {
             let _ = self.changes.send(Change {
                 backend: key.to_owned(),
                 kinds: vec![kind.to_owned()],
-                open_until_ms: Some(b.open_until_ms()),
+                open_until_ms: Some(b.trial_from_ms(&self.policy)),
                 at_ms: now_ms,
             });
         }
     }
 
     /// Hand an opening or a closing of `key` to the ledger writer.
-    fn announce(&self, key: &str, t: &Transition, now_ms: i64) {
+    fn announce(&self, key: &str, b: &Breaker, t: &Transition, now_ms: i64) {
+        // The door refuses the kinds until a job could get a call: a demand trial's
+        // earliest instant (a job that cannot wait for the whole cool-down takes it).
         let open_until_ms = match t.to {
-            BreakerState::Open => Some(t.open_until_ms.unwrap_or(now_ms)),
+            BreakerState::Open => Some(b.trial_from_ms(&self.policy)),
             BreakerState::Closed => None,
             // Its row's trial time has passed: the door counts it closed already.
             BreakerState::HalfOpen => return,
@@ -108,7 +111,8 @@ impl Breakers {
     }
 
     /// May a call to `key` start at `now_ms`? `trial_limit_ms`: how long a half-open trial
-    /// may run before it counts as hung (failed). `kind`: the job's kind, recorded for the
+    /// may run before it counts as hung (failed); `latest_start_ms`: the job's latest
+    /// useful start (for a demand trial). `kind`: the job's kind, recorded for the
     /// door with this breaker; `None` for a kind on a fallback route, which the door must
     /// not refuse while another backend of its route may take it.
     pub(crate) fn permit(
@@ -116,13 +120,14 @@ impl Breakers {
         key: &str,
         kind: Option<&str>,
         trial_limit_ms: u64,
+        latest_start_ms: Option<i64>,
         now_ms: i64,
     ) -> (Permit, Option<Trial>) {
         let mut map = self.map.lock().expect("breakers");
         let b = map
             .entry(key.to_owned())
             .or_insert_with(|| Breaker::new(&self.policy));
-        let (permit, t) = b.permit(&self.policy, trial_limit_ms, now_ms);
+        let (permit, t) = b.permit(&self.policy, trial_limit_ms, latest_start_ms, now_ms);
         self.transition(key, b, t, now_ms);
         if let Some(kind) = kind {
             self.saw(key, kind, b, now_ms);
@@ -130,6 +135,7 @@ impl Breakers {
         let trial = (permit == Permit::Trial).then(|| Trial {
             breakers: self.clone(),
             key: key.to_owned(),
+            started_ms: b.trial_started_ms().unwrap_or(now_ms),
             done: false,
         });
         (permit, trial)
@@ -140,20 +146,24 @@ impl Breakers {
     /// fallback route's backends ([`lastcall_core::fallback`]).
     pub(crate) fn next_call_at(&self, key: &str, trial_limit_ms: u64, now_ms: i64) -> i64 {
         let map = self.map.lock().expect("breakers");
-        map.get(key)
-            .map_or(now_ms, |b| b.next_call_at_ms(now_ms, trial_limit_ms))
+        map.get(key).map_or(now_ms, |b| {
+            b.next_call_at_ms(&self.policy, now_ms, trial_limit_ms, None)
+        })
     }
 
     /// A call to `key` that was not the trial ended with `verdict`.
     pub(crate) fn ended(&self, key: &str, verdict: Verdict, now_ms: i64) {
-        self.report(key, false, verdict, now_ms);
+        self.report(key, None, verdict, now_ms);
     }
 
-    fn report(&self, key: &str, trial: bool, verdict: Verdict, now_ms: i64) {
+    /// A call to `key` ended; `trial`: the start of the trial it was, if one (it counts as
+    /// the trial only while that trial is still the running one).
+    fn report(&self, key: &str, trial: Option<i64>, verdict: Verdict, now_ms: i64) {
         let mut map = self.map.lock().expect("breakers");
         let b = map
             .entry(key.to_owned())
             .or_insert_with(|| Breaker::new(&self.policy));
+        let trial = trial.is_some_and(|started| b.trial_is_current(started));
         let t = b.ended(&self.policy, trial, verdict, now_ms);
         self.transition(key, b, t, now_ms);
         if trial {
@@ -165,7 +175,7 @@ impl Breakers {
     fn transition(&self, key: &str, b: &Breaker, t: Option<Transition>, now_ms: i64) {
         self.mirror(key, b);
         let Some(t) = t else { return };
-        self.announce(key, &t, now_ms);
+        self.announce(key, b, &t, now_ms);
         match t.to {
             BreakerState::Open => tracing::warn!(
                 backend = key,
@@ -203,13 +213,16 @@ impl Breakers {
 pub(crate) struct Trial {
     breakers: Arc<Breakers>,
     key: String,
+    /// When it started: its name in the breaker, which may have declared it hung and
+    /// started another since.
+    started_ms: i64,
     done: bool,
 }
 
 impl Trial {
     pub(crate) fn ended(mut self, verdict: Verdict, now_ms: i64) {
         self.done = true;
-        self.breakers.report(&self.key, true, verdict, now_ms);
+        (self.breakers).report(&self.key, Some(self.started_ms), verdict, now_ms);
     }
 }
 
@@ -218,7 +231,7 @@ impl Drop for Trial {
         if !self.done {
             let mut map = self.breakers.map.lock().expect("breakers");
             if let Some(b) = map.get_mut(&self.key) {
-                b.trial_abandoned();
+                b.trial_abandoned(self.started_ms);
             }
             drop(map);
             self.breakers.changed.notify_waiters();
@@ -276,7 +289,10 @@ mod tests {
         let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
         let mut rx = b.pending.lock().unwrap().take().unwrap();
         for (kind, at) in [("chat", 0), ("summary", 10)] {
-            assert_eq!(b.permit("openai", Some(kind), 5_000, at).0, Permit::Call);
+            assert_eq!(
+                b.permit("openai", Some(kind), 5_000, None, at).0,
+                Permit::Call
+            );
             b.ended("openai", failure(), at);
         }
         let c = rx.try_recv().expect("the opening");
@@ -296,7 +312,7 @@ mod tests {
         );
         // A new kind asks while open: announced alone, with the same trial time.
         assert!(matches!(
-            b.permit("openai", Some("code"), 5_000, 20).0,
+            b.permit("openai", Some("code"), 5_000, None, 20).0,
             Permit::Wait { .. }
         ));
         let c = rx.try_recv().expect("the new kind");
@@ -305,7 +321,7 @@ mod tests {
             (vec!["code".into()], Some(1_010))
         );
         // The trial (half-open: nothing to say) succeeds: closed, the rows go.
-        let (permit, trial) = b.permit("openai", Some("chat"), 5_000, 1_100);
+        let (permit, trial) = b.permit("openai", Some("chat"), 5_000, None, 1_100);
         assert_eq!(permit, Permit::Trial);
         assert!(rx.try_recv().is_err(), "half-open is not announced");
         trial.unwrap().ended(Verdict::Success, 1_200);
@@ -324,12 +340,12 @@ mod tests {
         };
         let b = Arc::new(Breakers::new(policy, Arc::new(WorkerStats::default())));
         let mut rx = b.pending.lock().unwrap().take().unwrap();
-        assert_eq!(b.permit("vllm", None, 5_000, 0).0, Permit::Call);
+        assert_eq!(b.permit("vllm", None, 5_000, None, 0).0, Permit::Call);
         b.ended("vllm", failure(), 0);
         let c = rx.try_recv().expect("the opening");
         assert!(c.kinds.is_empty(), "{c:?}");
         assert!(matches!(
-            b.permit("vllm", None, 5_000, 10).0,
+            b.permit("vllm", None, 5_000, None, 10).0,
             Permit::Wait { .. }
         ));
         assert!(rx.try_recv().is_err(), "no kind to announce");

@@ -81,7 +81,8 @@ pub(crate) async fn for_slot(ctx: &Calls<'_>, job: &mut Job, d: &mut Delivery) {
 }
 
 /// Ask the job's model server's breaker whether its call may go out now. A half-open
-/// breaker's one trial goes to this job (`job.trial`); an open one keeps the job waiting,
+/// breaker's one trial goes to this job (`job.trial`), and so does an open one's demand
+/// trial when the job cannot wait for its cool-down's end; an open one keeps the job waiting,
 /// without its slot, while its budget still allows a call after the breaker's next
 /// trial, and ends it without a call (`admission:upstream_unavailable`) otherwise.
 /// `Some`: the call may go out, with the slot.
@@ -103,7 +104,11 @@ async fn breaker(
     // The door refuses a kind whose breakers are open on every live worker; a kind on a
     // fallback route is not recorded there (another backend of its route may take it).
     let for_door = (ctx.route(kind).len() == 1).then_some(kind);
-    let next_call_at_ms = match ctx.breakers.permit(key, for_door, trial_limit, now) {
+    let policy = &ctx.cfg.policy;
+    let learned = job.learned(ctx, kind, now);
+    // A job that cannot wait for the cool-down's end may take a demand trial.
+    let latest = d.latest_start_ms(policy, learned);
+    let next_call_at_ms = match ctx.breakers.permit(key, for_door, trial_limit, latest, now) {
         (Permit::Call, _) => return Some(permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
@@ -112,8 +117,6 @@ async fn breaker(
         (Permit::Wait { next_call_at_ms }, _) => next_call_at_ms,
     };
     drop(permit);
-    let policy = &ctx.cfg.policy;
-    let learned = job.learned(ctx, kind, now);
     d.handle(
         policy,
         Event::BreakerOpen {
