@@ -86,6 +86,9 @@ try:
             except openai.APIStatusError as e:
                 res[name] = e.status_code
         out(status=res, listed=[x.id for x in client.batches.list()])
+    elif case == "upload":
+        client.files.create(file=open(args[0], "rb"), purpose="batch")
+        out(unexpected="uploaded")
     elif case == "bad-window":
         f = client.files.create(file=open(args[0], "rb"), purpose="batch")
         client.batches.create(input_file_id=f.id, endpoint="/v1/chat/completions",

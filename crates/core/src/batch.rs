@@ -9,31 +9,55 @@
 /// stays an `i64` of milliseconds with room to spare.
 pub const MAX_WINDOW_MS: i64 = 365 * 24 * 3_600_000;
 
-/// Parse a completion window: a positive integer and a unit, `s`, `m`, `h` or `d`
-/// (`30m`, `2h`, `24h`, `7d`). The error says what was expected.
-pub fn parse_window(text: &str) -> Result<i64, String> {
+/// Why a completion window is refused.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum WindowError {
+    /// Not a window at all; the message says what was expected.
+    Malformed(String),
+    /// A well-formed window longer than [`MAX_WINDOW_MS`].
+    TooLong(String),
+}
+
+impl WindowError {
+    pub fn message(&self) -> &str {
+        match self {
+            WindowError::Malformed(m) | WindowError::TooLong(m) => m,
+        }
+    }
+}
+
+/// Parse a completion window: a positive integer without leading zeros and a unit, `s`,
+/// `m`, `h` or `d` (`30m`, `2h`, `24h`, `7d`), at most 365 days.
+pub fn parse_window(text: &str) -> Result<i64, WindowError> {
     let t = text.trim();
     let expected = "a positive whole number and a unit: s, m, h or d (`30m`, `2h`, `24h`, `7d`)";
+    let malformed =
+        || WindowError::Malformed(format!("`{t}` is not a completion window; give {expected}"));
     let Some(unit) = t.chars().last() else {
-        return Err(format!("the completion window is empty; give {expected}"));
+        return Err(WindowError::Malformed(format!(
+            "the completion window is empty; give {expected}"
+        )));
     };
     let per_unit: i64 = match unit {
         's' => 1_000,
         'm' => 60_000,
         'h' => 3_600_000,
         'd' => 86_400_000,
-        _ => return Err(format!("`{t}` is not a completion window; give {expected}")),
+        _ => return Err(malformed()),
     };
     let digits = &t[..t.len() - 1];
-    let n: i64 = match digits.parse() {
-        Ok(n) if n > 0 && digits.bytes().all(|b| b.is_ascii_digit()) => n,
-        _ => return Err(format!("`{t}` is not a completion window; give {expected}")),
+    if digits.is_empty() || digits.starts_with('0') || !digits.bytes().all(|b| b.is_ascii_digit()) {
+        return Err(malformed());
+    }
+    let too_long = || {
+        WindowError::TooLong(format!(
+            "the completion window `{t}` is longer than the longest, 365d"
+        ))
     };
+    let n: i64 = digits.parse().map_err(|_| too_long())?;
     match n.checked_mul(per_unit) {
         Some(ms) if ms <= MAX_WINDOW_MS => Ok(ms),
-        _ => Err(format!(
-            "the completion window `{t}` is longer than the longest, 365d"
-        )),
+        _ => Err(too_long()),
     }
 }
 

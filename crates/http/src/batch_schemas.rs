@@ -9,6 +9,7 @@ use utoipa::ToSchema;
 #[derive(ToSchema)]
 pub(crate) struct FileUpload {
     /// `batch`.
+    #[schema(pattern = "^batch$")]
     purpose: String,
     /// JSON lines: `{custom_id, method: POST, url: /v1/chat/completions, body}` each.
     #[schema(value_type = String, format = Binary)]
@@ -44,13 +45,14 @@ pub(crate) struct FileDeleted {
 pub(crate) struct BatchCreate {
     input_file_id: String,
     /// `/v1/chat/completions`.
+    #[schema(pattern = "^/v1/chat/completions$")]
     endpoint: String,
-    /// A positive whole number and `s`, `m`, `h` or `d`: `30m`, `2h`, `24h`, `7d`.
-    #[schema(pattern = "^[0-9]+[smhd]$")]
+    /// A positive whole number and `s`, `m`, `h` or `d`: `30m`, `2h`, `24h`, `7d`; at most
+    /// 365 days (longer: `422 window_too_long`).
+    #[schema(pattern = "^[1-9][0-9]*[smhd]$")]
     completion_window: String,
-    /// At most 16 string values.
-    #[schema(value_type = Option<Object>)]
-    metadata: Option<()>,
+    /// String values (the whole body within `serve --max-body-bytes`).
+    metadata: Option<std::collections::BTreeMap<String, String>>,
 }
 
 /// `request_counts` of a batch.

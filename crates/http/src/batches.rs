@@ -32,7 +32,7 @@ use axum::extract::State;
 use axum::http::HeaderMap;
 use axum::response::{IntoResponse, Response};
 use axum::{Extension, Json};
-use lastcall_core::batch::{BatchFacts, BatchStatus, BatchView, parse_window, view};
+use lastcall_core::batch::{BatchFacts, BatchStatus, BatchView, WindowError, parse_window, view};
 use lastcall_core::{Priority, State as JobState};
 use lastcall_producer::{DeadlineSpec, NewJob, Submission, SubmitError};
 use lastcall_store::{BatchRow, FileRow, JobRecord, LineError};
@@ -440,16 +440,20 @@ async fn object_of(state: &AppState, b: &BatchRow) -> Result<Value, ApiError> {
     path = "/v1/batches",
     operation_id = "createBatch",
     summary = "Create a batch from an uploaded file (OpenAI-compatible)",
-    description = "`input_file_id` (a file of purpose `batch`), `endpoint` (`/v1/chat/completions`), `completion_window` (any: `30m`, `2h`, `24h`, `7d`: a positive whole number and `s`, `m`, `h` or `d`), `metadata` (optional). Every line becomes a job, tier `batch`, with the deadline `created_at + completion_window`; lines are published a page at a time (restart-safe) once that deadline lies within the horizon.",
+    description = "`input_file_id` (a file of purpose `batch`), `endpoint` (`/v1/chat/completions`), `completion_window` (any: `30m`, `2h`, `24h`, `7d`: a positive whole number and `s`, `m`, `h` or `d`), `metadata` (optional, string values). Every line becomes a job, tier `batch`, with the deadline `created_at + completion_window`; lines are published a page at a time (restart-safe) once that deadline lies within the horizon.",
     request_body(content = inline(crate::batch_schemas::BatchCreate), content_type = "application/json"),
     responses(
         (status = 200, description = "The batch object", body = inline(crate::batch_schemas::BatchObject)),
-        (status = 400, description = "A field missing or wrong: `param` names it (`completion_window` not a window, `endpoint` not `/v1/chat/completions`, `metadata` not an object of at most 16 strings)", body = crate::openapi::OpenAiError),
+        (status = 400, description = "A field missing or wrong: `param` names it (`completion_window` not a window, `endpoint` not `/v1/chat/completions`, `metadata` not an object of strings, the input file's purpose not `batch`)", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, response = crate::openapi::Forbidden),
         (status = 404, description = "No such input file, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 415, response = crate::openapi::NotJson),
-        (status = 500, response = crate::openapi::LedgerError),
+        (status = 422, description = "A `completion_window` longer than the longest, 365 days (`window_too_long`)", body = crate::openapi::OpenAiError),
+        (status = 408, description = "The body did not all arrive within `serve --body-read-timeout-ms` (`body_read_timeout`)", body = crate::openapi::OpenAiError),
+        (status = 413, description = "The body is larger than `serve --max-body-bytes` (`body_too_large`)", body = crate::openapi::OpenAiError),
+        (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`)", body = crate::openapi::OpenAiError),
+        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
+        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn create(
@@ -504,18 +508,24 @@ async fn create_batch(
         ));
     }
     let window = text("completion_window")?;
-    let window_ms = parse_window(&window)
-        .map_err(|m| ApiError::bad("completion_window", "invalid_field", m))?;
+    let window_ms = parse_window(&window).map_err(|e| match e {
+        WindowError::Malformed(m) => ApiError::bad("completion_window", "invalid_field", m),
+        WindowError::TooLong(message) => ApiError::Expired {
+            field: "completion_window".into(),
+            code: "window_too_long",
+            message,
+        },
+    })?;
     let metadata = match o.get("metadata") {
         None | Some(Value::Null) => None,
-        Some(Value::Object(m)) if m.len() <= 16 && m.values().all(Value::is_string) => {
+        Some(Value::Object(m)) if m.values().all(Value::is_string) => {
             Some(Value::Object(m.clone()).to_string())
         }
         Some(_) => {
             return Err(ApiError::bad(
                 "metadata",
                 "invalid_field",
-                "`metadata` must be an object of at most 16 string values",
+                "`metadata` must be an object of string values",
             ));
         }
     };
@@ -570,7 +580,8 @@ async fn create_batch(
         (status = 200, description = "The batch object", body = inline(crate::batch_schemas::BatchObject)),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "No such batch, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, response = crate::openapi::LedgerError),
+        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
+        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn show(
@@ -604,7 +615,8 @@ pub async fn show(
         (status = 400, description = "`limit` not an integer from 1 to 100, or a parameter given twice", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "`after` names no batch the token may see", body = crate::openapi::OpenAiError),
-        (status = 500, response = crate::openapi::LedgerError),
+        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
+        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn list(
@@ -656,7 +668,8 @@ pub async fn list(
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, response = crate::openapi::Forbidden),
         (status = 404, description = "No such batch, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, response = crate::openapi::LedgerError),
+        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
+        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn cancel(

@@ -2827,8 +2827,14 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
     };
     src.ledger.create_file(&file).await.unwrap();
     let lines = ["{\"a\": \"ü\"}".to_owned(), "{}".into(), "x".into()];
-    src.ledger.append_file_lines("file-1", 1, &lines[..2]).await.unwrap();
-    src.ledger.append_file_lines("file-1", 3, &lines[2..]).await.unwrap();
+    src.ledger
+        .append_file_lines("file-1", 1, &lines[..2])
+        .await
+        .unwrap();
+    src.ledger
+        .append_file_lines("file-1", 3, &lines[2..])
+        .await
+        .unwrap();
     src.ledger.finish_file("file-1", 20, 3).await.unwrap();
     let got = src.ledger.file_lines("file-1", 2, 10).await.unwrap();
     assert_eq!(got, vec![(2, "{}".to_owned()), (3, "x".to_owned())]);
@@ -2849,16 +2855,32 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
         cancel_cursor: 0,
     };
     src.ledger.create_batch(&batch).await.unwrap();
-    assert!(src.ledger.advance_batch_cursor("batch_1", 0, 3).await.unwrap());
-    assert!(!src.ledger.advance_batch_cursor("batch_1", 0, 2).await.unwrap());
+    assert!(
+        src.ledger
+            .advance_batch_cursor("batch_1", 0, 3)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !src.ledger
+            .advance_batch_cursor("batch_1", 0, 2)
+            .await
+            .unwrap()
+    );
     let error = lastcall_store::LineError {
         line_no: 3,
         custom_id: None,
         code: "invalid_json_line".into(),
         message: "line 3: not JSON".into(),
     };
-    src.ledger.record_line_error("batch_1", &error).await.unwrap();
-    assert_eq!(src.ledger.line_errors("batch_1", 1, 3).await.unwrap(), vec![error]);
+    src.ledger
+        .record_line_error("batch_1", &error)
+        .await
+        .unwrap();
+    assert_eq!(
+        src.ledger.line_errors("batch_1", 1, 3).await.unwrap(),
+        vec![error]
+    );
     let mut last_progress = 0;
     for table in lastcall_store::COPY_TABLES {
         let mut progress = |n: u64| last_progress = n;
