@@ -2,7 +2,8 @@
 //! `GET /v1/files/{id}`, `GET /v1/files/{id}/content`, `DELETE /v1/files/{id}`.
 //!
 //! An upload is read as it arrives and written to the ledger a page of lines at a time
-//! (`file_lines`), so at most one page and one line are held: never the whole file. The
+//! (`file_lines`; 500 lines or 4 MiB), so at most one page and one line are held: never the
+//! whole file. Content is read back a page of 500 lines at a time. The
 //! limits are OpenAI's for a batch input: [`MAX_FILE_BYTES`] and [`MAX_FILE_LINES`]; a line
 //! longer than this server's body limit (`serve --max-body-bytes`: the most a job may
 //! carry) is refused too, each with a `400` that names the limit. Content is streamed back
@@ -31,8 +32,11 @@ use std::sync::Arc;
 pub const MAX_FILE_BYTES: u64 = 200 * 1024 * 1024;
 /// The most lines in an input file (OpenAI's limit: requests per batch).
 pub const MAX_FILE_LINES: i64 = 50_000;
-/// Lines written to the ledger per transaction while an upload arrives.
+/// Lines written to the ledger per transaction while an upload arrives, and the bytes
+/// after which a page is written sooner: an upload holds at most about this much (and one
+/// line) in memory.
 const PAGE_LINES: usize = 500;
+const PAGE_BYTES: usize = 4 * 1024 * 1024;
 /// Lines read from the ledger per page while content is sent.
 pub(crate) const READ_PAGE: i64 = 500;
 
@@ -284,7 +288,9 @@ async fn upload(
                     let mut next_line = 1;
                     while let Some(chunk) = field.chunk().await.map_err(multipart_error)? {
                         split.feed(&chunk, &mut page).map_err(refused)?;
-                        if page.len() >= PAGE_LINES {
+                        if page.len() >= PAGE_LINES
+                            || page.iter().map(String::len).sum::<usize>() >= PAGE_BYTES
+                        {
                             write_page(state, &f.file_id, &mut next_line, &mut page).await?;
                         }
                     }
