@@ -414,3 +414,42 @@ async fn a_restarted_serve_goes_on_publishing_from_the_batch_cursor() {
     drop(stack);
     env.cleanup().await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn lines_not_done_by_the_window_end_are_in_the_error_file_as_expired() {
+    let env = Env::sqlite("batches-expired").await;
+    let stack = Stack::start(&env, "");
+    // A 5 s window; each call would take 20 s, and the worker runs two at a time.
+    let lines: Vec<String> = (0..4)
+        .map(|i| line(&format!("late-{i}"), json!({"sim_latency_ms": 20_000})))
+        .collect();
+    let input = stack.input("late.jsonl", &lines);
+    let created = stack
+        .sdk(TEAM_A, "create", &[input.to_str().unwrap(), "5s"])
+        .await;
+    let batch_id = created["batch"]["id"].as_str().unwrap().to_owned();
+    let done = stack.sdk(TEAM_A, "finish", &[&batch_id]).await;
+    let b = &done["batch"];
+    assert_eq!(b["status"], "expired", "{done}");
+    assert_eq!(b["expired_at"], b["expires_at"], "{done}");
+    assert_eq!(b["request_counts"]["completed"], 0, "{done}");
+    assert_eq!(b["request_counts"]["failed"], 4, "{done}");
+    assert_eq!(jsonl(&done["output"]).len(), 0, "{done}");
+    let errors = jsonl(&done["errors"]);
+    assert_eq!(errors.len(), 4, "{done}");
+    assert!(
+        errors.iter().all(|l| l["error"]["code"] == "batch_expired"),
+        "{done}"
+    );
+    // No call started after the window's end: each job ended by its deadline.
+    let row = env.ledger.get_batch(&batch_id).await.unwrap().unwrap();
+    let ids: Vec<String> = (1..=4).map(|n| row.job_id(n)).collect();
+    for rec in env.ledger.jobs_many(&ids).await.unwrap() {
+        assert!(
+            rec.started_at_ms.is_none_or(|s| s < row.expires_at_ms),
+            "{rec:?}"
+        );
+    }
+    drop(stack);
+    env.cleanup().await;
+}
