@@ -424,6 +424,18 @@ async fn lines_not_done_by_the_window_end_are_in_the_error_file_as_expired() {
         .map(|i| line(&format!("late-{i}"), json!({"sim_latency_ms": 20_000})))
         .collect();
     let input = stack.input("late.jsonl", &lines);
+    // A 7-day batch first: its deadline lies beyond the 24 h horizon, so no line of it is
+    // published yet (the publisher takes batches in creation order, so by the time the
+    // 5 s batch has ended it has passed this one many times).
+    let week = stack
+        .sdk(TEAM_A, "create", &[input.to_str().unwrap(), "7d"])
+        .await;
+    let week_id = week["batch"]["id"].as_str().unwrap().to_owned();
+    assert_eq!(
+        week["batch"]["expires_at"].as_i64().unwrap()
+            - week["batch"]["created_at"].as_i64().unwrap(),
+        7 * 86_400
+    );
     let created = stack
         .sdk(TEAM_A, "create", &[input.to_str().unwrap(), "5s"])
         .await;
@@ -450,6 +462,18 @@ async fn lines_not_done_by_the_window_end_are_in_the_error_file_as_expired() {
             "{rec:?}"
         );
     }
+    let week_row = env.ledger.get_batch(&week_id).await.unwrap().unwrap();
+    assert_eq!(
+        week_row.cursor, 0,
+        "a line beyond the horizon was published"
+    );
+    // Cancelled before any line was published: every line ends never run.
+    let cancelled = stack.sdk(TEAM_A, "cancel", &[&week_id]).await;
+    assert_eq!(cancelled["batch"]["status"], "cancelled", "{cancelled}");
+    assert_eq!(
+        cancelled["batch"]["request_counts"]["failed"], 4,
+        "{cancelled}"
+    );
     drop(stack);
     env.cleanup().await;
 }

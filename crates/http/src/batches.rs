@@ -282,6 +282,12 @@ async fn publish_line(state: &AppState, b: &BatchRow, line_no: i64, text: &str) 
         Err(SubmitError::Expired { .. }) => {
             return Published::Later("the window is over".into());
         }
+        // Just beyond the horizon still (the clock moved on little since the check): later.
+        Err(SubmitError::Invalid(r))
+            if r.reason == lastcall_core::RejectReason::DeadlineBeyondHorizon =>
+        {
+            return Published::Later(r.message);
+        }
         Err(e) => {
             return malformed(
                 line.custom_id,
