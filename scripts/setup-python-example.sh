@@ -4,8 +4,9 @@
 # once and reused:
 # - `pika` (PyPI), the AMQP client the example publishes with. Everything else the example
 #   uses (HMAC signing, the HTTP long-poll) is Python's standard library.
-# - `openai` (PyPI, the official SDK, pinned): crates/cli/tests/front_door.rs points it at
-#   `lastcall serve`'s OpenAI-compatible `POST /v1/chat/completions`.
+# - `openai` (PyPI, the official SDK, pinned): crates/cli/tests/events.rs points it at
+#   `lastcall serve`'s OpenAI-compatible `POST /v1/chat/completions`, and
+#   crates/cli/tests/batches.rs at its Files and Batch APIs.
 # crates/cli/tests/python_example.rs runs the example with this venv's python against a
 # real broker, worker and `lastcall serve`; scripts/test.sh runs this script before the
 # tests, so no test installs anything.

@@ -9,6 +9,7 @@ mod common;
 
 mod adaptive_slots;
 mod alarm;
+mod batches;
 mod bench;
 mod chaos;
 mod cli_commands;

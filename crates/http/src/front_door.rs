@@ -92,7 +92,7 @@ impl FrontDoor {
             .collect()
     }
 
-    fn kind_for(&self, model: &str) -> Option<String> {
+    pub(crate) fn kind_for(&self, model: &str) -> Option<String> {
         if self.models.is_empty() {
             return Some(Self::DEFAULT_KIND.to_owned());
         }
@@ -485,23 +485,27 @@ fn usage_of(prompt: Option<i64>, completion: Option<i64>) -> Value {
     json!({"prompt_tokens": p, "completion_tokens": c, "total_tokens": p.saturating_add(c)})
 }
 
+/// The `chat.completion` object of a completed record.
+pub(crate) fn completion(rec: &JobRecord, model: &str, now_ms: i64) -> Value {
+    json!({
+        "id": format!("chatcmpl-{}", rec.job_id),
+        "object": "chat.completion",
+        "created": now_ms / 1000,
+        "model": model,
+        "choices": [{
+            "index": 0,
+            "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
+            "finish_reason": "stop",
+        }],
+        "usage": usage(rec),
+    })
+}
+
 /// The response for a terminal record.
 pub(crate) fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
     let reason = rec.reason.as_deref().unwrap_or(&rec.state);
     let mut r = match rec.state.as_str() {
-        "completed" => Json(json!({
-            "id": format!("chatcmpl-{}", rec.job_id),
-            "object": "chat.completion",
-            "created": now_ms / 1000,
-            "model": model,
-            "choices": [{
-                "index": 0,
-                "message": {"role": "assistant", "content": rec.result.clone().unwrap_or_default()},
-                "finish_reason": "stop",
-            }],
-            "usage": usage(rec),
-        }))
-        .into_response(),
+        "completed" => Json(completion(rec, model, now_ms)).into_response(),
         "expired_not_started" | "expired_before_receive" | "deadline_exceeded" => {
             let kind = error_kind(&rec.state);
             let msg = format!(

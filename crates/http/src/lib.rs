@@ -18,15 +18,19 @@
 //!   broker and ledger (`/healthz` 200, `/readyz` and the rest 503).
 //! - [`depth`]: broker queue depths (management API, else a passive declare).
 //! - [`dashboard`]: the page and its JSON.
+//! - `files.rs`, [`batches`]: OpenAI's Files and Batch APIs (batch lines become jobs).
 //!
 //! **Boundary:** handlers only call `lastcall_producer::Submitter` (validate, stamp,
 //! publish with confirm, record `accepted`) and read the ledger; they make no decision of
 //! their own about deadlines.
 
 pub mod auth;
+mod batch_schemas;
+pub mod batches;
 pub mod dashboard;
 pub mod depth;
 mod error;
+mod files;
 pub mod front_door;
 mod front_door_stream;
 mod jobs;
@@ -129,6 +133,8 @@ pub struct AppState {
     /// workers that prune do), for the dashboard's `ledger_behind_retention` alert.
     /// `None`: retention off or not known, no alert.
     pub retention_ms: Option<i64>,
+    /// Wakes the publisher of batch lines ([`batches::spawn_pump`]).
+    pub batch_pump: Arc<batches::Pump>,
 }
 
 impl std::fmt::Debug for AppState {
@@ -180,6 +186,7 @@ impl AppState {
             tokens: None,
             quotas: Arc::new(tokens::Quotas::default()),
             retention_ms: None,
+            batch_pump: Arc::default(),
             http_client: reqwest::Client::builder()
                 .timeout(std::time::Duration::from_secs(2))
                 .build()
@@ -312,6 +319,12 @@ fn protected_routes() -> OpenApiRouter<Arc<AppState>> {
         .routes(routes!(jobs::show, jobs::cancel))
         .routes(routes!(front_door::chat_completions))
         .routes(routes!(front_door::models))
+        .routes(routes!(files::create))
+        .routes(routes!(files::show, files::delete))
+        .routes(routes!(files::content))
+        .routes(routes!(batches::list, batches::create))
+        .routes(routes!(batches::show))
+        .routes(routes!(batches::cancel))
         .routes(routes!(dashboard::data))
         .routes(routes!(metrics_handler))
         .routes(routes!(openapi_handler))

@@ -56,9 +56,12 @@ impl Dialect {
 /// The PostgreSQL type of a ledger column (see `migrations/postgres`).
 fn pg_type(column: &str) -> &'static str {
     match column {
-        "redelivered" | "model_called" | "cancel_requested" | "cancel_confirmed" => "boolean",
+        "redelivered" | "model_called" | "cancel_requested" | "cancel_confirmed" | "complete" => {
+            "boolean"
+        }
         "attempt" | "attempts" | "backend_calls" | "prompt_tokens" | "completion_tokens"
-        | "request_tokens" | "request_max_tokens" | "status" => "bigint",
+        | "request_tokens" | "request_max_tokens" | "status" | "bytes" | "line_count"
+        | "line_no" | "total" | "cursor" | "cancel_cursor" => "bigint",
         c if c.ends_with("_ms") => "bigint",
         _ => "text",
     }

@@ -1630,6 +1630,7 @@ impl Ledger {
 }
 
 // Defined here so that they see the macros and private items above.
+pub(crate) mod batches;
 pub(crate) mod copy;
 pub(crate) mod dashboard;
 pub(crate) mod retention;

@@ -39,6 +39,7 @@ mod error;
 mod ledger;
 mod migrate;
 
+pub use ledger::batches::{BatchRow, FileRow, LineError};
 pub use ledger::copy::{COPY_TABLES, CopyCounts, TableDigest, copy_columns};
 pub use ledger::dashboard::{
     DASHBOARD_MAX_ROWS, DASHBOARD_STATEMENTS, DASHBOARD_TENANTS, DWELL_BUCKET_SQL,

@@ -21,7 +21,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 13;
+const LATEST_VERSION: i64 = 14;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -2815,6 +2815,72 @@ async fn copy_from_sqlite_to_a_fresh_postgres_is_equal_and_a_second_copy_is_a_no
         })
         .await
         .unwrap();
+    // A file of three lines (a two-column key, paged through), a batch and a malformed line.
+    let file = lastcall_store::FileRow {
+        file_id: "file-1".into(),
+        tenant: "team-a".into(),
+        purpose: "batch".into(),
+        filename: "in.jsonl".into(),
+        bytes: 0,
+        line_count: 0,
+        created_at_ms: 1_000,
+    };
+    src.ledger.create_file(&file).await.unwrap();
+    let lines = ["{\"a\": \"ü\"}".to_owned(), "{}".into(), "x".into()];
+    src.ledger
+        .append_file_lines("file-1", 1, &lines[..2])
+        .await
+        .unwrap();
+    src.ledger
+        .append_file_lines("file-1", 3, &lines[2..])
+        .await
+        .unwrap();
+    src.ledger.finish_file("file-1", 20, 3).await.unwrap();
+    let got = src.ledger.file_lines("file-1", 2, 10).await.unwrap();
+    assert_eq!(got, vec![(2, "{}".to_owned()), (3, "x".to_owned())]);
+    let batch = lastcall_store::BatchRow {
+        batch_id: "batch_1".into(),
+        tenant: "team-a".into(),
+        input_file_id: "file-1".into(),
+        endpoint: "/v1/chat/completions".into(),
+        completion_window: "2h".into(),
+        metadata: Some("{\"k\":\"v\"}".into()),
+        allowed_kinds: None,
+        job_prefix: "team-a:batch_1-".into(),
+        created_at_ms: 1_000,
+        expires_at_ms: 7_201_000,
+        total: 3,
+        cursor: 0,
+        cancelled_at_ms: None,
+        cancel_cursor: 0,
+    };
+    src.ledger.create_batch(&batch).await.unwrap();
+    assert!(
+        src.ledger
+            .advance_batch_cursor("batch_1", 0, 3)
+            .await
+            .unwrap()
+    );
+    assert!(
+        !src.ledger
+            .advance_batch_cursor("batch_1", 0, 2)
+            .await
+            .unwrap()
+    );
+    let error = lastcall_store::LineError {
+        line_no: 3,
+        custom_id: None,
+        code: "invalid_json_line".into(),
+        message: "line 3: not JSON".into(),
+    };
+    src.ledger
+        .record_line_error("batch_1", &error)
+        .await
+        .unwrap();
+    assert_eq!(
+        src.ledger.line_errors("batch_1", 1, 3).await.unwrap(),
+        vec![error]
+    );
     let mut last_progress = 0;
     for table in lastcall_store::COPY_TABLES {
         let mut progress = |n: u64| last_progress = n;

@@ -109,7 +109,10 @@ pub async fn run(s: &Settings, a: ServeArgs, retention_ms: Option<i64>) -> Resul
     let running = match super::connect_waiting(s, &stop, max_wait, Some(&startup)).await {
         Ok(Some((broker, ledger))) => match build(s, &a, parts, broker, ledger, &stop).await {
             Ok((state, running)) => {
-                startup.ready(lastcall_http::app(Arc::new(state)));
+                let state = Arc::new(state);
+                // Batch lines become jobs a page at a time, from each batch's cursor.
+                lastcall_http::batches::spawn_pump(state.clone(), stop.clone());
+                startup.ready(lastcall_http::app(state));
                 tracing::info!("serve is ready");
                 Some(running)
             }

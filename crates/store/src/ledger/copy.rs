@@ -38,7 +38,7 @@ struct Table {
 
 use Ty::{Bool, Int, Text};
 
-const TABLES: [Table; 6] = [
+const TABLES: [Table; 10] = [
     Table {
         name: "jobs",
         key: 1,
@@ -138,16 +138,71 @@ const TABLES: [Table; 6] = [
             ("recorded_at_ms", Int),
         ],
     },
+    // Files and batches (migration 14).
+    Table {
+        name: "files",
+        key: 1,
+        columns: &[
+            ("file_id", Text),
+            ("tenant", Text),
+            ("purpose", Text),
+            ("filename", Text),
+            ("bytes", Int),
+            ("line_count", Int),
+            ("created_at_ms", Int),
+            ("complete", Bool),
+        ],
+    },
+    Table {
+        name: "file_lines",
+        key: 2,
+        columns: &[("file_id", Text), ("line_no", Int), ("content", Text)],
+    },
+    Table {
+        name: "batches",
+        key: 1,
+        columns: &[
+            ("batch_id", Text),
+            ("tenant", Text),
+            ("input_file_id", Text),
+            ("endpoint", Text),
+            ("completion_window", Text),
+            ("metadata", Text),
+            ("allowed_kinds", Text),
+            ("job_prefix", Text),
+            ("created_at_ms", Int),
+            ("expires_at_ms", Int),
+            ("total", Int),
+            ("cursor", Int),
+            ("cancelled_at_ms", Int),
+            ("cancel_cursor", Int),
+        ],
+    },
+    Table {
+        name: "batch_line_errors",
+        key: 2,
+        columns: &[
+            ("batch_id", Text),
+            ("line_no", Int),
+            ("custom_id", Text),
+            ("code", Text),
+            ("message", Text),
+        ],
+    },
 ];
 
 /// The tables [`Ledger::copy_table_to`] copies, in the order it copies them.
-pub const COPY_TABLES: [&str; 6] = [
+pub const COPY_TABLES: [&str; 10] = [
     TABLES[0].name,
     TABLES[1].name,
     TABLES[2].name,
     TABLES[3].name,
     TABLES[4].name,
     TABLES[5].name,
+    TABLES[6].name,
+    TABLES[7].name,
+    TABLES[8].name,
+    TABLES[9].name,
 ];
 
 /// The columns of a copied table (to compare with the schema in tests).
