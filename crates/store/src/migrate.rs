@@ -107,6 +107,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0013_worker_live.sql"),
         postgres: include_str!("../migrations/postgres/0013_worker_live.sql"),
     },
+    Migration {
+        version: 14,
+        name: "min_feasible_budget",
+        sqlite: include_str!("../migrations/sqlite/0014_min_feasible_budget.sql"),
+        postgres: include_str!("../migrations/postgres/0014_min_feasible_budget.sql"),
+    },
 ];
 
 /// An index that a migration adds, on PostgreSQL, to a table that already existed: built
