@@ -244,7 +244,10 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     let left = e.expires_at_ms.unwrap() - e.received_at_ms.unwrap();
     // The wait (two calls ahead at least) + a learned call + the margin: more than it had.
     assert!(min > left, "{min} ≤ the {left} ms it had left");
-    assert!(min >= 400 + margin as i64, "{min}: a learned call and the margin");
+    assert!(
+        min >= 400 + margin as i64,
+        "{min}: a learned call and the margin"
+    );
     // Completed jobs carry none.
     let b = env.ledger.get("b").await.unwrap().unwrap();
     assert_eq!(b.min_feasible_budget_ms, None);

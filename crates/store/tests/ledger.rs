@@ -2018,7 +2018,11 @@ async fn a_refusal_keeps_the_budget_that_would_have_been_admitted(db: &TestDb) {
     for id in ["mb-1", "mb-2"] {
         assert_eq!(must_get(l, id).await.min_feasible_budget_ms, Some(4_200));
     }
-    assert!(l.record_terminal(&completed("mb-3", "w1:mb-3:1", 5_000, "ok")).await.unwrap());
+    assert!(
+        l.record_terminal(&completed("mb-3", "w1:mb-3:1", 5_000, "ok"))
+            .await
+            .unwrap()
+    );
     assert_eq!(must_get(l, "mb-3").await.min_feasible_budget_ms, None);
 }
 
