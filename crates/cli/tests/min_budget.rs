@@ -202,7 +202,8 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
 /// One slot, 400 ms calls, FIFO: with B running and C, D waiting, E arrives with 1,400 ms
 /// of budget and is refused at receipt for its expected wait (as in `overload`). Its row
 /// keeps the budget that check would have admitted — more than E had left, the wait
-/// and a learned call included — and `GET /v1/jobs/e` shows it.
+/// and a learned call included — and `GET /v1/jobs/e` shows it. `lastcall submit` names
+/// the door's budget on a shed job.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     let env = Env::sqlite("min-budget-worker").await;
@@ -265,5 +266,40 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
         .await
         .unwrap();
     assert_eq!(rec["min_feasible_budget_ms"], min, "{rec}");
+
+    // `lastcall submit` with a budget below the learned call (~400 ms) is shed before it is
+    // published (exit 75) and names the budget that would be admitted; resent with it, the
+    // job is accepted.
+    let submit = |id: &str, budget: &str| {
+        env.cli(&[
+            "submit",
+            "--kind",
+            "incident.summary",
+            "--prompt",
+            "summarize",
+            "--deadline-ms",
+            budget,
+            "--job-id",
+            id,
+            "--retry-delays-ms",
+            "1000,5000",
+        ])
+    };
+    let out = submit("cli-short", "300");
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(75), "{stderr}");
+    let named = stderr
+        .split_once("refused: would_expire_in_queue — a budget of at least ")
+        .and_then(|(_, rest)| rest.split_once(" ms would be admitted now"))
+        .unwrap_or_else(|| panic!("no budget named: {stderr}"))
+        .0
+        .to_owned();
+    assert!(named.parse::<u64>().unwrap() > 300, "{stderr}");
+    let out = submit("cli-enough", &named);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
     env.cleanup().await;
 }
