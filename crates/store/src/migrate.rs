@@ -110,8 +110,8 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
     Migration {
         version: 14,
         name: "min_feasible_budget",
-        sqlite: include_str!("../migrations/sqlite/0014_min_feasible_budget.sql"),
-        postgres: include_str!("../migrations/postgres/0014_min_feasible_budget.sql"),
+        sqlite: include_str!("../migrations/sqlite/0015_min_feasible_budget.sql"),
+        postgres: include_str!("../migrations/postgres/0015_min_feasible_budget.sql"),
     },
 ];
 

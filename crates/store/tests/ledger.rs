@@ -21,7 +21,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 14;
+const LATEST_VERSION: i64 = 15;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -2000,7 +2000,7 @@ async fn the_outcome_names_its_backend_model_and_min_runtime(db: &TestDb) {
 }
 
 /// A worker's refusal for lack of time keeps the budget its check would have admitted
-/// (version 14), through a single write and a group commit; other outcomes have none.
+/// (version 15), through a single write and a group commit; other outcomes have none.
 async fn a_refusal_keeps_the_budget_that_would_have_been_admitted(db: &TestDb) {
     let l = &db.ledger;
     let refused = |id: &str| OutcomeRecord {
