@@ -27,6 +27,7 @@ mod image;
 mod isolation;
 mod least_privilege;
 mod ledger;
+mod min_budget;
 mod openai_pipeline;
 mod otlp;
 mod overload;

@@ -66,6 +66,9 @@ pub struct Facts {
     pub finished_at_ms: Option<i64>,
     /// The minimum useful runtime of the last admission decision (own, learned or floor).
     pub min_runtime_ms: Option<u64>,
+    /// Refused for lack of time: the budget that check would have admitted at that instant
+    /// ([`WorkerPolicy::min_feasible_budget_ms`]).
+    pub min_feasible_budget_ms: Option<u64>,
     /// The delivery's channel is gone: its ack or reject can no longer be sent.
     pub channel_lost: bool,
     /// The broker's consumer timeout, when known ([`crate::ack_window`]).
@@ -147,7 +150,17 @@ impl Received {
         if let Ok(env) = &self.parsed {
             self.facts.min_runtime_ms = Some(min_runtime(policy, env, facts.learned_runtime_ms));
         }
-        match (policy.on_receipt(&self.parsed, facts, now_ms), self.parsed) {
+        let receipt = policy.on_receipt(&self.parsed, facts, now_ms);
+        if let (Receipt::Settle(d), Ok(env)) = (&receipt, &self.parsed) {
+            self.facts.min_feasible_budget_ms = min_budget(
+                policy,
+                env,
+                facts.learned_runtime_ms,
+                facts.expected_wait_ms,
+                d,
+            );
+        }
+        match (receipt, self.parsed) {
             (Receipt::WaitForSlot, Ok(env)) => Looked::AwaitSlot(Waiting {
                 env,
                 facts: self.facts,
@@ -234,6 +247,8 @@ impl Waiting {
             Slot::Run { .. } => WaitTick::Keep(self),
             Slot::Settle(d) => {
                 self.facts.checked_at_ms = Some(now_ms);
+                self.facts.min_feasible_budget_ms =
+                    min_budget(policy, &self.env, learned_ms, 0, &d);
                 WaitTick::Settle(settle(Ok(self.env), self.facts, d))
             }
         }
@@ -258,7 +273,11 @@ impl Waiting {
         let min = min_runtime(policy, &self.env, learned_ms);
         self.facts.min_runtime_ms = Some(min);
         let budget_ms = match policy.on_slot(&self.env, learned_ms, now_ms) {
-            Slot::Settle(d) => return Admission::Settle(settle(Ok(self.env), self.facts, d)),
+            Slot::Settle(d) => {
+                self.facts.min_feasible_budget_ms =
+                    min_budget(policy, &self.env, learned_ms, 0, &d);
+                return Admission::Settle(settle(Ok(self.env), self.facts, d));
+            }
             Slot::Run { budget_ms } => budget_ms,
         };
         let window = ack_window::call_timeout(
@@ -327,10 +346,14 @@ enum ClockTick {
 
 impl ClockWait {
     /// Look again (periodically) whether the job can still pass the admission check.
-    fn tick(self, policy: &WorkerPolicy, learned_ms: Option<u64>, now_ms: i64) -> ClockTick {
+    fn tick(mut self, policy: &WorkerPolicy, learned_ms: Option<u64>, now_ms: i64) -> ClockTick {
         match policy.on_slot(&self.env, learned_ms, now_ms) {
             Slot::Run { .. } => ClockTick::Keep(self),
-            Slot::Settle(d) => ClockTick::Settle(settle(Ok(self.env), self.facts, d)),
+            Slot::Settle(d) => {
+                self.facts.min_feasible_budget_ms =
+                    min_budget(policy, &self.env, learned_ms, 0, &d);
+                ClockTick::Settle(settle(Ok(self.env), self.facts, d))
+            }
         }
     }
 
@@ -393,7 +416,11 @@ impl Admitted {
     ) -> Started {
         let budget_ms = match policy.on_slot(&self.env, learned_ms, now_ms) {
             Slot::Run { budget_ms } => budget_ms.min(self.budget_ms),
-            Slot::Settle(d) => return Started::Settle(settle(Ok(self.env), self.facts, d)),
+            Slot::Settle(d) => {
+                let mut facts = self.facts;
+                facts.min_feasible_budget_ms = min_budget(policy, &self.env, learned_ms, 0, &d);
+                return Started::Settle(settle(Ok(self.env), facts, d));
+            }
         };
         let (budget_ms, cut_by_ack_window) = match ack_window::call_timeout(
             budget_ms,
@@ -654,6 +681,22 @@ fn cancelled() -> Disposition {
         state: State::Cancelled,
         reason: Some(Reason::CancelRequested),
     })
+}
+
+/// The budget a refusal for lack of time names ([`WorkerPolicy::min_feasible_budget_ms`],
+/// `wait_ms` the expected wait it counted); `None` for any other disposition.
+fn min_budget(
+    policy: &WorkerPolicy,
+    env: &Envelope,
+    learned_ms: Option<u64>,
+    wait_ms: u64,
+    d: &Disposition,
+) -> Option<u64> {
+    let (Disposition::RecordThenAck(t) | Disposition::RecordThenDeadLetter(t)) = d else {
+        return None;
+    };
+    (t.reason.as_ref().is_some_and(Reason::is_budget_refusal))
+        .then(|| policy.min_feasible_budget_ms(env, learned_ms, wait_ms))
 }
 
 /// The minimum useful runtime the admission rule applies to `env`: its own, else the

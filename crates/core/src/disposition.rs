@@ -306,6 +306,30 @@ impl WorkerPolicy {
         }
     }
 
+    /// The smallest budget, from the instant of a refusal for lack of time
+    /// ([`Reason::is_budget_refusal`]), with which a job like `env` passes the check that
+    /// refused it: the expected wait for a slot (`wait_ms`; 0 at the slot, and at receipt
+    /// when the policy does not refuse on it), the clock margin, and the minimum useful
+    /// runtime as the check applies it (the job's own, else the learned call time, else the
+    /// floor; at least 1 ms, since the budget left after the margin must be positive).
+    pub fn min_feasible_budget_ms(
+        &self,
+        env: &Envelope,
+        learned_ms: Option<u64>,
+        wait_ms: u64,
+    ) -> u64 {
+        let (min_runtime, _) = self.min_runtime(env, learned_ms);
+        let min_runtime = min_runtime.unwrap_or(self.admission.default_min_runtime_ms);
+        let wait_ms = if self.refuse_on_expected_wait {
+            wait_ms
+        } else {
+            0
+        };
+        wait_ms
+            .saturating_add(self.admission.clock_uncertainty_ms)
+            .saturating_add(min_runtime.max(1))
+    }
+
     /// When the learned duration alone refuses `env` at `now_ms` (refused with
     /// `learned_ms` for `below_learned_runtime`, admitted without it: the job's own minimum
     /// or the floor), the budget the call would get without it; else `None`. Such a job
@@ -670,6 +694,57 @@ mod tests {
             p.on_receipt(&ok, slow(Some(2_000)), 9_000),
             Receipt::Settle(Disposition::RecordThenAck(_))
         ));
+    }
+
+    fn refused_for_time(d: &Disposition) -> bool {
+        matches!(d, Disposition::RecordThenAck(Terminal { reason: Some(r), .. }) if r.is_budget_refusal())
+    }
+
+    proptest! {
+        /// A job refused for lack of time at receipt or at the slot, sent again with the
+        /// budget the refusal names, passes the same check at the same instant with the
+        /// same facts; one millisecond less does not.
+        #[test]
+        fn the_min_feasible_budget_passes_the_check_that_refused(
+            budget in -2_000i64..20_000,
+            own_min in proptest::option::of(0u64..5_000),
+            learned in proptest::option::of(0u64..5_000),
+            wait in 0u64..10_000,
+            margin in 0u64..500,
+            floor in 0u64..2_000,
+            refuse_on_wait in any::<bool>(),
+        ) {
+            let now = 1_000_000;
+            let p = WorkerPolicy {
+                admission: AdmissionPolicy { clock_uncertainty_ms: margin, default_min_runtime_ms: floor },
+                refuse_on_expected_wait: refuse_on_wait,
+                ..WorkerPolicy::default()
+            };
+            let job = |b: i64| Envelope::new(
+                JobId::parse("j").unwrap(),
+                Kind::parse("k").unwrap(),
+                Deadline::new(now - 1_000, now + b),
+                own_min,
+                None,
+                Map::new(),
+            );
+            let facts = ReceiptFacts { expected_wait_ms: wait, learned_runtime_ms: learned, ..ReceiptFacts::default() };
+            if let Receipt::Settle(d) = p.on_receipt(&Ok(job(budget)), facts, now) {
+                prop_assert!(refused_for_time(&d), "{d:?}");
+                let min = p.min_feasible_budget_ms(&job(budget), learned, wait) as i64;
+                prop_assert!(min > budget);
+                prop_assert_eq!(p.on_receipt(&Ok(job(min)), facts, now), Receipt::WaitForSlot);
+                prop_assert!(matches!(p.on_receipt(&Ok(job(min - 1)), facts, now), Receipt::Settle(_)));
+            }
+            if let Slot::Settle(d) = p.on_slot(&job(budget), learned, now) {
+                prop_assert!(refused_for_time(&d), "{d:?}");
+                let min = p.min_feasible_budget_ms(&job(budget), learned, 0) as i64;
+                prop_assert!(min > budget);
+                let run = matches!(p.on_slot(&job(min), learned, now), Slot::Run { .. });
+                prop_assert!(run, "refused at the slot with {}", min);
+                prop_assert!(matches!(p.on_slot(&job(min - 1), learned, now), Slot::Settle(_)));
+            }
+        }
     }
 
     #[test]

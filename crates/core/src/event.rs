@@ -36,6 +36,10 @@ pub struct OutcomeEvent {
     pub recorded_at_ms: i64,
     /// The process that recorded it (a worker's name, `dlq`, `reconcile`, …).
     pub recorded_by: String,
+    /// A worker's refusal for lack of time: the budget its check would have admitted
+    /// (the job row's `min_feasible_budget_ms`). Absent from the body otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub min_feasible_budget_ms: Option<u64>,
 }
 
 impl OutcomeEvent {
@@ -103,6 +107,7 @@ mod tests {
             finished_at_ms: Some(2),
             recorded_at_ms: 2,
             recorded_by: "w1".into(),
+            min_feasible_budget_ms: None,
         }
     }
 
@@ -115,6 +120,16 @@ mod tests {
     fn round_trips_and_refuses_other_versions() {
         let e = ev();
         assert_eq!(OutcomeEvent::from_json(&e.to_json()), Some(e.clone()));
+        let refused = OutcomeEvent {
+            min_feasible_budget_ms: Some(4_200),
+            ..ev()
+        };
+        assert_eq!(OutcomeEvent::from_json(&refused.to_json()), Some(refused));
+        assert!(
+            !String::from_utf8(e.to_json())
+                .unwrap()
+                .contains("min_feasible")
+        );
         let mut other = e;
         other.v = 2;
         assert_eq!(OutcomeEvent::from_json(&other.to_json()), None);

@@ -109,6 +109,23 @@ impl Reason {
         Reason::DeadLettered(broker_reason.chars().take(32).collect())
     }
 
+    /// Whether the reason is a worker's refusal for lack of time at receipt or at the slot
+    /// (the deadline, a minimum runtime, the learned call time, the expected wait): one a
+    /// longer budget would have avoided, whose record names the budget that would have
+    /// been admitted ([`crate::disposition::WorkerPolicy::min_feasible_budget_ms`]).
+    pub fn is_budget_refusal(&self) -> bool {
+        matches!(
+            self,
+            Reason::Refused(
+                Stage::Receipt | Stage::Admission,
+                RefusalCause::DeadlinePassed
+                    | RefusalCause::BelowMinRuntime
+                    | RefusalCause::BelowLearnedRuntime
+                    | RefusalCause::ExpectedWaitExceedsBudget
+            )
+        )
+    }
+
     /// Whether the reason is a refusal decided by the learned call duration or the
     /// expected wait for a slot (the ledger note then names the estimate).
     pub fn is_learned_refusal(&self) -> bool {

@@ -7,6 +7,10 @@ use axum::Json;
 use axum::http::StatusCode;
 use axum::response::{IntoResponse, Response};
 
+/// The header of a shed job's answer that names the smallest budget the door would admit
+/// now, as the body's `min_feasible_budget_ms`.
+pub const MIN_BUDGET_HEADER: &str = "x-lastcall-min-budget-ms";
+
 #[derive(Debug, thiserror::Error)]
 pub enum ApiError {
     /// 400: a field is missing, of the wrong type or out of range.
@@ -68,7 +72,8 @@ pub enum ApiError {
     },
     /// 429: shedding at the door — the estimated wait in the queue (ready ÷ recent ack
     /// rate) plus the job's minimum runtime exceeds its budget; nothing was published or
-    /// recorded. Answered with `Retry-After` and the numbers as `estimate`.
+    /// recorded. Answered with `Retry-After`, the numbers as `estimate`, and the smallest
+    /// budget admitted now as `min_feasible_budget_ms` and [`MIN_BUDGET_HEADER`].
     #[error("{message}")]
     WouldExpireInQueue {
         message: String,
@@ -227,6 +232,15 @@ impl ApiError {
         }
     }
 
+    /// Shed at the door: the smallest budget it would admit now
+    /// (`lastcall_producer::shed::ShedEstimate::min_feasible_budget_ms`).
+    pub(crate) fn min_feasible_budget_ms(&self) -> Option<u64> {
+        match self {
+            ApiError::WouldExpireInQueue { estimate, .. } => Some(estimate.min_feasible_budget_ms),
+            _ => None,
+        }
+    }
+
     pub(crate) fn field(&self) -> Option<&str> {
         match self {
             ApiError::BadField { field, .. } | ApiError::Expired { field, .. } => Some(field),
@@ -259,6 +273,7 @@ impl IntoResponse for ApiError {
                 ApiError::AlreadyTerminal { state, .. } => Some(state.clone()),
                 _ => None,
             },
+            min_feasible_budget_ms: self.min_feasible_budget_ms(),
         };
         let mut resp = (status, Json(body)).into_response();
         let retry_after = match &self {
@@ -272,6 +287,10 @@ impl IntoResponse for ApiError {
                 axum::http::header::RETRY_AFTER,
                 axum::http::HeaderValue::from(retry_after_s),
             );
+        }
+        if let Some(ms) = self.min_feasible_budget_ms() {
+            resp.headers_mut()
+                .insert(MIN_BUDGET_HEADER, axum::http::HeaderValue::from(ms));
         }
         if let ApiError::BodyTimeout(_) = &self {
             resp.headers_mut().insert(

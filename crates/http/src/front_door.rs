@@ -32,7 +32,7 @@
 
 use crate::AppState;
 use crate::auth::Caller;
-use crate::error::ApiError;
+use crate::error::{ApiError, MIN_BUDGET_HEADER};
 use crate::jobs::{read_job, submit_error};
 use axum::body::Body;
 use axum::extract::State;
@@ -111,13 +111,34 @@ pub(crate) fn oa_error(
     param: Option<&str>,
     message: impl Into<String>,
 ) -> Response {
-    let body = json!({"error": {
+    oa_error_with_budget(status, kind, code, param, message, None)
+}
+
+/// [`oa_error`] with, beside `code`, the budget that would have been admitted
+/// (`min_feasible_budget_ms`, also as the [`MIN_BUDGET_HEADER`]) when there is one.
+pub(crate) fn oa_error_with_budget(
+    status: StatusCode,
+    kind: &str,
+    code: Option<&str>,
+    param: Option<&str>,
+    message: impl Into<String>,
+    min_feasible_budget_ms: Option<u64>,
+) -> Response {
+    let mut error = json!({
         "message": message.into(),
         "type": kind,
         "param": param,
         "code": code,
-    }});
-    (status, Json(body)).into_response()
+    });
+    if let Some(ms) = min_feasible_budget_ms {
+        error["min_feasible_budget_ms"] = json!(ms);
+    }
+    let mut r = (status, Json(json!({ "error": error }))).into_response();
+    if let Some(ms) = min_feasible_budget_ms {
+        r.headers_mut()
+            .insert(MIN_BUDGET_HEADER, HeaderValue::from(ms));
+    }
+    r
 }
 
 /// A lastcall refusal (validation, shedding, the broker) in OpenAI's shape.
@@ -135,7 +156,14 @@ pub(crate) fn from_api_error(e: ApiError) -> Response {
         ApiError::TooManyWaiting | ApiError::TenantLimit { .. } => Some(1),
         _ => None,
     };
-    let mut r = oa_error(status, kind, Some(e.code()), e.field(), e.to_string());
+    let mut r = oa_error_with_budget(
+        status,
+        kind,
+        Some(e.code()),
+        e.field(),
+        e.to_string(),
+        e.min_feasible_budget_ms(),
+    );
     if let Some(s) = retry_after {
         r.headers_mut()
             .insert(axum::http::header::RETRY_AFTER, HeaderValue::from(s));
@@ -203,10 +231,10 @@ pub async fn models(State(state): State<Arc<AppState>>) -> Response {
         (status = 413, description = "The body is larger than this server's limit (`serve --max-body-bytes`, 1 MiB by default), or the job as published would be too large (`body_too_large`)", body = crate::openapi::OpenAiError),
         (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`, `param` `Content-Type`)", body = crate::openapi::OpenAiError),
         (status = 422, description = "The deadline is already over or beyond the horizon", body = crate::openapi::OpenAiError),
-        (status = 429, description = "With a token of the tokens file, its tenant holds its cap of requests in flight, waits or streams (`tenant_limit`, `param` names `max_requests`, `max_waiting` or `max_streams`; `Retry-After: 1`; in lastcall's error shape when refused before the route, for `max_requests`); over a quota of the tenant (`over_quota`, `param` names it; `Retry-After`; everything forwarded to the model counts), or shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget)", body = crate::openapi::OpenAiError),
+        (status = 429, description = "With a token of the tokens file, its tenant holds its cap of requests in flight, waits or streams (`tenant_limit`, `param` names `max_requests`, `max_waiting` or `max_streams`; `Retry-After: 1`; in lastcall's error shape when refused before the route, for `max_requests`); over a quota of the tenant (`over_quota`, `param` names it; `Retry-After`; everything forwarded to the model counts), or shed at the door: the queue wait would make it expire (`Retry-After`; `x-should-retry` true only if that still fits the budget; `error.min_feasible_budget_ms` and the `X-Lastcall-Min-Budget-Ms` header: the smallest budget the door would admit now, to resend with in `X-Lastcall-Deadline-Ms`)", body = crate::openapi::OpenAiError, headers(("X-Lastcall-Min-Budget-Ms" = inline(crate::openapi::MinBudget), description = "With `would_expire_in_queue`: the smallest budget, in ms, the door would admit now"))),
         (status = 502, description = "The model call failed", body = crate::openapi::OpenAiError),
         (status = 503, description = "Not accepted: the model server of the kind is down for every live worker (`upstream_unavailable`, their circuit breakers open; `Retry-After` until their next trial), the broker did not confirm, or as many requests as this server lets wait at once already wait (`too_many_waiting`, `serve --max-waiting`; `Retry-After`)", body = crate::openapi::OpenAiError),
-        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
+        (status = 504, description = "Expired before or during its run (`deadline_expired` / `deadline_exceeded`, `x-should-retry: false`; refused by a worker for lack of time: `error.min_feasible_budget_ms` and `X-Lastcall-Min-Budget-Ms`, the budget its check would have admitted), no outcome after the deadline, or none within this server's longest hold (`hold_exceeded`, `serve --max-hold-ms`: the job goes on)", body = crate::openapi::OpenAiError),
     ),
 )]
 pub async fn chat_completions(
@@ -514,7 +542,17 @@ pub(crate) fn answer(rec: &JobRecord, model: &str, now_ms: i64) -> Response {
                 rec.state,
                 rec.error.as_deref().unwrap_or("its deadline passed")
             );
-            let mut r = oa_error(StatusCode::GATEWAY_TIMEOUT, kind, Some(reason), None, msg);
+            let min_budget = rec
+                .min_feasible_budget_ms
+                .and_then(|ms| u64::try_from(ms).ok());
+            let mut r = oa_error_with_budget(
+                StatusCode::GATEWAY_TIMEOUT,
+                kind,
+                Some(reason),
+                None,
+                msg,
+                min_budget,
+            );
             r.headers_mut()
                 .insert("x-should-retry", HeaderValue::from_static("false"));
             r

@@ -299,6 +299,10 @@ pub struct ErrorBody {
     #[serde(skip_serializing_if = "Option::is_none")]
     #[schema(nullable = false)]
     pub state: Option<String>,
+    /// Only with `would_expire_in_queue` (429): the smallest budget, in ms, the door would admit now, with the same queue and call-time estimate (queue wait + call time + clock margin, rounded up to 100 ms); also in the `X-Lastcall-Min-Budget-Ms` header. Resend at once with `deadline_ms` at least this (or wait `Retry-After`)
+    #[serde(skip_serializing_if = "Option::is_none")]
+    #[schema(nullable = false)]
+    pub min_feasible_budget_ms: Option<u64>,
 }
 
 /// Why a job was shed at the door (`429 would_expire_in_queue`)
@@ -323,6 +327,8 @@ pub struct ShedEstimate {
     pub remaining_ms: i64,
     /// As the Retry-After header
     pub retry_after_s: u64,
+    /// As `min_feasible_budget_ms` of the error (and the `X-Lastcall-Min-Budget-Ms` header)
+    pub min_feasible_budget_ms: u64,
 }
 
 /// The answer to `DELETE /v1/jobs/{id}` of a running job
@@ -438,6 +444,8 @@ pub(crate) struct JobRecord {
     model: Option<String>,
     /// The minimum useful runtime the admission decision used: the job's own, the learned call time of its kind, or the configured floor
     min_runtime_ms: Option<i64>,
+    /// Refused by a worker for lack of time (`expired_not_started`, e.g. `receipt:expected_wait_exceeds_budget`, `admission:below_learned_runtime`): the budget, in ms, that the check that refused it would have admitted at that instant (its expected wait for a slot, the clock margin and the minimum useful runtime); null for every other outcome
+    min_feasible_budget_ms: Option<i64>,
     /// Whose job it is (`default` when the envelope named none)
     tenant: String,
     /// The priority tier: `critical`, `standard` or `batch`
@@ -462,6 +470,9 @@ struct OpenAiErrorDetail {
     param: Option<String>,
     /// The lastcall reason or error code, e.g. `admission:deadline_passed`, `model_not_found`
     code: Option<String>,
+    /// With `would_expire_in_queue` (429): the smallest budget, in ms, the door would admit now (as the `X-Lastcall-Min-Budget-Ms` header); resend with `X-Lastcall-Deadline-Ms` at least this. With a worker's refusal for lack of time (504 `deadline_expired`): the budget that worker's check would have admitted when it refused
+    #[schema(nullable = false)]
+    min_feasible_budget_ms: Option<u64>,
 }
 
 // The body of `POST /v1/chat/completions`: what the front door reads of it.
@@ -652,6 +663,12 @@ impl<'r> ToResponse<'r> for LedgerError {
 #[allow(dead_code)]
 pub(crate) struct RetryAfter(u64);
 
+// `X-Lastcall-Min-Budget-Ms` of a shed job's `429`: a budget in ms, a multiple of 100.
+#[derive(ToSchema)]
+#[schema(minimum = 100, multiple_of = 100)]
+#[allow(dead_code)]
+pub(crate) struct MinBudget(u64);
+
 #[cfg(test)]
 mod tests {
     /// The documented tiers are the core's, and `NewJob` documents `tenant` and `priority`.
@@ -705,6 +722,7 @@ mod tests {
             backend: None,
             model: None,
             min_runtime_ms: None,
+            min_feasible_budget_ms: None,
             tenant: "default".into(),
             priority: "standard".into(),
         };

@@ -345,6 +345,7 @@ fn forged_event(id: &str) -> Vec<u8> {
         finished_at_ms: None,
         recorded_at_ms: 1,
         recorded_by: "attacker".into(),
+        min_feasible_budget_ms: None,
     }
     .to_json()
 }

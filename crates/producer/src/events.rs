@@ -21,5 +21,8 @@ pub fn job_event(rec: &JobRecord, recorded_by: &str) -> OutcomeEvent {
         finished_at_ms: rec.finished_at_ms,
         recorded_at_ms: rec.recorded_at_ms.unwrap_or_default(),
         recorded_by: recorded_by.to_owned(),
+        min_feasible_budget_ms: rec
+            .min_feasible_budget_ms
+            .and_then(|m| u64::try_from(m).ok()),
     }
 }

@@ -236,6 +236,19 @@ pub struct ShedEstimate {
     /// Seconds until the queue, draining at this rate, would leave room for the same
     /// budget (at least 1, at most [`MAX_RETRY_AFTER_S`]).
     pub retry_after_s: u64,
+    /// The smallest budget the same decision admits at the same instant, with the same
+    /// readings: queue wait + call time + clock margin, rounded up to a multiple of
+    /// [`BUDGET_STEP_MS`]. What a client can resend with now instead of guessing.
+    pub min_feasible_budget_ms: u64,
+}
+
+/// [`ShedEstimate::min_feasible_budget_ms`] is rounded up to a multiple of this: a number
+/// a client can read, and a little room for the jobs the door admits meanwhile.
+pub const BUDGET_STEP_MS: u64 = 100;
+
+/// `ms` rounded up to a multiple of [`BUDGET_STEP_MS`] (saturating).
+fn round_up_budget(ms: u64) -> u64 {
+    ms.div_ceil(BUDGET_STEP_MS).saturating_mul(BUDGET_STEP_MS)
 }
 
 impl ShedEstimate {
@@ -258,8 +271,8 @@ impl std::fmt::Display for ShedEstimate {
         if self.cannot_finish() {
             return write!(
                 f,
-                "cannot finish even if started now: its call time {} ms (the clock margin included) exceeds the {} ms budget left; nothing was published. Give the job a longer deadline",
-                self.min_runtime_ms, self.remaining_ms
+                "cannot finish even if started now: its call time {} ms (the clock margin included) exceeds the {} ms budget left; nothing was published. A budget of at least {} ms would be admitted now",
+                self.min_runtime_ms, self.remaining_ms, self.min_feasible_budget_ms
             );
         }
         write!(
@@ -276,8 +289,8 @@ impl std::fmt::Display for ShedEstimate {
         }
         write!(
             f,
-            " exceeds the {} ms budget left; nothing was published. Retry after {} s, or give the job a longer deadline",
-            self.remaining_ms, self.retry_after_s
+            " exceeds the {} ms budget left; nothing was published. Retry after {} s, or with a budget of at least {} ms (admitted now)",
+            self.remaining_ms, self.retry_after_s, self.min_feasible_budget_ms
         )
     }
 }
@@ -359,6 +372,25 @@ pub fn decide(
         fitting += 1;
     }
     let to_drain = ready - fitting;
+    // The smallest budget `ready` fits: the unrounded wait, corrected for float rounding as
+    // above, plus the call time.
+    // (A few steps at most: past 2^53 ms, far beyond any budget, consecutive waits are
+    // the same float.)
+    let wait_fits = |w: u64| ready as f64 * 1000.0 <= w as f64 * rate;
+    let mut wait_ms = queue_wait_ms;
+    for _ in 0..16 {
+        if wait_ms == 0 || !wait_fits(wait_ms - 1) {
+            break;
+        }
+        wait_ms -= 1;
+    }
+    for _ in 0..16 {
+        if wait_fits(wait_ms) {
+            break;
+        }
+        wait_ms = wait_ms.saturating_add(1);
+    }
+    let min_feasible_budget_ms = round_up_budget(wait_ms.saturating_add(min_runtime_ms));
     let retry_after_s = (to_drain as f64 / rate).ceil();
     let retry_after_s = if retry_after_s.is_finite() {
         (retry_after_s as u64).clamp(1, MAX_RETRY_AFTER_S)
@@ -373,6 +405,7 @@ pub fn decide(
         min_runtime_ms,
         remaining_ms,
         retry_after_s,
+        min_feasible_budget_ms,
     })
 }
 
@@ -408,7 +441,22 @@ pub fn decide_tiered(
 ) -> Verdict {
     let remaining_ms = expires_at_ms.saturating_sub(now_ms);
     let call = call_ms.unwrap_or(0);
-    if i64::try_from(call).unwrap_or(i64::MAX) > remaining_ms {
+    let call_i64 = i64::try_from(call).unwrap_or(i64::MAX);
+    if call_i64 > remaining_ms {
+        // The smallest budget admitted: the call time, or more if the queue ahead does not
+        // fit beside it.
+        let at_call = queue_verdict(
+            place,
+            own,
+            work,
+            now_ms.saturating_add(call_i64),
+            call_ms,
+            now_ms,
+        );
+        let min_feasible_budget_ms = match at_call {
+            Verdict::Shed(e) => e.min_feasible_budget_ms,
+            Verdict::Admit(_) => round_up_budget(call),
+        };
         return Verdict::Shed(ShedEstimate {
             queue_wait_ms: 0,
             ready: 0,
@@ -417,8 +465,23 @@ pub fn decide_tiered(
             min_runtime_ms: call,
             remaining_ms,
             retry_after_s: 1,
+            min_feasible_budget_ms,
         });
     }
+    queue_verdict(place, own, work, expires_at_ms, call_ms, now_ms)
+}
+
+/// [`decide_tiered`] for a job whose call time fits its budget: the wait ahead of it.
+fn queue_verdict(
+    place: Place,
+    own: Option<Ahead>,
+    work: Option<Ahead>,
+    expires_at_ms: i64,
+    call_ms: Option<u64>,
+    now_ms: i64,
+) -> Verdict {
+    let remaining_ms = expires_at_ms.saturating_sub(now_ms);
+    let call = call_ms.unwrap_or(0);
     let segments: Vec<Ahead> = match place.priority {
         Priority::Critical => {
             return Verdict::Admit(Admit::Fits {
@@ -1063,6 +1126,8 @@ mod tests {
             (10_000, 100, 5_000, 5)
         );
         assert!(!decide(50, Some(10.0), NOW + 5_000, None, NOW).is_shed());
+        // 10 s of queue: a 10 s budget would be admitted now.
+        assert_eq!(e.min_feasible_budget_ms, 10_000);
         let msg = e.to_string();
         for part in ["10000 ms", "100 ready", "10.00/s", "5000 ms", "5 s"] {
             assert!(msg.contains(part), "{msg} names {part}");
@@ -1308,6 +1373,54 @@ mod tests {
             }
         }
         assert!(batch_only > 500 && sheds > 500, "{batch_only} / {sheds}");
+    }
+
+    #[test]
+    fn property_the_min_feasible_budget_is_admitted_at_the_same_instant() {
+        // Whatever the tier and the readings: a shed job resent with the budget its refusal
+        // names is admitted by the same decision at the same instant, and one step less
+        // would still be shed (the number is the smallest, to the step).
+        let mut g = Gen(0x6d1f_2b3a_99c4_0e17);
+        let (mut sheds, mut behind_a_queue) = (0, 0);
+        for _ in 0..20_000 {
+            let mut ahead = || {
+                (g.upto(4) > 0).then(|| Ahead {
+                    counted: g.upto(2_000),
+                    doomed: g.upto(10),
+                    rate_per_s: (g.upto(5) > 0).then(|| g.rate()),
+                })
+            };
+            let (own, work) = (ahead(), ahead());
+            let budget = g.upto(120_000) as i64 - 1_000;
+            let call = (g.upto(3) > 0).then(|| g.upto(20_000));
+            let priority =
+                [Priority::Critical, Priority::Standard, Priority::Batch][g.upto(2) as usize];
+            let place = at(priority, g.upto(6) as u8);
+            let v = |b: i64| decide_tiered(place, own, work, NOW + b, call, NOW);
+            let Verdict::Shed(e) = v(budget) else {
+                continue;
+            };
+            sheds += 1;
+            if !e.cannot_finish() {
+                behind_a_queue += 1;
+            }
+            let min = e.min_feasible_budget_ms;
+            assert_eq!(min % BUDGET_STEP_MS, 0, "{e:?}");
+            assert!(min as i64 > budget, "{e:?}");
+            assert!(
+                !v(min as i64).is_shed(),
+                "{e:?} at {min}: {:?}",
+                v(min as i64)
+            );
+            if min >= BUDGET_STEP_MS {
+                let less = (min - BUDGET_STEP_MS) as i64;
+                assert!(v(less).is_shed(), "{e:?}: {less} is admitted too");
+            }
+        }
+        assert!(
+            sheds > 2_000 && behind_a_queue > 1_000,
+            "{sheds} / {behind_a_queue}"
+        );
     }
 
     #[test]

@@ -121,7 +121,7 @@ macro_rules! job_columns {
              checked_at_ms, started_at_ms, finished_at_ms, recorded_at_ms, reconciled_at_ms, \
              worker, result, error, trace_id, prompt_tokens, completion_tokens, latency_ms, \
              cancel_requested, cancel_confirmed, backend, model, min_runtime_ms, tenant, priority, \
-             request_tokens, request_max_tokens, ",
+             request_tokens, request_max_tokens, min_feasible_budget_ms, ",
             model_ms!(),
             " AS model_ms, ",
             wasted_model_ms!(),
@@ -203,9 +203,10 @@ const UPSERT_JOB_TERMINAL: &str = concat!(
      (job_id, kind, state, reason, created_at_ms, expires_at_ms, received_at_ms, checked_at_ms, \
       started_at_ms, finished_at_ms, recorded_at_ms, worker, result, error, prompt_tokens, \
       completion_tokens, latency_ms, cancel_requested, cancel_confirmed, backend, model, \
-      min_runtime_ms, tenant, priority, request_tokens, request_max_tokens) \
+      min_runtime_ms, tenant, priority, request_tokens, request_max_tokens, \
+      min_feasible_budget_ms) \
      VALUES ($1, $2, $3, $4, $5, $6, $7, $8, $9, $10, $11, $12, $13, $14, $15, $16, $17, $18, $19, \
-      $20, $21, $22, $23, $24, $25, $26) \
+      $20, $21, $22, $23, $24, $25, $26, $27) \
      ON CONFLICT (job_id) DO UPDATE SET ",
     keep_tenant!("excluded"),
     ", \
@@ -221,7 +222,8 @@ const UPSERT_JOB_TERMINAL: &str = concat!(
      latency_ms = excluded.latency_ms, cancel_requested = excluded.cancel_requested, \
      cancel_confirmed = excluded.cancel_confirmed, backend = excluded.backend, \
      model = excluded.model, min_runtime_ms = excluded.min_runtime_ms, \
-     request_tokens = excluded.request_tokens, request_max_tokens = excluded.request_max_tokens \
+     request_tokens = excluded.request_tokens, request_max_tokens = excluded.request_max_tokens, \
+     min_feasible_budget_ms = excluded.min_feasible_budget_ms \
      WHERE jobs.state IN ('accepted', 'running') \
      OR (jobs.state = 'unknown' AND excluded.state <> 'unknown')"
 );
@@ -381,7 +383,8 @@ fn run_params(
                 .v(rec.tenant.as_str())
                 .v(rec.priority.as_str())
                 .v(&request_tokens(rec))
-                .v(&request_max_tokens(rec));
+                .v(&request_max_tokens(rec))
+                .v(&rec.min_feasible_budget_ms);
         });
     }
     let mut job_live = JsonRows::default();
@@ -1716,6 +1719,7 @@ where
         backend: row.try_get("backend")?,
         model: row.try_get("model")?,
         min_runtime_ms: row.try_get("min_runtime_ms")?,
+        min_feasible_budget_ms: row.try_get("min_feasible_budget_ms")?,
         tenant: row.try_get("tenant")?,
         priority: row.try_get("priority")?,
     })

@@ -160,6 +160,9 @@ pub struct OutcomeRecord {
     pub model: Option<String>,
     /// The minimum useful runtime the admission decision used (own, learned or floor).
     pub min_runtime_ms: Option<i64>,
+    /// A refusal for lack of time: the budget the check that refused would have admitted
+    /// at that instant (`lastcall_core::disposition::WorkerPolicy::min_feasible_budget_ms`).
+    pub min_feasible_budget_ms: Option<i64>,
     /// The envelope's tenant and tier; [`Tenant::DEFAULT`] and `standard` when the
     /// envelope names none or could not be parsed. A row never trades a tenant other than
     /// `default` (or a tier other than `standard`) for another one: the first writer that
@@ -208,6 +211,7 @@ impl OutcomeRecord {
             backend: None,
             model: None,
             min_runtime_ms: None,
+            min_feasible_budget_ms: None,
             tenant: Tenant::default_tenant(),
             priority: Priority::Standard,
         }
@@ -350,6 +354,10 @@ pub struct JobRecord {
     /// The minimum useful runtime the last admission decision used: the job's own, the
     /// learned call time of its kind, or the configured floor.
     pub min_runtime_ms: Option<i64>,
+    /// Refused by a worker for lack of time (`expired_not_started`): the budget the check
+    /// that refused it would have admitted at that instant (its expected wait for a slot,
+    /// the clock margin and the minimum useful runtime). `None` otherwise.
+    pub min_feasible_budget_ms: Option<i64>,
     /// Whose job it is: the envelope's `tenant`, `default` when it names none (and for
     /// every job recorded before tenants existed).
     pub tenant: String,

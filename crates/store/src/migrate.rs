@@ -113,6 +113,12 @@ pub(crate) const MIGRATIONS: &[Migration] = &[
         sqlite: include_str!("../migrations/sqlite/0014_batches.sql"),
         postgres: include_str!("../migrations/postgres/0014_batches.sql"),
     },
+    Migration {
+        version: 15,
+        name: "min_feasible_budget",
+        sqlite: include_str!("../migrations/sqlite/0015_min_feasible_budget.sql"),
+        postgres: include_str!("../migrations/postgres/0015_min_feasible_budget.sql"),
+    },
 ];
 
 /// An index that a migration adds, on PostgreSQL, to a table that already existed: built

@@ -21,7 +21,7 @@ use sqlx::{AssertSqlSafe, Connection, Row};
 
 const DEFAULT_PG_ADMIN_URL: &str = "postgres://postgres@127.0.0.1:5432/test";
 /// The newest schema version this build migrates to.
-const LATEST_VERSION: i64 = 14;
+const LATEST_VERSION: i64 = 15;
 
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 enum Backend {
@@ -237,6 +237,7 @@ both_backends!(
     late_outcomes_count_only_replaced_unknowns,
     a_running_attempt_is_live_while_its_worker_renews_its_lease,
     the_outcome_names_its_backend_model_and_min_runtime,
+    a_refusal_keeps_the_budget_that_would_have_been_admitted,
     cancel_ends_a_waiting_job_and_flags_a_running_one,
     a_webhook_is_claimed_once_and_its_attempts_recorded,
     the_sweep_finds_the_webhooks_that_no_one_delivers,
@@ -1996,6 +1997,33 @@ async fn the_outcome_names_its_backend_model_and_min_runtime(db: &TestDb) {
     };
     assert!(!l.record_terminal(&other).await.unwrap());
     assert_eq!(must_get(l, "bm-1").await.backend.as_deref(), Some("openai"));
+}
+
+/// A worker's refusal for lack of time keeps the budget its check would have admitted
+/// (version 15), through a single write and a group commit; other outcomes have none.
+async fn a_refusal_keeps_the_budget_that_would_have_been_admitted(db: &TestDb) {
+    let l = &db.ledger;
+    let refused = |id: &str| OutcomeRecord {
+        reason: Some(Reason::Refused(
+            Stage::Receipt,
+            RefusalCause::ExpectedWaitExceedsBudget,
+        )),
+        min_feasible_budget_ms: Some(4_200),
+        ..outcome(id, &format!("w1:{id}:1"), State::ExpiredNotStarted, 5_000)
+    };
+    assert!(l.record_terminal(&refused("mb-1")).await.unwrap());
+    l.write_batch(&[LedgerWrite::outcome(refused("mb-2"))])
+        .await
+        .unwrap();
+    for id in ["mb-1", "mb-2"] {
+        assert_eq!(must_get(l, id).await.min_feasible_budget_ms, Some(4_200));
+    }
+    assert!(
+        l.record_terminal(&completed("mb-3", "w1:mb-3:1", 5_000, "ok"))
+            .await
+            .unwrap()
+    );
+    assert_eq!(must_get(l, "mb-3").await.min_feasible_budget_ms, None);
 }
 
 /// A starting worker reads the call durations of its backend: completed calls and calls

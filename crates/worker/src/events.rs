@@ -22,6 +22,9 @@ pub fn outcome_event(rec: &OutcomeRecord, model_calls: u32) -> OutcomeEvent {
         finished_at_ms: rec.finished_at_ms,
         recorded_at_ms: rec.recorded_at_ms,
         recorded_by: rec.worker.clone(),
+        min_feasible_budget_ms: rec
+            .min_feasible_budget_ms
+            .and_then(|m| u64::try_from(m).ok()),
     }
 }
 

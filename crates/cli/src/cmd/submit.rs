@@ -92,6 +92,10 @@ pub async fn run(s: &Settings, a: SubmitArgs, clock: &dyn Clock) -> Result<ExitC
         Ok(submitted) => submitted,
         Err(SubmitError::WouldExpireInQueue(estimate)) => {
             eprintln!("error: not accepted: {estimate} (--no-shed publishes it anyway)");
+            eprintln!(
+                "refused: would_expire_in_queue — a budget of at least {} ms would be admitted now",
+                estimate.min_feasible_budget_ms
+            );
             broker.close().await;
             return Ok(ExitCode::from(EXIT_SHED));
         }
@@ -170,6 +174,12 @@ impl OutcomeWait {
         println!("state: {}", rec.state);
         if let Some(r) = &rec.reason {
             println!("reason: {r}");
+        }
+        if let Some(ms) = rec.min_feasible_budget_ms {
+            let why = rec.reason.as_deref().unwrap_or(&rec.state);
+            println!(
+                "refused: {why} — a budget of at least {ms} ms left when the worker refused it would have been admitted"
+            );
         }
         println!("model calls: {}", rec.backend_calls);
         if let Some(text) = &rec.result {

@@ -73,6 +73,7 @@ const TABLES: [Table; 10] = [
             ("priority", Text),
             ("request_tokens", Int),
             ("request_max_tokens", Int),
+            ("min_feasible_budget_ms", Int),
         ],
     },
     Table {

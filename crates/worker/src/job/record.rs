@@ -83,6 +83,9 @@ pub(crate) fn outcome_row(
         min_runtime_ms: facts
             .min_runtime_ms
             .map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
+        min_feasible_budget_ms: facts
+            .min_feasible_budget_ms
+            .map(|m| i64::try_from(m).unwrap_or(i64::MAX)),
         tenant: env.map_or_else(Tenant::default_tenant, tenant_of),
         priority: env.map(Envelope::priority).unwrap_or_default(),
     }
