@@ -370,7 +370,7 @@ async fn a_version_1_ledger_upgrades_and_counts_its_attempts(db: &TestDb) {
         Backend::Sqlite => include_str!("../migrations/sqlite/0001_init.sql"),
         Backend::Postgres => include_str!("../migrations/postgres/0001_init.sql"),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DROP TABLE IF EXISTS batch_line_errors; DROP TABLE IF EXISTS batches; DROP TABLE IF EXISTS file_lines; DROP TABLE IF EXISTS files; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(
@@ -411,7 +411,7 @@ async fn a_version_2_ledger_upgrades_to_version_3_in_place(db: &TestDb) {
             include_str!("../migrations/postgres/0002_counters_on_read.sql"),
         ),
     };
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DROP TABLE IF EXISTS batch_line_errors; DROP TABLE IF EXISTS batches; DROP TABLE IF EXISTS file_lines; DROP TABLE IF EXISTS files; DELETE FROM schema_migrations")
         .await;
     db.exec(v1).await;
     db.exec(v2).await;
@@ -3513,7 +3513,7 @@ async fn valid_online_indexes(db: &TestDb) -> i64 {
 async fn a_version_6_postgres_ledger_gets_its_later_indexes_built() {
     let db = TestDb::new(Backend::Postgres).await;
     assert_eq!(valid_online_indexes(&db).await, 4, "a new ledger has them");
-    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DELETE FROM schema_migrations")
+    db.exec("DROP TABLE jobs; DROP TABLE attempts; DROP TABLE IF EXISTS workers; DROP TABLE IF EXISTS webhooks; DROP TABLE IF EXISTS webhook_attempts; DROP TABLE IF EXISTS breakers; DROP TABLE IF EXISTS batch_line_errors; DROP TABLE IF EXISTS batches; DROP TABLE IF EXISTS file_lines; DROP TABLE IF EXISTS files; DELETE FROM schema_migrations")
         .await;
     for sql in [
         include_str!("../migrations/postgres/0001_init.sql"),
