@@ -360,9 +360,10 @@ async fn the_live_door_measures_the_pace_and_sheds_behind_a_backlog() {
     // had its own, and RabbitMQ 3.10 reports an ack rate of 0.0 for the first seconds of
     // acks (20 acks/s on a new queue: 0.0 from 1.3 s to 5.9 s, then 19.6): CI read that.
     let (app, shedder) = live_ingress(&env, "http://127.0.0.1:9").await;
-    // 120 jobs that can wait a minute, through the door (nothing ahead: all admitted).
+    // 120 jobs that can wait ten minutes, through the door (nothing ahead: all admitted;
+    // none doomed even if a starved consumer takes one a second).
     for i in 0..120 {
-        let (status, _, resp) = post_job(&app, &body(&format!("long-{i}"), 60_000)).await;
+        let (status, _, resp) = post_job(&app, &body(&format!("long-{i}"), 600_000)).await;
         assert_eq!(status, StatusCode::ACCEPTED, "{resp}");
     }
     // A consumer takes one every 50 ms (~20/s): the door measures that pace from its own
@@ -373,7 +374,10 @@ async fn the_live_door_measures_the_pace_and_sheds_behind_a_backlog() {
     })
     .await;
     let rate = a.rate_per_s.unwrap();
-    assert!(rate > 2.0 && rate < 40.0, "about 20/s: {a:?}");
+    // About 20/s; far less when the consumer is starved of CPU beside other tests (1.5/s
+    // measured): a pace was measured from the door's own counts, and it is not the
+    // arrivals' (120 at once).
+    assert!(rate > 0.5 && rate < 40.0, "about 20/s: {a:?}");
     assert_eq!(a.doomed, 0, "every job can finish: {a:?}");
     // 40+ jobs ahead at ≤ 40/s is over 1 s of queue: a 1 s budget is shed.
     let (status, retry_after, resp) = post_job(&app, &body("live-shed", 1_000)).await;
@@ -385,7 +389,7 @@ async fn the_live_door_measures_the_pace_and_sheds_behind_a_backlog() {
     assert!(est["queue_wait_ms"].as_u64().unwrap() > 1_000, "{resp}");
     assert!(env.ledger.get("live-shed").await.unwrap().is_none());
     // A budget that fits the queue is admitted.
-    let (status, _, resp) = post_job(&app, &body("live-fits", 60_000)).await;
+    let (status, _, resp) = post_job(&app, &body("live-fits", 600_000)).await;
     assert_eq!(status, StatusCode::ACCEPTED, "{resp}");
     consumer.stop().await;
     env.cleanup().await;
