@@ -825,8 +825,8 @@ pub struct WorkerArgs {
     /// Cap on the bytes of message bodies held locally (prefetch only bounds the count)
     #[arg(long, default_value_t = 64 * 1024 * 1024)]
     pub max_buffer_bytes: usize,
-    /// Which job waiting in the local buffer gets the next free model slot (BENCHMARKS.md
-    /// §1 compares the two). Whatever the order, a job that can no longer finish leaves the
+    /// Which job waiting in the local buffer gets the next free model slot (`lastcall bench
+    /// goodput --order` compares the two). Whatever the order, a job that can no longer finish leaves the
     /// buffer as soon as that is known
     #[arg(long, value_enum, default_value = "edf")]
     pub buffer_order: BufferOrderArg,

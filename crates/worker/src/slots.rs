@@ -17,8 +17,8 @@
 //! reach [`Slots::acquire`]: those run in parallel and the first to arrive may be the later
 //! delivery.
 //!
-//! `lastcall bench goodput --order` measures the two against each other (BENCHMARKS.md
-//! §1); the default is the one that completed more jobs on time.
+//! `lastcall bench goodput --order` measures the two against each other; the default is
+//! the one that completed more jobs on time.
 //!
 //! **Adaptive slots** (`--slots auto`): the number of slots is the current limit of a
 //! [`lastcall_core::concurrency::AdaptiveLimit`], fed each call's time

@@ -54,7 +54,7 @@ pub(crate) struct CallTimes {
     service: Arc<Mutex<ServiceTimes>>,
     /// The estimator's fit per key ([`PredictorCache`]), kept while no call was recorded
     /// since, for at most 100 ms: a job asks for its learned time at each gate, and a fit
-    /// sorts and fits the key's window (before this cache, most of a job's CPU).
+    /// sorts and fits the key's window (uncached, most of a job's CPU).
     fits: Mutex<PredictorCache>,
     backend: Arc<dyn Backend>,
     slots: Arc<Slots>,

@@ -1,5 +1,5 @@
 //! The dashboard's numbers, aggregated in SQL: `GET /v1/dashboard` is polled
-//! every 5 s and used to read every job row of its window, result text included. Here it
+//! every 5 s, so it must not read every job row of its window (result text included): it
 //! reads only counts: terminal outcomes per (state, minute), the two dwell histograms and
 //! the dead letters per reason, each a `GROUP BY` whose rows are bounded by a `LIMIT`
 //! (states × minutes, histogram buckets, reasons), never a job's row or its text.
