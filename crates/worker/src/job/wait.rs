@@ -105,10 +105,18 @@ async fn breaker(
     // fallback route is not recorded there (another backend of its route may take it).
     let for_door = (ctx.route(kind).len() == 1).then_some(kind);
     let policy = &ctx.cfg.policy;
-    let learned = job.learned(ctx, kind, now);
-    // A job that cannot wait for the cool-down's end may take a demand trial.
-    let latest = d.latest_start_ms(policy, learned);
-    let next_call_at_ms = match ctx.breakers.permit(key, for_door, trial_limit, latest, now) {
+    let ask = |latest| ctx.breakers.permit(key, for_door, trial_limit, latest, now);
+    // Only when the breaker keeps the job waiting (not on the hot path of a closed one) is
+    // its latest start asked for: a job that cannot wait for the cool-down's end may take
+    // a demand trial.
+    let (learned, answer) = match ask(None) {
+        (Permit::Wait { .. }, _) => {
+            let learned = job.learned(ctx, kind, now);
+            (learned, ask(d.latest_start_ms(policy, learned)))
+        }
+        answer => (None, answer),
+    };
+    let next_call_at_ms = match answer {
         (Permit::Call, _) => return Some(permit),
         (Permit::Trial, trial) => {
             job.trial = trial;
