@@ -14,6 +14,7 @@
 pub mod route;
 pub mod sim;
 
+pub use lastcall_core::Priority;
 pub use lastcall_core::rate_limit::{self, Observed};
 pub use lastcall_core::request_size::RequestSize;
 use serde::Serialize;
@@ -35,6 +36,8 @@ pub struct CallRequest {
     pub payload: Map<String, Value>,
     /// The local timeout: the remaining budget at admission. The call must not outlive it.
     pub timeout: Duration,
+    /// The job's tier, which a backend may pass on to a server that schedules by it.
+    pub priority: lastcall_core::Priority,
 }
 
 /// Token accounting reported by a backend.

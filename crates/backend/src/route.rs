@@ -474,6 +474,7 @@ mod tests {
             attempt: 0,
             payload: Map::new(),
             timeout: Duration::from_secs(5),
+            priority: lastcall_core::Priority::Standard,
         }
     }
 

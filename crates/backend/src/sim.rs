@@ -220,6 +220,7 @@ mod tests {
             attempt: 0,
             payload: payload.as_object().cloned().unwrap_or_else(Map::new),
             timeout: Duration::from_secs(5),
+            priority: lastcall_core::Priority::Standard,
         }
     }
 

@@ -158,6 +158,7 @@ pub async fn run(env: &Env, mut a: FrontDoorArgs) -> Result<ExitCode> {
             attempt: 0,
             payload: body.as_object().cloned().unwrap_or_default(),
             timeout: Duration::from_secs(10),
+            priority: lastcall_core::Priority::Standard,
         };
         let t0 = Instant::now();
         direct_backend.call(req, CancellationToken::new()).await?;

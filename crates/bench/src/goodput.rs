@@ -1217,6 +1217,7 @@ async fn smollm2(a: &GoodputArgs, slots: usize) -> Result<Model> {
                     attempt: 0,
                     payload: payload_of(service).as_object().cloned().expect("object"),
                     timeout: Duration::from_secs(300),
+                    priority: lastcall_core::Priority::Standard,
                 };
                 let t = std::time::Instant::now();
                 b.call(req, CancellationToken::new())
@@ -1263,6 +1264,7 @@ async fn ceiling(
             attempt: 0,
             payload: payload_of(service).as_object().cloned().expect("object"),
             timeout: Duration::from_secs(300),
+            priority: lastcall_core::Priority::Standard,
         };
         b.call(req, CancellationToken::new())
             .await

@@ -1007,6 +1007,15 @@ pub struct OpenAiArgs {
     /// to it (a `[[routes]]` entry's `max_tokens` caps its kinds lower still)
     #[arg(long, default_value_t = 4_096, value_parser = clap::value_parser!(u32).range(1..))]
     pub max_tokens_limit: u32,
+    /// OpenAI backend: send the job's tier as the request's `priority` for vLLM's
+    /// `--scheduling-policy priority` (lower is served earlier: critical -1, standard 0,
+    /// batch 1). Off by default: a server that does not know the field may refuse it
+    #[arg(long)]
+    pub send_priority: bool,
+    /// OpenAI backend: send the job's budget left when the request goes out, in whole ms,
+    /// in this header (e.g. X-Request-Budget-Ms), for a gateway or server that reads one
+    #[arg(long, value_name = "NAME")]
+    pub budget_header: Option<String>,
 }
 
 /// The simulated backend's behaviour.

@@ -126,6 +126,13 @@ pub struct NamedBackend {
     /// The most a job may ask for (default 4096).
     #[serde(default)]
     pub max_tokens_limit: Option<u32>,
+    /// Send the job's tier as the request's `priority` (vLLM's priority scheduling);
+    /// default off.
+    #[serde(default)]
+    pub send_priority: bool,
+    /// Send the budget left, in ms, in this header; default none.
+    #[serde(default)]
+    pub budget_header: Option<String>,
 }
 
 /// The built-in backend names, which a `[routing.backends]` entry may not take.

@@ -20,6 +20,7 @@ mod dead_letters;
 mod docs;
 mod door;
 mod door_tenancy;
+mod engine_hints;
 mod events;
 mod fallback;
 mod http_views;

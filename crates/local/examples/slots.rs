@@ -154,6 +154,7 @@ async fn round(pool: &Arc<LocalPool>, n: usize, max_tokens: usize) -> Round {
                         .expect("object")
                         .clone(),
                     timeout: Duration::from_secs(3600),
+                    priority: lastcall_backend::Priority::Standard,
                 };
                 pool.call(req, CancellationToken::new())
                     .await

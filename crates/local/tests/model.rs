@@ -16,6 +16,7 @@ fn request(payload: Value, timeout: Duration) -> CallRequest {
         attempt: 0,
         payload: payload.as_object().unwrap().clone(),
         timeout,
+        priority: lastcall_backend::Priority::Standard,
     }
 }
 

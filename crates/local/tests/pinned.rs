@@ -21,6 +21,7 @@ fn request(payload: Value) -> CallRequest {
         attempt: 0,
         payload: payload.as_object().unwrap().clone(),
         timeout: Duration::from_secs(600),
+        priority: lastcall_backend::Priority::Standard,
     }
 }
 

@@ -3,7 +3,7 @@
 
 use crate::classify;
 use crate::config::{ConfigError, OpenAiConfig};
-use crate::request::chat_body;
+use crate::request::{chat_body, engine_priority};
 use crate::sse::SseDecoder;
 use crate::stream::{Assembly, Step};
 use futures_util::StreamExt;
@@ -11,7 +11,7 @@ use lastcall_backend::{
     Backend, BackendError, CallFuture, CallOutput, CallRequest, CancellationToken, Deltas,
     LimitSink,
 };
-use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderValue, RETRY_AFTER};
+use reqwest::header::{ACCEPT, AUTHORIZATION, HeaderName, HeaderValue, RETRY_AFTER};
 use std::time::Instant;
 use tracing::Instrument;
 
@@ -41,6 +41,8 @@ pub struct OpenAiBackend {
     url: reqwest::Url,
     /// `Bearer …`, marked sensitive so that hyper never logs it.
     auth: Option<HeaderValue>,
+    /// The header that carries the budget left ([`OpenAiConfig::budget_header`]).
+    budget_header: Option<HeaderName>,
 }
 
 impl std::fmt::Debug for OpenAiBackend {
@@ -80,6 +82,13 @@ impl OpenAiBackend {
             }
             None => None,
         };
+        let budget_header = match &cfg.budget_header {
+            Some(name) => Some(
+                HeaderName::from_bytes(name.trim().as_bytes())
+                    .map_err(|_| ConfigError::BudgetHeader { name: name.clone() })?,
+            ),
+            None => None,
+        };
         let client = reqwest::Client::builder()
             .connect_timeout(cfg.connect_timeout)
             .tcp_nodelay(true)
@@ -91,6 +100,7 @@ impl OpenAiBackend {
             client,
             url,
             auth,
+            budget_header,
         })
     }
 
@@ -98,13 +108,20 @@ impl OpenAiBackend {
         &self.cfg
     }
 
-    /// The streamed chat-completions request for `body`.
-    fn post(&self, body: &serde_json::Value) -> reqwest::RequestBuilder {
-        let request = self
+    /// The streamed chat-completions request for `body`; the budget left at `deadline`
+    /// goes in the budget header when one is configured.
+    fn post(&self, body: &serde_json::Value, deadline: Instant) -> reqwest::RequestBuilder {
+        let mut request = self
             .client
             .post(self.url.clone())
             .header(ACCEPT, "text/event-stream")
             .json(body);
+        if let Some(name) = &self.budget_header {
+            let left = deadline
+                .saturating_duration_since(Instant::now())
+                .as_millis();
+            request = request.header(name.clone(), left.to_string());
+        }
         match &self.auth {
             Some(auth) => request.header(AUTHORIZATION, auth.clone()),
             None => request,
@@ -118,19 +135,22 @@ impl OpenAiBackend {
         &self,
         body: serde_json::Value,
         started: Instant,
+        deadline: Instant,
         mut deltas: Option<Deltas>,
         limits: Option<LimitSink>,
     ) -> Result<CallOutput, BackendError> {
-        let response = match self.post(&body).send().await {
+        let response = match self.post(&body, deadline).send().await {
             Ok(response) => response,
             // A pooled connection that the server closed after its previous response:
             // llama.cpp's llama-server closes the connection after every streamed response,
             // without `Connection: close`, so hyper may write the next request on it before
             // the close arrives, and gets no byte of an answer. The server never read that
             // request: send it once more (hyper takes a new connection).
-            Err(e) if closed_before_response(&e) => {
-                self.post(&body).send().await.map_err(send_error)?
-            }
+            Err(e) if closed_before_response(&e) => self
+                .post(&body, deadline)
+                .send()
+                .await
+                .map_err(send_error)?,
             Err(e) => return Err(send_error(e)),
         };
         let status = response.status();
@@ -276,18 +296,22 @@ impl OpenAiBackend {
         );
         Box::pin(
             async move {
-                let body = chat_body(
+                let mut body = chat_body(
                     &req.payload,
                     &self.cfg.model,
                     self.cfg.max_tokens,
                     self.cfg.max_tokens_limit,
                 )?;
+                if self.cfg.send_priority {
+                    body["priority"] = engine_priority(req.priority).into();
+                }
                 let started = Instant::now();
+                let deadline = started + req.timeout;
                 let why = tokio::select! {
                     biased;
                     _ = cancel.cancelled() => "cancelled",
                     _ = tokio::time::sleep(req.timeout) => "timeout",
-                    result = self.exchange(body, started, deltas, limits) => {
+                    result = self.exchange(body, started, deadline, deltas, limits) => {
                         if let Err(e) = &result {
                             // The worker logs the failure (with the job) at `warn`.
                             tracing::debug!(

@@ -77,6 +77,14 @@ pub struct OpenAiConfig {
     /// The most `max_tokens` a job may ask for: a payload's larger value is lowered to it
     /// (a producer does not decide how long the model server works for it).
     pub max_tokens_limit: u32,
+    /// Send the job's tier as the request's `priority` (vLLM's priority scheduling,
+    /// `--scheduling-policy priority`: lower is served earlier): critical -1, standard 0
+    /// (what vLLM gives a request without one), batch 1. Off by default: a server that
+    /// does not know the field may refuse the request.
+    pub send_priority: bool,
+    /// Send the budget left when the request goes out, in whole ms, in this header (for
+    /// a gateway or server that reads one). `None`: no header.
+    pub budget_header: Option<String>,
 }
 
 impl OpenAiConfig {
@@ -93,6 +101,8 @@ impl OpenAiConfig {
             connect_timeout: Self::DEFAULT_CONNECT_TIMEOUT,
             max_tokens: Self::DEFAULT_MAX_TOKENS,
             max_tokens_limit: Self::DEFAULT_MAX_TOKENS_LIMIT,
+            send_priority: false,
+            budget_header: None,
         }
     }
 
@@ -127,6 +137,19 @@ impl OpenAiConfig {
         self
     }
 
+    /// Send the job's tier as the request's `priority` ([`Self::send_priority`]).
+    pub fn with_send_priority(mut self, on: bool) -> Self {
+        self.send_priority = on;
+        self
+    }
+
+    /// Send the budget left in header `name` ([`Self::budget_header`]); an invalid header
+    /// name is refused when the backend is built.
+    pub fn with_budget_header(mut self, name: Option<String>) -> Self {
+        self.budget_header = name;
+        self
+    }
+
     pub fn api_key(&self) -> Option<&ApiKey> {
         self.api_key.as_ref()
     }
@@ -146,6 +169,8 @@ impl fmt::Debug for OpenAiConfig {
             .field("connect_timeout", &self.connect_timeout)
             .field("max_tokens", &self.max_tokens)
             .field("max_tokens_limit", &self.max_tokens_limit)
+            .field("send_priority", &self.send_priority)
+            .field("budget_header", &self.budget_header)
             .finish()
     }
 }
@@ -163,6 +188,10 @@ pub enum ConfigError {
     BaseUrl { url: String, message: String },
     #[error("cannot build the HTTP client: {0}")]
     Client(String),
+    #[error(
+        "budget header {name:?} is not a valid HTTP header name (letters, digits and `-`, e.g. X-Request-Budget-Ms)"
+    )]
+    BudgetHeader { name: String },
 }
 
 #[cfg(test)]
@@ -196,6 +225,18 @@ mod tests {
             ApiKey::from_file(&dir),
             Err(ConfigError::KeyFile { .. })
         ));
+    }
+
+    #[test]
+    fn a_budget_header_that_is_no_header_name_is_refused_naming_it() {
+        let cfg = OpenAiConfig::new("http://127.0.0.1:8080/v1", "m")
+            .with_budget_header(Some("budget ms".into()));
+        let err = crate::OpenAiBackend::new(cfg).unwrap_err();
+        assert!(matches!(err, ConfigError::BudgetHeader { .. }), "{err}");
+        assert!(err.to_string().contains("\"budget ms\""), "{err}");
+        let ok = OpenAiConfig::new("http://127.0.0.1:8080/v1", "m")
+            .with_budget_header(Some("X-Request-Budget-Ms".into()));
+        assert!(crate::OpenAiBackend::new(ok).is_ok());
     }
 
     #[test]

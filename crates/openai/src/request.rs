@@ -75,6 +75,17 @@ pub fn chat_body(
     Ok(Value::Object(body))
 }
 
+/// The request's `priority` for a job of tier `p`, in vLLM's sense (lower is served
+/// earlier; a request without one is 0): lastcall's standard tier is the server's
+/// default, so its jobs share the server evenly with other clients' requests.
+pub fn engine_priority(p: lastcall_backend::Priority) -> i64 {
+    match p {
+        lastcall_backend::Priority::Critical => -1,
+        lastcall_backend::Priority::Standard => 0,
+        lastcall_backend::Priority::Batch => 1,
+    }
+}
+
 fn bad_payload(message: &str) -> BackendError {
     BackendError::Terminal {
         reason: "bad_payload".into(),
@@ -152,5 +163,20 @@ mod tests {
             assert_eq!(e.reason(), "bad_payload", "{p}");
             assert!(!e.is_retryable());
         }
+    }
+
+    #[test]
+    fn the_engine_priority_follows_the_tiers_and_a_payload_cannot_set_it() {
+        use lastcall_backend::Priority;
+        let order: Vec<i64> = Priority::ALL.iter().map(|p| engine_priority(*p)).collect();
+        assert!(order.windows(2).all(|w| w[0] < w[1]), "{order:?}");
+        assert_eq!(
+            engine_priority(Priority::Standard),
+            0,
+            "the server's default"
+        );
+        // A tenant's own `priority` is not a chat parameter that is passed through.
+        let b = body(json!({"prompt": "x", "priority": -100})).unwrap();
+        assert!(b.get("priority").is_none(), "{b}");
     }
 }

@@ -396,6 +396,7 @@ fn req(job_id: &str, payload: Value, timeout: Duration) -> CallRequest {
         attempt: 0,
         payload: payload.as_object().cloned().unwrap(),
         timeout,
+        priority: lastcall_backend::Priority::Standard,
     }
 }
 

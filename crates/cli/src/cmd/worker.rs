@@ -176,7 +176,9 @@ pub fn local(_: Option<&std::path::Path>, _: usize) -> Result<Arc<dyn Backend>> 
 pub fn openai(a: &OpenAiArgs) -> Result<OpenAiBackend> {
     let mut cfg = OpenAiConfig::new(a.base_url.clone(), a.model.clone())
         .with_max_tokens(a.max_tokens)
-        .with_max_tokens_limit(a.max_tokens_limit);
+        .with_max_tokens_limit(a.max_tokens_limit)
+        .with_send_priority(a.send_priority)
+        .with_budget_header(a.budget_header.clone());
     if let Some(path) = &a.api_key_file {
         cfg = cfg.api_key_from_file(path)?;
     } else if std::env::var_os(&a.api_key_env).is_some() {
@@ -187,7 +189,9 @@ pub fn openai(a: &OpenAiArgs) -> Result<OpenAiBackend> {
 
 /// A `[routing.backends.NAME]` server: its key only from its own variable or file.
 fn named_openai(b: &crate::config::NamedBackend) -> Result<OpenAiBackend> {
-    let mut cfg = OpenAiConfig::new(b.base_url.clone(), b.model.clone());
+    let mut cfg = OpenAiConfig::new(b.base_url.clone(), b.model.clone())
+        .with_send_priority(b.send_priority)
+        .with_budget_header(b.budget_header.clone());
     if let Some(n) = b.max_tokens {
         cfg = cfg.with_max_tokens(n);
     }

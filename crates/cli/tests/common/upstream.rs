@@ -56,6 +56,8 @@ pub struct Upstream {
     pub seen: Mutex<Vec<(String, i64)>>,
     /// Each request's `model`, in arrival order.
     pub models: Mutex<Vec<String>>,
+    /// Each request's header lines (lower case) and JSON body, in arrival order.
+    pub requests_seen: Mutex<Vec<(String, serde_json::Value)>>,
     /// The `usage` object a healthy answer reports instead of its own (e.g. counts
     /// that overflow when summed).
     pub usage: Mutex<Option<String>>,
@@ -147,6 +149,10 @@ async fn answer(mut sock: TcpStream, up: &Upstream) -> std::io::Result<()> {
         .unwrap()
         .push((first_content(&buf[head_len..]), wall_ms));
     up.models.lock().unwrap().push(model_of(&buf[head_len..]));
+    up.requests_seen.lock().unwrap().push((
+        String::from_utf8_lossy(&buf[..head_len]).to_ascii_lowercase(),
+        serde_json::from_slice(&buf[head_len..]).unwrap_or_default(),
+    ));
     let error = |status: u16, text: &str, extra: &str| {
         let body = r#"{"error":{"message":"the model is busy"}}"#;
         format!(

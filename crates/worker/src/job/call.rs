@@ -191,6 +191,7 @@ pub(crate) async fn call_backend(
         attempt,
         payload,
         timeout: Duration::from_millis(budget_ms),
+        priority: env.priority(),
     };
     let t0 = Instant::now();
     // The call's deadline, on the worker's clock (the one that admitted it).
