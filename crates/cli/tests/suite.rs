@@ -9,6 +9,7 @@ mod common;
 
 mod adaptive_slots;
 mod alarm;
+mod autoscale;
 mod batches;
 mod bench;
 mod chaos;

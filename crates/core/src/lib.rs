@@ -39,6 +39,7 @@ pub mod ack_plan;
 pub mod ack_window;
 pub mod admission;
 pub mod alerts;
+pub mod autoscale;
 pub mod batch;
 pub mod breaker;
 pub mod concurrency;

@@ -10,6 +10,8 @@
 
 use crate::depth::{DepthProbe, QueueDepth};
 use lastcall_clock::Clock;
+use lastcall_core::autoscale::{Demand, Plan, plan};
+use lastcall_core::live::{FLEET_WINDOW_MS, fleet};
 use lastcall_core::report::{TenantAccount, tenant_accounts};
 use lastcall_store::Ledger;
 use prometheus_client::collector::Collector;
@@ -296,6 +298,7 @@ impl MetricsSource {
                 Err(e) => tracing::warn!(error = %e, "metrics: cannot count late outcomes"),
             }
             if let Some(clock) = &self.clock {
+                scraped.autoscale = autoscale_plan(l, clock.now_ms()).await;
                 match l.tenant_counts(clock.now_ms() - TENANT_WINDOW_MS).await {
                     Ok(groups) => {
                         scraped.tenants = Some(tenant_accounts(&groups, METRICS_TENANTS));
@@ -322,6 +325,43 @@ struct Scraped {
     ledger_jobs: Option<Vec<(String, i64)>>,
     late_outcomes: Option<i64>,
     tenants: Option<Vec<TenantAccount>>,
+    autoscale: Option<Plan>,
+}
+
+/// The window of the autoscaling gauges.
+pub const AUTOSCALE_WINDOW_MS: i64 = 60_000;
+
+/// The autoscaling gauges' numbers at `now`: the outcomes of the last
+/// [`AUTOSCALE_WINDOW_MS`] and the fleet's fresh leases
+/// ([`lastcall_core::autoscale::plan`]).
+async fn autoscale_plan(l: &Ledger, now: i64) -> Option<Plan> {
+    let samples = match l.tenant_counts(now - AUTOSCALE_WINDOW_MS).await {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics: cannot count the last minute's outcomes");
+            return None;
+        }
+    };
+    let mut d = Demand {
+        window_ms: AUTOSCALE_WINDOW_MS as u64,
+        ..Demand::default()
+    };
+    for s in &samples {
+        d.outcomes += s.jobs;
+        if s.state == lastcall_core::State::Completed.as_str() {
+            d.completed += s.jobs;
+            d.useful_model_ms += s.model_ms.saturating_sub(s.wasted_model_ms);
+        }
+    }
+    let leases = match l.worker_leases(now - FLEET_WINDOW_MS).await {
+        Ok(leases) => leases,
+        Err(e) => {
+            tracing::warn!(error = %e, "metrics: cannot read the worker leases");
+            return None;
+        }
+    };
+    let f = fleet(&leases, now);
+    plan(&d, f.limit, f.learned_call_ms.values().max().copied())
 }
 
 impl Collector for Scraped {
@@ -378,6 +418,33 @@ impl Collector for Scraped {
                 None,
                 g.metric_type(),
             )?)?;
+        }
+        if let Some(p) = &self.autoscale {
+            let g = ConstGauge::new(p.slots_needed);
+            g.encode(enc.encode_descriptor(
+                "lastcall_autoscale_slots_needed",
+                "Model slots the last minute's arrivals keep busy: arrivals per second × the mean call time (Little's law; the minimum at full use, with no room for bursts)",
+                None,
+                g.metric_type(),
+            )?)?;
+            if let Some(n) = p.slots {
+                let g = ConstGauge::new(n);
+                g.encode(enc.encode_descriptor(
+                    "lastcall_autoscale_slots",
+                    "Model slots of the fleet: the concurrency limits of the workers with a fresh lease",
+                    None,
+                    g.metric_type(),
+                )?)?;
+            }
+            if let Some(share) = p.on_time_share {
+                let g = ConstGauge::new(share);
+                g.encode(enc.encode_descriptor(
+                    "lastcall_autoscale_predicted_on_time_share",
+                    "The share of arrivals the fleet's slots can serve in the next minute if the last minute's arrivals and call times go on: slots ÷ slots needed, at most 1",
+                    None,
+                    g.metric_type(),
+                )?)?;
+            }
         }
         if let Some(tenants) = &self.tenants {
             let mut family = enc.encode_descriptor(
