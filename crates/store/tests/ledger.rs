@@ -2422,6 +2422,7 @@ both_backends!(
     export_streams_the_window_and_round_trips_the_records,
     the_size_counts_the_job_rows,
     the_prunable_rows_are_what_pruning_would_delete,
+    batches_past_their_window_and_files_no_batch_reads_are_pruned,
 );
 
 /// Rows cut off before this; texts before [`TEXT_CUT`].
@@ -3798,4 +3799,98 @@ async fn the_alerts_read_open_breakers_of_live_workers_and_outcomes_per_kind(db:
         (got[0].kind.as_str(), got[0].jobs, got[0].refused),
         ("chat", 3, 2)
     );
+}
+
+/// A file of `lines` lines created at `created_at_ms`.
+async fn old_file(l: &Ledger, file_id: &str, created_at_ms: i64, lines: usize) {
+    let file = lastcall_store::FileRow {
+        file_id: file_id.into(),
+        tenant: "team-a".into(),
+        purpose: "batch".into(),
+        filename: "in.jsonl".into(),
+        bytes: 0,
+        line_count: 0,
+        created_at_ms,
+    };
+    l.create_file(&file).await.unwrap();
+    let text: Vec<String> = (0..lines).map(|i| format!("{{\"n\": {i}}}")).collect();
+    l.append_file_lines(file_id, 1, &text).await.unwrap();
+    l.finish_file(file_id, 10, lines as i64).await.unwrap();
+}
+
+/// A batch reading `file_id` whose window ends at `expires_at_ms`.
+async fn batch_on(l: &Ledger, batch_id: &str, file_id: &str, expires_at_ms: i64) {
+    l.create_batch(&lastcall_store::BatchRow {
+        batch_id: batch_id.into(),
+        tenant: "team-a".into(),
+        input_file_id: file_id.into(),
+        endpoint: "/v1/chat/completions".into(),
+        completion_window: "30m".into(),
+        metadata: None,
+        allowed_kinds: None,
+        job_prefix: format!("team-a:{batch_id}-"),
+        created_at_ms: 0,
+        expires_at_ms,
+        total: 1,
+        cursor: 0,
+        cancelled_at_ms: None,
+        cancel_cursor: 0,
+    })
+    .await
+    .unwrap();
+    l.record_line_error(
+        batch_id,
+        &lastcall_store::LineError {
+            line_no: 1,
+            custom_id: None,
+            code: "invalid_json".into(),
+            message: "x".into(),
+        },
+    )
+    .await
+    .unwrap();
+}
+
+async fn batches_past_their_window_and_files_no_batch_reads_are_pruned(db: &TestDb) {
+    let l = &db.ledger;
+    // Old and unused: goes, its 7 lines in pages of 3.
+    old_file(l, "file-unused", 1_000, 7).await;
+    // Old, read by a batch whose window ended before the cut: both go.
+    old_file(l, "file-done", 1_000, 2).await;
+    batch_on(l, "batch_done", "file-done", ROW_CUT - 1).await;
+    // Old, read by a batch whose window is still open at the cut: both stay.
+    old_file(l, "file-open", 1_000, 2).await;
+    batch_on(l, "batch_open", "file-open", ROW_CUT + 1).await;
+    // Created after the cut, unused: stays.
+    old_file(l, "file-new", ROW_CUT, 2).await;
+
+    let preview = l.prune_preview(Some(ROW_CUT), None).await.unwrap();
+    assert_eq!((preview.batches, preview.files), (1, 1), "{preview:?}");
+    let mut total = lastcall_store::PruneCounts::default();
+    loop {
+        let c = l.prune_batches_and_files(ROW_CUT, 3).await.unwrap();
+        total.add(&c);
+        if c.batches + c.files == 0 {
+            break;
+        }
+    }
+    // The batch first, then the files no batch reads any more, its input among them.
+    assert_eq!((total.batches, total.files), (1, 2), "{total:?}");
+    for gone in ["file-unused", "file-done"] {
+        assert_eq!(l.get_file(gone).await.unwrap(), None, "{gone}");
+        assert!(
+            l.file_lines(gone, 1, 100).await.unwrap().is_empty(),
+            "{gone}"
+        );
+    }
+    for kept in ["file-open", "file-new"] {
+        assert!(l.get_file(kept).await.unwrap().is_some(), "{kept}");
+        assert_eq!(l.file_lines(kept, 1, 100).await.unwrap().len(), 2, "{kept}");
+    }
+    assert_eq!(l.get_batch("batch_done").await.unwrap(), None);
+    assert!(l.line_errors("batch_done", 0, 10).await.unwrap().is_empty());
+    assert!(l.get_batch("batch_open").await.unwrap().is_some());
+    assert_eq!(l.line_errors("batch_open", 0, 10).await.unwrap().len(), 1);
+    let again = l.prune_preview(Some(ROW_CUT), None).await.unwrap();
+    assert_eq!((again.batches, again.files), (0, 0), "{again:?}");
 }

@@ -139,6 +139,14 @@ async fn prune_holding_lock(
         }
         total.held_by_webhooks = ledger.held_by_webhooks(cut).await?;
         total.workers = ledger.prune_worker_leases(cut).await?;
+        loop {
+            let t0 = std::time::Instant::now();
+            let batch = ledger.prune_batches_and_files(cut, p.batch_rows).await?;
+            total.add(&batch);
+            if batch.batches + batch.files == 0 || pause(t0.elapsed()).await {
+                break;
+            }
+        }
     }
     if let Some(t) = p.text_retention_ms {
         let cut = now_ms.saturating_sub(t);
@@ -265,6 +273,8 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
                 "texts": c.texts,
                 "held_by_webhooks": c.held_by_webhooks,
                 "worker_leases": c.workers,
+                "batches": c.batches,
+                "files": c.files,
             })
         );
     } else {
@@ -276,7 +286,7 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
         println!(
             "{}{}: {verb} {} jobs ({} attempt rows, {} webhooks, {} webhook attempts); \
              {cleared} {} result texts; {} old jobs held by undelivered webhooks; \
-             {verb} {} stale worker leases",
+             {verb} {} stale worker leases, {} batches past their window and {} unused files",
             if a.dry_run { "dry run, " } else { "" },
             p.describe(),
             c.jobs,
@@ -285,7 +295,9 @@ async fn prune(s: &Settings, a: PruneArgs, clock: &dyn Clock) -> Result<ExitCode
             c.webhook_attempts,
             c.texts,
             c.held_by_webhooks,
-            c.workers
+            c.workers,
+            c.batches,
+            c.files
         );
         if let (Some(dir), false) = (&p.archive_dir, a.dry_run) {
             println!("archive: {}", dir.display());

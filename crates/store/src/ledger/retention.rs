@@ -77,6 +77,27 @@ const COUNT_TEXTS: &str = concat!(
 const COUNT_STALE_WORKERS: &str = "SELECT COUNT(*) FROM workers WHERE heartbeat_ms < $1";
 const DELETE_STALE_WORKERS: &str = "DELETE FROM workers WHERE heartbeat_ms < $1";
 
+/// Batches whose window ended before `$1` (their jobs' deadlines all passed by then).
+const COUNT_OLD_BATCHES: &str = "SELECT COUNT(*) FROM batches WHERE expires_at_ms < $1";
+const SELECT_OLD_BATCHES: &str =
+    "SELECT batch_id FROM batches WHERE expires_at_ms < $1 ORDER BY expires_at_ms LIMIT $2";
+/// Files created before `$1` that no batch reads (a batch's input stays while it does).
+macro_rules! old_files {
+    () => {
+        "FROM files f WHERE f.created_at_ms < $1 AND NOT EXISTS \
+         (SELECT 1 FROM batches b WHERE b.input_file_id = f.file_id)"
+    };
+}
+const COUNT_OLD_FILES: &str = concat!("SELECT COUNT(*) ", old_files!());
+const SELECT_OLD_FILES: &str = concat!(
+    "SELECT f.file_id ",
+    old_files!(),
+    " ORDER BY f.created_at_ms LIMIT $2"
+);
+/// At most `$2` lines of file `$1`.
+const DELETE_FILE_LINES_PAGE: &str = "DELETE FROM file_lines WHERE file_id = $1 AND line_no IN \
+     (SELECT line_no FROM file_lines WHERE file_id = $1 ORDER BY line_no LIMIT $2)";
+
 /// The oldest `$2` eligible jobs (through the `jobs_recorded_at` index).
 const SELECT_BATCH: &str = concat!(
     "SELECT job_id FROM jobs WHERE ",
@@ -148,6 +169,11 @@ pub struct PruneCounts {
     pub texts: u64,
     /// Jobs old enough to go but kept: their webhook is not delivered yet.
     pub held_by_webhooks: u64,
+    /// Batches whose completion window ended before the cutoff (with their malformed-line
+    /// records).
+    pub batches: u64,
+    /// Uploaded files created before the cutoff that no kept batch reads (with their lines).
+    pub files: u64,
     /// Worker leases not renewed since the row cutoff (workers long gone).
     pub workers: u64,
 }
@@ -162,6 +188,8 @@ impl PruneCounts {
         self.webhook_attempts += other.webhook_attempts;
         self.texts += other.texts;
         self.workers += other.workers;
+        self.batches += other.batches;
+        self.files += other.files;
     }
 }
 
@@ -261,6 +289,8 @@ impl Ledger {
             c.webhook_attempts = count(COUNT_WEBHOOK_ATTEMPTS, cut, None).await?;
             c.held_by_webhooks = count(COUNT_HELD, cut, None).await?;
             c.workers = count(COUNT_STALE_WORKERS, cut, None).await?;
+            c.batches = count(COUNT_OLD_BATCHES, cut, None).await?;
+            c.files = count(COUNT_OLD_FILES, cut, None).await?;
         }
         if let Some(cut) = texts_before_ms {
             let floor = rows_before_ms.unwrap_or(i64::MIN).min(cut);
@@ -324,6 +354,85 @@ impl Ledger {
             rows,
             bounded: rows >= u64::from(limit),
         })
+    }
+
+    /// One batch-and-file batch: at most `limit` batches whose completion window ended
+    /// before `before_ms` (with their malformed-line records), then at most `limit` files
+    /// created before it that no remaining batch reads. A file's lines go `limit` at a
+    /// time, each page its own transaction, the file's row last (a file without its row
+    /// is never served: every read starts from the row). `batches == 0 && files == 0`:
+    /// nothing is left at this cutoff.
+    pub async fn prune_batches_and_files(
+        &self,
+        before_ms: i64,
+        limit: u32,
+    ) -> Result<PruneCounts, StoreError> {
+        const CTX: &str = "pruning old batches and files";
+        let ids = |sql: &'static str| async move {
+            let got: Vec<String> = on_pool!(self, read, |pool| {
+                sqlx::query(sql)
+                    .bind(before_ms)
+                    .bind(i64::from(limit))
+                    .fetch_all(pool)
+                    .await
+                    .and_then(|rows| rows.iter().map(|r| r.try_get(0)).collect())
+                    .map_err(db(CTX))?
+            });
+            Ok::<_, StoreError>(got)
+        };
+        let mut c = PruneCounts::default();
+        for batch_id in ids(SELECT_OLD_BATCHES).await? {
+            let gone = write_tx!(self, "pruning old batches and files", |tx| {
+                sqlx::query("DELETE FROM batch_line_errors WHERE batch_id = $1")
+                    .bind(&batch_id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db(CTX))?;
+                sqlx::query("DELETE FROM batches WHERE batch_id = $1 AND expires_at_ms < $2")
+                    .bind(&batch_id)
+                    .bind(before_ms)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db(CTX))?
+                    .rows_affected()
+            });
+            c.batches += gone;
+        }
+        for file_id in ids(SELECT_OLD_FILES).await? {
+            // The row first, in one transaction with the check that no batch reads the
+            // file: a batch created from it meanwhile keeps it, and once the row is gone
+            // no new batch can name it.
+            let gone = write_tx!(self, "pruning old batches and files", |tx| {
+                sqlx::query(
+                    "DELETE FROM files WHERE file_id = $1 AND NOT EXISTS \
+                     (SELECT 1 FROM batches b WHERE b.input_file_id = $1)",
+                )
+                .bind(&file_id)
+                .execute(&mut *tx)
+                .await
+                .map_err(db(CTX))?
+                .rows_affected()
+            });
+            if gone == 0 {
+                continue;
+            }
+            c.files += 1;
+            loop {
+                let n = write_tx!(self, "pruning old batches and files", |tx| {
+                    sqlx::query(DELETE_FILE_LINES_PAGE)
+                        .bind(&file_id)
+                        .bind(i64::from(limit))
+                        .execute(&mut *tx)
+                        .await
+                        .map_err(db(CTX))?
+                        .rows_affected()
+                });
+                if n < u64::from(limit) {
+                    break;
+                }
+            }
+        }
+        Ok(c)
     }
 
     /// Terminal jobs recorded before `before_ms` that only an undelivered webhook keeps.
