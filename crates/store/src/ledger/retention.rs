@@ -358,10 +358,9 @@ impl Ledger {
 
     /// One batch-and-file batch: at most `limit` batches whose completion window ended
     /// before `before_ms` (with their malformed-line records), then at most `limit` files
-    /// created before it that no remaining batch reads. A file's lines go `limit` at a
-    /// time, each page its own transaction, the file's row last (a file without its row
-    /// is never served: every read starts from the row). `batches == 0 && files == 0`:
-    /// nothing is left at this cutoff.
+    /// created before it that no remaining batch reads: hidden first (marked incomplete),
+    /// then its lines `limit` at a time, each page its own transaction, its row last.
+    /// `batches == 0 && files == 0`: nothing is left at this cutoff.
     pub async fn prune_batches_and_files(
         &self,
         before_ms: i64,
@@ -399,12 +398,12 @@ impl Ledger {
             c.batches += gone;
         }
         for file_id in ids(SELECT_OLD_FILES).await? {
-            // The row first, in one transaction with the check that no batch reads the
-            // file: a batch created from it meanwhile keeps it, and once the row is gone
-            // no new batch can name it.
-            let gone = write_tx!(self, "pruning old batches and files", |tx| {
+            // Hidden first (reads and new batches see only complete files), in one
+            // transaction with the check that no batch reads it; then its lines a page at
+            // a time; the row last, so a pass cut short leaves a row the next one finds.
+            let hidden = write_tx!(self, "pruning old batches and files", |tx| {
                 sqlx::query(
-                    "DELETE FROM files WHERE file_id = $1 AND NOT EXISTS \
+                    "UPDATE files SET complete = FALSE WHERE file_id = $1 AND NOT EXISTS \
                      (SELECT 1 FROM batches b WHERE b.input_file_id = $1)",
                 )
                 .bind(&file_id)
@@ -413,10 +412,9 @@ impl Ledger {
                 .map_err(db(CTX))?
                 .rows_affected()
             });
-            if gone == 0 {
+            if hidden == 0 {
                 continue;
             }
-            c.files += 1;
             loop {
                 let n = write_tx!(self, "pruning old batches and files", |tx| {
                     sqlx::query(DELETE_FILE_LINES_PAGE)
@@ -431,6 +429,14 @@ impl Ledger {
                     break;
                 }
             }
+            c.files += write_tx!(self, "pruning old batches and files", |tx| {
+                sqlx::query("DELETE FROM files WHERE file_id = $1 AND NOT complete")
+                    .bind(&file_id)
+                    .execute(&mut *tx)
+                    .await
+                    .map_err(db(CTX))?
+                    .rows_affected()
+            });
         }
         Ok(c)
     }
