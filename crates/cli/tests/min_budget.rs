@@ -1,7 +1,8 @@
 //! A refusal for lack of time names the budget that would be admitted
 //! (`min_feasible_budget_ms`): at the door (`429 would_expire_in_queue`, body and
 //! `X-Lastcall-Min-Budget-Ms`), and at the worker (recorded on the job's row, shown by
-//! `GET /v1/jobs/{id}`). Real RabbitMQ, ledger, `lastcall serve` and a sim worker.
+//! `GET /v1/jobs/{id}`, by the chat door's `504` and by `lastcall submit --wait`). Real
+//! RabbitMQ, ledger, `lastcall serve` and a sim worker.
 
 use crate::common;
 
@@ -25,6 +26,11 @@ fn free_port() -> u16 {
 
 /// `lastcall serve` on a free port, up and answering; its base URL.
 async fn serve(env: &Env, http: &reqwest::Client) -> (Children, String) {
+    serve_with(env, http, &[]).await
+}
+
+/// [`serve`] with more flags.
+async fn serve_with(env: &Env, http: &reqwest::Client, extra: &[&str]) -> (Children, String) {
     let port = free_port();
     let child = env
         .command()
@@ -35,6 +41,7 @@ async fn serve(env: &Env, http: &reqwest::Client) -> (Children, String) {
             "--retry-delays-ms",
             "1000,5000",
         ])
+        .args(extra)
         .env("LASTCALL_HTTP_TOKEN", TOKEN)
         .stdout(Stdio::null())
         .stderr(Stdio::null())
@@ -301,5 +308,88 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    env.cleanup().await;
+}
+
+/// A worker whose floor (`default_min_runtime_ms`, 1,000 ms: nothing learned yet) is more
+/// than a job's budget refuses it at receipt for lack of time; the door (`--no-shed`, so the
+/// worker decides) and `lastcall submit --no-shed --wait` both wait for that outcome and
+/// name the budget the worker's check would have admitted — its clock margin + the floor.
+/// The chat door answers `504 deadline_expired` with it beside `code`, and as the header;
+/// `submit --wait` prints it on its `refused:` line and exits 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_workers_refusal_names_the_budget_that_would_have_been_admitted() {
+    const FLOOR: u64 = 1_000;
+    let env = Env::sqlite("min-budget-wait").await;
+    let mut cfg = env.worker_config(1, 4);
+    cfg.policy.admission.default_min_runtime_ms = FLOOR;
+    let expected = cfg.policy.admission.clock_uncertainty_ms + FLOOR;
+    let w = env.start_worker(cfg, sim(20), system_clock()).await;
+    let http = reqwest::Client::new();
+    let (_serve, base) =
+        serve_with(&env, &http, &["--no-shed", "--model", "m=incident.summary"]).await;
+
+    // The chat door, holding the request until the job's outcome.
+    let r = http
+        .post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(TOKEN)
+        .header("X-Lastcall-Deadline-Ms", "600")
+        .json(&serde_json::json!({
+            "model": "m",
+            "messages": [{"role": "user", "content": "summarize"}],
+        }))
+        .send()
+        .await
+        .unwrap();
+    let status = r.status().as_u16();
+    let header = |name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let (budget_header, retry, job_id) = (
+        header("x-lastcall-min-budget-ms"),
+        header("x-should-retry"),
+        header("x-lastcall-job-id").expect("the job's id"),
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["error"]["type"], "deadline_expired", "{body}");
+    assert_eq!(body["error"]["code"], "receipt:below_min_runtime", "{body}");
+    assert_eq!(body["error"]["min_feasible_budget_ms"], expected, "{body}");
+    assert_eq!(budget_header, Some(expected.to_string()), "{body}");
+    assert_eq!(retry.as_deref(), Some("false"));
+    let rec = env.ledger.get(&job_id).await.unwrap().unwrap();
+    assert_eq!(rec.state, "expired_not_started", "{rec:?}");
+    assert_eq!(rec.min_feasible_budget_ms, Some(expected as i64), "{rec:?}");
+
+    // `lastcall submit --wait`, published past the door's shedding as well.
+    let out = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--prompt",
+        "summarize",
+        "--deadline-ms",
+        "600",
+        "--job-id",
+        "cli-wait",
+        "--retry-delays-ms",
+        "1000,5000",
+        "--no-shed",
+        "--wait",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
+    assert!(stdout.contains("state: expired_not_started"), "{stdout}");
+    let line = format!(
+        "refused: receipt:below_min_runtime — a budget of at least {expected} ms left when the worker refused it would have been admitted"
+    );
+    assert!(stdout.contains(&line), "no `{line}` in:\n{stdout}{stderr}");
+    let rec = env.ledger.get("cli-wait").await.unwrap().unwrap();
+    assert_eq!(rec.min_feasible_budget_ms, Some(expected as i64), "{rec:?}");
+
+    w.stop().await;
     env.cleanup().await;
 }
