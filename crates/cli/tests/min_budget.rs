@@ -6,60 +6,14 @@
 
 use crate::common;
 
-use common::http::Children;
+use common::serve::Serve;
 use common::*;
 use lastcall_worker::clock::now_ms;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "min-budget-test-token-0123456789";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `lastcall serve` on a free port, up and answering; its base URL.
-async fn serve(env: &Env, http: &reqwest::Client) -> (Children, String) {
-    serve_with(env, http, &[]).await
-}
-
-/// [`serve`] with more flags.
-async fn serve_with(env: &Env, http: &reqwest::Client, extra: &[&str]) -> (Children, String) {
-    let port = free_port();
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .args(extra)
-        .env("LASTCALL_HTTP_TOKEN", TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let children = Children(vec![child]);
-    let base = format!("http://127.0.0.1:{port}");
-    let until = Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = http.get(format!("{base}/readyz")).send().await;
-        if up.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        assert!(Instant::now() < until, "serve did not come up");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    (children, base)
-}
 
 /// `POST /v1/jobs` of job `id` with a budget of `deadline_ms`: the status, the
 /// `X-Lastcall-Min-Budget-Ms` header and the body.
@@ -88,6 +42,26 @@ async fn post(
         .get("x-lastcall-min-budget-ms")
         .map(|v| v.to_str().unwrap().parse().unwrap());
     (status, header, r.json().await.unwrap_or_default())
+}
+
+/// `POST /v1/chat/completions` to `model` with a budget of `deadline_ms`
+/// (`X-Lastcall-Deadline-Ms`).
+async fn chat(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    deadline_ms: u64,
+) -> reqwest::Response {
+    http.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(TOKEN)
+        .header("X-Lastcall-Deadline-Ms", deadline_ms.to_string())
+        .json(&serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "summarize"}],
+        }))
+        .send()
+        .await
+        .unwrap()
 }
 
 /// Under steady load (a backlog kept near 120 jobs of long budget, drained by one worker
@@ -133,7 +107,8 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
         }
     });
     let http = reqwest::Client::new();
-    let (_serve, base) = serve(&env, &http).await;
+    let serve = Serve::start(&env, TOKEN, &[]).await;
+    let base = &serve.base;
 
     // Refusals, each resent at once with the budget it named.
     let (mut refused, mut admitted, mut seen) = (0u32, 0u32, Vec::new());
@@ -178,17 +153,7 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
     assert!(share >= 0.9, "{admitted} of {refused} admitted: {seen:?}");
 
     // The OpenAI route: beside `code`, and the header.
-    let r = http
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth(TOKEN)
-        .header("X-Lastcall-Deadline-Ms", "500")
-        .json(&serde_json::json!({
-            "model": "chat",
-            "messages": [{"role": "user", "content": "summarize"}],
-        }))
-        .send()
-        .await
-        .unwrap();
+    let r = chat(&http, base, "chat", 500).await;
     assert_eq!(r.status(), 429);
     let header: u64 = (r.headers().get("x-lastcall-min-budget-ms"))
         .expect("the header")
@@ -214,30 +179,11 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     let env = Env::sqlite("min-budget-worker").await;
-    let mut cfg = env.worker_config(1, 16);
-    cfg.buffer_order = lastcall_worker::BufferOrder::Fifo;
-    let margin = cfg.policy.admission.clock_uncertainty_ms;
-    let w = env.start_worker(cfg, sim(400), system_clock()).await;
-    let s = env.submitter(100, true).await;
-    for id in ["a1", "a2", "a3"] {
-        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
-    }
-    env.wait_terminal(
-        &["a1", "a2", "a3"].map(String::from),
-        Duration::from_secs(10),
-    )
+    let mut margin = 0;
+    let (w, _, s) = two_waiting_behind_one_slot(&env, |cfg| {
+        margin = cfg.policy.admission.clock_uncertainty_ms;
+    })
     .await;
-    for id in ["b", "c", "d"] {
-        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
-    }
-    let t0 = Instant::now();
-    while w.stats.waiting.load(Ordering::Relaxed) < 2 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "C and D never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
     s.submit(&job("e", 1_400), now_ms()).await.unwrap();
     let e = env
         .wait_terminal(&["e".to_owned()], Duration::from_secs(15))
@@ -262,7 +208,8 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     w.stop().await;
 
     let http = reqwest::Client::new();
-    let (_serve, base) = serve(&env, &http).await;
+    let serve = Serve::start(&env, TOKEN, &[]).await;
+    let base = &serve.base;
     let rec: serde_json::Value = http
         .get(format!("{base}/v1/jobs/e"))
         .bearer_auth(TOKEN)
@@ -326,21 +273,11 @@ async fn waiting_for_a_workers_refusal_names_the_budget_that_would_have_been_adm
     let expected = cfg.policy.admission.clock_uncertainty_ms + FLOOR;
     let w = env.start_worker(cfg, sim(20), system_clock()).await;
     let http = reqwest::Client::new();
-    let (_serve, base) =
-        serve_with(&env, &http, &["--no-shed", "--model", "m=incident.summary"]).await;
+    let serve = Serve::start(&env, TOKEN, &["--no-shed", "--model", "m=incident.summary"]).await;
+    let base = &serve.base;
 
     // The chat door, holding the request until the job's outcome.
-    let r = http
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth(TOKEN)
-        .header("X-Lastcall-Deadline-Ms", "600")
-        .json(&serde_json::json!({
-            "model": "m",
-            "messages": [{"role": "user", "content": "summarize"}],
-        }))
-        .send()
-        .await
-        .unwrap();
+    let r = chat(&http, base, "m", 600).await;
     let status = r.status().as_u16();
     let header = |name: &str| {
         r.headers()
