@@ -1370,20 +1370,16 @@ mod tests {
         // admitted.
         let (mut batch_only, mut sheds) = (0, 0);
         for_readings(0x51_7cc1_b727_220a, |g, r| {
-            let Readings {
-                own,
-                work,
-                budget,
-                call,
-            } = r;
             let lane = 1 + g.upto(6) as u8;
-            let v = |p: Priority| decide_tiered(at(p, lane), own, work, NOW + budget, call, NOW);
+            let v = |p: Priority| {
+                decide_tiered(at(p, lane), r.own, r.work, NOW + r.budget, r.call, NOW)
+            };
             let (c, s, b) = (
                 v(Priority::Critical),
                 v(Priority::Standard),
                 v(Priority::Batch),
             );
-            let too_long = call.unwrap_or(0) as i64 > budget;
+            let too_long = r.call.unwrap_or(0) as i64 > r.budget;
             assert_eq!(c.is_shed(), too_long, "{c:?}");
             if too_long {
                 assert!(s.is_shed() && b.is_shed());
@@ -1398,7 +1394,7 @@ mod tests {
             if let Verdict::Shed(e) = b
                 && !e.cannot_finish()
             {
-                assert!(e.needed_ms() as i64 > budget, "{e:?}");
+                assert!(e.needed_ms() as i64 > r.budget, "{e:?}");
                 assert!((1..=MAX_RETRY_AFTER_S).contains(&e.retry_after_s));
             }
         });
@@ -1412,17 +1408,11 @@ mod tests {
         // would still be shed (the number is the smallest, to the step).
         let (mut sheds, mut behind_a_queue) = (0, 0);
         for_readings(0x6d1f_2b3a_99c4_0e17, |g, r| {
-            let Readings {
-                own,
-                work,
-                budget,
-                call,
-            } = r;
             let priority =
                 [Priority::Critical, Priority::Standard, Priority::Batch][g.upto(2) as usize];
             let place = at(priority, g.upto(6) as u8);
-            let v = |b: i64| decide_tiered(place, own, work, NOW + b, call, NOW);
-            let Verdict::Shed(e) = v(budget) else {
+            let v = |b: i64| decide_tiered(place, r.own, r.work, NOW + b, r.call, NOW);
+            let Verdict::Shed(e) = v(r.budget) else {
                 return;
             };
             sheds += 1;
@@ -1431,7 +1421,7 @@ mod tests {
             }
             let min = e.min_feasible_budget_ms;
             assert_eq!(min % BUDGET_STEP_MS, 0, "{e:?}");
-            assert!(min as i64 > budget, "{e:?}");
+            assert!(min as i64 > r.budget, "{e:?}");
             assert!(
                 !v(min as i64).is_shed(),
                 "{e:?} at {min}: {:?}",
