@@ -31,7 +31,7 @@ async fn serve(env: &Env) -> (Serve, String) {
     )
     .unwrap();
     let file = file.to_str().unwrap();
-    let serve = Serve::start(&env, OPERATOR, &["--tokens-file", file]).await;
+    let serve = Serve::start(env, OPERATOR, &["--tokens-file", file]).await;
     let base = serve.base.clone();
     (serve, base)
 }

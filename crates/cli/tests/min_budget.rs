@@ -120,7 +120,7 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
             "only {refused} refusals in 90 s: {seen:?}"
         );
         i += 1;
-        let (status, header, body) = post(&http, &base, &format!("probe-{i}"), 500).await;
+        let (status, header, body) = post(&http, base, &format!("probe-{i}"), 500).await;
         if status != 429 {
             // Admitted while the door had no reading yet: not a refusal to resend.
             assert_eq!(status, 202, "{body}");
@@ -135,7 +135,7 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
         assert_eq!(body["estimate"]["min_feasible_budget_ms"], min, "{body}");
         assert!(min > 500 && min % 100 == 0, "{body}");
         refused += 1;
-        let (again, _, body) = post(&http, &base, &format!("resent-{i}"), min).await;
+        let (again, _, body) = post(&http, base, &format!("resent-{i}"), min).await;
         seen.push((min, again));
         match again {
             202 => admitted += 1,
