@@ -9,6 +9,7 @@
 
 use crate::common;
 
+use common::serve::Serve;
 use common::upstream::{FAILING, HEALTHY, Upstream};
 use common::*;
 use lastcall_backend::Backend;
@@ -17,7 +18,7 @@ use lastcall_core::Priority;
 use lastcall_core::breaker::{BreakerPolicy, BreakerState};
 use lastcall_openai::{OpenAiBackend, OpenAiConfig};
 use lastcall_worker::clock::now_ms;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -44,40 +45,6 @@ fn curl(args: &[&str]) -> (u16, String) {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
     (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `lastcall serve` (shedding on, the default) on a free port, up and answering.
-fn serve(env: &Env) -> (Child, String) {
-    let port = free_port();
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .env("LASTCALL_HTTP_TOKEN", TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/readyz")]).0 != 200 {
-        assert!(Instant::now() < until, "serve did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    (child, base)
 }
 
 /// `POST /v1/jobs` of a job of `job()`'s kind at `priority`.
@@ -140,7 +107,9 @@ async fn under_a_batch_flood_critical_is_admitted_and_batch_is_shed() {
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
 
-    let (mut serving, base) = serve(&env);
+    // Shedding on, the default.
+    let serving = Serve::start(&env, TOKEN, &[]).await;
+    let base = serving.base.clone();
     // Batch behind ~15+ s of batch backlog with a 3 s budget: shed, nothing published.
     let (code, resp) = post(&base, "batch-late", 3_000, "batch");
     assert_eq!(code, 429, "{resp}");
@@ -162,8 +131,7 @@ async fn under_a_batch_flood_critical_is_admitted_and_batch_is_shed() {
         .wait_terminal(&["critical-now".to_owned()], Duration::from_secs(10))
         .await;
     assert_eq!(recs[0].state, "completed", "{:#?}", recs[0]);
-    serving.kill().unwrap();
-    serving.wait().unwrap();
+    drop(serving);
     worker.stop().await;
     env.cleanup().await;
 }
@@ -192,7 +160,9 @@ async fn breaker_at_the_door(env: Env) {
     };
     let w = env.start_worker(cfg, backend, system_clock()).await;
     let s = env.submitter(100, true).await;
-    let (mut serving, base) = serve(&env);
+    // Shedding on, the default.
+    let serving = Serve::start(&env, TOKEN, &[]).await;
+    let base = serving.base.clone();
 
     // Healthy: admitted and completed.
     let (code, resp) = post(&base, "healthy", 10_000, "standard");
@@ -307,8 +277,7 @@ async fn breaker_at_the_door(env: Env) {
     for id in &refused {
         assert!(env.ledger.get(id).await.unwrap().is_none(), "{id} recorded");
     }
-    serving.kill().unwrap();
-    serving.wait().unwrap();
+    drop(serving);
     w.stop().await;
     server.abort();
     env.cleanup().await;

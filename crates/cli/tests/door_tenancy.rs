@@ -8,11 +8,11 @@
 
 use crate::common;
 
+use common::serve::Serve;
 use common::*;
 use lastcall_worker::clock::now_ms;
 use serde_json::json;
 use std::io::{Read, Write};
-use std::process::Stdio;
 use std::time::{Duration, Instant};
 
 const OPERATOR: &str = "operator-token-door-tenancy-48";
@@ -20,7 +20,7 @@ const TEAM_A: &str = "team-a-token-door-tenancy-0048";
 
 /// `lastcall serve` with the defaults and a tokens file giving `TEAM_A` tenant `team-a`;
 /// its base URL once it is ready.
-fn serve(env: &Env) -> (common::http::Children, String) {
+async fn serve(env: &Env) -> (Serve, String) {
     let file = std::env::temp_dir().join(format!("{}-tokens.toml", env.prefix));
     std::fs::write(
         &file,
@@ -30,32 +30,10 @@ fn serve(env: &Env) -> (common::http::Children, String) {
         ),
     )
     .unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--tokens-file",
-        ])
-        .arg(&file)
-        .env("LASTCALL_HTTP_TOKEN", OPERATOR)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    let until = Instant::now() + Duration::from_secs(20);
-    while common::http::curl(&[&format!("{base}/readyz")]).0 != 200 {
-        assert!(Instant::now() < until, "serve did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    (common::http::Children(vec![child]), base)
+    let file = file.to_str().unwrap();
+    let serve = Serve::start(env, OPERATOR, &["--tokens-file", file]).await;
+    let base = serve.base.clone();
+    (serve, base)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -82,7 +60,7 @@ async fn an_idempotency_key_never_answers_with_another_tenants_job() {
         ("completed", "team-b")
     );
 
-    let (_serve, base) = serve(&env);
+    let (_serve, base) = serve(&env).await;
     let body = json!({"model": "any", "messages": [{"role": "user", "content": "hello"}]});
     let (code, resp) = tokio::task::spawn_blocking(move || {
         common::http::curl(&[
@@ -161,7 +139,7 @@ fn slow_body(base: &str, token: &str) -> (String, Duration) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_body_sent_slowly_is_cut_at_the_read_timeout() {
     let env = Env::sqlite("door-tenancy-body").await;
-    let (_serve, base) = serve(&env);
+    let (_serve, base) = serve(&env).await;
     for token in [TEAM_A, OPERATOR] {
         let base = base.clone();
         let (resp, after) = tokio::task::spawn_blocking(move || slow_body(&base, token))

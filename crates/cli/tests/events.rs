@@ -6,7 +6,6 @@ use crate::common;
 
 use common::*;
 use lastcall_core::OutcomeEvent;
-use std::process::Stdio;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 use tokio_util::sync::CancellationToken;
@@ -194,9 +193,15 @@ async fn a_crash_between_the_write_and_the_event_keeps_the_outcome() {
     env.cleanup().await;
 }
 
-struct Serve {
-    child: std::process::Child,
-    base: String,
+/// `lastcall serve --no-shed` ([`common::serve::Serve`]: `base`, killed on drop) and what
+/// these tests ask of it.
+struct Serve(common::serve::Serve);
+
+impl std::ops::Deref for Serve {
+    type Target = common::serve::Serve;
+    fn deref(&self) -> &Self::Target {
+        &self.0
+    }
 }
 
 impl Serve {
@@ -206,30 +211,10 @@ impl Serve {
 
     /// With more flags and environment variables.
     async fn start_with(env: &Env, args: &[&str], vars: &[(&str, &str)]) -> Self {
-        let port = common::private_rabbit::free_port();
-        let child = env
-            .command()
-            .args(["serve", "--addr", &format!("127.0.0.1:{port}")])
-            .args(["--retry-delays-ms", "1000,5000", "--no-shed"])
-            .args(args)
-            .envs(vars.iter().copied())
-            .env("LASTCALL_HTTP_TOKEN", TOKEN)
-            .stdout(Stdio::null())
-            .stderr(Stdio::null())
-            .spawn()
-            .unwrap();
-        let base = format!("http://127.0.0.1:{port}");
-        let until = Instant::now() + Duration::from_secs(20);
-        while reqwest::get(format!("{base}/readyz"))
-            .await
-            .map(|r| r.status().as_u16())
-            .unwrap_or(0)
-            != 200
-        {
-            assert!(Instant::now() < until, "serve did not become ready");
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        Self { child, base }
+        let flags: Vec<&str> = std::iter::once("--no-shed")
+            .chain(args.iter().copied())
+            .collect();
+        Self(common::serve::Serve::start_with(env, TOKEN, &flags, vars).await)
     }
 
     /// `GET {base}{path}` with the token.
@@ -254,13 +239,6 @@ impl Serve {
             .trim()
             .parse()
             .unwrap()
-    }
-}
-
-impl Drop for Serve {
-    fn drop(&mut self) {
-        let _ = self.child.kill();
-        let _ = self.child.wait();
     }
 }
 

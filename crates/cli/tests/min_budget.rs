@@ -1,58 +1,19 @@
 //! A refusal for lack of time names the budget that would be admitted
 //! (`min_feasible_budget_ms`): at the door (`429 would_expire_in_queue`, body and
 //! `X-Lastcall-Min-Budget-Ms`), and at the worker (recorded on the job's row, shown by
-//! `GET /v1/jobs/{id}`). Real RabbitMQ, ledger, `lastcall serve` and a sim worker.
+//! `GET /v1/jobs/{id}`, by the chat door's `504` and by `lastcall submit --wait`). Real
+//! RabbitMQ, ledger, `lastcall serve` and a sim worker.
 
 use crate::common;
 
-use common::http::Children;
+use common::serve::Serve;
 use common::*;
 use lastcall_worker::clock::now_ms;
-use std::process::Stdio;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "min-budget-test-token-0123456789";
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `lastcall serve` on a free port, up and answering; its base URL.
-async fn serve(env: &Env, http: &reqwest::Client) -> (Children, String) {
-    let port = free_port();
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .env("LASTCALL_HTTP_TOKEN", TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let children = Children(vec![child]);
-    let base = format!("http://127.0.0.1:{port}");
-    let until = Instant::now() + Duration::from_secs(30);
-    loop {
-        let up = http.get(format!("{base}/readyz")).send().await;
-        if up.is_ok_and(|r| r.status() == 200) {
-            break;
-        }
-        assert!(Instant::now() < until, "serve did not come up");
-        tokio::time::sleep(Duration::from_millis(100)).await;
-    }
-    (children, base)
-}
 
 /// `POST /v1/jobs` of job `id` with a budget of `deadline_ms`: the status, the
 /// `X-Lastcall-Min-Budget-Ms` header and the body.
@@ -81,6 +42,26 @@ async fn post(
         .get("x-lastcall-min-budget-ms")
         .map(|v| v.to_str().unwrap().parse().unwrap());
     (status, header, r.json().await.unwrap_or_default())
+}
+
+/// `POST /v1/chat/completions` to `model` with a budget of `deadline_ms`
+/// (`X-Lastcall-Deadline-Ms`).
+async fn chat(
+    http: &reqwest::Client,
+    base: &str,
+    model: &str,
+    deadline_ms: u64,
+) -> reqwest::Response {
+    http.post(format!("{base}/v1/chat/completions"))
+        .bearer_auth(TOKEN)
+        .header("X-Lastcall-Deadline-Ms", deadline_ms.to_string())
+        .json(&serde_json::json!({
+            "model": model,
+            "messages": [{"role": "user", "content": "summarize"}],
+        }))
+        .send()
+        .await
+        .unwrap()
 }
 
 /// Under steady load (a backlog kept near 120 jobs of long budget, drained by one worker
@@ -126,7 +107,8 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
         }
     });
     let http = reqwest::Client::new();
-    let (_serve, base) = serve(&env, &http).await;
+    let serve = Serve::start(&env, TOKEN, &[]).await;
+    let base = &serve.base;
 
     // Refusals, each resent at once with the budget it named.
     let (mut refused, mut admitted, mut seen) = (0u32, 0u32, Vec::new());
@@ -138,7 +120,7 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
             "only {refused} refusals in 90 s: {seen:?}"
         );
         i += 1;
-        let (status, header, body) = post(&http, &base, &format!("probe-{i}"), 500).await;
+        let (status, header, body) = post(&http, base, &format!("probe-{i}"), 500).await;
         if status != 429 {
             // Admitted while the door had no reading yet: not a refusal to resend.
             assert_eq!(status, 202, "{body}");
@@ -153,7 +135,7 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
         assert_eq!(body["estimate"]["min_feasible_budget_ms"], min, "{body}");
         assert!(min > 500 && min % 100 == 0, "{body}");
         refused += 1;
-        let (again, _, body) = post(&http, &base, &format!("resent-{i}"), min).await;
+        let (again, _, body) = post(&http, base, &format!("resent-{i}"), min).await;
         seen.push((min, again));
         match again {
             202 => admitted += 1,
@@ -171,17 +153,7 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
     assert!(share >= 0.9, "{admitted} of {refused} admitted: {seen:?}");
 
     // The OpenAI route: beside `code`, and the header.
-    let r = http
-        .post(format!("{base}/v1/chat/completions"))
-        .bearer_auth(TOKEN)
-        .header("X-Lastcall-Deadline-Ms", "500")
-        .json(&serde_json::json!({
-            "model": "chat",
-            "messages": [{"role": "user", "content": "summarize"}],
-        }))
-        .send()
-        .await
-        .unwrap();
+    let r = chat(&http, base, "chat", 500).await;
     assert_eq!(r.status(), 429);
     let header: u64 = (r.headers().get("x-lastcall-min-budget-ms"))
         .expect("the header")
@@ -207,30 +179,11 @@ async fn a_job_resent_with_the_named_budget_is_admitted() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     let env = Env::sqlite("min-budget-worker").await;
-    let mut cfg = env.worker_config(1, 16);
-    cfg.buffer_order = lastcall_worker::BufferOrder::Fifo;
-    let margin = cfg.policy.admission.clock_uncertainty_ms;
-    let w = env.start_worker(cfg, sim(400), system_clock()).await;
-    let s = env.submitter(100, true).await;
-    for id in ["a1", "a2", "a3"] {
-        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
-    }
-    env.wait_terminal(
-        &["a1", "a2", "a3"].map(String::from),
-        Duration::from_secs(10),
-    )
+    let mut margin = 0;
+    let (w, _, s) = two_waiting_behind_one_slot(&env, |cfg| {
+        margin = cfg.policy.admission.clock_uncertainty_ms;
+    })
     .await;
-    for id in ["b", "c", "d"] {
-        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
-    }
-    let t0 = Instant::now();
-    while w.stats.waiting.load(Ordering::Relaxed) < 2 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "C and D never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
     s.submit(&job("e", 1_400), now_ms()).await.unwrap();
     let e = env
         .wait_terminal(&["e".to_owned()], Duration::from_secs(15))
@@ -255,7 +208,8 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     w.stop().await;
 
     let http = reqwest::Client::new();
-    let (_serve, base) = serve(&env, &http).await;
+    let serve = Serve::start(&env, TOKEN, &[]).await;
+    let base = &serve.base;
     let rec: serde_json::Value = http
         .get(format!("{base}/v1/jobs/e"))
         .bearer_auth(TOKEN)
@@ -301,5 +255,78 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
         "{}",
         String::from_utf8_lossy(&out.stderr)
     );
+    env.cleanup().await;
+}
+
+/// A worker whose floor (`default_min_runtime_ms`, 1,000 ms: nothing learned yet) is more
+/// than a job's budget refuses it at receipt for lack of time; the door (`--no-shed`, so the
+/// worker decides) and `lastcall submit --no-shed --wait` both wait for that outcome and
+/// name the budget the worker's check would have admitted — its clock margin + the floor.
+/// The chat door answers `504 deadline_expired` with it beside `code`, and as the header;
+/// `submit --wait` prints it on its `refused:` line and exits 3.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn waiting_for_a_workers_refusal_names_the_budget_that_would_have_been_admitted() {
+    const FLOOR: u64 = 1_000;
+    let env = Env::sqlite("min-budget-wait").await;
+    let mut cfg = env.worker_config(1, 4);
+    cfg.policy.admission.default_min_runtime_ms = FLOOR;
+    let expected = cfg.policy.admission.clock_uncertainty_ms + FLOOR;
+    let w = env.start_worker(cfg, sim(20), system_clock()).await;
+    let http = reqwest::Client::new();
+    let serve = Serve::start(&env, TOKEN, &["--no-shed", "--model", "m=incident.summary"]).await;
+    let base = &serve.base;
+
+    // The chat door, holding the request until the job's outcome.
+    let r = chat(&http, base, "m", 600).await;
+    let status = r.status().as_u16();
+    let header = |name: &str| {
+        r.headers()
+            .get(name)
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let (budget_header, retry, job_id) = (
+        header("x-lastcall-min-budget-ms"),
+        header("x-should-retry"),
+        header("x-lastcall-job-id").expect("the job's id"),
+    );
+    let body: serde_json::Value = r.json().await.unwrap();
+    assert_eq!(status, 504, "{body}");
+    assert_eq!(body["error"]["type"], "deadline_expired", "{body}");
+    assert_eq!(body["error"]["code"], "receipt:below_min_runtime", "{body}");
+    assert_eq!(body["error"]["min_feasible_budget_ms"], expected, "{body}");
+    assert_eq!(budget_header, Some(expected.to_string()), "{body}");
+    assert_eq!(retry.as_deref(), Some("false"));
+    let rec = env.ledger.get(&job_id).await.unwrap().unwrap();
+    assert_eq!(rec.state, "expired_not_started", "{rec:?}");
+    assert_eq!(rec.min_feasible_budget_ms, Some(expected as i64), "{rec:?}");
+
+    // `lastcall submit --wait`, published past the door's shedding as well.
+    let out = env.cli(&[
+        "submit",
+        "--kind",
+        "incident.summary",
+        "--prompt",
+        "summarize",
+        "--deadline-ms",
+        "600",
+        "--job-id",
+        "cli-wait",
+        "--retry-delays-ms",
+        "1000,5000",
+        "--no-shed",
+        "--wait",
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");
+    assert!(stdout.contains("state: expired_not_started"), "{stdout}");
+    let line = format!(
+        "refused: receipt:below_min_runtime — a budget of at least {expected} ms left when the worker refused it would have been admitted"
+    );
+    assert!(stdout.contains(&line), "no `{line}` in:\n{stdout}{stderr}");
+    let rec = env.ledger.get("cli-wait").await.unwrap().unwrap();
+    assert_eq!(rec.min_feasible_budget_ms, Some(expected as i64), "{rec:?}");
+
+    w.stop().await;
     env.cleanup().await;
 }

@@ -19,33 +19,10 @@ use std::time::Duration;
 /// and the window between the two reasons would be only half a call wide.)
 async fn run_wait_scenario(refuse: bool) -> lastcall_store::JobRecord {
     let env = Env::sqlite(if refuse { "wait-on" } else { "wait-off" }).await;
-    let sim = sim(400);
-    let mut cfg = env.worker_config(1, 16);
-    cfg.policy.refuse_on_expected_wait = refuse;
-    cfg.buffer_order = lastcall_worker::BufferOrder::Fifo;
-    let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
-    let s = env.submitter(100, true).await;
-    // Three calls teach the worker the call duration (it needs three samples).
-    for id in ["a1", "a2", "a3"] {
-        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
-    }
-    env.wait_terminal(
-        &["a1", "a2", "a3"].map(String::from),
-        Duration::from_secs(10),
-    )
+    let (w, sim, s) = two_waiting_behind_one_slot(&env, |cfg| {
+        cfg.policy.refuse_on_expected_wait = refuse;
+    })
     .await;
-    for id in ["b", "c", "d"] {
-        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
-    }
-    // Until B is running and C, D are queued behind it for the one slot.
-    let t0 = std::time::Instant::now();
-    while w.stats.waiting.load(std::sync::atomic::Ordering::Relaxed) < 2 {
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "C and D never waited"
-        );
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
     s.submit(&job("e", 1_400), now_ms()).await.unwrap();
     let ids: Vec<String> = ["b", "c", "d", "e"].map(String::from).to_vec();
     let recs = env.wait_terminal(&ids, Duration::from_secs(15)).await;

@@ -3,8 +3,9 @@
 
 use crate::common;
 
+use common::serve::Serve;
 use common::*;
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "serve-test-token-0123456789";
@@ -23,34 +24,10 @@ fn curl(args: &[&str]) -> (u16, String) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn serve_binary_accepts_jobs_over_http_with_auth_and_exposes_metrics() {
     let env = Env::sqlite("serve").await;
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let base = format!("http://127.0.0.1:{port}");
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .env("LASTCALL_HTTP_TOKEN", TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
     // Killed on drop: a failed assertion leaves no server behind.
-    let mut children = common::http::Children(vec![child]);
-    let child = &mut children.0[0];
-    let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/readyz")]).0 != 200 {
-        assert!(Instant::now() < until, "serve did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let mut serve = Serve::start(&env, TOKEN, &[]).await;
+    let base = serve.base.clone();
+    let child = &mut serve.child;
     let auth = format!("Authorization: Bearer {TOKEN}");
     let body = r#"{"job_id":"http-1","kind":"incident.summary","deadline_ms":60000,"payload":{"prompt":"summarize"}}"#;
     let (code, _) = curl(&[

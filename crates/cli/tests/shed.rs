@@ -5,10 +5,11 @@
 
 use crate::common;
 
+use common::serve::Serve;
 use common::*;
 use lastcall_broker::management::{Management, QueueStats};
 use lastcall_worker::clock::now_ms;
-use std::process::{Child, Command, Stdio};
+use std::process::Command;
 use std::time::{Duration, Instant};
 
 const TOKEN: &str = "shed-test-token-0123456789";
@@ -24,41 +25,6 @@ fn curl(args: &[&str]) -> (u16, String) {
     let text = String::from_utf8_lossy(&out.stdout).into_owned();
     let (body, code) = text.rsplit_once('\n').unwrap_or(("", "0"));
     (code.trim().parse().unwrap_or(0), body.to_owned())
-}
-
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
-}
-
-/// `lastcall serve` on a free port, up and answering; its base URL.
-fn serve(env: &Env, extra: &[&str]) -> (Child, String) {
-    let port = free_port();
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-        .args(extra)
-        .env("LASTCALL_HTTP_TOKEN", TOKEN)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let base = format!("http://127.0.0.1:{port}");
-    let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/readyz")]).0 != 200 {
-        assert!(Instant::now() < until, "serve did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
-    (child, base)
 }
 
 fn post(base: &str, id: &str, deadline_ms: u64) -> (u16, String) {
@@ -144,7 +110,8 @@ async fn submit_and_serve_shed_a_job_that_would_expire_in_the_queue_unless_no_sh
     assert!(env.ledger.get("cli-no-shed").await.unwrap().is_some());
 
     // `lastcall serve`: 429 with Retry-After, counted; `serve --no-shed`: 202.
-    let (mut shedding, base) = serve(&env, &[]);
+    let shedding = Serve::start(&env, TOKEN, &[]).await;
+    let base = shedding.base.clone();
     let (code, resp) = post(&base, "http-shed", 1_000);
     assert_eq!(code, 429, "{resp}");
     let lower = resp.to_ascii_lowercase();
@@ -164,13 +131,11 @@ async fn submit_and_serve_shed_a_job_that_would_expire_in_the_queue_unless_no_sh
         metrics.contains("\nlastcall_http_shed_total 1\n"),
         "{metrics}"
     );
-    let (mut plain, base) = serve(&env, &["--no-shed"]);
+    let plain = Serve::start(&env, TOKEN, &["--no-shed"]).await;
+    let base = plain.base.clone();
     let (code, resp) = post(&base, "http-no-shed", 1_000);
     assert_eq!(code, 202, "{resp}");
-    for child in [&mut shedding, &mut plain] {
-        child.kill().unwrap();
-        child.wait().unwrap();
-    }
+    drop((shedding, plain));
     worker.stop().await;
     env.cleanup().await;
 }

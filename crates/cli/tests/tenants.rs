@@ -4,12 +4,12 @@
 
 use crate::common;
 
+use common::serve::Serve;
 use common::*;
 use lastcall_core::{Decision, State, Tenant};
 use lastcall_store::OutcomeRecord;
 use std::io::Write;
 use std::process::{Command, Stdio};
-use std::time::{Duration, Instant};
 
 fn text(b: &[u8]) -> String {
     String::from_utf8_lossy(b).into_owned()
@@ -179,32 +179,8 @@ async fn serve_maps_a_hashed_token_to_its_tenant() {
 
     let file = dir.join("tokens.toml");
     std::fs::write(&file, &entry).unwrap();
-    let port = std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port();
-    let base = format!("http://127.0.0.1:{port}");
-    let child = env
-        .command()
-        .args([
-            "serve",
-            "--addr",
-            &format!("127.0.0.1:{port}"),
-            "--tokens-file",
-        ])
-        .arg(&file)
-        .env("LASTCALL_HTTP_TOKEN", OPERATOR)
-        .stdout(Stdio::null())
-        .stderr(Stdio::null())
-        .spawn()
-        .unwrap();
-    let _children = common::http::Children(vec![child]);
-    let until = Instant::now() + Duration::from_secs(20);
-    while curl(&[&format!("{base}/readyz")]).0 != 200 {
-        assert!(Instant::now() < until, "serve did not come up");
-        std::thread::sleep(Duration::from_millis(100));
-    }
+    let serve = Serve::start(&env, OPERATOR, &["--tokens-file", file.to_str().unwrap()]).await;
+    let base = serve.base.clone();
     let post = |token: &str, body: &str| {
         curl(&[
             "-X",

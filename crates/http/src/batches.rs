@@ -458,8 +458,8 @@ async fn object_of(state: &AppState, b: &BatchRow) -> Result<Value, ApiError> {
         (status = 408, description = "The body did not all arrive within `serve --body-read-timeout-ms` (`body_read_timeout`)", body = crate::openapi::OpenAiError),
         (status = 413, description = "The body is larger than `serve --max-body-bytes` (`body_too_large`)", body = crate::openapi::OpenAiError),
         (status = 415, description = "The `Content-Type` header is not `application/json` (`unsupported_media_type`)", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn create(
@@ -586,8 +586,8 @@ async fn create_batch(
         (status = 200, description = "The batch object", body = inline(crate::batch_schemas::BatchObject)),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "No such batch, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn show(
@@ -621,8 +621,8 @@ pub async fn show(
         (status = 400, description = "`limit` not an integer from 1 to 100, or a parameter given twice", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "`after` names no batch the token may see", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn list(
@@ -674,8 +674,8 @@ pub async fn list(
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, response = crate::openapi::Forbidden),
         (status = 404, description = "No such batch, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn cancel(

@@ -213,8 +213,8 @@ pub(crate) async fn visible_file(
         (status = 400, description = "Not multipart, `purpose` missing or not `batch`, `file` missing or empty, or over a limit (`file_too_large`, `too_many_lines`, `line_too_large`: the message names it), or a line not UTF-8 (`invalid_file`)", body = crate::openapi::OpenAiError),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, response = crate::openapi::Forbidden),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn create(
@@ -410,8 +410,8 @@ pub(crate) fn ledger_error(e: lastcall_store::StoreError) -> ApiError {
         (status = 200, description = "The file object", body = inline(crate::batch_schemas::FileObject)),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "No such file, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn show(
@@ -442,8 +442,8 @@ pub async fn show(
         (status = 200, description = "JSON lines", body = String, content_type = "application/jsonl"),
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 404, description = "No such file, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn content(
@@ -505,8 +505,8 @@ fn input_stream(state: Arc<AppState>, file_id: String) -> Pages {
         (status = 401, response = crate::openapi::Unauthorized),
         (status = 403, response = crate::openapi::Forbidden),
         (status = 404, description = "No such file, or another tenant's", body = crate::openapi::OpenAiError),
-        (status = 500, description = "An internal error (logged, not detailed)", body = crate::openapi::OpenAiError),
-        (status = 503, description = "The ledger is unavailable (`ledger_unavailable`); retry later", body = crate::openapi::OpenAiError),
+        (status = 500, response = crate::openapi::OpenAiServerError),
+        (status = 503, response = crate::openapi::OpenAiServerError),
     ),
 )]
 pub async fn delete(

@@ -35,7 +35,7 @@ use utoipa::{IntoParams, OpenApi, PartialSchema, ToResponse, ToSchema};
     security(("bearer" = []), ("basic" = [])),
     components(
         schemas(JobState, NewJob, Accepted, ErrorBody, JobRecord, Readiness, OpenAiError, PriorityTier),
-        responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError, TenantLimit, SlowBody),
+        responses(Unauthorized, Forbidden, TooLarge, NotJson, LedgerError, OpenAiServerError, TenantLimit, SlowBody),
     ),
 )]
 pub struct ApiDoc;
@@ -651,6 +651,29 @@ impl<'r> ToResponse<'r> for LedgerError {
                     "The ledger could not be read (the error is logged; the body says no more)",
                 )
                 .content("application/json", error_content())
+                .build()
+                .into(),
+        )
+    }
+}
+
+/// `500` and `503` of the OpenAI-compatible routes (files, batches): `server_error` in
+/// OpenAI's shape, as `front_door::from_api_error` answers `ApiError::Internal` and
+/// `ApiError::LedgerUnavailable`.
+pub(crate) struct OpenAiServerError;
+
+impl<'r> ToResponse<'r> for OpenAiServerError {
+    fn response() -> (&'r str, RefOr<utoipa::openapi::Response>) {
+        (
+            "OpenAiServerError",
+            ResponseBuilder::new()
+                .description("`server_error`: with `500` an internal error (`internal`, logged, not detailed); with `503` the ledger is unavailable (`ledger_unavailable`), retry later")
+                .content(
+                    "application/json",
+                    ContentBuilder::new()
+                        .schema(Some(Ref::from_schema_name("OpenAiError")))
+                        .build(),
+                )
                 .build()
                 .into(),
         )

@@ -1327,14 +1327,20 @@ mod tests {
         );
     }
 
-    #[test]
-    fn property_tiers_shed_in_order() {
-        // Whatever the backlogs: critical is shed only when the call alone exceeds the
-        // budget; whenever a job is shed, the same job at a lower tier in the same queue is
-        // too (batch is shed first); and nothing that cannot finish if started now is
-        // admitted.
-        let mut g = Gen(0x51_7cc1_b727_220a);
-        let (mut batch_only, mut sheds) = (0, 0);
+    /// The readings a tiered decision is made from, drawn at random by [`for_readings`].
+    struct Readings {
+        own: Option<Ahead>,
+        work: Option<Ahead>,
+        budget: i64,
+        call: Option<u64>,
+    }
+
+    /// `check` on 20,000 random readings from the generator seeded with `seed` (which it is
+    /// handed, to draw the rest of each case): the job's own queue and the work queue each
+    /// absent one time in five (up to 2,000 counted, 10 doomed, unpaced one time in six), a
+    /// budget from −1 s to 119 s, and a call time up to 20 s, unknown one time in four.
+    fn for_readings(seed: u64, mut check: impl FnMut(&mut Gen, Readings)) {
+        let mut g = Gen(seed);
         for _ in 0..20_000 {
             let mut ahead = || {
                 (g.upto(4) > 0).then(|| Ahead {
@@ -1346,14 +1352,34 @@ mod tests {
             let (own, work) = (ahead(), ahead());
             let budget = g.upto(120_000) as i64 - 1_000;
             let call = (g.upto(3) > 0).then(|| g.upto(20_000));
+            let r = Readings {
+                own,
+                work,
+                budget,
+                call,
+            };
+            check(&mut g, r);
+        }
+    }
+
+    #[test]
+    fn property_tiers_shed_in_order() {
+        // Whatever the backlogs: critical is shed only when the call alone exceeds the
+        // budget; whenever a job is shed, the same job at a lower tier in the same queue is
+        // too (batch is shed first); and nothing that cannot finish if started now is
+        // admitted.
+        let (mut batch_only, mut sheds) = (0, 0);
+        for_readings(0x51_7cc1_b727_220a, |g, r| {
             let lane = 1 + g.upto(6) as u8;
-            let v = |p: Priority| decide_tiered(at(p, lane), own, work, NOW + budget, call, NOW);
+            let v = |p: Priority| {
+                decide_tiered(at(p, lane), r.own, r.work, NOW + r.budget, r.call, NOW)
+            };
             let (c, s, b) = (
                 v(Priority::Critical),
                 v(Priority::Standard),
                 v(Priority::Batch),
             );
-            let too_long = call.unwrap_or(0) as i64 > budget;
+            let too_long = r.call.unwrap_or(0) as i64 > r.budget;
             assert_eq!(c.is_shed(), too_long, "{c:?}");
             if too_long {
                 assert!(s.is_shed() && b.is_shed());
@@ -1368,10 +1394,10 @@ mod tests {
             if let Verdict::Shed(e) = b
                 && !e.cannot_finish()
             {
-                assert!(e.needed_ms() as i64 > budget, "{e:?}");
+                assert!(e.needed_ms() as i64 > r.budget, "{e:?}");
                 assert!((1..=MAX_RETRY_AFTER_S).contains(&e.retry_after_s));
             }
-        }
+        });
         assert!(batch_only > 500 && sheds > 500, "{batch_only} / {sheds}");
     }
 
@@ -1380,25 +1406,14 @@ mod tests {
         // Whatever the tier and the readings: a shed job resent with the budget its refusal
         // names is admitted by the same decision at the same instant, and one step less
         // would still be shed (the number is the smallest, to the step).
-        let mut g = Gen(0x6d1f_2b3a_99c4_0e17);
         let (mut sheds, mut behind_a_queue) = (0, 0);
-        for _ in 0..20_000 {
-            let mut ahead = || {
-                (g.upto(4) > 0).then(|| Ahead {
-                    counted: g.upto(2_000),
-                    doomed: g.upto(10),
-                    rate_per_s: (g.upto(5) > 0).then(|| g.rate()),
-                })
-            };
-            let (own, work) = (ahead(), ahead());
-            let budget = g.upto(120_000) as i64 - 1_000;
-            let call = (g.upto(3) > 0).then(|| g.upto(20_000));
+        for_readings(0x6d1f_2b3a_99c4_0e17, |g, r| {
             let priority =
                 [Priority::Critical, Priority::Standard, Priority::Batch][g.upto(2) as usize];
             let place = at(priority, g.upto(6) as u8);
-            let v = |b: i64| decide_tiered(place, own, work, NOW + b, call, NOW);
-            let Verdict::Shed(e) = v(budget) else {
-                continue;
+            let v = |b: i64| decide_tiered(place, r.own, r.work, NOW + b, r.call, NOW);
+            let Verdict::Shed(e) = v(r.budget) else {
+                return;
             };
             sheds += 1;
             if !e.cannot_finish() {
@@ -1406,7 +1421,7 @@ mod tests {
             }
             let min = e.min_feasible_budget_ms;
             assert_eq!(min % BUDGET_STEP_MS, 0, "{e:?}");
-            assert!(min as i64 > budget, "{e:?}");
+            assert!(min as i64 > r.budget, "{e:?}");
             assert!(
                 !v(min as i64).is_shed(),
                 "{e:?} at {min}: {:?}",
@@ -1416,7 +1431,7 @@ mod tests {
                 let less = (min - BUDGET_STEP_MS) as i64;
                 assert!(v(less).is_shed(), "{e:?}: {less} is admitted too");
             }
-        }
+        });
         assert!(
             sheds > 2_000 && behind_a_queue > 1_000,
             "{sheds} / {behind_a_queue}"

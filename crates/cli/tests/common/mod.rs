@@ -9,6 +9,7 @@ pub mod private_pg;
 pub mod private_rabbit;
 pub mod proxy;
 pub mod rabbitmqctl;
+pub mod serve;
 pub mod soak;
 pub mod upstream;
 
@@ -524,4 +525,41 @@ pub fn example_python(module: &str) -> PathBuf {
         python.display()
     );
     python
+}
+
+/// One worker slot of 400 ms sim calls, taken FIFO (`edit` changes the rest of its
+/// configuration): three jobs teach it the call duration (it needs three samples), then B
+/// runs and C and D wait behind it for the slot (`b`, `c`, `d`, 10 s budgets). The worker,
+/// its sim backend (to count calls) and the submitter (100 ms clock margin, recording to the
+/// ledger) that sent them, for the next job.
+pub async fn two_waiting_behind_one_slot(
+    env: &Env,
+    edit: impl FnOnce(&mut WorkerConfig),
+) -> (Running, Arc<SimBackend>, Submitter) {
+    let sim = sim(400);
+    let mut cfg = env.worker_config(1, 16);
+    cfg.buffer_order = lastcall_worker::BufferOrder::Fifo;
+    edit(&mut cfg);
+    let w = env.start_worker(cfg, sim.clone(), system_clock()).await;
+    let s = env.submitter(100, true).await;
+    for id in ["a1", "a2", "a3"] {
+        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
+    }
+    env.wait_terminal(
+        &["a1", "a2", "a3"].map(String::from),
+        Duration::from_secs(10),
+    )
+    .await;
+    for id in ["b", "c", "d"] {
+        s.submit(&job(id, 10_000), now_ms()).await.unwrap();
+    }
+    let t0 = std::time::Instant::now();
+    while w.stats.waiting.load(std::sync::atomic::Ordering::Relaxed) < 2 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "C and D never waited"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    (w, sim, s)
 }
