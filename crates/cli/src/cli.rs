@@ -172,6 +172,83 @@ pub enum Command {
     /// API tokens of `serve --tokens-file`: `tokens hash` prints a token's SHA-256 for the file
     #[command(subcommand)]
     Tokens(TokensCommand),
+    /// Batches of jobs due within a window, through a running `lastcall serve`
+    ///
+    /// The client side of the OpenAI-compatible Files and Batch APIs (docs/batches.md):
+    /// `batch create FILE --window 24h` uploads a JSON-lines file of requests and starts a
+    /// batch whose lines each run as a `batch`-tier job due at the batch's creation + the
+    /// window; `batch show`, `batch list`, `batch cancel`, and `batch results` (the output
+    /// file, or `--errors` the error file). The token comes from LASTCALL_HTTP_TOKEN or
+    /// --token-file, never from a flag:
+    ///
+    ///   lastcall batch create requests.jsonl --window 2h
+    ///
+    ///   lastcall batch show batch_… --wait
+    ///
+    ///   lastcall batch results batch_… > answers.jsonl
+    Batch(BatchArgs),
+}
+
+#[derive(Debug, Args)]
+pub struct BatchArgs {
+    /// The `lastcall serve` to talk to
+    #[arg(
+        long,
+        env = "LASTCALL_URL",
+        default_value = "http://127.0.0.1:8080",
+        global = true
+    )]
+    pub url: String,
+    /// File holding the bearer token (else the environment variable LASTCALL_HTTP_TOKEN)
+    #[arg(long, value_name = "FILE", global = true)]
+    pub token_file: Option<PathBuf>,
+    #[command(subcommand)]
+    pub command: BatchCommand,
+}
+
+#[derive(Debug, Subcommand)]
+pub enum BatchCommand {
+    /// Upload a JSON-lines file (one `{"custom_id", "method", "url", "body"}` request per
+    /// line, OpenAI's batch input format) and create a batch from it; prints the batch's id
+    Create {
+        /// The input file
+        file: PathBuf,
+        /// The completion window: every line must be done within it (`30m`, `2h`, `24h`,
+        /// `7d`, …); a line not started by then ends `expired`, never run late
+        #[arg(long, default_value = "24h")]
+        window: String,
+        /// The endpoint every line calls
+        #[arg(long, default_value = "/v1/chat/completions")]
+        endpoint: String,
+        /// Metadata to keep with the batch, `KEY=VALUE` (repeatable)
+        #[arg(long = "metadata", value_name = "KEY=VALUE")]
+        metadata: Vec<String>,
+    },
+    /// A batch's status and its lines' counts
+    Show {
+        id: String,
+        /// Poll until the batch has ended (completed, failed, expired or cancelled),
+        /// printing its counts as they change
+        #[arg(long)]
+        wait: bool,
+        /// Print the API's JSON object instead of a summary
+        #[arg(long)]
+        json: bool,
+    },
+    /// The most recent batches, newest first
+    List {
+        #[arg(long, default_value_t = 20)]
+        limit: u32,
+    },
+    /// Cancel a batch: lines not yet started never run
+    Cancel { id: String },
+    /// Write a batch's output file (one JSON line per answered request) to stdout
+    Results {
+        id: String,
+        /// The error file instead: the lines that failed, expired or were malformed
+        #[arg(long)]
+        errors: bool,
+    },
 }
 
 #[derive(Debug, Subcommand)]

@@ -7,7 +7,9 @@
 //! - `batches.cancel`: the lines not started end `cancelled`, the batch `cancelled`;
 //! - another tenant's token finds none of it (`404`, as a missing one);
 //! - a `serve` restarted in the middle of publishing goes on from its persisted cursor, and
-//!   every line is one job with one outcome.
+//!   every line is one job with one outcome;
+//! - `lastcall batch` (create, show --wait, list, results, results --errors, cancel) does
+//!   the same from the command line.
 
 use crate::common;
 
@@ -475,5 +477,106 @@ async fn lines_not_done_by_the_window_end_are_in_the_error_file_as_expired() {
         "{cancelled}"
     );
     drop(stack);
+    env.cleanup().await;
+}
+
+/// `lastcall batch …` against the stack with `token`; (exit status, stdout, stderr).
+fn batch_cli(env: &Env, stack: &Stack, token: &str, args: &[&str]) -> (i32, String, String) {
+    let mut c = env.command();
+    c.args(["batch", "--url", &stack.base])
+        .args(args)
+        .env("LASTCALL_HTTP_TOKEN", token);
+    let out = output_within(
+        &mut c,
+        &format!("lastcall batch {}", args.join(" ")),
+        CHILD_LIMIT,
+    );
+    (
+        out.status.code().unwrap_or(-1),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_batch_command_creates_waits_for_and_reads_a_batch() {
+    let env = Env::sqlite("batches-cli").await;
+    let stack = Stack::start(&env, "");
+    let mut lines: Vec<String> = (0..3)
+        .map(|i| line(&format!("cli-{i}"), json!({})))
+        .collect();
+    lines.push("not json".into());
+    let input = stack.input("cli.jsonl", &lines);
+    let input = input.to_str().unwrap();
+
+    let (code, out, err) = batch_cli(
+        &env,
+        &stack,
+        TEAM_A,
+        &["create", input, "--window", "1h", "--metadata", "run=cli"],
+    );
+    assert_eq!(code, 0, "{out}{err}");
+    let id = out.trim().to_owned();
+    assert!(id.starts_with("batch_"), "{out}");
+    assert!(
+        err.contains("uploaded") && err.contains("window 1h"),
+        "{err}"
+    );
+    let row = env.ledger.get_batch(&id).await.unwrap().expect("the batch");
+    assert_eq!(row.completion_window, "1h");
+    assert_eq!(row.metadata.as_deref(), Some(r#"{"run":"cli"}"#));
+
+    let (code, out, err) = batch_cli(&env, &stack, TEAM_A, &["show", &id, "--wait"]);
+    assert_eq!(code, 0, "{out}{err}");
+    assert!(
+        out.contains(&id)
+            && out.contains("completed")
+            && out.contains("3 of 4 completed, 1 failed"),
+        "{out}"
+    );
+    let (_, listed, _) = batch_cli(&env, &stack, TEAM_A, &["list"]);
+    assert!(listed.contains(&id), "{listed}");
+
+    let (code, out, err) = batch_cli(&env, &stack, TEAM_A, &["results", &id]);
+    assert_eq!(code, 0, "{err}");
+    let answers: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    let mut ids: Vec<&str> = answers
+        .iter()
+        .map(|a| a["custom_id"].as_str().unwrap())
+        .collect();
+    ids.sort();
+    assert_eq!(ids, ["cli-0", "cli-1", "cli-2"], "{out}");
+    let (code, out, err) = batch_cli(&env, &stack, TEAM_A, &["results", &id, "--errors"]);
+    assert_eq!(code, 0, "{err}");
+    let errors: Vec<Value> = out
+        .lines()
+        .map(|l| serde_json::from_str(l).unwrap())
+        .collect();
+    assert_eq!(errors.len(), 1, "the malformed line: {out}");
+
+    // Another tenant finds nothing, and the error says why.
+    let (code, _, err) = batch_cli(&env, &stack, TEAM_B, &["show", &id]);
+    assert_ne!(code, 0);
+    assert!(err.contains("404"), "{err}");
+    // A window the API refuses: the error names it.
+    let (code, _, err) = batch_cli(
+        &env,
+        &stack,
+        TEAM_A,
+        &["create", input, "--window", "3 weeks"],
+    );
+    assert_ne!(code, 0);
+    assert!(
+        err.contains("400") && err.contains("`3 weeks` is not a completion window"),
+        "{err}"
+    );
+    // Cancelled: a 7-day batch whose lines are beyond the publishing horizon.
+    let (_, week, _) = batch_cli(&env, &stack, TEAM_A, &["create", input, "--window", "7d"]);
+    let (code, out, err) = batch_cli(&env, &stack, TEAM_A, &["cancel", week.trim()]);
+    assert_eq!(code, 0, "{err}");
+    assert!(out.contains("cancel"), "{out}");
     env.cleanup().await;
 }

@@ -1,5 +1,6 @@
 //! One module per subcommand.
 
+mod batch;
 pub(crate) mod bench;
 mod cancel;
 mod config;
@@ -95,6 +96,7 @@ pub async fn run(cli: Cli, loaded: &Loaded, matches: &clap::ArgMatches) -> Resul
         Command::Config(ConfigCommand::Show(a)) => config::show(loaded, matches, a),
         Command::Ledger(c) => ledger::run(&settings, c, &clock).await,
         Command::Tokens(c) => tokens::run(c),
+        Command::Batch(a) => batch::run(a).await,
     }
 }
 
