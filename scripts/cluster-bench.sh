@@ -12,6 +12,7 @@
 #
 #   scripts/cluster-bench.sh [--runs N] [--windows "default 4"] [--out DIR] [-- GOODPUT ARGS…]
 #   scripts/cluster-bench.sh --kill-worker [--runs N] [--windows "default 4"] [--out DIR]
+#   scripts/cluster-bench.sh --kill-leader [--runs N] [--windows "default 4"] [--out DIR]
 #
 # --runs: runs per window (default 2); --windows: `default` is the worker's default window,
 # a number is `--prefetch N` (default "default 4"); --out: where each run's output
@@ -25,11 +26,13 @@
 # node a, w2 on node b; 600 jobs with 90 s budgets are posted, w1 is killed (kill -9) with
 # its window full, and the ledger says how many jobs ended how, how many calls started
 # after their deadline or twice, and when w2 received w1's returned deliveries.
+# --kill-leader is the same run with the work queue's leader node killed (kill -9 of its
+# VM) instead of w1; the node is started again after the run.
 # LASTCALL_BIN names `lastcall` (default target/debug/lastcall).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
-usage() { sed -n '2,28p' "$0" | sed 's/^# \{0,1\}//'; }
+usage() { sed -n '2,31p' "$0" | sed 's/^# \{0,1\}//'; }
 
 runs=2
 windows="default 4"
@@ -44,6 +47,7 @@ while [ $# -gt 0 ]; do
     --windows) windows="$2"; shift 2 ;;
     --out) out="$2"; shift 2 ;;
     --kill-worker) mode=kill; shift ;;
+    --kill-leader) mode=kill-leader; shift ;;
     --) shift; goodput=("$@"); break ;;
     *) echo "cluster-bench: unknown argument '$1'" >&2; usage >&2; exit 2 ;;
   esac
@@ -224,12 +228,23 @@ kill_run() {
   t_posted=$(now_ms)
   wait_for 60 unacked_at_least "$p" $((2 * ${w/default/128})) || echo "the windows were not full" | tee -a "$log"
   ready=$(work_q "$p" messages_ready) unacked=$(work_q "$p" messages_unacknowledged)
+  local victim=w1 leader
+  leader=$(work_q "$p" leader)
+  if [ "$mode" = kill-leader ]; then
+    for x in "${NODES[@]}"; do [ "${NAME[$x]}" = "$leader" ] && victim="$x"; done
+  fi
   t_kill=$(now_ms)
-  kill -9 "$w1"
-  wait "$w1" 2>/dev/null || true
-  echo "posted $n in $((t_posted - t_post)) ms; killed w1 at $t_kill ms, $((t_kill - t_posted)) ms later: ready $ready, unacked $unacked (both workers)" | tee -a "$log"
-  wait_for 30 consumers_are "$p" 1
-  echo "the broker dropped w1's consumer after $(($(now_ms) - t_kill)) ms (management API, 1 s statistics)" | tee -a "$log"
+  if [ "$victim" = w1 ]; then
+    kill -9 "$w1"
+    wait "$w1" 2>/dev/null || true
+  else
+    kill -9 "$(vm_pid "$victim")"
+  fi
+  echo "posted $n in $((t_posted - t_post)) ms; killed $victim (the leader was $leader) at $t_kill ms, $((t_kill - t_posted)) ms later: ready $ready, unacked $unacked (both workers)" | tee -a "$log"
+  if [ "$victim" = w1 ]; then
+    wait_for 30 consumers_are "$p" 1
+    echo "the broker dropped w1's consumer after $(($(now_ms) - t_kill)) ms (management API, 1 s statistics)" | tee -a "$log"
+  fi
   wait_for 180 all_ended "$db" "$p" "$n" || echo "not all $n jobs ended within 180 s" | tee -a "$log"
   echo "all ended $(($(now_ms) - t_kill)) ms after the kill" | tee -a "$log"
   sqlite3 -header -column "$db" "
@@ -238,18 +253,22 @@ kill_run() {
       from jobs where job_id like '$p-%' group by state;
     select count(*) jobs_called_twice from (select job_id from attempts
       where model_called = 1 and job_id like '$p-%' group by job_id having count(*) > 1);
-    select count(*) redelivered_to_w2, min(received_at_ms - $t_kill) first_ms, max(received_at_ms - $t_kill) last_ms,
+    select worker, count(*) redelivered, min(received_at_ms - $t_kill) first_ms, max(received_at_ms - $t_kill) last_ms,
            sum(model_called) calls
-      from attempts where worker = 'w2' and redelivered = 1 and job_id like '$p-%';
+      from attempts where redelivered = 1 and job_id like '$p-%' group by worker;
     select count(*) w1_calls_started_not_finished from attempts
       where worker = 'w1' and started_at_ms is not null and finished_at_ms is null and job_id like '$p-%';" | tee -a "$log"
   for pid in "${procs[@]}"; do kill "$pid" 2>/dev/null || true; done
   for pid in "${procs[@]}"; do wait "$pid" 2>/dev/null || true; done
   procs=()
   "$lastcall" --amqp-url "$url" topology delete "${common[@]}" >/dev/null 2>&1 || true
+  if [ "$victim" != w1 ]; then
+    node_env "$victim" "$RABBIT_BIN/rabbitmq-server" >>"$top/$victim/server.out" 2>&1 </dev/null &
+    await_node "$victim"
+  fi
 }
 
-if [ "$mode" = kill ]; then
+if [ "$mode" != goodput ]; then
   k=0
   for r in $(seq "$runs"); do
     for w in $windows; do k=$((k + 1)); kill_run "$w" "$k"; done
