@@ -358,7 +358,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                 n => format!("{n} workers {joint} "),
             };
             println!(
-                "bench goodput: {} = capacity {:.2} jobs/s; arrivals {:.2}/s ({}×{}) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; buffer order {}; {}",
+                "bench goodput: {} = capacity {:.2} jobs/s; arrivals {:.2}/s ({}×{}) for {} s; deadline {} ms; {}; clock margin {} ms; prefetch {}; {} queues; buffer order {}; {}",
                 match &setup.ceiling {
                     Some(c) => format!(
                         "{}{} at its ceiling ({} calls in flight, mean {:.0} ms); worker slots {}",
@@ -401,6 +401,7 @@ pub async fn run(env: &Env, mut a: GoodputArgs) -> Result<ExitCode> {
                         lastcall_worker::default_prefetch(a.max_slots)
                     ),
                 },
+                a.queue_type,
                 orders
                     .iter()
                     .map(|&o| BufferOrder::from(o).as_str())
@@ -736,6 +737,7 @@ async fn run_policy(
     cfg.prefetch = a
         .prefetch
         .unwrap_or(lastcall_worker::default_prefetch(slots));
+    cfg.topology.queue_type = a.queue_type.parse().map_err(anyhow::Error::msg)?;
     cfg.shutdown_grace = Duration::from_secs(5);
     cfg.policy.dispatch = policy;
     cfg.buffer_order = order;
@@ -867,6 +869,7 @@ async fn run_policy(
             (tenant, t.priority)
         });
         pubs.spawn(async move {
+            let t0 = std::time::Instant::now();
             let r = match named {
                 None => sub.submit(&job, now).await,
                 Some((tenant, priority)) => match sub.envelope(&job, now) {
@@ -881,6 +884,7 @@ async fn run_policy(
                 i,
                 r.is_ok(),
                 matches!(r, Err(SubmitError::WouldExpireInQueue(_))),
+                t0.elapsed().as_micros() as u64,
             )
         });
         bar.inc(1);
@@ -899,8 +903,14 @@ async fn run_policy(
             row.offered += 1;
         }
     }
+    // How long the door took for each published job: the shed check and the publish
+    // until its confirm.
+    let mut door_us = Vec::with_capacity(total as usize);
     while let Some(r) = pubs.join_next().await {
-        let (i, ok, shed) = r?;
+        let (i, ok, shed, us) = r?;
+        if ok {
+            door_us.push(us);
+        }
         if !ok {
             failed.insert(i);
             shed_at_door += u64::from(shed);
@@ -910,6 +920,15 @@ async fn run_policy(
         }
     }
     let submit_errors = failed.len() as u64 - shed_at_door;
+    if !a.json {
+        let door = Percentiles::from_us(door_us);
+        bar.suspend(|| {
+            println!(
+                "{name_o}: the door (shed check, publish, confirm) for {} published jobs: p50 {:.1} ms, p99 {:.1} ms, max {:.1} ms",
+                door.count, door.p50_ms, door.p99_ms, door.max_ms
+            )
+        });
+    }
     let submitted: Vec<String> = (0..total)
         .filter(|i| !failed.contains(i))
         .map(|i| format!("b-{name}-{nonce}-{i}"))

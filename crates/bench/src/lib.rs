@@ -247,6 +247,10 @@ pub struct GoodputArgs {
     /// worker's, 32 × slots and at least 128]
     #[arg(long)]
     pub prefetch: Option<u16>,
+    /// The run's queues: `classic`, or `quorum` as `lastcall worker --queue-type quorum`
+    /// declares them (for a RabbitMQ cluster: list its nodes in --amqp-url)
+    #[arg(long, default_value = "classic", value_parser = ["classic", "quorum"])]
+    pub queue_type: String,
     /// Ledger for the runs [default: a fresh SQLite file per policy in a temp directory].
     /// One ledger for every run: each run's worker starts from the call times the earlier
     /// runs recorded (a worker seeds its estimate from the ledger), not from nothing
