@@ -115,7 +115,11 @@ pub fn fleet(leases: &[Lease], now_ms: i64) -> Fleet {
             worker: l.worker.clone(),
             age_ms: (now_ms - l.renewed_at_ms).max(0),
             stale: !lease::is_fresh(l.renewed_at_ms, now_ms),
-            live: l.live.clone(),
+            // The call models are for the peers' hand-back, not for the dashboard.
+            live: l.live.clone().map(|v| WorkerLive {
+                call_models: BTreeMap::new(),
+                ..v
+            }),
         })
         .collect();
     workers.sort_by(|a, b| a.stale.cmp(&b.stale).then_with(|| a.worker.cmp(&b.worker)));
@@ -190,6 +194,20 @@ mod tests {
         assert_eq!((f.fresh, f.stale), (3, 1));
         assert_eq!((f.waiting, f.running, f.limit), (Some(3), Some(4), Some(6)));
         assert_eq!(f.learned_call_ms["chat"], 1_200);
+        let empty_model =
+            crate::service_time::ServiceTimes::new(Default::default()).predictor("chat", now);
+        let with_models = Lease {
+            live: Some(WorkerLive {
+                call_models: [("chat".to_owned(), empty_model)].into(),
+                ..live(0, 0, 1, "chat", 1)
+            }),
+            ..leases[0].clone()
+        };
+        let shown = fleet(&[with_models], now).workers[0].live.clone().unwrap();
+        assert!(
+            shown.call_models.is_empty(),
+            "the dashboard leaves them out"
+        );
         let names: Vec<_> = f.workers.iter().map(|w| w.worker.as_str()).collect();
         assert_eq!(names, ["b", "c", "d", "a"]);
         assert!(f.workers[3].stale);
