@@ -31,7 +31,7 @@ use lastcall_core::live::{Lease, WorkerLive, best_peer};
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::schedule::{Edf, FairShare, Fifo, Policy, Schedule, Ticket, Within};
 use lastcall_core::service_time::{
-    Estimate, PredictorCache, ProbeEnd, ServiceTimeConfig, ServiceTimes,
+    Estimate, Predictor, PredictorCache, ProbeEnd, ServiceTimeConfig, ServiceTimes,
 };
 use lastcall_core::table::render;
 use lastcall_core::{
@@ -409,6 +409,12 @@ impl Worker {
     fn learned(&mut self, key: &str, size: Option<RequestSize>, now: i64) -> Option<Estimate> {
         let k = self.limit.as_ref().map_or(1.0, AdaptiveLimit::inflation);
         self.raw(key, size, now).map(|e| e.inflated(k))
+    }
+
+    /// The request-aware estimator of `key` (kept between observations), as a lease
+    /// publishes it.
+    fn predictor(&mut self, key: &str, now: i64) -> Predictor {
+        self.fits.get(&self.est, key, now)
     }
 
     /// The learned call time without inflation (the adaptive limit's reference).
@@ -897,9 +903,11 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                 let peer = if a.workers > 1 && !a.no_pass_on && !jobs[queues[l][0]].handed_back {
                     let mut leases = Vec::with_capacity(a.workers);
                     for o in 0..a.workers {
-                        // The kind's learned call time, as a lease publishes it (the
-                        // predictor kept between observations).
-                        let call = workers[o].raw(key, None, now).map(|e| e.quantile_ms);
+                        // The kind's learned call time and its request-aware estimator,
+                        // as a lease publishes them (the predictor kept between
+                        // observations).
+                        let model = workers[o].predictor(key, now);
+                        let call = model.estimate(None).map(|e| e.quantile_ms);
                         let p = &workers[o];
                         leases.push(Lease {
                             worker: o.to_string(),
@@ -912,11 +920,15 @@ pub fn simulate(a: &SimArgs) -> Result<SimReport> {
                                     .map(|c| ("sim".to_owned(), c))
                                     .into_iter()
                                     .collect(),
+                                call_models: call
+                                    .map(|_| ("sim".to_owned(), model))
+                                    .into_iter()
+                                    .collect(),
                                 ..WorkerLive::default()
                             }),
                         });
                     }
-                    best_peer(&leases, &w.to_string(), "sim", now)
+                    best_peer(&leases, &w.to_string(), "sim", jobs[queues[l][0]].size, now)
                 } else {
                     None
                 };

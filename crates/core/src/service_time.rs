@@ -79,6 +79,7 @@
 //! - **No clock**: like the rest of the crate, every function takes `now_ms`.
 
 use crate::request_size::RequestSize;
+use serde::{Deserialize, Serialize};
 use std::collections::{HashMap, VecDeque};
 
 /// The largest `window` accepted: beyond it the per-estimate sort stops being trivially
@@ -203,7 +204,7 @@ impl ServiceTimeConfig {
 }
 
 /// Which samples an [`Estimate`] was computed from.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub enum EstimateSource {
     /// The key's own window.
     Key,
@@ -215,7 +216,7 @@ pub enum EstimateSource {
 }
 
 /// What is known about a key's call durations at some `now_ms`.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 pub struct Estimate {
     /// The configured high quantile (p99 by default): the minimum useful runtime. The
     /// weighted nearest-rank quantile of the samples, or (with `fit`) the fitted
@@ -270,7 +271,10 @@ impl Estimate {
 }
 
 /// The request-aware estimate of one key at one instant ([`ServiceTimes::predictor`]).
-#[derive(Debug, Clone, Copy)]
+/// A worker publishes its predictor of each kind in its lease
+/// ([`crate::live::WorkerLive::call_models`]), so that a peer can tell how long a request
+/// of a given size would take there.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub struct Predictor {
     base: Option<Estimate>,
     fit: Option<SizedFit>,
@@ -282,7 +286,7 @@ pub struct Predictor {
     k: Option<Calibration>,
 }
 
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 struct SizedFit {
     model: CallModel,
     /// The quantile and the weighted mean of observed ÷ predicted.
@@ -477,7 +481,7 @@ const CALIBRATION_BOUNDS: (f64, f64) = (1.0 / 16.0, 16.0);
 /// ([`ServiceTimes::calibration`]): `offset + scale × measure`, at least 0. An offset,
 /// because a server's count includes what its chat template adds (a default system prompt:
 /// 30 tokens for SmolLM2's), which the measure does not see.
-#[derive(Debug, Clone, Copy, PartialEq)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 pub(crate) struct Calibration {
     offset: f64,
     scale: f64,
@@ -1258,7 +1262,7 @@ pub const MIN_SIZED: usize = 8;
 type FitRow = ([f64; 2], f64, f64);
 
 /// A call time linear in the request's size: `a + b·x₀ + c·x₁`, with `b, c ≥ 0`.
-#[derive(Debug, Clone, Copy)]
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
 struct CallModel {
     intercept: f64,
     slopes: [f64; 2],

@@ -10,7 +10,9 @@ use crate::clock::Clock;
 use crate::ctx::Ctx;
 use crate::stats::WorkerStats;
 use lastcall_backend::CancellationToken;
+use lastcall_core::service_time::Predictor;
 use lastcall_store::Ledger;
+use std::collections::BTreeMap;
 use std::sync::Arc;
 use std::time::Duration;
 
@@ -26,19 +28,25 @@ pub(crate) enum Interrupted {
 }
 
 /// Renew the lease of the worker `name` until `stop` fires (one row per worker, not per
-/// job), with its live numbers ([`WorkerStats::live`]).
+/// job), with its live numbers ([`WorkerStats::live`]) and its call models of the kinds it
+/// publishes a call time of (`models`, [`crate::times::CallTimes::call_models`]).
 pub(crate) async fn renew(
     ledger: Arc<Ledger>,
     name: String,
     clock: Arc<dyn Clock>,
     stats: Arc<WorkerStats>,
+    models: impl Fn(&[String], i64) -> BTreeMap<String, Predictor> + Send + 'static,
     stop: CancellationToken,
 ) {
     let mut failing = false;
     loop {
-        // The live numbers ride along: `serve`'s dashboard reads them here.
-        let live = stats.live().to_json();
+        // The live numbers ride along: `serve`'s dashboard reads them here, the peers
+        // the call models.
         let now = clock.now_ms();
+        let mut live = stats.live();
+        let kinds: Vec<String> = live.learned_call_ms.keys().cloned().collect();
+        live.call_models = models(&kinds, now);
+        let live = live.to_json();
         // The fleet's leases: where a job this worker cannot start in time could go (a job
         // refused for this worker's backlog alone is then handed back, once).
         let peers = (ledger

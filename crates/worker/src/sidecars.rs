@@ -115,6 +115,10 @@ impl Sidecars {
             ctx.cfg.name.clone(),
             ctx.clock.clone(),
             ctx.stats.clone(),
+            {
+                let ctx = ctx.clone();
+                move |kinds: &[String], now| ctx.times.call_models(kinds.iter(), now)
+            },
             stop.clone(),
         ));
         // The retry publisher's connection (replaced on reconnect), for `/readyz`.

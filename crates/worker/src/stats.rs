@@ -141,6 +141,8 @@ impl WorkerStats {
             running: self.running.load(Ordering::Relaxed),
             limit: self.metrics.slots().map_or(0, |(_, total)| total as i64),
             learned_call_ms: learned.iter().map(|(k, v)| (k.to_string(), *v)).collect(),
+            // The lease adds them ([`crate::times::CallTimes::call_models`]).
+            call_models: Default::default(),
         }
     }
 

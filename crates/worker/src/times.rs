@@ -12,7 +12,8 @@ use crate::stats::WorkerStats;
 use lastcall_backend::Backend;
 use lastcall_core::request_size::RequestSize;
 use lastcall_core::service_time::{
-    CallToken, Estimate, PredictorCache, ProbeEnd, ServiceTimeConfig, ServiceTimes,
+    CallToken, Estimate, EstimateSource, Predictor, PredictorCache, ProbeEnd, ServiceTimeConfig,
+    ServiceTimes,
 };
 use lastcall_store::Ledger;
 use std::sync::{Arc, Mutex};
@@ -126,6 +127,25 @@ impl CallTimes {
         let mut fits = self.fits.lock().unwrap_or_else(|e| e.into_inner());
         let p = fits.get(&service, &key, now_ms);
         p.estimate(size)
+    }
+
+    /// The request-aware estimator of each of `kinds` on its route's first backend (the
+    /// one whose call time the lease publishes), for the lease: a peer predicts from it how
+    /// long a request would take here. Kinds with no call of their own are left out.
+    pub(crate) fn call_models<'k>(
+        &self,
+        kinds: impl Iterator<Item = &'k String>,
+        now_ms: i64,
+    ) -> std::collections::BTreeMap<String, Predictor> {
+        let service = self.service.lock().unwrap_or_else(|e| e.into_inner());
+        let mut fits = self.fits.lock().unwrap_or_else(|e| e.into_inner());
+        (kinds)
+            .filter_map(|kind| {
+                let key = key_of(kind, self.backend.first_route(kind));
+                let p = fits.get(&service, &key, now_ms);
+                (p.base_source() == Some(EstimateSource::Key)).then(|| (kind.clone(), p))
+            })
+            .collect()
     }
 
     /// Learn from the ledger how long this backend's calls took lately (every worker's

@@ -386,7 +386,7 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
         peer: d
             .env()
             .filter(|_| !job.msg.redelivered)
-            .and_then(|e| best_peer(ctx, e.kind().as_str(), at)),
+            .and_then(|e| best_peer(ctx, job, e.kind().as_str(), at)),
     };
     if let Some(Err(e)) = d.parsed() {
         tracing::warn!(reason = e.reason.as_str(), error = %e, "rejecting invalid envelope");
@@ -395,10 +395,11 @@ async fn look_up(ctx: &Ctx, job: &mut Job, d: &mut Delivery) {
 }
 
 /// The best other worker for a job of `kind` this worker refuses at receipt, by the
-/// leases read at its last renewal ([`lastcall_core::live::best_peer`]).
-fn best_peer(ctx: &Ctx, kind: &str, now_ms: i64) -> Option<lastcall_core::PeerOffer> {
+/// leases read at its last renewal: its call time for this request by the model its lease
+/// publishes ([`lastcall_core::live::best_peer`]).
+fn best_peer(ctx: &Ctx, job: &Job, kind: &str, now_ms: i64) -> Option<lastcall_core::PeerOffer> {
     let peers = ctx.stats.peers.lock().unwrap_or_else(|e| e.into_inner());
-    lastcall_core::live::best_peer(&peers, &ctx.cfg.name, kind, now_ms)
+    lastcall_core::live::best_peer(&peers, &ctx.cfg.name, kind, job.size, now_ms)
 }
 
 /// The job's place in the buffer's order ([`crate::slots`]).
