@@ -1610,10 +1610,9 @@ mod tests {
     }
 
     /// A server whose calls share one core (knee 1: `n` calls in flight each take `n`
-    /// times as long) under mixed prompt lengths at 5×: a step up's predicted slowdown
-    /// refused every job, no call ended to correct it, and the worker ran nothing for
-    /// minutes (seed 3: 57 on time against the best fixed count's 1,126). The refusals
-    /// now end such a level.
+    /// times as long) under mixed prompt lengths at 5×: a step up's predicted slowdown can
+    /// refuse every job, and then no call ends to correct it; the refusals must end such a
+    /// level, so auto stays within 10% of the best fixed count.
     #[test]
     fn auto_slots_are_not_locked_out_by_their_predicted_slowdown() {
         let mut a = args("mixed:900,3.5,0,1", 3_000, 3);
@@ -1627,9 +1626,9 @@ mod tests {
     }
 
     /// A short cold run (about 90 s of arrivals at 5×) on the time-sharing server with
-    /// mixed prompt lengths: before the completed calls were enough for a quantile, jobs
-    /// with a few hundred ms of budget left (EDF hands them a free slot first) ran as
-    /// probes of calls of seconds, and were cut: 6 on time, 64% of the model time wasted.
+    /// mixed prompt lengths: until the completed calls are enough for a quantile, a job
+    /// with a few hundred ms of budget left (EDF hands it a free slot first) must not run
+    /// as a probe of a call of seconds, to be cut at its deadline.
     #[test]
     fn cold_start_probes_need_room_for_what_smaller_calls_took() {
         let mut a = args("mixed:900,3.5,0,1", 180, 11);

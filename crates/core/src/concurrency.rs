@@ -73,9 +73,9 @@
 //!
 //! **No lock-out by a prediction.** Admission multiplies the learned time by
 //! [`AdaptiveLimit::inflation`] (below). When that refuses every job, no call starts, none
-//! ends, and the level (with its inflation) would stay for good: in the simulator a step up
-//! to 3 on a server whose calls share one core refused every job for minutes. So the worker reports each job the inflation refused while a slot was free and the
-//! learned time alone would have admitted ([`AdaptiveLimit::refused_by_inflation`]):
+//! ends, and the level (with its inflation) would stay for good, e.g. a step up on a server
+//! whose calls share one core refuses every job. So the worker reports each job the
+//! inflation refused while a slot was free and the learned time alone would have admitted ([`AdaptiveLimit::refused_by_inflation`]):
 //! `samples_per_step` of them abandon a step up not yet measured, twice as many step a
 //! steady level down one.
 //!

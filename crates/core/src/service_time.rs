@@ -2268,7 +2268,7 @@ mod tests {
 
     #[test]
     fn short_prompts_get_a_short_estimate_when_the_kind_mixes_sizes() {
-        // The server: 50 ms + 2 ms per prompt token; 70% short prompts (10
+        // A length-dependent server: 50 ms + 2 ms per prompt token; 70% short prompts (10
         // tokens), 30% long (600). The per-kind p99 is a long call's.
         let mut st = ServiceTimes::new(ServiceTimeConfig::default());
         for i in 0..100u64 {
