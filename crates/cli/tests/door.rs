@@ -229,19 +229,7 @@ async fn breaker_at_the_door(env: Env) {
     loop {
         let id = format!("cli-{tries}");
         tries += 1;
-        let out = env.cli(&[
-            "submit",
-            "--kind",
-            "incident.summary",
-            "--prompt",
-            "summarize",
-            "--deadline-ms",
-            "30000",
-            "--job-id",
-            &id,
-            "--retry-delays-ms",
-            "1000,5000",
-        ]);
+        let out = env.submit_cli(&id, "30000", &[]);
         let stderr = String::from_utf8_lossy(&out.stderr);
         if out.status.code() == Some(75) {
             assert!(stderr.contains("is unavailable"), "{stderr}");

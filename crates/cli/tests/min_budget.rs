@@ -224,21 +224,7 @@ async fn a_workers_refusal_records_the_budget_that_would_have_been_admitted() {
     // `lastcall submit` with a budget below the learned call (~400 ms) is shed before it is
     // published (exit 75) and names the budget that would be admitted; resent with it, the
     // job is accepted.
-    let submit = |id: &str, budget: &str| {
-        env.cli(&[
-            "submit",
-            "--kind",
-            "incident.summary",
-            "--prompt",
-            "summarize",
-            "--deadline-ms",
-            budget,
-            "--job-id",
-            id,
-            "--retry-delays-ms",
-            "1000,5000",
-        ])
-    };
+    let submit = |id: &str, budget: &str| env.submit_cli(id, budget, &[]);
     let out = submit("cli-short", "300");
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(75), "{stderr}");
@@ -301,21 +287,7 @@ async fn waiting_for_a_workers_refusal_names_the_budget_that_would_have_been_adm
     assert_eq!(rec.min_feasible_budget_ms, Some(expected as i64), "{rec:?}");
 
     // `lastcall submit --wait`, published past the door's shedding as well.
-    let out = env.cli(&[
-        "submit",
-        "--kind",
-        "incident.summary",
-        "--prompt",
-        "summarize",
-        "--deadline-ms",
-        "600",
-        "--job-id",
-        "cli-wait",
-        "--retry-delays-ms",
-        "1000,5000",
-        "--no-shed",
-        "--wait",
-    ]);
+    let out = env.submit_cli("cli-wait", "600", &["--no-shed", "--wait"]);
     let stdout = String::from_utf8_lossy(&out.stdout);
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(out.status.code(), Some(3), "{stdout}{stderr}");

@@ -45,21 +45,7 @@ fn post(base: &str, id: &str, deadline_ms: u64) -> (u16, String) {
 }
 
 fn submit(env: &Env, id: &str, extra: &[&str]) -> std::process::Output {
-    let mut args = vec![
-        "submit",
-        "--kind",
-        "incident.summary",
-        "--prompt",
-        "summarize",
-        "--deadline-ms",
-        "1000",
-        "--job-id",
-        id,
-        "--retry-delays-ms",
-        "1000,5000",
-    ];
-    args.extend_from_slice(extra);
-    env.cli(&args)
+    env.submit_cli(id, "1000", extra)
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

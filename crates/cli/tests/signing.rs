@@ -51,21 +51,7 @@ fn terminate(child: &mut Child) {
 
 fn submit_signed(env: &Env, key_file: &std::path::Path, id: &str) {
     let key_file = key_file.to_str().unwrap();
-    let out = env.cli(&[
-        "submit",
-        "--kind",
-        "incident.summary",
-        "--prompt",
-        "summarize",
-        "--deadline-ms",
-        "60000",
-        "--job-id",
-        id,
-        "--retry-delays-ms",
-        "1000,5000",
-        "--signing-key-file",
-        key_file,
-    ]);
+    let out = env.submit_cli(id, "60000", &["--signing-key-file", key_file]);
     assert!(
         out.status.success(),
         "submit failed: {}",

@@ -390,6 +390,26 @@ impl Env {
         output_within(&mut c, &format!("lastcall {}", args.join(" ")), CHILD_LIMIT)
     }
 
+    /// `lastcall submit` of an `incident.summary` job `id` with the prompt "summarize",
+    /// `deadline_ms` and the test topology's retry delays, then `extra` flags.
+    pub fn submit_cli(&self, id: &str, deadline_ms: &str, extra: &[&str]) -> std::process::Output {
+        let mut args = vec![
+            "submit",
+            "--kind",
+            "incident.summary",
+            "--prompt",
+            "summarize",
+            "--deadline-ms",
+            deadline_ms,
+            "--job-id",
+            id,
+            "--retry-delays-ms",
+            "1000,5000",
+        ];
+        args.extend_from_slice(extra);
+        self.cli(&args)
+    }
+
     /// The next dead letter, handed straight back to the dead queue (for inspection only).
     pub async fn peek_dead_letter(&self) -> lastcall_broker::Incoming {
         let mut dead = lastcall_broker::IncomingStream::open(
